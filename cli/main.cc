@@ -1,0 +1,25 @@
+// The `reshard` program: trains, converts, verifies and inspects MoE checkpoints.
+#include <cstdio>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"reshard: MoE checkpoint and optimizer-state resharding toolkit with a training core"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "reshard 0.1.0");
+  rs::cli::RegisterExample(app);
+  rs::cli::RegisterVerify(app);
+  rs::cli::RegisterInspect(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {
+    return e.get_exit_code();  // a command finished with a non-zero exit code (see commands.h)
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    // CLI11 returns 0 for --help / --version; every real parse error is a usage error.
+    return rc == 0 ? rs::cli::kExitOk : rs::cli::kExitUsage;
+  }
+  return rs::cli::kExitOk;
+}

@@ -1,0 +1,100 @@
+// The model description shared by `reshard example`, the trainer and the resharder: a
+// decoder-only MoE transformer (train/MODEL.md has the maths) and the logical tensors it owns.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "core/tensor_spec.h"
+
+namespace rs {
+
+enum class RouterKind : std::uint8_t {
+  kTopKSoftmaxAfter,   // "topk" (default): top-k on logits, softmax over the k chosen
+  kSoftmaxBefore,      // "softmax_topk": softmax over E, then top-k, no renormalising
+  kSigmoidBias,        // "sigmoid_bias": aux-loss-free expert bias
+  kGroupLimited,       // "group_limited": keep the best groups, then top-k
+  kSinkhorn,           // "sinkhorn"
+};
+std::string_view RouterKindName(RouterKind k);
+Result<RouterKind> ParseRouterKind(std::string_view name);
+
+struct ModelConfig {
+  std::string name = "tiny-moe";
+  std::int64_t vocab_size = 256;
+  std::int64_t d_model = 64;
+  std::int64_t n_layers = 2;
+  std::int64_t n_heads = 4;
+  std::int64_t n_kv_heads = 2;
+  std::int64_t head_dim = 16;
+  std::int64_t dense_ffn = 128;        // ffn width of dense layers
+  std::int64_t first_dense_layers = 0; // the first K layers use a dense MLP (DeepSeek style)
+  std::int64_t n_experts = 4;          // 0: every layer is dense
+  std::int64_t top_k = 2;
+  std::int64_t moe_ffn = 64;           // ffn width of each routed expert
+  std::int64_t shared_ffn = 0;         // ffn width of the shared expert; 0 = none
+  std::int64_t max_seq_len = 64;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  DType param_dtype = DType::kF32;     // storage dtype of parameters in checkpoints
+  // Router.
+  RouterKind router = RouterKind::kTopKSoftmaxAfter;
+  std::int64_t router_groups = 1;       // group_limited: number of expert groups
+  std::int64_t router_groups_kept = 1;  // group_limited: groups kept per token
+  double router_scale = 1.0;            // sigmoid_bias: scaling factor of the weights
+  double bias_update_rate = 1e-3;       // sigmoid_bias: u
+  double aux_loss_coef = 1e-2;          // load-balancing loss coefficient
+  double z_loss_coef = 1e-3;            // router z-loss coefficient
+
+  bool IsMoeLayer(std::int64_t layer) const { return n_experts > 0 && layer >= first_dense_layers; }
+  // InvalidArgument naming the field when a value is out of range or inconsistent.
+  Status Validate() const;
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
+};
+
+// Built-in presets: "tiny-moe" (the default; trains in well under a minute on a CPU) and
+// "small-moe" (about 100M parameters, for benchmarks). NotFound otherwise.
+Result<ModelConfig> ModelPreset(const std::string& name);
+std::vector<std::string> ModelPresetNames();
+// Parses a model JSON document (any subset of the fields, defaults from tiny-moe, unknown
+// keys are InvalidArgument) and validates it.
+Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j);
+void to_json(nlohmann::json& j, const ModelConfig& c);
+
+// The model's parameters and buffers, in a fixed order:
+//   embedding.weight                      [V, d]              (vocab, embed)
+//   layers.{i}.attn_norm.weight           [d]                 (embed)
+//   layers.{i}.attn.qkv.weight            [(nq+2nkv)·dh, d]   (heads, embed)  fused q,k,v (heads)
+//   layers.{i}.attn.out.weight            [d, nq·dh]          (embed, heads)
+//   layers.{i}.mlp_norm.weight            [d]                 (embed)
+// dense layers:
+//   layers.{i}.mlp.fc1.weight             [2f, d]             (mlp, embed)    fused gate,up
+//   layers.{i}.mlp.fc2.weight             [d, f]              (embed, mlp)
+// MoE layers:
+//   layers.{i}.moe.router.weight          [E, d]              ("", embed)
+//   layers.{i}.moe.router.expert_bias     [E]   (buffer, sigmoid_bias only)
+//   layers.{i}.moe.experts.fc1.weight     [E, 2f, d]          (exp, mlp, embed) fused gate,up on dim 1
+//   layers.{i}.moe.experts.fc2.weight     [E, d, f]           (exp, embed, mlp)
+//   layers.{i}.moe.shared.fc1.weight      [2fs, d]            (mlp, embed)    when shared_ffn > 0
+//   layers.{i}.moe.shared.fc2.weight      [d, fs]             (embed, mlp)
+//   final_norm.weight                     [d]                 (embed)
+//   output.weight                         [V, d]              (vocab, embed)
+std::vector<TensorSpec> ModelParameters(const ModelConfig& c);
+
+// Parameters plus, for every trainable parameter, the optimizer states named in
+// `states` (f32, "<param>/<state>", same shape, axes, components and place), plus the scalar
+// "optimizer.step" (i64, shape []).
+std::vector<TensorSpec> ModelCheckpointTensors(const ModelConfig& c, const std::vector<std::string>& states);
+
+// AdamW's states, in the order written: master (f32 master weights), exp_avg, exp_avg_sq.
+inline const std::vector<std::string>& AdamStateNames() {
+  static const std::vector<std::string> kStates = {"master", "exp_avg", "exp_avg_sq"};
+  return kStates;
+}
+
+}  // namespace rs

@@ -1,0 +1,80 @@
+// A logical tensor: a checkpoint entry whose meaning does not depend on the parallel layout
+// (DESIGN §2), with the component table that describes how fused tensors are stored
+// rank-locally (DESIGN §3).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/dtype.h"
+#include "core/shape.h"
+#include "core/status.h"
+
+namespace rs {
+
+enum class TensorRole : std::uint8_t {
+  kParameter,       // a trainable (or frozen) model weight
+  kOptimizerState,  // a per-parameter optimizer state shaped like its parameter
+  kScalar,          // replicated scalar state, e.g. the optimizer step counter
+  kBuffer,          // non-trainable model state, e.g. a router's expert bias
+};
+std::string_view TensorRoleName(TensorRole r);  // "parameter", "optimizer_state", "scalar", "buffer"
+
+// One component of a fused tensor: `size` units along the fused dim, where a unit is
+// `unit_rows` rows (1 for plain rows, head_dim for heads).
+struct Component {
+  std::string name;
+  std::int64_t size = 0;  // in units
+  friend bool operator==(const Component&, const Component&) = default;
+};
+
+// The fused dim of the tensor is the concatenation of the components, each split evenly over
+// the tensor-parallel ranks; rank i of TP=t stores [c0_i; c1_i; ...] (DESIGN §3).
+struct ComponentTable {
+  int dim = 0;                 // the fused dim of the logical tensor
+  std::int64_t unit_rows = 1;  // rows per unit (head_dim for heads)
+  std::vector<Component> components;
+  bool empty() const { return components.empty(); }
+  std::int64_t total_units() const;
+  friend bool operator==(const ComponentTable&, const ComponentTable&) = default;
+};
+
+// Where a tensor lives along the pipeline: a decoder layer index, or before / after all layers.
+struct PipelinePlace {
+  static constexpr std::int64_t kPre = -1;   // embedding: first stage
+  static constexpr std::int64_t kPost = -2;  // final norm, output: last stage
+  static constexpr std::int64_t kAll = -3;   // replicated on every stage (scalars)
+  std::int64_t layer = kAll;
+  friend bool operator==(const PipelinePlace&, const PipelinePlace&) = default;
+};
+
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape shape;
+  std::vector<std::string> axes;  // one logical axis name per dim ("" = never sharded)
+  TensorRole role = TensorRole::kParameter;
+  std::string param;              // kOptimizerState: the parameter it belongs to
+  std::string state;              // kOptimizerState: the state name ("exp_avg", "master", ...)
+  ComponentTable components;      // empty unless fused
+  PipelinePlace place;
+  bool expert = false;            // routed-expert weight (or a state of one)
+  std::int64_t vocab_size = 0;    // >0 for vocab-parallel tensors: the true (unpadded) vocab
+
+  std::int64_t numel() const { return Numel(shape); }
+  std::int64_t nbytes() const { return numel() * static_cast<std::int64_t>(DTypeSize(dtype)); }
+  friend bool operator==(const TensorSpec&, const TensorSpec&) = default;
+};
+
+// JSON round trip (the manifest's "tensors" entries). FromJson validates every field and
+// reports the tensor's name in errors (InvalidArgument / DataLoss for bad values).
+void to_json(nlohmann::json& j, const TensorSpec& t);
+Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j);
+
+// The name of optimizer state `state` of parameter `param`: "<param>/<state>".
+std::string OptimizerStateName(const std::string& param, const std::string& state);
+
+}  // namespace rs
