@@ -1,0 +1,262 @@
+#include "core/model.h"
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+
+namespace rs {
+
+std::string_view RouterKindName(RouterKind k) {
+  switch (k) {
+    case RouterKind::kTopKSoftmaxAfter: return "topk";
+    case RouterKind::kSoftmaxBefore: return "softmax_topk";
+    case RouterKind::kSigmoidBias: return "sigmoid_bias";
+    case RouterKind::kGroupLimited: return "group_limited";
+    case RouterKind::kSinkhorn: return "sinkhorn";
+  }
+  return "unknown";
+}
+
+Result<RouterKind> ParseRouterKind(std::string_view name) {
+  for (auto k : {RouterKind::kTopKSoftmaxAfter, RouterKind::kSoftmaxBefore, RouterKind::kSigmoidBias,
+                 RouterKind::kGroupLimited, RouterKind::kSinkhorn}) {
+    if (RouterKindName(k) == name) return k;
+  }
+  return InvalidArgument("unknown router '" + std::string(name) +
+                         "' (expected topk, softmax_topk, sigmoid_bias, group_limited or sinkhorn)");
+}
+
+Status ModelConfig::Validate() const {
+  auto bad = [&](const char* field, const std::string& why) {
+    return InvalidArgument("model '" + name + "': field '" + field + "' " + why);
+  };
+  constexpr std::int64_t kMaxDim = std::int64_t{1} << 24;
+  const std::pair<const char*, std::int64_t> positive[] = {
+      {"vocab_size", vocab_size}, {"d_model", d_model}, {"n_layers", n_layers}, {"n_heads", n_heads},
+      {"n_kv_heads", n_kv_heads}, {"head_dim", head_dim}, {"max_seq_len", max_seq_len}};
+  for (const auto& [field, v] : positive) {
+    if (v < 1 || v > kMaxDim) return bad(field, "must be in [1, 2^24], got " + std::to_string(v));
+  }
+  if (n_heads % n_kv_heads != 0) return bad("n_kv_heads", "must divide n_heads");
+  if (head_dim % 2 != 0) return bad("head_dim", "must be even (rotary embedding rotates pairs)");
+  if (first_dense_layers < 0 || first_dense_layers > n_layers) return bad("first_dense_layers", "must be in [0, n_layers]");
+  if (n_experts < 0 || n_experts > kMaxDim) return bad("n_experts", "must be >= 0");
+  const bool any_dense = n_experts == 0 || first_dense_layers > 0;
+  if (any_dense && (dense_ffn < 1 || dense_ffn > kMaxDim)) return bad("dense_ffn", "must be >= 1 when a layer is dense");
+  if (n_experts > 0 && first_dense_layers < n_layers) {
+    if (top_k < 1 || top_k > n_experts) return bad("top_k", "must be in [1, n_experts]");
+    if (moe_ffn < 1 || moe_ffn > kMaxDim) return bad("moe_ffn", "must be >= 1");
+    if (shared_ffn < 0 || shared_ffn > kMaxDim) return bad("shared_ffn", "must be >= 0");
+    if (router == RouterKind::kGroupLimited) {
+      if (router_groups < 1 || n_experts % router_groups != 0) return bad("router_groups", "must divide n_experts");
+      if (router_groups_kept < 1 || router_groups_kept > router_groups) {
+        return bad("router_groups_kept", "must be in [1, router_groups]");
+      }
+      if (top_k > router_groups_kept * (n_experts / router_groups)) {
+        return bad("top_k", "must not exceed the experts in the kept groups");
+      }
+    }
+  }
+  if (!IsFloating(param_dtype)) return bad("param_dtype", "must be a floating type");
+  if (!(norm_eps > 0)) return bad("norm_eps", "must be > 0");
+  if (!(rope_theta > 0)) return bad("rope_theta", "must be > 0");
+  return Status::Ok();
+}
+
+Result<ModelConfig> ModelPreset(const std::string& name) {
+  ModelConfig c;  // the defaults are tiny-moe
+  if (name == "tiny-moe") return c;
+  if (name == "small-moe") {
+    // About 100M parameters: 8 layers, 16 experts of width 512 at d=512.
+    c.name = "small-moe";
+    c.d_model = 512;
+    c.n_layers = 8;
+    c.n_heads = 8;
+    c.n_kv_heads = 4;
+    c.head_dim = 64;
+    c.dense_ffn = 2048;
+    c.n_experts = 16;
+    c.top_k = 2;
+    c.moe_ffn = 512;
+    c.max_seq_len = 256;
+    return c;
+  }
+  return NotFound("unknown model preset '" + name + "' (built in: tiny-moe, small-moe; or pass a JSON file)");
+}
+
+std::vector<std::string> ModelPresetNames() { return {"tiny-moe", "small-moe"}; }
+
+void to_json(nlohmann::json& j, const ModelConfig& c) {
+  j = nlohmann::json{{"name", c.name},
+                     {"vocab_size", c.vocab_size},
+                     {"d_model", c.d_model},
+                     {"n_layers", c.n_layers},
+                     {"n_heads", c.n_heads},
+                     {"n_kv_heads", c.n_kv_heads},
+                     {"head_dim", c.head_dim},
+                     {"dense_ffn", c.dense_ffn},
+                     {"first_dense_layers", c.first_dense_layers},
+                     {"n_experts", c.n_experts},
+                     {"top_k", c.top_k},
+                     {"moe_ffn", c.moe_ffn},
+                     {"shared_ffn", c.shared_ffn},
+                     {"max_seq_len", c.max_seq_len},
+                     {"rope_theta", c.rope_theta},
+                     {"norm_eps", c.norm_eps},
+                     {"param_dtype", DTypeName(c.param_dtype)},
+                     {"router", RouterKindName(c.router)},
+                     {"router_groups", c.router_groups},
+                     {"router_groups_kept", c.router_groups_kept},
+                     {"router_scale", c.router_scale},
+                     {"bias_update_rate", c.bias_update_rate},
+                     {"aux_loss_coef", c.aux_loss_coef},
+                     {"z_loss_coef", c.z_loss_coef}};
+}
+
+Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
+  if (!j.is_object()) return InvalidArgument("model description must be a JSON object");
+  ModelConfig c;
+  if (j.contains("preset")) {
+    if (!j["preset"].is_string()) return InvalidArgument("model: field 'preset' must be a string");
+    RS_ASSIGN_OR_RETURN(c, ModelPreset(j["preset"].get<std::string>()));
+  }
+  std::int64_t* ints[] = {&c.vocab_size, &c.d_model, &c.n_layers, &c.n_heads, &c.n_kv_heads, &c.head_dim,
+                          &c.dense_ffn, &c.first_dense_layers, &c.n_experts, &c.top_k, &c.moe_ffn,
+                          &c.shared_ffn, &c.max_seq_len, &c.router_groups, &c.router_groups_kept};
+  const char* int_names[] = {"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                             "dense_ffn", "first_dense_layers", "n_experts", "top_k", "moe_ffn",
+                             "shared_ffn", "max_seq_len", "router_groups", "router_groups_kept"};
+  double* reals[] = {&c.rope_theta, &c.norm_eps, &c.router_scale, &c.bias_update_rate, &c.aux_loss_coef,
+                     &c.z_loss_coef};
+  const char* real_names[] = {"rope_theta", "norm_eps", "router_scale", "bias_update_rate", "aux_loss_coef",
+                              "z_loss_coef"};
+  for (const auto& [key, value] : j.items()) {
+    bool known = key == "preset";
+    for (std::size_t i = 0; i < std::size(int_names); ++i) {
+      if (key != int_names[i]) continue;
+      if (!value.is_number_integer()) return InvalidArgument("model: field '" + key + "' must be an integer");
+      *ints[i] = value.get<std::int64_t>();
+      known = true;
+    }
+    for (std::size_t i = 0; i < std::size(real_names); ++i) {
+      if (key != real_names[i]) continue;
+      if (!value.is_number()) return InvalidArgument("model: field '" + key + "' must be a number");
+      *reals[i] = value.get<double>();
+      known = true;
+    }
+    if (key == "name" || key == "param_dtype" || key == "router") {
+      if (!value.is_string()) return InvalidArgument("model: field '" + key + "' must be a string");
+      const auto s = value.get<std::string>();
+      if (key == "name") {
+        c.name = s;
+      } else if (key == "param_dtype") {
+        auto t = ParseDType(s);
+        if (!t) return InvalidArgument("model: field 'param_dtype' has unknown dtype '" + s + "'");
+        c.param_dtype = *t;
+      } else {
+        RS_ASSIGN_OR_RETURN(c.router, ParseRouterKind(s));
+      }
+      known = true;
+    }
+    if (!known) return InvalidArgument("model: unknown field '" + key + "'");
+  }
+  RS_RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+namespace {
+
+TensorSpec Param(std::string name, DType dtype, Shape shape, std::vector<std::string> axes, std::int64_t layer) {
+  TensorSpec t;
+  t.name = std::move(name);
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.axes = std::move(axes);
+  t.role = TensorRole::kParameter;
+  t.place.layer = layer;
+  return t;
+}
+
+ComponentTable GateUp(int dim, std::int64_t ffn) {
+  return ComponentTable{dim, /*unit_rows=*/1, {{"gate", ffn}, {"up", ffn}}};
+}
+
+}  // namespace
+
+std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
+  RS_CHECK_MSG(c.Validate().ok(), c.Validate().ToString());
+  const DType p = c.param_dtype;
+  const std::int64_t d = c.d_model;
+  std::vector<TensorSpec> out;
+
+  auto embedding = Param("embedding.weight", p, {c.vocab_size, d}, {"vocab", "embed"}, PipelinePlace::kPre);
+  embedding.vocab_size = c.vocab_size;
+  out.push_back(embedding);
+
+  for (std::int64_t i = 0; i < c.n_layers; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    out.push_back(Param(l + "attn_norm.weight", p, {d}, {"embed"}, i));
+    auto qkv = Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, d}, {"heads", "embed"}, i);
+    qkv.components = ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
+    out.push_back(qkv);
+    out.push_back(Param(l + "attn.out.weight", p, {d, c.n_heads * c.head_dim}, {"embed", "heads"}, i));
+    out.push_back(Param(l + "mlp_norm.weight", p, {d}, {"embed"}, i));
+    if (!c.IsMoeLayer(i)) {
+      auto fc1 = Param(l + "mlp.fc1.weight", p, {2 * c.dense_ffn, d}, {"mlp", "embed"}, i);
+      fc1.components = GateUp(0, c.dense_ffn);
+      out.push_back(fc1);
+      out.push_back(Param(l + "mlp.fc2.weight", p, {d, c.dense_ffn}, {"embed", "mlp"}, i));
+      continue;
+    }
+    out.push_back(Param(l + "moe.router.weight", p, {c.n_experts, d}, {"", "embed"}, i));
+    if (c.router == RouterKind::kSigmoidBias) {
+      auto bias = Param(l + "moe.router.expert_bias", DType::kF32, {c.n_experts}, {""}, i);
+      bias.role = TensorRole::kBuffer;
+      out.push_back(bias);
+    }
+    auto efc1 = Param(l + "moe.experts.fc1.weight", p, {c.n_experts, 2 * c.moe_ffn, d}, {"exp", "mlp", "embed"}, i);
+    efc1.components = GateUp(1, c.moe_ffn);
+    efc1.expert = true;
+    out.push_back(efc1);
+    auto efc2 = Param(l + "moe.experts.fc2.weight", p, {c.n_experts, d, c.moe_ffn}, {"exp", "embed", "mlp"}, i);
+    efc2.expert = true;
+    out.push_back(efc2);
+    if (c.shared_ffn > 0) {
+      auto sfc1 = Param(l + "moe.shared.fc1.weight", p, {2 * c.shared_ffn, d}, {"mlp", "embed"}, i);
+      sfc1.components = GateUp(0, c.shared_ffn);
+      out.push_back(sfc1);
+      out.push_back(Param(l + "moe.shared.fc2.weight", p, {d, c.shared_ffn}, {"embed", "mlp"}, i));
+    }
+  }
+  out.push_back(Param("final_norm.weight", p, {d}, {"embed"}, PipelinePlace::kPost));
+  auto output = Param("output.weight", p, {c.vocab_size, d}, {"vocab", "embed"}, PipelinePlace::kPost);
+  output.vocab_size = c.vocab_size;
+  out.push_back(output);
+  return out;
+}
+
+std::vector<TensorSpec> ModelCheckpointTensors(const ModelConfig& c, const std::vector<std::string>& states) {
+  std::vector<TensorSpec> out = ModelParameters(c);
+  const std::size_t n_params = out.size();
+  for (const auto& state : states) {
+    for (std::size_t i = 0; i < n_params; ++i) {
+      if (out[i].role != TensorRole::kParameter) continue;
+      TensorSpec s = out[i];
+      s.name = OptimizerStateName(out[i].name, state);
+      s.dtype = DType::kF32;
+      s.role = TensorRole::kOptimizerState;
+      s.param = out[i].name;
+      s.state = state;
+      out.push_back(std::move(s));
+    }
+  }
+  TensorSpec step;
+  step.name = "optimizer.step";
+  step.dtype = DType::kI64;
+  step.role = TensorRole::kScalar;
+  step.place.layer = PipelinePlace::kAll;
+  out.push_back(step);
+  return out;
+}
+
+}  // namespace rs

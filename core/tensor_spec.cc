@@ -1,0 +1,188 @@
+#include "core/tensor_spec.h"
+
+#include <nlohmann/json.hpp>
+
+namespace rs {
+
+std::string_view TensorRoleName(TensorRole r) {
+  switch (r) {
+    case TensorRole::kParameter: return "parameter";
+    case TensorRole::kOptimizerState: return "optimizer_state";
+    case TensorRole::kScalar: return "scalar";
+    case TensorRole::kBuffer: return "buffer";
+  }
+  return "unknown";
+}
+
+std::int64_t ComponentTable::total_units() const {
+  std::int64_t n = 0;
+  for (const auto& c : components) n += c.size;
+  return n;
+}
+
+std::string OptimizerStateName(const std::string& param, const std::string& state) {
+  return param + "/" + state;
+}
+
+namespace {
+
+nlohmann::json PlaceToJson(const PipelinePlace& p) {
+  switch (p.layer) {
+    case PipelinePlace::kPre: return "pre";
+    case PipelinePlace::kPost: return "post";
+    case PipelinePlace::kAll: return "all";
+    default: return p.layer;
+  }
+}
+
+// Field access with errors that name the tensor and the field.
+class FieldReader {
+ public:
+  FieldReader(const nlohmann::json& j, std::string tensor) : j_(j), tensor_(std::move(tensor)) {}
+
+  Status Error(std::string_view field, std::string_view what) const {
+    return InvalidArgument("tensor '" + tensor_ + "': field '" + std::string(field) + "' " + std::string(what));
+  }
+  bool Has(const char* field) const { return j_.contains(field); }
+
+  Result<std::string> String(const char* field) const {
+    if (!j_.contains(field) || !j_[field].is_string()) return Error(field, "must be a string");
+    return j_[field].get<std::string>();
+  }
+  Result<std::int64_t> Int(const nlohmann::json& v, std::string_view field) const {
+    if (!v.is_number_integer()) return Error(field, "must be an integer");
+    return v.get<std::int64_t>();
+  }
+  Result<Shape> IntList(const char* field) const {
+    if (!j_.contains(field) || !j_[field].is_array()) return Error(field, "must be an array of integers");
+    Shape out;
+    for (const auto& v : j_[field]) {
+      RS_ASSIGN_OR_RETURN(auto x, Int(v, field));
+      out.push_back(x);
+    }
+    return out;
+  }
+
+ private:
+  const nlohmann::json& j_;
+  std::string tensor_;
+};
+
+}  // namespace
+
+void to_json(nlohmann::json& j, const TensorSpec& t) {
+  j = nlohmann::json{{"name", t.name},
+                     {"dtype", DTypeName(t.dtype)},
+                     {"shape", t.shape},
+                     {"axes", t.axes},
+                     {"role", TensorRoleName(t.role)},
+                     {"place", PlaceToJson(t.place)},
+                     {"expert", t.expert}};
+  if (t.role == TensorRole::kOptimizerState) {
+    j["param"] = t.param;
+    j["state"] = t.state;
+  }
+  if (!t.components.empty()) {
+    nlohmann::json parts = nlohmann::json::array();
+    for (const auto& c : t.components.components) parts.push_back({{"name", c.name}, {"size", c.size}});
+    j["components"] = {{"dim", t.components.dim}, {"unit_rows", t.components.unit_rows}, {"parts", parts}};
+  }
+  if (t.vocab_size > 0) j["vocab_size"] = t.vocab_size;
+}
+
+Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j) {
+  if (!j.is_object()) return InvalidArgument("tensor entry must be a JSON object");
+  TensorSpec t;
+  if (!j.contains("name") || !j["name"].is_string() || j["name"].get<std::string>().empty()) {
+    return InvalidArgument("tensor entry: field 'name' must be a non-empty string");
+  }
+  t.name = j["name"].get<std::string>();
+  FieldReader f(j, t.name);
+
+  RS_ASSIGN_OR_RETURN(auto dtype_name, f.String("dtype"));
+  auto dtype = ParseDType(dtype_name);
+  if (!dtype) return f.Error("dtype", "has unknown value '" + dtype_name + "'");
+  t.dtype = *dtype;
+
+  RS_ASSIGN_OR_RETURN(t.shape, f.IntList("shape"));
+  if (!CheckedNumel(t.shape).ok()) return f.Error("shape", "has a negative dim or its element count overflows");
+  if (!CheckedMul(Numel(t.shape), static_cast<std::int64_t>(DTypeSize(t.dtype)))) {
+    return f.Error("shape", "byte size overflows int64");
+  }
+
+  if (!j.contains("axes") || !j["axes"].is_array()) return f.Error("axes", "must be an array of strings");
+  for (const auto& a : j["axes"]) {
+    if (!a.is_string()) return f.Error("axes", "must be an array of strings");
+    t.axes.push_back(a.get<std::string>());
+  }
+  if (t.axes.size() != t.shape.size()) return f.Error("axes", "must have one entry per dim of 'shape'");
+
+  RS_ASSIGN_OR_RETURN(auto role, f.String("role"));
+  if (role == "parameter") {
+    t.role = TensorRole::kParameter;
+  } else if (role == "optimizer_state") {
+    t.role = TensorRole::kOptimizerState;
+    RS_ASSIGN_OR_RETURN(t.param, f.String("param"));
+    RS_ASSIGN_OR_RETURN(t.state, f.String("state"));
+  } else if (role == "scalar") {
+    t.role = TensorRole::kScalar;
+  } else if (role == "buffer") {
+    t.role = TensorRole::kBuffer;
+  } else {
+    return f.Error("role", "has unknown value '" + role + "'");
+  }
+
+  if (j.contains("place")) {
+    const auto& p = j["place"];
+    if (p.is_string()) {
+      const auto s = p.get<std::string>();
+      if (s == "pre") t.place.layer = PipelinePlace::kPre;
+      else if (s == "post") t.place.layer = PipelinePlace::kPost;
+      else if (s == "all") t.place.layer = PipelinePlace::kAll;
+      else return f.Error("place", "must be a layer index or one of pre, post, all");
+    } else {
+      RS_ASSIGN_OR_RETURN(t.place.layer, f.Int(p, "place"));
+      if (t.place.layer < 0) return f.Error("place", "layer index must be >= 0");
+    }
+  }
+  if (j.contains("expert")) {
+    if (!j["expert"].is_boolean()) return f.Error("expert", "must be a boolean");
+    t.expert = j["expert"].get<bool>();
+  }
+  if (j.contains("vocab_size")) {
+    RS_ASSIGN_OR_RETURN(t.vocab_size, f.Int(j["vocab_size"], "vocab_size"));
+    if (t.vocab_size < 0) return f.Error("vocab_size", "must be >= 0");
+  }
+  if (j.contains("components")) {
+    const auto& c = j["components"];
+    if (!c.is_object() || !c.contains("dim") || !c.contains("parts") || !c["parts"].is_array()) {
+      return f.Error("components", "must be an object with 'dim', 'unit_rows' and 'parts'");
+    }
+    RS_ASSIGN_OR_RETURN(auto dim, f.Int(c["dim"], "components.dim"));
+    if (dim < 0 || static_cast<std::size_t>(dim) >= t.shape.size()) {
+      return f.Error("components.dim", "must name a dim of the tensor");
+    }
+    t.components.dim = static_cast<int>(dim);
+    t.components.unit_rows = 1;
+    if (c.contains("unit_rows")) {
+      RS_ASSIGN_OR_RETURN(t.components.unit_rows, f.Int(c["unit_rows"], "components.unit_rows"));
+      if (t.components.unit_rows < 1) return f.Error("components.unit_rows", "must be >= 1");
+    }
+    for (const auto& part : c["parts"]) {
+      if (!part.is_object() || !part.contains("name") || !part["name"].is_string() || !part.contains("size")) {
+        return f.Error("components.parts", "entries must be {\"name\": string, \"size\": integer}");
+      }
+      RS_ASSIGN_OR_RETURN(auto size, f.Int(part["size"], "components.parts.size"));
+      if (size < 0) return f.Error("components.parts.size", "must be >= 0");
+      t.components.components.push_back({part["name"].get<std::string>(), size});
+    }
+    const auto units = CheckedMul(t.components.total_units(), t.components.unit_rows);
+    if (!units || *units != t.shape[static_cast<std::size_t>(dim)]) {
+      return f.Error("components", "sizes times unit_rows must add up to the fused dim " +
+                                       std::to_string(t.shape[static_cast<std::size_t>(dim)]));
+    }
+  }
+  return t;
+}
+
+}  // namespace rs
