@@ -1,0 +1,41 @@
+// Example checkpoints: a realistic sharded checkpoint of a model, with AdamW states, whose
+// values depend only on (model, seed, tensor, global item index) and never on the layout,
+// so checkpoints written at different layouts can be compared item for item.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "core/layout.h"
+#include "core/model.h"
+#include "core/shape.h"
+#include "core/tensor_spec.h"
+#include "formats/codec.h"
+
+namespace rs {
+
+// The value of item `flat` of logical tensor `t` in the example checkpoint of `seed`,
+// as a double (exact in the tensor's dtype after conversion).
+double ExampleValue(const TensorSpec& t, std::uint64_t seed, std::int64_t flat);
+
+// Fills `out` (piece.numel() * dtype size bytes) with the example values of `piece` of `t`,
+// encoded in t.dtype, little-endian.
+void FillExamplePiece(const TensorSpec& t, const Piece& piece, std::uint64_t seed, std::span<std::byte> out);
+
+struct ExampleOptions {
+  ModelConfig model;
+  Layout layout;
+  std::uint64_t seed = 0;
+  CodecSpec codec;
+  bool with_replicas = false;  // also write the replicas that data parallelism keeps
+  int threads = 0;             // 0 = hardware concurrency
+  std::string producer = "reshard example";
+};
+
+// Writes the example checkpoint of `options` to `dir` (atomically; AlreadyExists if `dir`
+// exists). IoError / InvalidArgument from the writer pass through.
+Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& dir);
+
+}  // namespace rs
