@@ -1,0 +1,165 @@
+// `reshard inspect DIR [--json] [--tensor NAME]`: what a checkpoint holds and where.
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/util.h"
+#include "core/layout.h"
+#include "formats/manifest.h"
+
+namespace rs::cli {
+namespace {
+
+struct InspectOptions {
+  std::string dir;
+  bool json = false;
+  std::string tensor;
+};
+
+struct TensorStats {
+  std::int64_t shards = 0;
+  std::int64_t replicas = 0;
+  std::int64_t stored_bytes = 0;  // uncompressed bytes of all shards, replicas included
+};
+
+std::string LayoutText(const nlohmann::json& layout) {
+  if (layout.is_null()) return "(none recorded)";
+  auto parsed = Layout::FromJson(layout);
+  return parsed.ok() ? parsed->ToString() : layout.dump();
+}
+
+std::string PieceText(const Piece& p) {
+  std::string s = BoxToString(p.box);
+  if (p.range) s += " items [" + std::to_string(p.range->begin) + ", " + std::to_string(p.range->end) + ")";
+  return s;
+}
+
+nlohmann::json ShardJson(const ShardEntry& s) {
+  nlohmann::json j = {{"rank", s.rank},         {"offset", s.piece.box.offset}, {"shape", s.piece.box.shape},
+                      {"file", s.file},         {"dataset", s.dataset},         {"nbytes", s.nbytes},
+                      {"codec", CodecName(s.codec)}, {"replica", s.replica == ReplicaKind::kReplica}};
+  if (s.piece.range) j["range"] = {s.piece.range->begin, s.piece.range->end};
+  return j;
+}
+
+void InspectTensor(const Manifest& m, const std::string& name, bool json) {
+  const std::int64_t index = m.TensorIndex(name);
+  if (index < 0) Fail("inspect", NotFound("checkpoint has no tensor '" + name + "'"));
+  const TensorSpec& t = m.tensors[static_cast<std::size_t>(index)];
+  std::vector<const ShardEntry*> shards;
+  for (const auto& s : m.shards) {
+    if (s.tensor == name) shards.push_back(&s);
+  }
+  if (json) {
+    nlohmann::json j = {{"tensor", t}, {"shards", nlohmann::json::array()}};
+    for (const auto* s : shards) j["shards"].push_back(ShardJson(*s));
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf("tensor  %s\ndtype   %s\nshape   %s\nrole    %s\naxes   ", t.name.c_str(),
+              std::string(DTypeName(t.dtype)).c_str(), ShapeToString(t.shape).c_str(),
+              std::string(TensorRoleName(t.role)).c_str());
+  for (const auto& a : t.axes) std::printf(" %s", a.empty() ? "-" : a.c_str());
+  std::printf("\n");
+  if (!t.components.empty()) {
+    std::printf("fused   dim %d:", t.components.dim);
+    for (const auto& c : t.components.components) {
+      std::printf(" %s=%lld", c.name.c_str(), static_cast<long long>(c.size * t.components.unit_rows));
+    }
+    std::printf(" rows\n");
+  }
+  std::printf("\n%6s  %-8s  %-40s  %-18s  %s\n", "rank", "copy", "box", "file", "bytes");
+  for (const auto* s : shards) {
+    std::printf("%6lld  %-8s  %-40s  %-18s  %s\n", static_cast<long long>(s->rank),
+                s->replica == ReplicaKind::kMain ? "main" : "replica", PieceText(s->piece).c_str(), s->file.c_str(),
+                HumanBytes(s->nbytes).c_str());
+  }
+}
+
+void RunInspect(const InspectOptions& o) {
+  auto manifest = ReadManifest(o.dir);
+  if (!manifest.ok()) Fail("inspect", manifest.status());
+  const Manifest& m = *manifest;
+  if (!o.tensor.empty()) {
+    InspectTensor(m, o.tensor, o.json);
+    return;
+  }
+
+  std::map<std::string, TensorStats> stats;
+  std::set<std::string> files;
+  std::int64_t logical_bytes = 0, shard_bytes = 0, disk_bytes = 0;
+  for (const auto& s : m.shards) {
+    auto& st = stats[s.tensor];
+    ++st.shards;
+    if (s.replica == ReplicaKind::kReplica) ++st.replicas;
+    st.stored_bytes += s.nbytes;
+    shard_bytes += s.nbytes;
+    files.insert(s.file);
+  }
+  for (const auto& f : files) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(std::filesystem::path(o.dir) / f, ec);
+    if (!ec) disk_bytes += static_cast<std::int64_t>(size);
+  }
+  for (const auto& t : m.tensors) logical_bytes += t.nbytes();
+  const double ratio = disk_bytes > 0 ? static_cast<double>(shard_bytes) / static_cast<double>(disk_bytes) : 0.0;
+
+  if (o.json) {
+    nlohmann::json j = {{"format", m.format},
+                        {"version", m.version},
+                        {"producer", m.producer},
+                        {"layout", m.layout},
+                        {"metadata", m.metadata},
+                        {"num_tensors", m.tensors.size()},
+                        {"num_shards", m.shards.size()},
+                        {"num_files", files.size()},
+                        {"logical_bytes", logical_bytes},
+                        {"shard_bytes", shard_bytes},
+                        {"file_bytes", disk_bytes},
+                        {"compression_ratio", ratio},
+                        {"tensors", nlohmann::json::array()}};
+    for (const auto& t : m.tensors) {
+      const auto& st = stats[t.name];
+      j["tensors"].push_back({{"name", t.name},
+                              {"dtype", DTypeName(t.dtype)},
+                              {"shape", t.shape},
+                              {"role", TensorRoleName(t.role)},
+                              {"shards", st.shards},
+                              {"replicas", st.replicas},
+                              {"bytes", t.nbytes()},
+                              {"stored_bytes", st.stored_bytes}});
+    }
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf("checkpoint  %s\nformat      %s v%lld (producer: %s)\nlayout      %s\n", o.dir.c_str(), m.format.c_str(),
+              static_cast<long long>(m.version), m.producer.c_str(), LayoutText(m.layout).c_str());
+  if (m.metadata.contains("step")) std::printf("step        %s\n", m.metadata["step"].dump().c_str());
+  std::printf("tensors     %zu (%s logical)\nshards      %zu in %zu files (%s uncompressed, %s on disk, ratio %.2fx)\n\n",
+              m.tensors.size(), HumanBytes(logical_bytes).c_str(), m.shards.size(), files.size(),
+              HumanBytes(shard_bytes).c_str(), HumanBytes(disk_bytes).c_str(), ratio);
+  std::printf("%-52s %-7s %-18s %-16s %7s %11s\n", "tensor", "dtype", "shape", "role", "shards", "bytes");
+  for (const auto& t : m.tensors) {
+    const auto& st = stats[t.name];
+    std::printf("%-52s %-7s %-18s %-16s %7lld %11s\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
+                ShapeToString(t.shape).c_str(), std::string(TensorRoleName(t.role)).c_str(),
+                static_cast<long long>(st.shards), HumanBytes(t.nbytes()).c_str());
+  }
+}
+
+}  // namespace
+
+void RegisterInspect(CLI::App& app) {
+  auto opts = std::make_shared<InspectOptions>();
+  auto* cmd = app.add_subcommand("inspect", "Show a checkpoint's tensors, shards, bytes and layout");
+  cmd->add_option("dir", opts->dir, "Checkpoint directory")->required();
+  cmd->add_flag("--json", opts->json, "Machine-readable output");
+  cmd->add_option("--tensor", opts->tensor, "Show which rank holds which box of this tensor");
+  cmd->callback([opts] { RunInspect(*opts); });
+}
+
+}  // namespace rs::cli

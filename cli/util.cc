@@ -1,0 +1,107 @@
+#include "cli/util.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "formats/manifest.h"
+
+namespace rs::cli {
+namespace {
+
+const char* HintFor(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kInvalidArgument: return "check the command line (--help lists the options)";
+    case ErrorCode::kNotFound: return "check the path or name";
+    case ErrorCode::kAlreadyExists: return "choose a new output directory; existing checkpoints are never overwritten";
+    case ErrorCode::kDataLoss: return "the checkpoint is damaged; run `reshard verify` for a full report";
+    case ErrorCode::kVersionMismatch: return "use a build of reshard that reads this format version";
+    case ErrorCode::kIoError: return "check permissions and free disk space";
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+void Exit(int code) { throw CLI::RuntimeError(code); }
+
+void Fail(const std::string& command, const Status& status) {
+  std::fprintf(stderr, "reshard %s: error: %s\n", command.c_str(), status.ToString().c_str());
+  if (const char* hint = HintFor(status.code())) std::fprintf(stderr, "hint: %s\n", hint);
+  Exit(status.code() == ErrorCode::kInvalidArgument ? kExitUsage : kExitFailed);
+}
+
+std::string HumanBytes(std::int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  auto v = static_cast<double>(bytes);
+  std::size_t u = 0;
+  while (v >= 1024.0 && u + 1 < std::size(units)) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  return buf;
+}
+
+namespace {
+
+Result<nlohmann::json> ReadJsonFile(const std::string& path) {
+  RS_ASSIGN_OR_RETURN(auto text, ReadSmallFile(path, std::int64_t{64} << 20));
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return InvalidArgument(path + ": not valid JSON");
+  return j;
+}
+
+bool LooksLikeFile(const std::string& arg) {
+  return arg.find('/') != std::string::npos || arg.ends_with(".json") || std::filesystem::exists(arg);
+}
+
+}  // namespace
+
+Result<ModelConfig> LoadModelArg(const std::string& arg) {
+  if (!LooksLikeFile(arg)) return ModelPreset(arg);
+  RS_ASSIGN_OR_RETURN(auto j, ReadJsonFile(arg));
+  auto c = ModelConfigFromJson(j);
+  if (!c.ok()) return c.status().WithContext(arg);
+  return c;
+}
+
+Result<RuleSet> LoadRulesArg(const std::string& arg) {
+  if (!LooksLikeFile(arg)) return BuiltinRuleSet(arg);
+  RS_ASSIGN_OR_RETURN(auto j, ReadJsonFile(arg));
+  auto r = RuleSetFromJson(j);
+  if (!r.ok()) return r.status().WithContext(arg);
+  return r;
+}
+
+Result<Layout> LoadLayoutArg(const std::string& layout, const std::string& rules) {
+  RS_ASSIGN_OR_RETURN(auto rule_set, LoadRulesArg(rules));
+  return Layout::Parse(layout, rule_set);
+}
+
+Progress::Progress(std::string label, std::int64_t total)
+    : label_(std::move(label)), total_(total), enabled_(isatty(STDERR_FILENO) == 1),
+      start_(std::chrono::steady_clock::now()), last_(start_) {}
+
+Progress::~Progress() {
+  if (drawn_) std::fprintf(stderr, "\n");
+}
+
+void Progress::Update(std::int64_t done) {
+  if (!enabled_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (done < total_ && now - last_ < std::chrono::milliseconds(100)) return;
+  last_ = now;
+  const double secs = std::chrono::duration<double>(now - start_).count();
+  const double pct = total_ > 0 ? 100.0 * static_cast<double>(done) / static_cast<double>(total_) : 100.0;
+  std::fprintf(stderr, "\r%s: %5.1f%% (%s / %s, %.1f s)   ", label_.c_str(), pct, HumanBytes(done).c_str(),
+               HumanBytes(total_).c_str(), secs);
+  std::fflush(stderr);
+  drawn_ = true;
+}
+
+}  // namespace rs::cli

@@ -1,0 +1,47 @@
+// Small helpers shared by the subcommands: turning Status values into messages and exit codes,
+// human-readable sizes, and the stderr progress line.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "cli/commands.h"
+#include "core/layout.h"
+#include "core/model.h"
+#include "core/status.h"
+
+namespace rs::cli {
+
+// Prints "reshard <command>: error: <status>" plus a hint, then ends the command with
+// kExitUsage for InvalidArgument and kExitFailed otherwise.
+[[noreturn]] void Fail(const std::string& command, const Status& status);
+// Ends the command with `code` (no message).
+[[noreturn]] void Exit(int code);
+
+std::string HumanBytes(std::int64_t bytes);  // "1.50 GiB"
+
+// --model PRESET|FILE.json: a built-in preset name, or a JSON model description file.
+Result<ModelConfig> LoadModelArg(const std::string& arg);
+// --rules NAME|FILE: a built-in rule set, or a rule-set JSON file.
+Result<RuleSet> LoadRulesArg(const std::string& arg);
+// --layout SHORT_FORM with --rules.
+Result<Layout> LoadLayoutArg(const std::string& layout, const std::string& rules);
+
+// A one-line progress display on stderr, redrawn at most ~10 times a second; silent when
+// stderr is not a terminal.
+class Progress {
+ public:
+  Progress(std::string label, std::int64_t total);
+  ~Progress();
+  void Update(std::int64_t done);
+
+ private:
+  std::string label_;
+  std::int64_t total_;
+  bool enabled_;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point start_, last_;
+};
+
+}  // namespace rs::cli
