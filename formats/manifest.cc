@@ -1,0 +1,357 @@
+#include "formats/manifest.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <unordered_map>
+
+#include "core/dtype.h"
+
+namespace rs {
+namespace {
+
+using nlohmann::json;
+
+// Error context: "<manifest path>: shards[3] (tensor 'w', file 'rank-00001.h5')".
+struct Ctx {
+  std::string where;
+  Status Bad(const std::string& what) const { return DataLoss(where + ": " + what); }
+};
+
+std::string Quote(std::string_view s) {
+  std::string q;
+  q.reserve(s.size() + 2);
+  q.append(1, '\'').append(s).append(1, '\'');
+  return q;
+}
+
+Result<std::int64_t> GetInt(const json& obj, const char* key, const Ctx& ctx) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) return ctx.Bad("missing field '" + std::string(key) + "'");
+  if (it->is_number_unsigned()) {
+    // An unsigned value only arrives here when it does not fit in int64 or is non-negative;
+    // reject the former before converting.
+    if (it->get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      return ctx.Bad("field '" + std::string(key) + "' = " + it->dump() + " overflows int64");
+    }
+    return static_cast<std::int64_t>(it->get<std::uint64_t>());
+  }
+  if (!it->is_number_integer()) return ctx.Bad("field '" + std::string(key) + "' must be an integer, got " + it->dump());
+  return it->get<std::int64_t>();
+}
+
+Result<std::string> GetString(const json& obj, const char* key, const Ctx& ctx) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) return ctx.Bad("missing field '" + std::string(key) + "'");
+  if (!it->is_string()) return ctx.Bad("field '" + std::string(key) + "' must be a string, got " + it->dump());
+  return it->get<std::string>();
+}
+
+// A list of non-negative int64 values (dims, offsets).
+Result<Shape> GetDims(const json& obj, const char* key, const Ctx& ctx) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) return ctx.Bad("missing field '" + std::string(key) + "'");
+  if (!it->is_array()) return ctx.Bad("field '" + std::string(key) + "' must be an array of integers");
+  Shape dims;
+  dims.reserve(it->size());
+  for (std::size_t i = 0; i < it->size(); ++i) {
+    const json& v = (*it)[i];
+    const bool too_big = v.is_number_unsigned() &&
+                         v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+    if (!v.is_number_integer() || too_big) {
+      return ctx.Bad("field '" + std::string(key) + "'[" + std::to_string(i) + "] = " + v.dump() +
+                     " is not an int64 (overflowing or non-integer dimension)");
+    }
+    const std::int64_t d = v.get<std::int64_t>();
+    if (d < 0) {
+      return ctx.Bad("field '" + std::string(key) + "'[" + std::to_string(i) + "] = " + std::to_string(d) +
+                     " is negative");
+    }
+    dims.push_back(d);
+  }
+  return dims;
+}
+
+// Byte size of `numel` items of `dtype`, overflow-checked.
+Result<std::int64_t> BytesOf(std::int64_t numel, DType dtype, const Ctx& ctx, const std::string& field) {
+  const auto bytes = CheckedMul(numel, static_cast<std::int64_t>(DTypeSize(dtype)));
+  if (!bytes) return ctx.Bad(field + ": " + std::to_string(numel) + " items of " + std::string(DTypeName(dtype)) +
+                             " overflow int64 bytes");
+  return *bytes;
+}
+
+// A data file name must stay inside the checkpoint directory.
+bool SafeRelativePath(const std::string& p) {
+  if (p.empty() || p.front() == '/' || p.back() == '/') return false;
+  std::size_t start = 0;
+  while (start <= p.size()) {
+    const std::size_t slash = std::min(p.find('/', start), p.size());
+    const std::string_view part(p.data() + start, slash - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    start = slash + 1;
+  }
+  for (const char c : p) {
+    if (c == '\0' || c == '\\') return false;
+  }
+  return true;
+}
+
+Result<TensorSpec> ParseTensor(const json& j, std::size_t index, std::string_view source) {
+  Ctx ctx{std::string(source) + ": tensors[" + std::to_string(index) + "]"};
+  if (!j.is_object()) return ctx.Bad("must be an object");
+  if (const auto it = j.find("name"); it != j.end() && it->is_string()) {
+    ctx.where += " (tensor " + Quote(it->get<std::string>()) + ")";
+  }
+  // Bound the shape before handing the entry to TensorSpecFromJson, which may compute numel.
+  RS_ASSIGN_OR_RETURN(const Shape shape, GetDims(j, "shape", ctx));
+  if (const auto n = CheckedNumel(shape); !n.ok()) {
+    return ctx.Bad("field 'shape' " + ShapeToString(shape) + ": element count overflows int64");
+  }
+  Result<TensorSpec> spec = TensorSpecFromJson(j);
+  if (!spec.ok()) return ctx.Bad(spec.status().message());
+  RS_ASSIGN_OR_RETURN(const std::int64_t numel, CheckedNumel(spec->shape));
+  RS_ASSIGN_OR_RETURN(const std::int64_t bytes, BytesOf(numel, spec->dtype, ctx, "field 'shape'"));
+  (void)bytes;
+  return spec;
+}
+
+Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view source,
+                              const std::vector<TensorSpec>& tensors,
+                              const std::unordered_map<std::string, std::size_t>& by_name) {
+  Ctx ctx{std::string(source) + ": shards[" + std::to_string(index) + "]"};
+  if (!j.is_object()) return ctx.Bad("must be an object");
+  ShardEntry s;
+  RS_ASSIGN_OR_RETURN(s.tensor, GetString(j, "tensor", ctx));
+  ctx.where += " (tensor " + Quote(s.tensor);
+  if (const auto it = j.find("file"); it != j.end() && it->is_string()) {
+    ctx.where += ", file " + Quote(it->get<std::string>());
+  }
+  ctx.where += ")";
+  const auto t = by_name.find(s.tensor);
+  if (t == by_name.end()) return ctx.Bad("refers to a tensor the manifest does not declare");
+  const TensorSpec& spec = tensors[t->second];
+
+  RS_ASSIGN_OR_RETURN(s.file, GetString(j, "file", ctx));
+  if (!SafeRelativePath(s.file)) return ctx.Bad("field 'file' must be a relative path inside the checkpoint");
+  RS_ASSIGN_OR_RETURN(s.dataset, GetString(j, "dataset", ctx));
+  if (s.dataset.empty()) return ctx.Bad("field 'dataset' is empty");
+
+  const auto box_it = j.find("box");
+  if (box_it == j.end() || !box_it->is_object()) return ctx.Bad("missing or non-object field 'box'");
+  RS_ASSIGN_OR_RETURN(s.piece.box.offset, GetDims(*box_it, "offset", ctx));
+  RS_ASSIGN_OR_RETURN(s.piece.box.shape, GetDims(*box_it, "shape", ctx));
+  if (s.piece.box.offset.size() != spec.shape.size() || s.piece.box.shape.size() != spec.shape.size()) {
+    return ctx.Bad("box has rank " + std::to_string(s.piece.box.shape.size()) + "/" +
+                   std::to_string(s.piece.box.offset.size()) + ", tensor shape " + ShapeToString(spec.shape) +
+                   " has rank " + std::to_string(spec.shape.size()));
+  }
+  for (std::size_t d = 0; d < spec.shape.size(); ++d) {
+    const auto end = CheckedAdd(s.piece.box.offset[d], s.piece.box.shape[d]);
+    if (!end || *end > spec.shape[d]) {
+      return ctx.Bad("box " + ShapeToString(s.piece.box.offset) + " + " + ShapeToString(s.piece.box.shape) +
+                     " lies outside the tensor's shape " + ShapeToString(spec.shape) + " in dim " + std::to_string(d));
+    }
+  }
+  // Within the tensor, so the box's numel cannot overflow.
+  const std::int64_t box_numel = Numel(s.piece.box.shape);
+  if (const auto it = j.find("range"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return ctx.Bad("field 'range' must be an object {begin, end}");
+    RS_ASSIGN_OR_RETURN(const std::int64_t b, GetInt(*it, "begin", ctx));
+    RS_ASSIGN_OR_RETURN(const std::int64_t e, GetInt(*it, "end", ctx));
+    if (b < 0 || b > e || e > box_numel) {
+      return ctx.Bad("range [" + std::to_string(b) + ", " + std::to_string(e) + ") lies outside the box's " +
+                     std::to_string(box_numel) + " items");
+    }
+    s.piece.range = ItemRange{b, e};
+  }
+  RS_ASSIGN_OR_RETURN(s.nbytes, GetInt(j, "nbytes", ctx));
+  RS_ASSIGN_OR_RETURN(const std::int64_t expect, BytesOf(s.piece.numel(), spec.dtype, ctx, "piece"));
+  if (s.nbytes != expect) {
+    return ctx.Bad("field 'nbytes' = " + std::to_string(s.nbytes) + ", expected " + std::to_string(expect) + " (" +
+                   std::to_string(s.piece.numel()) + " items of " + std::string(DTypeName(spec.dtype)) + ")");
+  }
+  RS_ASSIGN_OR_RETURN(const std::string codec, GetString(j, "codec", ctx));
+  const auto c = ParseCodecName(codec);
+  if (!c) return ctx.Bad("unknown codec " + Quote(codec) + " (expected 'none' or 'zstd')");
+  s.codec = *c;
+  RS_ASSIGN_OR_RETURN(const std::string checksum, GetString(j, "checksum", ctx));
+  const auto h = ParseChecksum(checksum);
+  if (!h) return ctx.Bad("field 'checksum' = " + Quote(checksum) + " is not 'xxh3-64:<16 hex digits>'");
+  s.checksum = *h;
+  RS_ASSIGN_OR_RETURN(s.rank, GetInt(j, "rank", ctx));
+  if (s.rank < 0) return ctx.Bad("field 'rank' is negative");
+  const auto rep = j.find("replica");
+  if (rep == j.end() || !rep->is_boolean()) return ctx.Bad("missing or non-boolean field 'replica'");
+  s.replica = rep->get<bool>() ? ReplicaKind::kReplica : ReplicaKind::kMain;
+  return s;
+}
+
+}  // namespace
+
+std::int64_t Manifest::TensorIndex(std::string_view name) const {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == name) return static_cast<std::int64_t>(i);
+  }
+  return -1;
+}
+
+nlohmann::json ManifestToJson(const Manifest& m) {
+  json j;
+  j["format"] = m.format;
+  j["format_version"] = m.version;
+  j["producer"] = m.producer;
+  json tensors = json::array();
+  for (const TensorSpec& t : m.tensors) {
+    json tj;
+    to_json(tj, t);
+    tensors.push_back(std::move(tj));
+  }
+  j["tensors"] = std::move(tensors);
+  json shards = json::array();
+  for (const ShardEntry& s : m.shards) {
+    json sj;
+    sj["tensor"] = s.tensor;
+    sj["box"] = {{"offset", s.piece.box.offset}, {"shape", s.piece.box.shape}};
+    if (s.piece.range) sj["range"] = {{"begin", s.piece.range->begin}, {"end", s.piece.range->end}};
+    sj["file"] = s.file;
+    sj["dataset"] = s.dataset;
+    sj["nbytes"] = s.nbytes;
+    sj["codec"] = CodecName(s.codec);
+    sj["checksum"] = ChecksumToString(s.checksum);
+    sj["rank"] = s.rank;
+    sj["replica"] = s.replica == ReplicaKind::kReplica;
+    shards.push_back(std::move(sj));
+  }
+  j["shards"] = std::move(shards);
+  j["layout"] = m.layout;
+  j["metadata"] = m.metadata;
+  return j;
+}
+
+Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view source) {
+  const Ctx ctx{std::string(source)};
+  if (!j.is_object()) return ctx.Bad("manifest must be a JSON object");
+  Manifest m;
+  RS_ASSIGN_OR_RETURN(m.format, GetString(j, "format", ctx));
+  if (m.format != kFormatName) {
+    return ctx.Bad("field 'format' is " + Quote(m.format) + ", expected " + Quote(kFormatName));
+  }
+  // The version decides how to read everything else, so it is checked before any other field.
+  RS_ASSIGN_OR_RETURN(m.version, GetInt(j, "format_version", ctx));
+  if (m.version < kMinReadableVersion || m.version > kMaxReadableVersion) {
+    return VersionMismatch(std::string(source) + ": checkpoint written with format version " +
+                           std::to_string(m.version) + "; this build reads format versions " +
+                           std::to_string(kMinReadableVersion) + " to " + std::to_string(kMaxReadableVersion));
+  }
+  RS_ASSIGN_OR_RETURN(m.producer, GetString(j, "producer", ctx));
+
+  const auto tensors = j.find("tensors");
+  if (tensors == j.end() || !tensors->is_array()) return ctx.Bad("missing or non-array field 'tensors'");
+  std::unordered_map<std::string, std::size_t> by_name;
+  m.tensors.reserve(tensors->size());
+  for (std::size_t i = 0; i < tensors->size(); ++i) {
+    RS_ASSIGN_OR_RETURN(TensorSpec t, ParseTensor((*tensors)[i], i, source));
+    if (!by_name.emplace(t.name, i).second) {
+      return ctx.Bad("tensors[" + std::to_string(i) + "]: duplicate tensor " + Quote(t.name));
+    }
+    m.tensors.push_back(std::move(t));
+  }
+  const auto shards = j.find("shards");
+  if (shards == j.end() || !shards->is_array()) return ctx.Bad("missing or non-array field 'shards'");
+  m.shards.reserve(shards->size());
+  for (std::size_t i = 0; i < shards->size(); ++i) {
+    RS_ASSIGN_OR_RETURN(ShardEntry s, ParseShard((*shards)[i], i, source, m.tensors, by_name));
+    m.shards.push_back(std::move(s));
+  }
+  if (const auto it = j.find("layout"); it != j.end()) m.layout = *it;
+  if (const auto it = j.find("metadata"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return ctx.Bad("field 'metadata' must be an object");
+    m.metadata = *it;
+  }
+  return m;
+}
+
+Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
+  json j = json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    // Re-parse with exceptions only to get the position of the error for the message.
+    std::string detail = "malformed JSON";
+    try {
+      const json again = json::parse(text);
+      (void)again;
+    } catch (const json::parse_error& e) {
+      detail += std::string(" (") + e.what() + ")";
+    }
+    return DataLoss(std::string(source) + ": " + detail);
+  }
+  return ManifestFromJson(j, source);
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFound(path + ": no such file");
+    return IoError(path + ": open: " + std::strerror(err));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return IoError(path + ": not a regular file");
+  }
+  if (st.st_size > max_bytes) {
+    ::close(fd);
+    return DataLoss(path + ": " + std::to_string(st.st_size) + " bytes, larger than the limit of " +
+                    std::to_string(max_bytes));
+  }
+  std::string text(static_cast<std::size_t>(st.st_size), '\0');
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      return IoError(path + ": read failed at byte " + std::to_string(done));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  return text;
+}
+
+Result<Manifest> ReadManifest(const std::string& dir) {
+  const std::string path = dir + "/" + std::string(kManifestFileName);
+  Result<std::string> text = ReadSmallFile(path, kMaxManifestBytes);
+  if (!text.ok()) {
+    if (text.status().code() == ErrorCode::kNotFound) {
+      return NotFound(path + ": no manifest, so no committed checkpoint at " + dir);
+    }
+    return text.status();
+  }
+  return ParseManifest(*text, path);
+}
+
+std::string FlatToCoords(const Shape& shape, std::int64_t flat) {
+  std::vector<std::int64_t> coords(shape.size(), 0);
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] > 0) {
+      coords[i] = flat % shape[i];
+      flat /= shape[i];
+    }
+  }
+  return ShapeToString(coords);
+}
+
+std::string DescribeItems(const Shape& shape, std::int64_t begin, std::int64_t end) {
+  std::ostringstream os;
+  os << "items [" << begin << ", " << end << ") = " << FlatToCoords(shape, begin) << " .. "
+     << FlatToCoords(shape, end - 1);
+  return os.str();
+}
+
+}  // namespace rs

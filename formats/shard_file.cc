@@ -1,0 +1,461 @@
+#include "formats/shard_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <limits>
+#include <mutex>
+
+#include "core/check.h"
+#include "core/shape.h"
+#include "formats/hdf5_util.h"
+
+namespace rs {
+namespace {
+
+// Largest chunk a reader accepts: bounds the buffer a corrupt chunk size can make us allocate.
+constexpr std::int64_t kMaxChunkBytes = std::int64_t{1} << 30;
+// Block size for streaming contiguous data.
+constexpr std::int64_t kStreamBlock = std::int64_t{8} << 20;
+
+std::string Errno(const char* op) { return std::string(op) + ": " + std::strerror(errno); }
+
+// Chunks decoded (or encoded) ahead of the in-order consumer, kept in a bounded window so
+// memory stays at a few chunks per worker whatever the shard size.
+struct ChunkSlots {
+  explicit ChunkSlots(std::size_t n) : data(n), raw(n, 0), ready(n, 0), status(n) {}
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<std::byte>> data;
+  // unsigned char, not bool: vector<bool> packs bits, and workers write neighbouring slots.
+  std::vector<unsigned char> raw;
+  std::vector<unsigned char> ready;
+  std::vector<Status> status;
+
+  void Publish(std::size_t i) {
+    std::lock_guard<std::mutex> lock(mu);
+    ready[i] = 1;
+    cv.notify_all();
+  }
+  // Waits for slot i, helping the pool meanwhile so that a caller that is itself a pool task
+  // cannot starve its own work.
+  void Await(std::size_t i, ThreadPool* pool) {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        if (ready[i]) return;
+        if (pool == nullptr) {
+          cv.wait(lock, [&] { return static_cast<bool>(ready[i]); });
+          return;
+        }
+      }
+      if (pool->RunOne()) continue;
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::milliseconds(1), [&] { return static_cast<bool>(ready[i]); });
+    }
+  }
+};
+
+std::size_t Window(const ThreadPool* pool) { return pool == nullptr ? 1 : 2 * pool->size() + 1; }
+
+}  // namespace
+
+std::int64_t ShardLocation::stored_bytes() const {
+  if (codec == Codec::kNone) return nbytes;
+  std::int64_t total = 0;
+  for (const Chunk& c : chunks) total += c.size;
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::string& path) {
+  auto lock = h5::Lock();
+  // H5F_ACC_EXCL: a second writer of the same rank file is a bug upstream, never an overwrite.
+  // Default library-version bounds keep the file readable by every HDF5 1.8+ tool.
+  const hid_t fid = H5Fcreate(path.c_str(), H5F_ACC_EXCL, h5::kDefault, h5::kDefault);
+  if (fid < 0) return IoError(path + ": cannot create HDF5 file (does it exist already?)");
+  std::unique_ptr<ShardFileWriter> w(new ShardFileWriter());
+  w->path_ = path;
+  w->file_id_ = fid;
+  return w;
+}
+
+ShardFileWriter::~ShardFileWriter() {
+  if (file_id_ >= 0) {
+    auto lock = h5::Lock();
+    H5Fclose(file_id_);
+  }
+}
+
+Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std::span<const std::byte> bytes,
+                                                   const CodecSpec& codec, std::int64_t chunk_bytes, ThreadPool* pool,
+                                                   const std::string& attribute) {
+  RS_CHECK(file_id_ >= 0);
+  RS_CHECK(chunk_bytes > 0);
+  const std::string what = path_ + ", dataset '" + name + "'";
+  const auto n = static_cast<std::int64_t>(bytes.size());
+  const bool zstd = codec.codec == Codec::kZstd && n > 0;
+  // The lock is held for the whole dataset: compression runs on pool threads, which never
+  // touch HDF5, while this thread writes finished chunks in order.
+  auto lock = h5::Lock();
+  const hsize_t dims[1] = {static_cast<hsize_t>(n)};
+  h5::Handle space(H5Screate_simple(1, dims, nullptr), H5Sclose);
+  h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  if (!space.valid() || !dcpl.valid()) return IoError(what + ": cannot create dataspace / property list");
+  H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
+  const std::int64_t chunk = std::min(chunk_bytes, std::max<std::int64_t>(n, 1));
+  if (zstd) {
+    const hsize_t cdims[1] = {static_cast<hsize_t>(chunk)};
+    const unsigned int level = static_cast<unsigned int>(codec.level);
+    if (H5Pset_chunk(dcpl.get(), 1, cdims) < 0 ||
+        H5Pset_filter(dcpl.get(), static_cast<H5Z_filter_t>(kZstdFilterId), H5Z_FLAG_OPTIONAL, 1, &level) < 0) {
+      return IoError(what + ": cannot set up the chunked zstd layout");
+    }
+  } else {
+    H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS);
+  }
+  h5::Handle dset(H5Dcreate2(file_id_, name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(),
+                             h5::kDefault),
+                  H5Dclose);
+  if (!dset.valid()) return IoError(what + ": cannot create dataset");
+  if (!attribute.empty()) {
+    h5::Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(type.get(), attribute.size());
+    h5::Handle aspace(H5Screate(H5S_SCALAR), H5Sclose);
+    h5::Handle attr(H5Acreate2(dset.get(), "rs_shard", type.get(), aspace.get(), h5::kDefault, h5::kDefault),
+                    H5Aclose);
+    if (!attr.valid() || H5Awrite(attr.get(), type.get(), attribute.data()) < 0) {
+      return IoError(what + ": cannot write attribute rs_shard");
+    }
+  }
+  if (n == 0) return std::int64_t{0};
+  if (!zstd) {
+    if (H5Dwrite(dset.get(), H5T_NATIVE_UINT8, h5::kAll, h5::kAll, h5::kDefault, bytes.data()) < 0) {
+      return IoError(what + ": H5Dwrite of " + std::to_string(n) + " bytes failed");
+    }
+    return n;
+  }
+
+  const auto num_chunks = static_cast<std::size_t>((n + chunk - 1) / chunk);
+  ChunkSlots slots(num_chunks);
+  TaskGroup group(pool);
+  const int level = codec.level;
+  auto compress = [&slots, bytes, chunk, n, level](std::size_t i) {
+    const std::int64_t begin = static_cast<std::int64_t>(i) * chunk;
+    const std::int64_t len = std::min(chunk, n - begin);
+    std::span<const std::byte> src = bytes.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(len));
+    // HDF5 chunks are full-size even at the dataset's edge; the tail is zero padding.
+    std::vector<std::byte> padded;
+    if (len < chunk) {
+      padded.assign(static_cast<std::size_t>(chunk), std::byte{0});
+      std::memcpy(padded.data(), src.data(), src.size());
+      src = padded;
+    }
+    std::vector<std::byte> out = ZstdCompress(src, level);
+    // Incompressible chunks are stored raw with the filter-skipped mask bit, as HDF5 allows.
+    const bool raw = static_cast<std::int64_t>(out.size()) >= chunk;
+    if (raw) out.assign(src.begin(), src.end());
+    slots.data[i] = std::move(out);
+    slots.raw[i] = raw ? 1 : 0;
+    slots.Publish(i);
+  };
+  const std::size_t window = Window(pool);
+  std::size_t submitted = 0;
+  std::int64_t stored = 0;
+  for (std::size_t i = 0; i < num_chunks; ++i) {
+    while (submitted < num_chunks && submitted < i + window) {
+      const std::size_t k = submitted++;
+      if (pool != nullptr) {
+        group.Run([k, &compress] { compress(k); });
+      } else {
+        compress(k);
+      }
+    }
+    slots.Await(i, pool);
+    const hsize_t offset[1] = {static_cast<hsize_t>(i) * static_cast<hsize_t>(chunk)};
+    const std::uint32_t mask = slots.raw[i] != 0 ? 1u : 0u;
+    const std::vector<std::byte>& data = slots.data[i];
+    if (H5Dwrite_chunk(dset.get(), h5::kDefault, mask, offset, data.size(), data.data()) < 0) {
+      group.Wait();
+      return IoError(what + ": H5Dwrite_chunk of chunk " + std::to_string(i) + " failed");
+    }
+    stored += static_cast<std::int64_t>(data.size());
+    std::vector<std::byte>().swap(slots.data[i]);
+  }
+  group.Wait();
+  return stored;
+}
+
+Status ShardFileWriter::Close() {
+  if (file_id_ < 0) return Status::Ok();
+  {
+    auto lock = h5::Lock();
+    const herr_t rc = H5Fclose(file_id_);
+    file_id_ = -1;
+    if (rc < 0) return IoError(path_ + ": H5Fclose failed");
+  }
+  // HDF5 does not fsync; the commit protocol needs the data durable before the manifest.
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return IoError(path_ + ": " + Errno("open for fsync"));
+  const int rc = ::fsync(fd);
+  const std::string err = rc != 0 ? Errno("fsync") : "";
+  ::close(fd);
+  if (rc != 0) return IoError(path_ + ": " + err);
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+Result<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return NotFound(path + ": data file is missing");
+    return IoError(path + ": " + Errno("open"));
+  }
+  std::unique_ptr<ShardFileReader> r(new ShardFileReader());
+  r->path_ = path;
+  r->fd_ = fd;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return IoError(path + ": " + Errno("fstat"));
+  if (!S_ISREG(st.st_mode)) return DataLoss(path + ": not a regular file");
+  r->file_size_ = st.st_size;
+  auto lock = h5::Lock();
+  const hid_t fid = H5Fopen(path.c_str(), H5F_ACC_RDONLY, h5::kDefault);
+  if (fid < 0) {
+    return DataLoss(path + ": cannot be opened as an HDF5 file (" + std::to_string(r->file_size_) +
+                    " bytes; truncated or corrupt)");
+  }
+  r->file_id_ = fid;
+  return r;
+}
+
+ShardFileReader::~ShardFileReader() {
+  if (file_id_ >= 0) {
+    auto lock = h5::Lock();
+    H5Fclose(file_id_);
+  }
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec codec, std::int64_t nbytes,
+                                              const std::string& what) const {
+  auto lock = h5::Lock();
+  ShardLocation loc;
+  loc.codec = codec;
+  loc.nbytes = nbytes;
+  h5::Handle dset(H5Dopen2(file_id_, name.c_str(), h5::kDefault), H5Dclose);
+  if (!dset.valid()) return DataLoss(what + ": dataset is missing from the file");
+  h5::Handle type(H5Dget_type(dset.get()), H5Tclose);
+  if (!type.valid() || H5Tget_class(type.get()) != H5T_INTEGER || H5Tget_size(type.get()) != 1) {
+    return DataLoss(what + ": dataset is not a 1-byte integer array");
+  }
+  h5::Handle space(H5Dget_space(dset.get()), H5Sclose);
+  hsize_t dims[1] = {0};
+  if (!space.valid() || H5Sget_simple_extent_ndims(space.get()) != 1 ||
+      H5Sget_simple_extent_dims(space.get(), dims, nullptr) != 1) {
+    return DataLoss(what + ": dataset is not one-dimensional");
+  }
+  if (dims[0] != static_cast<hsize_t>(nbytes)) {
+    return DataLoss(what + ": dataset holds " + std::to_string(dims[0]) + " bytes, expected nbytes = " +
+                    std::to_string(nbytes));
+  }
+  if (nbytes == 0) return loc;
+  h5::Handle dcpl(H5Dget_create_plist(dset.get()), H5Pclose);
+  const H5D_layout_t layout = dcpl.valid() ? H5Pget_layout(dcpl.get()) : H5D_LAYOUT_ERROR;
+  if (codec == Codec::kNone) {
+    if (layout != H5D_CONTIGUOUS) return DataLoss(what + ": codec none needs a contiguous dataset");
+    const haddr_t addr = H5Dget_offset(dset.get());
+    if (addr == HADDR_UNDEF) return DataLoss(what + ": dataset has no storage in the file");
+    const auto end = addr <= static_cast<haddr_t>(std::numeric_limits<std::int64_t>::max())
+                         ? CheckedAdd(static_cast<std::int64_t>(addr), nbytes)
+                         : std::nullopt;
+    if (!end || *end > file_size_) {
+      return DataLoss(what + ": data at offset " + std::to_string(addr) + ", length " + std::to_string(nbytes) +
+                      " passes the end of the file (" + std::to_string(file_size_) + " bytes)");
+    }
+    loc.offset = static_cast<std::int64_t>(addr);
+    return loc;
+  }
+
+  hsize_t cdims[1] = {0};
+  if (layout != H5D_CHUNKED || H5Pget_chunk(dcpl.get(), 1, cdims) != 1) {
+    return DataLoss(what + ": codec zstd needs a chunked dataset");
+  }
+  if (cdims[0] == 0 || cdims[0] > static_cast<hsize_t>(kMaxChunkBytes)) {
+    return DataLoss(what + ": chunk size " + std::to_string(cdims[0]) + " outside [1, " +
+                    std::to_string(kMaxChunkBytes) + "]");
+  }
+  unsigned int flags = 0;
+  std::size_t cd_n = 4;
+  unsigned int cd[4] = {};
+  unsigned int config = 0;
+  if (H5Pget_nfilters(dcpl.get()) != 1 ||
+      H5Pget_filter2(dcpl.get(), 0, &flags, &cd_n, cd, 0, nullptr, &config) != kZstdFilterId) {
+    return DataLoss(what + ": codec zstd needs exactly the filter " + std::to_string(kZstdFilterId));
+  }
+  loc.chunk_bytes = static_cast<std::int64_t>(cdims[0]);
+  const std::int64_t num_chunks = (nbytes - 1) / loc.chunk_bytes + 1;
+  const auto max_stored = static_cast<std::int64_t>(ZSTD_compressBound(static_cast<std::size_t>(loc.chunk_bytes)));
+  loc.chunks.resize(static_cast<std::size_t>(num_chunks));
+  for (std::int64_t i = 0; i < num_chunks; ++i) {
+    const hsize_t coord[1] = {static_cast<hsize_t>(i * loc.chunk_bytes)};
+    unsigned int mask = 0;
+    haddr_t addr = HADDR_UNDEF;
+    hsize_t size = 0;
+    const std::string chunk_what = what + ", chunk " + std::to_string(i) + " (uncompressed bytes " +
+                                   std::to_string(i * loc.chunk_bytes) + "..)";
+    if (H5Dget_chunk_info_by_coord(dset.get(), coord, &mask, &addr, &size) < 0 || addr == HADDR_UNDEF) {
+      return DataLoss(chunk_what + ": chunk is missing");
+    }
+    ShardLocation::Chunk& c = loc.chunks[static_cast<std::size_t>(i)];
+    c.raw = (mask & 1u) != 0;
+    if (c.raw ? size != static_cast<hsize_t>(loc.chunk_bytes)
+              : (size == 0 || size > static_cast<hsize_t>(max_stored))) {
+      return DataLoss(chunk_what + ": stored size " + std::to_string(size) + " is impossible for a " +
+                      std::to_string(loc.chunk_bytes) + "-byte chunk");
+    }
+    c.size = static_cast<std::int64_t>(size);
+    const auto end = addr <= static_cast<haddr_t>(std::numeric_limits<std::int64_t>::max())
+                         ? CheckedAdd(static_cast<std::int64_t>(addr), c.size)
+                         : std::nullopt;
+    if (!end || *end > file_size_) {
+      return DataLoss(chunk_what + ": stored at offset " + std::to_string(addr) + ", length " +
+                      std::to_string(c.size) + ", past the end of the file (" + std::to_string(file_size_) +
+                      " bytes)");
+    }
+    c.offset = static_cast<std::int64_t>(addr);
+  }
+  return loc;
+}
+
+Status ShardFileReader::ReadAt(std::int64_t offset, std::span<std::byte> out, const std::string& what) const {
+  const auto len = static_cast<std::int64_t>(out.size());
+  const auto end = CheckedAdd(offset, len);
+  if (offset < 0 || !end || *end > file_size_) {
+    return DataLoss(what + ": read at offset " + std::to_string(offset) + ", length " + std::to_string(len) +
+                    " passes the end of the file (" + std::to_string(file_size_) + " bytes)");
+  }
+  std::size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset) +
+                                                                        static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return IoError(what + ": " + Errno("pread"));
+    if (n == 0) {
+      return DataLoss(what + ": file ended at byte " + std::to_string(offset + static_cast<std::int64_t>(done)) +
+                      " while reading offset " + std::to_string(offset) + ", length " + std::to_string(len));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status ShardFileReader::ReadChunk(const ShardLocation& loc, std::size_t index, std::span<std::byte> chunk_out,
+                                  const std::string& what) const {
+  RS_CHECK(static_cast<std::int64_t>(chunk_out.size()) == loc.chunk_bytes);
+  const ShardLocation::Chunk& c = loc.chunks[index];
+  const std::string chunk_what = what + ", chunk " + std::to_string(index) + " at offset " +
+                                 std::to_string(c.offset) + ", length " + std::to_string(c.size);
+  if (c.raw) return ReadAt(c.offset, chunk_out, chunk_what);
+  std::vector<std::byte> stored(static_cast<std::size_t>(c.size));
+  RS_RETURN_IF_ERROR(ReadAt(c.offset, stored, chunk_what));
+  return ZstdDecompress(stored, chunk_out, chunk_what);
+}
+
+Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, std::span<std::byte> out,
+                                  ThreadPool* pool, const std::string& what) const {
+  const auto len = static_cast<std::int64_t>(out.size());
+  RS_CHECK_MSG(begin >= 0 && len <= loc.nbytes - begin, "range " << begin << "+" << len << " of " << loc.nbytes);
+  if (len == 0) return Status::Ok();
+  if (loc.codec == Codec::kNone) return ReadAt(loc.offset + begin, out, what);
+
+  const std::int64_t c = loc.chunk_bytes;
+  const std::int64_t end = begin + len;
+  std::mutex mu;
+  Status first_error;
+  auto one = [&, this](std::int64_t i) {
+    const std::int64_t lo = std::max(begin, i * c);
+    const std::int64_t hi = std::min(end, (i + 1) * c);
+    std::span<std::byte> dst = out.subspan(static_cast<std::size_t>(lo - begin), static_cast<std::size_t>(hi - lo));
+    Status s;
+    if (hi - lo == c) {
+      s = ReadChunk(loc, static_cast<std::size_t>(i), dst, what);  // whole chunk: decode in place
+    } else {
+      std::vector<std::byte> tmp(static_cast<std::size_t>(c));
+      s = ReadChunk(loc, static_cast<std::size_t>(i), tmp, what);
+      if (s.ok()) std::memcpy(dst.data(), tmp.data() + (lo - i * c), dst.size());
+    }
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (first_error.ok()) first_error = s;
+    }
+  };
+  const std::int64_t first = begin / c;
+  const std::int64_t last = (end - 1) / c;
+  if (pool == nullptr || first == last) {
+    for (std::int64_t i = first; i <= last; ++i) one(i);
+  } else {
+    TaskGroup group(pool);
+    for (std::int64_t i = first; i <= last; ++i) group.Run([i, &one] { one(i); });
+    group.Wait();
+  }
+  return first_error;
+}
+
+Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const std::string& what,
+                               const std::function<void(std::span<const std::byte>)>& sink) const {
+  if (loc.nbytes == 0) return Status::Ok();
+  if (loc.codec == Codec::kNone) {
+    std::vector<std::byte> block(static_cast<std::size_t>(std::min(kStreamBlock, loc.nbytes)));
+    for (std::int64_t pos = 0; pos < loc.nbytes; pos += kStreamBlock) {
+      const std::int64_t len = std::min(kStreamBlock, loc.nbytes - pos);
+      std::span<std::byte> dst(block.data(), static_cast<std::size_t>(len));
+      RS_RETURN_IF_ERROR(ReadAt(loc.offset + pos, dst, what));
+      sink(dst);
+    }
+    return Status::Ok();
+  }
+  const std::size_t n = loc.chunks.size();
+  ChunkSlots slots(n);
+  TaskGroup group(pool);
+  auto decode = [&, this](std::size_t i) {
+    slots.data[i].resize(static_cast<std::size_t>(loc.chunk_bytes));
+    slots.status[i] = ReadChunk(loc, i, slots.data[i], what);
+    slots.Publish(i);
+  };
+  const std::size_t window = Window(pool);
+  std::size_t submitted = 0;
+  Status result;
+  for (std::size_t i = 0; i < n; ++i) {
+    while (submitted < n && submitted < i + window) {
+      const std::size_t k = submitted++;
+      if (pool != nullptr) {
+        group.Run([k, &decode] { decode(k); });
+      } else {
+        decode(k);
+      }
+    }
+    slots.Await(i, pool);
+    if (!slots.status[i].ok()) {
+      result = slots.status[i];
+      break;
+    }
+    const std::int64_t valid = std::min(loc.chunk_bytes, loc.nbytes - static_cast<std::int64_t>(i) * loc.chunk_bytes);
+    sink(std::span<const std::byte>(slots.data[i].data(), static_cast<std::size_t>(valid)));
+    std::vector<std::byte>().swap(slots.data[i]);
+  }
+  group.Wait();
+  return result;
+}
+
+}  // namespace rs
