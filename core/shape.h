@@ -55,8 +55,17 @@ struct Box {
 };
 std::ostream& operator<<(std::ostream& os, const Box& b);
 std::string BoxToString(const Box& b);  // "[0:4, 8:16]"
-// Empty box (all-zero shape, rank kept) when the boxes do not overlap.
+// Empty box (all-zero offset and shape, rank kept) when the boxes do not overlap; nullopt
+// only when the ranks differ (boxes of different tensors).
 std::optional<Box> Intersect(const Box& a, const Box& b);
+
+// The global row-major index of item `local` (row-major inside `box`) of a tensor of shape
+// `global`. RS_CHECKs that local is in [0, box.numel()).
+std::int64_t BoxLocalToGlobal(const Shape& global, const Box& box, std::int64_t local);
+// How many items of `box` have a global row-major index below `g` (any g; clamped to
+// [0, box.numel()]). For g inside the box this is its local index, the inverse of
+// BoxLocalToGlobal. O(rank).
+std::int64_t BoxItemsBefore(const Shape& global, const Box& box, std::int64_t g);
 
 // A contiguous run of the global row-major index of a tensor, and where it sits in a
 // piece's own local buffer (in items).
@@ -84,11 +93,13 @@ std::ostream& operator<<(std::ostream& os, const Piece& p);
 // Decomposes `piece` of a tensor of shape `global` into maximal contiguous runs of the
 // global row-major index, in increasing global (and local) order. Adjacent runs that touch in
 // global coordinates are merged. Preconditions (RS_CHECK): box within global, range in bounds.
+// Cost: O(rank) per run; the box's fully covered trailing dims merge into one run per row.
 std::vector<Run> PieceToRuns(const Shape& global, const Piece& piece);
 
-// Overlap of two pieces of the same tensor, as runs: each returned Run has global_begin and
-// length in global coordinates, and local_begin in `a`'s buffer; `b_local_begin` gives the
-// offset in `b`'s buffer.
+// Overlap of two pieces of the same tensor, as runs: each has global_begin and length in
+// global coordinates, a_local its offset in `a`'s buffer and b_local its offset in `b`'s
+// buffer (in items). Preconditions as PieceToRuns. The overlaps are maximal and in increasing global order; the cost
+// is O(rank) per overlap run, independent of the pieces' other runs.
 struct Overlap {
   std::int64_t global_begin = 0;
   std::int64_t a_local = 0;
