@@ -1,0 +1,120 @@
+// Writing a checkpoint with the commit protocol of FORMAT.md §6: data files and manifest go
+// into a staging directory "<dir>.tmp-<id>/", everything is fsynced, and the staging directory
+// is renamed to <dir> last. A reader therefore sees either no checkpoint or a complete one;
+// an existing <dir> is never overwritten.
+//
+// Single process:                       Several processes (one staging dir, agreed `txn` id):
+//   auto w = CheckpointWriter::Create(dir, opts);     every process p:
+//   w->AddTensor(spec) ...                              auto w = CreateStaged(dir, txn, p, opts);
+//   w->WriteShard(rank, name, piece, bytes) ...         AddTensor / WriteShard for its ranks;
+//   w->SetLayout(layout.ToJson());                      w->CommitFragment();
+//   w->Commit();                                      then one process, after a barrier:
+//                                                       CheckpointWriter::CommitStaged(dir, txn, P);
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/shape.h"
+#include "core/status.h"
+#include "core/tensor_spec.h"
+#include "formats/codec.h"
+#include "formats/manifest.h"
+
+namespace rs {
+
+class ShardFileWriter;
+class ThreadPool;
+
+struct WriterOptions {
+  CodecSpec codec;                              // for every shard (empty shards are stored raw)
+  int threads = 0;                              // compression workers; 0 = hardware concurrency
+  std::string producer = "moe-reshard";
+  std::int64_t chunk_bytes = kDefaultChunkBytes;  // zstd chunk size (uncompressed)
+};
+
+class CheckpointWriter {
+ public:
+  // Starts a checkpoint at `dir` (parents are created). AlreadyExists if `dir` exists; IoError
+  // if the staging directory cannot be made.
+  static Result<std::unique_ptr<CheckpointWriter>> Create(const std::string& dir, const WriterOptions& options);
+  // One process's part of a multi-process write. All processes pass the same `txn` (e.g. a
+  // timestamp broadcast by rank 0) and distinct `fragment_id`s, and write disjoint ranks.
+  static Result<std::unique_ptr<CheckpointWriter>> CreateStaged(const std::string& dir, const std::string& txn,
+                                                                std::int64_t fragment_id, const WriterOptions& options);
+  // Without Commit (or CommitFragment): removes what this writer staged, so an interrupted
+  // write leaves no checkpoint behind.
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Declares a logical tensor. InvalidArgument if a different tensor of that name exists or
+  // the spec is unusable (negative dims, overflowing size).
+  Status AddTensor(const TensorSpec& t);
+  // Stores `bytes` (piece.numel() * dtype size, row-major, little-endian) as one shard of
+  // `tensor`, written by `rank` into "rank-<rank>.h5". Safe to call from several threads.
+  // InvalidArgument for an unknown tensor, a piece outside it or a wrong byte count;
+  // FailedPrecondition after commit; IoError from the file system.
+  Status WriteShard(std::int64_t rank, const std::string& tensor, const Piece& piece, std::span<const std::byte> bytes,
+                    ReplicaKind replica = ReplicaKind::kMain);
+  void SetLayout(nlohmann::json layout);      // Layout::ToJson(); opaque to the format
+  void SetMetadata(nlohmann::json metadata);  // a JSON object: step, model config, ...
+
+  // Single-process commit: closes and fsyncs the data files, writes and fsyncs manifest.json,
+  // renames the staging directory to `dir` (refusing to replace anything: AlreadyExists) and
+  // fsyncs the parent. FailedPrecondition for a staged writer or a second call.
+  Status Commit();
+  // Staged writers: closes and fsyncs this process's files and writes "fragment-<id>.json".
+  Status CommitFragment();
+  // Merges the `expected_fragments` fragments in the staging directory of (`dir`, `txn`) into
+  // manifest.json and publishes it as Commit() does. DataLoss if fragments are missing,
+  // malformed or disagree (different tensor specs, layouts or metadata).
+  static Status CommitStaged(const std::string& dir, const std::string& txn, std::int64_t expected_fragments);
+  // Removes the staging directory of (`dir`, `txn`), e.g. after a failed multi-process write.
+  static Status AbortStaged(const std::string& dir, const std::string& txn);
+
+  const std::string& dir() const { return dir_; }
+  const std::string& staging_dir() const { return staging_; }
+  // Bytes stored in data files so far (after compression).
+  std::int64_t stored_bytes() const;
+
+ private:
+  CheckpointWriter() = default;
+  Result<ShardFileWriter*> FileForRank(std::int64_t rank);
+  Status CloseFiles();
+  Manifest BuildManifest() const;
+
+  std::string dir_;
+  std::string staging_;
+  bool staged_ = false;
+  std::int64_t fragment_id_ = 0;
+  WriterOptions options_;
+  std::unique_ptr<ThreadPool> pool_;
+
+  mutable std::mutex mu_;  // guards everything below
+  bool done_ = false;
+  std::vector<TensorSpec> tensors_;
+  std::map<std::string, std::size_t> tensor_index_;
+  struct RankFile {
+    std::unique_ptr<ShardFileWriter> writer;
+    std::mutex write_mu;  // one dataset at a time per file
+    std::int64_t next_dataset = 0;
+  };
+  std::map<std::int64_t, std::unique_ptr<RankFile>> files_;
+  std::vector<ShardEntry> shards_;
+  nlohmann::json layout_;
+  nlohmann::json metadata_ = nlohmann::json::object();
+  std::int64_t stored_bytes_ = 0;
+};
+
+// "rank-00042.h5"
+std::string RankFileName(std::int64_t rank);
+
+}  // namespace rs
