@@ -1,0 +1,53 @@
+// Causal grouped-query self-attention with rotary position embedding and a fused QKV
+// projection (train/MODEL.md §3). Forward and backward are written out; the matrix products go
+// through Gemm (OpenBLAS).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace rs::train {
+
+struct AttentionShape {
+  std::int64_t d_model = 0;
+  std::int64_t n_heads = 0;     // query heads
+  std::int64_t n_kv_heads = 0;  // key/value heads; divides n_heads
+  std::int64_t head_dim = 0;    // even
+  double rope_theta = 10000.0;
+};
+
+// Applies the rotary embedding in place to `n_heads` heads of `head_dim` values starting at
+// `x` (consecutive heads), for position `pos`: pairs (i, i + head_dim/2) are rotated by angle
+// pos · theta^(−2i/head_dim). `cos`/`sin` are that position's row of the table. With
+// `inverse` the rotation is transposed (the backward pass).
+enum class RopeDirection : std::uint8_t { kForward, kInverse };
+template <typename T>
+void ApplyRope(T* x, std::int64_t n_heads, std::int64_t head_dim, const T* cos, const T* sin, RopeDirection dir);
+
+template <typename T>
+class Attention {
+ public:
+  explicit Attention(const AttentionShape& shape);
+
+  // x: [batch·seq, d] rows in (batch, position) order; wqkv: [(nq + 2·nkv)·dh, d] with rows
+  // [q heads; k heads; v heads]; wout: [d, nq·dh]. Writes y: [batch·seq, d]. Keeps a pointer
+  // to x and its own activations for Backward: x must stay alive and unchanged until then.
+  void Forward(const T* x, std::int64_t batch, std::int64_t seq, const T* wqkv, const T* wout, T* y);
+  // dy: [batch·seq, d]. Overwrites dx; accumulates into dwqkv and dwout.
+  void Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T* dwqkv, T* dwout);
+
+ private:
+  void EnsureRopeTable(std::int64_t seq);
+
+  AttentionShape s_;
+  std::int64_t batch_ = 0;
+  std::int64_t seq_ = 0;
+  std::int64_t rope_seq_ = 0;
+  const T* x_ = nullptr;
+  std::vector<T> cos_, sin_;  // [seq, dh/2]
+  std::vector<T> qkv_;        // [N, (nq+2nkv)·dh], q and k after the rotary embedding
+  std::vector<T> probs_;      // [batch, nq, seq, seq], causal softmax (zeros above the diagonal)
+  std::vector<T> ctx_;        // [N, nq·dh]
+};
+
+}  // namespace rs::train

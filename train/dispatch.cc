@@ -1,0 +1,249 @@
+#include "train/dispatch.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "core/check.h"
+
+namespace rs::train {
+namespace {
+
+std::size_t Z(std::int64_t v) { return static_cast<std::size_t>(v); }
+
+template <typename T>
+void CopyRow(const T* src, std::int64_t d, T* dst) {
+  std::memcpy(dst, src, Z(d) * sizeof(T));
+}
+
+template <typename T>
+void ZeroRows(T* dst, std::int64_t rows, std::int64_t d) {
+  if (rows > 0) std::memset(dst, 0, Z(rows * d) * sizeof(T));
+}
+
+// out[t] = Σ_j w_j · y[row_j]: the one accumulation loop shared by the fused and unfused
+// paths, so both sum in the same order and agree bit for bit.
+template <typename T>
+void GatherWeighted(const T* y, std::int64_t d, const std::int32_t* rows, const T* probs, std::int64_t n,
+                    std::int64_t k, T* out) {
+  for (std::int64_t t = 0; t < n; ++t) {
+    T* o = out + t * d;
+    std::fill(o, o + d, T(0));
+    for (std::int64_t j = 0; j < k; ++j) {
+      const T* src = y + static_cast<std::int64_t>(rows[t * k + j]) * d;
+      const T p = probs != nullptr ? probs[t * k + j] : T(1);
+      for (std::int64_t i = 0; i < d; ++i) o[i] += p * src[i];
+    }
+  }
+}
+
+// dy[row_j] = p · dout[t]; dprobs[t, j] = <y[row_j], dout[t]>.
+template <typename T>
+void ScatterWeighted(const T* dout, const T* y, std::int64_t d, const std::int32_t* rows, const T* probs,
+                     std::int64_t n, std::int64_t k, T* dy, T* dprobs) {
+  for (std::int64_t t = 0; t < n; ++t) {
+    const T* g = dout + t * d;
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int64_t r = rows[t * k + j];
+      const T p = probs != nullptr ? probs[t * k + j] : T(1);
+      T* dst = dy + r * d;
+      const T* src = y + r * d;
+      T dot = 0;
+      for (std::int64_t i = 0; i < d; ++i) {
+        dst[i] = p * g[i];
+        dot += src[i] * g[i];
+      }
+      if (dprobs != nullptr) dprobs[t * k + j] = dot;
+    }
+  }
+}
+
+}  // namespace
+
+std::string_view DispatchModeName(DispatchMode m) { return m == DispatchMode::kFused ? "fused" : "unfused"; }
+
+DispatchPlan PlanDispatch(const std::int32_t* experts, std::int64_t n, std::int64_t k, std::int64_t num_experts,
+                          std::int64_t alignment) {
+  RS_CHECK(n >= 0 && k >= 1 && num_experts >= 1 && alignment >= 0);
+  RS_CHECK_MSG(n * k < std::numeric_limits<std::int32_t>::max() / 2, "too many assignments: " << n * k);
+  DispatchPlan p;
+  p.num_tokens = n;
+  p.top_k = k;
+  p.num_experts = num_experts;
+  p.alignment = alignment;
+  const std::int64_t a = std::max<std::int64_t>(alignment, 1);
+  const auto e = Z(num_experts);
+  p.counts.assign(e, 0);
+  for (std::int64_t s = 0; s < n * k; ++s) {
+    RS_CHECK_MSG(experts[s] >= 0 && experts[s] < num_experts, "expert " << experts[s] << " out of range");
+    ++p.counts[Z(experts[s])];
+  }
+  p.padded_counts.resize(e);
+  p.pad_offsets.resize(e);
+  p.offsets.assign(e + 1, 0);
+  p.padded_offsets.assign(e + 1, 0);
+  std::int64_t pad = 0;
+  for (std::size_t i = 0; i < e; ++i) {
+    p.padded_counts[i] = (p.counts[i] + a - 1) / a * a;
+    p.pad_offsets[i] = pad;
+    pad += p.padded_counts[i] - p.counts[i];
+    p.offsets[i + 1] = p.offsets[i] + p.counts[i];
+    p.padded_offsets[i + 1] = p.padded_offsets[i] + p.padded_counts[i];
+  }
+  // A counting sort by expert; slots are visited in order, so tokens stay in order within
+  // each expert.
+  std::vector<std::int64_t> next(p.offsets.begin(), p.offsets.end() - 1);
+  p.row_of_slot.resize(Z(n * k));
+  p.slot_of_row.resize(Z(n * k));
+  p.padded_row_of_slot.resize(Z(n * k));
+  p.token_of_padded_row.assign(Z(p.padded_rows()), -1);
+  for (std::int64_t s = 0; s < n * k; ++s) {
+    const auto ex = Z(experts[s]);
+    const std::int64_t row = next[ex]++;
+    const std::int64_t prow = row + p.pad_offsets[ex];
+    p.row_of_slot[Z(s)] = static_cast<std::int32_t>(row);
+    p.slot_of_row[Z(row)] = static_cast<std::int32_t>(s);
+    p.padded_row_of_slot[Z(s)] = static_cast<std::int32_t>(prow);
+    p.token_of_padded_row[Z(prow)] = static_cast<std::int32_t>(s / k);
+  }
+  return p;
+}
+
+template <typename T>
+void PermutePad(const T* x, std::int64_t d, const DispatchPlan& plan, T* out) {
+  // One pass over the destination: each expert's rows, then its zero tail.
+  for (std::int64_t e = 0; e < plan.num_experts; ++e) {
+    const std::int64_t begin = plan.padded_offsets[Z(e)];
+    const std::int64_t filled = begin + plan.counts[Z(e)];
+    for (std::int64_t r = begin; r < filled; ++r) {
+      CopyRow(x + static_cast<std::int64_t>(plan.token_of_padded_row[Z(r)]) * d, d, out + r * d);
+    }
+    ZeroRows(out + filled * d, plan.padded_offsets[Z(e + 1)] - filled, d);
+  }
+}
+
+template <typename T>
+void UnpadUnpermute(const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs, T* out) {
+  GatherWeighted(y, d, plan.padded_row_of_slot.data(), probs, plan.num_tokens, plan.top_k, out);
+}
+
+template <typename T>
+void UnpadUnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs,
+                            T* dy, T* dprobs) {
+  ScatterWeighted(dout, y, d, plan.padded_row_of_slot.data(), probs, plan.num_tokens, plan.top_k, dy, dprobs);
+  for (std::int64_t e = 0; e < plan.num_experts; ++e) {
+    const std::int64_t filled = plan.padded_offsets[Z(e)] + plan.counts[Z(e)];
+    ZeroRows(dy + filled * d, plan.padded_offsets[Z(e + 1)] - filled, d);
+  }
+}
+
+template <typename T>
+void Permute(const T* x, std::int64_t d, const DispatchPlan& plan, T* out) {
+  for (std::int64_t r = 0; r < plan.rows(); ++r) {
+    CopyRow(x + static_cast<std::int64_t>(plan.slot_of_row[Z(r)]) / plan.top_k * d, d, out + r * d);
+  }
+}
+
+template <typename T>
+void Pad(const T* in, std::int64_t d, const DispatchPlan& plan, T* out) {
+  for (std::int64_t e = 0; e < plan.num_experts; ++e) {
+    const std::int64_t n = plan.counts[Z(e)];
+    T* dst = out + plan.padded_offsets[Z(e)] * d;
+    if (n > 0) std::memcpy(dst, in + plan.offsets[Z(e)] * d, Z(n * d) * sizeof(T));
+    ZeroRows(dst + n * d, plan.padded_counts[Z(e)] - n, d);
+  }
+}
+
+template <typename T>
+void Unpad(const T* in, std::int64_t d, const DispatchPlan& plan, T* out) {
+  for (std::int64_t e = 0; e < plan.num_experts; ++e) {
+    const std::int64_t n = plan.counts[Z(e)];
+    if (n > 0) std::memcpy(out + plan.offsets[Z(e)] * d, in + plan.padded_offsets[Z(e)] * d, Z(n * d) * sizeof(T));
+  }
+}
+
+template <typename T>
+void Unpermute(const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs, T* out) {
+  GatherWeighted(y, d, plan.row_of_slot.data(), probs, plan.num_tokens, plan.top_k, out);
+}
+
+template <typename T>
+void UnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs, T* dy,
+                       T* dprobs) {
+  ScatterWeighted(dout, y, d, plan.row_of_slot.data(), probs, plan.num_tokens, plan.top_k, dy, dprobs);
+}
+
+template <typename T>
+Buffer<T> DispatchForward(DispatchMode mode, const T* x, std::int64_t d, const DispatchPlan& plan) {
+  Buffer<T> out(Z(plan.padded_rows() * d));
+  if (mode == DispatchMode::kFused) {
+    PermutePad(x, d, plan, out.data());
+  } else {
+    Buffer<T> permuted(Z(plan.rows() * d));
+    Permute(x, d, plan, permuted.data());
+    Pad(permuted.data(), d, plan, out.data());
+  }
+  return out;
+}
+
+template <typename T>
+void CombineForward(DispatchMode mode, const T* y_pad, std::int64_t d, const DispatchPlan& plan, const T* probs,
+                    T* out) {
+  if (mode == DispatchMode::kFused) {
+    UnpadUnpermute(y_pad, d, plan, probs, out);
+  } else {
+    Buffer<T> y(Z(plan.rows() * d));
+    Unpad(y_pad, d, plan, y.data());
+    Unpermute(y.data(), d, plan, probs, out);
+  }
+}
+
+template <typename T>
+Buffer<T> CombineBackward(DispatchMode mode, const T* dout, const T* y_pad, std::int64_t d,
+                          const DispatchPlan& plan, const T* probs, T* dprobs) {
+  if (mode == DispatchMode::kFused) {
+    Buffer<T> dy_pad(Z(plan.padded_rows() * d));
+    UnpadUnpermuteBackward(dout, y_pad, d, plan, probs, dy_pad.data(), dprobs);
+    return dy_pad;
+  }
+  Buffer<T> y(Z(plan.rows() * d));
+  Unpad(y_pad, d, plan, y.data());
+  Buffer<T> dy(Z(plan.rows() * d));
+  UnpermuteBackward(dout, y.data(), d, plan, probs, dy.data(), dprobs);
+  Buffer<T>().swap(y);  // freed before the padded copy: the unfused peak is two buffers, not three
+  Buffer<T> dy_pad(Z(plan.padded_rows() * d));
+  Pad(dy.data(), d, plan, dy_pad.data());
+  return dy_pad;
+}
+
+template <typename T>
+void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const DispatchPlan& plan, T* dx) {
+  if (mode == DispatchMode::kFused) {
+    UnpadUnpermute(dx_pad, d, plan, static_cast<const T*>(nullptr), dx);
+  } else {
+    Buffer<T> dxr(Z(plan.rows() * d));
+    Unpad(dx_pad, d, plan, dxr.data());
+    Unpermute(dxr.data(), d, plan, static_cast<const T*>(nullptr), dx);
+  }
+}
+
+#define RS_INSTANTIATE(T)                                                                                         \
+  template void PermutePad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                  \
+  template void UnpadUnpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                    \
+  template void UnpadUnpermuteBackward<T>(const T*, const T*, std::int64_t, const DispatchPlan&, const T*, T*,  \
+                                          T*);                                                                    \
+  template void Permute<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                     \
+  template void Pad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                         \
+  template void Unpad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                       \
+  template void Unpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                         \
+  template void UnpermuteBackward<T>(const T*, const T*, std::int64_t, const DispatchPlan&, const T*, T*, T*);  \
+  template Buffer<T> DispatchForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&);         \
+  template void CombineForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, const T*, T*);      \
+  template Buffer<T> CombineBackward<T>(DispatchMode, const T*, const T*, std::int64_t, const DispatchPlan&, \
+                                             const T*, T*);                                                       \
+  template void DispatchBackward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, T*);
+RS_INSTANTIATE(float)
+RS_INSTANTIATE(double)
+#undef RS_INSTANTIATE
+
+}  // namespace rs::train

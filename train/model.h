@@ -1,0 +1,85 @@
+// The decoder-only MoE transformer of train/MODEL.md with every forward and backward pass
+// written out. Parameters (and buffers such as the expert bias) live in one flat array in
+// ModelParameters() order, gradients in a second array with the same offsets, so the optimizer,
+// gradient clipping, checkpointing and finite-difference checks see one vector.
+//
+// T is float for training and double for the gradient-check reference.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/model.h"
+#include "core/tensor_spec.h"
+#include "train/attention.h"
+#include "train/buffer.h"
+#include "train/experts.h"
+#include "train/moe.h"
+
+namespace rs::train {
+
+struct Losses {
+  double total = 0;  // ce + aux + z: what the backward pass differentiates
+  double ce = 0;     // mean next-token cross-entropy (nats)
+  double aux = 0;    // load-balancing losses, summed over MoE layers (coefficient included)
+  double z = 0;      // router z-losses, summed over MoE layers (coefficient included)
+  std::vector<std::vector<std::int64_t>> loads;  // per layer: assignments per expert (empty if dense)
+};
+
+template <typename T>
+class Transformer {
+ public:
+  // RS_CHECKs that the config validates.
+  Transformer(const ModelConfig& config, const DispatchOptions& dispatch);
+  ~Transformer();
+  Transformer(const Transformer&) = delete;
+  Transformer& operator=(const Transformer&) = delete;
+
+  const ModelConfig& config() const { return c_; }
+  const std::vector<TensorSpec>& specs() const { return specs_; }
+  std::span<T> params() { return params_; }
+  std::span<const T> params() const { return params_; }
+  std::span<T> grads() { return grads_; }
+  // Offset and size of tensor i (ModelParameters order) in params() / grads().
+  std::int64_t offset(std::size_t i) const { return offsets_[i]; }
+  std::int64_t numel(std::size_t i) const { return specs_[i].numel(); }
+  std::optional<std::size_t> index(const std::string& name) const;
+  // Whether tensor i is trained (parameters) or not (buffers: no gradient, no optimizer).
+  bool trainable(std::size_t i) const { return specs_[i].role == TensorRole::kParameter; }
+
+  // Fills the parameters from `seed` as MODEL.md §6 says (normal(0, std) matrices, output
+  // projections scaled by 1/sqrt(2·n_layers), norms 1, expert biases 0).
+  void Initialize(std::uint64_t seed, double init_std);
+
+  // inputs, targets: [batch, seq] token ids in [0, vocab). Returns the losses; with
+  // `backward` the gradients of `total` are ACCUMULATED into grads() (ZeroGrads first).
+  enum class Pass : std::uint8_t { kForward, kForwardBackward };
+  Losses Run(const std::int32_t* inputs, const std::int32_t* targets, std::int64_t batch, std::int64_t seq,
+             Pass pass);
+  void ZeroGrads();
+  // sigmoid_bias: b += u · sign(mean load − load) per MoE layer, from `losses.loads`.
+  void UpdateExpertBiases(const Losses& losses);
+
+ private:
+  struct Layer;
+  T* P(std::size_t i) { return params_.data() + offsets_[i]; }
+  T* G(std::size_t i) { return grads_.data() + offsets_[i]; }
+  std::size_t Need(const std::string& name) const;
+
+  ModelConfig c_;
+  DispatchOptions dispatch_;
+  std::vector<TensorSpec> specs_;
+  std::vector<std::int64_t> offsets_;
+  std::vector<T> params_, grads_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::size_t embedding_ = 0, final_norm_ = 0, output_ = 0;
+  // Activations of the last forward pass that the backward pass needs.
+  std::vector<std::int32_t> inputs_;
+  Buffer<T> h_final_, x_final_, rstd_final_, dlogits_;
+};
+
+}  // namespace rs::train

@@ -1,0 +1,67 @@
+// One MoE block (DESIGN §5): router -> dropless dispatch (fused or unfused) -> grouped SwiGLU
+// experts -> weighted combine, plus an optional shared expert applied to every token.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "core/model.h"
+#include "train/buffer.h"
+#include "train/dispatch.h"
+#include "train/experts.h"
+#include "train/router.h"
+
+namespace rs::train {
+
+struct DispatchOptions {
+  DispatchMode mode = DispatchMode::kFused;
+  std::int64_t alignment = 0;  // rows per expert are padded to a multiple of this (0: none)
+};
+
+template <typename T>
+struct MoeWeights {
+  const T* router = nullptr;       // [E, d]
+  const T* expert_bias = nullptr;  // [E] (sigmoid_bias only)
+  const T* fc1 = nullptr;          // [E, 2f, d]
+  const T* fc2 = nullptr;          // [E, d, f]
+  const T* shared_fc1 = nullptr;   // [2fs, d] when shared_ffn > 0
+  const T* shared_fc2 = nullptr;   // [d, fs]
+};
+
+template <typename T>
+struct MoeGrads {
+  T* router = nullptr;
+  T* fc1 = nullptr;
+  T* fc2 = nullptr;
+  T* shared_fc1 = nullptr;
+  T* shared_fc2 = nullptr;
+};
+
+template <typename T>
+class MoeLayer {
+ public:
+  MoeLayer(const ModelConfig& c, const DispatchOptions& dispatch);
+
+  // x: [n, d] (kept by pointer until Backward); y: [n, d] overwritten. The returned routing
+  // (experts, gate weights, loads, aux and z losses) stays valid until the next Forward.
+  const Routing<T>& Forward(const T* x, std::int64_t n, const MoeWeights<T>& w, T* y);
+  // Overwrites dx; accumulates parameter gradients. The aux and z losses enter with weight 1.
+  void Backward(const T* dy, const MoeWeights<T>& w, T* dx, const MoeGrads<T>& g);
+
+  const DispatchPlan& plan() const { return plan_; }
+
+ private:
+  std::int64_t d_, e_, shared_ffn_;
+  DispatchOptions dispatch_;
+  Router<T> router_;
+  GroupedSwiGlu<T> experts_;
+  GroupedSwiGlu<T> shared_;
+  const T* x_ = nullptr;
+  std::int64_t n_ = 0;
+  Routing<T> routing_;
+  DispatchPlan plan_;
+  Buffer<T> x_pad_;  // [padded rows, d] expert inputs
+  Buffer<T> y_pad_;  // [padded rows, d] expert outputs
+};
+
+}  // namespace rs::train

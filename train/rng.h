@@ -1,0 +1,33 @@
+// A small, fully specified random number generator (SplitMix64), so that initialisation and
+// batch sampling are reproducible across standard libraries (std::normal_distribution is not
+// specified bit-for-bit). MODEL.md gives the exact algorithm.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace rs::train {
+
+// The SplitMix64 output function (Steele, Lea, Flood 2014).
+std::uint64_t Mix64(std::uint64_t x);
+
+// FNV-1a 64 of `s`; used to give every parameter its own stream independent of order.
+std::uint64_t Fnv1a64(std::string_view s);
+
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : state_(seed) {}
+  // state += 0x9E3779B97F4A7C15; return Mix64(state).
+  std::uint64_t Next();
+  // (Next() >> 11) · 2^-53, in [0, 1).
+  double Uniform();
+  // Box–Muller, one value per two uniforms: sqrt(-2 ln(1 - u1)) · cos(2π u2).
+  double Normal();
+  // Uniform integer in [0, n): (Next() >> 11) mod n; n > 0.
+  std::uint64_t Below(std::uint64_t n);
+
+ private:
+  std::uint64_t state_;
+};
+
+}  // namespace rs::train

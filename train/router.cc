@@ -1,0 +1,330 @@
+#include "train/router.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "core/check.h"
+
+namespace rs::train {
+namespace {
+
+// Writes the k indices of the largest scores into out, by descending score, ties to the lower
+// index (a fixed rule, so routing is reproducible). Scores of −inf are never preferred over
+// finite ones, but can be chosen if fewer than k are finite (callers prevent that).
+template <typename S>
+void TopK(const S* score, std::int64_t e, std::int64_t k, std::int32_t* out, std::vector<std::int32_t>& idx) {
+  idx.resize(static_cast<std::size_t>(e));
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](std::int32_t a, std::int32_t b) {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  });
+  std::copy(idx.begin(), idx.begin() + k, out);
+}
+
+template <typename T>
+T Sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+}  // namespace
+
+RouterOptions RouterOptionsFromModel(const ModelConfig& c) {
+  RouterOptions o;
+  o.kind = c.router;
+  o.num_experts = c.n_experts;
+  o.top_k = c.top_k;
+  o.groups = c.router_groups;
+  o.groups_kept = c.router_groups_kept;
+  o.scale = c.router_scale;
+  o.aux_loss_coef = c.aux_loss_coef;
+  o.z_loss_coef = c.z_loss_coef;
+  return o;
+}
+
+template <typename T>
+std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_t e, double tol,
+                                    std::int64_t max_iters, std::int64_t* iterations) {
+  const auto sz = static_cast<std::size_t>(n * e);
+  std::vector<double> c(sz);
+  // exp(l − max) instead of exp(l): a constant factor is absorbed by the scalings, and this
+  // cannot overflow.
+  double mx = -std::numeric_limits<double>::infinity();
+  for (std::size_t i = 0; i < sz; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
+  for (std::size_t i = 0; i < sz; ++i) c[i] = std::exp(static_cast<double>(logits[i]) - mx);
+  std::vector<double> d0(static_cast<std::size_t>(n), 1.0), d1(static_cast<std::size_t>(e), 1.0);
+  std::vector<double> colsum(static_cast<std::size_t>(e));
+  const double inv_n = 1.0 / static_cast<double>(n), inv_e = 1.0 / static_cast<double>(e);
+  std::int64_t it = 0;
+  while (it < max_iters) {
+    ++it;
+    // Rows to 1/n: d0[t] = (1/n) / Σ_j C[t,j] d1[j].
+    for (std::int64_t t = 0; t < n; ++t) {
+      double s = 0;
+      for (std::int64_t j = 0; j < e; ++j) s += c[static_cast<std::size_t>(t * e + j)] * d1[static_cast<std::size_t>(j)];
+      d0[static_cast<std::size_t>(t)] = inv_n / s;
+    }
+    // Columns to 1/E: d1[j] = (1/E) / Σ_t d0[t] C[t,j].
+    std::fill(colsum.begin(), colsum.end(), 0.0);
+    for (std::int64_t t = 0; t < n; ++t) {
+      for (std::int64_t j = 0; j < e; ++j) {
+        colsum[static_cast<std::size_t>(j)] += d0[static_cast<std::size_t>(t)] * c[static_cast<std::size_t>(t * e + j)];
+      }
+    }
+    double change = 0;
+    for (std::int64_t j = 0; j < e; ++j) {
+      const double next = inv_e / colsum[static_cast<std::size_t>(j)];
+      change = std::max(change, std::abs(next / d1[static_cast<std::size_t>(j)] - 1.0));
+      d1[static_cast<std::size_t>(j)] = next;
+    }
+    if (change < tol) break;
+  }
+  if (iterations != nullptr) *iterations = it;
+  for (std::int64_t t = 0; t < n; ++t) {
+    for (std::int64_t j = 0; j < e; ++j) {
+      c[static_cast<std::size_t>(t * e + j)] *= d0[static_cast<std::size_t>(t)] * d1[static_cast<std::size_t>(j)];
+    }
+  }
+  return c;
+}
+
+template <typename T>
+Router<T>::Router(const RouterOptions& opts) : o_(opts) {
+  RS_CHECK(o_.num_experts > 0 && o_.top_k >= 1 && o_.top_k <= o_.num_experts);
+  if (o_.kind == RouterKind::kGroupLimited) {
+    RS_CHECK(o_.groups >= 1 && o_.num_experts % o_.groups == 0);
+    RS_CHECK(o_.groups_kept >= 1 && o_.groups_kept <= o_.groups);
+    RS_CHECK(o_.top_k <= o_.groups_kept * (o_.num_experts / o_.groups));
+  }
+}
+
+template <typename T>
+Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_bias) {
+  const std::int64_t e = o_.num_experts, k = o_.top_k;
+  const auto ne = static_cast<std::size_t>(n * e);
+  n_ = n;
+  Routing<T> r;
+  r.num_tokens = n;
+  r.top_k = k;
+  r.experts.resize(static_cast<std::size_t>(n * k));
+  r.probs.resize(static_cast<std::size_t>(n * k));
+  r.loads.assign(static_cast<std::size_t>(e), 0);
+
+  // Softmax and logsumexp of every row: needed by the aux loss and z-loss of every kind.
+  softmax_.resize(ne);
+  lse_.resize(static_cast<std::size_t>(n));
+  double z = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const T* l = logits + t * e;
+    T* s = softmax_.data() + t * e;
+    const T mx = *std::max_element(l, l + e);
+    T sum = 0;
+    for (std::int64_t j = 0; j < e; ++j) {
+      s[j] = std::exp(l[j] - mx);
+      sum += s[j];
+    }
+    for (std::int64_t j = 0; j < e; ++j) s[j] /= sum;
+    const T lse = mx + std::log(sum);
+    lse_[static_cast<std::size_t>(t)] = lse;
+    z += static_cast<double>(lse) * static_cast<double>(lse);
+  }
+  r.z_loss = o_.z_loss_coef * z / static_cast<double>(n);
+
+  const bool need_sigmoid =
+      o_.kind == RouterKind::kSigmoidBias || (o_.kind == RouterKind::kSinkhorn && k == 1);
+  if (need_sigmoid) {
+    sigmoid_.resize(ne);
+    for (std::size_t i = 0; i < ne; ++i) sigmoid_[i] = Sigmoid(logits[i]);
+  }
+  std::vector<double> balanced;
+  if (o_.kind == RouterKind::kSinkhorn) {
+    balanced = SinkhornBalance(logits, n, e, o_.sinkhorn_tol, o_.sinkhorn_max_iters, nullptr);
+  }
+  if (o_.kind == RouterKind::kSigmoidBias) RS_CHECK(expert_bias != nullptr);
+
+  std::vector<std::int32_t> idx;
+  std::vector<T> score(static_cast<std::size_t>(e));
+  const std::int64_t per_group = o_.kind == RouterKind::kGroupLimited ? e / o_.groups : e;
+  std::vector<T> group_score(static_cast<std::size_t>(o_.groups));
+  std::vector<std::int32_t> kept(static_cast<std::size_t>(o_.groups));
+  for (std::int64_t t = 0; t < n; ++t) {
+    const T* l = logits + t * e;
+    const T* s = softmax_.data() + t * e;
+    std::int32_t* sel = r.experts.data() + t * k;
+    T* p = r.probs.data() + t * k;
+    switch (o_.kind) {
+      case RouterKind::kTopKSoftmaxAfter: {
+        TopK(l, e, k, sel, idx);
+        const T mx = l[sel[0]];  // the largest chosen logit
+        T sum = 0;
+        for (std::int64_t j = 0; j < k; ++j) sum += (p[j] = std::exp(l[sel[j]] - mx));
+        for (std::int64_t j = 0; j < k; ++j) p[j] /= sum;
+        break;
+      }
+      case RouterKind::kSoftmaxBefore: {
+        TopK(s, e, k, sel, idx);
+        for (std::int64_t j = 0; j < k; ++j) p[j] = s[sel[j]];
+        break;
+      }
+      case RouterKind::kSigmoidBias: {
+        const T* sg = sigmoid_.data() + t * e;
+        for (std::int64_t j = 0; j < e; ++j) score[static_cast<std::size_t>(j)] = sg[j] + expert_bias[j];
+        TopK(score.data(), e, k, sel, idx);
+        T sum = 0;
+        for (std::int64_t j = 0; j < k; ++j) sum += sg[sel[j]];
+        const T norm = k > 1 ? static_cast<T>(o_.scale) / sum : static_cast<T>(o_.scale);
+        for (std::int64_t j = 0; j < k; ++j) p[j] = sg[sel[j]] * norm;
+        break;
+      }
+      case RouterKind::kGroupLimited: {
+        const std::int64_t g = o_.groups;
+        const std::int64_t m = std::min(per_group, std::max<std::int64_t>(1, k / o_.groups_kept));
+        std::vector<std::int32_t> top(static_cast<std::size_t>(m));
+        for (std::int64_t gi = 0; gi < g; ++gi) {
+          TopK(s + gi * per_group, per_group, m, top.data(), idx);
+          T sum = 0;
+          for (std::int64_t j = 0; j < m; ++j) sum += s[gi * per_group + top[static_cast<std::size_t>(j)]];
+          group_score[static_cast<std::size_t>(gi)] = sum;
+        }
+        TopK(group_score.data(), g, o_.groups_kept, kept.data(), idx);
+        std::fill(score.begin(), score.end(), -std::numeric_limits<T>::infinity());
+        for (std::int64_t gi = 0; gi < o_.groups_kept; ++gi) {
+          const std::int64_t first = kept[static_cast<std::size_t>(gi)] * per_group;
+          for (std::int64_t j = first; j < first + per_group; ++j) score[static_cast<std::size_t>(j)] = s[j];
+        }
+        TopK(score.data(), e, k, sel, idx);
+        for (std::int64_t j = 0; j < k; ++j) p[j] = s[sel[j]];
+        break;
+      }
+      case RouterKind::kSinkhorn: {
+        TopK(balanced.data() + t * e, e, k, sel, idx);
+        const T* gate = k == 1 ? sigmoid_.data() + t * e : s;
+        for (std::int64_t j = 0; j < k; ++j) p[j] = gate[sel[j]];
+        break;
+      }
+    }
+    for (std::int64_t j = 0; j < k; ++j) ++r.loads[static_cast<std::size_t>(sel[j])];
+  }
+
+  // Load-balancing loss c · E · Σ_i f_i · P_i, with P_i the mean router probability: the
+  // softmax for every kind except sigmoid_bias, whose probabilities are the sigmoids
+  // normalised per token.
+  f_.resize(static_cast<std::size_t>(e));
+  for (std::int64_t i = 0; i < e; ++i) {
+    f_[static_cast<std::size_t>(i)] =
+        static_cast<double>(r.loads[static_cast<std::size_t>(i)]) / static_cast<double>(n * k);
+  }
+  double aux = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (o_.kind == RouterKind::kSigmoidBias) {
+      const T* sg = sigmoid_.data() + t * e;
+      double sum = 0;
+      for (std::int64_t j = 0; j < e; ++j) sum += static_cast<double>(sg[j]);
+      for (std::int64_t j = 0; j < e; ++j) aux += f_[static_cast<std::size_t>(j)] * static_cast<double>(sg[j]) / sum;
+    } else {
+      const T* s = softmax_.data() + t * e;
+      for (std::int64_t j = 0; j < e; ++j) aux += f_[static_cast<std::size_t>(j)] * static_cast<double>(s[j]);
+    }
+  }
+  r.aux_loss = o_.aux_loss_coef * static_cast<double>(e) * aux / static_cast<double>(n);
+  last_.experts = r.experts;
+  last_.probs = r.probs;
+  return r;
+}
+
+template <typename T>
+void Router<T>::Backward(const T* dprobs, T* dlogits) const {
+  const std::int64_t n = n_, e = o_.num_experts, k = o_.top_k;
+  std::vector<T> g(static_cast<std::size_t>(e));
+  const T aux_scale = static_cast<T>(o_.aux_loss_coef * static_cast<double>(e) / static_cast<double>(n));
+  const T z_scale = static_cast<T>(2.0 * o_.z_loss_coef / static_cast<double>(n));
+  for (std::int64_t t = 0; t < n; ++t) {
+    const T* s = softmax_.data() + t * e;
+    const std::int32_t* sel = last_.experts.data() + t * k;
+    const T* p = last_.probs.data() + t * k;
+    const T* dp = dprobs + t * k;
+    T* dl = dlogits + t * e;
+    std::fill(dl, dl + e, T(0));
+    // Gradient w.r.t. the softmax over all E (softmax-before, group-limited, sinkhorn k>1)
+    // is collected in g and pushed through the softmax once, together with the aux loss.
+    std::fill(g.begin(), g.end(), T(0));
+    switch (o_.kind) {
+      case RouterKind::kTopKSoftmaxAfter: {
+        T dot = 0;
+        for (std::int64_t j = 0; j < k; ++j) dot += p[j] * dp[j];
+        for (std::int64_t j = 0; j < k; ++j) dl[sel[j]] += p[j] * (dp[j] - dot);
+        break;
+      }
+      case RouterKind::kSoftmaxBefore:
+      case RouterKind::kGroupLimited:
+        for (std::int64_t j = 0; j < k; ++j) g[static_cast<std::size_t>(sel[j])] += dp[j];
+        break;
+      case RouterKind::kSinkhorn:
+        if (k == 1) {
+          const T sg = sigmoid_[static_cast<std::size_t>(t * e + sel[0])];
+          dl[sel[0]] += dp[0] * sg * (T(1) - sg);
+        } else {
+          for (std::int64_t j = 0; j < k; ++j) g[static_cast<std::size_t>(sel[j])] += dp[j];
+        }
+        break;
+      case RouterKind::kSigmoidBias: {
+        const T* sg = sigmoid_.data() + t * e;
+        // p_j = c · s_j / Σ s (k > 1) or c · s_j (k = 1); ds_j, then through the sigmoid.
+        if (k > 1) {
+          T sum = 0;
+          for (std::int64_t j = 0; j < k; ++j) sum += sg[sel[j]];
+          T dot = 0;  // Σ_j dp_j p_j
+          for (std::int64_t j = 0; j < k; ++j) dot += dp[j] * p[j];
+          for (std::int64_t j = 0; j < k; ++j) {
+            const T ds = (static_cast<T>(o_.scale) * dp[j] - dot) / sum;
+            dl[sel[j]] += ds * sg[sel[j]] * (T(1) - sg[sel[j]]);
+          }
+        } else {
+          dl[sel[0]] += static_cast<T>(o_.scale) * dp[0] * sg[sel[0]] * (T(1) - sg[sel[0]]);
+        }
+        // Aux loss through π = s / Σ s: dπ_j = aux_scale · f_j; ds_j = (dπ_j − <dπ, π>) / Σ s.
+        T sum = 0;
+        for (std::int64_t j = 0; j < e; ++j) sum += sg[j];
+        T dot = 0;
+        for (std::int64_t j = 0; j < e; ++j) dot += static_cast<T>(f_[static_cast<std::size_t>(j)]) * sg[j] / sum;
+        for (std::int64_t j = 0; j < e; ++j) {
+          const T ds = aux_scale * (static_cast<T>(f_[static_cast<std::size_t>(j)]) - dot) / sum;
+          dl[j] += ds * sg[j] * (T(1) - sg[j]);
+        }
+        break;
+      }
+    }
+    if (o_.kind != RouterKind::kSigmoidBias) {
+      for (std::int64_t j = 0; j < e; ++j) g[static_cast<std::size_t>(j)] += aux_scale * static_cast<T>(f_[static_cast<std::size_t>(j)]);
+    }
+    T dot = 0;
+    for (std::int64_t j = 0; j < e; ++j) dot += g[static_cast<std::size_t>(j)] * s[j];
+    // Softmax backward of g, plus the z-loss: d/dl (c_z/n · lse²) = 2 c_z/n · lse · softmax.
+    const T zc = z_scale * lse_[static_cast<std::size_t>(t)];
+    for (std::int64_t j = 0; j < e; ++j) dl[j] += s[j] * (g[static_cast<std::size_t>(j)] - dot + zc);
+  }
+}
+
+template <typename T>
+void UpdateExpertBias(std::span<T> bias, std::span<const std::int64_t> loads, double rate) {
+  RS_CHECK(bias.size() == loads.size() && !bias.empty());
+  const double mean = static_cast<double>(std::accumulate(loads.begin(), loads.end(), std::int64_t{0})) /
+                      static_cast<double>(loads.size());
+  for (std::size_t i = 0; i < bias.size(); ++i) {
+    const double diff = mean - static_cast<double>(loads[i]);
+    const double sign = diff > 0 ? 1.0 : (diff < 0 ? -1.0 : 0.0);
+    bias[i] = static_cast<T>(static_cast<double>(bias[i]) + rate * sign);
+  }
+}
+
+template void UpdateExpertBias<float>(std::span<float>, std::span<const std::int64_t>, double);
+template void UpdateExpertBias<double>(std::span<double>, std::span<const std::int64_t>, double);
+template class Router<float>;
+template class Router<double>;
+template std::vector<double> SinkhornBalance<float>(const float*, std::int64_t, std::int64_t, double, std::int64_t,
+                                                    std::int64_t*);
+template std::vector<double> SinkhornBalance<double>(const double*, std::int64_t, std::int64_t, double,
+                                                     std::int64_t, std::int64_t*);
+
+}  // namespace rs::train
