@@ -1,0 +1,333 @@
+#include "formats/checkpoint_reader.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "formats/codec.h"
+#include "formats/thread_pool.h"
+
+namespace rs {
+namespace {
+
+// A piece's items that one main shard supplies.
+struct Part {
+  std::size_t shard = 0;
+  std::vector<Overlap> overlaps;  // a = the requested piece, b = the shard
+  std::int64_t items = 0;
+};
+
+// Global coordinates of item `local` of `piece`, for messages.
+std::string LocalToCoords(const Shape& shape, const Piece& piece, std::int64_t local) {
+  for (const Run& r : PieceToRuns(shape, piece)) {
+    if (local >= r.local_begin && local < r.local_begin + r.length) {
+      return FlatToCoords(shape, r.global_begin + (local - r.local_begin));
+    }
+  }
+  return "?";
+}
+
+// OutOfRange unless `piece` lies inside tensor `t` (checked without trusting any product).
+Status CheckPiece(const std::string& dir, const TensorSpec& t, const Piece& piece) {
+  const Shape& shape = t.shape;
+  const std::string where = dir + ": tensor '" + t.name + "' " + ShapeToString(shape);
+  bool inside = piece.box.offset.size() == shape.size() && piece.box.shape.size() == shape.size();
+  for (std::size_t d = 0; inside && d < shape.size(); ++d) {
+    const auto end = CheckedAdd(piece.box.offset[d], piece.box.shape[d]);
+    inside = piece.box.offset[d] >= 0 && piece.box.shape[d] >= 0 && end && *end <= shape[d];
+  }
+  if (!inside) return OutOfRange(where + ": box " + BoxToString(piece.box) + " lies outside the tensor");
+  if (piece.range && (piece.range->begin < 0 || piece.range->begin > piece.range->end ||
+                      piece.range->end > Numel(piece.box.shape))) {
+    return OutOfRange(where + ": range lies outside the box " + BoxToString(piece.box));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir, const ReaderOptions& options) {
+  RS_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir));
+  std::unique_ptr<CheckpointReader> r(new CheckpointReader());
+  r->dir_ = dir;
+  r->options_ = options;
+  r->manifest_ = std::move(m);
+  r->shards_of_.resize(r->manifest_.tensors.size());
+  for (std::size_t i = 0; i < r->manifest_.tensors.size(); ++i) r->tensor_index_.emplace(r->manifest_.tensors[i].name, i);
+  for (std::size_t i = 0; i < r->manifest_.shards.size(); ++i) {
+    r->shards_of_[r->tensor_index_.at(r->manifest_.shards[i].tensor)].push_back(i);
+  }
+  r->locations_.resize(r->manifest_.shards.size());
+  r->verified_.assign(r->manifest_.shards.size(), 0);
+  r->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
+  return r;
+}
+
+CheckpointReader::~CheckpointReader() = default;
+
+std::vector<std::string> CheckpointReader::TensorNames() const {
+  std::vector<std::string> names;
+  names.reserve(manifest_.tensors.size());
+  for (const TensorSpec& t : manifest_.tensors) names.push_back(t.name);
+  return names;
+}
+
+Result<const TensorSpec*> CheckpointReader::FindTensor(const std::string& name) const {
+  const auto it = tensor_index_.find(name);
+  if (it == tensor_index_.end()) return NotFound(dir_ + ": checkpoint has no tensor '" + name + "'");
+  return &manifest_.tensors[it->second];
+}
+
+const std::vector<std::size_t>& CheckpointReader::ShardsOf(const std::string& tensor) const {
+  static const std::vector<std::size_t> kNone;
+  const auto it = tensor_index_.find(tensor);
+  return it == tensor_index_.end() ? kNone : shards_of_[it->second];
+}
+
+std::string CheckpointReader::DescribeShard(std::size_t index) const {
+  const ShardEntry& s = manifest_.shards[index];
+  return dir_ + "/" + s.file + ", dataset '" + s.dataset + "' (tensor '" + s.tensor + "')";
+}
+
+Result<const ShardFileReader*> CheckpointReader::File(const std::string& file) {
+  // Called with mu_ held.
+  auto it = files_.find(file);
+  if (it == files_.end()) {
+    Result<std::unique_ptr<ShardFileReader>> f = ShardFileReader::Open(dir_ + "/" + file);
+    if (!f.ok()) {
+      // A file the manifest lists but the directory lacks is corruption of the checkpoint.
+      if (f.status().code() == ErrorCode::kNotFound) return DataLoss(f.status().message());
+      return f.status();
+    }
+    it = files_.emplace(file, std::move(f).value()).first;
+  }
+  return it->second.get();
+}
+
+Result<std::int64_t> CheckpointReader::FileSize(const std::string& file) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RS_ASSIGN_OR_RETURN(const ShardFileReader* f, File(file));
+  return f->file_size();
+}
+
+Result<ShardLocation> CheckpointReader::LocateShard(std::size_t index) {
+  RS_CHECK(index < manifest_.shards.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (locations_[index]) return *locations_[index];
+  const ShardEntry& s = manifest_.shards[index];
+  Result<const ShardFileReader*> f = File(s.file);
+  if (!f.ok()) return f.status().WithContext("tensor '" + s.tensor + "'");
+  RS_ASSIGN_OR_RETURN(ShardLocation loc, (*f)->Locate(s.dataset, s.codec, s.nbytes, DescribeShard(index)));
+  locations_[index] = loc;
+  return loc;
+}
+
+Status CheckpointReader::VerifyBytes(std::size_t index, std::span<const std::byte> bytes) {
+  const ShardEntry& s = manifest_.shards[index];
+  const std::uint64_t h = Xxh3(bytes);
+  if (h != s.checksum) {
+    return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of its " +
+                    std::to_string(s.nbytes) + " bytes (offset 0, length " + std::to_string(s.nbytes) +
+                    " of the shard), expected " + ChecksumToString(s.checksum));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  verified_[index] = 1;
+  return Status::Ok();
+}
+
+Status CheckpointReader::VerifyShard(std::size_t index) {
+  RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+  const ShardFileReader* f = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    f = files_.at(manifest_.shards[index].file).get();
+  }
+  const ShardEntry& s = manifest_.shards[index];
+  Xxh3Stream hash;
+  RS_RETURN_IF_ERROR(f->Stream(loc, pool_.get(), DescribeShard(index),
+                               [&hash](std::span<const std::byte> block) { hash.Update(block); }));
+  const std::uint64_t h = hash.Digest();
+  if (h != s.checksum) {
+    std::string where = loc.codec == Codec::kNone
+                            ? "file offset " + std::to_string(loc.offset) + ", length " + std::to_string(s.nbytes)
+                            : std::to_string(loc.chunks.size()) + " zstd chunks, " + std::to_string(loc.stored_bytes()) +
+                                  " stored bytes, " + std::to_string(s.nbytes) + " uncompressed";
+    return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of the data at " + where +
+                    ", expected " + ChecksumToString(s.checksum));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  verified_[index] = 1;
+  return Status::Ok();
+}
+
+Status CheckpointReader::EnsureVerified(std::size_t index) {
+  if (options_.checksums == ChecksumPolicy::kSkip) return Status::Ok();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (verified_[index] != 0) return Status::Ok();
+  }
+  return VerifyShard(index);
+}
+
+Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_begin, std::span<std::byte> out) {
+  RS_CHECK(index < manifest_.shards.size());
+  const ShardEntry& s = manifest_.shards[index];
+  const auto len = static_cast<std::int64_t>(out.size());
+  if (byte_begin < 0 || byte_begin > s.nbytes || len > s.nbytes - byte_begin) {
+    return OutOfRange(DescribeShard(index) + ": bytes [" + std::to_string(byte_begin) + ", +" + std::to_string(len) +
+                      ") outside the shard's " + std::to_string(s.nbytes));
+  }
+  RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+  const bool whole = byte_begin == 0 && len == s.nbytes;
+  bool need_verify = false;
+  if (options_.checksums == ChecksumPolicy::kVerify) {
+    std::lock_guard<std::mutex> lock(mu_);
+    need_verify = verified_[index] == 0;
+  }
+  // A partial read of an unverified shard verifies the whole shard first (one extra pass); a
+  // whole read verifies the bytes it read.
+  if (need_verify && !whole) RS_RETURN_IF_ERROR(VerifyShard(index));
+  const ShardFileReader* f = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    f = files_.at(s.file).get();
+  }
+  RS_RETURN_IF_ERROR(f->ReadRange(loc, byte_begin, out, pool_.get(), DescribeShard(index)));
+  if (need_verify && whole) RS_RETURN_IF_ERROR(VerifyBytes(index, out));
+  return Status::Ok();
+}
+
+Result<std::vector<std::byte>> CheckpointReader::ReadShard(std::size_t index) {
+  RS_CHECK(index < manifest_.shards.size());
+  std::vector<std::byte> out(static_cast<std::size_t>(manifest_.shards[index].nbytes));
+  RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+  const ShardFileReader* f = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    f = files_.at(manifest_.shards[index].file).get();
+  }
+  RS_RETURN_IF_ERROR(f->ReadRange(loc, 0, out, pool_.get(), DescribeShard(index)));
+  RS_RETURN_IF_ERROR(VerifyBytes(index, out));
+  return out;
+}
+
+Status CheckpointReader::ReadPiece(const std::string& tensor, const Piece& piece, std::span<std::byte> out) {
+  RS_ASSIGN_OR_RETURN(const TensorSpec* t, FindTensor(tensor));
+  RS_RETURN_IF_ERROR(CheckPiece(dir_, *t, piece));
+  const Shape& shape = t->shape;
+  const std::string where = dir_ + ": tensor '" + tensor + "' " + ShapeToString(shape);
+  const auto es = static_cast<std::int64_t>(DTypeSize(t->dtype));
+  const std::int64_t numel = piece.numel();
+  if (static_cast<std::int64_t>(out.size()) != numel * es) {
+    return InvalidArgument(where + ": output buffer holds " + std::to_string(out.size()) + " bytes, the piece needs " +
+                           std::to_string(numel * es));
+  }
+  if (numel == 0) return Status::Ok();
+
+  // Plan: which main shard supplies which items, and check that they tile the piece exactly.
+  std::vector<Part> parts;
+  struct Interval {
+    std::int64_t begin, end;
+    std::size_t shard;
+  };
+  std::vector<Interval> intervals;
+  for (const std::size_t idx : ShardsOf(tensor)) {
+    const ShardEntry& s = manifest_.shards[idx];
+    if (s.replica != ReplicaKind::kMain) continue;
+    Part p{idx, IntersectPieces(shape, piece, s.piece), 0};
+    if (p.overlaps.empty()) continue;
+    for (const Overlap& o : p.overlaps) {
+      intervals.push_back({o.a_local, o.a_local + o.length, idx});
+      p.items += o.length;
+    }
+    parts.push_back(std::move(p));
+  }
+  std::sort(intervals.begin(), intervals.end(), [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
+  std::int64_t pos = 0;
+  std::size_t last_shard = 0;
+  for (const Interval& iv : intervals) {
+    if (iv.begin > pos) {
+      return DataLoss(where + " (manifest " + dir_ + "/manifest.json): no main shard holds items from " +
+                      LocalToCoords(shape, piece, pos) + " to " + LocalToCoords(shape, piece, iv.begin - 1) +
+                      " of the requested piece (" + std::to_string(iv.begin - pos) + " items)");
+    }
+    if (iv.begin < pos) {
+      return DataLoss(where + ": item " + LocalToCoords(shape, piece, iv.begin) + " is held by two main shards: " +
+                      DescribeShard(last_shard) + " and " + DescribeShard(iv.shard));
+    }
+    pos = iv.end;
+    last_shard = iv.shard;
+  }
+  if (pos < numel) {
+    return DataLoss(where + " (manifest " + dir_ + "/manifest.json): no main shard holds items from " +
+                    LocalToCoords(shape, piece, pos) + " to " + LocalToCoords(shape, piece, numel - 1) +
+                    " of the requested piece (" + std::to_string(numel - pos) + " items)");
+  }
+
+  // Execute: one task per shard; each reads either straight into `out` or one span into a
+  // scratch buffer that it scatters.
+  std::mutex err_mu;
+  Status first_error;
+  auto read_part = [&](const Part& p) -> Status {
+    const ShardEntry& s = manifest_.shards[p.shard];
+    const bool whole = p.items == s.piece.numel();
+    if (p.overlaps.size() == 1) {
+      const Overlap& o = p.overlaps.front();
+      return ReadShardRange(p.shard, o.b_local * es,
+                            out.subspan(static_cast<std::size_t>(o.a_local * es), static_cast<std::size_t>(o.length * es)));
+    }
+    std::int64_t lo = p.overlaps.front().b_local, hi = lo;
+    for (const Overlap& o : p.overlaps) {
+      lo = std::min(lo, o.b_local);
+      hi = std::max(hi, o.b_local + o.length);
+    }
+    // Few large runs of an uncompressed shard: read each in place rather than the span.
+    if (s.codec == Codec::kNone && !whole && (hi - lo) > 2 * p.items &&
+        p.items * es / static_cast<std::int64_t>(p.overlaps.size()) >= (std::int64_t{64} << 10)) {
+      for (const Overlap& o : p.overlaps) {
+        RS_RETURN_IF_ERROR(ReadShardRange(p.shard, o.b_local * es,
+                                          out.subspan(static_cast<std::size_t>(o.a_local * es),
+                                                      static_cast<std::size_t>(o.length * es))));
+      }
+      return Status::Ok();
+    }
+    std::vector<std::byte> tmp(static_cast<std::size_t>((hi - lo) * es));
+    RS_RETURN_IF_ERROR(ReadShardRange(p.shard, lo * es, tmp));
+    for (const Overlap& o : p.overlaps) {
+      std::memcpy(out.data() + o.a_local * es, tmp.data() + (o.b_local - lo) * es, static_cast<std::size_t>(o.length * es));
+    }
+    return Status::Ok();
+  };
+  if (parts.size() == 1) return read_part(parts.front());
+  {
+    TaskGroup group(pool_.get());
+    for (const Part& p : parts) {
+      group.Run([&, &p = p] {
+        Status s = read_part(p);
+        if (!s.ok()) {
+          std::lock_guard<std::mutex> lock(err_mu);
+          if (first_error.ok()) first_error = std::move(s);
+        }
+      });
+    }
+    group.Wait();
+  }
+  return first_error;
+}
+
+Result<std::vector<std::byte>> CheckpointReader::ReadPiece(const std::string& tensor, const Piece& piece) {
+  RS_ASSIGN_OR_RETURN(const TensorSpec* t, FindTensor(tensor));
+  RS_RETURN_IF_ERROR(CheckPiece(dir_, *t, piece));
+  const auto bytes = static_cast<std::size_t>(piece.numel()) * DTypeSize(t->dtype);  // within the tensor
+  std::vector<std::byte> out(bytes);
+  RS_RETURN_IF_ERROR(ReadPiece(tensor, piece, out));
+  return out;
+}
+
+Result<std::vector<std::byte>> CheckpointReader::ReadTensor(const std::string& tensor) {
+  RS_ASSIGN_OR_RETURN(const TensorSpec* t, FindTensor(tensor));
+  return ReadPiece(tensor, Piece{Box::Full(t->shape), std::nullopt});
+}
+
+}  // namespace rs

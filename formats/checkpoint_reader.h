@@ -1,0 +1,94 @@
+// Reading a committed checkpoint (FORMAT.md §7): any box or flat range of any logical tensor,
+// assembled from the main-replica shards that cover it. Every offset and size taken from a
+// file is bounds-checked first; corruption is DataLoss naming the file, the tensor, the offset,
+// the length and what was expected. All methods are safe to call from several threads.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/shape.h"
+#include "core/status.h"
+#include "core/tensor_spec.h"
+#include "formats/manifest.h"
+#include "formats/shard_file.h"
+
+namespace rs {
+
+class ThreadPool;
+
+// Whether reads check each shard's XXH3-64 against the manifest. A shard is verified once,
+// in full, the first time any part of it is read.
+enum class ChecksumPolicy : std::uint8_t { kVerify, kSkip };
+
+struct ReaderOptions {
+  int threads = 0;  // decompression / read workers; 0 = hardware concurrency
+  ChecksumPolicy checksums = ChecksumPolicy::kVerify;
+};
+
+class CheckpointReader {
+ public:
+  // Reads and validates "<dir>/manifest.json" (see ReadManifest for the errors). Data files are
+  // opened lazily, on first use.
+  static Result<std::unique_ptr<CheckpointReader>> Open(const std::string& dir, const ReaderOptions& options = {});
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  const std::string& dir() const { return dir_; }
+  const Manifest& manifest() const { return manifest_; }
+  std::vector<std::string> TensorNames() const;
+  // NotFound if the checkpoint has no such tensor.
+  Result<const TensorSpec*> FindTensor(const std::string& name) const;
+  // Indices into manifest().shards of the tensor's shards (main replicas and replicas).
+  const std::vector<std::size_t>& ShardsOf(const std::string& tensor) const;
+
+  // Reads `piece` of `tensor` into `out` (piece.numel() * dtype size bytes, row-major,
+  // little-endian), from the main-replica shards that overlap it. NotFound: unknown tensor;
+  // OutOfRange: piece outside the tensor; InvalidArgument: wrong `out` size; DataLoss: items
+  // of the piece covered by no main shard or by two, or any corrupt shard read.
+  Status ReadPiece(const std::string& tensor, const Piece& piece, std::span<std::byte> out);
+  Result<std::vector<std::byte>> ReadPiece(const std::string& tensor, const Piece& piece);
+  Result<std::vector<std::byte>> ReadTensor(const std::string& tensor);
+
+  // Bytes [byte_begin, byte_begin + out.size()) of shard `index`'s uncompressed buffer
+  // (checksum-verified per the policy). OutOfRange if the range is outside the shard.
+  Status ReadShardRange(std::size_t index, std::int64_t byte_begin, std::span<std::byte> out);
+  // The whole uncompressed buffer of shard `index`, always checksum-verified.
+  Result<std::vector<std::byte>> ReadShard(std::size_t index);
+  // Streams shard `index` once and compares its XXH3-64 with the manifest (DataLoss on mismatch).
+  Status VerifyShard(std::size_t index);
+  // Opens the shard's file and validates its dataset (DataLoss: missing file or dataset,
+  // extents past the end of the file, wrong type / size / layout).
+  Result<ShardLocation> LocateShard(std::size_t index);
+  // "<dir>/<file>, dataset '<ds>' (tensor '<name>')": how messages name a shard.
+  std::string DescribeShard(std::size_t index) const;
+  // Size in bytes of a data file (for checks that it is large enough); DataLoss if missing.
+  Result<std::int64_t> FileSize(const std::string& file);
+
+ private:
+  CheckpointReader() = default;
+  Result<const ShardFileReader*> File(const std::string& file);
+  Status EnsureVerified(std::size_t index);
+  Status VerifyBytes(std::size_t index, std::span<const std::byte> bytes);
+
+  std::string dir_;
+  ReaderOptions options_;
+  Manifest manifest_;
+  std::map<std::string, std::size_t> tensor_index_;
+  std::vector<std::vector<std::size_t>> shards_of_;  // per tensor
+
+  std::unique_ptr<ThreadPool> pool_;
+  std::mutex mu_;  // guards the caches below
+  std::map<std::string, std::unique_ptr<ShardFileReader>> files_;
+  std::vector<std::optional<ShardLocation>> locations_;
+  std::vector<unsigned char> verified_;
+};
+
+}  // namespace rs
