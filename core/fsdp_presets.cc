@@ -1,0 +1,186 @@
+#include "core/fsdp_presets.h"
+
+#include <nlohmann/json.hpp>
+
+namespace rs {
+namespace {
+
+struct Mla {
+  std::int64_t q_lora = 0, kv_lora = 0, heads = 0, qk_nope = 0, qk_rope = 0, v_dim = 0;
+};
+struct Gqa {
+  std::int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
+  bool qk_norm = false;
+};
+
+struct PresetShape {
+  std::string_view name;
+  std::int64_t d = 0, layers = 0, vocab = 0;
+  std::int64_t first_dense = 0, dense_ffn = 0;
+  std::int64_t experts = 0, moe_ffn = 0, shared_ffn = 0;
+  bool mla = false;
+  Mla m;
+  Gqa g;
+};
+
+// Published configurations (shapes only).
+const PresetShape kPresets[] = {
+    {.name = "deepseek-v3", .d = 7168, .layers = 61, .vocab = 129280, .first_dense = 3, .dense_ffn = 18432,
+     .experts = 256, .moe_ffn = 2048, .shared_ffn = 2048, .mla = true,
+     .m = {.q_lora = 1536, .kv_lora = 512, .heads = 128, .qk_nope = 128, .qk_rope = 64, .v_dim = 128}, .g = {}},
+    {.name = "qwen3-30b-a3b", .d = 2048, .layers = 48, .vocab = 151936, .first_dense = 0, .dense_ffn = 0,
+     .experts = 128, .moe_ffn = 768, .shared_ffn = 0, .mla = false, .m = {},
+     .g = {.q_heads = 32, .kv_heads = 4, .head_dim = 128, .qk_norm = true}},
+    {.name = "mixtral-8x7b", .d = 4096, .layers = 32, .vocab = 32000, .first_dense = 0, .dense_ffn = 0,
+     .experts = 8, .moe_ffn = 14336, .shared_ffn = 0, .mla = false, .m = {},
+     .g = {.q_heads = 32, .kv_heads = 8, .head_dim = 128, .qk_norm = false}},
+};
+
+class Builder {
+ public:
+  Builder(const FsdpPresetOptions& o, std::int64_t layers) : o_(o), layers_(layers) {}
+  // unit of layer `layer`; kPre / kPost for the embedding / the head.
+  static constexpr std::int64_t kPre = -1, kPost = -2;
+  std::int64_t Unit(std::int64_t layer) const {
+    if (o_.layers_per_unit == 0 || layer == kPre) return 0;
+    if (layer == kPost) return 1 + (layers_ - 1) / o_.layers_per_unit + 1;
+    return 1 + layer / o_.layers_per_unit;
+  }
+  void Add(std::int64_t layer, std::string name, Shape shape, bool expert = false) {
+    params_.push_back({std::move(name), std::move(shape), o_.dtype, expert, /*requires_grad=*/true, Unit(layer)});
+  }
+  std::vector<FsdpParam> Take() { return std::move(params_); }
+
+ private:
+  FsdpPresetOptions o_;
+  std::int64_t layers_;
+  std::vector<FsdpParam> params_;
+};
+
+}  // namespace
+
+std::vector<std::string> FsdpPresetNames() {
+  std::vector<std::string> out;
+  for (const auto& p : kPresets) out.emplace_back(p.name);
+  return out;
+}
+
+Result<std::vector<FsdpParam>> FsdpPresetParams(std::string_view name, const FsdpPresetOptions& o) {
+  const PresetShape* s = nullptr;
+  for (const auto& p : kPresets) {
+    if (p.name == name) s = &p;
+  }
+  if (s == nullptr) {
+    std::string known;
+    for (const auto& n : FsdpPresetNames()) known += (known.empty() ? "" : ", ") + n;
+    return NotFound("unknown model preset '" + std::string(name) + "' (known: " + known + ")");
+  }
+  if (o.ep < 1 || s->experts % o.ep != 0) {
+    return InvalidArgument("ep " + std::to_string(o.ep) + " must be >= 1 and divide the " +
+                           std::to_string(s->experts) + " experts of " + std::string(name));
+  }
+  if (o.layers_per_unit < 0) return InvalidArgument("layers per unit must not be negative");
+  const std::int64_t d = s->d, local_experts = s->experts / o.ep;
+  Builder b(o, s->layers);
+  b.Add(Builder::kPre, "embedding.weight", {s->vocab, d});
+  for (std::int64_t i = 0; i < s->layers; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    b.Add(i, l + "attn_norm.weight", {d});
+    if (s->mla) {
+      const Mla& m = s->m;
+      b.Add(i, l + "attn.q_a.weight", {m.q_lora, d});
+      b.Add(i, l + "attn.q_a_norm.weight", {m.q_lora});
+      b.Add(i, l + "attn.q_b.weight", {m.heads * (m.qk_nope + m.qk_rope), m.q_lora});
+      b.Add(i, l + "attn.kv_a.weight", {m.kv_lora + m.qk_rope, d});
+      b.Add(i, l + "attn.kv_a_norm.weight", {m.kv_lora});
+      b.Add(i, l + "attn.kv_b.weight", {m.heads * (m.qk_nope + m.v_dim), m.kv_lora});
+      b.Add(i, l + "attn.out.weight", {d, m.heads * m.v_dim});
+    } else {
+      const Gqa& g = s->g;
+      b.Add(i, l + "attn.qkv.weight", {(g.q_heads + 2 * g.kv_heads) * g.head_dim, d});
+      if (g.qk_norm) {
+        b.Add(i, l + "attn.q_norm.weight", {g.head_dim});
+        b.Add(i, l + "attn.k_norm.weight", {g.head_dim});
+      }
+      b.Add(i, l + "attn.out.weight", {d, g.q_heads * g.head_dim});
+    }
+    b.Add(i, l + "mlp_norm.weight", {d});
+    if (i < s->first_dense) {
+      b.Add(i, l + "mlp.fc1.weight", {2 * s->dense_ffn, d});
+      b.Add(i, l + "mlp.fc2.weight", {d, s->dense_ffn});
+      continue;
+    }
+    b.Add(i, l + "moe.router.weight", {s->experts, d});
+    const std::int64_t f = s->moe_ffn;
+    if (o.per_expert_2d) {
+      for (std::int64_t e = 0; e < local_experts; ++e) {
+        const std::string x = l + "moe.experts." + std::to_string(e) + ".";
+        b.Add(i, x + "fc1.weight", {2 * f, d}, /*expert=*/true);
+        b.Add(i, x + "fc2.weight", {d, f}, /*expert=*/true);
+      }
+    } else {
+      b.Add(i, l + "moe.experts.fc1.weight", {local_experts, 2 * f, d}, /*expert=*/true);
+      b.Add(i, l + "moe.experts.fc2.weight", {local_experts, d, f}, /*expert=*/true);
+    }
+    if (s->shared_ffn > 0) {
+      b.Add(i, l + "moe.shared.fc1.weight", {2 * s->shared_ffn, d});
+      b.Add(i, l + "moe.shared.fc2.weight", {d, s->shared_ffn});
+    }
+  }
+  b.Add(Builder::kPost, "final_norm.weight", {d});
+  b.Add(Builder::kPost, "output.weight", {s->vocab, d});
+  return b.Take();
+}
+
+Result<std::vector<FsdpParam>> FsdpParamsFromJson(const nlohmann::json& j) {
+  const nlohmann::json* list = &j;
+  if (j.is_object()) {
+    for (const auto& [key, value] : j.items()) {
+      if (key != "params") return InvalidArgument("model file: unknown key '" + key + "' (expected 'params')");
+    }
+    if (!j.contains("params")) return InvalidArgument("model file: missing 'params'");
+    list = &j["params"];
+  }
+  if (!list->is_array()) return InvalidArgument("model file: 'params' must be an array of parameters");
+  std::vector<FsdpParam> out;
+  for (std::size_t i = 0; i < list->size(); ++i) {
+    const nlohmann::json& e = (*list)[i];
+    const std::string where = "model file: params[" + std::to_string(i) + "]";
+    if (!e.is_object()) return InvalidArgument(where + " must be an object");
+    FsdpParam p;
+    bool has_name = false, has_shape = false;
+    for (const auto& [key, value] : e.items()) {
+      if (key == "name") {
+        if (!value.is_string()) return InvalidArgument(where + ": 'name' must be a string");
+        p.name = value.get<std::string>();
+        has_name = true;
+      } else if (key == "shape") {
+        if (!value.is_array()) return InvalidArgument(where + ": 'shape' must be an array of integers");
+        for (const auto& dim : value) {
+          if (!dim.is_number_integer() || dim.get<std::int64_t>() < 0) {
+            return InvalidArgument(where + ": 'shape' must hold non-negative integers");
+          }
+          p.shape.push_back(dim.get<std::int64_t>());
+        }
+        has_shape = true;
+      } else if (key == "dtype") {
+        const auto t = value.is_string() ? ParseDType(value.get<std::string>()) : std::nullopt;
+        if (!t) return InvalidArgument(where + ": 'dtype' must be a dtype name such as \"bf16\"");
+        p.dtype = *t;
+      } else if (key == "expert" || key == "requires_grad") {
+        if (!value.is_boolean()) return InvalidArgument(where + ": '" + key + "' must be true or false");
+        (key == "expert" ? p.expert : p.requires_grad) = value.get<bool>();
+      } else if (key == "unit") {
+        if (!value.is_number_integer()) return InvalidArgument(where + ": 'unit' must be an integer");
+        p.unit = value.get<std::int64_t>();
+      } else {
+        return InvalidArgument(where + ": unknown key '" + key + "'");
+      }
+    }
+    if (!has_name || !has_shape) return InvalidArgument(where + ": 'name' and 'shape' are required");
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+}  // namespace rs
