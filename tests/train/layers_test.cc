@@ -1,0 +1,165 @@
+// Gradient checks (float64 central differences, see grad_check.h) for the dense layers:
+// RMSNorm, the grouped SwiGLU block (dense MLP, shared expert, routed experts), causal GQA
+// attention with RoPE; plus properties of the rotary embedding.
+// Test code indexes std::vector with the library's int64 sizes throughout; the casts would
+// bury the maths, so this one warning is off in tests (the library itself is clean).
+#pragma GCC diagnostic ignored "-Wsign-conversion"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "tests/train/grad_check.h"
+#include "train/attention.h"
+#include "train/experts.h"
+#include "train/layers.h"
+
+namespace rs::train {
+namespace {
+
+using testing::Dot;
+using testing::ExpectGradMatches;
+using testing::RandomVector;
+
+TEST(RmsNormTest, GradientMatchesFiniteDifferences) {
+  const std::int64_t n = 5, d = 7;
+  auto x = RandomVector(n * d, 1);
+  auto w = RandomVector(d, 2);
+  const auto r = RandomVector(n * d, 3);
+  std::vector<double> y(n * d), rstd(n);
+  auto loss = [&] {
+    RmsNormForward(x.data(), w.data(), n, d, 1e-5, y.data(), rstd.data());
+    return Dot(y, r);
+  };
+  loss();
+  std::vector<double> dx(n * d), dw(d, 0.0);
+  RmsNormBackward(r.data(), x.data(), w.data(), rstd.data(), n, d, dx.data(), dw.data());
+  ExpectGradMatches("rmsnorm.x", x, dx, loss);
+  ExpectGradMatches("rmsnorm.w", w, dw, loss);
+}
+
+TEST(CrossEntropyTest, GradientMatchesAndValueIsLogVocabForZeroLogits) {
+  const std::int64_t n = 4, v = 9;
+  std::vector<std::int32_t> targets = {0, 8, 3, 3};
+  std::vector<double> zeros(n * v, 0.0);
+  EXPECT_NEAR(CrossEntropy(zeros.data(), targets.data(), n, v, static_cast<double*>(nullptr)), std::log(9.0), 1e-12);
+  auto logits = RandomVector(n * v, 4, 2.0);
+  std::vector<double> dl(n * v);
+  CrossEntropy(logits.data(), targets.data(), n, v, dl.data());
+  ExpectGradMatches("ce.logits", logits, dl,
+                    [&] { return CrossEntropy(logits.data(), targets.data(), n, v, static_cast<double*>(nullptr)); });
+}
+
+// Dense MLP = one group; routed experts = several groups, including an empty one.
+void CheckGroupedSwiGlu(const std::vector<std::int64_t>& rows, const char* name) {
+  const std::int64_t d = 6, f = 5;
+  const auto g = static_cast<std::int64_t>(rows.size());
+  std::int64_t n = 0;
+  for (auto r : rows) n += r;
+  auto x = RandomVector(n * d, 10);
+  auto fc1 = RandomVector(g * 2 * f * d, 11, 0.5);
+  auto fc2 = RandomVector(g * d * f, 12, 0.5);
+  const auto r = RandomVector(n * d, 13);
+  std::vector<double> y(n * d);
+  GroupedSwiGlu<double> mlp(d, f);
+  auto loss = [&] {
+    mlp.Forward(x.data(), rows, fc1.data(), fc2.data(), y.data());
+    return Dot(y, r);
+  };
+  loss();
+  std::vector<double> dx(n * d), dfc1(fc1.size(), 0.0), dfc2(fc2.size(), 0.0);
+  mlp.Backward(r.data(), fc1.data(), fc2.data(), dx.data(), dfc1.data(), dfc2.data());
+  ExpectGradMatches(std::string(name) + ".x", x, dx, loss);
+  ExpectGradMatches(std::string(name) + ".fc1", fc1, dfc1, loss);
+  ExpectGradMatches(std::string(name) + ".fc2", fc2, dfc2, loss);
+}
+
+TEST(SwiGluTest, DenseGradientMatchesFiniteDifferences) { CheckGroupedSwiGlu({7}, "dense"); }
+TEST(SwiGluTest, GroupedExpertsGradientMatchesFiniteDifferences) { CheckGroupedSwiGlu({3, 0, 4, 2}, "experts"); }
+
+TEST(SwiGluTest, ZeroRowsGiveZeroOutputsAndNoWeightGradient) {
+  const std::int64_t d = 4, f = 3;
+  std::vector<double> x(2 * d, 0.0), y(2 * d, 1.0);
+  auto fc1 = RandomVector(2 * f * d, 1), fc2 = RandomVector(d * f, 2);
+  GroupedSwiGlu<double> mlp(d, f);
+  const std::int64_t rows[] = {2};
+  mlp.Forward(x.data(), rows, fc1.data(), fc2.data(), y.data());
+  for (double v : y) EXPECT_EQ(v, 0.0);
+  auto dy = RandomVector(2 * d, 3);
+  std::vector<double> dx(2 * d), d1(fc1.size(), 0.0), d2(fc2.size(), 0.0);
+  mlp.Backward(dy.data(), fc1.data(), fc2.data(), dx.data(), d1.data(), d2.data());
+  for (double v : d1) EXPECT_EQ(v, 0.0);
+  for (double v : d2) EXPECT_EQ(v, 0.0);
+}
+
+TEST(RopeTest, InverseUndoesForwardAndScoresDependOnRelativePosition) {
+  const std::int64_t dh = 8, half = dh / 2;
+  auto q = RandomVector(dh, 1), k = RandomVector(dh, 2);
+  auto table = [&](double pos, std::vector<double>& c, std::vector<double>& s) {
+    c.resize(half);
+    s.resize(half);
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double a = pos * std::pow(10000.0, -2.0 * static_cast<double>(i) / dh);
+      c[i] = std::cos(a);
+      s[i] = std::sin(a);
+    }
+  };
+  std::vector<double> c, s;
+  auto x = q;
+  table(5, c, s);
+  ApplyRope(x.data(), 1, dh, c.data(), s.data(), RopeDirection::kForward);
+  ApplyRope(x.data(), 1, dh, c.data(), s.data(), RopeDirection::kInverse);
+  for (std::int64_t i = 0; i < dh; ++i) EXPECT_NEAR(x[i], q[i], 1e-12);
+  // <R(p) q, R(p') k> depends on p − p' only.
+  auto score = [&](double pq, double pk) {
+    auto a = q, b = k;
+    std::vector<double> c1, s1;
+    table(pq, c1, s1);
+    ApplyRope(a.data(), 1, dh, c1.data(), s1.data(), RopeDirection::kForward);
+    table(pk, c1, s1);
+    ApplyRope(b.data(), 1, dh, c1.data(), s1.data(), RopeDirection::kForward);
+    return Dot(a, b);
+  };
+  EXPECT_NEAR(score(7, 3), score(14, 10), 1e-10);
+  EXPECT_NEAR(score(2, 0), score(9, 7), 1e-10);
+}
+
+TEST(AttentionTest, GradientMatchesFiniteDifferences) {
+  const AttentionShape s{/*d_model=*/8, /*n_heads=*/4, /*n_kv_heads=*/2, /*head_dim=*/4, /*rope_theta=*/100.0};
+  const std::int64_t b = 2, seq = 5, n = b * seq, w = (4 + 2 * 2) * 4;
+  auto x = RandomVector(n * s.d_model, 21);
+  auto wqkv = RandomVector(w * s.d_model, 22, 0.5);
+  auto wout = RandomVector(s.d_model * 16, 23, 0.5);
+  const auto r = RandomVector(n * s.d_model, 24);
+  std::vector<double> y(n * s.d_model);
+  Attention<double> attn(s);
+  auto loss = [&] {
+    attn.Forward(x.data(), b, seq, wqkv.data(), wout.data(), y.data());
+    return Dot(y, r);
+  };
+  loss();
+  std::vector<double> dx(x.size()), dqkv(wqkv.size(), 0.0), dout(wout.size(), 0.0);
+  attn.Backward(r.data(), wqkv.data(), wout.data(), dx.data(), dqkv.data(), dout.data());
+  ExpectGradMatches("attn.x", x, dx, loss, 80);
+  ExpectGradMatches("attn.qkv", wqkv, dqkv, loss, 120);
+  ExpectGradMatches("attn.out", wout, dout, loss, 60);
+}
+
+TEST(AttentionTest, IsCausal) {
+  // Changing the last token of a sequence must not change any earlier output.
+  const AttentionShape s{8, 2, 1, 4, 10000.0};
+  const std::int64_t seq = 6;
+  auto x = RandomVector(seq * 8, 31);
+  auto wqkv = RandomVector(16 * 8, 32), wout = RandomVector(8 * 8, 33);
+  std::vector<double> y1(seq * 8), y2(seq * 8);
+  Attention<double> attn(s);
+  attn.Forward(x.data(), 1, seq, wqkv.data(), wout.data(), y1.data());
+  for (std::int64_t j = 0; j < 8; ++j) x[(seq - 1) * 8 + j] += 1.0;
+  attn.Forward(x.data(), 1, seq, wqkv.data(), wout.data(), y2.data());
+  for (std::int64_t i = 0; i < (seq - 1) * 8; ++i) EXPECT_EQ(y1[i], y2[i]);
+  EXPECT_NE(y1[seq * 8 - 1], y2[seq * 8 - 1]);
+}
+
+}  // namespace
+}  // namespace rs::train
