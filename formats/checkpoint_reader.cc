@@ -47,6 +47,16 @@ Status CheckPiece(const std::string& dir, const TensorSpec& t, const Piece& piec
 
 }  // namespace
 
+std::string DescribeExtent(const ShardLocation& loc) {
+  if (loc.codec == Codec::kNone) {
+    return "file offset " + std::to_string(loc.offset) + ", length " + std::to_string(loc.nbytes);
+  }
+  std::string s = std::to_string(loc.chunks.size()) + " zstd chunks";
+  if (!loc.chunks.empty()) s += " from file offset " + std::to_string(loc.chunks.front().offset);
+  return s + ", " + std::to_string(loc.stored_bytes()) + " stored bytes, " + std::to_string(loc.nbytes) +
+         " uncompressed";
+}
+
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir, const ReaderOptions& options) {
   RS_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir));
   std::unique_ptr<CheckpointReader> r(new CheckpointReader());
@@ -136,25 +146,27 @@ Status CheckpointReader::VerifyBytes(std::size_t index, std::span<const std::byt
   return Status::Ok();
 }
 
-Status CheckpointReader::VerifyShard(std::size_t index) {
+Result<std::uint64_t> CheckpointReader::HashShard(std::size_t index) {
   RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
   const ShardFileReader* f = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     f = files_.at(manifest_.shards[index].file).get();
   }
-  const ShardEntry& s = manifest_.shards[index];
   Xxh3Stream hash;
   RS_RETURN_IF_ERROR(f->Stream(loc, pool_.get(), DescribeShard(index),
                                [&hash](std::span<const std::byte> block) { hash.Update(block); }));
-  const std::uint64_t h = hash.Digest();
+  return hash.Digest();
+}
+
+Status CheckpointReader::VerifyShard(std::size_t index) {
+  RS_ASSIGN_OR_RETURN(const std::uint64_t h, HashShard(index));
+  const ShardEntry& s = manifest_.shards[index];
   if (h != s.checksum) {
-    std::string where = loc.codec == Codec::kNone
-                            ? "file offset " + std::to_string(loc.offset) + ", length " + std::to_string(s.nbytes)
-                            : std::to_string(loc.chunks.size()) + " zstd chunks, " + std::to_string(loc.stored_bytes()) +
-                                  " stored bytes, " + std::to_string(s.nbytes) + " uncompressed";
-    return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of the data at " + where +
-                    ", expected " + ChecksumToString(s.checksum));
+    // The location is cached by HashShard; it tells where the bad bytes were read from.
+    RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+    return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of the data at " +
+                    DescribeExtent(loc) + ", expected " + ChecksumToString(s.checksum));
   }
   std::lock_guard<std::mutex> lock(mu_);
   verified_[index] = 1;

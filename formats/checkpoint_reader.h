@@ -64,6 +64,9 @@ class CheckpointReader {
   Result<std::vector<std::byte>> ReadShard(std::size_t index);
   // Streams shard `index` once and compares its XXH3-64 with the manifest (DataLoss on mismatch).
   Status VerifyShard(std::size_t index);
+  // Streams shard `index` once and returns the XXH3-64 of its uncompressed bytes (errors are
+  // those of reading: DataLoss for corrupt files or chunks, IoError).
+  Result<std::uint64_t> HashShard(std::size_t index);
   // Opens the shard's file and validates its dataset (DataLoss: missing file or dataset,
   // extents past the end of the file, wrong type / size / layout).
   Result<ShardLocation> LocateShard(std::size_t index);
@@ -90,5 +93,8 @@ class CheckpointReader {
   std::vector<std::optional<ShardLocation>> locations_;
   std::vector<unsigned char> verified_;
 };
+
+// "file offset X, length N" or "K zstd chunks from file offset X, S stored bytes, N uncompressed".
+std::string DescribeExtent(const ShardLocation& loc);
 
 }  // namespace rs

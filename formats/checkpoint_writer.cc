@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>  // renameat2
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>

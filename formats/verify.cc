@@ -1,0 +1,419 @@
+#include "formats/verify.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "core/dtype.h"
+#include "core/shape.h"
+#include "formats/checkpoint_reader.h"
+#include "formats/thread_pool.h"
+
+namespace rs {
+namespace {
+
+constexpr std::size_t kGapsListed = 8;
+
+// Collects findings, keeping at most `cap` coverage / replica findings per tensor.
+class Findings {
+ public:
+  Findings(VerifyReport* report, std::int64_t cap) : report_(report), cap_(cap) {}
+  void Add(FindingKind kind, ErrorCode code, std::string tensor, std::string file, std::string message) {
+    report_->findings.push_back({kind, code, std::move(tensor), std::move(file), std::move(message)});
+  }
+  // For findings that can repeat many times per tensor.
+  void AddCapped(FindingKind kind, std::string tensor, std::string file, std::string message) {
+    if (per_tensor_[tensor]++ >= cap_) {
+      ++report_->findings_omitted;
+      return;
+    }
+    Add(kind, ErrorCode::kDataLoss, std::move(tensor), std::move(file), std::move(message));
+  }
+
+ private:
+  VerifyReport* report_;
+  std::int64_t cap_;
+  std::map<std::string, std::int64_t> per_tensor_;
+};
+
+std::string Join(const std::set<std::string>& names, std::size_t max) {
+  std::string s;
+  std::size_t n = 0;
+  for (const auto& name : names) {
+    if (n == max) {
+      s += ", ... (" + std::to_string(names.size()) + " in all)";
+      break;
+    }
+    s += (n++ == 0 ? "'" : ", '") + name + "'";
+  }
+  return s;
+}
+
+// Compares `items` items of shard `a` at local item `a_local` with shard `b` at `b_local`, at
+// most `budget` bytes. Returns the index (relative) of the first differing item, or -1.
+// Read errors count as differences (the shard's own finding explains them).
+Result<std::int64_t> FirstDifference(CheckpointReader& r, std::size_t a, std::int64_t a_local, std::size_t b,
+                                     std::int64_t b_local, std::int64_t items, std::int64_t es,
+                                     std::int64_t* budget) {
+  const std::int64_t block_items = std::max<std::int64_t>(1, (std::int64_t{4} << 20) / es);
+  std::vector<std::byte> x, y;
+  for (std::int64_t done = 0; done < items && *budget > 0; done += block_items) {
+    const std::int64_t n = std::min({block_items, items - done, std::max<std::int64_t>(1, *budget / es)});
+    x.resize(static_cast<std::size_t>(n * es));
+    y.resize(x.size());
+    RS_RETURN_IF_ERROR(r.ReadShardRange(a, (a_local + done) * es, x));
+    RS_RETURN_IF_ERROR(r.ReadShardRange(b, (b_local + done) * es, y));
+    *budget -= n * es;
+    if (x != y) {
+      const auto it = std::mismatch(x.begin(), x.end(), y.begin());
+      return done + (it.first - x.begin()) / es;
+    }
+  }
+  return std::int64_t{-1};
+}
+
+struct MainRun {
+  std::int64_t begin = 0;  // global item
+  std::int64_t end = 0;
+  std::int64_t local = 0;  // item offset in the shard's buffer
+  std::size_t shard = 0;
+};
+
+struct OverlapAgg {
+  std::int64_t items = 0;
+  std::int64_t runs = 0;
+  std::int64_t first_begin = 0;
+  std::int64_t first_end = 0;
+  std::int64_t budget = 0;
+  std::optional<std::int64_t> differ_at;  // global item of the first difference
+  bool compared_all = true;
+  bool read_error = false;
+};
+
+void CheckCoverage(CheckpointReader& r, const TensorSpec& t, const VerifyOptions& o, Findings& out) {
+  const Manifest& m = r.manifest();
+  const std::string manifest_path = r.dir() + "/" + std::string(kManifestFileName);
+  const std::int64_t numel = t.numel();
+  const auto es = static_cast<std::int64_t>(DTypeSize(t.dtype));
+  std::vector<MainRun> runs;
+  for (const std::size_t idx : r.ShardsOf(t.name)) {
+    const ShardEntry& s = m.shards[idx];
+    if (s.replica != ReplicaKind::kMain) continue;
+    for (const Run& run : PieceToRuns(t.shape, s.piece)) {
+      runs.push_back({run.global_begin, run.global_end(), run.local_begin, idx});
+    }
+  }
+  // Sorting the runs and sweeping once finds every gap and overlap in O(runs log runs),
+  // however large the tensor.
+  std::sort(runs.begin(), runs.end(), [](const MainRun& a, const MainRun& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end > b.end;
+  });
+  std::vector<ItemRange> gaps;
+  std::int64_t gap_items = 0;
+  std::map<std::pair<std::size_t, std::size_t>, OverlapAgg> overlaps;
+  std::int64_t covered = 0;
+  MainRun owner;
+  for (const MainRun& run : runs) {
+    if (run.begin > covered) {
+      gaps.push_back({covered, run.begin});
+      gap_items += run.begin - covered;
+    } else if (run.begin < covered) {
+      const std::int64_t ov_end = std::min(run.end, covered);
+      OverlapAgg& agg = overlaps[{owner.shard, run.shard}];
+      if (agg.runs == 0) {
+        agg.first_begin = run.begin;
+        agg.first_end = ov_end;
+        agg.budget = o.max_compare_bytes;
+      }
+      ++agg.runs;
+      agg.items += ov_end - run.begin;
+      if (!agg.differ_at && !agg.read_error) {
+        if (agg.budget < (ov_end - run.begin) * es) agg.compared_all = false;
+        Result<std::int64_t> diff = FirstDifference(r, owner.shard, owner.local + (run.begin - owner.begin), run.shard,
+                                                    run.local, ov_end - run.begin, es, &agg.budget);
+        if (!diff.ok()) {
+          agg.read_error = true;
+        } else if (*diff >= 0) {
+          agg.differ_at = run.begin + *diff;
+        }
+      }
+    }
+    if (run.end > covered) {
+      covered = run.end;
+      owner = run;
+    }
+  }
+  if (covered < numel) {
+    gaps.push_back({covered, numel});
+    gap_items += numel - covered;
+  }
+  if (!gaps.empty()) {
+    std::ostringstream os;
+    os << "tensor '" << t.name << "' " << ShapeToString(t.shape) << ": " << gap_items << " of " << numel
+       << " items are held by no main replica (manifest " << manifest_path << "), in " << gaps.size() << " gap"
+       << (gaps.size() == 1 ? "" : "s") << ": ";
+    for (std::size_t i = 0; i < gaps.size() && i < kGapsListed; ++i) {
+      os << (i ? "; " : "") << DescribeItems(t.shape, gaps[i].begin, gaps[i].end);
+    }
+    if (gaps.size() > kGapsListed) os << "; ...";
+    out.AddCapped(FindingKind::kGap, t.name, manifest_path, os.str());
+  }
+  for (const auto& [pair, agg] : overlaps) {
+    std::ostringstream os;
+    os << "tensor '" << t.name << "' " << ShapeToString(t.shape) << ": main replicas " << r.DescribeShard(pair.first)
+       << " and " << r.DescribeShard(pair.second) << " both hold " << agg.items << " items (" << agg.runs
+       << " run" << (agg.runs == 1 ? "" : "s") << "), first " << DescribeItems(t.shape, agg.first_begin, agg.first_end)
+       << "; ";
+    if (agg.read_error) {
+      os << "their bytes could not be compared";
+    } else if (agg.differ_at) {
+      os << "with different bytes (first difference at " << FlatToCoords(t.shape, *agg.differ_at) << ")";
+    } else {
+      os << (agg.compared_all ? "with identical bytes" : "identical in the bytes compared");
+    }
+    out.AddCapped(FindingKind::kOverlap, t.name, m.shards[pair.second].file, os.str());
+  }
+}
+
+void CheckReplicas(CheckpointReader& r, const TensorSpec& t, const VerifyOptions& o, Findings& out) {
+  const Manifest& m = r.manifest();
+  const auto es = static_cast<std::int64_t>(DTypeSize(t.dtype));
+  std::vector<std::size_t> mains;
+  std::map<Piece, std::size_t, bool (*)(const Piece&, const Piece&)> exact(
+      [](const Piece& a, const Piece& b) {
+        if (a.box.offset != b.box.offset) return a.box.offset < b.box.offset;
+        if (a.box.shape != b.box.shape) return a.box.shape < b.box.shape;
+        const auto key = [](const Piece& p) {
+          return p.range ? std::pair<std::int64_t, std::int64_t>{p.range->begin, p.range->end}
+                         : std::pair<std::int64_t, std::int64_t>{-1, -1};
+        };
+        return key(a) < key(b);
+      });
+  for (const std::size_t idx : r.ShardsOf(t.name)) {
+    if (m.shards[idx].replica == ReplicaKind::kMain) {
+      mains.push_back(idx);
+      exact.emplace(m.shards[idx].piece, idx);
+    }
+  }
+  for (const std::size_t idx : r.ShardsOf(t.name)) {
+    const ShardEntry& rep = m.shards[idx];
+    if (rep.replica != ReplicaKind::kReplica) continue;
+    // Same piece as a main replica: the checksums (each verified against its bytes) decide.
+    if (const auto it = exact.find(rep.piece); it != exact.end()) {
+      const ShardEntry& main = m.shards[it->second];
+      if (main.checksum != rep.checksum) {
+        out.AddCapped(FindingKind::kReplicaMismatch, t.name, rep.file,
+                      "tensor '" + t.name + "': replica " + r.DescribeShard(idx) + " of box " +
+                          BoxToString(rep.piece.box) + " has checksum " + ChecksumToString(rep.checksum) +
+                          ", its main replica " + r.DescribeShard(it->second) + " has " +
+                          ChecksumToString(main.checksum));
+      }
+      continue;
+    }
+    std::int64_t budget = o.max_compare_bytes;
+    for (const std::size_t main : mains) {
+      for (const Overlap& ov : IntersectPieces(t.shape, rep.piece, m.shards[main].piece)) {
+        Result<std::int64_t> diff = FirstDifference(r, idx, ov.a_local, main, ov.b_local, ov.length, es, &budget);
+        if (diff.ok() && *diff < 0) continue;
+        out.AddCapped(FindingKind::kReplicaMismatch, t.name, rep.file,
+                      "tensor '" + t.name + "': replica " + r.DescribeShard(idx) + " differs from main replica " +
+                          r.DescribeShard(main) +
+                          (diff.ok() ? " at item " + FlatToCoords(t.shape, ov.global_begin + *diff)
+                                     : " (unreadable: " + diff.status().message() + ")"));
+        goto next_replica;  // one finding per replica is enough
+      }
+    }
+  next_replica:;
+  }
+}
+
+void CheckOptimizerStates(const Manifest& m, const std::string& manifest_path, Findings& out) {
+  for (const TensorSpec& t : m.tensors) {
+    if (t.role != TensorRole::kOptimizerState) continue;
+    const std::int64_t p = m.TensorIndex(t.param);
+    if (p < 0) {
+      out.Add(FindingKind::kOptimizerState, ErrorCode::kDataLoss, t.name, manifest_path,
+              "optimizer state '" + t.name + "' (state '" + t.state + "') belongs to parameter '" + t.param +
+                  "', which the checkpoint does not hold");
+      continue;
+    }
+    const TensorSpec& param = m.tensors[static_cast<std::size_t>(p)];
+    if (param.role != TensorRole::kParameter) {
+      out.Add(FindingKind::kOptimizerState, ErrorCode::kDataLoss, t.name, manifest_path,
+              "optimizer state '" + t.name + "' refers to '" + t.param + "', which is a " +
+                  std::string(TensorRoleName(param.role)) + ", not a parameter");
+    } else if (param.shape != t.shape) {
+      out.Add(FindingKind::kOptimizerState, ErrorCode::kDataLoss, t.name, manifest_path,
+              "optimizer state '" + t.name + "' has shape " + ShapeToString(t.shape) + ", its parameter '" +
+                  t.param + "' has shape " + ShapeToString(param.shape));
+    }
+  }
+}
+
+}  // namespace
+
+std::string_view FindingKindName(FindingKind k) {
+  switch (k) {
+    case FindingKind::kManifest: return "manifest";
+    case FindingKind::kVersion: return "version";
+    case FindingKind::kMissingFile: return "missing_file";
+    case FindingKind::kBadFile: return "bad_file";
+    case FindingKind::kChecksum: return "checksum";
+    case FindingKind::kGap: return "gap";
+    case FindingKind::kOverlap: return "overlap";
+    case FindingKind::kReplicaMismatch: return "replica_mismatch";
+    case FindingKind::kOptimizerState: return "optimizer_state";
+  }
+  return "unknown";
+}
+
+std::int64_t VerifyReport::Count(FindingKind k) const {
+  return std::count_if(findings.begin(), findings.end(), [k](const Finding& f) { return f.kind == k; });
+}
+
+nlohmann::json VerifyReport::ToJson() const {
+  nlohmann::json j;
+  j["dir"] = dir;
+  j["sound"] = sound();
+  j["counts"] = {{"tensors", counts.tensors},           {"shards", counts.shards},
+                 {"replicas", counts.replicas},         {"files", counts.files},
+                 {"checked_bytes", counts.checked_bytes}, {"stored_bytes", counts.stored_bytes}};
+  nlohmann::json by_kind = nlohmann::json::object();
+  nlohmann::json list = nlohmann::json::array();
+  for (const Finding& f : findings) {
+    by_kind[std::string(FindingKindName(f.kind))] = by_kind.value(std::string(FindingKindName(f.kind)), 0) + 1;
+    list.push_back({{"kind", FindingKindName(f.kind)},
+                    {"code", ErrorCodeName(f.code)},
+                    {"tensor", f.tensor},
+                    {"file", f.file},
+                    {"message", f.message}});
+  }
+  j["findings_by_kind"] = std::move(by_kind);
+  j["findings"] = std::move(list);
+  j["findings_omitted"] = findings_omitted;
+  j["seconds"] = seconds;
+  return j;
+}
+
+std::string VerifyReport::ToText() const {
+  std::ostringstream os;
+  for (const Finding& f : findings) os << FindingKindName(f.kind) << ": " << f.message << "\n";
+  if (findings_omitted > 0) os << "(" << findings_omitted << " more findings omitted)\n";
+  os << (sound() ? "SOUND" : "NOT SOUND") << ": " << dir << ": " << counts.tensors << " tensors, " << counts.shards
+     << " shards (" << counts.replicas << " replicas) in " << counts.files << " files, " << counts.checked_bytes
+     << " bytes checksummed, " << findings.size() + static_cast<std::size_t>(findings_omitted) << " findings\n";
+  return os.str();
+}
+
+VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  VerifyReport report;
+  report.dir = dir;
+  Findings out(&report, options.max_findings_per_tensor);
+  const std::string manifest_path = dir + "/" + std::string(kManifestFileName);
+  auto finish = [&]() -> VerifyReport {
+    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return std::move(report);
+  };
+
+  ReaderOptions ro;
+  ro.threads = options.threads;
+  ro.checksums = ChecksumPolicy::kSkip;  // verified explicitly below, each shard once
+  Result<std::unique_ptr<CheckpointReader>> opened = CheckpointReader::Open(dir, ro);
+  if (!opened.ok()) {
+    const bool version = opened.status().code() == ErrorCode::kVersionMismatch;
+    out.Add(version ? FindingKind::kVersion : FindingKind::kManifest, opened.status().code(), "", manifest_path,
+            opened.status().message());
+    return finish();
+  }
+  CheckpointReader& r = **opened;
+  const Manifest& m = r.manifest();
+  report.counts.tensors = static_cast<std::int64_t>(m.tensors.size());
+  report.counts.shards = static_cast<std::int64_t>(m.shards.size());
+
+  // Files: present and openable. A missing or broken file is one finding that names the
+  // tensors it holds, not one per shard.
+  std::map<std::string, std::set<std::string>> tensors_in_file;
+  for (const ShardEntry& s : m.shards) {
+    tensors_in_file[s.file].insert(s.tensor);
+    if (s.replica == ReplicaKind::kReplica) ++report.counts.replicas;
+  }
+  report.counts.files = static_cast<std::int64_t>(tensors_in_file.size());
+  std::set<std::string> bad_files;
+  for (const auto& [file, tensors] : tensors_in_file) {
+    const std::string path = dir + "/" + file;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      out.Add(FindingKind::kMissingFile, ErrorCode::kDataLoss, *tensors.begin(), file,
+              path + ": data file is missing; it holds shards of tensors " + Join(tensors, 8));
+      bad_files.insert(file);
+      continue;
+    }
+    Result<std::int64_t> size = r.FileSize(file);
+    if (!size.ok()) {
+      out.Add(FindingKind::kBadFile, size.status().code(), *tensors.begin(), file,
+              size.status().message() + "; it holds shards of tensors " + Join(tensors, 8));
+      bad_files.insert(file);
+      continue;
+    }
+    report.counts.stored_bytes += *size;
+  }
+
+  // Shards: dataset extents inside the file, then checksums, in parallel.
+  const std::size_t n = m.shards.size();
+  std::vector<std::optional<Finding>> shard_findings(n);
+  std::vector<std::int64_t> checked(n, 0);
+  {
+    ThreadPool pool(static_cast<std::size_t>(std::max(0, options.threads)));
+    TaskGroup group(&pool);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (bad_files.count(m.shards[i].file) != 0) continue;
+      group.Run([&, i] {
+        const ShardEntry& s = m.shards[i];
+        Result<ShardLocation> loc = r.LocateShard(i);
+        if (!loc.ok()) {
+          shard_findings[i] = Finding{FindingKind::kBadFile, loc.status().code(), s.tensor, s.file,
+                                      loc.status().message()};
+          return;
+        }
+        if (options.checksums == ChecksumCheck::kSkip) return;
+        Result<std::uint64_t> h = r.HashShard(i);
+        if (!h.ok()) {
+          // Undecodable data (a corrupt zstd frame) is a checksum-class failure: the bytes
+          // are wrong; an unreadable extent is a file problem.
+          const bool decode = h.status().message().find("zstd") != std::string::npos;
+          shard_findings[i] = Finding{decode ? FindingKind::kChecksum : FindingKind::kBadFile, h.status().code(),
+                                      s.tensor, s.file, h.status().message()};
+          return;
+        }
+        checked[i] = s.nbytes;
+        if (*h != s.checksum) {
+          shard_findings[i] = Finding{FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
+                                      r.DescribeShard(i) + ": checksum " + ChecksumToString(*h) + " of the data at " +
+                                          DescribeExtent(*loc) + ", expected " + ChecksumToString(s.checksum)};
+        }
+      });
+    }
+    group.Wait();
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    report.counts.checked_bytes += checked[i];
+    if (shard_findings[i]) report.findings.push_back(std::move(*shard_findings[i]));
+  }
+
+  for (const TensorSpec& t : m.tensors) {
+    CheckCoverage(r, t, options, out);
+    CheckReplicas(r, t, options, out);
+  }
+  CheckOptimizerStates(m, manifest_path, out);
+  return finish();
+}
+
+}  // namespace rs

@@ -1,0 +1,78 @@
+// Checking that a checkpoint is sound (FORMAT.md §8), as CI runs it through `reshard verify`:
+// the manifest's schema and version; every data file present and large enough for what it
+// should hold; every checksum (in parallel); every logical tensor covered exactly once by main
+// replicas, with gaps and overlaps reported by coordinates; replicas byte-identical to their
+// main copy; optimizer states shaped like their parameters. Problems are findings in the
+// report, never errors: VerifyCheckpoint always returns a report.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+
+namespace rs {
+
+enum class FindingKind : std::uint8_t {
+  kManifest,         // manifest missing, malformed, or inconsistent
+  kVersion,          // written by a format version this build does not read
+  kMissingFile,      // a data file the manifest lists does not exist
+  kBadFile,          // data file unreadable, truncated, or a dataset's extents past its end
+  kChecksum,         // stored bytes do not match the manifest's checksum
+  kGap,              // items of a tensor that no main replica holds
+  kOverlap,          // items of a tensor that two main replicas hold
+  kReplicaMismatch,  // a replica whose bytes differ from the main replica's
+  kOptimizerState,   // an optimizer state without its parameter, or shaped differently
+};
+// "manifest", "version", "missing_file", "bad_file", "checksum", "gap", "overlap",
+// "replica_mismatch", "optimizer_state"
+std::string_view FindingKindName(FindingKind k);
+
+struct Finding {
+  FindingKind kind = FindingKind::kManifest;
+  ErrorCode code = ErrorCode::kDataLoss;  // the error a reader would get
+  std::string tensor;                     // "" when not about one tensor
+  std::string file;                       // data file or manifest path; "" when none
+  std::string message;                    // names file, tensor, offsets / coordinates, expectation
+};
+
+struct VerifyCounts {
+  std::int64_t tensors = 0;
+  std::int64_t shards = 0;
+  std::int64_t replicas = 0;
+  std::int64_t files = 0;
+  std::int64_t checked_bytes = 0;  // uncompressed bytes whose checksum was computed
+  std::int64_t stored_bytes = 0;   // bytes in data files (compressed)
+};
+
+struct VerifyReport {
+  std::string dir;
+  VerifyCounts counts;
+  std::vector<Finding> findings;
+  std::int64_t findings_omitted = 0;  // beyond VerifyOptions::max_findings_per_tensor
+  double seconds = 0;
+
+  bool sound() const { return findings.empty(); }
+  std::int64_t Count(FindingKind k) const;
+  nlohmann::json ToJson() const;
+  std::string ToText() const;  // one line per finding plus a summary line
+};
+
+enum class ChecksumCheck : std::uint8_t { kAll, kSkip };
+
+struct VerifyOptions {
+  int threads = 0;  // 0 = hardware concurrency
+  ChecksumCheck checksums = ChecksumCheck::kAll;
+  // Gap / overlap / replica findings kept per tensor; the rest are counted in findings_omitted.
+  std::int64_t max_findings_per_tensor = 16;
+  // Overlapping bytes compared per overlap (to say whether overlapping copies differ).
+  std::int64_t max_compare_bytes = std::int64_t{64} << 20;
+};
+
+VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options = {});
+
+}  // namespace rs

@@ -1,0 +1,253 @@
+// Round trips through CheckpointWriter / CheckpointReader and the commit protocol.
+#include <filesystem>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "formats/checkpoint_reader.h"
+#include "formats/checkpoint_writer.h"
+#include "tests/formats/test_util.h"
+
+namespace rs {
+namespace {
+
+using testing::BoxPiece;
+using testing::Cut;
+using testing::ScratchDir;
+using testing::Spec;
+namespace fs = std::filesystem;
+
+WriterOptions Options(const std::string& codec, std::int64_t chunk_bytes = kDefaultChunkBytes) {
+  WriterOptions o;
+  o.codec = *ParseCodecSpec(codec);
+  o.threads = 2;
+  o.producer = "checkpoint_test";
+  o.chunk_bytes = chunk_bytes;
+  return o;
+}
+
+// Writes `t` cut into `pieces` (all main replicas, rank = index) and returns the full buffer.
+std::vector<std::byte> WritePieces(CheckpointWriter& w, const TensorSpec& t, const std::vector<Piece>& pieces,
+                                   const std::vector<std::byte>& full) {
+  EXPECT_TRUE(w.AddTensor(t).ok());
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    const auto bytes = Cut(t, full, pieces[i]);
+    const Status s = w.WriteShard(static_cast<std::int64_t>(i), t.name, pieces[i], bytes);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+  return full;
+}
+
+class RoundTrip : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RoundTrip, BoxesRangesAndDtypes) {
+  ScratchDir tmp;
+  const std::string dir = tmp / "ckpt";
+  // A small chunk size gives multi-chunk datasets with edge chunks, compressible and raw.
+  auto w = CheckpointWriter::Create(dir, Options(GetParam(), /*chunk_bytes=*/4096));
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  std::vector<std::pair<TensorSpec, std::vector<std::byte>>> written;
+  std::uint64_t seed = 1;
+  for (const DType dt : {DType::kF32, DType::kBF16, DType::kF8E4M3, DType::kI64, DType::kF16}) {
+    const TensorSpec t = Spec(std::string("w_") + std::string(DTypeName(dt)), dt, {12, 37});
+    const auto full = seed % 2 == 0 ? testing::CompressibleBytes(t, seed) : testing::TensorBytes(t, seed);
+    ++seed;
+    // Rows split 5 + 7, the second part cut into two flat ranges (an FSDP-like slice).
+    WritePieces(**w, t,
+                {BoxPiece({0, 0}, {5, 37}), Piece{Box{{5, 0}, {7, 37}}, ItemRange{0, 100}},
+                 Piece{Box{{5, 0}, {7, 37}}, ItemRange{100, 259}}},
+                full);
+    written.emplace_back(t, full);
+  }
+  // Column split, and a scalar.
+  const TensorSpec cols = Spec("cols", DType::kF32, {9, 1000});
+  const auto cols_full = testing::CompressibleBytes(cols, 7);
+  WritePieces(**w, cols, {BoxPiece({0, 0}, {9, 400}), BoxPiece({0, 400}, {9, 600})}, cols_full);
+  written.emplace_back(cols, cols_full);
+  const TensorSpec step = Spec("step", DType::kI64, {});
+  WritePieces(**w, step, {BoxPiece({}, {})}, testing::TensorBytes(step, 9));
+  written.emplace_back(step, testing::TensorBytes(step, 9));
+  (*w)->SetMetadata({{"step", 42}});
+  (*w)->SetLayout({{"mesh", "tp=2"}});
+  ASSERT_TRUE((*w)->Commit().ok());
+  EXPECT_FALSE(fs::exists((*w)->staging_dir()));
+  ASSERT_TRUE(fs::exists(dir + "/manifest.json"));
+
+  auto r = CheckpointReader::Open(dir);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)->manifest().metadata["step"], 42);
+  EXPECT_EQ((*r)->manifest().layout["mesh"], "tp=2");
+  EXPECT_EQ((*r)->manifest().producer, "checkpoint_test");
+  EXPECT_EQ((*r)->TensorNames().size(), written.size());
+  for (const auto& [t, full] : written) {
+    auto got = (*r)->ReadTensor(t.name);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, full) << t.name;
+  }
+  // Pieces that straddle shards, boxes and flat ranges of the requested box.
+  const TensorSpec& t = written[1].first;
+  const auto& full = written[1].second;
+  for (const Piece& p : {BoxPiece({3, 5}, {6, 20}), BoxPiece({0, 36}, {12, 1}), BoxPiece({4, 0}, {2, 37}),
+                         Piece{Box{{2, 3}, {9, 30}}, ItemRange{17, 201}}, BoxPiece({0, 0}, {0, 5})}) {
+    auto got = (*r)->ReadPiece(t.name, p);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, Cut(t, full, p)) << p;
+  }
+  auto part = (*r)->ReadPiece("cols", BoxPiece({2, 350}, {5, 100}));
+  ASSERT_TRUE(part.ok());
+  EXPECT_EQ(*part, Cut(cols, cols_full, BoxPiece({2, 350}, {5, 100})));
+  // Errors for bad requests.
+  EXPECT_EQ((*r)->ReadPiece("nope", BoxPiece({0}, {1})).status().code(), ErrorCode::kNotFound);
+  EXPECT_EQ((*r)->ReadPiece(t.name, BoxPiece({10, 0}, {3, 37})).status().code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ((*r)->ReadPiece(t.name, Piece{Box{{0, 0}, {2, 2}}, ItemRange{0, 5}}).status().code(),
+            ErrorCode::kOutOfRange);
+  for (std::size_t i = 0; i < (*r)->manifest().shards.size(); ++i) EXPECT_TRUE((*r)->VerifyShard(i).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, RoundTrip, ::testing::Values("none", "zstd:1", "zstd:3"));
+
+TEST(CheckpointWriter, ZstdCompressesAndLargeChunksRoundTrip) {
+  ScratchDir tmp;
+  const TensorSpec t = Spec("big", DType::kBF16, {1024, 1536});  // 3 MiB, 1 MiB chunks
+  const auto full = testing::CompressibleBytes(t, 3);
+  auto w = CheckpointWriter::Create(tmp / "c", Options("zstd:3", std::int64_t{1} << 20));
+  ASSERT_TRUE(w.ok());
+  WritePieces(**w, t, {BoxPiece({0, 0}, {1000, 1536}), BoxPiece({1000, 0}, {24, 1536})}, full);
+  EXPECT_LT((*w)->stored_bytes(), t.nbytes() / 4);
+  ASSERT_TRUE((*w)->Commit().ok());
+  auto r = CheckpointReader::Open(tmp / "c");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*(*r)->ReadTensor("big"), full);
+  auto loc = (*r)->LocateShard(0);
+  ASSERT_TRUE(loc.ok());
+  EXPECT_EQ(loc->chunks.size(), 3u);
+}
+
+TEST(CheckpointWriter, ConcurrentWriteShard) {
+  ScratchDir tmp;
+  const TensorSpec t = Spec("w", DType::kF32, {64, 256});
+  const auto full = testing::CompressibleBytes(t, 5);
+  auto w = CheckpointWriter::Create(tmp / "c", Options("zstd:1", 8192));
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->AddTensor(t).ok());
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 8; ++rank) {
+    threads.emplace_back([&, rank] {
+      const Piece p = BoxPiece({rank * 8, 0}, {8, 256});
+      EXPECT_TRUE((*w)->WriteShard(rank % 3, "w", p, Cut(t, full, p)).ok());
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_TRUE((*w)->Commit().ok());
+  auto r = CheckpointReader::Open(tmp / "c");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*(*r)->ReadTensor("w"), full);
+}
+
+TEST(CheckpointWriter, RejectsBadShards) {
+  ScratchDir tmp;
+  auto w = CheckpointWriter::Create(tmp / "c", Options("none"));
+  ASSERT_TRUE(w.ok());
+  const TensorSpec t = Spec("w", DType::kF32, {4, 4});
+  ASSERT_TRUE((*w)->AddTensor(t).ok());
+  EXPECT_TRUE((*w)->AddTensor(t).ok());  // same spec again is fine
+  EXPECT_EQ((*w)->AddTensor(Spec("w", DType::kF16, {4, 4})).code(), ErrorCode::kInvalidArgument);
+  std::vector<std::byte> bytes(64);
+  EXPECT_EQ((*w)->WriteShard(0, "x", BoxPiece({0, 0}, {4, 4}), bytes).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ((*w)->WriteShard(0, "w", BoxPiece({1, 0}, {4, 4}), bytes).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ((*w)->WriteShard(0, "w", BoxPiece({0, 0}, {2, 4}), bytes).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ((*w)->WriteShard(0, "w", Piece{Box{{0, 0}, {4, 4}}, ItemRange{3, 20}}, bytes).code(),
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(CheckpointWriter::Create(tmp / "c2", Options("none"))->get()->AddTensor(Spec("n", DType::kF32, {-1}))
+                .code(),
+            ErrorCode::kInvalidArgument);
+}
+
+TEST(CommitProtocol, InterruptedWriteLeavesNoCheckpoint) {
+  ScratchDir tmp;
+  const std::string dir = tmp / "c";
+  std::string staging;
+  {
+    auto w = CheckpointWriter::Create(dir, Options("zstd"));
+    ASSERT_TRUE(w.ok());
+    staging = (*w)->staging_dir();
+    const TensorSpec t = Spec("w", DType::kF32, {16, 16});
+    WritePieces(**w, t, {BoxPiece({0, 0}, {16, 16})}, testing::TensorBytes(t, 1));
+    EXPECT_TRUE(fs::exists(staging + "/rank-00000.h5"));
+    EXPECT_FALSE(fs::exists(dir));
+  }  // destroyed without Commit
+  EXPECT_FALSE(fs::exists(dir));
+  EXPECT_FALSE(fs::exists(staging));
+  EXPECT_EQ(CheckpointReader::Open(dir).status().code(), ErrorCode::kNotFound);
+}
+
+TEST(CommitProtocol, StagingWithoutManifestIsNotACheckpoint) {
+  // A crash after the data files but before the rename leaves only "<dir>.tmp-*".
+  ScratchDir tmp;
+  fs::create_directories(tmp / "c.tmp-123");
+  EXPECT_EQ(CheckpointReader::Open(tmp / "c").status().code(), ErrorCode::kNotFound);
+  fs::create_directories(tmp / "d");  // a directory without manifest
+  EXPECT_EQ(CheckpointReader::Open(tmp / "d").status().code(), ErrorCode::kNotFound);
+}
+
+TEST(CommitProtocol, ExistingDirectoryIsNeverOverwritten) {
+  ScratchDir tmp;
+  const std::string dir = tmp / "c";
+  fs::create_directories(dir);
+  EXPECT_EQ(CheckpointWriter::Create(dir, Options("none")).status().code(), ErrorCode::kAlreadyExists);
+  fs::remove(dir);
+  // The directory appears while the writer runs (another job): Commit refuses to replace it.
+  auto w = CheckpointWriter::Create(dir, Options("none"));
+  ASSERT_TRUE(w.ok());
+  const TensorSpec t = Spec("w", DType::kF32, {4});
+  WritePieces(**w, t, {BoxPiece({0}, {4})}, testing::TensorBytes(t, 1));
+  fs::create_directories(dir);  // empty: plain rename(2) would replace it
+  EXPECT_EQ((*w)->Commit().code(), ErrorCode::kAlreadyExists);
+  EXPECT_TRUE(fs::is_empty(dir));
+}
+
+TEST(CommitProtocol, MultiProcessFragmentsMerge) {
+  ScratchDir tmp;
+  const std::string dir = tmp / "c";
+  const TensorSpec t = Spec("w", DType::kBF16, {8, 6});
+  const auto full = testing::TensorBytes(t, 4);
+  // Two "processes": fragment 0 writes ranks 0-1, fragment 1 writes ranks 2-3.
+  for (std::int64_t proc = 0; proc < 2; ++proc) {
+    auto w = CheckpointWriter::CreateStaged(dir, "txn42", proc, Options("zstd:1"));
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    ASSERT_TRUE((*w)->AddTensor(t).ok());
+    (*w)->SetLayout({{"mesh", "tp=4"}});
+    for (std::int64_t rank = proc * 2; rank < proc * 2 + 2; ++rank) {
+      const Piece p = BoxPiece({rank * 2, 0}, {2, 6});
+      ASSERT_TRUE((*w)->WriteShard(rank, "w", p, Cut(t, full, p)).ok());
+    }
+    EXPECT_EQ((*w)->Commit().code(), ErrorCode::kFailedPrecondition);
+    ASSERT_TRUE((*w)->CommitFragment().ok());
+  }
+  EXPECT_FALSE(fs::exists(dir));  // nothing published before the merge
+  EXPECT_EQ(CheckpointWriter::CommitStaged(dir, "txn42", 3).code(), ErrorCode::kDataLoss);
+  ASSERT_TRUE(CheckpointWriter::CommitStaged(dir, "txn42", 2).ok());
+  auto r = CheckpointReader::Open(dir);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)->manifest().shards.size(), 4u);
+  EXPECT_EQ((*r)->manifest().layout["mesh"], "tp=4");
+  EXPECT_EQ(*(*r)->ReadTensor("w"), full);
+  EXPECT_FALSE(fs::exists(dir + "/fragment-0.json"));
+  EXPECT_TRUE(CheckpointWriter::AbortStaged(tmp / "x", "nothing").ok());
+}
+
+TEST(Codec, ParseAndPrint) {
+  EXPECT_EQ(ParseCodecSpec("none")->codec, Codec::kNone);
+  EXPECT_EQ(ParseCodecSpec("zstd")->level, 3);
+  EXPECT_EQ(ParseCodecSpec("zstd:9")->level, 9);
+  EXPECT_EQ(CodecSpecToString(*ParseCodecSpec("zstd:9")), "zstd:9");
+  for (const char* bad : {"zstd:", "zstd:0", "zstd:20", "zstd:3x", "lz4", ""}) {
+    EXPECT_EQ(ParseCodecSpec(bad).status().code(), ErrorCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(ParseChecksum(ChecksumToString(0x0123456789abcdefULL)), 0x0123456789abcdefULL);
+  EXPECT_FALSE(ParseChecksum("xxh3-64:0123456789ABCDEF").has_value());
+  EXPECT_FALSE(ParseChecksum("crc32:01234567").has_value());
+}
+
+}  // namespace
+}  // namespace rs
