@@ -54,8 +54,11 @@ float F8E4M3ToF32(std::uint8_t v);
 std::uint8_t F32ToF8E5M2(float f);
 float F8E5M2ToF32(std::uint8_t v);
 
-// Converts `n` elements of floating type `from` at `src` into floating type `to` at `dst`,
-// going through float32 (f64 <-> f32 is direct). Both types must be floating (RS_CHECK).
+// Converts `n` elements of floating type `from` at `src` into floating type `to` at `dst`
+// with exactly one rounding: narrow types widen exactly to float32 first, and f64 narrows
+// straight to the target (no double rounding through f32). Scalars follow the rules above.
+// Buffers may be unaligned; dst may equal src only when from == to. Both types must be
+// floating (RS_CHECK).
 void ConvertFloats(DType from, const void* src, DType to, void* dst, std::size_t n);
 
 }  // namespace rs

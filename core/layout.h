@@ -33,9 +33,13 @@ struct RuleSet {
 // Built-in rule sets: "megatron" (default: vocab, heads, kv_heads, mlp -> tp; exp -> ep;
 // embed -> fsdp) and "ep-as-cp" (megatron plus: embed -> fsdp, ep, so the ep axis also
 // shards embed of non-expert tensors and acts as context parallelism). NotFound otherwise.
+// No rule names "pp": pipeline placement is by PipelinePlace, never by a dim.
 Result<RuleSet> BuiltinRuleSet(const std::string& name);
 std::vector<std::string> BuiltinRuleSetNames();
-// Parses a rule-set JSON document: {"name": "...", "rules": {"embed": ["fsdp"], ...}}.
+// Parses a rule-set JSON document: {"name": "...", "rules": {"embed": ["fsdp"], ...}} (an
+// optional "description" string is allowed). InvalidArgument naming the field for a missing
+// or empty name, unknown fields, a mesh axis that is not in CanonicalMeshAxes() or is "pp",
+// or one listed twice in a rule.
 Result<RuleSet> RuleSetFromJson(const nlohmann::json& j);
 void to_json(nlohmann::json& j, const RuleSet& r);
 
@@ -50,28 +54,47 @@ class Layout {
   Layout() = default;
   Layout(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split = {})
       : mesh_(std::move(mesh)), rules_(std::move(rules)), pp_split_(std::move(pp_split)) {}
+  // As the constructor, for untrusted values: InvalidArgument unless pp_split is empty or has
+  // one non-negative entry per pp stage.
+  static Result<Layout> Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split = {});
 
   // Short form "tp=2,ep=4,fsdp=2,pp=1,dp=1[,cp=1]" (any order, any subset; missing axes are
-  // 1; unknown axis names are InvalidArgument). Axes are laid out in CanonicalMeshAxes() order.
+  // 1; an empty string is the single-rank layout). InvalidArgument naming the token for an
+  // unknown axis, a repeated axis, or a size that is not an integer >= 1. Axes are laid out in
+  // CanonicalMeshAxes() order. The rule set is taken as given (see RuleSetFromJson).
   static Result<Layout> Parse(const std::string& short_form, const RuleSet& rules);
+  // {"mesh": [{"name": "pp", "size": 1}, ...], "rules": {rule set}, "pp_split": [...]}; any
+  // valid mesh is accepted (axes the rules name but the mesh lacks act as size 1).
+  // InvalidArgument naming the field ("layout.mesh[2].size: ...").
   static Result<Layout> FromJson(const nlohmann::json& j);
   nlohmann::json ToJson() const;
-  std::string ToString() const;  // short form + rule set name
+  // "pp=1,dp=1,fsdp=2,cp=1,ep=4,etp=1,tp=2 rules=megatron[ pp_split=3/5]"
+  std::string ToString() const;
 
   const Mesh& mesh() const { return mesh_; }
   const RuleSet& rules() const { return rules_; }
+  const std::vector<std::int64_t>& pp_split() const { return pp_split_; }
   std::int64_t num_ranks() const { return mesh_.size(); }
 
+  // InvalidArgument when an explicit pp_split does not fit a model of `num_layers` layers
+  // (call it before placing tensors of a model; StageOfLayer RS_CHECKs it).
+  Status ValidatePipeline(std::int64_t num_layers) const;
   // Pipeline stage of a decoder layer out of `num_layers` (even contiguous split unless an
-  // explicit split was given).
+  // explicit split was given; uneven: the first num_layers % pp stages take one extra layer).
   std::int64_t StageOfLayer(std::int64_t layer, std::int64_t num_layers) const;
   // For each dim of `t`, the mesh axes that shard it under these rules.
   std::vector<std::vector<std::string>> ShardingAxes(const TensorSpec& t) const;
   // The box of `t` that `rank` holds, or nullopt when the rank holds none of it (another
-  // pipeline stage, or an empty part of an uneven split). `num_layers` places pipeline tensors.
+  // pipeline stage, or an empty part of an uneven split). A dim of size n over p parts has
+  // chunk ceil(n/p); part i is [i*chunk, min(n, (i+1)*chunk)). A tensor with no items keeps
+  // one box, its full (empty) shape, at part 0 of every dim, so that it still has exactly one
+  // main shard. `num_layers` places
+  // pipeline tensors.
   std::optional<Box> BoxOf(const TensorSpec& t, std::int64_t rank, std::int64_t num_layers) const;
-  // Whether `rank`'s copy is the main replica (coordinate 0 on every axis that does not
-  // shard `t`, pp excepted).
+  // Whether `rank`'s copy is the main replica: coordinate 0 on every axis that does not shard
+  // `t`; on pp, stage 0 for kAll and kPre, the last stage for kPost, and any stage for a
+  // decoder layer (BoxOf decides that one). A rank holds the main replica of `t` iff BoxOf
+  // returns a box and IsMainReplica is true; the main boxes cover `t` exactly once.
   bool IsMainReplica(const TensorSpec& t, std::int64_t rank) const;
   friend bool operator==(const Layout&, const Layout&) = default;
 
