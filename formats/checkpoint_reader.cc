@@ -133,13 +133,12 @@ Result<ShardLocation> CheckpointReader::LocateShard(std::size_t index) {
   return loc;
 }
 
-Status CheckpointReader::VerifyBytes(std::size_t index, std::span<const std::byte> bytes) {
+Status CheckpointReader::VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes) {
   const ShardEntry& s = manifest_.shards[index];
   const std::uint64_t h = Xxh3(bytes);
   if (h != s.checksum) {
-    return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of its " +
-                    std::to_string(s.nbytes) + " bytes (offset 0, length " + std::to_string(s.nbytes) +
-                    " of the shard), expected " + ChecksumToString(s.checksum));
+    return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of the data at " +
+                    DescribeExtent(loc) + ", expected " + ChecksumToString(s.checksum));
   }
   std::lock_guard<std::mutex> lock(mu_);
   verified_[index] = 1;
@@ -206,7 +205,7 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
     f = files_.at(s.file).get();
   }
   RS_RETURN_IF_ERROR(f->ReadRange(loc, byte_begin, out, pool_.get(), DescribeShard(index)));
-  if (need_verify && whole) RS_RETURN_IF_ERROR(VerifyBytes(index, out));
+  if (need_verify && whole) RS_RETURN_IF_ERROR(VerifyBytes(index, loc, out));
   return Status::Ok();
 }
 
@@ -220,7 +219,7 @@ Result<std::vector<std::byte>> CheckpointReader::ReadShard(std::size_t index) {
     f = files_.at(manifest_.shards[index].file).get();
   }
   RS_RETURN_IF_ERROR(f->ReadRange(loc, 0, out, pool_.get(), DescribeShard(index)));
-  RS_RETURN_IF_ERROR(VerifyBytes(index, out));
+  RS_RETURN_IF_ERROR(VerifyBytes(index, loc, out));
   return out;
 }
 

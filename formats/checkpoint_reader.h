@@ -79,7 +79,7 @@ class CheckpointReader {
   CheckpointReader() = default;
   Result<const ShardFileReader*> File(const std::string& file);
   Status EnsureVerified(std::size_t index);
-  Status VerifyBytes(std::size_t index, std::span<const std::byte> bytes);
+  Status VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes);
 
   std::string dir_;
   ReaderOptions options_;

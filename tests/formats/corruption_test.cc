@@ -1,0 +1,310 @@
+// The corruption corpus (issue 2): each case is built from a sound checkpoint by the test,
+// then read with CheckpointReader and checked with VerifyCheckpoint. Every case asserts the
+// exact error kind and that the message names the file and the tensor.
+#include <filesystem>
+#include <fstream>
+
+#include <functional>
+
+#include <gtest/gtest.h>
+
+#include "core/check.h"
+
+#include "formats/checkpoint_reader.h"
+#include "formats/checkpoint_writer.h"
+#include "formats/verify.h"
+#include "tests/formats/test_util.h"
+
+namespace rs {
+namespace {
+
+using testing::BoxPiece;
+using testing::Cut;
+using testing::ScratchDir;
+using testing::Spec;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// Two tensors over two ranks: "attn.w" [16, 64] f32 split by rows; "mlp.w" [32, 8] bf16 split
+// by rows on rank 0 / 1.
+struct Corpus {
+  ScratchDir tmp;
+  std::string dir;
+  TensorSpec attn = Spec("attn.w", DType::kF32, {16, 64});
+  TensorSpec mlp = Spec("mlp.w", DType::kBF16, {32, 8});
+
+  explicit Corpus(const std::string& codec) : dir(tmp / "ckpt") {
+    WriterOptions o;
+    o.codec = *ParseCodecSpec(codec);
+    o.threads = 2;
+    o.chunk_bytes = 1024;
+    auto w = CheckpointWriter::Create(dir, o);
+    RS_CHECK(w.ok());
+    for (const TensorSpec* t : {&attn, &mlp}) {
+      RS_CHECK((*w)->AddTensor(*t).ok());
+      const auto full = testing::CompressibleBytes(*t, 11);
+      const std::int64_t half = t->shape[0] / 2;
+      for (std::int64_t rank = 0; rank < 2; ++rank) {
+        const Piece p = BoxPiece({rank * half, 0}, {half, t->shape[1]});
+        RS_CHECK((*w)->WriteShard(rank, t->name, p, Cut(*t, full, p)).ok());
+      }
+    }
+    RS_CHECK((*w)->Commit().ok());
+  }
+  std::string File(std::int64_t rank) const { return dir + "/" + RankFileName(rank); }
+  json Manifest() const {
+    std::ifstream in(dir + "/manifest.json");
+    return json::parse(in);
+  }
+  void SetManifest(const json& j) const { SetManifestText(j.dump(1)); }
+  void SetManifestText(const std::string& text) const {
+    std::ofstream out(dir + "/manifest.json", std::ios::trunc);
+    out << text;
+  }
+};
+
+std::vector<char> ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+void WriteAll(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Reads every tensor; returns the first error.
+Status ReadEverything(const std::string& dir) {
+  auto r = CheckpointReader::Open(dir);
+  if (!r.ok()) return r.status();
+  for (const auto& name : (*r)->TensorNames()) {
+    auto got = (*r)->ReadTensor(name);
+    if (!got.ok()) return got.status();
+  }
+  return Status::Ok();
+}
+
+void ExpectNames(const std::string& message, const std::vector<std::string>& needles) {
+  for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
+}
+
+// Asserts that verify finds exactly one finding of `kind` (and nothing else) naming `needles`.
+void ExpectFinding(const std::string& dir, FindingKind kind, const std::vector<std::string>& needles) {
+  const VerifyReport rep = VerifyCheckpoint(dir, {.threads = 2});
+  EXPECT_FALSE(rep.sound());
+  ASSERT_EQ(rep.findings.size(), 1u) << rep.ToText();
+  EXPECT_EQ(rep.findings[0].kind, kind) << rep.ToText();
+  ExpectNames(rep.findings[0].message, needles);
+  // The JSON form carries the same finding.
+  const json j = rep.ToJson();
+  EXPECT_EQ(j["sound"], false);
+  EXPECT_EQ(j["findings"][0]["kind"], FindingKindName(kind));
+}
+
+class Corruption : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Corruption, SoundCheckpointVerifies) {
+  Corpus c(GetParam());
+  EXPECT_TRUE(ReadEverything(c.dir).ok());
+  const VerifyReport rep = VerifyCheckpoint(c.dir);
+  EXPECT_TRUE(rep.sound()) << rep.ToText();
+  EXPECT_EQ(rep.counts.shards, 4);
+  EXPECT_EQ(rep.counts.files, 2);
+  EXPECT_EQ(rep.counts.checked_bytes, c.attn.nbytes() + c.mlp.nbytes());
+}
+
+TEST_P(Corruption, FlippedDataByte) {
+  Corpus c(GetParam());
+  std::int64_t offset = 0;
+  {
+    auto r = CheckpointReader::Open(c.dir);
+    ASSERT_TRUE(r.ok());
+    // Shard 1 is attn.w on rank 1 (shards are ordered by tensor, then rank).
+    ASSERT_EQ((*r)->manifest().shards[1].file, "rank-00001.h5");
+    auto loc = (*r)->LocateShard(1);
+    ASSERT_TRUE(loc.ok());
+    offset = loc->codec == Codec::kNone ? loc->offset + 100 : loc->chunks[1].offset + loc->chunks[1].size / 2;
+  }
+  auto bytes = ReadAll(c.File(1));
+  bytes[static_cast<std::size_t>(offset)] = static_cast<char>(bytes[static_cast<std::size_t>(offset)] ^ 0x10);
+  WriteAll(c.File(1), bytes);
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"rank-00001.h5", "attn.w", "offset", "expected"});
+  ExpectFinding(c.dir, FindingKind::kChecksum, {"rank-00001.h5", "attn.w", "offset", "expected"});
+}
+
+TEST_P(Corruption, TruncatedFile) {
+  Corpus c(GetParam());
+  fs::resize_file(c.File(0), fs::file_size(c.File(0)) - 700);
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"rank-00000.h5", "attn.w"});
+  ExpectFinding(c.dir, FindingKind::kBadFile, {"rank-00000.h5", "attn.w", "mlp.w", "truncated"});
+}
+
+TEST_P(Corruption, MissingFile) {
+  Corpus c(GetParam());
+  fs::remove(c.File(1));
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"rank-00001.h5", "attn.w", "missing"});
+  ExpectFinding(c.dir, FindingKind::kMissingFile, {"rank-00001.h5", "attn.w", "mlp.w"});
+}
+
+TEST_P(Corruption, MissingShardIsAGapByCoordinates) {
+  Corpus c(GetParam());
+  json m = c.Manifest();
+  m["shards"].erase(3);  // mlp.w rows 16..31
+  c.SetManifest(m);
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"manifest.json", "mlp.w", "[16, 0]", "[31, 7]"});
+  ExpectFinding(c.dir, FindingKind::kGap, {"manifest.json", "mlp.w", "items [128, 256) = [16, 0] .. [31, 7]"});
+}
+
+TEST_P(Corruption, OverlappingShardsWithDifferentBytes) {
+  Corpus c(GetParam());
+  // Rank 1 claims rows 6..13 of attn.w instead of 8..15: rows 6-7 overlap rank 0, rows 14-15
+  // are a gap. The bytes it holds are rows 8..15, so the overlap differs.
+  json m = c.Manifest();
+  m["shards"][1]["box"]["offset"] = {6, 0};
+  c.SetManifest(m);
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"rank-00000.h5", "rank-00001.h5", "attn.w", "two main shards"});
+  const VerifyReport rep = VerifyCheckpoint(c.dir);
+  ASSERT_EQ(rep.Count(FindingKind::kOverlap), 1) << rep.ToText();
+  ASSERT_EQ(rep.Count(FindingKind::kGap), 1) << rep.ToText();
+  for (const Finding& f : rep.findings) {
+    EXPECT_EQ(f.tensor, "attn.w");
+    if (f.kind == FindingKind::kOverlap) {
+      ExpectNames(f.message, {"rank-00000.h5", "rank-00001.h5", "attn.w", "128 items", "[6, 0] .. [7, 63]",
+                              "different bytes"});
+    } else {
+      ExpectNames(f.message, {"manifest.json", "[14, 0] .. [15, 63]"});
+    }
+  }
+}
+
+TEST_P(Corruption, OffsetPastEndOfFile) {
+  Corpus c(GetParam());
+  if (GetParam() != "none") GTEST_SKIP() << "patches the contiguous layout message; zstd chunk addresses live in a B-tree";
+  std::int64_t addr = 0, nbytes = 0;
+  {
+    auto r = CheckpointReader::Open(c.dir);
+    ASSERT_TRUE(r.ok());
+    auto loc = (*r)->LocateShard(2);  // mlp.w on rank 0
+    ASSERT_TRUE(loc.ok());
+    addr = loc->offset;
+    nbytes = loc->nbytes;
+  }
+  // HDF5's contiguous layout message stores (address, size) as two little-endian 64-bit values.
+  auto bytes = ReadAll(c.File(0));
+  std::string pattern(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    pattern[static_cast<std::size_t>(i)] = static_cast<char>((addr >> (8 * i)) & 0xff);
+    pattern[static_cast<std::size_t>(8 + i)] = static_cast<char>((nbytes >> (8 * i)) & 0xff);
+  }
+  const std::string hay(bytes.begin(), bytes.end());
+  const std::size_t at = hay.find(pattern);
+  ASSERT_NE(at, std::string::npos);
+  const std::int64_t bogus = static_cast<std::int64_t>(bytes.size()) - 16;
+  for (int i = 0; i < 8; ++i) bytes[at + static_cast<std::size_t>(i)] = static_cast<char>((bogus >> (8 * i)) & 0xff);
+  WriteAll(c.File(0), bytes);
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus), "length 256",
+                            "passes the end of the file"});
+  ExpectFinding(c.dir, FindingKind::kBadFile, {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus)});
+}
+
+TEST_P(Corruption, DatasetMissingFromFile) {
+  Corpus c(GetParam());
+  json m = c.Manifest();
+  m["shards"][0]["dataset"] = "shard-99999999";
+  c.SetManifest(m);
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss);
+  ExpectNames(s.message(), {"rank-00000.h5", "attn.w", "shard-99999999"});
+  ExpectFinding(c.dir, FindingKind::kBadFile, {"rank-00000.h5", "attn.w", "shard-99999999"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, Corruption, ::testing::Values("none", "zstd:1"));
+
+// Manifest-level corruption: the reader refuses to open; verify reports one finding.
+struct ManifestCase {
+  std::string name;
+  std::function<void(json&)> edit;
+  ErrorCode code;
+  std::vector<std::string> needles;
+};
+
+TEST(ManifestCorruption, Corpus) {
+  const std::vector<ManifestCase> cases = {
+      {"unknown version", [](json& m) { m["format_version"] = 99; }, ErrorCode::kVersionMismatch,
+       {"manifest.json", "format version 99", "1 to 1"}},
+      {"negative dim", [](json& m) { m["tensors"][1]["shape"][0] = -32; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "shape", "negative"}},
+      {"overflowing dims",
+       [](json& m) { m["tensors"][0]["shape"] = {std::int64_t{1} << 40, std::int64_t{1} << 40}; },
+       ErrorCode::kDataLoss, {"manifest.json", "attn.w", "overflow"}},
+      {"dim beyond int64", [](json& m) { m["tensors"][0]["shape"][0] = 18446744073709551615ULL; },
+       ErrorCode::kDataLoss, {"manifest.json", "attn.w", "int64"}},
+      {"negative box offset", [](json& m) { m["shards"][1]["box"]["offset"][0] = -8; }, ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "rank-00001.h5", "negative"}},
+      {"box outside tensor", [](json& m) { m["shards"][1]["box"]["offset"][0] = 9; }, ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "rank-00001.h5", "outside"}},
+      {"overflowing box", [](json& m) { m["shards"][1]["box"]["offset"][0] = INT64_MAX - 2; }, ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "rank-00001.h5", "outside"}},
+      {"range outside box", [](json& m) { m["shards"][0]["range"] = {{"begin", 0}, {"end", 100000}}; },
+       ErrorCode::kDataLoss, {"manifest.json", "attn.w", "rank-00000.h5", "range"}},
+      {"nbytes mismatch", [](json& m) { m["shards"][2]["nbytes"] = 257; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "rank-00000.h5", "nbytes", "expected 256"}},
+      {"huge nbytes", [](json& m) { m["shards"][2]["nbytes"] = INT64_MAX; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "nbytes"}},
+      {"bad checksum text", [](json& m) { m["shards"][2]["checksum"] = "crc32:1234"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "checksum"}},
+      {"unknown codec", [](json& m) { m["shards"][2]["codec"] = "lz4"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "lz4"}},
+      {"escaping file name", [](json& m) { m["shards"][2]["file"] = "../../etc/passwd"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "relative path"}},
+      {"unknown tensor", [](json& m) { m["shards"][2]["tensor"] = "ghost"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "ghost"}},
+      {"duplicate tensor", [](json& m) { m["tensors"].push_back(m["tensors"][0]); }, ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "duplicate"}},
+      {"wrong format", [](json& m) { m["format"] = "safetensors"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "safetensors"}},
+      {"mistyped field", [](json& m) { m["shards"][3]["rank"] = "one"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "rank-00001.h5", "rank"}},
+  };
+  for (const ManifestCase& mc : cases) {
+    SCOPED_TRACE(mc.name);
+    Corpus c("none");
+    json m = c.Manifest();
+    mc.edit(m);
+    c.SetManifest(m);
+    const Status s = CheckpointReader::Open(c.dir).status();
+    EXPECT_EQ(s.code(), mc.code) << s.ToString();
+    ExpectNames(s.message(), mc.needles);
+    ExpectFinding(c.dir, mc.code == ErrorCode::kVersionMismatch ? FindingKind::kVersion : FindingKind::kManifest,
+                  mc.needles);
+  }
+}
+
+TEST(ManifestCorruption, MalformedJson) {
+  Corpus c("none");
+  const std::string text = c.Manifest().dump(1);
+  // Cut inside the tensor list: the message names the manifest and the position.
+  c.SetManifestText(text.substr(0, text.find("mlp.w") + 3));
+  const Status s = CheckpointReader::Open(c.dir).status();
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"manifest.json", "malformed JSON"});
+  ExpectFinding(c.dir, FindingKind::kManifest, {"manifest.json", "malformed JSON"});
+  c.SetManifestText("");
+  EXPECT_EQ(CheckpointReader::Open(c.dir).status().code(), ErrorCode::kDataLoss);
+  c.SetManifestText("[1, 2]");
+  EXPECT_EQ(CheckpointReader::Open(c.dir).status().code(), ErrorCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace rs
