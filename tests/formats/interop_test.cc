@@ -1,0 +1,133 @@
+// Interoperability with an independent HDF5 stack: h5py + hdf5plugin read the shards this
+// project writes (contiguous and zstd, filter 32015), and our reader reads a zstd dataset that
+// h5py wrote. Skipped when python3 lacks h5py or hdf5plugin (set RS_PYTHON to another
+// interpreter, e.g. a virtualenv's, to run it).
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "formats/checkpoint_reader.h"
+#include "formats/checkpoint_writer.h"
+#include "tests/formats/test_util.h"
+
+namespace rs {
+namespace {
+
+using testing::BoxPiece;
+using testing::Cut;
+using testing::ScratchDir;
+using testing::Spec;
+
+std::string Python() {
+  const char* p = std::getenv("RS_PYTHON");
+  return p != nullptr && *p != '\0' ? p : "python3";
+}
+
+bool HavePythonHdf5() {
+  const std::string cmd = Python() + " -c 'import h5py, hdf5plugin' > /dev/null 2>&1";
+  return std::system(cmd.c_str()) == 0;
+}
+
+int RunPython(const std::string& script_path, const std::string& args) {
+  const std::string cmd = Python() + " " + script_path + " " + args;
+  return std::system(cmd.c_str());
+}
+
+void WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+}
+
+std::vector<std::byte> ReadBinary(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> c{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::vector<std::byte> out(c.size());
+  std::memcpy(out.data(), c.data(), c.size());
+  return out;
+}
+
+class Interop : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Interop, H5pyReadsOurShards) {
+  if (!HavePythonHdf5()) GTEST_SKIP() << Python() << " cannot import h5py and hdf5plugin";
+  ScratchDir tmp;
+  const std::string dir = tmp / "c";
+  WriterOptions o;
+  o.codec = *ParseCodecSpec(GetParam());
+  o.chunk_bytes = 4096;
+  const TensorSpec t = Spec("w", DType::kBF16, {64, 100});
+  const auto full = testing::CompressibleBytes(t, 3);
+  auto w = CheckpointWriter::Create(dir, o);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->AddTensor(t).ok());
+  std::vector<std::byte> expected;
+  for (std::int64_t rank = 0; rank < 2; ++rank) {
+    const Piece p = BoxPiece({rank * 32, 0}, {32, 100});
+    const auto bytes = Cut(t, full, p);
+    expected.insert(expected.end(), bytes.begin(), bytes.end());
+    ASSERT_TRUE((*w)->WriteShard(rank, "w", p, bytes).ok());
+  }
+  ASSERT_TRUE((*w)->Commit().ok());
+  // The script follows FORMAT.md only: manifest -> file/dataset -> bytes.
+  const std::string script = tmp / "read.py";
+  WriteText(script, R"(import sys, json, h5py, hdf5plugin
+d = sys.argv[1]
+m = json.load(open(d + "/manifest.json"))
+assert m["format"] == "moe-reshard-checkpoint" and m["format_version"] == 1
+out = open(sys.argv[2], "wb")
+for s in m["shards"]:
+    with h5py.File(d + "/" + s["file"], "r") as f:
+        ds = f[s["dataset"]]
+        assert ds.dtype == "uint8" and ds.shape == (s["nbytes"],), (ds.dtype, ds.shape)
+        if s["codec"] == "zstd":
+            assert 32015 in ds._filters or "32015" in ds._filters, ds._filters
+        out.write(ds[()].tobytes())
+)");
+  ASSERT_EQ(RunPython(script, dir + " " + (tmp / "out.bin")), 0);
+  EXPECT_EQ(ReadBinary(tmp / "out.bin"), expected);
+}
+
+TEST_P(Interop, WeReadH5pyZstdDatasets) {
+  if (GetParam() != "zstd:3") GTEST_SKIP() << "one codec is enough";
+  if (!HavePythonHdf5()) GTEST_SKIP() << Python() << " cannot import h5py and hdf5plugin";
+  ScratchDir tmp;
+  const std::string dir = tmp / "c";
+  std::filesystem::create_directories(dir);
+  constexpr std::int64_t kN = 100000;
+  const std::string script = tmp / "write.py";
+  WriteText(script, R"(import sys, numpy as np, h5py, hdf5plugin
+data = (np.arange(100000) % 251).astype(np.uint8)
+with h5py.File(sys.argv[1], "w") as f:
+    f.create_dataset("d", data=data, chunks=(16384,), **hdf5plugin.Zstd(clevel=5))
+)");
+  ASSERT_EQ(RunPython(script, dir + "/rank-00000.h5"), 0);
+  std::vector<std::byte> expected(kN);
+  for (std::int64_t i = 0; i < kN; ++i) expected[static_cast<std::size_t>(i)] = static_cast<std::byte>(i % 251);
+  Manifest m;
+  m.producer = "h5py";
+  m.tensors.push_back(Spec("x", DType::kU8, {kN}));
+  ShardEntry s;
+  s.tensor = "x";
+  s.piece = BoxPiece({0}, {kN});
+  s.file = "rank-00000.h5";
+  s.dataset = "d";
+  s.nbytes = kN;
+  s.codec = Codec::kZstd;
+  s.checksum = Xxh3(expected);
+  m.shards.push_back(s);
+  WriteText(dir + "/manifest.json", ManifestToJson(m).dump());
+  auto r = CheckpointReader::Open(dir);
+  ASSERT_TRUE(r.ok());
+  auto got = (*r)->ReadTensor("x");
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, Interop, ::testing::Values("none", "zstd:3"));
+
+}  // namespace
+}  // namespace rs
