@@ -91,8 +91,7 @@ for s in m["shards"]:
   EXPECT_EQ(ReadBinary(tmp / "out.bin"), expected);
 }
 
-TEST_P(Interop, WeReadH5pyZstdDatasets) {
-  if (GetParam() != "zstd:3") GTEST_SKIP() << "one codec is enough";
+TEST(InteropReverse, WeReadH5pyZstdDatasets) {
   if (!HavePythonHdf5()) GTEST_SKIP() << Python() << " cannot import h5py and hdf5plugin";
   ScratchDir tmp;
   const std::string dir = tmp / "c";
