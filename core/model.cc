@@ -57,6 +57,17 @@ Status ModelConfig::Validate() const {
       }
     }
   }
+  if (full_attn_interval < 0 || full_attn_interval > kMaxDim) return bad("full_attn_interval", "must be >= 0");
+  if (full_attn_interval > 0) {
+    const std::pair<const char*, std::int64_t> gdn[] = {{"gdn_key_heads", gdn_key_heads},
+                                                        {"gdn_value_heads", gdn_value_heads},
+                                                        {"gdn_key_dim", gdn_key_dim},
+                                                        {"gdn_value_dim", gdn_value_dim},
+                                                        {"gdn_conv_kernel", gdn_conv_kernel}};
+    for (const auto& [field, v] : gdn) {
+      if (v < 1 || v > kMaxDim) return bad(field, "must be in [1, 2^24], got " + std::to_string(v));
+    }
+  }
   if (!IsFloating(param_dtype)) return bad("param_dtype", "must be a floating type");
   if (!(norm_eps > 0)) return bad("norm_eps", "must be > 0");
   if (!(rope_theta > 0)) return bad("rope_theta", "must be > 0");
@@ -111,6 +122,14 @@ void to_json(nlohmann::json& j, const ModelConfig& c) {
                      {"bias_update_rate", c.bias_update_rate},
                      {"aux_loss_coef", c.aux_loss_coef},
                      {"z_loss_coef", c.z_loss_coef}};
+  if (c.full_attn_interval > 0) {  // written only when used, so older readers keep working
+    j["full_attn_interval"] = c.full_attn_interval;
+    j["gdn_key_heads"] = c.gdn_key_heads;
+    j["gdn_value_heads"] = c.gdn_value_heads;
+    j["gdn_key_dim"] = c.gdn_key_dim;
+    j["gdn_value_dim"] = c.gdn_value_dim;
+    j["gdn_conv_kernel"] = c.gdn_conv_kernel;
+  }
 }
 
 Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
@@ -122,10 +141,14 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
   }
   std::int64_t* ints[] = {&c.vocab_size, &c.d_model, &c.n_layers, &c.n_heads, &c.n_kv_heads, &c.head_dim,
                           &c.dense_ffn, &c.first_dense_layers, &c.n_experts, &c.top_k, &c.moe_ffn,
-                          &c.shared_ffn, &c.max_seq_len, &c.router_groups, &c.router_groups_kept};
+                          &c.shared_ffn, &c.max_seq_len, &c.router_groups, &c.router_groups_kept,
+                          &c.full_attn_interval, &c.gdn_key_heads, &c.gdn_value_heads, &c.gdn_key_dim,
+                          &c.gdn_value_dim, &c.gdn_conv_kernel};
   const char* int_names[] = {"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                              "dense_ffn", "first_dense_layers", "n_experts", "top_k", "moe_ffn",
-                             "shared_ffn", "max_seq_len", "router_groups", "router_groups_kept"};
+                             "shared_ffn", "max_seq_len", "router_groups", "router_groups_kept",
+                             "full_attn_interval", "gdn_key_heads", "gdn_value_heads", "gdn_key_dim",
+                             "gdn_value_dim", "gdn_conv_kernel"};
   double* reals[] = {&c.rope_theta, &c.norm_eps, &c.router_scale, &c.bias_update_rate, &c.aux_loss_coef,
                      &c.z_loss_coef};
   const char* real_names[] = {"rope_theta", "norm_eps", "router_scale", "bias_update_rate", "aux_loss_coef",
@@ -181,6 +204,26 @@ ComponentTable GateUp(int dim, std::int64_t ffn) {
   return ComponentTable{dim, /*unit_rows=*/1, {{"gate", ffn}, {"up", ffn}}};
 }
 
+// A gated-delta-net layer's mixer (Qwen3-Next): in_proj and conv1d are fused, and their
+// component tables are what keeps q, k, v, z, beta and alpha apart when tp changes.
+void AddGatedDeltaNet(const ModelConfig& c, const std::string& l, std::int64_t i, std::vector<TensorSpec>& out) {
+  const DType p = c.param_dtype;
+  const std::int64_t qk = c.gdn_key_heads * c.gdn_key_dim;
+  const std::int64_t v = c.gdn_value_heads * c.gdn_value_dim;
+  const std::int64_t nv = c.gdn_value_heads;
+  auto in_proj = Param(l + "gdn.in_proj.weight", p, {2 * qk + 2 * v + 2 * nv, c.d_model}, {"heads", "embed"}, i);
+  in_proj.components =
+      ComponentTable{0, 1, {{"query", qk}, {"key", qk}, {"value", v}, {"z", v}, {"beta", nv}, {"alpha", nv}}};
+  out.push_back(in_proj);
+  auto conv = Param(l + "gdn.conv1d.weight", p, {2 * qk + v, 1, c.gdn_conv_kernel}, {"heads", "", ""}, i);
+  conv.components = ComponentTable{0, 1, {{"query", qk}, {"key", qk}, {"value", v}}};
+  out.push_back(conv);
+  out.push_back(Param(l + "gdn.dt_bias", p, {nv}, {"heads"}, i));
+  out.push_back(Param(l + "gdn.A_log", p, {nv}, {"heads"}, i));
+  out.push_back(Param(l + "gdn.norm.weight", p, {c.gdn_value_dim}, {""}, i));
+  out.push_back(Param(l + "gdn.out.weight", p, {c.d_model, v}, {"embed", "heads"}, i));
+}
+
 }  // namespace
 
 std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
@@ -196,10 +239,14 @@ std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
   for (std::int64_t i = 0; i < c.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     out.push_back(Param(l + "attn_norm.weight", p, {d}, {"embed"}, i));
-    auto qkv = Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, d}, {"heads", "embed"}, i);
-    qkv.components = ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
-    out.push_back(qkv);
-    out.push_back(Param(l + "attn.out.weight", p, {d, c.n_heads * c.head_dim}, {"embed", "heads"}, i));
+    if (c.IsGdnLayer(i)) {
+      AddGatedDeltaNet(c, l, i, out);
+    } else {
+      auto qkv = Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, d}, {"heads", "embed"}, i);
+      qkv.components = ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
+      out.push_back(qkv);
+      out.push_back(Param(l + "attn.out.weight", p, {d, c.n_heads * c.head_dim}, {"embed", "heads"}, i));
+    }
     out.push_back(Param(l + "mlp_norm.weight", p, {d}, {"embed"}, i));
     if (!c.IsMoeLayer(i)) {
       auto fc1 = Param(l + "mlp.fc1.weight", p, {2 * c.dense_ffn, d}, {"mlp", "embed"}, i);

@@ -50,6 +50,17 @@ struct ModelConfig {
   double bias_update_rate = 1e-3;       // sigmoid_bias: u
   double aux_loss_coef = 1e-2;          // load-balancing loss coefficient
   double z_loss_coef = 1e-3;            // router z-loss coefficient
+  // Gated-delta-net (linear attention) layers, Qwen3-Next style. With full_attn_interval = k > 0,
+  // layer i uses full attention when (i + 1) % k == 0 and a gated-delta-net otherwise;
+  // 0 (the default) means full attention everywhere.
+  std::int64_t full_attn_interval = 0;
+  std::int64_t gdn_key_heads = 2;       // nk
+  std::int64_t gdn_value_heads = 4;     // nv
+  std::int64_t gdn_key_dim = 16;        // dk
+  std::int64_t gdn_value_dim = 16;      // dv
+  std::int64_t gdn_conv_kernel = 4;     // K, the causal conv1d width
+
+  bool IsGdnLayer(std::int64_t layer) const { return full_attn_interval > 0 && (layer + 1) % full_attn_interval != 0; }
 
   bool IsMoeLayer(std::int64_t layer) const { return n_experts > 0 && layer >= first_dense_layers; }
   // InvalidArgument naming the field when a value is out of range or inconsistent.
@@ -71,6 +82,14 @@ void to_json(nlohmann::json& j, const ModelConfig& c);
 //   layers.{i}.attn_norm.weight           [d]                 (embed)
 //   layers.{i}.attn.qkv.weight            [(nq+2nkv)·dh, d]   (heads, embed)  fused q,k,v (heads)
 //   layers.{i}.attn.out.weight            [d, nq·dh]          (embed, heads)
+// gated-delta-net layers (IsGdnLayer) instead of attn.qkv / attn.out:
+//   layers.{i}.gdn.in_proj.weight         [2nk·dk + 2nv·dv + 2nv, d] (heads, embed)
+//                                         fused query, key, value, z (rows), beta, alpha (one row per head)
+//   layers.{i}.gdn.conv1d.weight          [2nk·dk + nv·dv, 1, K] (heads, "", "") fused query, key, value
+//   layers.{i}.gdn.dt_bias                [nv]                (heads)
+//   layers.{i}.gdn.A_log                  [nv]                (heads)
+//   layers.{i}.gdn.norm.weight            [dv]                ("")
+//   layers.{i}.gdn.out.weight             [d, nv·dv]          (embed, heads)
 //   layers.{i}.mlp_norm.weight            [d]                 (embed)
 // dense layers:
 //   layers.{i}.mlp.fc1.weight             [2f, d]             (mlp, embed)    fused gate,up

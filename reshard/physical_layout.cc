@@ -1,0 +1,330 @@
+#include "reshard/physical_layout.h"
+
+#include <algorithm>
+#include <charconv>
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+
+namespace rs {
+
+namespace {
+
+constexpr const char* kPipelineAxis = "pp";
+constexpr const char* kFsdpAxis = "fsdp";
+
+std::string Trim(std::string_view s) {
+  const auto not_space = [](char c) { return c != ' ' && c != '\t'; };
+  auto b = std::find_if(s.begin(), s.end(), not_space);
+  auto e = std::find_if(s.rbegin(), s.rend(), not_space).base();
+  return b < e ? std::string(b, e) : std::string();
+}
+
+Result<std::int64_t> ParseInt(const std::string& s, const std::string& where) {
+  std::int64_t v = 0;
+  const char* end = s.data() + s.size();
+  const auto [ptr, ec] = std::from_chars(s.data(), end, v);
+  if (s.empty() || ec != std::errc() || ptr != end || v < 0) return InvalidArgument(where + ": expected an integer >= 0");
+  return v;
+}
+
+std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+}  // namespace
+
+std::string_view FsdpFormName(FsdpForm f) { return f == FsdpForm::kFlat ? "flat" : "box"; }
+
+Result<PhysicalLayout> PhysicalLayout::Parse(const std::string& text, const RuleSet& rules) {
+  PhysicalOptions o;
+  std::vector<std::int64_t> pp_split;
+  std::string mesh_part;
+  std::size_t pos = 0;
+  while (pos <= text.size() && !Trim(text).empty()) {
+    const std::size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string token = Trim(std::string_view(text).substr(pos, comma - pos));
+    pos = comma + 1;
+    const std::size_t eq = token.find('=');
+    const std::string key = eq == std::string::npos ? token : Trim(std::string_view(token).substr(0, eq));
+    const std::string value = eq == std::string::npos ? "" : Trim(std::string_view(token).substr(eq + 1));
+    const std::string where = "layout '" + text + "': token '" + token + "'";
+    if (key == "fsdp_form") {
+      if (value == "box") o.fsdp = FsdpForm::kBox;
+      else if (value == "flat") o.fsdp = FsdpForm::kFlat;
+      else return InvalidArgument(where + ": fsdp_form must be box or flat");
+    } else if (key == "vocab_multiple") {
+      RS_ASSIGN_OR_RETURN(o.vocab_multiple, ParseInt(value, where));
+      if (o.vocab_multiple < 1) return InvalidArgument(where + ": vocab_multiple must be >= 1");
+    } else if (key == "bucket_policy") {
+      auto p = ParseBucketPolicy(value);
+      if (!p.ok()) return p.status().WithContext(where);
+      o.bucket_policy = *p;
+    } else if (key == "bucket_limit_mib") {
+      RS_ASSIGN_OR_RETURN(const std::int64_t mib, ParseInt(value, where));
+      if (mib > (std::int64_t{1} << 40)) return InvalidArgument(where + ": bucket limit too large");
+      o.bucket_limit_bytes = mib << 20;
+    } else if (key == "pp_split") {
+      std::size_t p = 0;
+      while (p <= value.size()) {
+        const std::size_t slash = std::min(value.find('/', p), value.size());
+        RS_ASSIGN_OR_RETURN(const std::int64_t n, ParseInt(Trim(std::string_view(value).substr(p, slash - p)), where));
+        pp_split.push_back(n);
+        p = slash + 1;
+      }
+    } else {
+      mesh_part += (mesh_part.empty() ? "" : ",") + token;
+    }
+    if (comma == text.size()) break;
+  }
+  RS_ASSIGN_OR_RETURN(Layout base, Layout::Parse(mesh_part, rules));
+  RS_ASSIGN_OR_RETURN(Layout layout, Layout::Create(base.mesh(), base.rules(), std::move(pp_split)));
+  return PhysicalLayout{std::move(layout), o};
+}
+
+nlohmann::json PhysicalLayout::ToJson() const {
+  return nlohmann::json{{"layout", layout.ToJson()},
+                        {"fsdp_form", FsdpFormName(options.fsdp)},
+                        {"bucket_policy", BucketPolicyName(options.bucket_policy)},
+                        {"bucket_limit_bytes", options.bucket_limit_bytes},
+                        {"vocab_multiple", options.vocab_multiple}};
+}
+
+Result<PhysicalLayout> PhysicalLayout::FromJson(const nlohmann::json& j) {
+  if (!j.is_object() || !j.contains("layout")) return InvalidArgument("physical layout: expected {\"layout\": ...}");
+  PhysicalLayout p;
+  RS_ASSIGN_OR_RETURN(p.layout, Layout::FromJson(j["layout"]));
+  if (j.contains("fsdp_form")) {
+    const auto& f = j["fsdp_form"];
+    if (f == "flat") p.options.fsdp = FsdpForm::kFlat;
+    else if (f == "box") p.options.fsdp = FsdpForm::kBox;
+    else return InvalidArgument("physical layout.fsdp_form: expected \"box\" or \"flat\"");
+  }
+  if (j.contains("bucket_policy")) {
+    if (!j["bucket_policy"].is_string()) return InvalidArgument("physical layout.bucket_policy: expected a string");
+    RS_ASSIGN_OR_RETURN(p.options.bucket_policy, ParseBucketPolicy(j["bucket_policy"].get<std::string>()));
+  }
+  for (const auto& [key, field] :
+       {std::pair{"bucket_limit_bytes", &p.options.bucket_limit_bytes}, std::pair{"vocab_multiple", &p.options.vocab_multiple}}) {
+    if (!j.contains(key)) continue;
+    if (!j[key].is_number_integer() || j[key].get<std::int64_t>() < 0) {
+      return InvalidArgument(std::string("physical layout.") + key + ": expected an integer >= 0");
+    }
+    *field = j[key].get<std::int64_t>();
+  }
+  if (p.options.vocab_multiple < 1) return InvalidArgument("physical layout.vocab_multiple: must be >= 1");
+  return p;
+}
+
+std::string PhysicalLayout::ToString() const {
+  std::string s = layout.ToString();
+  if (options.fsdp == FsdpForm::kFlat) {
+    s += " fsdp_form=flat bucket_policy=" + std::string(BucketPolicyName(options.bucket_policy));
+    if (options.bucket_limit_bytes > 0) s += " bucket_limit_bytes=" + std::to_string(options.bucket_limit_bytes);
+  }
+  if (options.vocab_multiple != 1) s += " vocab_multiple=" + std::to_string(options.vocab_multiple);
+  return s;
+}
+
+Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vector<TensorSpec> tensors) {
+  PhysicalMap m;
+  m.layout_ = layout;
+  m.tensors_ = std::move(tensors);
+  for (const TensorSpec& t : m.tensors_) m.num_layers_ = std::max(m.num_layers_, t.place.layer + 1);
+  RS_RETURN_IF_ERROR(layout.layout.ValidatePipeline(m.num_layers_));
+  const Mesh& mesh = layout.layout.mesh();
+
+  RuleSet box_rules = layout.layout.rules();
+  if (mesh.AxisSize("etp") > 1 && box_rules.rules.count("exp_mlp") == 0) box_rules.rules["exp_mlp"] = {"etp"};
+  RuleSet flat_rules = box_rules;
+  for (auto& [logical, axes] : flat_rules.rules) std::erase(axes, std::string(kFsdpAxis));
+  m.box_layout_ = Layout(mesh, box_rules, layout.layout.pp_split());
+  m.flat_layout_ = Layout(mesh, flat_rules, layout.layout.pp_split());
+  const Layout& rules_layout = layout.options.fsdp == FsdpForm::kFlat ? m.flat_layout_ : m.box_layout_;
+
+  std::map<std::string, std::size_t> by_name;
+  for (std::size_t i = 0; i < m.tensors_.size(); ++i) by_name.emplace(m.tensors_[i].name, i);
+  for (std::size_t i = 0; i < m.tensors_.size(); ++i) {
+    TensorSpec spec = m.tensors_[i];
+    const std::string where = "tensor '" + spec.name + "'";
+    if (spec.axes.size() != spec.shape.size()) return InvalidArgument(where + ": one axis label per dim expected");
+    if (spec.expert) {
+      for (std::string& axis : spec.axes) {
+        if (!axis.empty() && box_rules.rules.count("exp_" + axis) != 0) axis = "exp_" + axis;
+      }
+    }
+    std::size_t param = i;
+    if (spec.role == TensorRole::kOptimizerState) {
+      const auto it = by_name.find(spec.param);
+      if (it == by_name.end()) return InvalidArgument(where + ": optimizer state of unknown parameter '" + spec.param + "'");
+      if (m.tensors_[it->second].shape != spec.shape) {
+        return InvalidArgument(where + ": shaped " + ShapeToString(spec.shape) + " unlike its parameter " +
+                               ShapeToString(m.tensors_[it->second].shape));
+      }
+      param = it->second;
+    }
+    if (!spec.components.empty()) {
+      const auto dim = static_cast<std::size_t>(spec.components.dim);
+      if (dim >= spec.shape.size() || spec.components.total_units() * spec.components.unit_rows != spec.shape[dim]) {
+        return InvalidArgument(where + ": component table does not add up to its fused dim");
+      }
+      std::int64_t degree = 1;
+      const auto sharding = rules_layout.ShardingAxes(spec);
+      for (const std::string& axis : sharding[dim]) degree *= mesh.AxisSize(axis);
+      const auto fused = FusedDim(spec.components, 0, degree);
+      if (!fused.ok()) return fused.status().WithContext(where + " under layout " + layout.ToString());
+    }
+    m.placement_specs_.push_back(std::move(spec));
+    m.param_index_.push_back(param);
+  }
+
+  if (layout.options.fsdp == FsdpForm::kFlat) {
+    PlanOptions po;
+    po.dp = mesh.AxisSize(kFsdpAxis);
+    po.policy = layout.options.bucket_policy;
+    po.bucket_limit_bytes = layout.options.bucket_limit_bytes;
+    for (std::int64_t rank = 0; rank < mesh.size(); ++rank) {
+      if (m.FsdpZeroRank(rank) != rank) continue;
+      auto group = std::make_shared<FlatGroup>();
+      std::vector<FsdpParam> params;
+      for (std::size_t i = 0; i < m.tensors_.size(); ++i) {
+        const TensorSpec& t = m.tensors_[i];
+        if (t.role != TensorRole::kParameter) continue;
+        const auto local = m.LocalMap(i, rank, m.flat_layout_);
+        if (!local) continue;
+        // Units in pipeline order: the embedding first, each layer, then the output.
+        const std::int64_t unit = t.place.layer == PipelinePlace::kPre    ? 0
+                                  : t.place.layer == PipelinePlace::kPost ? m.num_layers_ + 1
+                                  : t.place.layer == PipelinePlace::kAll  ? m.num_layers_ + 2
+                                                                          : t.place.layer + 1;
+        group->param_of_tensor[i] = params.size();
+        params.push_back(FsdpParam{t.name, local->local_shape(), t.dtype, t.expert, /*requires_grad=*/true, unit});
+      }
+      auto plan = PlanBuckets(std::move(params), po);
+      if (!plan.ok()) return plan.status().WithContext("FSDP bucket plan of rank " + std::to_string(rank));
+      group->plan = std::move(plan).value();
+      group->slices.resize(group->plan.params.size());
+      for (std::size_t p = 0; p < group->plan.params.size(); ++p) group->slices[p] = group->plan.ParamSlices(p);
+      m.flat_groups_[rank] = std::move(group);
+    }
+  }
+  return m;
+}
+
+std::int64_t PhysicalMap::FsdpZeroRank(std::int64_t rank) const {
+  const Mesh& mesh = layout_.layout.mesh();
+  const auto axis = mesh.AxisIndex(kFsdpAxis);
+  if (!axis) return rank;
+  std::vector<std::int64_t> coords = mesh.RankToCoords(rank);
+  coords[*axis] = 0;
+  return mesh.CoordsToRank(coords);
+}
+
+bool PhysicalMap::FlatSharded(std::size_t tensor) const {
+  if (layout_.options.fsdp != FsdpForm::kFlat) return false;
+  const TensorRole role = tensors_[tensor].role;
+  if (role != TensorRole::kParameter && role != TensorRole::kOptimizerState) return false;
+  return tensors_[param_index_[tensor]].role == TensorRole::kParameter;
+}
+
+bool PhysicalMap::OnStage(const TensorSpec& t, std::int64_t stage) const {
+  const std::int64_t stages = layout_.layout.mesh().AxisSize(kPipelineAxis);
+  switch (t.place.layer) {
+    case PipelinePlace::kAll: return true;
+    case PipelinePlace::kPre: return stage == 0;
+    case PipelinePlace::kPost: return stage == stages - 1;
+    default: return layout_.layout.StageOfLayer(t.place.layer, num_layers_) == stage;
+  }
+}
+
+std::optional<LocalTensorMap> PhysicalMap::LocalMap(std::size_t tensor, std::int64_t rank,
+                                                     const Layout& rules_layout) const {
+  const TensorSpec& t = PlacementSpec(tensor);
+  const Mesh& mesh = rules_layout.mesh();
+  const std::vector<std::int64_t> coords = mesh.RankToCoords(rank);
+  const auto pp = mesh.AxisIndex(kPipelineAxis);
+  if (!OnStage(t, pp ? coords[*pp] : 0)) return std::nullopt;
+  const auto sharding = rules_layout.ShardingAxes(t);
+  std::vector<DimMap> dims;
+  for (std::size_t d = 0; d < t.shape.size(); ++d) {
+    // Part index: mixed radix over the dim's mesh axes, the first most significant (as BoxOf).
+    std::int64_t parts = 1;
+    std::int64_t part = 0;
+    for (const std::string& axis : sharding[d]) {
+      const std::size_t i = *mesh.AxisIndex(axis);
+      part = part * mesh.axes()[i].size + coords[i];
+      parts *= mesh.axes()[i].size;
+    }
+    const std::int64_t n = t.shape[d];
+    if (!t.components.empty() && d == static_cast<std::size_t>(t.components.dim) && parts > 1) {
+      auto fused = FusedDim(t.components, part, parts);
+      RS_CHECK_MSG(fused.ok(), fused.status().ToString());  // validated by Create
+      dims.push_back(std::move(fused).value());
+    } else if (t.vocab_size > 0 && d == 0 && (parts > 1 || layout_.options.vocab_multiple > 1)) {
+      const std::int64_t multiple = parts * layout_.options.vocab_multiple;
+      dims.push_back(PaddedDim(n, CeilDiv(n, multiple) * multiple, part, parts));
+    } else {
+      const std::int64_t chunk = CeilDiv(n, parts);
+      const std::int64_t begin = std::min(n, part * chunk);
+      const std::int64_t end = std::min(n, begin + chunk);
+      if (begin >= end && n > 0) return std::nullopt;  // an empty part of an uneven split
+      dims.push_back(PlainDim(begin, end - begin, end - begin));
+    }
+  }
+  return LocalTensorMap(t.shape, std::move(dims));
+}
+
+std::optional<Placement> PhysicalMap::Place(std::size_t tensor, std::int64_t rank) const {
+  RS_CHECK(tensor < tensors_.size() && rank >= 0 && rank < num_ranks());
+  const bool flat = layout_.options.fsdp == FsdpForm::kFlat;
+  const Layout& rules_layout = flat ? flat_layout_ : box_layout_;
+  auto local = LocalMap(tensor, rank, rules_layout);
+  if (!local) return std::nullopt;
+  Placement p{tensor, rank, ReplicaKind::kMain, std::move(*local), std::nullopt};
+  if (!FlatSharded(tensor)) {
+    p.replica = rules_layout.IsMainReplica(PlacementSpec(tensor), rank) ? ReplicaKind::kMain : ReplicaKind::kReplica;
+    return p;
+  }
+  const std::int64_t zero = FsdpZeroRank(rank);
+  const FlatGroup& group = *flat_groups_.at(zero);
+  const auto it = group.param_of_tensor.find(param_index_[tensor]);
+  RS_CHECK(it != group.param_of_tensor.end());
+  const auto& slices = group.slices[it->second];
+  const std::int64_t f = layout_.layout.mesh().RankToCoords(rank)[*layout_.layout.mesh().AxisIndex(kFsdpAxis)];
+  const auto hit = std::lower_bound(slices.begin(), slices.end(), f,
+                                    [](const std::pair<std::int64_t, ItemRange>& s, std::int64_t r) { return s.first < r; });
+  if (hit == slices.end() || hit->first != f) return std::nullopt;  // this fsdp rank holds none of it
+  p.slice = hit->second;
+  p.replica = rules_layout.IsMainReplica(PlacementSpec(tensor), zero) ? ReplicaKind::kMain : ReplicaKind::kReplica;
+  return p;
+}
+
+std::vector<Placement> PhysicalMap::PlaceAll(Replicas replicas) const {
+  std::vector<Placement> out;
+  for (std::int64_t rank = 0; rank < num_ranks(); ++rank) {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      auto p = Place(i, rank);
+      if (!p || (replicas == Replicas::kMainOnly && p->replica != ReplicaKind::kMain)) continue;
+      out.push_back(std::move(*p));
+    }
+  }
+  return out;
+}
+
+std::vector<PlacedShard> PhysicalMap::PlacePieces(Replicas replicas) const {
+  std::vector<PlacedShard> out;
+  for (std::int64_t rank = 0; rank < num_ranks(); ++rank) {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const auto p = Place(i, rank);
+      if (!p || (replicas == Replicas::kMainOnly && p->replica != ReplicaKind::kMain)) continue;
+      for (Piece& piece : p->Map(/*with_segments=*/false).pieces) out.push_back({i, rank, std::move(piece), p->replica});
+    }
+  }
+  return out;
+}
+
+const BucketPlan* PhysicalMap::BucketPlanOf(std::int64_t rank) const {
+  if (layout_.options.fsdp != FsdpForm::kFlat) return nullptr;
+  return &flat_groups_.at(FsdpZeroRank(rank))->plan;
+}
+
+}  // namespace rs

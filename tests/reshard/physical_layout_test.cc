@@ -1,0 +1,223 @@
+// Physical <-> logical mapping under full layouts: examples for each feature, and random
+// properties over many models and layouts (main pieces cover every tensor exactly once,
+// buffers map item by item as the reference says, states follow their parameters).
+#include "reshard/physical_layout.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "tests/reshard/test_models.h"
+
+namespace rs {
+namespace {
+
+PhysicalLayout ParseOrDie(const std::string& text, const std::string& rules = "megatron") {
+  auto r = PhysicalLayout::Parse(text, *BuiltinRuleSet(rules));
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return *r;
+}
+
+PhysicalMap MapOrDie(const std::string& text, const std::vector<TensorSpec>& tensors, const std::string& rules = "megatron") {
+  auto m = PhysicalMap::Create(ParseOrDie(text, rules), tensors);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  return std::move(m).value();
+}
+
+std::size_t IndexOf(const std::vector<TensorSpec>& tensors, const std::string& name) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == name) return i;
+  }
+  ADD_FAILURE() << "no tensor " << name;
+  return 0;
+}
+
+TEST(PhysicalLayoutTest, ParseAndJsonRoundTrip) {
+  const PhysicalLayout p = ParseOrDie("tp=2,fsdp=4,fsdp_form=flat,vocab_multiple=8,pp=2,pp_split=1/3,bucket_policy=split");
+  EXPECT_EQ(p.layout.mesh().AxisSize("tp"), 2);
+  EXPECT_EQ(p.options.fsdp, FsdpForm::kFlat);
+  EXPECT_EQ(p.options.vocab_multiple, 8);
+  EXPECT_EQ(p.options.bucket_policy, BucketPolicy::kSplit);
+  EXPECT_EQ(p.layout.pp_split(), (std::vector<std::int64_t>{1, 3}));
+  auto back = PhysicalLayout::FromJson(p.ToJson());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, p);
+  EXPECT_EQ(PhysicalLayout::Parse("tp=2,fsdp_form=diagonal", *BuiltinRuleSet("megatron")).status().code(),
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(PhysicalLayout::Parse("tq=2", *BuiltinRuleSet("megatron")).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(PhysicalLayout::Parse("pp=2,pp_split=1/x", *BuiltinRuleSet("megatron")).status().code(),
+            ErrorCode::kInvalidArgument);
+}
+
+TEST(PhysicalLayoutTest, FusedFc1UnderTp) {
+  ModelConfig c;  // tiny-moe: dense_ffn 128, d 64
+  c.n_experts = 0;
+  const auto tensors = ModelParameters(c);
+  const PhysicalMap m = MapOrDie("tp=2", tensors);
+  const std::size_t fc1 = IndexOf(tensors, "layers.0.mlp.fc1.weight");
+  const auto p = m.Place(fc1, 1);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->local.local_shape(), (Shape{128, 64}));
+  const SliceMap s = p->Map(/*with_segments=*/true);
+  // Rank 1 holds gate rows 64..127 then up rows 192..255.
+  ASSERT_EQ(s.pieces.size(), 2u);
+  EXPECT_EQ(s.pieces[0], (Piece{Box{{64, 0}, {64, 64}}, std::nullopt}));
+  EXPECT_EQ(s.pieces[1], (Piece{Box{{192, 0}, {64, 64}}, std::nullopt}));
+  EXPECT_EQ(s.segments, (std::vector<BufferSegment>{{0, 4096, 0, 0}, {4096, 4096, 1, 0}}));
+}
+
+TEST(PhysicalLayoutTest, VocabPaddedToMultipleOfTp) {
+  ModelConfig c;
+  c.vocab_size = 250;
+  c.n_kv_heads = 4;  // kv heads must split over tp=4
+  const auto tensors = ModelParameters(c);
+  const PhysicalMap m = MapOrDie("tp=4", tensors);
+  const std::size_t emb = IndexOf(tensors, "embedding.weight");
+  const auto last = m.Place(emb, 3);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->local.local_shape(), (Shape{63, 64}));  // 252 / 4 rows, 2 of them padding
+  const SliceMap s = last->Map(true);
+  ASSERT_EQ(s.pieces.size(), 1u);
+  EXPECT_EQ(s.pieces[0], (Piece{Box{{189, 0}, {61, 64}}, std::nullopt}));
+  EXPECT_EQ(s.segments.back().buffer_begin + s.segments.back().length, 61 * 64);
+  // A larger multiple can leave a rank with padding only: no logical piece.
+  const PhysicalMap m8 = MapOrDie("tp=4,vocab_multiple=32", tensors);
+  const auto p = m8.Place(emb, 3);  // 256 padded rows of 64 per rank: rank 3 holds 192..249
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->local.local_shape(), (Shape{64, 64}));
+  EXPECT_EQ(p->Map(false).pieces.at(0), (Piece{Box{{192, 0}, {58, 64}}, std::nullopt}));
+}
+
+TEST(PhysicalLayoutTest, EtpCutsExpertFfnInPlaceOfTp) {
+  ModelConfig c;  // 4 experts of moe_ffn 64
+  const auto tensors = ModelParameters(c);
+  const PhysicalMap m = MapOrDie("tp=2,etp=2,ep=2", tensors);
+  const std::size_t efc1 = IndexOf(tensors, "layers.0.moe.experts.fc1.weight");
+  // Mesh order ep, etp, tp: rank = ep*4 + etp*2 + tp.
+  const auto a = m.Place(efc1, 0 * 4 + 1 * 2 + 0);
+  const auto b = m.Place(efc1, 0 * 4 + 1 * 2 + 1);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->local.local_shape(), (Shape{2, 64, 64}));
+  EXPECT_EQ(a->Map(false).pieces, b->Map(false).pieces);  // tp ranks hold replicas
+  EXPECT_EQ(a->replica, ReplicaKind::kMain);
+  EXPECT_EQ(b->replica, ReplicaKind::kReplica);
+  EXPECT_EQ(a->Map(false).pieces.at(0), (Piece{Box{{0, 32, 0}, {2, 32, 64}}, std::nullopt}));
+  // Non-expert tensors still follow tp.
+  const std::size_t qkv = IndexOf(tensors, "layers.0.attn.qkv.weight");
+  EXPECT_EQ(m.Place(qkv, 1)->local.local_shape(), (Shape{64, 64}));
+}
+
+TEST(PhysicalLayoutTest, IndivisibleComponentsAreReported) {
+  ModelConfig c;
+  c.full_attn_interval = 2;  // layer 0 is a gated-delta-net layer
+  c.gdn_value_heads = 3;
+  auto m = PhysicalMap::Create(ParseOrDie("tp=2"), ModelParameters(c));
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("gdn.in_proj"), std::string::npos) << m.status().message();
+}
+
+TEST(PhysicalLayoutTest, FlatFsdpSlicesComeFromTheBucketPlanAndStatesFollow) {
+  ModelConfig c;
+  c.full_attn_interval = 2;
+  const auto tensors = ModelCheckpointTensors(c, {"master", "momentum"});
+  const PhysicalMap m = MapOrDie("tp=2,fsdp=4,fsdp_form=flat", tensors);
+  const BucketPlan* plan = m.BucketPlanOf(1);
+  ASSERT_NE(plan, nullptr);
+  const std::size_t in_proj = IndexOf(tensors, "layers.0.gdn.in_proj.weight");
+  const std::size_t state = IndexOf(tensors, "layers.0.gdn.in_proj.weight/momentum");
+  for (std::int64_t rank = 0; rank < 8; ++rank) {
+    const auto p = m.Place(in_proj, rank);
+    const auto s = m.Place(state, rank);
+    ASSERT_EQ(p.has_value(), s.has_value());
+    if (!p) continue;
+    EXPECT_TRUE(p->slice.has_value());
+    EXPECT_EQ(p->slice, s->slice);
+    EXPECT_EQ(p->Map(false).pieces, s->Map(false).pieces);
+  }
+}
+
+// Collects the global items of every main piece of every tensor and checks exact coverage.
+void ExpectExactCover(const PhysicalMap& m, const std::string& what) {
+  std::vector<std::vector<ItemRange>> runs(m.tensors().size());
+  for (const PlacedShard& s : m.PlacePieces(Replicas::kMainOnly)) {
+    for (const rs::Run& r : PieceToRuns(m.tensors()[s.tensor].shape, s.piece)) runs[s.tensor].push_back({r.global_begin, r.global_end()});
+  }
+  for (std::size_t t = 0; t < runs.size(); ++t) {
+    auto& v = runs[t];
+    std::sort(v.begin(), v.end(), [](const ItemRange& a, const ItemRange& b) { return a.begin < b.begin; });
+    std::int64_t next = 0;
+    for (const ItemRange& r : v) {
+      ASSERT_EQ(r.begin, next) << what << ": tensor " << m.tensors()[t].name << (r.begin < next ? " overlap" : " gap");
+      next = r.end;
+    }
+    ASSERT_EQ(next, m.tensors()[t].numel()) << what << ": tensor " << m.tensors()[t].name << " not covered";
+  }
+}
+
+TEST(PhysicalLayoutTest, RandomLayoutsCoverEveryTensorOnceAndMapLikeTheReference) {
+  std::mt19937_64 rng(2024);
+  int placed = 0;
+  int flat = 0;
+  for (int iter = 0; iter < 150; ++iter) {
+    const ModelConfig model = testing::RandomModel(rng);
+    ASSERT_TRUE(model.Validate().ok()) << model.Validate().ToString();
+    const PhysicalLayout layout = testing::RandomPhysicalLayout(rng, model);
+    const std::string what = "layout " + layout.ToString() + " iter " + std::to_string(iter);
+    auto created = PhysicalMap::Create(layout, ModelCheckpointTensors(model, {"master", "exp_avg"}));
+    if (!created.ok()) {
+      ASSERT_EQ(created.status().code(), ErrorCode::kInvalidArgument) << created.status().ToString();
+      continue;
+    }
+    const PhysicalMap& m = *created;
+    ++placed;
+    flat += layout.options.fsdp == FsdpForm::kFlat ? 1 : 0;
+    ExpectExactCover(m, what);
+    // Replicas hold pieces that some main copy holds too.
+    std::set<std::pair<std::size_t, std::string>> main;
+    for (const PlacedShard& s : m.PlacePieces(Replicas::kMainOnly)) {
+      std::ostringstream os;
+      os << s.piece;
+      main.insert({s.tensor, os.str()});
+    }
+    for (const PlacedShard& s : m.PlacePieces(Replicas::kAll)) {
+      std::ostringstream os;
+      os << s.piece;
+      ASSERT_TRUE(main.count({s.tensor, os.str()}) != 0) << what << " replica " << s.piece;
+    }
+    // Buffers: for a sample of placements, every buffer item lands where the reference says.
+    const auto all = m.PlaceAll(Replicas::kAll);
+    for (int k = 0; k < 20 && !all.empty(); ++k) {
+      const Placement& p = all[std::uniform_int_distribution<std::size_t>(0, all.size() - 1)(rng)];
+      const SliceMap sm = p.Map(/*with_segments=*/true);
+      const Shape& shape = m.tensors()[p.tensor].shape;
+      const std::int64_t first = p.slice ? p.slice->begin : 0;
+      std::int64_t mapped = 0;
+      for (const BufferSegment& seg : sm.segments) {
+        const std::vector<rs::Run> runs = PieceToRuns(shape, sm.pieces[seg.piece]);
+        for (std::int64_t i = 0; i < seg.length; i += std::max<std::int64_t>(1, seg.length / 7)) {
+          const std::int64_t piece_item = seg.piece_begin + i;
+          std::int64_t global = -1;
+          for (const rs::Run& r : runs) {
+            if (piece_item >= r.local_begin && piece_item < r.local_begin + r.length) global = r.global_begin + piece_item - r.local_begin;
+          }
+          const auto ref = p.local.LocalToLogical(first + seg.buffer_begin + i);
+          ASSERT_TRUE(ref.has_value()) << what;
+          ASSERT_EQ(ref->flat, global) << what << " tensor " << m.tensors()[p.tensor].name;
+        }
+        mapped += seg.length;
+      }
+      std::int64_t piece_items = 0;
+      for (const Piece& piece : sm.pieces) piece_items += piece.numel();
+      ASSERT_EQ(mapped, piece_items) << what;
+    }
+  }
+  EXPECT_GE(placed, 100);
+  EXPECT_GE(flat, 30);
+}
+
+}  // namespace
+}  // namespace rs
