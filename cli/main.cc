@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   rs::cli::RegisterExample(app);
   rs::cli::RegisterVerify(app);
   rs::cli::RegisterInspect(app);
+  rs::cli::RegisterTrain(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

@@ -46,4 +46,9 @@ void Gemm<double>(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64
   cblas_dgemm(CblasRowMajor, Op(ta), Op(tb), B(m), B(n), B(k), alpha, a, Ld(lda), b, Ld(ldb), beta, c, Ld(ldc));
 }
 
+void SetBlasThreads(int n) {
+  RS_CHECK(n >= 1);
+  openblas_set_num_threads(n);
+}
+
 }  // namespace rs::train

@@ -16,4 +16,8 @@ template <typename T>
 void Gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda,
           const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc);
 
+// Sets OpenBLAS's worker threads (n >= 1). Results are bit-reproducible for a fixed BLAS build
+// and thread count; a different count may round differently.
+void SetBlasThreads(int n);
+
 }  // namespace rs::train

@@ -1,0 +1,188 @@
+#include "train/checkpoint.h"
+
+#include <cstdio>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "core/layout.h"
+#include "formats/checkpoint_reader.h"
+#include "formats/checkpoint_writer.h"
+
+namespace rs::train {
+namespace {
+
+std::string Hex64(std::uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// Reads a whole f32-convertible tensor into `out` (numel floats), converting from its dtype.
+Status ReadFloats(CheckpointReader& r, const std::string& name, const Shape& expect, std::span<float> out) {
+  RS_ASSIGN_OR_RETURN(const TensorSpec* spec, r.FindTensor(name));
+  if (spec->shape != expect) {
+    return DataLoss("checkpoint '" + r.dir() + "': tensor '" + name + "' has shape " + ShapeToString(spec->shape) +
+                    ", the model expects " + ShapeToString(expect));
+  }
+  if (!IsFloating(spec->dtype)) {
+    return DataLoss("checkpoint '" + r.dir() + "': tensor '" + name + "' has non-floating dtype " +
+                    std::string(DTypeName(spec->dtype)));
+  }
+  RS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, r.ReadTensor(name));
+  ConvertFloats(spec->dtype, bytes.data(), DType::kF32, out.data(), out.size());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status SaveCheckpoint(const std::string& dir, Trainer& trainer) {
+  const ModelConfig& config = trainer.model_config();
+  Transformer<float>& model = trainer.model();
+  AdamW& opt = trainer.optimizer();
+  RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(dir, WriterOptions{}));
+  RS_ASSIGN_OR_RETURN(const RuleSet rules, BuiltinRuleSet("megatron"));
+  RS_ASSIGN_OR_RETURN(const Layout layout, Layout::Parse("tp=1", rules));
+
+  const std::vector<TensorSpec> tensors = ModelCheckpointTensors(config, AdamStateNames());
+  std::vector<std::byte> converted;
+  for (const TensorSpec& t : tensors) {
+    RS_RETURN_IF_ERROR(writer->AddTensor(t));
+    const Piece whole{Box::Full(t.shape), std::nullopt};
+    std::span<const std::byte> bytes;
+    const std::int64_t step = trainer.step();
+    if (t.role == TensorRole::kScalar) {
+      RS_CHECK(t.name == "optimizer.step");
+      bytes = std::as_bytes(std::span<const std::int64_t>(&step, 1));
+      RS_RETURN_IF_ERROR(writer->WriteShard(/*rank=*/0, t.name, whole, bytes));
+      continue;
+    }
+    const std::string& param = t.role == TensorRole::kOptimizerState ? t.param : t.name;
+    const auto i = model.index(param);
+    RS_CHECK_MSG(i.has_value(), "model lacks " << param);
+    const auto off = static_cast<std::size_t>(model.offset(*i));
+    const auto n = static_cast<std::size_t>(model.numel(*i));
+    std::span<const float> src;
+    if (t.role == TensorRole::kOptimizerState) {
+      if (t.state == "master") {
+        src = model.params().subspan(off, n);
+      } else if (t.state == "exp_avg") {
+        src = opt.exp_avg().subspan(off, n);
+      } else {
+        RS_CHECK_MSG(t.state == "exp_avg_sq", "unknown optimizer state " << t.state);
+        src = opt.exp_avg_sq().subspan(off, n);
+      }
+    } else {
+      src = model.params().subspan(off, n);
+    }
+    if (t.dtype == DType::kF32) {
+      bytes = std::as_bytes(src);
+    } else {
+      converted.resize(n * DTypeSize(t.dtype));
+      ConvertFloats(DType::kF32, src.data(), t.dtype, converted.data(), n);
+      bytes = converted;
+    }
+    RS_RETURN_IF_ERROR(writer->WriteShard(/*rank=*/0, t.name, whole, bytes));
+  }
+  writer->SetLayout(layout.ToJson());
+  const Corpus& corpus = trainer.corpus();
+  writer->SetMetadata(nlohmann::json{
+      {"producer", "rs-train"},
+      {"step", trainer.step()},
+      {"model", config},
+      {"train", trainer.train_config()},
+      {"data", {{"path", corpus.path}, {"bytes", corpus.bytes.size()}, {"fnv1a64", Hex64(corpus.fnv1a)}}}});
+  return writer->Commit();
+}
+
+namespace {
+
+Result<nlohmann::json> Metadata(CheckpointReader& r) {
+  const nlohmann::json& m = r.manifest().metadata;
+  if (!m.is_object() || !m.contains("model")) {
+    return InvalidArgument("checkpoint '" + r.dir() +
+                           "' has no model config in its metadata (not written by `reshard train`?)");
+  }
+  return m;
+}
+
+}  // namespace
+
+Result<ModelConfig> CheckpointModelConfig(const std::string& dir) {
+  RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
+  RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
+  auto config = ModelConfigFromJson(meta["model"]);
+  if (!config.ok()) return config.status().WithContext("checkpoint '" + dir + "' metadata");
+  return config;
+}
+
+Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config) {
+  RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
+  auto model = std::make_unique<Transformer<float>>(config, DispatchOptions{});
+  for (std::size_t i = 0; i < model->specs().size(); ++i) {
+    const TensorSpec& s = model->specs()[i];
+    RS_RETURN_IF_ERROR(ReadFloats(*reader, s.name, s.shape,
+                                  model->params().subspan(static_cast<std::size_t>(model->offset(i)),
+                                                          static_cast<std::size_t>(model->numel(i)))));
+  }
+  return model;
+}
+
+Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir, const std::optional<std::string>& data_path) {
+  RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
+  RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
+  auto ctx = [&](const Status& s) { return s.WithContext("checkpoint '" + dir + "' metadata"); };
+  auto model_config = ModelConfigFromJson(meta["model"]);
+  if (!model_config.ok()) return ctx(model_config.status());
+  if (!meta.contains("train") || !meta.contains("data") || !meta["data"].is_object()) {
+    return InvalidArgument("checkpoint '" + dir + "' metadata lacks 'train' or 'data': not resumable");
+  }
+  auto train_config = TrainConfigFromJson(meta["train"]);
+  if (!train_config.ok()) return ctx(train_config.status());
+  const nlohmann::json& data = meta["data"];
+  if (!data.contains("path") || !data["path"].is_string() || !data.contains("fnv1a64") ||
+      !data["fnv1a64"].is_string()) {
+    return InvalidArgument("checkpoint '" + dir + "' metadata: 'data' lacks 'path' or 'fnv1a64'");
+  }
+  const std::string path = data_path.value_or(data["path"].get<std::string>());
+  RS_ASSIGN_OR_RETURN(Corpus corpus, LoadCorpus(path));
+  if (Hex64(corpus.fnv1a) != data["fnv1a64"].get<std::string>()) {
+    return FailedPrecondition("data file '" + path + "' differs from the one checkpoint '" + dir +
+                              "' was trained on (FNV-1a " + Hex64(corpus.fnv1a) + ", expected " +
+                              data["fnv1a64"].get<std::string>() + "); pass the original with --data");
+  }
+  RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(*model_config, *train_config, std::move(corpus)));
+
+  Transformer<float>& model = trainer->model();
+  AdamW& opt = trainer->optimizer();
+  for (std::size_t i = 0; i < model.specs().size(); ++i) {
+    const TensorSpec& s = model.specs()[i];
+    const auto off = static_cast<std::size_t>(model.offset(i));
+    const auto n = static_cast<std::size_t>(model.numel(i));
+    if (!model.trainable(i)) {  // buffers: stored as themselves
+      RS_RETURN_IF_ERROR(ReadFloats(*reader, s.name, s.shape, model.params().subspan(off, n)));
+      continue;
+    }
+    // Training continues from the fp32 master weights, never from the (maybe rounded) params.
+    RS_RETURN_IF_ERROR(ReadFloats(*reader, OptimizerStateName(s.name, "master"), s.shape, model.params().subspan(off, n)));
+    RS_RETURN_IF_ERROR(ReadFloats(*reader, OptimizerStateName(s.name, "exp_avg"), s.shape, opt.exp_avg().subspan(off, n)));
+    RS_RETURN_IF_ERROR(
+        ReadFloats(*reader, OptimizerStateName(s.name, "exp_avg_sq"), s.shape, opt.exp_avg_sq().subspan(off, n)));
+  }
+  RS_ASSIGN_OR_RETURN(const TensorSpec* step_spec, reader->FindTensor("optimizer.step"));
+  if (step_spec->dtype != DType::kI64 || step_spec->numel() != 1) {
+    return DataLoss("checkpoint '" + dir + "': 'optimizer.step' must be one i64");
+  }
+  RS_ASSIGN_OR_RETURN(std::vector<std::byte> step_bytes, reader->ReadTensor("optimizer.step"));
+  std::int64_t step = 0;
+  std::memcpy(&step, step_bytes.data(), sizeof step);
+  if (step < 0) return DataLoss("checkpoint '" + dir + "': negative optimizer.step " + std::to_string(step));
+  trainer->set_step(step);
+  return trainer;
+}
+
+}  // namespace rs::train
