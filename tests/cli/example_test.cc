@@ -1,0 +1,216 @@
+// `reshard example`, `verify` and `inspect` end to end: example values do not depend on the
+// layout, every example passes verify, and the commands' exit codes and outputs.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_test_util.h"
+#include "formats/checkpoint_reader.h"
+#include "formats/verify.h"
+#include "reshard/example.h"
+
+namespace rs {
+namespace {
+
+using testing::RunCli;
+using testing::TempDir;
+
+ModelConfig RichModel() {
+  // Dense first layer, shared expert, vocab not divisible by tp: every tensor kind.
+  ModelConfig c;
+  c.name = "rich";
+  c.vocab_size = 250;
+  c.n_layers = 3;
+  c.first_dense_layers = 1;
+  c.shared_ffn = 32;
+  c.router = RouterKind::kSigmoidBias;
+  return c;
+}
+
+Status WriteAt(const ModelConfig& model, const std::string& layout, const std::string& rules, bool replicas,
+               const std::string& codec, const std::string& dir) {
+  ExampleOptions o;
+  o.model = model;
+  o.seed = 7;
+  auto rule_set = BuiltinRuleSet(rules);
+  if (!rule_set.ok()) return rule_set.status();
+  auto l = Layout::Parse(layout, *rule_set);
+  if (!l.ok()) return l.status();
+  o.layout = *l;
+  o.with_replicas = replicas;
+  auto c = ParseCodecSpec(codec);
+  if (!c.ok()) return c.status();
+  o.codec = *c;
+  o.threads = 2;
+  return WriteExampleCheckpoint(o, dir);
+}
+
+TEST(ExampleTest, ValuesDoNotDependOnTheLayout) {
+  TempDir tmp;
+  const ModelConfig model = RichModel();
+  ASSERT_TRUE(WriteAt(model, "tp=1", "megatron", false, "none", tmp / "ref").ok());
+  auto ref = CheckpointReader::Open(tmp / "ref");
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+
+  struct Case {
+    const char* layout;
+    const char* rules;
+    bool replicas;
+    const char* codec;
+  };
+  const Case cases[] = {{"tp=2,ep=2,fsdp=2", "megatron", false, "zstd:1"},
+                        {"tp=4", "megatron", false, "none"},  // vocab 250 splits unevenly
+                        {"pp=3,tp=2", "megatron", false, "none"},
+                        {"pp=2,dp=2,ep=4", "megatron", true, "zstd"},
+                        {"fsdp=2,ep=4,tp=2", "ep-as-cp", false, "none"},
+                        {"dp=3,tp=2", "megatron", true, "none"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.layout);
+    const std::string dir = tmp / (std::string("ck-") + c.layout + "-" + c.rules);
+    ASSERT_TRUE(WriteAt(model, c.layout, c.rules, c.replicas, c.codec, dir).ok());
+    const VerifyReport report = VerifyCheckpoint(dir);
+    EXPECT_TRUE(report.sound()) << report.ToText();
+    if (c.replicas) {
+      EXPECT_GT(report.counts.replicas, 0);
+    }
+    auto other = CheckpointReader::Open(dir);
+    ASSERT_TRUE(other.ok());
+    EXPECT_EQ((*other)->manifest().tensors, (*ref)->manifest().tensors);
+    for (const auto& name : (*ref)->TensorNames()) {
+      auto a = (*ref)->ReadTensor(name);
+      auto b = (*other)->ReadTensor(name);
+      ASSERT_TRUE(a.ok() && b.ok()) << name;
+      EXPECT_TRUE(*a == *b) << name << " differs at layout " << c.layout;
+    }
+  }
+}
+
+TEST(ExampleTest, SeedChangesValues) {
+  TempDir tmp;
+  ModelConfig model;
+  ASSERT_TRUE(WriteAt(model, "tp=1", "megatron", false, "none", tmp / "a").ok());
+  ExampleOptions o;
+  o.model = model;
+  o.seed = 8;
+  o.layout = *Layout::Parse("tp=1", *BuiltinRuleSet("megatron"));
+  ASSERT_TRUE(WriteExampleCheckpoint(o, tmp / "b").ok());
+  auto a = CheckpointReader::Open(tmp / "a");
+  auto b = CheckpointReader::Open(tmp / "b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(*(*a)->ReadTensor("output.weight") == *(*b)->ReadTensor("output.weight"));
+}
+
+TEST(ExampleTest, OptimizerStatesArePresentAndPlausible) {
+  TempDir tmp;
+  ModelConfig model;
+  model.param_dtype = DType::kBF16;
+  ASSERT_TRUE(WriteAt(model, "tp=2", "megatron", false, "none", tmp / "ck").ok());
+  auto r = CheckpointReader::Open(tmp / "ck");
+  ASSERT_TRUE(r.ok());
+  for (const auto& t : (*r)->manifest().tensors) {
+    if (t.role != TensorRole::kParameter) continue;
+    for (const auto& state : AdamStateNames()) {
+      auto s = (*r)->FindTensor(OptimizerStateName(t.name, state));
+      ASSERT_TRUE(s.ok()) << t.name << "/" << state;
+      EXPECT_EQ((*s)->shape, t.shape);
+      EXPECT_EQ((*s)->dtype, DType::kF32);
+    }
+  }
+  // The bf16 parameter is the master weight rounded to bf16.
+  auto param = (*r)->ReadTensor("layers.0.attn.qkv.weight");
+  auto master = (*r)->ReadTensor("layers.0.attn.qkv.weight/master");
+  ASSERT_TRUE(param.ok() && master.ok());
+  const std::size_t n = master->size() / 4;
+  std::vector<std::uint16_t> want(n);
+  ConvertFloats(DType::kF32, master->data(), DType::kBF16, want.data(), n);
+  EXPECT_EQ(0, std::memcmp(want.data(), param->data(), n * 2));
+  // exp_avg_sq is non-negative.
+  auto sq = (*r)->ReadTensor("output.weight/exp_avg_sq");
+  ASSERT_TRUE(sq.ok());
+  std::vector<float> v(sq->size() / 4);
+  std::memcpy(v.data(), sq->data(), sq->size());
+  for (float x : v) ASSERT_GE(x, 0.f);
+}
+
+TEST(CliTest, ExampleVerifyInspectExitCodes) {
+  TempDir tmp;
+  const std::string ck = tmp / "ck";
+  auto r = RunCli("example --model tiny-moe --layout tp=2,ep=2 --codec zstd:1 -o " + ck);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  r = RunCli("verify " + ck);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("SOUND"), std::string::npos) << r.output;
+
+  r = RunCli("verify --json " + ck);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+
+  r = RunCli("inspect --json " + ck);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  j = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+  EXPECT_EQ(j["num_tensors"].get<int>(), 53);
+  EXPECT_GT(j["compression_ratio"].get<double>(), 0.0);
+
+  r = RunCli("inspect " + ck + " --tensor layers.1.moe.experts.fc1.weight");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // ep splits the experts (dim 0), tp the logical fused dim (dim 1).
+  EXPECT_NE(r.output.find("[0:2, 0:64, 0:64]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[2:4, 64:128, 0:64]"), std::string::npos) << r.output;
+
+  r = RunCli("inspect " + ck + " --tensor no.such.tensor");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("no.such.tensor"), std::string::npos) << r.output;
+
+  // Never overwrite an existing checkpoint.
+  r = RunCli("example --model tiny-moe --layout tp=1 -o " + ck);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("AlreadyExists"), std::string::npos) << r.output;
+  EXPECT_EQ(RunCli("verify " + ck).exit_code, 0);
+
+  // Usage errors exit 2.
+  EXPECT_EQ(RunCli("verify").exit_code, 2);
+  EXPECT_EQ(RunCli("example --layout tp=x -o " + (tmp / "bad")).exit_code, 2);
+  EXPECT_EQ(RunCli("example --layout zz=2 -o " + (tmp / "bad")).exit_code, 2);
+  EXPECT_EQ(RunCli("example --model nonesuch -o " + (tmp / "bad")).exit_code, 1);
+}
+
+TEST(CliTest, VerifyFailsOnCorruption) {
+  TempDir tmp;
+  const std::string ck = tmp / "ck";
+  ASSERT_EQ(RunCli("example --model tiny-moe --layout tp=2 -o " + ck).exit_code, 0);
+  auto manifest = ReadManifest(ck);
+  ASSERT_TRUE(manifest.ok());
+  // Flip one byte inside the largest shard's data (codec none: contiguous at a file offset).
+  const auto& shard = *std::max_element(manifest->shards.begin(), manifest->shards.end(),
+                                        [](const auto& a, const auto& b) { return a.nbytes < b.nbytes; });
+  auto reader = CheckpointReader::Open(ck);
+  ASSERT_TRUE(reader.ok());
+  const std::size_t index = static_cast<std::size_t>(&shard - manifest->shards.data());
+  auto loc = (*reader)->LocateShard(index);
+  ASSERT_TRUE(loc.ok());
+  {
+    std::fstream f(ck + "/" + shard.file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(loc->offset + 5);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x10);
+    f.seekp(loc->offset + 5);
+    f.write(&c, 1);
+  }
+  auto r = RunCli("verify " + ck);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(shard.tensor), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(shard.file), std::string::npos) << r.output;
+  r = RunCli("verify --json " + ck);
+  EXPECT_EQ(r.exit_code, 1);
+  auto j = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+}
+
+}  // namespace
+}  // namespace rs
