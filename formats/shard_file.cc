@@ -96,6 +96,8 @@ Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::stri
   std::unique_ptr<ShardFileWriter> w(new ShardFileWriter());
   w->path_ = path;
   w->file_id_ = fid;
+  w->sync_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (w->sync_fd_ < 0) return IoError(path + ": " + Errno("open"));
   return w;
 }
 
@@ -104,6 +106,14 @@ ShardFileWriter::~ShardFileWriter() {
     auto lock = h5::Lock();
     H5Fclose(file_id_);
   }
+  if (sync_fd_ >= 0) ::close(sync_fd_);
+}
+
+void ShardFileWriter::StartWriteback() {
+  // Start writing this file's dirty pages to disk now, without waiting: the commit's fsync then
+  // finds most of the data already on disk, and the disk works while we produce the next
+  // shards instead of only after the last one (as with `cp` followed by `sync`).
+  if (sync_fd_ >= 0) ::sync_file_range(sync_fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
 }
 
 Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std::span<const std::byte> bytes,
@@ -152,6 +162,7 @@ Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std:
     if (H5Dwrite(dset.get(), H5T_NATIVE_UINT8, h5::kAll, h5::kAll, h5::kDefault, bytes.data()) < 0) {
       return IoError(what + ": H5Dwrite of " + std::to_string(n) + " bytes failed");
     }
+    StartWriteback();
     return n;
   }
 
@@ -202,6 +213,7 @@ Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std:
     std::vector<std::byte>().swap(slots.data[i]);
   }
   group.Wait();
+  StartWriteback();
   return stored;
 }
 
@@ -214,11 +226,10 @@ Status ShardFileWriter::Close() {
     if (rc < 0) return IoError(path_ + ": H5Fclose failed");
   }
   // HDF5 does not fsync; the commit protocol needs the data durable before the manifest.
-  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return IoError(path_ + ": " + Errno("open for fsync"));
-  const int rc = ::fsync(fd);
+  const int rc = ::fsync(sync_fd_);
   const std::string err = rc != 0 ? Errno("fsync") : "";
-  ::close(fd);
+  ::close(sync_fd_);
+  sync_fd_ = -1;
   if (rc != 0) return IoError(path_ + ": " + err);
   return Status::Ok();
 }

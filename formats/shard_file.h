@@ -50,8 +50,10 @@ class ShardFileWriter {
 
  private:
   ShardFileWriter() = default;
+  void StartWriteback();
   std::string path_;
   std::int64_t file_id_ = -1;
+  int sync_fd_ = -1;  // our own descriptor of the file, for early writeback and fsync
 };
 
 class ShardFileReader {
