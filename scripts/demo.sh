@@ -10,8 +10,9 @@ OUT=${OUT:-out}
 rm -rf "$OUT"
 mkdir -p "$OUT"
 "$BIN" train --model tiny-moe --steps 300 --save "$OUT/tiny-moe" --log "$OUT/train.jsonl"
-"$BIN" verify "$OUT/tiny-moe"
-"$BIN" inspect "$OUT/tiny-moe"
-"$BIN" eval "$OUT/tiny-moe" --windows 64
+CKPT="$OUT/tiny-moe/step-00000300"   # train --save DIR writes DIR/step-NNNNNNNN
+"$BIN" verify "$CKPT"
+"$BIN" inspect "$CKPT"
+"$BIN" eval "$CKPT" --windows 64
 "$BIN" example --model tiny-moe --layout tp=2,ep=2,fsdp=2 --seed 1 --codec zstd -o "$OUT/example"
 "$BIN" verify "$OUT/example"
