@@ -12,7 +12,11 @@ int main(int argc, char** argv) {
   rs::cli::RegisterExample(app);
   rs::cli::RegisterVerify(app);
   rs::cli::RegisterInspect(app);
+  rs::cli::RegisterBuckets(app);
   rs::cli::RegisterTrain(app);
+  rs::cli::RegisterConvert(app);
+  rs::cli::RegisterPlan(app);
+  rs::cli::RegisterDiff(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

@@ -3,12 +3,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <tuple>
 #include <utility>
-
-#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "core/fsdp_layout.h"
@@ -282,8 +281,8 @@ std::vector<std::pair<std::int64_t, ItemRange>> BucketPlan::ParamSlices(std::siz
 
 std::string BucketPlan::ToString() const {
   std::ostringstream os;
-  os << "bucket plan: policy " << BucketPolicyName(options.policy) << ", dp " << options.dp << ", "
-     << buckets.size() << " buckets\n"
+  os << "bucket plan: policy " << BucketPolicyName(options.policy) << ", dp " << options.dp << ", " << buckets.size()
+     << " buckets\n"
      << "  parameters " << param_bytes() << " B, buckets " << total_bytes() << " B, padding " << padding_bytes()
      << " B (" << Percent(padding_fraction()) << "), all-gather per rank per step " << allgather_bytes_per_rank()
      << " B\n";
@@ -359,7 +358,8 @@ Result<BucketPlan> PlanBuckets(std::vector<FsdpParam> params, const PlanOptions&
   std::vector<Draft> drafts;
   for (const Kind& kind : kinds) {
     const std::int64_t size = static_cast<std::int64_t>(DTypeSize(std::get<0>(kind)));
-    const std::int64_t limit = options.bucket_limit_bytes == 0 ? 0 : std::max<std::int64_t>(1, options.bucket_limit_bytes / size);
+    const std::int64_t limit =
+        options.bucket_limit_bytes == 0 ? 0 : std::max<std::int64_t>(1, options.bucket_limit_bytes / size);
     std::vector<std::vector<Item>> units;
     for (auto& [unit, items] : groups[kind]) units.push_back(std::move(items));
     if (options.policy == BucketPolicy::kBest) {
@@ -367,8 +367,8 @@ Result<BucketPlan> PlanBuckets(std::vector<FsdpParam> params, const PlanOptions&
       continue;
     }
     for (const auto& items : units) {
-      RS_ASSIGN_OR_RETURN(auto ds, fsdp_internal::PlanGroupBaseline(items, dp, limit,
-                                                                    options.policy == BucketPolicy::kSplit));
+      RS_ASSIGN_OR_RETURN(auto ds,
+                          fsdp_internal::PlanGroupBaseline(items, dp, limit, options.policy == BucketPolicy::kSplit));
       for (auto& d : ds) drafts.push_back(std::move(d));
     }
   }

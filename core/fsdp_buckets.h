@@ -15,12 +15,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <ostream>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/dtype.h"
 #include "core/shape.h"
@@ -60,7 +59,7 @@ enum class BucketPolicy : std::uint8_t {
   // the same kind (see PlanOptions::merge_units).
   kBest,
 };
-std::string_view BucketPolicyName(BucketPolicy p);  // "lcm", "split", "best"
+std::string_view BucketPolicyName(BucketPolicy p);              // "lcm", "split", "best"
 Result<BucketPolicy> ParseBucketPolicy(std::string_view name);  // InvalidArgument otherwise
 
 struct PlanOptions {
@@ -81,8 +80,8 @@ struct PlanOptions {
 
 // A parameter's place in a bucket.
 struct BucketMember {
-  std::size_t param = 0;     // index into BucketPlan::params
-  std::int64_t offset = 0;   // first item in the bucket
+  std::size_t param = 0;    // index into BucketPlan::params
+  std::int64_t offset = 0;  // first item in the bucket
   std::int64_t numel = 0;
   std::int64_t row_items = 1;
   std::int64_t end() const { return offset + numel; }

@@ -136,7 +136,8 @@ std::vector<std::vector<Item>> CutClassByLimit(const std::vector<Item>& items, s
         if (rows % dp == 0) end = k + 1;
       }
     }
-    chunks.emplace_back(items.begin() + static_cast<std::ptrdiff_t>(i), items.begin() + static_cast<std::ptrdiff_t>(end));
+    chunks.emplace_back(items.begin() + static_cast<std::ptrdiff_t>(i),
+                        items.begin() + static_cast<std::ptrdiff_t>(end));
     i = end;
   }
   return chunks;
@@ -283,8 +284,8 @@ std::optional<Draft> LayoutPacked(std::vector<Item> items, std::int64_t dp) {
   return best;
 }
 
-Result<std::vector<Draft>> PlanGroupBaseline(const std::vector<Item>& items, std::int64_t dp,
-                                             std::int64_t limit_items, bool split_grouped_experts) {
+Result<std::vector<Draft>> PlanGroupBaseline(const std::vector<Item>& items, std::int64_t dp, std::int64_t limit_items,
+                                             bool split_grouped_experts) {
   // Streams in order of first appearance: key 0 is everything that is not split off.
   std::vector<std::pair<std::int64_t, std::vector<Item>>> streams;
   for (const auto& it : items) {

@@ -21,8 +21,8 @@ inline constexpr std::int64_t kMaxAlign = std::int64_t{1} << 46;
 struct Item {
   std::size_t param = 0;
   std::int64_t numel = 0;
-  std::int64_t row = 1;          // chunk size factor
-  bool grouped_expert = false;   // an expert weight with >= 3 dims (one row = one expert)
+  std::int64_t row = 1;         // chunk size factor
+  bool grouped_expert = false;  // an expert weight with >= 3 dims (one row = one expert)
   std::int64_t unit = 0;
 };
 
@@ -59,8 +59,8 @@ std::optional<Draft> LayoutPacked(std::vector<Item> items, std::int64_t dp);
 // Cuts a group (items in input order) into buckets and lays them out like the leading
 // implementation: buckets closed before they pass `limit_items` (0: no limit); with
 // `split_grouped_experts`, grouped expert weights go to one stream of buckets per row size.
-Result<std::vector<Draft>> PlanGroupBaseline(const std::vector<Item>& items, std::int64_t dp,
-                                             std::int64_t limit_items, bool split_grouped_experts);
+Result<std::vector<Draft>> PlanGroupBaseline(const std::vector<Item>& items, std::int64_t dp, std::int64_t limit_items,
+                                             bool split_grouped_experts);
 
 // The best composition found for a group (see BucketPolicy::kBest). Never fails.
 std::vector<Draft> PlanGroupBest(const std::vector<Item>& items, std::int64_t dp, std::int64_t limit_items);

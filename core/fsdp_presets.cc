@@ -25,14 +25,41 @@ struct PresetShape {
 
 // Published configurations (shapes only).
 const PresetShape kPresets[] = {
-    {.name = "deepseek-v3", .d = 7168, .layers = 61, .vocab = 129280, .first_dense = 3, .dense_ffn = 18432,
-     .experts = 256, .moe_ffn = 2048, .shared_ffn = 2048, .mla = true,
-     .m = {.q_lora = 1536, .kv_lora = 512, .heads = 128, .qk_nope = 128, .qk_rope = 64, .v_dim = 128}, .g = {}},
-    {.name = "qwen3-30b-a3b", .d = 2048, .layers = 48, .vocab = 151936, .first_dense = 0, .dense_ffn = 0,
-     .experts = 128, .moe_ffn = 768, .shared_ffn = 0, .mla = false, .m = {},
+    {.name = "deepseek-v3",
+     .d = 7168,
+     .layers = 61,
+     .vocab = 129280,
+     .first_dense = 3,
+     .dense_ffn = 18432,
+     .experts = 256,
+     .moe_ffn = 2048,
+     .shared_ffn = 2048,
+     .mla = true,
+     .m = {.q_lora = 1536, .kv_lora = 512, .heads = 128, .qk_nope = 128, .qk_rope = 64, .v_dim = 128},
+     .g = {}},
+    {.name = "qwen3-30b-a3b",
+     .d = 2048,
+     .layers = 48,
+     .vocab = 151936,
+     .first_dense = 0,
+     .dense_ffn = 0,
+     .experts = 128,
+     .moe_ffn = 768,
+     .shared_ffn = 0,
+     .mla = false,
+     .m = {},
      .g = {.q_heads = 32, .kv_heads = 4, .head_dim = 128, .qk_norm = true}},
-    {.name = "mixtral-8x7b", .d = 4096, .layers = 32, .vocab = 32000, .first_dense = 0, .dense_ffn = 0,
-     .experts = 8, .moe_ffn = 14336, .shared_ffn = 0, .mla = false, .m = {},
+    {.name = "mixtral-8x7b",
+     .d = 4096,
+     .layers = 32,
+     .vocab = 32000,
+     .first_dense = 0,
+     .dense_ffn = 0,
+     .experts = 8,
+     .moe_ffn = 14336,
+     .shared_ffn = 0,
+     .mla = false,
+     .m = {},
      .g = {.q_heads = 32, .kv_heads = 8, .head_dim = 128, .qk_norm = false}},
 };
 
@@ -76,8 +103,8 @@ Result<std::vector<FsdpParam>> FsdpPresetParams(std::string_view name, const Fsd
     return NotFound("unknown model preset '" + std::string(name) + "' (known: " + known + ")");
   }
   if (o.ep < 1 || s->experts % o.ep != 0) {
-    return InvalidArgument("ep " + std::to_string(o.ep) + " must be >= 1 and divide the " +
-                           std::to_string(s->experts) + " experts of " + std::string(name));
+    return InvalidArgument("ep " + std::to_string(o.ep) + " must be >= 1 and divide the " + std::to_string(s->experts) +
+                           " experts of " + std::string(name));
   }
   if (o.layers_per_unit < 0) return InvalidArgument("layers per unit must not be negative");
   const std::int64_t d = s->d, local_experts = s->experts / o.ep;

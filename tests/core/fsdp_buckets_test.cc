@@ -6,11 +6,10 @@
 
 #include <algorithm>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/fsdp_presets.h"
 
@@ -342,8 +341,7 @@ TEST(FsdpBuckets, RejectsBadInput) {
   EXPECT_EQ(PlanBuckets({P("w", {4})}, Opts(0, BucketPolicy::kBest)).status().code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(PlanBuckets({P("w", {4}), P("w", {4})}, Opts(2, BucketPolicy::kBest)).status().code(),
             ErrorCode::kInvalidArgument);
-  EXPECT_EQ(PlanBuckets({P("w", {4, -1})}, Opts(2, BucketPolicy::kBest)).status().code(),
-            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(PlanBuckets({P("w", {4, -1})}, Opts(2, BucketPolicy::kBest)).status().code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(PlanBuckets({P("", {4})}, Opts(2, BucketPolicy::kBest)).status().code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(PlanBuckets({P("w", {1 << 30, 1 << 30, 1 << 30})}, Opts(2, BucketPolicy::kBest)).status().code(),
             ErrorCode::kInvalidArgument);

@@ -1,0 +1,250 @@
+// `reshard buckets --model PRESET|FILE.json --dp N [--ep N] [--policy lcm|split|best] [--json]`:
+// plans FSDP buckets (core/fsdp_buckets.h) and reports their padding and all-gather traffic.
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli/commands.h"
+#include "cli/util.h"
+#include "core/fsdp_buckets.h"
+#include "core/fsdp_presets.h"
+#include "formats/manifest.h"
+
+namespace rs::cli {
+namespace {
+
+struct BucketsArgs {
+  std::string model;
+  std::int64_t dp = 0;
+  std::int64_t ep = 1;
+  std::string policy = "best";
+  bool per_expert_2d = false;
+  std::int64_t layers_per_unit = 1;
+  double bucket_mib = 0.0;
+  bool no_merge_units = false;
+  std::int64_t rank = -1;
+  bool compare = false;
+  bool summary = false;
+  bool json = false;
+};
+
+constexpr const char* kFileHelp = R"(
+--model FILE.json describes any parameter list:
+  {"params": [{"name": "layers.0.attn.qkv.weight", "shape": [6144, 4096],
+               "dtype": "bf16", "expert": false, "requires_grad": true, "unit": 1}, ...]}
+or the bare array. name and shape are required; dtype defaults to bf16, expert to false,
+requires_grad to true, unit (the FSDP unit) to 0. Parameters are bucketed by (dtype, expert,
+requires_grad, unit). --ep, --per-expert-2d and --layers-per-unit apply to presets only.
+
+Presets (shapes only, all bf16): deepseek-v3, qwen3-30b-a3b, mixtral-8x7b, with grouped 3-D expert
+weights [E/ep, 2f, d] and [E/ep, d, f] by default; one FSDP unit per decoder layer by default.
+
+Padding counts every bucket byte that holds no parameter (alignment gaps and the tail).
+All-gather bytes per step: what each rank receives when every bucket is all-gathered once,
+sum over buckets of bucket bytes x (dp - 1) / dp; the whole group moves dp times that.)";
+
+Result<std::vector<FsdpParam>> LoadParams(const BucketsArgs& a) {
+  for (const auto& name : FsdpPresetNames()) {
+    if (a.model != name) continue;
+    FsdpPresetOptions o;
+    o.ep = a.ep;
+    o.per_expert_2d = a.per_expert_2d;
+    o.layers_per_unit = a.layers_per_unit;
+    return FsdpPresetParams(name, o);
+  }
+  if (a.ep != 1 || a.per_expert_2d || a.layers_per_unit != 1) {
+    return InvalidArgument("--ep, --per-expert-2d and --layers-per-unit apply to presets only; '" + a.model +
+                           "' is not a preset (known: deepseek-v3, qwen3-30b-a3b, mixtral-8x7b)");
+  }
+  if (!std::filesystem::exists(a.model)) {
+    return InvalidArgument("--model '" + a.model +
+                           "' is neither a preset (deepseek-v3, qwen3-30b-a3b, mixtral-8x7b) nor an existing file");
+  }
+  RS_ASSIGN_OR_RETURN(auto text, ReadSmallFile(a.model, std::int64_t{64} << 20));
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return InvalidArgument(a.model + ": not valid JSON");
+  auto params = FsdpParamsFromJson(j);
+  if (!params.ok()) return params.status().WithContext(a.model);
+  return params;
+}
+
+std::string UnitsText(const std::vector<std::int64_t>& units) {
+  // Runs of consecutive units as "a-b".
+  std::string out;
+  for (std::size_t i = 0; i < units.size();) {
+    std::size_t j = i;
+    while (j + 1 < units.size() && units[j + 1] == units[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out += std::to_string(units[i]);
+    if (j > i) out += '-' + std::to_string(units[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+std::string Pct(double f) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f%%", f * 100.0);
+  return buf;
+}
+
+nlohmann::json TotalsJson(const BucketPlan& p) {
+  return {{"policy", BucketPolicyName(p.options.policy)},
+          {"buckets", p.buckets.size()},
+          {"param_bytes", p.param_bytes()},
+          {"total_bytes", p.total_bytes()},
+          {"padding_bytes", p.padding_bytes()},
+          {"padding_fraction", p.padding_fraction()},
+          {"allgather_bytes_per_rank", p.allgather_bytes_per_rank()}};
+}
+
+void PrintTotals(const BucketPlan& p) {
+  std::printf("%-6s %8zu buckets  padding %12s (%9s)  all-gather/rank/step %12s  (group %s)\n",
+              std::string(BucketPolicyName(p.options.policy)).c_str(), p.buckets.size(),
+              HumanBytes(p.padding_bytes()).c_str(), Pct(p.padding_fraction()).c_str(),
+              HumanBytes(p.allgather_bytes_per_rank()).c_str(),
+              HumanBytes(p.allgather_bytes_per_rank() * p.options.dp).c_str());
+}
+
+void PrintPlan(const BucketsArgs& a, const BucketPlan& p) {
+  std::printf("model %s, %zu parameters, %s; dp %lld, policy %s\n", a.model.c_str(), p.params.size(),
+              HumanBytes(p.param_bytes()).c_str(), static_cast<long long>(p.options.dp),
+              std::string(BucketPolicyName(p.options.policy)).c_str());
+  if (!a.summary) {
+    std::printf("\n%6s  %-12s %-10s %7s %14s %12s %12s %9s\n", "bucket", "kind", "units", "members", "csf", "size",
+                "padding", "pad %");
+    for (std::size_t i = 0; i < p.buckets.size(); ++i) {
+      const Bucket& b = p.buckets[i];
+      const std::string kind =
+          std::string(DTypeName(b.dtype)) + (b.expert ? " expert" : " shared") + (b.requires_grad ? "" : " frozen");
+      std::printf("%6zu  %-12s %-10s %7zu %14lld %12s %12s %9s\n", i, kind.c_str(), UnitsText(b.units).c_str(),
+                  b.members.size(), static_cast<long long>(b.csf), HumanBytes(b.size_bytes()).c_str(),
+                  HumanBytes(b.padding_bytes()).c_str(), Pct(b.padding_fraction()).c_str());
+      for (const auto& m : b.members) {
+        std::printf("          %14lld  %s %s\n", static_cast<long long>(m.offset), p.params[m.param].name.c_str(),
+                    ShapeToString(p.params[m.param].shape).c_str());
+      }
+    }
+    std::printf("\n");
+  }
+  std::printf("parameters %s, buckets %s, padding %s = %s of the buckets\n", HumanBytes(p.param_bytes()).c_str(),
+              HumanBytes(p.total_bytes()).c_str(), HumanBytes(p.padding_bytes()).c_str(),
+              Pct(p.padding_fraction()).c_str());
+  std::printf("all-gather per step: %s received per rank, %s over the group\n",
+              HumanBytes(p.allgather_bytes_per_rank()).c_str(),
+              HumanBytes(p.allgather_bytes_per_rank() * p.options.dp).c_str());
+}
+
+void PrintRank(const BucketPlan& p, std::int64_t rank) {
+  std::printf("\nrank %lld holds (parameter: flat item range, bucket, offset in the rank's shard):\n",
+              static_cast<long long>(rank));
+  for (const RankSlice& s : p.RankSlices(rank)) {
+    const Bucket& b = p.buckets[s.bucket];
+    std::printf("  %s: [%lld, %lld) bucket %zu @%lld\n", p.params[s.param].name.c_str(),
+                static_cast<long long>(s.items.begin), static_cast<long long>(s.items.end), s.bucket,
+                static_cast<long long>(s.bucket_offset - rank * b.shard_items));
+  }
+}
+
+nlohmann::json RankJson(const BucketPlan& p, std::int64_t rank) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const RankSlice& s : p.RankSlices(rank)) {
+    out.push_back({{"param", p.params[s.param].name},
+                   {"begin", s.items.begin},
+                   {"end", s.items.end},
+                   {"bucket", s.bucket},
+                   {"shard_offset", s.bucket_offset - rank * p.buckets[s.bucket].shard_items}});
+  }
+  return out;
+}
+
+void RunBuckets(const BucketsArgs& a) {
+  auto params = LoadParams(a);
+  if (!params.ok()) Fail("buckets", params.status());
+  auto policy = ParseBucketPolicy(a.policy);
+  if (!policy.ok()) Fail("buckets", policy.status());
+  if (a.dp < 1) Fail("buckets", InvalidArgument("--dp must be at least 1"));
+  if (a.rank < -1 || a.rank >= a.dp) Fail("buckets", InvalidArgument("--rank must be in [0, dp)"));
+  if (!(a.bucket_mib >= 0.0 && a.bucket_mib <= 1e9)) {
+    Fail("buckets", InvalidArgument("--bucket-mib must be in [0, 1e9]"));
+  }
+  PlanOptions o;
+  o.dp = a.dp;
+  o.policy = *policy;
+  o.bucket_limit_bytes = std::llround(a.bucket_mib * 1024.0 * 1024.0);
+  o.merge_units = !a.no_merge_units;
+
+  if (a.compare) {
+    nlohmann::json all = nlohmann::json::array();
+    if (!a.json)
+      std::printf("%s dp %lld ep %lld\n", a.model.c_str(), static_cast<long long>(a.dp), static_cast<long long>(a.ep));
+    for (const auto p : {BucketPolicy::kLcm, BucketPolicy::kSplit, BucketPolicy::kBest}) {
+      o.policy = p;
+      auto plan = PlanBuckets(*params, o);
+      if (!plan.ok()) Fail("buckets", plan.status());
+      if (a.json) {
+        all.push_back(TotalsJson(*plan));
+      } else {
+        PrintTotals(*plan);
+      }
+    }
+    if (a.json) {
+      std::printf("%s\n",
+                  nlohmann::json{{"model", a.model}, {"dp", a.dp}, {"ep", a.ep}, {"policies", all}}.dump(2).c_str());
+    }
+    return;
+  }
+
+  auto plan = PlanBuckets(std::move(*params), o);
+  if (!plan.ok()) Fail("buckets", plan.status());
+  if (a.json) {
+    nlohmann::json j = *plan;
+    j["model"] = a.model;
+    j["ep"] = a.ep;
+    if (a.summary) j.erase("buckets");
+    if (a.rank >= 0) j["rank"] = {{"rank", a.rank}, {"slices", RankJson(*plan, a.rank)}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  PrintPlan(a, *plan);
+  if (a.rank >= 0) PrintRank(*plan, a.rank);
+}
+
+}  // namespace
+
+void RegisterBuckets(CLI::App& app) {
+  auto a = std::make_shared<BucketsArgs>();
+  auto* cmd = app.add_subcommand("buckets", "Plan FSDP buckets and report their padding and all-gather traffic");
+  cmd->footer(kFileHelp);
+  cmd->add_option("--model", a->model, "Preset (deepseek-v3, qwen3-30b-a3b, mixtral-8x7b) or parameter JSON file")
+      ->required();
+  cmd->add_option("--dp", a->dp, "Data-parallel (sharding) degree")
+      ->required()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 16));
+  cmd->add_option("--ep", a->ep, "Expert-parallel degree: plan one ep rank's E/ep experts (presets)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  cmd->add_option("--policy", a->policy,
+                  "lcm (baseline: bucket CSF = LCM of row sizes), split (grouped experts by CSF), best")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"lcm", "split", "best"}));
+  cmd->add_flag("--per-expert-2d", a->per_expert_2d, "One 2-D fc1/fc2 weight per expert instead of grouped 3-D");
+  cmd->add_option("--layers-per-unit", a->layers_per_unit,
+                  "Decoder layers per FSDP unit (presets); 0 = the whole model is one unit")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 20));
+  cmd->add_option("--bucket-mib", a->bucket_mib, "Largest bucket in MiB of parameters (0 = no limit)")
+      ->capture_default_str();
+  cmd->add_flag("--no-merge-units", a->no_merge_units,
+                "best: never put two FSDP units in one bucket, even where a unit alone pads heavily");
+  cmd->add_option("--rank", a->rank, "Also list the flat item ranges of every parameter this rank holds");
+  cmd->add_flag("--compare", a->compare, "Print the totals of all three policies");
+  cmd->add_flag("--summary", a->summary, "Totals only, no per-bucket listing");
+  cmd->add_flag("--json", a->json, "Machine-readable output (key padding_fraction holds the total)");
+  cmd->callback([a] { RunBuckets(*a); });
+}
+
+}  // namespace rs::cli
