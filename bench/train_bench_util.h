@@ -1,0 +1,51 @@
+// Helpers shared by the training-core benchmarks (bench/moe_*.cc, bench/train_*.cc): wall
+// clocks and this machine's single-precision matrix-multiply peak, measured in the same run so
+// that every reported fraction is against the same machine state.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "train/gemm.h"
+#include "train/rng.h"
+
+namespace rs::bench {
+
+inline double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Median wall time of `reps` runs of f (after one warm-up run).
+template <typename F>
+double MedianSeconds(int reps, F&& f) {
+  f();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const double s = Now();
+    f();
+    t.push_back(Now() - s);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Best GFLOP/s of an n x n x n sgemm (OpenBLAS, its current thread count) over `reps` runs:
+// the practical matrix-multiply peak of this machine.
+inline double SgemmPeakGflops(std::int64_t n = 2048, int reps = 5) {
+  std::vector<float> a(static_cast<std::size_t>(n * n)), b(a.size()), c(a.size());
+  train::Rng rng(1);
+  for (auto& v : a) v = static_cast<float>(rng.Uniform() - 0.5);
+  for (auto& v : b) v = static_cast<float>(rng.Uniform() - 0.5);
+  double best = 1e30;
+  for (int i = 0; i < reps + 1; ++i) {
+    const double s = Now();
+    train::Gemm<float>(train::Trans::kNo, train::Trans::kNo, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    if (i > 0) best = std::min(best, Now() - s);  // the first run pays page faults and thread start
+  }
+  return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / best * 1e-9;
+}
+
+}  // namespace rs::bench
