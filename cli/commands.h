@@ -19,5 +19,8 @@ void RegisterVerify(CLI::App& app);   // cmd_verify.cc
 void RegisterInspect(CLI::App& app);  // cmd_inspect.cc
 void RegisterBuckets(CLI::App& app);  // cmd_buckets.cc
 void RegisterTrain(CLI::App& app);    // cmd_train.cc (train and eval)
+void RegisterConvert(CLI::App& app);  // cmd_convert.cc
+void RegisterPlan(CLI::App& app);     // cmd_plan.cc
+void RegisterDiff(CLI::App& app);     // cmd_diff.cc
 
 }  // namespace rs::cli

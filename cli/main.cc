@@ -14,6 +14,9 @@ int main(int argc, char** argv) {
   rs::cli::RegisterInspect(app);
   rs::cli::RegisterBuckets(app);
   rs::cli::RegisterTrain(app);
+  rs::cli::RegisterConvert(app);
+  rs::cli::RegisterPlan(app);
+  rs::cli::RegisterDiff(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

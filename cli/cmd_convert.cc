@@ -1,0 +1,166 @@
+// `reshard convert SRC --to LAYOUT -o DST`: converts a checkpoint – parameters and every
+// optimizer state – to another parallel layout, streaming with a fixed memory budget. Under
+// mpirun the target rank files are divided among the processes; each writes its own into a
+// shared staging directory and rank 0 publishes the manifest once all are done.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "cli/commands.h"
+#include "cli/mpi_world.h"
+#include "cli/reshard_args.h"
+#include "cli/util.h"
+#include "reshard/execute.h"
+
+namespace rs::cli {
+namespace {
+
+struct ConvertArgs {
+  std::string src;
+  std::string to;
+  std::string rules;
+  std::string out;
+  std::string memory_budget = "1GiB";
+  std::string max_shard_size = "64MiB";
+  int threads = 0;
+  std::string codec = "none";
+  std::string param_dtype;
+  bool with_replicas = false;
+  bool verify_source = false;
+};
+
+// Everything both the single- and the multi-process path need.
+struct Setup {
+  std::unique_ptr<CheckpointReader> reader;
+  ReshardPlan plan;
+  WriterOptions writer;
+};
+
+Result<Setup> Prepare(const ConvertArgs& a) {
+  Setup s;
+  ReaderOptions ro;
+  ro.threads = a.threads;
+  ro.checksums = a.verify_source ? ChecksumPolicy::kVerify : ChecksumPolicy::kSkip;
+  RS_ASSIGN_OR_RETURN(s.reader, CheckpointReader::Open(a.src, ro));
+  RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.reader->manifest()));
+  ReshardOptions o;
+  RS_ASSIGN_OR_RETURN(o.memory_budget, ParseByteSize(a.memory_budget));
+  RS_ASSIGN_OR_RETURN(o.max_shard_bytes, ParseByteSize(a.max_shard_size));
+  o.with_replicas = a.with_replicas;
+  o.threads = a.threads;
+  if (!a.param_dtype.empty()) {
+    const auto t = ParseDType(a.param_dtype);
+    if (!t) return InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'");
+    o.param_dtype = *t;
+  }
+  RS_ASSIGN_OR_RETURN(s.plan, PlanReshard(s.reader->manifest(), target, o));
+  RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
+  s.writer.threads = a.threads;
+  s.writer.producer = "reshard convert";
+  return s;
+}
+
+// Writes this process's share (all of it when `owner` is empty) through `writer`.
+Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::vector<std::int64_t>& owner,
+                                std::int64_t me, bool show_progress) {
+  for (const TensorSpec& t : s.plan.tensors) RS_RETURN_IF_ERROR(writer.AddTensor(t));
+  ExecuteOptions eo;
+  eo.threads = s.writer.threads;
+  if (!owner.empty()) eo.owns_rank = [&owner, me](std::int64_t r) { return owner[static_cast<std::size_t>(r)] == me; };
+  std::unique_ptr<Progress> progress;
+  if (show_progress) {
+    progress = std::make_unique<Progress>("convert", s.plan.Total().bytes_written);
+    eo.progress = [&progress](std::int64_t done, std::int64_t) { progress->Update(done); };
+  }
+  RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(s.plan, *s.reader, writer, eo));
+  writer.SetLayout(s.plan.target.layout.ToJson());
+  writer.SetMetadata(ConvertedMetadata(s.reader->manifest(), s.plan));
+  return stats;
+}
+
+void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, double seconds, std::int64_t processes) {
+  const RankCost total = s.plan.Total();
+  for (const std::string& c : s.plan.converted) std::fprintf(stderr, "dtype conversion: %s\n", c.c_str());
+  std::fprintf(stderr,
+               "converted %s -> %s (%s): %lld shards, %s written in %.2f s (%.1f MiB/s), %s read "
+               "(amplification %.3f), peak buffer %s of budget %s, %lld process%s\n",
+               a.src.c_str(), a.out.c_str(), s.plan.target.ToString().c_str(), static_cast<long long>(total.shards),
+               HumanBytes(total.bytes_written).c_str(), seconds,
+               seconds > 0 ? static_cast<double>(total.bytes_written) / 1048576.0 / seconds : 0.0,
+               HumanBytes(total.bytes_read).c_str(), s.plan.ReadAmplification(), HumanBytes(stats.peak_reserved).c_str(),
+               HumanBytes(s.plan.options.memory_budget).c_str(), static_cast<long long>(processes),
+               processes == 1 ? "" : "es");
+}
+
+void RunConvert(const ConvertArgs& a) {
+  MpiWorld& world = MpiWorld::Get();
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  auto setup = Prepare(a);
+  if (!world.active()) {
+    if (!setup.ok()) Fail("convert", setup.status());
+    auto writer = CheckpointWriter::Create(a.out, setup->writer);
+    if (!writer.ok()) Fail("convert", writer.status());
+    auto stats = WriteShare(*setup, **writer, {}, 0, /*show_progress=*/true);
+    if (!stats.ok()) Fail("convert", stats.status());
+    if (Status st = (*writer)->Commit(); !st.ok()) Fail("convert", st);
+    Report(a, *setup, *stats, elapsed(), 1);
+    return;
+  }
+  // Every process plans the same conversion; all must succeed before any writes.
+  if (!world.AllOk(setup.ok())) {
+    Fail("convert", setup.ok() ? Internal("another process failed to plan the conversion") : setup.status());
+  }
+  const std::string txn = world.Broadcast("mpi-" + std::to_string(::getpid()) + "-" +
+                                          std::to_string(std::chrono::system_clock::now().time_since_epoch().count()));
+  const std::vector<std::int64_t> owner = AssignRanks(setup->plan, world.size());
+  Result<ExecuteStats> stats = ExecuteStats{};
+  {
+    auto writer = CheckpointWriter::CreateStaged(a.out, txn, world.rank(), setup->writer);
+    if (!writer.ok()) {
+      stats = writer.status();
+    } else {
+      stats = WriteShare(*setup, **writer, owner, world.rank(), /*show_progress=*/world.rank() == 0);
+      if (stats.ok()) {
+        if (Status st = (*writer)->CommitFragment(); !st.ok()) stats = st;
+      }
+    }
+  }
+  const bool all_ok = world.AllOk(stats.ok());
+  Status published = Status::Ok();
+  if (world.rank() == 0) {
+    published = all_ok ? CheckpointWriter::CommitStaged(a.out, txn, world.size())
+                       : CheckpointWriter::AbortStaged(a.out, txn);
+  }
+  const bool done = world.AllOk(published.ok() && all_ok);
+  if (!stats.ok()) Fail("convert", stats.status());
+  if (!published.ok()) Fail("convert", published);
+  if (!done) Fail("convert", Internal("another process failed; nothing was published"));
+  if (world.rank() == 0) Report(a, *setup, *stats, elapsed(), world.size());
+}
+
+}  // namespace
+
+void RegisterConvert(CLI::App& app) {
+  auto a = std::make_shared<ConvertArgs>();
+  auto* cmd = app.add_subcommand("convert", "Convert a checkpoint (parameters and optimizer states) to another layout");
+  cmd->add_option("src", a->src, "Source checkpoint directory (opened read-only)")->required();
+  cmd->add_option("--to", a->to,
+                  "Target layout, e.g. tp=2,ep=8,fsdp=2 [,fsdp_form=flat][,vocab_multiple=N][,pp_split=A/B]")
+      ->required();
+  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
+  cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
+  cmd->add_option("--memory-budget", a->memory_budget, "Bytes of shard buffers in flight, e.g. 256MiB")->capture_default_str();
+  cmd->add_option("--max-shard-size", a->max_shard_size, "Larger target pieces are stored as several shards")
+      ->capture_default_str();
+  cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
+  cmd->add_option("--codec", a->codec, "Target codec: none, zstd or zstd:LEVEL")->capture_default_str();
+  cmd->add_option("--param-dtype", a->param_dtype, "Convert parameters (not optimizer states) to this dtype, e.g. bf16");
+  cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of the target layout");
+  cmd->add_flag("--verify-source", a->verify_source, "Check the checksum of every source shard read");
+  cmd->callback([a] { RunConvert(*a); });
+}
+
+}  // namespace rs::cli

@@ -1,0 +1,76 @@
+// `reshard plan SRC --to LAYOUT [--json]`: what a conversion would read and write – per target
+// rank, read amplification, copy operations, peak buffer – without touching any data file.
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/reshard_args.h"
+#include "cli/util.h"
+#include "reshard/plan.h"
+
+namespace rs::cli {
+namespace {
+
+struct PlanArgs {
+  std::string src;
+  std::string to;
+  std::string rules;
+  std::string memory_budget = "1GiB";
+  std::string max_shard_size = "64MiB";
+  std::string param_dtype;
+  int threads = 0;
+  bool with_replicas = false;
+  bool json = false;
+  bool detail = false;
+};
+
+void RunPlan(const PlanArgs& a) {
+  auto manifest = ReadManifest(a.src);
+  if (!manifest.ok()) Fail("plan", manifest.status());
+  auto target = TargetLayoutArg(a.to, a.rules, *manifest);
+  if (!target.ok()) Fail("plan", target.status());
+  ReshardOptions o;
+  auto budget = ParseByteSize(a.memory_budget);
+  if (!budget.ok()) Fail("plan", budget.status());
+  o.memory_budget = *budget;
+  auto shard = ParseByteSize(a.max_shard_size);
+  if (!shard.ok()) Fail("plan", shard.status());
+  o.max_shard_bytes = *shard;
+  o.threads = a.threads;
+  o.with_replicas = a.with_replicas;
+  if (!a.param_dtype.empty()) {
+    const auto t = ParseDType(a.param_dtype);
+    if (!t) Fail("plan", InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'"));
+    o.param_dtype = *t;
+  }
+  auto plan = PlanReshard(*manifest, *target, o);
+  if (!plan.ok()) Fail("plan", plan.status());
+  if (a.json) {
+    nlohmann::json j = *plan;
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf("source: %s (%zu shards)\n%s", a.src.c_str(), manifest->shards.size(), plan->Summary().c_str());
+  if (a.detail) std::printf("%s", plan->Detail().c_str());
+}
+
+}  // namespace
+
+void RegisterPlan(CLI::App& app) {
+  auto a = std::make_shared<PlanArgs>();
+  auto* cmd = app.add_subcommand("plan", "Show what converting a checkpoint to a layout would read and write");
+  cmd->add_option("src", a->src, "Source checkpoint directory (only its manifest is read)")->required();
+  cmd->add_option("--to", a->to, "Target layout (as for convert)")->required();
+  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
+  cmd->add_option("--memory-budget", a->memory_budget, "As for convert")->capture_default_str();
+  cmd->add_option("--max-shard-size", a->max_shard_size, "As for convert")->capture_default_str();
+  cmd->add_option("--param-dtype", a->param_dtype, "As for convert");
+  cmd->add_option("--threads", a->threads, "As for convert (for the peak buffer estimate)")->capture_default_str();
+  cmd->add_flag("--with-replicas", a->with_replicas, "As for convert");
+  cmd->add_flag("--json", a->json, "Machine-readable output");
+  cmd->add_flag("--detail", a->detail, "List every target shard and its transfers");
+  cmd->callback([a] { RunPlan(*a); });
+}
+
+}  // namespace rs::cli

@@ -1,0 +1,21 @@
+// Arguments shared by `reshard convert` and `reshard plan`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/status.h"
+#include "formats/manifest.h"
+#include "reshard/physical_layout.h"
+
+namespace rs::cli {
+
+// "1GiB", "256MiB", "512M", "4096", "1.5G" (binary units; B, K, KiB, M, MiB, G, GiB, T, TiB).
+// InvalidArgument for anything else, or for values below 1 byte or above 2^62.
+Result<std::int64_t> ParseByteSize(const std::string& text);
+
+// The target of a conversion: --to LAYOUT with --rules NAME|FILE; when --rules is empty, the
+// source checkpoint's own rule set (if it records one), else megatron.
+Result<PhysicalLayout> TargetLayoutArg(const std::string& to, const std::string& rules, const Manifest& source);
+
+}  // namespace rs::cli

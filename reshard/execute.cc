@@ -1,0 +1,294 @@
+#include "reshard/execute.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "core/dtype.h"
+
+namespace rs {
+
+namespace {
+
+// One target shard to produce.
+struct Job {
+  std::size_t target = 0;       // index into plan.targets
+  std::int64_t reserve = 0;     // bytes held while it runs
+  bool staging = false;
+  std::size_t file_seq = 0;     // position among the jobs of its rank file
+};
+
+// Shared state of one execution: the budget (granted in job order), the per-file write turns
+// and the first error.
+class Scheduler {
+ public:
+  Scheduler(std::int64_t budget, std::size_t jobs) : budget_(budget), jobs_(jobs) {}
+
+  // Blocks until it is `job`'s turn and its reservation fits; false when stopping.
+  bool Acquire(std::size_t job, std::int64_t bytes) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return stop_ || (next_grant_ == job && held_ + bytes <= budget_); });
+    if (stop_) return false;
+    held_ += bytes;
+    peak_ = std::max(peak_, held_);
+    ++next_grant_;
+    cv_.notify_all();
+    return true;
+  }
+  void Release(std::int64_t bytes) {
+    std::lock_guard lock(mu_);
+    held_ -= bytes;
+    cv_.notify_all();
+  }
+  // Blocks until the file of `rank` has written its first `seq` jobs; false when stopping.
+  bool AwaitFileTurn(std::int64_t rank, std::size_t seq) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return stop_ || file_done_[rank] == seq; });
+    return !stop_;
+  }
+  void FileAdvance(std::int64_t rank) {
+    std::lock_guard lock(mu_);
+    ++file_done_[rank];
+    cv_.notify_all();
+  }
+  void Fail(const Status& s) {
+    std::lock_guard lock(mu_);
+    if (error_.ok()) error_ = s;
+    stop_ = true;
+    cv_.notify_all();
+  }
+  bool stopped() {
+    std::lock_guard lock(mu_);
+    return stop_;
+  }
+  Status error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  std::int64_t peak() {
+    std::lock_guard lock(mu_);
+    return peak_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::int64_t budget_;
+  std::size_t jobs_;
+  std::int64_t held_ = 0;
+  std::int64_t peak_ = 0;
+  std::size_t next_grant_ = 0;
+  std::map<std::int64_t, std::size_t> file_done_;
+  bool stop_ = false;
+  Status error_;
+};
+
+// Copies `n` items from `src` (dtype `from`) to `dst` (dtype `to`).
+void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::int64_t n) {
+  if (from == to) {
+    std::memcpy(dst, src, static_cast<std::size_t>(n) * DTypeSize(from));
+  } else {
+    ConvertFloats(from, src, to, dst, static_cast<std::size_t>(n));
+  }
+}
+
+// Fills the buffer of one target shard from its transfers.
+Status FillTarget(const ReshardPlan& plan, const TargetShard& ts, CheckpointReader& source, std::span<std::byte> out,
+                  std::vector<std::byte>& staging, std::int64_t& bytes_read) {
+  const Manifest& m = source.manifest();
+  const TensorSpec& dst_spec = plan.tensors[ts.tensor];
+  const TensorSpec& src_spec = m.tensors[plan.source_tensor[ts.tensor]];
+  const DType from = src_spec.dtype;
+  const DType to = dst_spec.dtype;
+  const auto ses = static_cast<std::int64_t>(DTypeSize(from));
+  const auto des = static_cast<std::int64_t>(DTypeSize(to));
+  const std::int64_t staging_items = static_cast<std::int64_t>(staging.size()) / ses;
+  for (std::size_t i = ts.first_transfer; i < ts.first_transfer + ts.num_transfers; ++i) {
+    const Transfer& t = plan.transfers[i];
+    const ShardEntry& se = m.shards[t.source];
+    std::int64_t w0 = 0;
+    std::int64_t w1 = 0;  // source items [w0, w1) currently in the staging block
+    Status st;
+    ForEachCopy(dst_spec.shape, se.piece, ts.piece, t, [&](const Copy& copy) {
+      if (!st.ok()) return;
+      Copy c = copy;
+      while (c.length > 0) {
+        const bool staged = c.src >= w0 && c.src < w1;
+        // Contiguous bytes that need no conversion go straight into the target buffer unless
+        // they already sit in the staging block, or are small parts of a dense extent.
+        if (!staged && from == to && (!t.dense || staging_items == 0 || c.length * 2 >= staging_items)) {
+          st = source.ReadShardRange(t.source, c.src * ses,
+                                     out.subspan(static_cast<std::size_t>(c.dst * des), static_cast<std::size_t>(c.length * des)));
+          bytes_read += c.length * ses;
+          return;
+        }
+        if (!staged) {
+          RS_CHECK(staging_items > 0);
+          w0 = c.src;
+          w1 = t.dense ? std::min(t.src_end, w0 + staging_items) : w0 + std::min(c.length, staging_items);
+          st = source.ReadShardRange(t.source, w0 * ses,
+                                     std::span<std::byte>(staging).first(static_cast<std::size_t>((w1 - w0) * ses)));
+          bytes_read += (w1 - w0) * ses;
+          if (!st.ok()) return;
+        }
+        const std::int64_t n = std::min(c.length, w1 - c.src);
+        CopyItems(from, staging.data() + (c.src - w0) * ses, to, out.data() + c.dst * des, n);
+        c.src += n;
+        c.dst += n;
+        c.length -= n;
+      }
+    });
+    RS_RETURN_IF_ERROR(st);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& source, CheckpointWriter& writer,
+                                 const ExecuteOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const Manifest& m = source.manifest();
+  std::vector<Job> jobs;
+  std::map<std::int64_t, std::size_t> per_file;
+  std::int64_t total_bytes = 0;
+  for (std::size_t i = 0; i < plan.targets.size(); ++i) {
+    const TargetShard& ts = plan.targets[i];
+    if (options.owns_rank && !options.owns_rank(ts.rank)) continue;
+    Job job{i, ts.nbytes, false, per_file[ts.rank]++};
+    const bool convert = m.tensors[plan.source_tensor[ts.tensor]].dtype != plan.tensors[ts.tensor].dtype;
+    for (std::size_t k = ts.first_transfer; k < ts.first_transfer + ts.num_transfers; ++k) {
+      const Transfer& t = plan.transfers[k];
+      job.staging = job.staging || convert || (t.dense && t.runs > 1);
+    }
+    if (job.staging) job.reserve += plan.options.staging_bytes;
+    total_bytes += ts.nbytes;
+    jobs.push_back(job);
+  }
+
+  Scheduler sched(plan.options.memory_budget, jobs.size());
+  std::atomic<std::size_t> next{0};
+  std::atomic<std::int64_t> done_bytes{0};
+  std::atomic<std::int64_t> read_bytes{0};
+  std::mutex progress_mu;
+  auto worker = [&] {
+    std::vector<std::byte> buffer;
+    std::vector<std::byte> staging;
+    for (std::size_t j = next++; j < jobs.size(); j = next++) {
+      const Job& job = jobs[j];
+      const TargetShard& ts = plan.targets[job.target];
+      if (!sched.Acquire(j, job.reserve)) return;
+      // Buffers are sized per job and released after it, so what a worker keeps between jobs
+      // never exceeds what the budget granted.
+      buffer.resize(static_cast<std::size_t>(ts.nbytes));
+      buffer.shrink_to_fit();
+      staging.resize(job.staging ? static_cast<std::size_t>(plan.options.staging_bytes) : 0);
+      staging.shrink_to_fit();
+      std::int64_t nread = 0;
+      Status st = FillTarget(plan, ts, source, buffer, staging, nread);
+      read_bytes += nread;
+      if (st.ok() && sched.AwaitFileTurn(ts.rank, job.file_seq)) {
+        st = writer.WriteShard(ts.rank, plan.tensors[ts.tensor].name, ts.piece, buffer, ts.replica);
+        sched.FileAdvance(ts.rank);
+      }
+      buffer.clear();
+      buffer.shrink_to_fit();
+      staging.clear();
+      staging.shrink_to_fit();
+      sched.Release(job.reserve);
+      if (!st.ok()) {
+        sched.Fail(st);
+        return;
+      }
+      if (sched.stopped()) return;
+      const std::int64_t done = done_bytes += ts.nbytes;
+      if (options.progress) {
+        std::lock_guard lock(progress_mu);
+        options.progress(done, total_bytes);
+      }
+    }
+  };
+  const std::int64_t hw = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::thread::hardware_concurrency()));
+  const auto workers = static_cast<std::size_t>(
+      std::clamp<std::int64_t>(options.threads > 0 ? options.threads : hw, 1, std::max<std::int64_t>(1, static_cast<std::int64_t>(jobs.size()))));
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+  RS_RETURN_IF_ERROR(sched.error());
+
+  ExecuteStats stats;
+  stats.shards = static_cast<std::int64_t>(jobs.size());
+  stats.bytes_written = done_bytes.load();
+  stats.bytes_read = read_bytes.load();
+  stats.peak_reserved = sched.peak();
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return stats;
+}
+
+std::vector<std::int64_t> AssignRanks(const ReshardPlan& plan, std::int64_t processes) {
+  RS_CHECK(processes >= 1);
+  std::vector<std::int64_t> bytes(plan.ranks.size(), 0);
+  for (std::size_t r = 0; r < plan.ranks.size(); ++r) bytes[r] = plan.ranks[r].bytes_written;
+  std::vector<std::size_t> order(plan.ranks.size());
+  for (std::size_t r = 0; r < order.size(); ++r) order[r] = r;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return bytes[a] > bytes[b]; });
+  std::vector<std::int64_t> load(static_cast<std::size_t>(processes), 0);
+  std::vector<std::int64_t> owner(plan.ranks.size(), 0);
+  for (std::size_t r : order) {
+    const auto p = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[r] = static_cast<std::int64_t>(p);
+    load[p] += bytes[r] + 1;  // +1 spreads empty files too
+  }
+  return owner;
+}
+
+nlohmann::json ConvertedMetadata(const Manifest& source, const ReshardPlan& plan) {
+  nlohmann::json meta = source.metadata.is_object() ? source.metadata : nlohmann::json::object();
+  nlohmann::json conversions = nlohmann::json::array();
+  for (const std::string& c : plan.converted) conversions.push_back(c);
+  meta["physical_layout"] = plan.target.ToJson();
+  meta["reshard"] = {{"source_layout", source.layout},
+                     {"source_producer", source.producer},
+                     {"dtype_conversions", conversions},
+                     {"param_dtype", plan.options.param_dtype ? nlohmann::json(DTypeName(*plan.options.param_dtype))
+                                                              : nlohmann::json(nullptr)}};
+  return meta;
+}
+
+Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& target, const std::string& dst,
+                              const ConvertOptions& options) {
+  ReaderOptions ro;
+  ro.threads = options.threads;
+  ro.checksums = options.verify_source ? ChecksumPolicy::kVerify : ChecksumPolicy::kSkip;
+  RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(src, ro));
+  ReshardOptions reshard = options.reshard;
+  reshard.threads = options.threads;
+  RS_ASSIGN_OR_RETURN(ReshardPlan plan, PlanReshard(reader->manifest(), target, reshard));
+
+  WriterOptions wo;
+  wo.codec = options.codec;
+  wo.threads = options.threads;
+  wo.producer = options.producer;
+  RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(dst, wo));
+  for (const TensorSpec& t : plan.tensors) RS_RETURN_IF_ERROR(writer->AddTensor(t));
+  ExecuteOptions eo;
+  eo.threads = options.threads;
+  eo.progress = options.progress;
+  RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, *reader, *writer, eo));
+  writer->SetLayout(target.layout.ToJson());
+  writer->SetMetadata(ConvertedMetadata(reader->manifest(), plan));
+  RS_RETURN_IF_ERROR(writer->Commit());
+  return ConvertResult{std::move(plan), stats};
+}
+
+}  // namespace rs

@@ -1,0 +1,79 @@
+// Executing a reshard plan (plan.h): streams every target shard from the source shards into
+// the checkpoint writer with a fixed memory budget.
+//
+// Each target shard is one job: reserve its bytes (plus a staging block when it gathers
+// strided or converted reads) from the budget, fill it from the source (pread straight into
+// the target buffer where the bytes are contiguous and need no conversion; else through the
+// staging block, with dtype conversion), hand it to the writer (which compresses on its own
+// pool), release. Worker threads run jobs concurrently, so reads, decompression, copies,
+// compression and writes of different jobs overlap. Reservations are granted in job order and
+// each rank file's shards are written in job order, so the output (dataset names, manifest)
+// does not depend on timing or on how many processes share the work; this also makes the
+// scheme deadlock-free (the earliest unfinished job always holds its reservation).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "formats/checkpoint_reader.h"
+#include "formats/checkpoint_writer.h"
+#include "reshard/plan.h"
+
+namespace rs {
+
+struct ExecuteOptions {
+  int threads = 0;  // job workers; 0 = hardware concurrency
+  // Which target ranks this process writes (all when empty): under mpirun each process takes
+  // a share of the rank files.
+  std::function<bool(std::int64_t rank)> owns_rank;
+  // Called after each job with (bytes written so far, bytes this process writes in all).
+  std::function<void(std::int64_t, std::int64_t)> progress;
+};
+
+struct ExecuteStats {
+  std::int64_t shards = 0;
+  std::int64_t bytes_written = 0;     // uncompressed target bytes
+  std::int64_t bytes_read = 0;        // uncompressed source bytes requested
+  std::int64_t peak_reserved = 0;     // largest sum of reservations held at once
+  double seconds = 0;
+};
+
+// Runs the jobs of `plan` (those of the ranks this process owns) reading through `source`
+// and writing through `writer`, which the caller created, declared the plan's tensors on, and
+// commits afterwards. The first error stops all workers and is returned (IoError / DataLoss
+// from reading or writing); nothing is committed here.
+Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& source, CheckpointWriter& writer,
+                                 const ExecuteOptions& options);
+
+// Divides the target rank files of `plan` among `processes` writers, balancing bytes (largest
+// first, each to the least loaded process; deterministic). Returns the process of each rank.
+std::vector<std::int64_t> AssignRanks(const ReshardPlan& plan, std::int64_t processes);
+
+// The manifest metadata of a converted checkpoint: the source's metadata plus a "reshard"
+// entry (source layout, target physical layout, dtype conversions) and "physical_layout".
+nlohmann::json ConvertedMetadata(const Manifest& source, const ReshardPlan& plan);
+
+struct ConvertOptions {
+  ReshardOptions reshard;
+  CodecSpec codec;
+  int threads = 0;
+  bool verify_source = false;  // check every source shard's checksum (a full extra read of
+                               // each shard that is only partly needed)
+  std::string producer = "reshard convert";
+  std::function<void(std::int64_t, std::int64_t)> progress;
+};
+
+// Single-process conversion: opens `src` read-only, plans to `target`, writes `dst` through
+// the commit protocol (nothing valid-looking at `dst` unless it completes). Returns the plan's
+// statistics with the execution's. AlreadyExists if `dst` exists; errors of planning,
+// reading and writing pass through.
+struct ConvertResult {
+  ReshardPlan plan;
+  ExecuteStats stats;
+};
+Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& target, const std::string& dst,
+                              const ConvertOptions& options);
+
+}  // namespace rs
