@@ -96,7 +96,7 @@ Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::stri
   std::unique_ptr<ShardFileWriter> w(new ShardFileWriter());
   w->path_ = path;
   w->file_id_ = fid;
-  w->sync_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  w->sync_fd_ = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
   if (w->sync_fd_ < 0) return IoError(path + ": " + Errno("open"));
   return w;
 }
@@ -107,6 +107,35 @@ ShardFileWriter::~ShardFileWriter() {
     H5Fclose(file_id_);
   }
   if (sync_fd_ >= 0) ::close(sync_fd_);
+}
+
+Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool,
+                                const std::string& what) {
+  constexpr std::int64_t kBlock = std::int64_t{8} << 20;
+  const auto n = static_cast<std::int64_t>(bytes.size());
+  std::mutex mu;
+  Status first_error;
+  auto write_block = [&, this](std::int64_t begin) {
+    const std::int64_t len = std::min(kBlock, n - begin);
+    std::int64_t done = 0;
+    while (done < len) {
+      const ssize_t w = ::pwrite(sync_fd_, bytes.data() + begin + done, static_cast<std::size_t>(len - done),
+                                 static_cast<off_t>(offset + begin + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.ok()) {
+          first_error = IoError(what + ": " + Errno("pwrite") + " at offset " + std::to_string(offset + begin + done));
+        }
+        return;
+      }
+      done += w;
+    }
+  };
+  TaskGroup group(pool);
+  for (std::int64_t begin = 0; begin < n; begin += kBlock) group.Run([begin, &write_block] { write_block(begin); });
+  group.Wait();
+  return first_error;
 }
 
 void ShardFileWriter::StartWriteback() {
@@ -142,6 +171,9 @@ Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std:
     }
   } else {
     H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS);
+    // Allocated at creation, so the data's file offset is known before any byte is written
+    // and the bytes can go in with parallel pwrite outside the HDF5 lock (see below).
+    H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
   }
   h5::Handle dset(H5Dcreate2(file_id_, name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(),
                              h5::kDefault),
@@ -159,8 +191,21 @@ Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std:
   }
   if (n == 0) return std::int64_t{0};
   if (!zstd) {
-    if (H5Dwrite(dset.get(), H5T_NATIVE_UINT8, h5::kAll, h5::kAll, h5::kDefault, bytes.data()) < 0) {
-      return IoError(what + ": H5Dwrite of " + std::to_string(n) + " bytes failed");
+    const haddr_t addr = H5Dget_offset(dset.get());
+    if (addr == HADDR_UNDEF || pool == nullptr) {
+      if (H5Dwrite(dset.get(), H5T_NATIVE_UINT8, h5::kAll, h5::kAll, h5::kDefault, bytes.data()) < 0) {
+        return IoError(what + ": H5Dwrite of " + std::to_string(n) + " bytes failed");
+      }
+    } else {
+      // The contiguous dataset is plain bytes at `addr`, which HDF5 has reserved and never
+      // caches (fill time never, no raw-data I/O through HDF5 on it). Writing them with pwrite
+      // from the pool, without the HDF5 lock, spreads the copy into the page cache over all
+      // workers and lets other shards' HDF5 calls proceed meanwhile.
+      dset.Reset();
+      dcpl.Reset();
+      space.Reset();
+      lock.unlock();
+      RS_RETURN_IF_ERROR(WriteAt(static_cast<std::int64_t>(addr), bytes, pool, what));
     }
     StartWriteback();
     return n;

@@ -51,6 +51,7 @@ class ShardFileWriter {
  private:
   ShardFileWriter() = default;
   void StartWriteback();
+  Status WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool, const std::string& what);
   std::string path_;
   std::int64_t file_id_ = -1;
   int sync_fd_ = -1;  // our own descriptor of the file, for early writeback and fsync
