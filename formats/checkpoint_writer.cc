@@ -246,47 +246,89 @@ Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
   return slot->writer.get();
 }
 
-Status CheckpointWriter::WriteShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
-                                    std::span<const std::byte> bytes, ReplicaKind replica) {
+Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t rank, const std::string& tensor,
+                                                                 const Piece& piece, ReplicaKind replica) {
   if (rank < 0) return InvalidArgument("negative rank " + std::to_string(rank));
-  ShardEntry e;
-  RankFile* file = nullptr;
+  std::unique_ptr<ShardSink> sink(new ShardSink());
+  sink->writer_ = this;
+  ShardEntry& e = sink->entry_;
   std::string attribute;
+  ShardFileWriter* file = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
     const auto it = tensor_index_.find(tensor);
     if (it == tensor_index_.end()) return InvalidArgument("WriteShard: tensor '" + tensor + "' was not added");
     const TensorSpec& t = tensors_[it->second];
-    RS_RETURN_IF_ERROR(ValidatePiece(t, piece, bytes.size()));
-    RS_ASSIGN_OR_RETURN(ShardFileWriter * w, FileForRank(rank));
-    (void)w;
-    file = files_[rank].get();
+    RS_RETURN_IF_ERROR(ValidatePiece(t, piece, static_cast<std::size_t>(piece.numel()) * DTypeSize(t.dtype)));
+    RS_ASSIGN_OR_RETURN(file, FileForRank(rank));
     char name[32];
-    std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(file->next_dataset++));
+    std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(files_[rank]->next_dataset++));
     e.tensor = tensor;
     e.piece = piece;
     e.file = RankFileName(rank);
     e.dataset = name;
-    e.nbytes = static_cast<std::int64_t>(bytes.size());
-    e.codec = bytes.empty() ? Codec::kNone : options_.codec.codec;
+    e.nbytes = piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
+    e.codec = e.nbytes == 0 ? Codec::kNone : options_.codec.codec;
     e.rank = rank;
     e.replica = replica;
     nlohmann::json a = {{"tensor", tensor}, {"dtype", DTypeName(t.dtype)}, {"box_offset", piece.box.offset},
                         {"box_shape", piece.box.shape}};
     if (piece.range) a["range"] = {piece.range->begin, piece.range->end};
     attribute = a.dump();
+    ++open_sinks_;
   }
-  e.checksum = Xxh3(bytes);
-  Result<std::int64_t> stored = [&]() -> Result<std::int64_t> {
-    std::lock_guard<std::mutex> lock(file->write_mu);
-    const CodecSpec codec = e.codec == Codec::kNone ? CodecSpec{Codec::kNone, 0} : options_.codec;
-    return file->writer->WriteDataset(e.dataset, bytes, codec, options_.chunk_bytes, pool_.get(), attribute);
-  }();
-  if (!stored.ok()) return stored.status().WithContext("tensor '" + tensor + "'");
-  std::lock_guard<std::mutex> lock(mu_);
-  shards_.push_back(std::move(e));
-  stored_bytes_ += *stored;
+  const CodecSpec codec = e.codec == Codec::kNone ? CodecSpec{Codec::kNone, 0} : options_.codec;
+  Result<std::unique_ptr<DatasetWriter>> d =
+      file->BeginDataset(e.dataset, e.nbytes, codec, options_.chunk_bytes, pool_.get(), attribute);
+  if (!d.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    --open_sinks_;
+    return d.status().WithContext("tensor '" + tensor + "'");
+  }
+  sink->dataset_ = std::move(d).value();
+  sink->hash_ = std::make_unique<Xxh3Stream>();
+  return sink;
+}
+
+Status CheckpointWriter::WriteShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                                    std::span<const std::byte> bytes, ReplicaKind replica) {
+  // Validate the byte count before creating anything in the file.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = tensor_index_.find(tensor);
+    if (it != tensor_index_.end()) RS_RETURN_IF_ERROR(ValidatePiece(tensors_[it->second], piece, bytes.size()));
+  }
+  RS_ASSIGN_OR_RETURN(auto sink, BeginShard(rank, tensor, piece, replica));
+  RS_RETURN_IF_ERROR(sink->Append(bytes));
+  return sink->Finish();
+}
+
+ShardSink::~ShardSink() {
+  if (writer_ != nullptr) {
+    dataset_.reset();
+    std::lock_guard<std::mutex> lock(writer_->mu_);
+    --writer_->open_sinks_;
+  }
+}
+
+Status ShardSink::Append(std::span<const std::byte> bytes) {
+  if (writer_ == nullptr) return FailedPrecondition("shard of '" + entry_.tensor + "' already finished");
+  hash_->Update(bytes);
+  return dataset_->Append(bytes).WithContext("tensor '" + entry_.tensor + "'");
+}
+
+Status ShardSink::Finish() {
+  if (writer_ == nullptr) return FailedPrecondition("shard of '" + entry_.tensor + "' already finished");
+  Result<std::int64_t> stored = dataset_->Finish();
+  if (!stored.ok()) return stored.status().WithContext("tensor '" + entry_.tensor + "'");
+  entry_.checksum = hash_->Digest();
+  dataset_.reset();
+  std::lock_guard<std::mutex> lock(writer_->mu_);
+  --writer_->open_sinks_;
+  writer_->shards_.push_back(entry_);
+  writer_->stored_bytes_ += *stored;
+  writer_ = nullptr;
   return Status::Ok();
 }
 
@@ -319,6 +361,7 @@ Status CheckpointWriter::Commit() {
   std::lock_guard<std::mutex> lock(mu_);
   if (staged_) return FailedPrecondition("a staged writer commits with CommitFragment and CommitStaged");
   if (done_) return FailedPrecondition("checkpoint " + dir_ + " already committed");
+  if (open_sinks_ > 0) return FailedPrecondition(std::to_string(open_sinks_) + " shards are still being written");
   RS_RETURN_IF_ERROR(CloseFiles());
   RS_RETURN_IF_ERROR(Publish(staging_, dir_, BuildManifest()));
   done_ = true;
@@ -329,6 +372,7 @@ Status CheckpointWriter::CommitFragment() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!staged_) return FailedPrecondition("CommitFragment is for staged writers; use Commit");
   if (done_) return FailedPrecondition("fragment already committed");
+  if (open_sinks_ > 0) return FailedPrecondition(std::to_string(open_sinks_) + " shards are still being written");
   RS_RETURN_IF_ERROR(CloseFiles());
   const std::string path = staging_ + "/fragment-" + std::to_string(fragment_id_) + ".json";
   RS_RETURN_IF_ERROR(WriteFileDurably(path, ManifestToJson(BuildManifest()).dump(1)));

@@ -30,8 +30,34 @@
 
 namespace rs {
 
+class CheckpointWriter;
+class DatasetWriter;
 class ShardFileWriter;
 class ThreadPool;
+class Xxh3Stream;
+
+// One shard whose bytes arrive in pieces (CheckpointWriter::BeginShard), so that no shard has
+// to be in memory whole. Bytes are appended in the piece's order; Finish records the shard.
+// Destroyed without Finish, the shard is not part of the checkpoint. One producer per sink;
+// several sinks (of any ranks) may be open at once.
+class ShardSink {
+ public:
+  ~ShardSink();
+  ShardSink(const ShardSink&) = delete;
+  ShardSink& operator=(const ShardSink&) = delete;
+  // InvalidArgument past the shard's size; IoError from the file system.
+  Status Append(std::span<const std::byte> bytes);
+  // InvalidArgument if fewer bytes than the piece holds were appended.
+  Status Finish();
+
+ private:
+  friend class CheckpointWriter;
+  ShardSink() = default;
+  CheckpointWriter* writer_ = nullptr;
+  ShardEntry entry_;
+  std::unique_ptr<DatasetWriter> dataset_;
+  std::unique_ptr<Xxh3Stream> hash_;
+};
 
 struct WriterOptions {
   CodecSpec codec;                              // for every shard (empty shards are stored raw)
@@ -64,12 +90,17 @@ class CheckpointWriter {
   // FailedPrecondition after commit; IoError from the file system.
   Status WriteShard(std::int64_t rank, const std::string& tensor, const Piece& piece, std::span<const std::byte> bytes,
                     ReplicaKind replica = ReplicaKind::kMain);
+  // Streaming form of WriteShard: the shard's piece.numel() * dtype size bytes then arrive
+  // through ShardSink::Append. Same errors as WriteShard.
+  Result<std::unique_ptr<ShardSink>> BeginShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                                                ReplicaKind replica = ReplicaKind::kMain);
   void SetLayout(nlohmann::json layout);      // Layout::ToJson(); opaque to the format
   void SetMetadata(nlohmann::json metadata);  // a JSON object: step, model config, ...
 
   // Single-process commit: closes and fsyncs the data files, writes and fsyncs manifest.json,
   // renames the staging directory to `dir` (refusing to replace anything: AlreadyExists) and
-  // fsyncs the parent. FailedPrecondition for a staged writer or a second call.
+  // fsyncs the parent. FailedPrecondition for a staged writer, a second call, or while
+  // ShardSinks are open.
   Status Commit();
   // Staged writers: closes and fsyncs this process's files and writes "fragment-<id>.json".
   Status CommitFragment();
@@ -86,6 +117,7 @@ class CheckpointWriter {
   std::int64_t stored_bytes() const;
 
  private:
+  friend class ShardSink;
   CheckpointWriter() = default;
   Result<ShardFileWriter*> FileForRank(std::int64_t rank);
   Status CloseFiles();
@@ -104,7 +136,6 @@ class CheckpointWriter {
   std::map<std::string, std::size_t> tensor_index_;
   struct RankFile {
     std::unique_ptr<ShardFileWriter> writer;
-    std::mutex write_mu;  // one dataset at a time per file
     std::int64_t next_dataset = 0;
   };
   std::map<std::int64_t, std::unique_ptr<RankFile>> files_;
@@ -112,6 +143,7 @@ class CheckpointWriter {
   nlohmann::json layout_;
   nlohmann::json metadata_ = nlohmann::json::object();
   std::int64_t stored_bytes_ = 0;
+  std::int64_t open_sinks_ = 0;
 };
 
 // "rank-00042.h5"

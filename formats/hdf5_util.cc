@@ -77,6 +77,12 @@ std::unique_lock<std::mutex> Lock() {
     InitOnce();
     initialized = true;
   }
+  // A thread-safe HDF5 keeps one error stack per thread, each printing by default.
+  thread_local bool quiet = false;
+  if (!quiet) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    quiet = true;
+  }
   return lock;
 }
 

@@ -41,6 +41,8 @@ class Handle {
   Handle& operator=(const Handle&) = delete;
 
   bool valid() const { return id_ >= 0; }
+  // Gives up ownership: the caller closes the id.
+  hid_t Release() { return std::exchange(id_, -1); }
   hid_t get() const { return id_; }
   // Closes now; returns false if HDF5 reported an error while closing (e.g. a failed flush).
   bool Reset() {

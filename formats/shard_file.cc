@@ -132,6 +132,10 @@ Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> 
       done += w;
     }
   };
+  if (pool == nullptr || n <= kBlock) {
+    for (std::int64_t begin = 0; begin < n; begin += kBlock) write_block(begin);
+    return first_error;
+  }
   TaskGroup group(pool);
   for (std::int64_t begin = 0; begin < n; begin += kBlock) group.Run([begin, &write_block] { write_block(begin); });
   group.Wait();
@@ -145,25 +149,29 @@ void ShardFileWriter::StartWriteback() {
   if (sync_fd_ >= 0) ::sync_file_range(sync_fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
 }
 
-Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std::span<const std::byte> bytes,
-                                                   const CodecSpec& codec, std::int64_t chunk_bytes, ThreadPool* pool,
-                                                   const std::string& attribute) {
+Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const std::string& name, std::int64_t nbytes,
+                                                                    const CodecSpec& codec, std::int64_t chunk_bytes,
+                                                                    ThreadPool* pool, const std::string& attribute) {
   RS_CHECK(file_id_ >= 0);
-  RS_CHECK(chunk_bytes > 0);
-  const std::string what = path_ + ", dataset '" + name + "'";
-  const auto n = static_cast<std::int64_t>(bytes.size());
-  const bool zstd = codec.codec == Codec::kZstd && n > 0;
-  // The lock is held for the whole dataset: compression runs on pool threads, which never
-  // touch HDF5, while this thread writes finished chunks in order.
+  RS_CHECK(chunk_bytes > 0 && nbytes >= 0);
+  std::unique_ptr<DatasetWriter> d(new DatasetWriter());
+  d->file_ = this;
+  d->what_ = path_ + ", dataset '" + name + "'";
+  d->nbytes_ = nbytes;
+  d->zstd_ = codec.codec == Codec::kZstd && nbytes > 0;
+  d->level_ = codec.level;
+  d->pool_ = pool;
+  d->chunk_ = std::min(chunk_bytes, std::max<std::int64_t>(nbytes, 1));
+  const std::string& what = d->what_;
+
   auto lock = h5::Lock();
-  const hsize_t dims[1] = {static_cast<hsize_t>(n)};
+  const hsize_t dims[1] = {static_cast<hsize_t>(nbytes)};
   h5::Handle space(H5Screate_simple(1, dims, nullptr), H5Sclose);
   h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   if (!space.valid() || !dcpl.valid()) return IoError(what + ": cannot create dataspace / property list");
   H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
-  const std::int64_t chunk = std::min(chunk_bytes, std::max<std::int64_t>(n, 1));
-  if (zstd) {
-    const hsize_t cdims[1] = {static_cast<hsize_t>(chunk)};
+  if (d->zstd_) {
+    const hsize_t cdims[1] = {static_cast<hsize_t>(d->chunk_)};
     const unsigned int level = static_cast<unsigned int>(codec.level);
     if (H5Pset_chunk(dcpl.get(), 1, cdims) < 0 ||
         H5Pset_filter(dcpl.get(), static_cast<H5Z_filter_t>(kZstdFilterId), H5Z_FLAG_OPTIONAL, 1, &level) < 0) {
@@ -172,7 +180,7 @@ Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std:
   } else {
     H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS);
     // Allocated at creation, so the data's file offset is known before any byte is written
-    // and the bytes can go in with parallel pwrite outside the HDF5 lock (see below).
+    // and the bytes can go in with parallel pwrite outside the HDF5 lock (see Append).
     H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
   }
   h5::Handle dset(H5Dcreate2(file_id_, name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(),
@@ -189,77 +197,143 @@ Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std:
       return IoError(what + ": cannot write attribute rs_shard");
     }
   }
-  if (n == 0) return std::int64_t{0};
-  if (!zstd) {
+  if (!d->zstd_ && nbytes > 0) {
     const haddr_t addr = H5Dget_offset(dset.get());
-    if (addr == HADDR_UNDEF || pool == nullptr) {
-      if (H5Dwrite(dset.get(), H5T_NATIVE_UINT8, h5::kAll, h5::kAll, h5::kDefault, bytes.data()) < 0) {
-        return IoError(what + ": H5Dwrite of " + std::to_string(n) + " bytes failed");
-      }
-    } else {
-      // The contiguous dataset is plain bytes at `addr`, which HDF5 has reserved and never
-      // caches (fill time never, no raw-data I/O through HDF5 on it). Writing them with pwrite
-      // from the pool, without the HDF5 lock, spreads the copy into the page cache over all
-      // workers and lets other shards' HDF5 calls proceed meanwhile.
-      dset.Reset();
-      dcpl.Reset();
-      space.Reset();
-      lock.unlock();
-      RS_RETURN_IF_ERROR(WriteAt(static_cast<std::int64_t>(addr), bytes, pool, what));
-    }
-    StartWriteback();
-    return n;
+    if (addr == HADDR_UNDEF) return IoError(what + ": HDF5 did not allocate the dataset's storage");
+    d->offset_ = static_cast<std::int64_t>(addr);
   }
+  if (d->zstd_) {
+    d->dset_ = dset.Release();  // now owned by `d` (closed in Finish or its destructor)
+    d->group_ = std::make_unique<TaskGroup>(pool);
+  }
+  return d;
+}
 
-  const auto num_chunks = static_cast<std::size_t>((n + chunk - 1) / chunk);
-  ChunkSlots slots(num_chunks);
-  TaskGroup group(pool);
-  const int level = codec.level;
-  auto compress = [&slots, bytes, chunk, n, level](std::size_t i) {
-    const std::int64_t begin = static_cast<std::int64_t>(i) * chunk;
-    const std::int64_t len = std::min(chunk, n - begin);
-    std::span<const std::byte> src = bytes.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(len));
-    // HDF5 chunks are full-size even at the dataset's edge; the tail is zero padding.
-    std::vector<std::byte> padded;
-    if (len < chunk) {
-      padded.assign(static_cast<std::size_t>(chunk), std::byte{0});
-      std::memcpy(padded.data(), src.data(), src.size());
-      src = padded;
-    }
+Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std::span<const std::byte> bytes,
+                                                   const CodecSpec& codec, std::int64_t chunk_bytes, ThreadPool* pool,
+                                                   const std::string& attribute) {
+  RS_ASSIGN_OR_RETURN(auto d, BeginDataset(name, static_cast<std::int64_t>(bytes.size()), codec, chunk_bytes, pool,
+                                           attribute));
+  RS_RETURN_IF_ERROR(d->Append(bytes));
+  return d->Finish();
+}
+
+// One chunk being compressed on the pool.
+struct DatasetWriter::Compressed {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool ready = false;
+  bool raw = false;
+  std::vector<std::byte> data;
+};
+
+DatasetWriter::~DatasetWriter() {
+  group_.reset();  // waits for chunks still compressing
+  if (dset_ >= 0) {
+    auto lock = h5::Lock();
+    H5Dclose(dset_);
+  }
+}
+
+Status DatasetWriter::Append(std::span<const std::byte> bytes) {
+  if (finished_) return FailedPrecondition(what_ + ": Append after Finish");
+  RS_RETURN_IF_ERROR(error_);
+  const auto n = static_cast<std::int64_t>(bytes.size());
+  if (n > nbytes_ - written_) {
+    return InvalidArgument(what_ + ": " + std::to_string(written_ + n) + " bytes appended to a dataset of " +
+                           std::to_string(nbytes_));
+  }
+  if (!zstd_) {
+    RS_RETURN_IF_ERROR(file_->WriteAt(offset_ + written_, bytes, pool_, what_));
+    written_ += n;
+    return Status::Ok();
+  }
+  std::size_t pos = 0;
+  while (pos < bytes.size()) {
+    if (partial_.capacity() == 0) partial_.reserve(static_cast<std::size_t>(chunk_));
+    const std::size_t take = std::min(bytes.size() - pos, static_cast<std::size_t>(chunk_) - partial_.size());
+    partial_.insert(partial_.end(), bytes.begin() + static_cast<std::ptrdiff_t>(pos),
+                    bytes.begin() + static_cast<std::ptrdiff_t>(pos + take));
+    pos += take;
+    written_ += static_cast<std::int64_t>(take);
+    if (static_cast<std::int64_t>(partial_.size()) == chunk_) RS_RETURN_IF_ERROR(SubmitChunk());
+  }
+  return Status::Ok();
+}
+
+Status DatasetWriter::SubmitChunk() {
+  // HDF5 chunks are full-size even at the dataset's edge; the tail is zero padding.
+  partial_.resize(static_cast<std::size_t>(chunk_), std::byte{0});
+  auto c = std::make_shared<Compressed>();
+  auto run = [c, src = std::move(partial_), level = level_, chunk = chunk_]() mutable {
     std::vector<std::byte> out = ZstdCompress(src, level);
     // Incompressible chunks are stored raw with the filter-skipped mask bit, as HDF5 allows.
     const bool raw = static_cast<std::int64_t>(out.size()) >= chunk;
-    if (raw) out.assign(src.begin(), src.end());
-    slots.data[i] = std::move(out);
-    slots.raw[i] = raw ? 1 : 0;
-    slots.Publish(i);
+    std::lock_guard<std::mutex> lock(c->mu);
+    c->data = raw ? std::move(src) : std::move(out);
+    c->raw = raw;
+    c->ready = true;
+    c->cv.notify_all();
   };
-  const std::size_t window = Window(pool);
-  std::size_t submitted = 0;
-  std::int64_t stored = 0;
-  for (std::size_t i = 0; i < num_chunks; ++i) {
-    while (submitted < num_chunks && submitted < i + window) {
-      const std::size_t k = submitted++;
-      if (pool != nullptr) {
-        group.Run([k, &compress] { compress(k); });
-      } else {
-        compress(k);
+  partial_ = std::vector<std::byte>();
+  if (pool_ != nullptr) {
+    group_->Run(std::move(run));
+  } else {
+    run();
+  }
+  pending_.push_back({next_chunk_++, std::move(c)});
+  // A bounded window of chunks in flight keeps memory at a few chunks per worker.
+  while (pending_.size() > Window(pool_)) RS_RETURN_IF_ERROR(WriteOldest());
+  return Status::Ok();
+}
+
+Status DatasetWriter::WriteOldest() {
+  Pending p = std::move(pending_.front());
+  pending_.pop_front();
+  Compressed& c = *p.chunk;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(c.mu);
+      if (c.ready) break;
+      if (pool_ == nullptr) {
+        c.cv.wait(lock, [&] { return c.ready; });
+        break;
       }
     }
-    slots.Await(i, pool);
-    const hsize_t offset[1] = {static_cast<hsize_t>(i) * static_cast<hsize_t>(chunk)};
-    const std::uint32_t mask = slots.raw[i] != 0 ? 1u : 0u;
-    const std::vector<std::byte>& data = slots.data[i];
-    if (H5Dwrite_chunk(dset.get(), h5::kDefault, mask, offset, data.size(), data.data()) < 0) {
-      group.Wait();
-      return IoError(what + ": H5Dwrite_chunk of chunk " + std::to_string(i) + " failed");
-    }
-    stored += static_cast<std::int64_t>(data.size());
-    std::vector<std::byte>().swap(slots.data[i]);
+    if (pool_->RunOne()) continue;  // help rather than block, so nested waits cannot deadlock
+    std::unique_lock<std::mutex> lock(c.mu);
+    c.cv.wait_for(lock, std::chrono::milliseconds(1), [&] { return c.ready; });
   }
-  group.Wait();
-  StartWriteback();
-  return stored;
+  const hsize_t offset[1] = {static_cast<hsize_t>(p.index) * static_cast<hsize_t>(chunk_)};
+  auto lock = h5::Lock();
+  if (H5Dwrite_chunk(dset_, h5::kDefault, c.raw ? 1u : 0u, offset, c.data.size(), c.data.data()) < 0) {
+    error_ = IoError(what_ + ": H5Dwrite_chunk of chunk " + std::to_string(p.index) + " failed");
+    return error_;
+  }
+  stored_ += static_cast<std::int64_t>(c.data.size());
+  return Status::Ok();
+}
+
+Result<std::int64_t> DatasetWriter::Finish() {
+  if (finished_) return FailedPrecondition(what_ + ": Finish called twice");
+  RS_RETURN_IF_ERROR(error_);
+  if (written_ != nbytes_) {
+    return InvalidArgument(what_ + ": finished after " + std::to_string(written_) + " of " + std::to_string(nbytes_) +
+                           " bytes");
+  }
+  if (zstd_) {
+    if (!partial_.empty()) RS_RETURN_IF_ERROR(SubmitChunk());
+    while (!pending_.empty()) RS_RETURN_IF_ERROR(WriteOldest());
+    auto lock = h5::Lock();
+    const herr_t rc = H5Dclose(dset_);
+    dset_ = -1;
+    if (rc < 0) return IoError(what_ + ": H5Dclose failed");
+  } else {
+    stored_ = nbytes_;
+  }
+  finished_ = true;
+  file_->StartWriteback();
+  return stored_;
 }
 
 Status ShardFileWriter::Close() {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <span>
@@ -32,6 +33,54 @@ struct ShardLocation {
   std::int64_t stored_bytes() const;
 };
 
+class ShardFileWriter;
+
+// One dataset being written: its bytes arrive in order through Append, in pieces of any size,
+// so a shard never has to be in memory whole. zstd chunks are compressed on the pool while
+// later bytes arrive (a bounded window of chunks in flight). Not thread-safe: one producer.
+class DatasetWriter {
+ public:
+  ~DatasetWriter();  // without Finish: the dataset stays incomplete (no manifest lists it)
+  DatasetWriter(const DatasetWriter&) = delete;
+  DatasetWriter& operator=(const DatasetWriter&) = delete;
+
+  // InvalidArgument past the dataset's size; IoError from the file system or HDF5.
+  Status Append(std::span<const std::byte> bytes);
+  // Writes the last chunk and closes the dataset; returns the bytes stored in the file.
+  // InvalidArgument if fewer bytes than the dataset's size were appended.
+  Result<std::int64_t> Finish();
+  std::int64_t written() const { return written_; }
+
+ private:
+  friend class ShardFileWriter;
+  struct Compressed;
+  struct Pending {
+    std::int64_t index = 0;
+    std::shared_ptr<Compressed> chunk;
+  };
+  DatasetWriter() = default;
+  Status SubmitChunk();
+  Status WriteOldest();
+
+  ShardFileWriter* file_ = nullptr;
+  std::string what_;
+  std::int64_t nbytes_ = 0;
+  std::int64_t written_ = 0;
+  std::int64_t offset_ = -1;  // codec none: file offset of the early-allocated storage
+  bool zstd_ = false;
+  int level_ = 3;
+  std::int64_t chunk_ = 0;
+  ThreadPool* pool_ = nullptr;
+  std::int64_t dset_ = -1;  // zstd: the open dataset (hid_t), for direct chunk writes
+  std::vector<std::byte> partial_;  // zstd: the chunk being filled
+  std::int64_t next_chunk_ = 0;
+  std::deque<Pending> pending_;
+  std::unique_ptr<TaskGroup> group_;
+  std::int64_t stored_ = 0;
+  bool finished_ = false;
+  Status error_;
+};
+
 class ShardFileWriter {
  public:
   // Creates `path` (which must not exist: IoError otherwise).
@@ -44,11 +93,17 @@ class ShardFileWriter {
   // Returns the bytes stored in the file (compressed size). IoError on HDF5 failures.
   Result<std::int64_t> WriteDataset(const std::string& name, std::span<const std::byte> bytes, const CodecSpec& codec,
                                     std::int64_t chunk_bytes, ThreadPool* pool, const std::string& attribute);
+  // Streaming form of WriteDataset: creates dataset `name` of `nbytes` bytes, whose bytes then
+  // arrive through DatasetWriter::Append. Several datasets of one file may be open at once.
+  Result<std::unique_ptr<DatasetWriter>> BeginDataset(const std::string& name, std::int64_t nbytes,
+                                                      const CodecSpec& codec, std::int64_t chunk_bytes,
+                                                      ThreadPool* pool, const std::string& attribute);
   // Closes the HDF5 file and fsyncs it. IoError on failure.
   Status Close();
   const std::string& path() const { return path_; }
 
  private:
+  friend class DatasetWriter;
   ShardFileWriter() = default;
   void StartWriteback();
   Status WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool, const std::string& what);

@@ -236,6 +236,53 @@ TEST(CommitProtocol, MultiProcessFragmentsMerge) {
   EXPECT_TRUE(CheckpointWriter::AbortStaged(tmp / "x", "nothing").ok());
 }
 
+TEST_P(RoundTrip, StreamingShardsInOddPieces) {
+  ScratchDir tmp;
+  auto w = CheckpointWriter::Create(tmp / "c", Options(GetParam(), /*chunk_bytes=*/1000));
+  ASSERT_TRUE(w.ok());
+  const TensorSpec t = Spec("w", DType::kF32, {10, 333});
+  const auto full = testing::CompressibleBytes(t, 8);
+  ASSERT_TRUE((*w)->AddTensor(t).ok());
+  // Two sinks of the same rank file open at once, fed alternately in odd-sized pieces.
+  const Piece a = BoxPiece({0, 0}, {6, 333}), b = BoxPiece({6, 0}, {4, 333});
+  const auto a_bytes = Cut(t, full, a), b_bytes = Cut(t, full, b);
+  auto sa = (*w)->BeginShard(0, "w", a);
+  auto sb = (*w)->BeginShard(0, "w", b);
+  ASSERT_TRUE(sa.ok() && sb.ok());
+  std::size_t pa = 0, pb = 0, step = 1;
+  while (pa < a_bytes.size() || pb < b_bytes.size()) {
+    step = step * 7 % 1531 + 1;
+    const std::size_t na = std::min(step, a_bytes.size() - pa), nb = std::min(step / 2 + 1, b_bytes.size() - pb);
+    ASSERT_TRUE((*sa)->Append(std::span(a_bytes).subspan(pa, na)).ok());
+    ASSERT_TRUE((*sb)->Append(std::span(b_bytes).subspan(pb, nb)).ok());
+    pa += na;
+    pb += nb;
+  }
+  EXPECT_EQ((*w)->Commit().code(), ErrorCode::kFailedPrecondition);  // sinks still open
+  ASSERT_TRUE((*sa)->Finish().ok());
+  ASSERT_TRUE((*sb)->Finish().ok());
+  EXPECT_EQ((*sa)->Finish().code(), ErrorCode::kFailedPrecondition);
+  // Too many bytes, too few bytes, and an abandoned sink: none of them enters the manifest.
+  const TensorSpec u = Spec("u", DType::kI16, {100});
+  ASSERT_TRUE((*w)->AddTensor(u).ok());
+  const auto u_bytes = testing::TensorBytes(u, 1);
+  {
+    auto s = (*w)->BeginShard(1, "u", BoxPiece({0}, {100}));
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ((*s)->Append(std::vector<std::byte>(201)).code(), ErrorCode::kInvalidArgument);
+    ASSERT_TRUE((*s)->Append(std::span(u_bytes).first(150)).ok());
+    EXPECT_EQ((*s)->Finish().code(), ErrorCode::kInvalidArgument);
+  }
+  { auto abandoned = (*w)->BeginShard(1, "u", BoxPiece({0}, {100})); }
+  ASSERT_TRUE((*w)->WriteShard(1, "u", BoxPiece({0}, {100}), u_bytes).ok());
+  ASSERT_TRUE((*w)->Commit().ok());
+  auto r = CheckpointReader::Open(tmp / "c");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)->manifest().shards.size(), 3u);
+  EXPECT_EQ(*(*r)->ReadTensor("w"), full);
+  EXPECT_EQ(*(*r)->ReadTensor("u"), u_bytes);
+}
+
 TEST(Codec, ParseAndPrint) {
   EXPECT_EQ(ParseCodecSpec("none")->codec, Codec::kNone);
   EXPECT_EQ(ParseCodecSpec("zstd")->level, 3);
