@@ -12,6 +12,10 @@ Result<EvalResult> Evaluate(Transformer<float>& model, const Corpus& corpus, std
                            "', got " + std::to_string(seq_len));
   }
   if (max_windows < 0) return InvalidArgument("--windows must be >= 0 (0 = all)");
+  if (c.vocab_size < 256) {
+    return InvalidArgument("model '" + c.name + "' has vocab_size " + std::to_string(c.vocab_size) +
+                           "; byte-level evaluation needs at least 256");
+  }
   const std::int64_t available = EvalWindowCount(corpus, seq_len);
   if (available == 0) {
     return InvalidArgument("data file '" + corpus.path + "' (" + std::to_string(corpus.bytes.size()) +

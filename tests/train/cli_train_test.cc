@@ -94,6 +94,17 @@ TEST_F(CliTrainTest, ResumeIsBitExact) {
   EXPECT_LT(ja["mean_ce"].get<double>(), 5.6);
 }
 
+TEST_F(CliTrainTest, EvalDoesNotDependOnTheLayout) {
+  // The same model values written under two layouts (one rank; 8 ranks with TP, EP and FSDP
+  // slices) must evaluate to the same number.
+  ASSERT_EQ(Run("example --model tiny-moe --seed 3 -o " + P("one")), 0);
+  ASSERT_EQ(Run("example --model tiny-moe --seed 3 --layout tp=2,ep=2,fsdp=2 -o " + P("eight")), 0);
+  std::string a, b;
+  ASSERT_EQ(Run("eval --threads 1 --windows 8 --json --model tiny-moe " + P("one"), &a), 0);
+  ASSERT_EQ(Run("eval --threads 1 --windows 8 --json --model tiny-moe " + P("eight"), &b), 0);
+  EXPECT_EQ(nlohmann::json::parse(a)["mean_ce"], nlohmann::json::parse(b)["mean_ce"]);
+}
+
 TEST_F(CliTrainTest, UsageAndInputErrors) {
   EXPECT_EQ(Run("train --steps 2 --model no-such-model"), 1);
   EXPECT_EQ(Run("train --steps 2 --data " + P("missing.txt")), 1);

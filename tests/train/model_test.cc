@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <vector>
 
 #include "tests/train/grad_check.h"
@@ -50,6 +51,10 @@ struct MoeCase {
   DispatchMode mode;
   std::int64_t alignment;
 };
+
+void PrintTo(const MoeCase& c, std::ostream* os) {
+  *os << RouterKindName(c.kind) << " k=" << c.k << " " << DispatchModeName(c.mode) << " align=" << c.alignment;
+}
 
 class MoeGradTest : public ::testing::TestWithParam<MoeCase> {};
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <ostream>
 #include <set>
 #include <vector>
 
@@ -40,6 +41,8 @@ struct Case {
   RouterKind kind;
   std::int64_t k;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << RouterKindName(c.kind) << " k=" << c.k; }
 
 class RouterGradTest : public ::testing::TestWithParam<Case> {};
 
