@@ -24,9 +24,12 @@ void RunExample(const ExampleArgs& a) {
   auto model = LoadModelArg(a.model);
   if (!model.ok()) Fail("example", model.status());
   o.model = *model;
-  auto layout = LoadLayoutArg(a.layout, a.rules);
+  auto rules = LoadRulesArg(a.rules);
+  if (!rules.ok()) Fail("example", rules.status());
+  auto layout = PhysicalLayout::Parse(a.layout, *rules);
   if (!layout.ok()) Fail("example", layout.status());
-  o.layout = *layout;
+  o.layout = layout->layout;
+  o.physical = layout->options;
   auto codec = ParseCodecSpec(a.codec);
   if (!codec.ok()) Fail("example", codec.status());
   o.codec = *codec;
@@ -35,7 +38,7 @@ void RunExample(const ExampleArgs& a) {
   o.threads = a.threads;
   if (Status s = WriteExampleCheckpoint(o, a.out); !s.ok()) Fail("example", s);
   std::fprintf(stderr, "wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(),
-               o.layout.ToString().c_str(), static_cast<long long>(o.layout.num_ranks()));
+               layout->ToString().c_str(), static_cast<long long>(o.layout.num_ranks()));
 }
 
 }  // namespace
@@ -44,7 +47,9 @@ void RegisterExample(CLI::App& app) {
   auto a = std::make_shared<ExampleArgs>();
   auto* cmd = app.add_subcommand("example", "Write a sharded example checkpoint of a model with AdamW states");
   cmd->add_option("--model", a->model, "Model preset (tiny-moe, small-moe) or model JSON file")->capture_default_str();
-  cmd->add_option("--layout", a->layout, "Layout, e.g. tp=2,ep=4,fsdp=2,pp=1,dp=1")->capture_default_str();
+  cmd->add_option("--layout", a->layout,
+                  "Layout, e.g. tp=2,ep=4,fsdp=2,pp=1,dp=1 [,fsdp_form=flat][,vocab_multiple=N][,pp_split=A/B]")
+      ->capture_default_str();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp, or a JSON file")->capture_default_str();
   cmd->add_option("--seed", a->seed, "Values depend only on the model and this seed")->capture_default_str();
   cmd->add_option("--codec", a->codec, "none, zstd or zstd:LEVEL")->capture_default_str();

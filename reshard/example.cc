@@ -15,9 +15,10 @@ namespace rs {
 Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& dir) {
   RS_RETURN_IF_ERROR(options.model.Validate());
   const std::vector<TensorSpec> tensors = ModelCheckpointTensors(options.model, AdamStateNames());
-  const std::vector<PlacedShard> shards =
-      PlaceShards(options.layout, tensors, options.model.n_layers,
-                  options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
+  const PhysicalLayout physical{options.layout, options.physical};
+  auto map = PhysicalMap::Create(physical, tensors);
+  if (!map.ok()) return map.status().WithContext("layout " + physical.ToString() + " for model '" + options.model.name + "'");
+  const std::vector<PlacedShard> shards = map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
 
   WriterOptions wo;
   wo.codec = options.codec;
@@ -61,7 +62,8 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   writer->SetMetadata({{"step", static_cast<std::int64_t>(ExampleValue(step, options.seed, 0))},
                        {"model", model},
                        {"seed", options.seed},
-                       {"generator", "example"}});
+                       {"generator", "example"},
+                       {"physical_layout", physical.ToJson()}});
   return writer->Commit();
 }
 

@@ -13,6 +13,7 @@
 #include "core/shape.h"
 #include "core/tensor_spec.h"
 #include "formats/codec.h"
+#include "reshard/physical_layout.h"
 
 namespace rs {
 
@@ -27,6 +28,8 @@ void FillExamplePiece(const TensorSpec& t, const Piece& piece, std::uint64_t see
 struct ExampleOptions {
   ModelConfig model;
   Layout layout;
+  // What the layout's rules leave open: box or flat FSDP, vocab padding (physical_layout.h).
+  PhysicalOptions physical;
   std::uint64_t seed = 0;
   CodecSpec codec;
   bool with_replicas = false;  // also write the replicas that data parallelism keeps
@@ -35,7 +38,10 @@ struct ExampleOptions {
 };
 
 // Writes the example checkpoint of `options` to `dir` (atomically; AlreadyExists if `dir`
-// exists). IoError / InvalidArgument from the writer pass through.
+// exists): every rank's rank-local buffers under the physical layout (fused tensors per
+// component, padded vocab, flat FSDP slices), stored as the logical pieces PhysicalMap gives.
+// InvalidArgument when the layout does not fit the model (PhysicalMap::Create); IoError /
+// InvalidArgument from the writer pass through.
 Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& dir);
 
 }  // namespace rs

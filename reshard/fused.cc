@@ -1,6 +1,7 @@
 #include "reshard/fused.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "core/check.h"
@@ -10,7 +11,7 @@ namespace rs {
 DimMap PlainDim(std::int64_t offset, std::int64_t length, std::int64_t local_size) {
   RS_CHECK(offset >= 0 && length >= 0 && local_size >= length);
   DimMap d{local_size, {}};
-  if (length > 0) d.segments.push_back({0, offset, length, -1});
+  if (length > 0) d.segments.push_back({0, offset, length, -1, false});
   return d;
 }
 
@@ -28,6 +29,15 @@ Result<DimMap> FusedDim(const ComponentTable& table, std::int64_t index, std::in
   std::int64_t unit_offset = 0;  // first unit of the component in the logical dim
   for (std::size_t c = 0; c < table.components.size(); ++c) {
     const Component& comp = table.components[c];
+    if (comp.size > 0 && comp.size < degree && degree % comp.size == 0) {
+      const std::int64_t copies = degree / comp.size;
+      const std::int64_t unit = index / copies;
+      d.segments.push_back({d.local_size, (unit_offset + unit) * table.unit_rows, table.unit_rows, static_cast<int>(c),
+                            index % copies != 0});
+      d.local_size += table.unit_rows;
+      unit_offset += comp.size;
+      continue;
+    }
     if (comp.size % degree != 0) {
       return InvalidArgument("fused component '" + comp.name + "' has " + std::to_string(comp.size) +
                              " units, not divisible by the sharding degree " + std::to_string(degree) +
@@ -36,7 +46,7 @@ Result<DimMap> FusedDim(const ComponentTable& table, std::int64_t index, std::in
     const std::int64_t per = comp.size / degree;
     if (per > 0) {
       d.segments.push_back({d.local_size, (unit_offset + index * per) * table.unit_rows, per * table.unit_rows,
-                            static_cast<int>(c)});
+                            static_cast<int>(c), false});
       d.local_size += per * table.unit_rows;
     }
     unit_offset += comp.size;
@@ -68,13 +78,14 @@ std::vector<LocalTensorMap::Block> LocalTensorMap::Blocks() const {
   // Odometer over the segment lists of the dims.
   std::vector<std::size_t> idx(rank, 0);
   while (true) {
-    Block b{Box{Shape(rank), Shape(rank)}, Box{Shape(rank), Shape(rank)}, -1};
+    Block b{Box{Shape(rank), Shape(rank)}, Box{Shape(rank), Shape(rank)}, -1, false};
     for (std::size_t k = 0; k < rank; ++k) {
       const DimSegment& s = dims_[k].segments[idx[k]];
       b.local.offset[k] = s.local_begin;
       b.logical.offset[k] = s.logical_begin;
       b.local.shape[k] = b.logical.shape[k] = s.length;
       if (s.component >= 0) b.component = s.component;
+      b.replica = b.replica || s.replica;
     }
     out.push_back(std::move(b));
     std::size_t k = rank;
@@ -117,6 +128,7 @@ SliceMap LocalTensorMap::MapSlice(std::optional<ItemRange> range, bool with_segm
     std::int64_t first_buffer_item;
     Piece piece;
     int component;
+    bool replica;
     std::vector<Run> runs;  // in the local tensor's coordinates
   };
   std::vector<Found> found;
@@ -127,7 +139,7 @@ SliceMap LocalTensorMap::MapSlice(std::optional<ItemRange> range, bool with_segm
     const std::int64_t hi = BoxItemsBefore(local_shape_, b.local, r.end);
     if (lo >= hi) continue;
     Found f{BoxLocalToGlobal(local_shape_, b.local, lo) - r.begin, CanonicalPiece(Piece{b.logical, ItemRange{lo, hi}}),
-            b.component, {}};
+            b.component, b.replica, {}};
     if (with_segments) f.runs = PieceToRuns(local_shape_, Piece{b.local, ItemRange{lo, hi}});
     found.push_back(std::move(f));
   }
@@ -137,12 +149,40 @@ SliceMap LocalTensorMap::MapSlice(std::optional<ItemRange> range, bool with_segm
   for (std::size_t i = 0; i < found.size(); ++i) {
     out.pieces.push_back(found[i].piece);
     out.piece_components.push_back(found[i].component);
+    out.piece_replicas.push_back(found[i].replica);
     // The canonical piece holds the same items in the same order, so offsets carry over.
     for (const Run& run : found[i].runs) out.segments.push_back({run.global_begin - r.begin, run.length, i, run.local_begin});
   }
   std::sort(out.segments.begin(), out.segments.end(),
             [](const BufferSegment& a, const BufferSegment& b) { return a.buffer_begin < b.buffer_begin; });
   return out;
+}
+
+std::vector<std::vector<std::byte>> LocalToPieces(const SliceMap& map, std::span<const std::byte> buffer,
+                                                  std::size_t esize) {
+  std::vector<std::vector<std::byte>> out(map.pieces.size());
+  for (std::size_t k = 0; k < map.pieces.size(); ++k) out[k].resize(static_cast<std::size_t>(map.pieces[k].numel()) * esize);
+  for (const BufferSegment& s : map.segments) {
+    const auto len = static_cast<std::size_t>(s.length) * esize;
+    const auto src = static_cast<std::size_t>(s.buffer_begin) * esize;
+    const auto dst = static_cast<std::size_t>(s.piece_begin) * esize;
+    RS_CHECK(src + len <= buffer.size() && dst + len <= out[s.piece].size());
+    std::memcpy(out[s.piece].data() + dst, buffer.data() + src, len);
+  }
+  return out;
+}
+
+void PiecesToLocal(const SliceMap& map, const std::vector<std::span<const std::byte>>& pieces,
+                   std::span<std::byte> buffer, std::size_t esize) {
+  RS_CHECK(pieces.size() == map.pieces.size());
+  std::fill(buffer.begin(), buffer.end(), std::byte{0});
+  for (const BufferSegment& s : map.segments) {
+    const auto len = static_cast<std::size_t>(s.length) * esize;
+    const auto dst = static_cast<std::size_t>(s.buffer_begin) * esize;
+    const auto src = static_cast<std::size_t>(s.piece_begin) * esize;
+    RS_CHECK(dst + len <= buffer.size() && src + len <= pieces[s.piece].size());
+    std::memcpy(buffer.data() + dst, pieces[s.piece].data() + src, len);
+  }
 }
 
 Piece CanonicalPiece(const Piece& piece) {
@@ -181,6 +221,7 @@ std::ostream& operator<<(std::ostream& os, const DimMap& d) {
   for (const DimSegment& s : d.segments) {
     os << " [" << s.local_begin << "+" << s.length << "->" << s.logical_begin;
     if (s.component >= 0) os << " c" << s.component;
+    if (s.replica) os << " replica";
     os << "]";
   }
   return os << "}";

@@ -15,9 +15,11 @@
 // rank happens to hold.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <ostream>
+#include <span>
 #include <vector>
 
 #include "core/shape.h"
@@ -32,6 +34,7 @@ struct DimSegment {
   std::int64_t logical_begin = 0;
   std::int64_t length = 0;
   int component = -1;  // index into the tensor's component table; -1 on a plain dim
+  bool replica = false;  // a copy of a stretch that another shard holds as its main copy
   friend bool operator==(const DimSegment&, const DimSegment&) = default;
 };
 
@@ -55,8 +58,11 @@ DimMap PaddedDim(std::int64_t size, std::int64_t padded, std::int64_t index, std
 
 // The fused dim of `table` under a degree-`degree` split, shard `index`: component c
 // contributes its units [index * u_c / degree, (index + 1) * u_c / degree) (u_c = its size in
-// units, times unit_rows rows each), in table order. InvalidArgument (naming the component)
-// when a component's size is not divisible by `degree`.
+// units, times unit_rows rows each), in table order. A component with fewer units than
+// shards, u_c dividing `degree`, is replicated instead (grouped-query attention with more tp
+// ranks than kv heads): shard i holds unit i * u_c / degree, as the main copy when
+// i % (degree / u_c) == 0 and as a replica otherwise. InvalidArgument (naming the component)
+// for any other size that `degree` does not divide.
 Result<DimMap> FusedDim(const ComponentTable& table, std::int64_t index, std::int64_t degree);
 
 // A logical item: which component it belongs to (-1 for an unfused tensor) and its flat
@@ -83,6 +89,7 @@ struct BufferSegment {
 struct SliceMap {
   std::vector<Piece> pieces;
   std::vector<int> piece_components;  // component of each piece (-1 when unfused)
+  std::vector<bool> piece_replicas;   // whether each piece is a replica (see FusedDim)
   std::vector<BufferSegment> segments;
 };
 
@@ -103,6 +110,7 @@ class LocalTensorMap {
     Box local;
     Box logical;
     int component = -1;
+    bool replica = false;
   };
   // Every block, in row-major order of the dims' segment lists.
   std::vector<Block> Blocks() const;
@@ -121,6 +129,14 @@ class LocalTensorMap {
   std::vector<DimMap> dims_;
   Shape local_shape_;
 };
+
+// A rank-local buffer (`buffer`: the slice's items, `esize` bytes each) split into the bytes
+// of each logical piece of `map` (what a save writes), and the inverse (what a load does;
+// padding items become zero). RS_CHECK on sizes that do not match the map.
+std::vector<std::vector<std::byte>> LocalToPieces(const SliceMap& map, std::span<const std::byte> buffer,
+                                                  std::size_t esize);
+void PiecesToLocal(const SliceMap& map, const std::vector<std::span<const std::byte>>& pieces,
+                   std::span<std::byte> buffer, std::size_t esize);
 
 // The canonical form of a piece: the box shrunk to the slabs its range touches (dim by dim,
 // from the outermost), and the range dropped when it covers the whole shrunk box. A flat

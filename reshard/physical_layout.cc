@@ -316,7 +316,12 @@ std::vector<PlacedShard> PhysicalMap::PlacePieces(Replicas replicas) const {
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const auto p = Place(i, rank);
       if (!p || (replicas == Replicas::kMainOnly && p->replica != ReplicaKind::kMain)) continue;
-      for (Piece& piece : p->Map(/*with_segments=*/false).pieces) out.push_back({i, rank, std::move(piece), p->replica});
+      SliceMap m = p->Map(/*with_segments=*/false);
+      for (std::size_t k = 0; k < m.pieces.size(); ++k) {
+        const ReplicaKind kind = m.piece_replicas[k] ? ReplicaKind::kReplica : p->replica;
+        if (replicas == Replicas::kMainOnly && kind != ReplicaKind::kMain) continue;
+        out.push_back({i, rank, std::move(m.pieces[k]), kind});
+      }
     }
   }
   return out;

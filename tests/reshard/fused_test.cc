@@ -25,8 +25,8 @@ TEST(FusedDimTest, SwigluRanks) {
   auto r1 = FusedDim(GateUp(4), 1, 2);
   ASSERT_TRUE(r0.ok() && r1.ok());
   EXPECT_EQ(r0->local_size, 4);
-  EXPECT_EQ(r0->segments, (std::vector<DimSegment>{{0, 0, 2, 0}, {2, 4, 2, 1}}));
-  EXPECT_EQ(r1->segments, (std::vector<DimSegment>{{0, 2, 2, 0}, {2, 6, 2, 1}}));
+  EXPECT_EQ(r0->segments, (std::vector<DimSegment>{{0, 0, 2, 0, false}, {2, 4, 2, 1, false}}));
+  EXPECT_EQ(r1->segments, (std::vector<DimSegment>{{0, 2, 2, 0, false}, {2, 6, 2, 1, false}}));
 }
 
 TEST(FusedDimTest, QkvInHeads) {
@@ -35,7 +35,22 @@ TEST(FusedDimTest, QkvInHeads) {
   auto r1 = FusedDim(qkv, 1, 2);
   ASSERT_TRUE(r1.ok());
   EXPECT_EQ(r1->local_size, 12);
-  EXPECT_EQ(r1->segments, (std::vector<DimSegment>{{0, 6, 6, 0}, {6, 15, 3, 1}, {9, 21, 3, 2}}));
+  EXPECT_EQ(r1->segments, (std::vector<DimSegment>{{0, 6, 6, 0, false}, {6, 15, 3, 1, false}, {9, 21, 3, 2, false}}));
+}
+
+TEST(FusedDimTest, KvHeadsReplicatedWhenTpExceedsThem) {
+  // 4 query heads, 1 kv head of head_dim 2, tp=4: every rank holds its query head and the kv
+  // head; rank 0 holds the main copy of k and v, the others replicas.
+  const ComponentTable qkv{0, 2, {{"query", 4}, {"key", 1}, {"value", 1}}};
+  auto r0 = FusedDim(qkv, 0, 4);
+  auto r3 = FusedDim(qkv, 3, 4);
+  ASSERT_TRUE(r0.ok() && r3.ok());
+  EXPECT_EQ(r0->segments, (std::vector<DimSegment>{{0, 0, 2, 0, false}, {2, 8, 2, 1, false}, {4, 10, 2, 2, false}}));
+  EXPECT_EQ(r3->segments, (std::vector<DimSegment>{{0, 6, 2, 0, false}, {2, 8, 2, 1, true}, {4, 10, 2, 2, true}}));
+  // 2 kv heads over tp=4: ranks 0, 1 share head 0, ranks 2, 3 head 1.
+  const ComponentTable qkv2{0, 2, {{"query", 4}, {"key", 2}, {"value", 2}}};
+  EXPECT_EQ(FusedDim(qkv2, 2, 4)->segments[1], (DimSegment{2, 10, 2, 1, false}));
+  EXPECT_EQ(FusedDim(qkv2, 3, 4)->segments[1], (DimSegment{2, 10, 2, 1, true}));
 }
 
 TEST(FusedDimTest, IndivisibleComponentIsAnError) {
@@ -47,9 +62,9 @@ TEST(FusedDimTest, IndivisibleComponentIsAnError) {
 
 TEST(FusedDimTest, PaddedVocab) {
   // 10 rows over 4 ranks padded to 12: 3 rows each, the last rank holds 1 row and 2 padding.
-  EXPECT_EQ(PaddedDim(10, 12, 3, 4), (DimMap{3, {{0, 9, 1, -1}}}));
+  EXPECT_EQ(PaddedDim(10, 12, 3, 4), (DimMap{3, {{0, 9, 1, -1, false}}}));
   EXPECT_EQ(PaddedDim(10, 16, 3, 4), (DimMap{4, {}}));  // all padding
-  EXPECT_EQ(PaddedDim(10, 12, 1, 4), (DimMap{3, {{0, 3, 3, -1}}}));
+  EXPECT_EQ(PaddedDim(10, 12, 1, 4), (DimMap{3, {{0, 3, 3, -1, false}}}));
 }
 
 TEST(CanonicalPieceTest, Examples) {
@@ -123,7 +138,7 @@ TEST(LocalTensorMapTest, RandomSlicesMatchItemReference) {
     table.unit_rows = std::uniform_int_distribution<std::int64_t>(1, 3)(rng);
     const int ncomp = std::uniform_int_distribution<int>(1, 6)(rng);
     for (int i = 0; i < ncomp; ++i) {
-      table.components.push_back({"c" + std::to_string(i), degree * std::uniform_int_distribution<std::int64_t>(0, 2)(rng)});
+      table.components.push_back({std::string("c").append(std::to_string(i)), degree * std::uniform_int_distribution<std::int64_t>(0, 2)(rng)});
     }
     if (table.total_units() == 0) table.components[0].size = degree;
     const std::size_t rank = std::uniform_int_distribution<std::size_t>(1, 3)(rng);
@@ -160,6 +175,20 @@ TEST(LocalTensorMapTest, RandomSlicesMatchItemReference) {
       piece_items += p.numel();
     }
     ASSERT_EQ(piece_items, mapped);
+    // Buffer -> pieces -> buffer: the same bytes, padding zeroed.
+    std::vector<std::byte> buffer(static_cast<std::size_t>(e - b) * 2);
+    for (std::size_t k = 0; k < buffer.size(); ++k) buffer[k] = static_cast<std::byte>(k * 7 + 1);
+    const auto pieces = LocalToPieces(slice, buffer, 2);
+    std::vector<std::span<const std::byte>> views(pieces.begin(), pieces.end());
+    std::vector<std::byte> back(buffer.size());
+    PiecesToLocal(slice, views, back, 2);
+    for (std::int64_t i = 0; i < e - b; ++i) {
+      const bool padding = landed[static_cast<std::size_t>(i)] < 0;
+      for (std::size_t k = 0; k < 2; ++k) {
+        const auto at = static_cast<std::size_t>(i) * 2 + k;
+        ASSERT_EQ(back[at], padding ? std::byte{0} : buffer[at]);
+      }
+    }
   }
 }
 
@@ -239,7 +268,7 @@ std::map<std::int64_t, double> LocalNumelMapper(const ComponentTable& t, std::in
     const std::int64_t comp_rows = t.components[c].size * t.unit_rows;
     const std::int64_t share = slice_rows * comp_rows / total_rows;
     if (share > 0) {
-      fused.segments.push_back({fused.local_size, true_start + i * share, share, static_cast<int>(c)});
+      fused.segments.push_back({fused.local_size, true_start + i * share, share, static_cast<int>(c), false});
       fused.local_size += share;
     }
     true_start += comp_rows;

@@ -166,7 +166,7 @@ TEST(PhysicalLayoutTest, RandomLayoutsCoverEveryTensorOnceAndMapLikeTheReference
     const ModelConfig model = testing::RandomModel(rng);
     ASSERT_TRUE(model.Validate().ok()) << model.Validate().ToString();
     const PhysicalLayout layout = testing::RandomPhysicalLayout(rng, model);
-    const std::string what = "layout " + layout.ToString() + " iter " + std::to_string(iter);
+    std::string what = std::string("layout ").append(layout.ToString()).append(" iter ").append(std::to_string(iter));
     auto created = PhysicalMap::Create(layout, ModelCheckpointTensors(model, {"master", "exp_avg"}));
     if (!created.ok()) {
       ASSERT_EQ(created.status().code(), ErrorCode::kInvalidArgument) << created.status().ToString();

@@ -25,7 +25,7 @@ inline ModelConfig RandomModel(std::mt19937_64& rng) {
   c.d_model = Pick(rng, {8, 12, 16});
   c.n_layers = Pick(rng, {1, 2, 3, 4});
   c.n_heads = Pick(rng, {4, 8});
-  c.n_kv_heads = Pick(rng, {4, c.n_heads});
+  c.n_kv_heads = Pick(rng, {1, 2, 4, c.n_heads});
   c.head_dim = Pick(rng, {2, 4});
   c.dense_ffn = Pick(rng, {8, 16});
   c.n_experts = Pick(rng, {0, 4, 8});
@@ -55,8 +55,10 @@ inline PhysicalLayout RandomPhysicalLayout(std::mt19937_64& rng, const ModelConf
     const std::int64_t dp = Pick(rng, {1, 1, 2});
     if (tp * ep * etp * pp * fsdp * dp > max_ranks) continue;
     const std::string rules_name = Pick(rng, {0, 1}) == 0 ? "megatron" : "ep-as-cp";
-    std::string text = "tp=" + std::to_string(tp) + ",ep=" + std::to_string(ep) + ",etp=" + std::to_string(etp) +
-                       ",pp=" + std::to_string(pp) + ",fsdp=" + std::to_string(fsdp) + ",dp=" + std::to_string(dp);
+    std::string text;
+    for (const auto& [axis, size] : {std::pair{"tp", tp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"fsdp", fsdp}, {"dp", dp}}) {
+      text.append(text.empty() ? "" : ",").append(axis).append("=").append(std::to_string(size));
+    }
     if (Pick(rng, {0, 1}) == 1) text += ",fsdp_form=flat";
     if (Pick(rng, {0, 0, 1}) == 1) text += ",vocab_multiple=4";
     if (pp > 1 && pp <= c.n_layers && Pick(rng, {0, 1}) == 1) {
@@ -65,10 +67,10 @@ inline PhysicalLayout RandomPhysicalLayout(std::mt19937_64& rng, const ModelConf
       std::int64_t left = c.n_layers;
       for (std::int64_t s = 0; s < pp; ++s) {
         const std::int64_t n = s + 1 == pp ? left : std::min<std::int64_t>(left, s == 0 ? 0 : 1);
-        split += (s ? "/" : "") + std::to_string(n);
+        split.append(s ? "/" : "").append(std::to_string(n));
         left -= n;
       }
-      text += ",pp_split=" + split;
+      text.append(",pp_split=").append(split);
     }
     auto rules = BuiltinRuleSet(rules_name);
     auto layout = PhysicalLayout::Parse(text, *rules);
