@@ -210,7 +210,9 @@ int main(int argc, char** argv) {
     }
     DropCaches();
     t = Clock::now();
-    const rs::VerifyReport rep = rs::VerifyCheckpoint(dir, {.threads = threads});
+    rs::VerifyOptions vo;
+    vo.threads = threads;
+    const rs::VerifyReport rep = rs::VerifyCheckpoint(dir, vo);
     rows_out.push_back({"verify " + codec, Since(t), logical, cat_rate, rep.sound() ? "sound" : "NOT SOUND"});
     if (!rep.sound()) std::fprintf(stderr, "%s", rep.ToText().c_str());
     fs::remove_all(dir);

@@ -370,6 +370,10 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
   const std::size_t n = m.shards.size();
   std::vector<std::optional<Finding>> shard_findings(n);
   std::vector<std::int64_t> checked(n, 0);
+  std::int64_t total_bytes = 0;
+  for (const ShardEntry& s : m.shards) total_bytes += s.nbytes;
+  std::mutex progress_mu;
+  std::int64_t progress_done = 0;
   {
     ThreadPool pool(static_cast<std::size_t>(std::max(0, options.threads)));
     TaskGroup group(&pool);
@@ -394,6 +398,11 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
           return;
         }
         checked[i] = s.nbytes;
+        if (options.progress) {
+          std::lock_guard<std::mutex> lock(progress_mu);
+          progress_done += s.nbytes;
+          options.progress(progress_done, total_bytes);
+        }
         if (*h != s.checksum) {
           shard_findings[i] = Finding{FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
                                       r.DescribeShard(i) + ": checksum " + ChecksumToString(*h) + " of the data at " +

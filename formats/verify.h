@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -71,6 +72,9 @@ struct VerifyOptions {
   std::int64_t max_findings_per_tensor = 16;
   // Overlapping bytes compared per overlap (to say whether overlapping copies differ).
   std::int64_t max_compare_bytes = std::int64_t{64} << 20;
+  // Called after each shard's checksum with (uncompressed bytes checked so far, total), from
+  // worker threads but never concurrently; for a progress line. May be empty.
+  std::function<void(std::int64_t, std::int64_t)> progress;
 };
 
 VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options = {});

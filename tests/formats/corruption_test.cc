@@ -90,7 +90,9 @@ void ExpectNames(const std::string& message, const std::vector<std::string>& nee
 
 // Asserts that verify finds exactly one finding of `kind` (and nothing else) naming `needles`.
 void ExpectFinding(const std::string& dir, FindingKind kind, const std::vector<std::string>& needles) {
-  const VerifyReport rep = VerifyCheckpoint(dir, {.threads = 2});
+  VerifyOptions options;
+  options.threads = 2;
+  const VerifyReport rep = VerifyCheckpoint(dir, options);
   EXPECT_FALSE(rep.sound());
   ASSERT_EQ(rep.findings.size(), 1u) << rep.ToText();
   EXPECT_EQ(rep.findings[0].kind, kind) << rep.ToText();

@@ -133,7 +133,15 @@ TEST(Verify, JsonReport) {
   const Piece p = BoxPiece({0, 0}, {2, 4});
   ASSERT_TRUE((*w)->WriteShard(0, "w", p, Cut(t, testing::TensorBytes(t, 1), p)).ok());
   ASSERT_TRUE((*w)->Commit().ok());
-  const json j = VerifyCheckpoint(tmp / "c").ToJson();
+  std::int64_t done = 0, total = -1;
+  VerifyOptions o;
+  o.progress = [&](std::int64_t d, std::int64_t t) {
+    done = d;
+    total = t;
+  };
+  const json j = VerifyCheckpoint(tmp / "c", o).ToJson();
+  EXPECT_EQ(done, 32);
+  EXPECT_EQ(total, 32);
   EXPECT_EQ(j["sound"], false);
   EXPECT_EQ(j["counts"]["tensors"], 1);
   EXPECT_EQ(j["counts"]["checked_bytes"], 32);
