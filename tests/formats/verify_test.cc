@@ -135,9 +135,9 @@ TEST(Verify, JsonReport) {
   ASSERT_TRUE((*w)->Commit().ok());
   std::int64_t done = 0, total = -1;
   VerifyOptions o;
-  o.progress = [&](std::int64_t d, std::int64_t t) {
-    done = d;
-    total = t;
+  o.progress = [&](std::int64_t bytes_done, std::int64_t bytes_total) {
+    done = bytes_done;
+    total = bytes_total;
   };
   const json j = VerifyCheckpoint(tmp / "c", o).ToJson();
   EXPECT_EQ(done, 32);
