@@ -1,11 +1,13 @@
 #include "train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "train/parallel.h"
 
 namespace rs::train {
 
@@ -76,19 +78,33 @@ AdamW::AdamW(const OptimizerConfig& c, std::vector<ParamSegment> segments, std::
   for (const auto& s : segments_) RS_CHECK(s.offset >= 0 && s.size >= 0 && s.offset + s.size <= num_params);
 }
 
-UpdateInfo AdamW::Update(std::span<float> params, std::span<float> grads, std::int64_t step) {
+UpdateInfo AdamW::Update(std::span<float> params, std::span<const float> grads, std::int64_t step) {
   RS_CHECK(params.size() == m_.size() && grads.size() == m_.size() && step >= 0);
-  UpdateInfo info;
-  info.lr = LearningRate(c_, step);
-  // The global norm accumulates in double, in segment order: reproducible and accurate.
-  double sq = 0;
-  for (const auto& s : segments_) {
-    if (!s.trainable) continue;
-    for (std::int64_t i = s.offset; i < s.offset + s.size; ++i) {
-      const double g = static_cast<double>(grads[static_cast<std::size_t>(i)]);
-      sq += g * g;
+  // Per-element treatment of the flat vector: 0 = skipped (buffers), 1 = no decay, 2 = decay.
+  if (kind_.size() != m_.size()) {
+    kind_.assign(m_.size(), 0);
+    for (const auto& s : segments_) {
+      std::fill_n(kind_.begin() + s.offset, s.size, static_cast<std::uint8_t>(!s.trainable ? 0 : s.decay ? 2 : 1));
     }
   }
+  UpdateInfo info;
+  info.lr = LearningRate(c_, step);
+  const auto n = static_cast<std::int64_t>(m_.size());
+  // The global norm: float64 partial sums over fixed chunks, added in chunk order, so the
+  // value does not depend on the number of threads.
+  constexpr std::int64_t kChunk = std::int64_t{1} << 16;
+  std::vector<double> partial(static_cast<std::size_t>((n + kChunk - 1) / kChunk), 0.0);
+  ParallelChunks(n, kChunk, [&](std::int64_t c, std::int64_t begin, std::int64_t end) {
+    double sq = 0;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const double g = kind_[k] != 0 ? static_cast<double>(grads[k]) : 0.0;
+      sq += g * g;
+    }
+    partial[static_cast<std::size_t>(c)] = sq;
+  });
+  double sq = 0;
+  for (const double p : partial) sq += p;
   info.grad_norm = std::sqrt(sq);
   if (c_.clip_norm > 0 && info.grad_norm > c_.clip_norm) info.clip_scale = c_.clip_norm / (info.grad_norm + 1e-6);
   const double t = static_cast<double>(step + 1);
@@ -98,20 +114,23 @@ UpdateInfo AdamW::Update(std::span<float> params, std::span<float> grads, std::i
   const auto lr = static_cast<float>(info.lr);
   const auto eps = static_cast<float>(c_.eps);
   const auto clip = static_cast<float>(info.clip_scale);
-  for (const auto& s : segments_) {
-    if (!s.trainable) continue;
-    const float wd = s.decay ? static_cast<float>(c_.weight_decay) : 0.0f;
-    for (std::int64_t i = s.offset; i < s.offset + s.size; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      const float g = grads[k] * clip;
-      grads[k] = g;
-      m_[k] = b1 * m_[k] + (1.0f - b1) * g;
-      v_[k] = b2 * v_[k] + (1.0f - b2) * g * g;
-      const float mhat = m_[k] / bc1;
-      const float vhat = v_[k] / bc2;
-      params[k] -= lr * (mhat / (std::sqrt(vhat) + eps) + wd * params[k]);
+  const float wd_by_kind[3] = {0.0f, 0.0f, static_cast<float>(c_.weight_decay)};
+  float* __restrict p = params.data();
+  const float* __restrict g = grads.data();
+  float* __restrict m = m_.data();
+  float* __restrict v = v_.data();
+  const std::uint8_t* __restrict kind = kind_.data();
+  ParallelChunks(n, kChunk, [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      if (kind[i] == 0) continue;
+      const float gi = g[i] * clip;
+      m[i] = b1 * m[i] + (1.0f - b1) * gi;
+      v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
+      const float mhat = m[i] / bc1;
+      const float vhat = v[i] / bc2;
+      p[i] -= lr * (mhat / (std::sqrt(vhat) + eps) + wd_by_kind[kind[i]] * p[i]);
     }
-  }
+  });
   return info;
 }
 

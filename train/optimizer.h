@@ -55,9 +55,10 @@ class AdamW {
  public:
   AdamW(const OptimizerConfig& c, std::vector<ParamSegment> segments, std::int64_t num_params);
 
-  // One update at 0-based step `step` (bias corrections use t = step + 1). `grads` is scaled
-  // in place by the clipping factor.
-  UpdateInfo Update(std::span<float> params, std::span<float> grads, std::int64_t step);
+  // One update at 0-based step `step` (bias corrections use t = step + 1), gradients
+  // multiplied by the clipping factor on the fly. Parallel over fixed chunks: the result does
+  // not depend on the number of threads.
+  UpdateInfo Update(std::span<float> params, std::span<const float> grads, std::int64_t step);
 
   const OptimizerConfig& config() const { return c_; }
   std::span<float> exp_avg() { return m_; }
@@ -67,6 +68,7 @@ class AdamW {
   OptimizerConfig c_;
   std::vector<ParamSegment> segments_;
   std::vector<float> m_, v_;
+  std::vector<std::uint8_t> kind_;  // per element: 0 skip, 1 no decay, 2 decay (built lazily)
 };
 
 }  // namespace rs::train
