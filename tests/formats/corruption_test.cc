@@ -189,35 +189,46 @@ TEST_P(Corruption, OverlappingShardsWithDifferentBytes) {
   }
 }
 
+// Little-endian bytes of `v` (`n` bytes).
+std::string LittleEndian(std::int64_t v, int n) {
+  std::string out(static_cast<std::size_t>(n), '\0');
+  for (int i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return out;
+}
+
 TEST_P(Corruption, OffsetPastEndOfFile) {
   Corpus c(GetParam());
-  if (GetParam() != "none") GTEST_SKIP() << "patches the contiguous layout message; zstd chunk addresses live in a B-tree";
-  std::int64_t addr = 0, nbytes = 0;
+  ShardLocation loc;
   {
     auto r = CheckpointReader::Open(c.dir);
     ASSERT_TRUE(r.ok());
-    auto loc = (*r)->LocateShard(2);  // mlp.w on rank 0
-    ASSERT_TRUE(loc.ok());
-    addr = loc->offset;
-    nbytes = loc->nbytes;
+    auto l = (*r)->LocateShard(2);  // mlp.w on rank 0
+    ASSERT_TRUE(l.ok());
+    loc = *l;
   }
-  // HDF5's contiguous layout message stores (address, size) as two little-endian 64-bit values.
   auto bytes = ReadAll(c.File(0));
-  std::string pattern(16, '\0');
-  for (int i = 0; i < 8; ++i) {
-    pattern[static_cast<std::size_t>(i)] = static_cast<char>((addr >> (8 * i)) & 0xff);
-    pattern[static_cast<std::size_t>(8 + i)] = static_cast<char>((nbytes >> (8 * i)) & 0xff);
-  }
   const std::string hay(bytes.begin(), bytes.end());
-  const std::size_t at = hay.find(pattern);
-  ASSERT_NE(at, std::string::npos);
   const std::int64_t bogus = static_cast<std::int64_t>(bytes.size()) - 16;
-  for (int i = 0; i < 8; ++i) bytes[at + static_cast<std::size_t>(i)] = static_cast<char>((bogus >> (8 * i)) & 0xff);
+  std::size_t at = std::string::npos;
+  if (loc.codec == Codec::kNone) {
+    // HDF5's contiguous layout message stores (address, size) as two little-endian u64.
+    at = hay.find(LittleEndian(loc.offset, 8) + LittleEndian(loc.nbytes, 8));
+  } else {
+    // A v1 chunk B-tree entry: key (u32 stored size, u32 filter mask, u64 chunk coordinate,
+    // u64 0) followed by the chunk's address. Point the first chunk past the end of the file.
+    const ShardLocation::Chunk& ch = loc.chunks[0];
+    at = hay.find(LittleEndian(ch.size, 4) + std::string(4, '\0') + std::string(16, '\0') +
+                  LittleEndian(ch.offset, 8));
+    if (at != std::string::npos) at += 24;
+  }
+  ASSERT_NE(at, std::string::npos);
+  const std::string patched = LittleEndian(bogus, 8);
+  std::copy(patched.begin(), patched.end(), bytes.begin() + static_cast<std::ptrdiff_t>(at));
   WriteAll(c.File(0), bytes);
   const Status s = ReadEverything(c.dir);
   EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
-  ExpectNames(s.message(), {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus), "length 256",
-                            "passes the end of the file"});
+  ExpectNames(s.message(), {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus), "length",
+                            "end of the file"});
   ExpectFinding(c.dir, FindingKind::kBadFile, {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus)});
 }
 
