@@ -23,7 +23,7 @@ struct ConvertArgs {
   std::string rules;
   std::string out;
   std::string memory_budget = "1GiB";
-  std::string max_shard_size = "64MiB";
+  std::string max_shard_size;
   int threads = 0;
   std::string codec = "none";
   std::string param_dtype;
@@ -47,7 +47,9 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.reader->manifest()));
   ReshardOptions o;
   RS_ASSIGN_OR_RETURN(o.memory_budget, ParseByteSize(a.memory_budget));
-  RS_ASSIGN_OR_RETURN(o.max_shard_bytes, ParseByteSize(a.max_shard_size));
+  if (!a.max_shard_size.empty()) {
+    RS_ASSIGN_OR_RETURN(o.max_shard_bytes, ParseByteSize(a.max_shard_size));
+  }
   o.with_replicas = a.with_replicas;
   o.threads = a.threads;
   if (!a.param_dtype.empty()) {
@@ -153,8 +155,7 @@ void RegisterConvert(CLI::App& app) {
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
   cmd->add_option("--memory-budget", a->memory_budget, "Bytes of shard buffers in flight, e.g. 256MiB")->capture_default_str();
-  cmd->add_option("--max-shard-size", a->max_shard_size, "Larger target pieces are stored as several shards")
-      ->capture_default_str();
+  cmd->add_option("--max-shard-size", a->max_shard_size, "Store larger target pieces as several shards (default: one shard per piece)");
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--codec", a->codec, "Target codec: none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_option("--param-dtype", a->param_dtype, "Convert parameters (not optimizer states) to this dtype, e.g. bf16");

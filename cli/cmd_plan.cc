@@ -17,7 +17,7 @@ struct PlanArgs {
   std::string to;
   std::string rules;
   std::string memory_budget = "1GiB";
-  std::string max_shard_size = "64MiB";
+  std::string max_shard_size;
   std::string param_dtype;
   int threads = 0;
   bool with_replicas = false;
@@ -34,9 +34,11 @@ void RunPlan(const PlanArgs& a) {
   auto budget = ParseByteSize(a.memory_budget);
   if (!budget.ok()) Fail("plan", budget.status());
   o.memory_budget = *budget;
-  auto shard = ParseByteSize(a.max_shard_size);
-  if (!shard.ok()) Fail("plan", shard.status());
-  o.max_shard_bytes = *shard;
+  if (!a.max_shard_size.empty()) {
+    auto shard = ParseByteSize(a.max_shard_size);
+    if (!shard.ok()) Fail("plan", shard.status());
+    o.max_shard_bytes = *shard;
+  }
   o.threads = a.threads;
   o.with_replicas = a.with_replicas;
   if (!a.param_dtype.empty()) {
@@ -64,7 +66,7 @@ void RegisterPlan(CLI::App& app) {
   cmd->add_option("--to", a->to, "Target layout (as for convert)")->required();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
   cmd->add_option("--memory-budget", a->memory_budget, "As for convert")->capture_default_str();
-  cmd->add_option("--max-shard-size", a->max_shard_size, "As for convert")->capture_default_str();
+  cmd->add_option("--max-shard-size", a->max_shard_size, "As for convert");
   cmd->add_option("--param-dtype", a->param_dtype, "As for convert");
   cmd->add_option("--threads", a->threads, "As for convert (for the peak buffer estimate)")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "As for convert");

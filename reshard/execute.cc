@@ -101,9 +101,10 @@ void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::
   }
 }
 
-// Fills the buffer of one target shard from its transfers.
-Status FillTarget(const ReshardPlan& plan, const TargetShard& ts, CheckpointReader& source, std::span<std::byte> out,
-                  std::vector<std::byte>& staging, std::int64_t& bytes_read) {
+// Fills items `window` of one target shard's buffer (`out` holds just the window) from its
+// transfers.
+Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointReader& source, ItemRange window,
+                  std::span<std::byte> out, std::vector<std::byte>& staging, std::int64_t& bytes_read) {
   const Manifest& m = source.manifest();
   const TensorSpec& dst_spec = plan.tensors[ts.tensor];
   const TensorSpec& src_spec = m.tensors[plan.source_tensor[ts.tensor]];
@@ -112,13 +113,17 @@ Status FillTarget(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
   const auto ses = static_cast<std::int64_t>(DTypeSize(from));
   const auto des = static_cast<std::int64_t>(DTypeSize(to));
   const std::int64_t staging_items = static_cast<std::int64_t>(staging.size()) / ses;
+  auto dst_span = [&](std::int64_t dst, std::int64_t n) {
+    return out.subspan(static_cast<std::size_t>((dst - window.begin) * des), static_cast<std::size_t>(n * des));
+  };
   for (std::size_t i = ts.first_transfer; i < ts.first_transfer + ts.num_transfers; ++i) {
     const Transfer& t = plan.transfers[i];
+    if (t.dst_end <= window.begin || t.dst_begin >= window.end) continue;
     const ShardEntry& se = m.shards[t.source];
     std::int64_t w0 = 0;
     std::int64_t w1 = 0;  // source items [w0, w1) currently in the staging block
     Status st;
-    ForEachCopy(dst_spec.shape, se.piece, ts.piece, t, [&](const Copy& copy) {
+    ForEachCopy(dst_spec.shape, se.piece, ts.piece, t, window, [&](const Copy& copy) {
       if (!st.ok()) return;
       Copy c = copy;
       while (c.length > 0) {
@@ -126,8 +131,7 @@ Status FillTarget(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
         // Contiguous bytes that need no conversion go straight into the target buffer unless
         // they already sit in the staging block, or are small parts of a dense extent.
         if (!staged && from == to && (!t.dense || staging_items == 0 || c.length * 2 >= staging_items)) {
-          st = source.ReadShardRange(t.source, c.src * ses,
-                                     out.subspan(static_cast<std::size_t>(c.dst * des), static_cast<std::size_t>(c.length * des)));
+          st = source.ReadShardRange(t.source, c.src * ses, dst_span(c.dst, c.length));
           bytes_read += c.length * ses;
           return;
         }
@@ -141,7 +145,7 @@ Status FillTarget(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
           if (!st.ok()) return;
         }
         const std::int64_t n = std::min(c.length, w1 - c.src);
-        CopyItems(from, staging.data() + (c.src - w0) * ses, to, out.data() + c.dst * des, n);
+        CopyItems(from, staging.data() + (c.src - w0) * ses, to, dst_span(c.dst, n).data(), n);
         c.src += n;
         c.dst += n;
         c.length -= n;
@@ -150,6 +154,29 @@ Status FillTarget(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
     RS_RETURN_IF_ERROR(st);
   }
   return Status::Ok();
+}
+
+// Streams one target shard into the writer, window by window.
+Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, CheckpointReader& source,
+              CheckpointWriter& writer, Scheduler& sched, std::vector<std::byte>& buffer,
+              std::vector<std::byte>& staging, std::int64_t& bytes_read) {
+  const TensorSpec& t = plan.tensors[ts.tensor];
+  const auto des = static_cast<std::int64_t>(DTypeSize(t.dtype));
+  // Dataset names follow the order of BeginShard, so each file begins its shards in job order.
+  if (!sched.AwaitFileTurn(ts.rank, job.file_seq)) return Status::Ok();
+  auto sink = writer.BeginShard(ts.rank, t.name, ts.piece, ts.replica);
+  sched.FileAdvance(ts.rank);
+  if (!sink.ok()) return sink.status();
+  const std::int64_t n = ts.piece.numel();
+  const std::int64_t per = std::max<std::int64_t>(1, plan.options.window_bytes / des);
+  for (std::int64_t w = 0; w < n; w += per) {
+    const ItemRange window{w, std::min(n, w + per)};
+    buffer.resize(static_cast<std::size_t>(window.size() * des));
+    RS_RETURN_IF_ERROR(FillWindow(plan, ts, source, window, buffer, staging, bytes_read));
+    RS_RETURN_IF_ERROR((*sink)->Append(buffer));
+    if (sched.stopped()) return Status::Ok();
+  }
+  return (*sink)->Finish();
 }
 
 }  // namespace
@@ -164,7 +191,7 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& sour
   for (std::size_t i = 0; i < plan.targets.size(); ++i) {
     const TargetShard& ts = plan.targets[i];
     if (options.owns_rank && !options.owns_rank(ts.rank)) continue;
-    Job job{i, ts.nbytes, false, per_file[ts.rank]++};
+    Job job{i, std::min(ts.nbytes, plan.options.window_bytes), false, per_file[ts.rank]++};
     const bool convert = m.tensors[plan.source_tensor[ts.tensor]].dtype != plan.tensors[ts.tensor].dtype;
     for (std::size_t k = ts.first_transfer; k < ts.first_transfer + ts.num_transfers; ++k) {
       const Transfer& t = plan.transfers[k];
@@ -189,17 +216,10 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& sour
       if (!sched.Acquire(j, job.reserve)) return;
       // Buffers are sized per job and released after it, so what a worker keeps between jobs
       // never exceeds what the budget granted.
-      buffer.resize(static_cast<std::size_t>(ts.nbytes));
-      buffer.shrink_to_fit();
       staging.resize(job.staging ? static_cast<std::size_t>(plan.options.staging_bytes) : 0);
-      staging.shrink_to_fit();
       std::int64_t nread = 0;
-      Status st = FillTarget(plan, ts, source, buffer, staging, nread);
+      const Status st = RunJob(plan, ts, job, source, writer, sched, buffer, staging, nread);
       read_bytes += nread;
-      if (st.ok() && sched.AwaitFileTurn(ts.rank, job.file_seq)) {
-        st = writer.WriteShard(ts.rank, plan.tensors[ts.tensor].name, ts.piece, buffer, ts.replica);
-        sched.FileAdvance(ts.rank);
-      }
       buffer.clear();
       buffer.shrink_to_fit();
       staging.clear();

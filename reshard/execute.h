@@ -1,15 +1,17 @@
 // Executing a reshard plan (plan.h): streams every target shard from the source shards into
 // the checkpoint writer with a fixed memory budget.
 //
-// Each target shard is one job: reserve its bytes (plus a staging block when it gathers
-// strided or converted reads) from the budget, fill it from the source (pread straight into
-// the target buffer where the bytes are contiguous and need no conversion; else through the
-// staging block, with dtype conversion), hand it to the writer (which compresses on its own
-// pool), release. Worker threads run jobs concurrently, so reads, decompression, copies,
-// compression and writes of different jobs overlap. Reservations are granted in job order and
-// each rank file's shards are written in job order, so the output (dataset names, manifest)
-// does not depend on timing or on how many processes share the work; this also makes the
-// scheme deadlock-free (the earliest unfinished job always holds its reservation).
+// Each target shard is one job: reserve one window of it (at most ReshardOptions::
+// window_bytes, plus a staging block when it gathers strided or converted reads) from the
+// budget, then window by window fill the buffer from the source (pread straight into it where
+// the bytes are contiguous and need no conversion; else through the staging block, with dtype
+// conversion) and append it to the shard's sink (the writer compresses on its own pool);
+// release. Worker threads run jobs concurrently, so reads, decompression, copies, compression
+// and writes of different jobs overlap, and bytes in flight never exceed the budget whatever
+// the size of a shard. Reservations are granted in job order and each rank file begins its
+// shards in job order, so dataset names do not depend on timing or on how many processes
+// share the work; this also makes the scheme deadlock-free (the earliest unfinished job
+// always holds its reservation and waits for nothing).
 #pragma once
 
 #include <cstdint>

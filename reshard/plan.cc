@@ -1,6 +1,7 @@
 #include "reshard/plan.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -51,18 +52,32 @@ std::int64_t CopyBlockItems(const Box& box, const Box& source_box, const Box& ta
 }
 
 void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
-                 const std::function<void(const Copy&)>& f) {
+                 ItemRange dst_window, const std::function<void(const Copy&)>& f) {
   const std::int64_t c0 = BoxItemsBefore(global, t.box, t.window.begin);
   const std::int64_t c1 = BoxItemsBefore(global, t.box, t.window.end);
   const std::int64_t block = CopyBlockItems(t.box, source.box, target.box);
   const std::int64_t src_first = source.range ? source.range->begin : 0;
   const std::int64_t dst_first = target.range ? target.range->begin : 0;
+  auto src_of = [&](std::int64_t g) { return BoxItemsBefore(global, source.box, g) - src_first; };
+  auto dst_of = [&](std::int64_t g) { return BoxItemsBefore(global, target.box, g) - dst_first; };
+  // Target offsets grow with the position in the common box: find the first position that
+  // lands at or after the window's start.
+  std::int64_t lo = c0;
+  std::int64_t hi = c1;
+  if (dst_window.begin > t.dst_begin) {
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (dst_of(BoxLocalToGlobal(global, t.box, mid)) < dst_window.begin) lo = mid + 1;
+      else hi = mid;
+    }
+  }
   Copy pending{0, 0, 0};
-  for (std::int64_t pos = c0; pos < c1;) {
+  for (std::int64_t pos = lo; pos < c1;) {
     const std::int64_t end = std::min(c1, (pos / block + 1) * block);
     const std::int64_t g = BoxLocalToGlobal(global, t.box, pos);
-    const Copy c{BoxItemsBefore(global, source.box, g) - src_first, BoxItemsBefore(global, target.box, g) - dst_first,
-                 end - pos};
+    Copy c{src_of(g), dst_of(g), end - pos};
+    if (c.dst >= dst_window.end) break;
+    c.length = std::min(c.length, dst_window.end - c.dst);
     if (pending.length > 0 && pending.src + pending.length == c.src && pending.dst + pending.length == c.dst) {
       pending.length += c.length;
     } else {
@@ -97,8 +112,12 @@ std::int64_t ReshardPlan::LargestShardBytes() const {
   return m;
 }
 
+std::int64_t ReshardPlan::LargestJobBytes() const {
+  return std::min(LargestShardBytes(), options.window_bytes) + options.staging_bytes;
+}
+
 std::int64_t ReshardPlan::PeakBufferBytes() const {
-  const std::int64_t job = LargestShardBytes() + options.staging_bytes;
+  const std::int64_t job = LargestJobBytes();
   return std::min(options.memory_budget, job * ThreadCount(options.threads));
 }
 
@@ -106,19 +125,21 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
   if (options.param_dtype && !IsFloating(*options.param_dtype)) {
     return InvalidArgument("--param-dtype must be a floating type, got " + std::string(DTypeName(*options.param_dtype)));
   }
-  if (options.staging_bytes < 4096 || options.max_shard_bytes < 4096) {
-    return InvalidArgument("staging and shard sizes must be at least 4 KiB");
+  if (options.staging_bytes < 4096 || options.window_bytes < 4096 ||
+      (options.max_shard_bytes != 0 && options.max_shard_bytes < 4096)) {
+    return InvalidArgument("staging, window and shard sizes must be at least 4 KiB");
   }
-  // Every job holds one target shard plus its staging block; shards shrink to fit the budget.
-  const std::int64_t max_shard = std::min(options.max_shard_bytes, options.memory_budget - options.staging_bytes);
-  if (max_shard < 4096) {
+  // Every job holds one window of its target shard plus its staging block.
+  const std::int64_t window = std::min(options.window_bytes, options.memory_budget - options.staging_bytes);
+  if (window < 4096) {
     return InvalidArgument("memory budget " + Bytes(options.memory_budget) + " is too small: it must hold a " +
                            Bytes(options.staging_bytes) + " staging block plus at least 4 KiB");
   }
+  const std::int64_t max_shard = options.max_shard_bytes == 0 ? INT64_MAX : options.max_shard_bytes;
   ReshardPlan plan;
   plan.target = target;
   plan.options = options;
-  plan.options.max_shard_bytes = max_shard;
+  plan.options.window_bytes = window;
   for (std::size_t i = 0; i < source.tensors.size(); ++i) {
     TensorSpec t = source.tensors[i];
     if (options.param_dtype && t.role == TensorRole::kParameter && IsFloating(t.dtype) && t.dtype != *options.param_dtype) {
@@ -187,6 +208,9 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
         const std::int64_t src_first = sp.range ? sp.range->begin : 0;
         tr.src_begin = BoxItemsBefore(t.shape, sp.box, BoxLocalToGlobal(t.shape, o.box, c0)) - src_first;
         tr.src_end = BoxItemsBefore(t.shape, sp.box, BoxLocalToGlobal(t.shape, o.box, c1 - 1)) - src_first + 1;
+        const std::int64_t dst_first = piece.range ? piece.range->begin : 0;
+        tr.dst_begin = BoxItemsBefore(t.shape, piece.box, BoxLocalToGlobal(t.shape, o.box, c0)) - dst_first;
+        tr.dst_end = BoxItemsBefore(t.shape, piece.box, BoxLocalToGlobal(t.shape, o.box, c1 - 1)) - dst_first + 1;
         const std::int64_t extent_bytes = (tr.src_end - tr.src_begin) * src_esize;
         tr.dense = source.shards[tr.source].codec != Codec::kNone || tr.runs == 1 || extent_bytes <= kSmallExtentBytes ||
                    static_cast<double>(tr.items) >= kDenseFraction * static_cast<double>(tr.src_end - tr.src_begin);
@@ -224,7 +248,8 @@ std::string ReshardPlan::Summary() const {
      << "bytes written: " << Bytes(t.bytes_written) << " (" << t.bytes_written << ")\n"
      << "bytes read: " << Bytes(t.bytes_read) << " (" << t.bytes_read << "), needed " << Bytes(t.bytes_needed)
      << ", read amplification " << amp << "\n"
-     << "largest shard: " << Bytes(LargestShardBytes()) << "; peak buffer: " << Bytes(PeakBufferBytes())
+     << "largest shard: " << Bytes(LargestShardBytes()) << "; largest job buffer: " << Bytes(LargestJobBytes())
+     << "; peak buffer: " << Bytes(PeakBufferBytes())
      << " (memory budget " << Bytes(options.memory_budget) << ")\n";
   for (const std::string& c : converted) os << "dtype conversion: " << c << "\n";
   os << "rank  shards  written  read  copies\n";

@@ -4,9 +4,10 @@
 // operations, peak buffer) before any data file is touched.
 //
 // Target shards are the logical pieces that PhysicalMap places under the target layout (main
-// replicas unless replicas are asked for); a piece larger than `max_shard_bytes` is stored as
-// several shards (consecutive flat ranges of it) so that no single buffer outgrows the
-// memory budget. Sources are the main-replica shards of the source manifest, found through a
+// replicas unless replicas are asked for). The executor streams each shard in windows of
+// `window_bytes`, so no buffer outgrows the memory budget whatever the shard's size; with
+// `max_shard_bytes` set, larger pieces are instead stored as several shards (consecutive flat
+// ranges of them). Sources are the main-replica shards of the source manifest, found through a
 // PieceIndex per tensor: planning is O(shards · log shards), never all pairs.
 #pragma once
 
@@ -28,9 +29,12 @@ namespace rs {
 struct ReshardOptions {
   std::optional<DType> param_dtype;    // convert floating parameters (not states) to this dtype
   bool with_replicas = false;          // also write the replicas the target layout keeps
-  std::int64_t max_shard_bytes = std::int64_t{64} << 20;
+  std::int64_t max_shard_bytes = 0;    // 0: one shard per target piece
   std::int64_t memory_budget = std::int64_t{1} << 30;  // bytes in flight during execution
   std::int64_t staging_bytes = std::int64_t{4} << 20;  // per job, for gathering strided reads
+  // A job's target buffer: at most this much of its shard at a time (shrunk by PlanReshard to
+  // fit the budget with the staging block).
+  std::int64_t window_bytes = std::int64_t{64} << 20;
   int threads = 0;                                     // executor workers; 0 = hardware concurrency
 };
 
@@ -49,6 +53,8 @@ struct Transfer {
   bool dense = false;
   std::int64_t src_begin = 0;
   std::int64_t src_end = 0;
+  std::int64_t dst_begin = 0;  // items [dst_begin, dst_end) of the target buffer it writes into
+  std::int64_t dst_end = 0;
   std::int64_t read_bytes = 0;  // source bytes read for it
 };
 
@@ -83,6 +89,8 @@ struct ReshardPlan {
   RankCost Total() const;
   double ReadAmplification() const;  // bytes_read / bytes_needed (1 when nothing is read)
   std::int64_t LargestShardBytes() const;
+  // Bytes one job holds: its window of the target shard plus a staging block.
+  std::int64_t LargestJobBytes() const;
   // Bytes the executor may hold at once: the budget, or less when every job fits below it.
   std::int64_t PeakBufferBytes() const;
   std::string Summary() const;  // totals and one line per target rank
@@ -104,9 +112,10 @@ struct Copy {
   std::int64_t length = 0;
 };
 // Calls `f` for every copy of `t` between `source` and `target` (pieces of a tensor of shape
-// `global`), in order. O(rank) per copy.
+// `global`) that lands in `dst_window` (items of the target buffer), clipped to it, in order.
+// O(rank · log n) to find the first, then O(rank) per copy.
 void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
-                 const std::function<void(const Copy&)>& f);
+                 ItemRange dst_window, const std::function<void(const Copy&)>& f);
 
 // The length of the copies of a transfer: the items of `box` that are contiguous in both
 // pieces' buffers (the trailing dims both pieces cover fully, times the next dim).

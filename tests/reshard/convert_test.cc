@@ -1,0 +1,241 @@
+// Conversions end to end on disk: randomised round trips over many layout pairs and model
+// configurations (A -> B equals the example written directly at B, A -> B -> A equals A, every
+// output passes verify), dtype conversion, small memory budgets, and the convert / plan /
+// diff commands' exit codes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+#include "formats/verify.h"
+#include "reshard/diff.h"
+#include "reshard/example.h"
+#include "reshard/execute.h"
+#include "tests/cli/cli_test_util.h"
+#include "tests/reshard/test_models.h"
+
+namespace rs {
+namespace {
+
+using testing::RunCli;
+using testing::TempDir;
+
+Status WriteExample(const ModelConfig& model, const PhysicalLayout& layout, const std::string& codec, const std::string& dir) {
+  ExampleOptions o;
+  o.model = model;
+  o.layout = layout.layout;
+  o.physical = layout.options;
+  o.seed = 3;
+  o.codec = *ParseCodecSpec(codec);
+  o.threads = 2;
+  return WriteExampleCheckpoint(o, dir);
+}
+
+// The (tensor, rank, piece) triples of a checkpoint's shards, sorted: what a layout stores.
+std::vector<std::tuple<std::string, std::int64_t, std::string>> ShardSet(const std::string& dir) {
+  auto m = ReadManifest(dir);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  std::vector<std::tuple<std::string, std::int64_t, std::string>> out;
+  for (const ShardEntry& s : m->shards) {
+    std::ostringstream os;
+    os << s.piece;
+    out.emplace_back(s.tensor, s.rank, os.str());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Logical content equal (every tensor, every byte).
+void ExpectSameContent(const std::string& a, const std::string& b, const std::string& what) {
+  auto ra = CheckpointReader::Open(a);
+  auto rb = CheckpointReader::Open(b);
+  ASSERT_TRUE(ra.ok() && rb.ok()) << what;
+  DiffOptions o;
+  o.threads = 2;
+  auto report = DiffCheckpoints(**ra, **rb, o);
+  ASSERT_TRUE(report.ok()) << what << ": " << report.status().ToString();
+  EXPECT_TRUE(report->identical()) << what << "\n" << report->ToString();
+}
+
+void ExpectSound(const std::string& dir, const std::string& what) {
+  VerifyOptions vo;
+  vo.threads = 2;
+  const VerifyReport r = VerifyCheckpoint(dir, vo);
+  EXPECT_TRUE(r.sound()) << what << "\n" << r.ToText();
+}
+
+Result<ConvertResult> ConvertTo(const std::string& src, const PhysicalLayout& target, const std::string& dst,
+                                const std::string& codec = "none") {
+  ConvertOptions o;
+  o.threads = 2;
+  o.codec = *ParseCodecSpec(codec);
+  return Convert(src, target, dst, o);
+}
+
+TEST(ConvertTest, RandomRoundTripsMatchExamplesAndVerify) {
+  TempDir tmp;
+  std::mt19937_64 rng(4242);
+  int done = 0;
+  for (int iter = 0; done < 14 && iter < 200; ++iter) {
+    const ModelConfig model = testing::RandomModel(rng);
+    const PhysicalLayout a = testing::RandomPhysicalLayout(rng, model, 8);
+    const PhysicalLayout b = testing::RandomPhysicalLayout(rng, model, 8);
+    const auto tensors = ModelCheckpointTensors(model, AdamStateNames());
+    if (!PhysicalMap::Create(a, tensors).ok() || !PhysicalMap::Create(b, tensors).ok()) continue;
+    const std::string what = a.ToString() + " -> " + b.ToString() + " (model iter " + std::to_string(iter) + ")";
+    SCOPED_TRACE(what);
+    const std::string dir = tmp / std::to_string(iter);
+    const std::string codec = done % 3 == 2 ? "zstd:1" : "none";
+    { const Status st_ = WriteExample(model, a, codec, dir + "-a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+    { const Status st_ = WriteExample(model, b, "none", dir + "-b"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+    auto ab = ConvertTo(dir + "-a", b, dir + "-ab", codec);
+    ASSERT_TRUE(ab.ok()) << ab.status().ToString();
+    auto aba = ConvertTo(dir + "-ab", a, dir + "-aba");
+    ASSERT_TRUE(aba.ok()) << aba.status().ToString();
+    // A -> B holds exactly the pieces the example at B holds, with the same bytes.
+    EXPECT_EQ(ShardSet(dir + "-ab"), ShardSet(dir + "-b"));
+    ExpectSameContent(dir + "-ab", dir + "-b", what);
+    // A -> B -> A is A again: the same pieces and bytes.
+    EXPECT_EQ(ShardSet(dir + "-aba"), ShardSet(dir + "-a"));
+    ExpectSameContent(dir + "-aba", dir + "-a", what);
+    ExpectSound(dir + "-ab", what);
+    ExpectSound(dir + "-aba", what);
+    ++done;
+  }
+  EXPECT_EQ(done, 14);
+}
+
+TEST(ConvertTest, EveryFeatureAtOnce) {
+  // GDN layers, dense + MoE layers with a shared expert, vocab 250 over tp=4, kv heads
+  // replicated, flat FSDP with ep-as-cp, explicit pipeline split, zstd.
+  TempDir tmp;
+  ModelConfig model;
+  model.vocab_size = 250;
+  model.n_layers = 4;
+  model.first_dense_layers = 1;
+  model.shared_ffn = 32;
+  model.full_attn_interval = 2;
+  model.gdn_value_heads = 4;
+  const auto rules = *BuiltinRuleSet("ep-as-cp");
+  const PhysicalLayout a = *PhysicalLayout::Parse("tp=4,ep=2,fsdp=2,fsdp_form=flat,pp=2,pp_split=1/3", rules);
+  const PhysicalLayout b = *PhysicalLayout::Parse("tp=2,etp=2,ep=4,dp=2,vocab_multiple=16", rules);
+  const PhysicalLayout one = *PhysicalLayout::Parse("", rules);
+  { const Status st_ = WriteExample(model, a, "zstd:3", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  { const Status st_ = WriteExample(model, b, "none", tmp / "b"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  { const Status st_ = WriteExample(model, one, "none", tmp / "one"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  ASSERT_TRUE(ConvertTo(tmp / "a", b, tmp / "ab", "zstd:1").ok());
+  ASSERT_TRUE(ConvertTo(tmp / "a", one, tmp / "a1").ok());
+  ASSERT_TRUE(ConvertTo(tmp / "ab", a, tmp / "aba").ok());
+  EXPECT_EQ(ShardSet(tmp / "ab"), ShardSet(tmp / "b"));
+  EXPECT_EQ(ShardSet(tmp / "aba"), ShardSet(tmp / "a"));
+  EXPECT_EQ(ShardSet(tmp / "a1"), ShardSet(tmp / "one"));
+  ExpectSameContent(tmp / "ab", tmp / "b", "a->b");
+  ExpectSameContent(tmp / "aba", tmp / "a", "a->b->a");
+  ExpectSameContent(tmp / "a1", tmp / "one", "a->one");
+  for (const char* d : {"ab", "aba", "a1"}) ExpectSound(tmp / d, d);
+}
+
+TEST(ConvertTest, SmallBudgetStreamsShardsInWindows) {
+  TempDir tmp;
+  ModelConfig model;
+  const auto rules = *BuiltinRuleSet("megatron");
+  { const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2,ep=2", rules), "none", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  ConvertOptions o;
+  o.threads = 3;
+  o.reshard.memory_budget = 64 << 10;  // 64 KiB: every job waits for the ones before it
+  o.reshard.staging_bytes = 16 << 10;
+  auto r = Convert(tmp / "a", *PhysicalLayout::Parse("tp=1", rules), tmp / "b", o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_LE(r->stats.peak_reserved, 64 << 10);
+  EXPECT_EQ(r->plan.targets.size(), 69u);  // one shard per tensor, streamed in windows
+  ExpectSameContent(tmp / "a", tmp / "b", "windows");
+  ExpectSound(tmp / "b", "windows");
+  // With a shard size limit, large pieces become several shards of the same content.
+  o.reshard.max_shard_bytes = 16 << 10;
+  auto split = Convert(tmp / "a", *PhysicalLayout::Parse("tp=1", rules), tmp / "c", o);
+  ASSERT_TRUE(split.ok()) << split.status().ToString();
+  EXPECT_GT(split->plan.targets.size(), 69u);
+  ExpectSameContent(tmp / "a", tmp / "c", "split");
+  ExpectSound(tmp / "c", "split");
+}
+
+TEST(ConvertTest, ParamDtypeIsRecordedAndStatesStayExact) {
+  TempDir tmp;
+  ModelConfig model;
+  const auto rules = *BuiltinRuleSet("megatron");
+  { const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2", rules), "none", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  ConvertOptions o;
+  o.threads = 2;
+  o.reshard.param_dtype = DType::kBF16;
+  ASSERT_TRUE(Convert(tmp / "a", *PhysicalLayout::Parse("tp=1", rules), tmp / "b", o).ok());
+  auto m = ReadManifest(tmp / "b");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->metadata["reshard"]["param_dtype"], "bf16");
+  EXPECT_FALSE(m->metadata["reshard"]["dtype_conversions"].empty());
+  auto ra = CheckpointReader::Open(tmp / "a");
+  auto rb = CheckpointReader::Open(tmp / "b");
+  auto report = DiffCheckpoints(**ra, **rb, {});
+  ASSERT_TRUE(report.ok());
+  for (const TensorDiff& d : report->tensors) {
+    const bool param = (*ra)->FindTensor(d.name).value()->role == TensorRole::kParameter;
+    EXPECT_EQ(d.kind == TensorDiffKind::kIdentical, !param) << d.name;
+    if (param) {
+      EXPECT_LT(d.max_rel_diff, 1.0 / 128) << d.name;  // bf16 rounding only
+    }
+  }
+  // The bf16 parameters are the f32 master weights rounded.
+  auto param = (*rb)->ReadTensor("output.weight");
+  auto master = (*rb)->ReadTensor("output.weight/master");
+  ASSERT_TRUE(param.ok() && master.ok());
+  std::vector<std::byte> want(param->size());
+  ConvertFloats(DType::kF32, master->data(), DType::kBF16, want.data(), want.size() / 2);
+  EXPECT_EQ(want, *param);
+}
+
+TEST(ConvertTest, RefusesExistingOutputAndBadLayouts) {
+  TempDir tmp;
+  ModelConfig model;
+  const auto rules = *BuiltinRuleSet("megatron");
+  { const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2", rules), "none", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  EXPECT_EQ(ConvertTo(tmp / "a", *PhysicalLayout::Parse("tp=1", rules), tmp / "a").status().code(),
+            ErrorCode::kAlreadyExists);
+  // tiny-moe has 2 kv heads: tp=3 cannot split them.
+  auto bad = ConvertTo(tmp / "a", *PhysicalLayout::Parse("tp=3", rules), tmp / "c");
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_FALSE(std::filesystem::exists(tmp / "c"));
+}
+
+TEST(ConvertCliTest, ConvertPlanDiffExitCodes) {
+  TempDir tmp;
+  const std::string a = tmp / "a";
+  ASSERT_EQ(RunCli("example --layout tp=2,ep=2,fsdp=2,fsdp_form=flat -o " + a).exit_code, 0);
+  auto plan = RunCli("plan " + a + " --to tp=1,ep=4 --json");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const auto j = nlohmann::json::parse(plan.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << plan.output;
+  EXPECT_EQ(j["read_amplification"].get<double>() >= 1.0, true);
+  EXPECT_EQ(j["ranks"].size(), 4u);
+  auto human = RunCli("plan " + a + " --to tp=1,ep=4");
+  EXPECT_EQ(human.exit_code, 0);
+  EXPECT_NE(human.output.find("read amplification"), std::string::npos) << human.output;
+
+  auto conv = RunCli("convert " + a + " --to tp=1,ep=4 -o " + tmp / "b" + " --memory-budget 256MiB --threads 2");
+  ASSERT_EQ(conv.exit_code, 0) << conv.output;
+  EXPECT_EQ(RunCli("verify " + tmp / "b").exit_code, 0);
+  EXPECT_EQ(RunCli("diff " + a + " " + tmp / "b").exit_code, 0);
+  auto bf16 = RunCli("convert " + a + " --to tp=1 --param-dtype bf16 -o " + tmp / "c");
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  EXPECT_NE(bf16.output.find("dtype conversion"), std::string::npos) << bf16.output;  // never silent
+  auto diff = RunCli("diff " + a + " " + tmp / "c" + " --json");
+  EXPECT_EQ(diff.exit_code, 1) << diff.output;
+  EXPECT_NE(diff.output.find("\"identical\": false"), std::string::npos) << diff.output;
+  EXPECT_EQ(RunCli("convert " + a + " --to tq=2 -o " + tmp / "d").exit_code, 2);
+  EXPECT_EQ(RunCli("convert " + a + " --to tp=1 --memory-budget lots -o " + tmp / "d").exit_code, 2);
+  EXPECT_EQ(RunCli("diff " + a + " " + tmp / "nothing").exit_code, 1);
+}
+
+}  // namespace
+}  // namespace rs
