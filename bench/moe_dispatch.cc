@@ -83,11 +83,11 @@ Measured Measure(int reps, F&& f) {
 double MiB(std::int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
 
 void Row(const char* op, const char* kind, const Measured& fused, const Measured& unfused, double bytes_moved) {
-  std::printf("  %-20s %-6s fused %7.2f ms %5.1f GB/s peak %6.1f MiB | unfused %7.2f ms peak %6.1f MiB | "
-              "fused %.2fx faster, %+.1f MiB peak\n",
-              op, kind, fused.seconds * 1e3, bytes_moved / fused.seconds * 1e-9, MiB(fused.peak_bytes),
-              unfused.seconds * 1e3, MiB(unfused.peak_bytes), unfused.seconds / fused.seconds,
-              MiB(fused.peak_bytes - unfused.peak_bytes));
+  std::printf(
+      "  %-20s %-6s fused %7.2f ms %5.1f GB/s peak %6.1f MiB | unfused %7.2f ms peak %6.1f MiB | "
+      "fused %.2fx faster, %+.1f MiB peak\n",
+      op, kind, fused.seconds * 1e3, bytes_moved / fused.seconds * 1e-9, MiB(fused.peak_bytes), unfused.seconds * 1e3,
+      MiB(unfused.peak_bytes), unfused.seconds / fused.seconds, MiB(fused.peak_bytes - unfused.peak_bytes));
 }
 
 }  // namespace

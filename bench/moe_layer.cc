@@ -40,8 +40,8 @@ int main(int argc, char** argv) {
     for (auto& x : v) x = static_cast<float>(rng.Normal() * s);
     return v;
   };
-  const auto x = rnd(t * d, 1.0), router = rnd(e * d, 0.02), fc1 = rnd(e * 2 * f * d, 0.02),
-             fc2 = rnd(e * d * f, 0.02), dy = rnd(t * d, 1.0);
+  const auto x = rnd(t * d, 1.0), router = rnd(e * d, 0.02), fc1 = rnd(e * 2 * f * d, 0.02), fc2 = rnd(e * d * f, 0.02),
+             dy = rnd(t * d, 1.0);
   std::vector<float> y(static_cast<std::size_t>(t * d)), dx(y.size()), drouter(router.size()), dfc1(fc1.size()),
       dfc2(fc2.size());
   const rs::train::MoeWeights<float> w{router.data(), nullptr, fc1.data(), fc2.data(), nullptr, nullptr};
@@ -62,11 +62,12 @@ int main(int argc, char** argv) {
     const double flops_all = 18.0 * rows * df + 3.0 * router_flops;
     const double tps = static_cast<double>(t) / both;
     if (mode == rs::train::DispatchMode::kFused) fused_tps = tps;
-    std::printf("  %-7s forward %7.2f ms (%6.1f GFLOP/s, %4.1f%% of peak) | fwd+bwd %7.2f ms, %8.0f tokens/s "
-                "(%6.1f GFLOP/s, %4.1f%% of peak)\n",
-                std::string(rs::train::DispatchModeName(mode)).c_str(), fwd * 1e3, flops_fwd / fwd * 1e-9,
-                100.0 * flops_fwd / fwd * 1e-9 / peak, both * 1e3, tps, flops_all / both * 1e-9,
-                100.0 * flops_all / both * 1e-9 / peak);
+    std::printf(
+        "  %-7s forward %7.2f ms (%6.1f GFLOP/s, %4.1f%% of peak) | fwd+bwd %7.2f ms, %8.0f tokens/s "
+        "(%6.1f GFLOP/s, %4.1f%% of peak)\n",
+        std::string(rs::train::DispatchModeName(mode)).c_str(), fwd * 1e3, flops_fwd / fwd * 1e-9,
+        100.0 * flops_fwd / fwd * 1e-9 / peak, both * 1e3, tps, flops_all / both * 1e-9,
+        100.0 * flops_all / both * 1e-9 / peak);
     if (mode == rs::train::DispatchMode::kUnfused) {
       std::printf("  fused / unfused fwd+bwd throughput: %.3fx\n", fused_tps / tps);
     }

@@ -42,7 +42,8 @@ inline double SgemmPeakGflops(std::int64_t n = 2048, int reps = 5) {
   double best = 1e30;
   for (int i = 0; i < reps + 1; ++i) {
     const double s = Now();
-    train::Gemm<float>(train::Trans::kNo, train::Trans::kNo, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    train::Gemm<float>(train::Trans::kNo, train::Trans::kNo, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(),
+                       n);
     if (i > 0) best = std::min(best, Now() - s);  // the first run pays page faults and thread start
   }
   return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / best * 1e-9;

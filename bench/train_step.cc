@@ -10,9 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "bench/train_bench_util.h"
 #include "core/model.h"
@@ -78,8 +77,9 @@ int main(int argc, char** argv) {
     if (first_loss == 0) first_loss = r.losses.ce;
   });
   const double gflops = flops_per_token * tokens / sec * 1e-9;
-  std::printf("step %.3f s | %.0f tokens/s | %.1f GFLOP/s model FLOPs = %.1f%% of the sgemm peak "
-              "(first loss %.3f)\n",
-              sec, tokens / sec, gflops, 100.0 * gflops / peak, first_loss);
+  std::printf(
+      "step %.3f s | %.0f tokens/s | %.1f GFLOP/s model FLOPs = %.1f%% of the sgemm peak "
+      "(first loss %.3f)\n",
+      sec, tokens / sec, gflops, 100.0 * gflops / peak, first_loss);
   return 0;
 }

@@ -6,10 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
-
-#include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "cli/util.h"
@@ -114,7 +113,8 @@ void RunTrain(TrainArgs& a) {
   };
 
   if (trainer->step() >= a.steps) {
-    std::fprintf(stderr, "already at step %" PRId64 " (--steps %" PRId64 "): nothing to do\n", trainer->step(), a.steps);
+    std::fprintf(stderr, "already at step %" PRId64 " (--steps %" PRId64 "): nothing to do\n", trainer->step(),
+                 a.steps);
     return;
   }
   const std::int64_t first = trainer->step();
@@ -130,10 +130,14 @@ void RunTrain(TrainArgs& a) {
                 r.step, r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
     std::fflush(stdout);
     if (log.is_open()) {
-      log << nlohmann::json{{"step", r.step},         {"loss", r.losses.total},
-                            {"ce", r.losses.ce},      {"aux_loss", r.losses.aux},
-                            {"z_loss", r.losses.z},   {"lr", r.update.lr},
-                            {"grad_norm", r.update.grad_norm}, {"tokens", r.tokens},
+      log << nlohmann::json{{"step", r.step},
+                            {"loss", r.losses.total},
+                            {"ce", r.losses.ce},
+                            {"aux_loss", r.losses.aux},
+                            {"z_loss", r.losses.z},
+                            {"lr", r.update.lr},
+                            {"grad_norm", r.update.grad_norm},
+                            {"tokens", r.tokens},
                             {"tokens_per_s", tps}}
                  .dump()
           << '\n';
@@ -143,9 +147,8 @@ void RunTrain(TrainArgs& a) {
     const bool last = trainer->step() == a.steps;
     if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) save();
   }
-  std::fprintf(stderr, "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s); final loss %.4f (ce %.4f)\n",
-               first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds, r.losses.total,
-               r.losses.ce);
+  std::fprintf(stderr, "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s); final loss %.4f (ce %.4f)\n", first + 1,
+               trainer->step(), seconds, static_cast<double>(tokens) / seconds, r.losses.total, r.losses.ce);
 }
 
 struct EvalArgs {
@@ -196,10 +199,12 @@ void RegisterTrain(CLI::App& app) {
   auto& c = a->config;
   auto& o = c.optimizer;
   a->run_defining = {
-      cmd->add_option("--model", a->model, "Model preset (tiny-moe, small-moe) or model JSON file")->capture_default_str(),
+      cmd->add_option("--model", a->model, "Model preset (tiny-moe, small-moe) or model JSON file")
+          ->capture_default_str(),
       cmd->add_option("--seed", a->seed, "Seed of the initialisation and of the batch order")->capture_default_str(),
       cmd->add_option("--batch-size", c.batch_size, "Sequences per step")->capture_default_str(),
-      cmd->add_option("--seq-len", c.seq_len, "Tokens per sequence (0 = the model's max_seq_len)")->capture_default_str(),
+      cmd->add_option("--seq-len", c.seq_len, "Tokens per sequence (0 = the model's max_seq_len)")
+          ->capture_default_str(),
       cmd->add_option("--lr", o.lr, "Peak learning rate")->capture_default_str(),
       cmd->add_option("--min-lr", o.min_lr, "Learning rate at the end of the cosine")->capture_default_str(),
       cmd->add_option("--warmup", o.warmup_steps, "Linear warm-up steps")->capture_default_str(),
@@ -227,7 +232,8 @@ void RegisterTrain(CLI::App& app) {
   auto* ev = app.add_subcommand("eval", "Mean cross-entropy of a checkpoint's model on a text file (train/MODEL.md)");
   ev->add_option("checkpoint", e->checkpoint, "Checkpoint directory (any layout)")->required();
   ev->add_option("--data", e->data, "Text file")->capture_default_str();
-  ev->add_option("--seq-len", e->seq_len, "Window length in tokens (0 = the model's max_seq_len)")->capture_default_str();
+  ev->add_option("--seq-len", e->seq_len, "Window length in tokens (0 = the model's max_seq_len)")
+      ->capture_default_str();
   ev->add_option("--windows", e->windows, "Evaluate the first N windows (0 = all)")->capture_default_str();
   ev->add_flag("--json", e->json, "Print a JSON object");
   ev->add_option("--model", e->model, "Model preset or JSON, when the checkpoint's metadata has none");

@@ -40,8 +40,7 @@ void Attention<T>::EnsureRopeTable(std::int64_t seq) {
   for (std::int64_t p = 0; p < seq; ++p) {
     for (std::int64_t i = 0; i < half; ++i) {
       // Angles in double, then rounded once to T (MODEL.md states this precisely).
-      const double inv_freq =
-          std::pow(s_.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(s_.head_dim));
+      const double inv_freq = std::pow(s_.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(s_.head_dim));
       const double angle = static_cast<double>(p) * inv_freq;
       cos_[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::cos(angle));
       sin_[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::sin(angle));

@@ -2,10 +2,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <span>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -132,7 +131,8 @@ Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, co
   return model;
 }
 
-Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir, const std::optional<std::string>& data_path) {
+Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
+                                                      const std::optional<std::string>& data_path) {
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
   RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
   auto ctx = [&](const Status& s) { return s.WithContext("checkpoint '" + dir + "' metadata"); };
@@ -168,8 +168,10 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir, co
       continue;
     }
     // Training continues from the fp32 master weights, never from the (maybe rounded) params.
-    RS_RETURN_IF_ERROR(ReadFloats(*reader, OptimizerStateName(s.name, "master"), s.shape, model.params().subspan(off, n)));
-    RS_RETURN_IF_ERROR(ReadFloats(*reader, OptimizerStateName(s.name, "exp_avg"), s.shape, opt.exp_avg().subspan(off, n)));
+    RS_RETURN_IF_ERROR(
+        ReadFloats(*reader, OptimizerStateName(s.name, "master"), s.shape, model.params().subspan(off, n)));
+    RS_RETURN_IF_ERROR(
+        ReadFloats(*reader, OptimizerStateName(s.name, "exp_avg"), s.shape, opt.exp_avg().subspan(off, n)));
     RS_RETURN_IF_ERROR(
         ReadFloats(*reader, OptimizerStateName(s.name, "exp_avg_sq"), s.shape, opt.exp_avg_sq().subspan(off, n)));
   }

@@ -27,7 +27,8 @@ Status SaveCheckpoint(const std::string& dir, Trainer& trainer);
 // size and FNV-1a must match the metadata (FailedPrecondition otherwise: the batches would
 // differ). NotFound / DataLoss / VersionMismatch from reading; InvalidArgument if the metadata
 // lacks the model or training config.
-Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir, const std::optional<std::string>& data_path);
+Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
+                                                      const std::optional<std::string>& data_path);
 
 // The model config stored in a checkpoint's metadata (InvalidArgument if absent or invalid).
 Result<ModelConfig> CheckpointModelConfig(const std::string& dir);

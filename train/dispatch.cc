@@ -132,8 +132,8 @@ void UnpadUnpermute(const T* y, std::int64_t d, const DispatchPlan& plan, const 
 }
 
 template <typename T>
-void UnpadUnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs,
-                            T* dy, T* dprobs) {
+void UnpadUnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs, T* dy,
+                            T* dprobs) {
   ScatterWeighted(dout, y, d, plan.padded_row_of_slot.data(), probs, plan.num_tokens, plan.top_k, dy, dprobs);
   for (std::int64_t e = 0; e < plan.num_experts; ++e) {
     const std::int64_t filled = plan.padded_offsets[Z(e)] + plan.counts[Z(e)];
@@ -203,8 +203,8 @@ void CombineForward(DispatchMode mode, const T* y_pad, std::int64_t d, const Dis
 }
 
 template <typename T>
-Buffer<T> CombineBackward(DispatchMode mode, const T* dout, const T* y_pad, std::int64_t d,
-                          const DispatchPlan& plan, const T* probs, T* dprobs) {
+Buffer<T> CombineBackward(DispatchMode mode, const T* dout, const T* y_pad, std::int64_t d, const DispatchPlan& plan,
+                          const T* probs, T* dprobs) {
   if (mode == DispatchMode::kFused) {
     Buffer<T> dy_pad(Z(plan.padded_rows() * d));
     UnpadUnpermuteBackward(dout, y_pad, d, plan, probs, dy_pad.data(), dprobs);
@@ -231,20 +231,19 @@ void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const 
   }
 }
 
-#define RS_INSTANTIATE(T)                                                                                         \
-  template void PermutePad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                  \
-  template void UnpadUnpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                    \
-  template void UnpadUnpermuteBackward<T>(const T*, const T*, std::int64_t, const DispatchPlan&, const T*, T*,  \
-                                          T*);                                                                    \
-  template void Permute<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                     \
-  template void Pad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                         \
-  template void Unpad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                       \
-  template void Unpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                         \
-  template void UnpermuteBackward<T>(const T*, const T*, std::int64_t, const DispatchPlan&, const T*, T*, T*);  \
-  template Buffer<T> DispatchForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&);         \
-  template void CombineForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, const T*, T*);      \
-  template Buffer<T> CombineBackward<T>(DispatchMode, const T*, const T*, std::int64_t, const DispatchPlan&, \
-                                             const T*, T*);                                                       \
+#define RS_INSTANTIATE(T)                                                                                              \
+  template void PermutePad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                        \
+  template void UnpadUnpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                          \
+  template void UnpadUnpermuteBackward<T>(const T*, const T*, std::int64_t, const DispatchPlan&, const T*, T*, T*);    \
+  template void Permute<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                           \
+  template void Pad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                               \
+  template void Unpad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                             \
+  template void Unpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                               \
+  template void UnpermuteBackward<T>(const T*, const T*, std::int64_t, const DispatchPlan&, const T*, T*, T*);         \
+  template Buffer<T> DispatchForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&);                    \
+  template void CombineForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, const T*, T*);            \
+  template Buffer<T> CombineBackward<T>(DispatchMode, const T*, const T*, std::int64_t, const DispatchPlan&, const T*, \
+                                        T*);                                                                           \
   template void DispatchBackward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, T*);
 RS_INSTANTIATE(float)
 RS_INSTANTIATE(double)

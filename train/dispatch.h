@@ -27,14 +27,14 @@ struct DispatchPlan {
   std::int64_t num_tokens = 0;
   std::int64_t top_k = 0;
   std::int64_t num_experts = 0;
-  std::int64_t alignment = 0;  // 0 or 1: no padding
-  std::vector<std::int64_t> counts;          // [E] assignments per expert
-  std::vector<std::int64_t> padded_counts;   // [E] ceil(counts / A) · A
-  std::vector<std::int64_t> pad_offsets;     // [E] exclusive prefix sum of (padded − counts)
-  std::vector<std::int64_t> offsets;         // [E+1] segment starts in the unpadded buffer
-  std::vector<std::int64_t> padded_offsets;  // [E+1] segment starts in the padded buffer
-  std::vector<std::int32_t> row_of_slot;     // [n·k] unpadded row of slot t·k + j
-  std::vector<std::int32_t> slot_of_row;     // [n·k] inverse of row_of_slot
+  std::int64_t alignment = 0;                     // 0 or 1: no padding
+  std::vector<std::int64_t> counts;               // [E] assignments per expert
+  std::vector<std::int64_t> padded_counts;        // [E] ceil(counts / A) · A
+  std::vector<std::int64_t> pad_offsets;          // [E] exclusive prefix sum of (padded − counts)
+  std::vector<std::int64_t> offsets;              // [E+1] segment starts in the unpadded buffer
+  std::vector<std::int64_t> padded_offsets;       // [E+1] segment starts in the padded buffer
+  std::vector<std::int32_t> row_of_slot;          // [n·k] unpadded row of slot t·k + j
+  std::vector<std::int32_t> slot_of_row;          // [n·k] inverse of row_of_slot
   std::vector<std::int32_t> padded_row_of_slot;   // [n·k] row_of_slot + pad_offsets[expert]
   std::vector<std::int32_t> token_of_padded_row;  // [padded rows] token, or −1 for padding
 
@@ -58,8 +58,8 @@ void UnpadUnpermute(const T* y, std::int64_t d, const DispatchPlan& plan, const 
 // Backward of UnpadUnpermute: dy [padded_rows, d] = p · dout scattered (padding rows zero);
 // dprobs [n, k] = <y[row], dout[t]> (when not null).
 template <typename T>
-void UnpadUnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs,
-                            T* dy, T* dprobs);
+void UnpadUnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DispatchPlan& plan, const T* probs, T* dy,
+                            T* dprobs);
 
 // --- Unfused primitives -----------------------------------------------------------------
 template <typename T>
@@ -84,8 +84,8 @@ void CombineForward(DispatchMode mode, const T* y_pad, std::int64_t d, const Dis
                     T* out);
 // Backward of CombineForward: returns dy_pad [padded_rows, d]; overwrites dprobs [n, k].
 template <typename T>
-Buffer<T> CombineBackward(DispatchMode mode, const T* dout, const T* y_pad, std::int64_t d,
-                               const DispatchPlan& plan, const T* probs, T* dprobs);
+Buffer<T> CombineBackward(DispatchMode mode, const T* dout, const T* y_pad, std::int64_t d, const DispatchPlan& plan,
+                          const T* probs, T* dprobs);
 // Backward of DispatchForward: dx [n, d] overwritten from dx_pad [padded_rows, d].
 template <typename T>
 void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const DispatchPlan& plan, T* dx);

@@ -9,8 +9,7 @@
 namespace rs::train {
 
 template <typename T>
-void GroupedSwiGlu<T>::Forward(const T* x, std::span<const std::int64_t> group_rows, const T* fc1, const T* fc2,
-                               T* y) {
+void GroupedSwiGlu<T>::Forward(const T* x, std::span<const std::int64_t> group_rows, const T* fc1, const T* fc2, T* y) {
   const std::int64_t d = d_, f = f_;
   x_ = x;
   rows_.assign(group_rows.begin(), group_rows.end());
@@ -46,7 +45,8 @@ void GroupedSwiGlu<T>::Backward(const T* dy, const T* fc1, const T* fc2, T* dx, 
     const std::int64_t m = rows_[g];
     const auto gi = static_cast<std::int64_t>(g);
     Gemm<T>(Trans::kNo, Trans::kNo, m, f, d, T(1), dy + off * d, d, fc2 + gi * d * f, f, T(0), da.data() + off * f, f);
-    Gemm<T>(Trans::kYes, Trans::kNo, d, f, m, T(1), dy + off * d, d, a_.data() + off * f, f, T(1), dfc2 + gi * d * f, f);
+    Gemm<T>(Trans::kYes, Trans::kNo, d, f, m, T(1), dy + off * d, d, a_.data() + off * f, f, T(1), dfc2 + gi * d * f,
+            f);
     off += m;
   }
   Buffer<T> dh(static_cast<std::size_t>(n * 2 * f));

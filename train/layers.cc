@@ -21,8 +21,7 @@ void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, doub
 }
 
 template <typename T>
-void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx,
-                     T* dw) {
+void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw) {
   for (std::int64_t i = 0; i < n; ++i) {
     const T* xi = x + i * d;
     const T* dyi = dy + i * d;
@@ -91,11 +90,11 @@ double CrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n
   return total * inv_n;
 }
 
-#define RS_INSTANTIATE(T)                                                                                        \
-  template void RmsNormForward<T>(const T*, const T*, std::int64_t, std::int64_t, double, T*, T*);               \
+#define RS_INSTANTIATE(T)                                                                                       \
+  template void RmsNormForward<T>(const T*, const T*, std::int64_t, std::int64_t, double, T*, T*);              \
   template void RmsNormBackward<T>(const T*, const T*, const T*, const T*, std::int64_t, std::int64_t, T*, T*); \
-  template void SwiGluForward<T>(const T*, std::int64_t, std::int64_t, T*);                                      \
-  template void SwiGluBackward<T>(const T*, const T*, std::int64_t, std::int64_t, T*);                           \
+  template void SwiGluForward<T>(const T*, std::int64_t, std::int64_t, T*);                                     \
+  template void SwiGluBackward<T>(const T*, const T*, std::int64_t, std::int64_t, T*);                          \
   template double CrossEntropy<T>(const T*, const std::int32_t*, std::int64_t, std::int64_t, T*);
 RS_INSTANTIATE(float)
 RS_INSTANTIATE(double)

@@ -15,8 +15,7 @@ void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, doub
 // dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w, x̂ = x · rstd (overwrites dx);
 // dw += Σ_i dy[i] ⊙ x̂[i].
 template <typename T>
-void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx,
-                     T* dw);
+void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw);
 
 // SwiGLU activation over rows of h = [gate | up] ([n, 2f]): a = silu(gate) ⊙ up ([n, f]).
 template <typename T>

@@ -151,8 +151,8 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     l.rstd2.resize(static_cast<std::size_t>(n));
     RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, l.xn2.data(), l.rstd2.data());
     if (l.moe) {
-      const MoeWeights<T> w{P(l.router), l.bias != kNone ? P(l.bias) : nullptr, P(l.efc1), P(l.efc2),
-                            l.sfc1 != kNone ? P(l.sfc1) : nullptr, l.sfc2 != kNone ? P(l.sfc2) : nullptr};
+      const MoeWeights<T> w{P(l.router), l.bias != kNone ? P(l.bias) : nullptr, P(l.efc1),
+                            P(l.efc2),   l.sfc1 != kNone ? P(l.sfc1) : nullptr, l.sfc2 != kNone ? P(l.sfc2) : nullptr};
       const Routing<T>& r = l.moe->Forward(l.xn2.data(), n, w, tmp.data());
       losses.aux += r.aux_loss;
       losses.z += r.z_loss;
@@ -183,8 +183,8 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   for (std::size_t li = layers_.size(); li-- > 0;) {
     Layer& l = *layers_[li];
     if (l.moe) {
-      const MoeWeights<T> w{P(l.router), l.bias != kNone ? P(l.bias) : nullptr, P(l.efc1), P(l.efc2),
-                            l.sfc1 != kNone ? P(l.sfc1) : nullptr, l.sfc2 != kNone ? P(l.sfc2) : nullptr};
+      const MoeWeights<T> w{P(l.router), l.bias != kNone ? P(l.bias) : nullptr, P(l.efc1),
+                            P(l.efc2),   l.sfc1 != kNone ? P(l.sfc1) : nullptr, l.sfc2 != kNone ? P(l.sfc2) : nullptr};
       const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), l.sfc1 != kNone ? G(l.sfc1) : nullptr,
                           l.sfc2 != kNone ? G(l.sfc2) : nullptr};
       l.moe->Backward(dh.data(), w, dx.data(), g);
@@ -198,7 +198,8 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     AddInto(dh.data(), tmp.data(), nd);
   }
   T* demb = G(embedding_);
-  for (std::int64_t t = 0; t < n; ++t) AddInto(demb + inputs_[static_cast<std::size_t>(t)] * d, dh.data() + t * d, static_cast<std::size_t>(d));
+  for (std::int64_t t = 0; t < n; ++t)
+    AddInto(demb + inputs_[static_cast<std::size_t>(t)] * d, dh.data() + t * d, static_cast<std::size_t>(d));
   return losses;
 }
 

@@ -23,10 +23,10 @@
 namespace rs::train {
 
 struct Losses {
-  double total = 0;  // ce + aux + z: what the backward pass differentiates
-  double ce = 0;     // mean next-token cross-entropy (nats)
-  double aux = 0;    // load-balancing losses, summed over MoE layers (coefficient included)
-  double z = 0;      // router z-losses, summed over MoE layers (coefficient included)
+  double total = 0;                              // ce + aux + z: what the backward pass differentiates
+  double ce = 0;                                 // mean next-token cross-entropy (nats)
+  double aux = 0;                                // load-balancing losses, summed over MoE layers (coefficient included)
+  double z = 0;                                  // router z-losses, summed over MoE layers (coefficient included)
   std::vector<std::vector<std::int64_t>> loads;  // per layer: assignments per expert (empty if dense)
 };
 
@@ -58,8 +58,7 @@ class Transformer {
   // inputs, targets: [batch, seq] token ids in [0, vocab). Returns the losses; with
   // `backward` the gradients of `total` are ACCUMULATED into grads() (ZeroGrads first).
   enum class Pass : std::uint8_t { kForward, kForwardBackward };
-  Losses Run(const std::int32_t* inputs, const std::int32_t* targets, std::int64_t batch, std::int64_t seq,
-             Pass pass);
+  Losses Run(const std::int32_t* inputs, const std::int32_t* targets, std::int64_t batch, std::int64_t seq, Pass pass);
   void ZeroGrads();
   // sigmoid_bias: b += u · sign(mean load − load) per MoE layer, from `losses.loads`.
   void UpdateExpertBiases(const Losses& losses);

@@ -2,9 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numbers>
-
 #include <nlohmann/json.hpp>
+#include <numbers>
 
 #include "core/check.h"
 #include "train/parallel.h"
@@ -28,9 +27,15 @@ Status ValidateOptimizerConfig(const OptimizerConfig& c) {
 }
 
 void to_json(nlohmann::json& j, const OptimizerConfig& c) {
-  j = nlohmann::json{{"lr", c.lr},           {"min_lr", c.min_lr},         {"warmup_steps", c.warmup_steps},
-                     {"decay_steps", c.decay_steps}, {"beta1", c.beta1}, {"beta2", c.beta2},
-                     {"eps", c.eps},         {"weight_decay", c.weight_decay}, {"clip_norm", c.clip_norm}};
+  j = nlohmann::json{{"lr", c.lr},
+                     {"min_lr", c.min_lr},
+                     {"warmup_steps", c.warmup_steps},
+                     {"decay_steps", c.decay_steps},
+                     {"beta1", c.beta1},
+                     {"beta2", c.beta2},
+                     {"eps", c.eps},
+                     {"weight_decay", c.weight_decay},
+                     {"clip_norm", c.clip_norm}};
 }
 
 Result<OptimizerConfig> OptimizerConfigFromJson(const nlohmann::json& j) {

@@ -4,25 +4,24 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/status.h"
 
 namespace rs::train {
 
 struct OptimizerConfig {
-  double lr = 3e-3;              // peak learning rate
-  double min_lr = 3e-4;          // reached at decay_steps, kept after
+  double lr = 3e-3;      // peak learning rate
+  double min_lr = 3e-4;  // reached at decay_steps, kept after
   std::int64_t warmup_steps = 20;
   std::int64_t decay_steps = 2000;  // end of the cosine; a fixed horizon, not --steps
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double weight_decay = 0.1;     // decoupled; applied to tensors of rank >= 2 only
-  double clip_norm = 1.0;        // global L2 norm; <= 0 disables clipping
+  double weight_decay = 0.1;  // decoupled; applied to tensors of rank >= 2 only
+  double clip_norm = 1.0;     // global L2 norm; <= 0 disables clipping
   friend bool operator==(const OptimizerConfig&, const OptimizerConfig&) = default;
 };
 // InvalidArgument naming the field.

@@ -44,8 +44,8 @@ RouterOptions RouterOptionsFromModel(const ModelConfig& c) {
 }
 
 template <typename T>
-std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_t e, double tol,
-                                    std::int64_t max_iters, std::int64_t* iterations) {
+std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_t e, double tol, std::int64_t max_iters,
+                                    std::int64_t* iterations) {
   const auto sz = static_cast<std::size_t>(n * e);
   std::vector<double> c(sz);
   // exp(l − max) instead of exp(l): a constant factor is absorbed by the scalings, and this
@@ -62,7 +62,8 @@ std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_
     // Rows to 1/n: d0[t] = (1/n) / Σ_j C[t,j] d1[j].
     for (std::int64_t t = 0; t < n; ++t) {
       double s = 0;
-      for (std::int64_t j = 0; j < e; ++j) s += c[static_cast<std::size_t>(t * e + j)] * d1[static_cast<std::size_t>(j)];
+      for (std::int64_t j = 0; j < e; ++j)
+        s += c[static_cast<std::size_t>(t * e + j)] * d1[static_cast<std::size_t>(j)];
       d0[static_cast<std::size_t>(t)] = inv_n / s;
     }
     // Columns to 1/E: d1[j] = (1/E) / Σ_t d0[t] C[t,j].
@@ -131,8 +132,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
   }
   r.z_loss = o_.z_loss_coef * z / static_cast<double>(n);
 
-  const bool need_sigmoid =
-      o_.kind == RouterKind::kSigmoidBias || (o_.kind == RouterKind::kSinkhorn && k == 1);
+  const bool need_sigmoid = o_.kind == RouterKind::kSigmoidBias || (o_.kind == RouterKind::kSinkhorn && k == 1);
   if (need_sigmoid) {
     sigmoid_.resize(ne);
     for (std::size_t i = 0; i < ne; ++i) sigmoid_[i] = Sigmoid(logits[i]);
@@ -296,7 +296,8 @@ void Router<T>::Backward(const T* dprobs, T* dlogits) const {
       }
     }
     if (o_.kind != RouterKind::kSigmoidBias) {
-      for (std::int64_t j = 0; j < e; ++j) g[static_cast<std::size_t>(j)] += aux_scale * static_cast<T>(f_[static_cast<std::size_t>(j)]);
+      for (std::int64_t j = 0; j < e; ++j)
+        g[static_cast<std::size_t>(j)] += aux_scale * static_cast<T>(f_[static_cast<std::size_t>(j)]);
     }
     T dot = 0;
     for (std::int64_t j = 0; j < e; ++j) dot += g[static_cast<std::size_t>(j)] * s[j];
@@ -324,7 +325,7 @@ template class Router<float>;
 template class Router<double>;
 template std::vector<double> SinkhornBalance<float>(const float*, std::int64_t, std::int64_t, double, std::int64_t,
                                                     std::int64_t*);
-template std::vector<double> SinkhornBalance<double>(const double*, std::int64_t, std::int64_t, double,
-                                                     std::int64_t, std::int64_t*);
+template std::vector<double> SinkhornBalance<double>(const double*, std::int64_t, std::int64_t, double, std::int64_t,
+                                                     std::int64_t*);
 
 }  // namespace rs::train

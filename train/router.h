@@ -67,8 +67,8 @@ class Router {
 // sum to 1/n and columns to 1/E (columns exactly, rows within the stopping tolerance).
 // `iterations`, when not null, receives the number of row+column rescalings done.
 template <typename T>
-std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_t e, double tol,
-                                    std::int64_t max_iters, std::int64_t* iterations);
+std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_t e, double tol, std::int64_t max_iters,
+                                    std::int64_t* iterations);
 
 // The aux-loss-free bias update: b_i += rate · sign(mean load − load_i), sign(0) = 0.
 template <typename T>

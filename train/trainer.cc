@@ -1,7 +1,6 @@
 #include "train/trainer.h"
 
 #include <chrono>
-
 #include <nlohmann/json.hpp>
 
 namespace rs::train {
@@ -31,13 +30,10 @@ Status ValidateTrainConfig(const TrainConfig& t, const ModelConfig& m) {
 }
 
 void to_json(nlohmann::json& j, const TrainConfig& t) {
-  j = nlohmann::json{{"batch_size", t.batch_size},
-                     {"seq_len", t.seq_len},
-                     {"seed", t.seed},
-                     {"init_std", t.init_std},
-                     {"optimizer", t.optimizer},
-                     {"dispatch", DispatchModeName(t.dispatch.mode)},
-                     {"alignment", t.dispatch.alignment}};
+  j = nlohmann::json{
+      {"batch_size", t.batch_size},       {"seq_len", t.seq_len},     {"seed", t.seed},
+      {"init_std", t.init_std},           {"optimizer", t.optimizer}, {"dispatch", DispatchModeName(t.dispatch.mode)},
+      {"alignment", t.dispatch.alignment}};
 }
 
 Result<TrainConfig> TrainConfigFromJson(const nlohmann::json& j) {
@@ -46,7 +42,9 @@ Result<TrainConfig> TrainConfigFromJson(const nlohmann::json& j) {
   for (const auto& [key, v] : j.items()) {
     if (key == "batch_size" || key == "seq_len" || key == "alignment") {
       if (!v.is_number_integer()) return InvalidArgument("train: '" + key + "' must be an integer");
-      (key == "batch_size" ? t.batch_size : key == "seq_len" ? t.seq_len : t.dispatch.alignment) = v.get<std::int64_t>();
+      (key == "batch_size" ? t.batch_size
+       : key == "seq_len"  ? t.seq_len
+                           : t.dispatch.alignment) = v.get<std::int64_t>();
     } else if (key == "seed") {
       if (!v.is_number_unsigned()) return InvalidArgument("train: 'seed' must be a non-negative integer");
       t.seed = v.get<std::uint64_t>();

@@ -6,11 +6,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace {
 
@@ -19,9 +18,8 @@ namespace fs = std::filesystem;
 class CliTrainTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("rs_cli_train_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() / ("rs_cli_train_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -30,7 +28,8 @@ class CliTrainTest : public ::testing::Test {
   // Runs the CLI with `args`; returns its exit code; stdout goes to `out` when given.
   int Run(const std::string& args, std::string* out = nullptr) {
     const fs::path o = dir_ / "stdout.txt";
-    const std::string cmd = std::string(RS_CLI) + " " + args + " > " + o.string() + " 2> " + (dir_ / "stderr.txt").string();
+    const std::string cmd =
+        std::string(RS_CLI) + " " + args + " > " + o.string() + " 2> " + (dir_ / "stderr.txt").string();
     const int rc = std::system(cmd.c_str());
     if (out != nullptr) *out = Slurp(o);
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
@@ -58,8 +57,7 @@ constexpr const char* kTrain = "train --model tiny-moe --threads 1 --batch-size 
 TEST_F(CliTrainTest, ResumeIsBitExact) {
   ASSERT_EQ(Run(std::string(kTrain) + " --steps 40 --save " + P("a") + " --log " + P("a.jsonl")), 0);
   ASSERT_EQ(Run(std::string(kTrain) + " --steps 20 --save " + P("b") + " --log " + P("b.jsonl")), 0);
-  ASSERT_EQ(Run("train --threads 1 --resume " + P("b") + " --steps 40 --save " + P("b") + " --log " + P("b.jsonl")),
-            0);
+  ASSERT_EQ(Run("train --threads 1 --resume " + P("b") + " --steps 40 --save " + P("b") + " --log " + P("b.jsonl")), 0);
   const auto a = Log("a.jsonl"), b = Log("b.jsonl");
   ASSERT_EQ(a.size(), 40u);
   ASSERT_EQ(b.size(), 40u);

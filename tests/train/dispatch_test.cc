@@ -4,13 +4,14 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
+#include "train/dispatch.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/dispatch.h"
 #include "train/rng.h"
 
 namespace rs::train {
@@ -120,7 +121,8 @@ TEST(DispatchTest, PaddingRowsGetZeroGradientAndDoNotLeakIntoInputs) {
       // Garbage in padding rows of the expert-side gradient changes nothing token-side.
       std::vector<double> dxp(p.padded_rows() * d, 0.0), dx1(n * d), dx2(n * d);
       for (std::int64_t r = 0; r < p.padded_rows(); ++r) {
-        for (std::int64_t j = 0; j < d; ++j) dxp[r * d + j] = p.token_of_padded_row[r] >= 0 ? 1.0 + static_cast<double>(j) : 0.0;
+        for (std::int64_t j = 0; j < d; ++j)
+          dxp[r * d + j] = p.token_of_padded_row[r] >= 0 ? 1.0 + static_cast<double>(j) : 0.0;
       }
       DispatchBackward(mode, dxp.data(), d, p, dx1.data());
       for (std::int64_t r = 0; r < p.padded_rows(); ++r) {

@@ -5,6 +5,8 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
+#include "train/layers.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,7 +15,6 @@
 #include "tests/train/grad_check.h"
 #include "train/attention.h"
 #include "train/experts.h"
-#include "train/layers.h"
 
 namespace rs::train {
 namespace {

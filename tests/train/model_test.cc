@@ -4,6 +4,8 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
+#include "train/model.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,7 +13,6 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/model.h"
 #include "train/moe.h"
 #include "train/rng.h"
 
@@ -81,7 +82,8 @@ TEST_P(MoeGradTest, GradientMatchesFiniteDifferences) {
   const auto experts = moe.Forward(x.data(), n, w, y.data()).experts;
   std::vector<double> dx(n * d), drouter(router.size(), 0.0), dfc1(fc1.size(), 0.0), dfc2(fc2.size(), 0.0),
       dsfc1(sfc1.size(), 0.0), dsfc2(sfc2.size(), 0.0);
-  moe.Backward(r.data(), w, dx.data(), MoeGrads<double>{drouter.data(), dfc1.data(), dfc2.data(), dsfc1.data(), dsfc2.data()});
+  moe.Backward(r.data(), w, dx.data(),
+               MoeGrads<double>{drouter.data(), dfc1.data(), dfc2.data(), dsfc1.data(), dsfc2.data()});
   const std::string tag = std::string(RouterKindName(p.kind)) + "." + std::string(DispatchModeName(p.mode));
   ExpectGradMatches(tag + ".x", x, dx, loss, 60);
   ExpectGradMatches(tag + ".router", router, drouter, loss, 40);
@@ -92,19 +94,20 @@ TEST_P(MoeGradTest, GradientMatchesFiniteDifferences) {
   EXPECT_EQ(moe.Forward(x.data(), n, w, y.data()).experts, experts) << "selection moved under perturbation";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllRouters, MoeGradTest,
-    ::testing::Values(MoeCase{RouterKind::kTopKSoftmaxAfter, 2, DispatchMode::kFused, 16},
-                      MoeCase{RouterKind::kTopKSoftmaxAfter, 2, DispatchMode::kUnfused, 16},
-                      MoeCase{RouterKind::kSoftmaxBefore, 2, DispatchMode::kFused, 0},
-                      MoeCase{RouterKind::kSigmoidBias, 3, DispatchMode::kFused, 32},
-                      MoeCase{RouterKind::kGroupLimited, 4, DispatchMode::kUnfused, 128},
-                      MoeCase{RouterKind::kSinkhorn, 1, DispatchMode::kFused, 16},
-                      MoeCase{RouterKind::kSinkhorn, 2, DispatchMode::kFused, 0}),
-    [](const auto& param_info) {
-      return std::string(RouterKindName(param_info.param.kind)) + "_k" + std::to_string(param_info.param.k) + "_" +
-             std::string(DispatchModeName(param_info.param.mode)) + "_a" + std::to_string(param_info.param.alignment);
-    });
+INSTANTIATE_TEST_SUITE_P(AllRouters, MoeGradTest,
+                         ::testing::Values(MoeCase{RouterKind::kTopKSoftmaxAfter, 2, DispatchMode::kFused, 16},
+                                           MoeCase{RouterKind::kTopKSoftmaxAfter, 2, DispatchMode::kUnfused, 16},
+                                           MoeCase{RouterKind::kSoftmaxBefore, 2, DispatchMode::kFused, 0},
+                                           MoeCase{RouterKind::kSigmoidBias, 3, DispatchMode::kFused, 32},
+                                           MoeCase{RouterKind::kGroupLimited, 4, DispatchMode::kUnfused, 128},
+                                           MoeCase{RouterKind::kSinkhorn, 1, DispatchMode::kFused, 16},
+                                           MoeCase{RouterKind::kSinkhorn, 2, DispatchMode::kFused, 0}),
+                         [](const auto& param_info) {
+                           return std::string(RouterKindName(param_info.param.kind)) + "_k" +
+                                  std::to_string(param_info.param.k) + "_" +
+                                  std::string(DispatchModeName(param_info.param.mode)) + "_a" +
+                                  std::to_string(param_info.param.alignment);
+                         });
 
 // Whole model: embedding, dense and MoE layers, final norm, output, cross-entropy + router
 // losses. Every parameter tensor is sampled.

@@ -4,6 +4,8 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
+#include "train/router.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,7 +16,6 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/router.h"
 
 namespace rs::train {
 namespace {
@@ -70,12 +71,14 @@ TEST_P(RouterGradTest, GradientMatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllKinds, RouterGradTest,
-                         ::testing::Values(Case{RouterKind::kTopKSoftmaxAfter, 2}, Case{RouterKind::kTopKSoftmaxAfter, 1},
-                                           Case{RouterKind::kSoftmaxBefore, 2}, Case{RouterKind::kSigmoidBias, 3},
-                                           Case{RouterKind::kSigmoidBias, 1}, Case{RouterKind::kGroupLimited, 3},
-                                           Case{RouterKind::kSinkhorn, 1}, Case{RouterKind::kSinkhorn, 2}),
+                         ::testing::Values(Case{RouterKind::kTopKSoftmaxAfter, 2},
+                                           Case{RouterKind::kTopKSoftmaxAfter, 1}, Case{RouterKind::kSoftmaxBefore, 2},
+                                           Case{RouterKind::kSigmoidBias, 3}, Case{RouterKind::kSigmoidBias, 1},
+                                           Case{RouterKind::kGroupLimited, 3}, Case{RouterKind::kSinkhorn, 1},
+                                           Case{RouterKind::kSinkhorn, 2}),
                          [](const auto& param_info) {
-                           return std::string(RouterKindName(param_info.param.kind)) + "_k" + std::to_string(param_info.param.k);
+                           return std::string(RouterKindName(param_info.param.kind)) + "_k" +
+                                  std::to_string(param_info.param.k);
                          });
 
 TEST(RouterTest, SoftmaxAfterWeightsSumToOneAndSoftmaxBeforeDoNot) {
