@@ -112,6 +112,7 @@ ShardFileWriter::~ShardFileWriter() {
 Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool,
                                 const std::string& what) {
   constexpr std::int64_t kBlock = std::int64_t{8} << 20;
+  constexpr std::int64_t kWritePiece = std::int64_t{256} << 10;
   const auto n = static_cast<std::int64_t>(bytes.size());
   std::mutex mu;
   Status first_error;
@@ -119,7 +120,10 @@ Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> 
     const std::int64_t len = std::min(kBlock, n - begin);
     std::int64_t done = 0;
     while (done < len) {
-      const ssize_t w = ::pwrite(sync_fd_, bytes.data() + begin + done, static_cast<std::size_t>(len - done),
+      // Measured on Linux 6.x / ext4: buffered writes of <= 256 KiB per call copy into the page
+      // cache several times faster than single calls of 1 MiB and more (large-folio path).
+      const std::int64_t piece = std::min<std::int64_t>(len - done, kWritePiece);
+      const ssize_t w = ::pwrite(sync_fd_, bytes.data() + begin + done, static_cast<std::size_t>(piece),
                                  static_cast<off_t>(offset + begin + done));
       if (w < 0 && errno == EINTR) continue;
       if (w <= 0) {
