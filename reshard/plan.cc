@@ -28,10 +28,14 @@ std::string Bytes(std::int64_t b) {
   return buf;
 }
 
-// Reading a whole extent costs its gaps; below this density the copies are read one by one.
+// Reading a whole extent costs its gaps, reading copy by copy costs a syscall each: extents
+// are read whole only when their copies are small (below kSmallCopyBytes on average) and fill
+// at least kDenseFraction of it, or when the extent is tiny. Larger copies of an uncompressed
+// source are read one by one, so each source byte is read once per target that needs it and
+// no gap is read at all. Compressed sources are read by whole chunks anyway.
 constexpr double kDenseFraction = 0.5;
-// Extents this small are read in one go whatever their density (one syscall beats many).
-constexpr std::int64_t kSmallExtentBytes = 64 << 10;
+constexpr std::int64_t kSmallCopyBytes = 4 << 10;
+constexpr std::int64_t kSmallExtentBytes = 16 << 10;
 
 std::int64_t ThreadCount(int threads) {
   if (threads > 0) return threads;
@@ -212,8 +216,10 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
         tr.dst_begin = BoxItemsBefore(t.shape, piece.box, BoxLocalToGlobal(t.shape, o.box, c0)) - dst_first;
         tr.dst_end = BoxItemsBefore(t.shape, piece.box, BoxLocalToGlobal(t.shape, o.box, c1 - 1)) - dst_first + 1;
         const std::int64_t extent_bytes = (tr.src_end - tr.src_begin) * src_esize;
+        const bool small_copies = tr.items * src_esize < kSmallCopyBytes * tr.runs;
         tr.dense = source.shards[tr.source].codec != Codec::kNone || tr.runs == 1 || extent_bytes <= kSmallExtentBytes ||
-                   static_cast<double>(tr.items) >= kDenseFraction * static_cast<double>(tr.src_end - tr.src_begin);
+                   (small_copies &&
+                    static_cast<double>(tr.items) >= kDenseFraction * static_cast<double>(tr.src_end - tr.src_begin));
         tr.read_bytes = tr.dense ? extent_bytes : tr.items * src_esize;
         covered += tr.items;
         cost.bytes_needed += tr.items * src_esize;
