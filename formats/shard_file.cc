@@ -30,13 +30,10 @@ std::string Errno(const char* op) { return std::string(op) + ": " + std::strerro
 // Chunks decoded (or encoded) ahead of the in-order consumer, kept in a bounded window so
 // memory stays at a few chunks per worker whatever the shard size.
 struct ChunkSlots {
-  explicit ChunkSlots(std::size_t n) : data(n), raw(n, 0), ready(n, 0), status(n) {}
+  explicit ChunkSlots(std::size_t n) : ready(n, 0), status(n) {}
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<std::vector<std::byte>> data;
-  // unsigned char, not bool: vector<bool> packs bits, and workers write neighbouring slots.
-  std::vector<unsigned char> raw;
-  std::vector<unsigned char> ready;
+  std::vector<unsigned char> ready;  // not vector<bool>: its bits share words
   std::vector<Status> status;
 
   void Publish(std::size_t i) {
@@ -511,9 +508,12 @@ Status ShardFileReader::ReadChunk(const ShardLocation& loc, std::size_t index, s
   const std::string chunk_what = what + ", chunk " + std::to_string(index) + " at offset " +
                                  std::to_string(c.offset) + ", length " + std::to_string(c.size);
   if (c.raw) return ReadAt(c.offset, chunk_out, chunk_what);
-  std::vector<std::byte> stored(static_cast<std::size_t>(c.size));
-  RS_RETURN_IF_ERROR(ReadAt(c.offset, stored, chunk_what));
-  return ZstdDecompress(stored, chunk_out, chunk_what);
+  // Reused per thread: a fresh multi-MiB buffer per chunk costs a page fault per 4 KiB.
+  thread_local std::vector<std::byte> stored;
+  stored.resize(static_cast<std::size_t>(c.size));
+  const std::span<std::byte> compressed(stored.data(), stored.size());
+  RS_RETURN_IF_ERROR(ReadAt(c.offset, compressed, chunk_what));
+  return ZstdDecompress(compressed, chunk_out, chunk_what);
 }
 
 Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, std::span<std::byte> out,
@@ -583,14 +583,18 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
     return Status::Ok();
   }
   const std::size_t n = loc.chunks.size();
+  const std::size_t window = Window(pool);
   ChunkSlots slots(n);
+  // Chunk i decodes into ring[i % window]: chunk i + window is only submitted after chunk i
+  // was consumed, so buffers are reused instead of allocated (and page-faulted) per chunk.
+  std::vector<std::vector<std::byte>> ring(std::min(window, n));
   TaskGroup group(pool);
   auto decode = [&, this](std::size_t i) {
-    slots.data[i].resize(static_cast<std::size_t>(loc.chunk_bytes));
-    slots.status[i] = ReadChunk(loc, i, slots.data[i], what);
+    std::vector<std::byte>& buf = ring[i % ring.size()];
+    buf.resize(static_cast<std::size_t>(loc.chunk_bytes));
+    slots.status[i] = ReadChunk(loc, i, buf, what);
     slots.Publish(i);
   };
-  const std::size_t window = Window(pool);
   std::size_t submitted = 0;
   Status result;
   for (std::size_t i = 0; i < n; ++i) {
@@ -609,8 +613,7 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
       break;
     }
     const std::int64_t valid = std::min(loc.chunk_bytes, loc.nbytes - static_cast<std::int64_t>(i) * loc.chunk_bytes);
-    sink(std::span<const std::byte>(slots.data[i].data(), static_cast<std::size_t>(valid)));
-    std::vector<std::byte>().swap(slots.data[i]);
+    sink(std::span<const std::byte>(ring[i % ring.size()].data(), static_cast<std::size_t>(valid)));
   }
   group.Wait();
   return result;
