@@ -231,6 +231,9 @@ void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const 
   }
 }
 
+// Explicit instantiations for float (training) and double (reference); a type cannot be
+// parenthesised, hence the NOLINT.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define RS_INSTANTIATE(T)                                                                                              \
   template void PermutePad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                        \
   template void UnpadUnpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                          \
@@ -248,5 +251,6 @@ void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const 
 RS_INSTANTIATE(float)
 RS_INSTANTIATE(double)
 #undef RS_INSTANTIATE
+// NOLINTEND(bugprone-macro-parentheses)
 
 }  // namespace rs::train
