@@ -134,8 +134,11 @@ Result<ShardLocation> CheckpointReader::LocateShard(std::size_t index) {
 }
 
 Status CheckpointReader::VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes) {
+  return CheckHash(index, loc, Xxh3(bytes));
+}
+
+Status CheckpointReader::CheckHash(std::size_t index, const ShardLocation& loc, std::uint64_t h) {
   const ShardEntry& s = manifest_.shards[index];
-  const std::uint64_t h = Xxh3(bytes);
   if (h != s.checksum) {
     return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of the data at " +
                     DescribeExtent(loc) + ", expected " + ChecksumToString(s.checksum));
@@ -203,6 +206,18 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
   {
     std::lock_guard<std::mutex> lock(mu_);
     f = files_.at(s.file).get();
+  }
+  if (need_verify && whole && loc.codec == Codec::kNone) {
+    // Hash each block right after reading it, while it is still in the CPU cache.
+    constexpr std::int64_t kBlock = std::int64_t{256} << 10;
+    Xxh3Stream hash;
+    for (std::int64_t pos = 0; pos < len; pos += kBlock) {
+      const std::span<std::byte> block = out.subspan(static_cast<std::size_t>(pos),
+                                                     static_cast<std::size_t>(std::min(kBlock, len - pos)));
+      RS_RETURN_IF_ERROR(f->ReadAt(loc.offset + pos, block, DescribeShard(index)));
+      hash.Update(block);
+    }
+    return CheckHash(index, loc, hash.Digest());
   }
   RS_RETURN_IF_ERROR(f->ReadRange(loc, byte_begin, out, pool_.get(), DescribeShard(index)));
   if (need_verify && whole) RS_RETURN_IF_ERROR(VerifyBytes(index, loc, out));

@@ -80,6 +80,8 @@ class CheckpointReader {
   Result<const ShardFileReader*> File(const std::string& file);
   Status EnsureVerified(std::size_t index);
   Status VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes);
+  // Compares a computed hash with the manifest; marks the shard verified.
+  Status CheckHash(std::size_t index, const ShardLocation& loc, std::uint64_t h);
 
   std::string dir_;
   ReaderOptions options_;
