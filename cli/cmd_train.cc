@@ -113,7 +113,10 @@ void RunTrain(TrainArgs& a) {
   };
 
   if (trainer->step() >= a.steps) {
-    std::fprintf(stderr, "already at step %" PRId64 " (--steps %" PRId64 "): nothing to do\n", trainer->step(),
+    // A fresh run with --steps 0 still writes its initial state when asked to (a checkpoint of
+    // the initialisation); a resumed run already has its checkpoint.
+    if (a.resume.empty() && !a.save.empty()) save();
+    std::fprintf(stderr, "at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(),
                  a.steps);
     return;
   }

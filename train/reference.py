@@ -5,6 +5,7 @@ number of MODEL.md section 9. It shares no code with the C++ trainer; agreement 
 `reshard eval` (to ~1e-5 relative: float32 vs float64) checks both the code and the document.
 
   python3 train/reference.py CKPT [--data FILE] [--seq-len L] [--windows N]
+  python3 train/reference.py STEP0_CKPT --check-init    # section 6, on a `--steps 0` checkpoint
 
 Needs numpy and h5py.
 """
@@ -49,6 +50,53 @@ def load_checkpoint(path):
         full = tensors.setdefault(name, np.zeros(specs[name]["shape"]))
         full[tuple(slice(o, o + n) for o, n in zip(off, shape))] = buf.reshape(shape)
     return m["metadata"]["model"], tensors
+
+
+M64 = (1 << 64) - 1
+
+
+def mix64(z):
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def fnv1a64(s):
+    h = 0xCBF29CE484222325
+    for c in s.encode():
+        h = ((h ^ c) * 0x100000001B3) & M64
+    return h
+
+
+def init_tensor(name, n, seed, init_std, n_layers):
+    """MODEL.md section 6, element by element (slow but literal)."""
+    if name.endswith("norm.weight"):
+        return np.ones(n)
+    if name.endswith("expert_bias"):
+        return np.zeros(n)
+    std = init_std / math.sqrt(2.0 * n_layers) if name.endswith(("attn.out.weight", "fc2.weight")) else init_std
+    state = mix64(seed ^ fnv1a64(name))
+    out = np.empty(n)
+    for i in range(n):
+        u = []
+        for _ in range(2):
+            state = (state + 0x9E3779B97F4A7C15) & M64
+            u.append((mix64(state) >> 11) * 2.0**-53)
+        out[i] = math.sqrt(-2.0 * math.log(1.0 - u[0])) * math.cos(2.0 * math.pi * u[1]) * std
+    return np.float32(out).astype(np.float64)
+
+
+def check_init(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        meta = json.load(f)["metadata"]
+    c, p = load_checkpoint(path)
+    worst = 0.0
+    for name, value in p.items():
+        if "/" in name or name == "optimizer.step":
+            continue
+        want = init_tensor(name, value.size, meta["train"]["seed"], meta["train"]["init_std"], c["n_layers"])
+        worst = max(worst, float(np.max(np.abs(want - value.reshape(-1)))))
+    print(json.dumps({"init_max_abs_diff": worst}))
 
 
 def rmsnorm(x, g, eps):
@@ -188,7 +236,10 @@ def main():
     ap.add_argument("--data", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--seq-len", type=int, default=0)
     ap.add_argument("--windows", type=int, default=0)
+    ap.add_argument("--check-init", action="store_true")
     a = ap.parse_args()
+    if a.check_init:
+        return check_init(a.checkpoint)
     c, p = load_checkpoint(a.checkpoint)
     data = np.frombuffer(open(a.data, "rb").read(), np.uint8).astype(np.int64)
     seq = a.seq_len or c["max_seq_len"]
