@@ -3,7 +3,7 @@
 // (read), all measured in the same run, and prints a table of GiB/s and ratios.
 //
 //   bench_checkpoint_io [--size-gib=2] [--dir=/tmp] [--ranks=8] [--tensors=16] [--threads=0]
-//                       [--codecs=none,zstd:1,zstd:3]
+//                       [--codecs=none,zstd:1,zstd:3] [--repeat=3]
 //
 //   --size-gib  logical checkpoint size (default 2 GiB; the issue asks for >= 2 GiB)
 //   --dir       where the checkpoints are written (needs ~4x the size free); removed after
@@ -11,6 +11,8 @@
 //   --tensors   number of bf16 tensors the size is divided into
 //   --threads   writer / reader / verify worker threads (0 = all cores)
 //   --codecs    comma-separated codecs to measure
+//   --repeat    runs of every measurement (ours and the baselines); the table shows the
+//               fastest, the least disturbed on a shared machine
 //
 // Data: bf16 values drawn from a normal distribution (sigma 0.02, like initialised weights),
 // quantised to 4096 distinct values, so zstd finds some redundancy in the exponent bytes and
@@ -93,6 +95,7 @@ int main(int argc, char** argv) {
   const std::int64_t ranks = std::stoll(Arg(argc, argv, "ranks", "8"));
   const std::int64_t num_tensors = std::stoll(Arg(argc, argv, "tensors", "16"));
   const int threads = std::stoi(Arg(argc, argv, "threads", "0"));
+  const int repeat = std::max(1, std::stoi(Arg(argc, argv, "repeat", "3")));
   std::vector<std::string> codecs;
   {
     std::string list = Arg(argc, argv, "codecs", "none,zstd:1,zstd:3");
@@ -150,7 +153,13 @@ int main(int argc, char** argv) {
   const bool dropped = DropCaches();
   std::printf("drop_caches: %s\n", dropped ? "works (cold-cache reads)" : "not permitted (reads hit the page cache)");
 
-  std::string none_dir;
+  // Best (shortest) of `repeat` runs of `fn`, which returns the seconds it measured: on a
+  // shared machine the minimum is the least disturbed run, for us and the baselines alike.
+  auto best = [repeat](const auto& fn) {
+    double b = 1e300;
+    for (int i = 0; i < repeat; ++i) b = std::min(b, fn());
+    return b;
+  };
   double cp_rate = 0, cat_rate = 0;
   for (const std::string& codec : codecs) {
     const std::string dir = root + "/ckpt-" + codec;
@@ -158,37 +167,46 @@ int main(int argc, char** argv) {
     o.codec = *rs::ParseCodecSpec(codec);
     o.threads = threads;
     o.producer = "bench_checkpoint_io";
-    auto t = Clock::now();
-    double shards_s = 0;
-    {
+    double best_shards_s = 0, best_total_s = 1e300;
+    bool failed = false;
+    const double write_s = best([&]() -> double {
+      fs::remove_all(dir);
+      std::system("sync");  // start each run without dirty pages of the previous one
+      const auto t = Clock::now();
       auto w = rs::CheckpointWriter::Create(dir, o);
-      if (!w.ok()) return std::fprintf(stderr, "%s\n", w.status().ToString().c_str()), 1;
       const std::int64_t band = rows / ranks;
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        if (!(*w)->AddTensor(specs[i]).ok()) return 1;
-        for (std::int64_t r = 0; r < ranks; ++r) {
+      for (std::size_t i = 0; w.ok() && !failed && i < specs.size(); ++i) {
+        failed = !(*w)->AddTensor(specs[i]).ok();
+        for (std::int64_t r = 0; !failed && r < ranks; ++r) {
           const rs::Piece p{rs::Box{{r * band, 0}, {band, cols}}, std::nullopt};
           const std::span<const std::byte> bytes(data[i].data() + r * band * cols * 2,
                                                  static_cast<std::size_t>(band * cols * 2));
-          if (rs::Status s = (*w)->WriteShard(r, specs[i].name, p, bytes); !s.ok()) {
-            return std::fprintf(stderr, "%s\n", s.ToString().c_str()), 1;
-          }
+          failed = !(*w)->WriteShard(r, specs[i].name, p, bytes).ok();
         }
       }
-      shards_s = Since(t);
-      if (rs::Status s = (*w)->Commit(); !s.ok()) return std::fprintf(stderr, "%s\n", s.ToString().c_str()), 1;
-    }
-    const double write_s = Since(t);
+      const double shards_s = Since(t);
+      failed = failed || !w.ok() || !(*w)->Commit().ok();
+      const double total = Since(t);
+      if (total < best_total_s) {
+        best_total_s = total;
+        best_shards_s = shards_s;
+      }
+      return total;
+    });
+    if (failed) return std::fprintf(stderr, "writing %s failed\n", dir.c_str()), 1;
     const double stored = static_cast<double>(DirBytes(dir));
     char note[128];
     std::snprintf(note, sizeof(note), "ratio %.2fx, %.2f GiB on disk; shards %.2f s + commit (fsync) %.2f s",
-                  logical / stored, stored / kGiB, shards_s, write_s - shards_s);
+                  logical / stored, stored / kGiB, best_shards_s, write_s - best_shards_s);
     if (codec == "none") {
-      none_dir = dir;
       const std::string cp_dir = root + "/cp-copy";
       // `sync FILES` fsyncs just those files, as our commit does (a global sync would also
       // flush whatever else is dirty on the machine).
-      const double cp_s = TimeCommand("cp -r '" + dir + "' '" + cp_dir + "' && sync '" + cp_dir + "'/* '" + cp_dir + "'");
+      const double cp_s = best([&] {
+        fs::remove_all(cp_dir);
+        std::system("sync");
+        return TimeCommand("cp -r '" + dir + "' '" + cp_dir + "' && sync '" + cp_dir + "'/* '" + cp_dir + "'");
+      });
       cp_rate = logical / kGiB / cp_s;
       rows_out.push_back({"write cp -r + fsync (baseline)", cp_s, logical, 0, ""});
       fs::remove_all(cp_dir);
@@ -196,31 +214,40 @@ int main(int argc, char** argv) {
     rows_out.push_back({"write " + codec, write_s, logical, cp_rate, note});
 
     if (codec == "none") {
-      DropCaches();
-      const double cat_s = TimeCommand("cat '" + dir + "'/*.h5 > /dev/null");
+      const double cat_s = best([&] {
+        DropCaches();
+        return TimeCommand("cat '" + dir + "'/*.h5 > /dev/null");
+      });
       cat_rate = logical / kGiB / cat_s;
       rows_out.push_back({"read cat > /dev/null (baseline)", cat_s, logical, 0, ""});
     }
     for (const auto policy : {rs::ChecksumPolicy::kVerify, rs::ChecksumPolicy::kSkip}) {
-      DropCaches();
-      t = Clock::now();
-      auto r = rs::CheckpointReader::Open(dir, {.threads = threads, .checksums = policy});
-      if (!r.ok()) return 1;
-      std::vector<std::byte> buf(static_cast<std::size_t>(tensor_bytes));
-      for (const auto& spec : specs) {
-        rs::Status s = (*r)->ReadPiece(spec.name, rs::Piece{rs::Box::Full(spec.shape), std::nullopt}, buf);
-        if (!s.ok()) return std::fprintf(stderr, "%s\n", s.ToString().c_str()), 1;
-      }
+      const double read_s = best([&]() -> double {
+        DropCaches();
+        const auto t = Clock::now();
+        auto r = rs::CheckpointReader::Open(dir, {.threads = threads, .checksums = policy});
+        std::vector<std::byte> buf(static_cast<std::size_t>(tensor_bytes));
+        for (const auto& spec : specs) {
+          if (!r.ok() || !(*r)->ReadPiece(spec.name, rs::Piece{rs::Box::Full(spec.shape), std::nullopt}, buf).ok()) {
+            failed = true;
+          }
+        }
+        return Since(t);
+      });
+      if (failed) return std::fprintf(stderr, "reading %s failed\n", dir.c_str()), 1;
       rows_out.push_back({std::string("read ") + codec + (policy == rs::ChecksumPolicy::kVerify ? " +checksums" : ""),
-                          Since(t), logical, cat_rate, ""});
+                          read_s, logical, cat_rate, ""});
     }
-    DropCaches();
-    t = Clock::now();
-    rs::VerifyOptions vo;
-    vo.threads = threads;
-    const rs::VerifyReport rep = rs::VerifyCheckpoint(dir, vo);
-    rows_out.push_back({"verify " + codec, Since(t), logical, cat_rate, rep.sound() ? "sound" : "NOT SOUND"});
-    if (!rep.sound()) std::fprintf(stderr, "%s", rep.ToText().c_str());
+    bool sound = true;
+    const double verify_s = best([&] {
+      DropCaches();
+      const auto t = Clock::now();
+      rs::VerifyOptions vo;
+      vo.threads = threads;
+      sound = rs::VerifyCheckpoint(dir, vo).sound() && sound;
+      return Since(t);
+    });
+    rows_out.push_back({"verify " + codec, verify_s, logical, cat_rate, sound ? "sound" : "NOT SOUND"});
     fs::remove_all(dir);
   }
   fs::remove_all(root);
