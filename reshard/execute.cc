@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -92,6 +93,19 @@ class Scheduler {
   Status error_;
 };
 
+// A byte buffer that is not zero-filled on allocation (every byte is written before use).
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t n) : data_(std::make_unique_for_overwrite<std::byte[]>(n)), size_(n) {}
+  std::size_t size() const { return size_; }
+  std::span<std::byte> span() { return {data_.get(), size_}; }
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  std::size_t size_ = 0;
+};
+
 // Copies `n` items from `src` (dtype `from`) to `dst` (dtype `to`).
 void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::int64_t n) {
   if (from == to) {
@@ -104,7 +118,7 @@ void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::
 // Fills items `window` of one target shard's buffer (`out` holds just the window) from its
 // transfers.
 Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointReader& source, ItemRange window,
-                  std::span<std::byte> out, std::vector<std::byte>& staging, std::int64_t& bytes_read) {
+                  std::span<std::byte> out, std::span<std::byte> staging, std::int64_t& bytes_read) {
   const Manifest& m = source.manifest();
   const TensorSpec& dst_spec = plan.tensors[ts.tensor];
   const TensorSpec& src_spec = m.tensors[plan.source_tensor[ts.tensor]];
@@ -140,7 +154,7 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
           w0 = c.src;
           w1 = t.dense ? std::min(t.src_end, w0 + staging_items) : w0 + std::min(c.length, staging_items);
           st = source.ReadShardRange(t.source, w0 * ses,
-                                     std::span<std::byte>(staging).first(static_cast<std::size_t>((w1 - w0) * ses)));
+                                     staging.first(static_cast<std::size_t>((w1 - w0) * ses)));
           bytes_read += (w1 - w0) * ses;
           if (!st.ok()) return;
         }
@@ -158,8 +172,8 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
 
 // Streams one target shard into the writer, window by window.
 Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, CheckpointReader& source,
-              CheckpointWriter& writer, Scheduler& sched, std::vector<std::byte>& buffer,
-              std::vector<std::byte>& staging, std::int64_t& bytes_read) {
+              CheckpointWriter& writer, Scheduler& sched, Buffer& buffer, std::span<std::byte> staging,
+              std::int64_t& bytes_read) {
   const TensorSpec& t = plan.tensors[ts.tensor];
   const auto des = static_cast<std::int64_t>(DTypeSize(t.dtype));
   // Dataset names follow the order of BeginShard, so each file begins its shards in job order.
@@ -169,11 +183,15 @@ Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, Ch
   if (!sink.ok()) return sink.status();
   const std::int64_t n = ts.piece.numel();
   const std::int64_t per = std::max<std::int64_t>(1, plan.options.window_bytes / des);
+  // Every byte of a window is written by the copies (the plan checked that the sources cover
+  // the piece exactly), so the buffer is not cleared first.
+  const auto capacity = static_cast<std::size_t>(std::min(n, per) * des);
+  if (buffer.size() < capacity) buffer = Buffer(capacity);
   for (std::int64_t w = 0; w < n; w += per) {
     const ItemRange window{w, std::min(n, w + per)};
-    buffer.resize(static_cast<std::size_t>(window.size() * des));
-    RS_RETURN_IF_ERROR(FillWindow(plan, ts, source, window, buffer, staging, bytes_read));
-    RS_RETURN_IF_ERROR((*sink)->Append(buffer));
+    const std::span<std::byte> out = buffer.span().first(static_cast<std::size_t>(window.size() * des));
+    RS_RETURN_IF_ERROR(FillWindow(plan, ts, source, window, out, staging, bytes_read));
+    RS_RETURN_IF_ERROR((*sink)->Append(out));
     if (sched.stopped()) return Status::Ok();
   }
   return (*sink)->Finish();
@@ -208,22 +226,20 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& sour
   std::atomic<std::int64_t> read_bytes{0};
   std::mutex progress_mu;
   auto worker = [&] {
-    std::vector<std::byte> buffer;
-    std::vector<std::byte> staging;
+    Buffer buffer;
+    Buffer staging;
     for (std::size_t j = next++; j < jobs.size(); j = next++) {
       const Job& job = jobs[j];
       const TargetShard& ts = plan.targets[job.target];
       if (!sched.Acquire(j, job.reserve)) return;
       // Buffers are sized per job and released after it, so what a worker keeps between jobs
       // never exceeds what the budget granted.
-      staging.resize(job.staging ? static_cast<std::size_t>(plan.options.staging_bytes) : 0);
+      if (job.staging) staging = Buffer(static_cast<std::size_t>(plan.options.staging_bytes));
       std::int64_t nread = 0;
-      const Status st = RunJob(plan, ts, job, source, writer, sched, buffer, staging, nread);
+      const Status st = RunJob(plan, ts, job, source, writer, sched, buffer, staging.span(), nread);
       read_bytes += nread;
-      buffer.clear();
-      buffer.shrink_to_fit();
-      staging.clear();
-      staging.shrink_to_fit();
+      buffer = Buffer();
+      staging = Buffer();
       sched.Release(job.reserve);
       if (!st.ok()) {
         sched.Fail(st);

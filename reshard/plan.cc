@@ -57,29 +57,56 @@ std::int64_t CopyBlockItems(const Box& box, const Box& source_box, const Box& ta
 
 void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
                  ItemRange dst_window, const std::function<void(const Copy&)>& f) {
-  const std::int64_t c0 = BoxItemsBefore(global, t.box, t.window.begin);
-  const std::int64_t c1 = BoxItemsBefore(global, t.box, t.window.end);
-  const std::int64_t block = CopyBlockItems(t.box, source.box, target.box);
+  const Box& box = t.box;
+  const std::size_t rank = box.rank();
+  const std::int64_t c0 = BoxItemsBefore(global, box, t.window.begin);
+  const std::int64_t c1 = BoxItemsBefore(global, box, t.window.end);
+  if (c0 >= c1) return;
   const std::int64_t src_first = source.range ? source.range->begin : 0;
   const std::int64_t dst_first = target.range ? target.range->begin : 0;
-  auto src_of = [&](std::int64_t g) { return BoxItemsBefore(global, source.box, g) - src_first; };
-  auto dst_of = [&](std::int64_t g) { return BoxItemsBefore(global, target.box, g) - dst_first; };
   // Target offsets grow with the position in the common box: find the first position that
   // lands at or after the window's start.
-  std::int64_t lo = c0;
-  std::int64_t hi = c1;
+  std::int64_t pos = c0;
   if (dst_window.begin > t.dst_begin) {
-    while (lo < hi) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      if (dst_of(BoxLocalToGlobal(global, t.box, mid)) < dst_window.begin) lo = mid + 1;
+    std::int64_t hi = c1;
+    while (pos < hi) {
+      const std::int64_t mid = pos + (hi - pos) / 2;
+      const std::int64_t g = BoxLocalToGlobal(global, box, mid);
+      if (BoxItemsBefore(global, target.box, g) - dst_first < dst_window.begin) pos = mid + 1;
       else hi = mid;
     }
   }
+  // Blocks are the sub-boxes over dims [k, rank) (see CopyBlockItems), contiguous in both
+  // buffers; an odometer over dims [0, k) walks them with strides, no division per block.
+  std::size_t k = rank;
+  std::int64_t block = 1;
+  while (k > 0) {
+    --k;
+    block *= box.shape[k];
+    if (box.shape[k] != source.box.shape[k] || box.shape[k] != target.box.shape[k]) break;
+  }
+  const std::vector<std::int64_t> sst = RowMajorStrides(source.box.shape);
+  const std::vector<std::int64_t> tst = RowMajorStrides(target.box.shape);
+  std::vector<std::int64_t> idx(rank, 0);  // coordinates inside `box` of the current block
+  {
+    std::int64_t rest = pos / block;
+    for (std::size_t d = k; d-- > 0;) {
+      idx[d] = rest % box.shape[d];
+      rest /= box.shape[d];
+    }
+  }
   Copy pending{0, 0, 0};
-  for (std::int64_t pos = lo; pos < c1;) {
-    const std::int64_t end = std::min(c1, (pos / block + 1) * block);
-    const std::int64_t g = BoxLocalToGlobal(global, t.box, pos);
-    Copy c{src_of(g), dst_of(g), end - pos};
+  while (pos < c1) {
+    const std::int64_t block_begin = pos - pos % block;
+    std::int64_t src = -src_first;
+    std::int64_t dst = -dst_first;
+    for (std::size_t d = 0; d < rank; ++d) {
+      const std::int64_t at = box.offset[d] + (d < k ? idx[d] : 0);
+      src += (at - source.box.offset[d]) * sst[d];
+      dst += (at - target.box.offset[d]) * tst[d];
+    }
+    const std::int64_t skip = pos - block_begin;
+    Copy c{src + skip, dst + skip, std::min(c1, block_begin + block) - pos};
     if (c.dst >= dst_window.end) break;
     c.length = std::min(c.length, dst_window.end - c.dst);
     if (pending.length > 0 && pending.src + pending.length == c.src && pending.dst + pending.length == c.dst) {
@@ -88,7 +115,11 @@ void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, 
       if (pending.length > 0) f(pending);
       pending = c;
     }
-    pos = end;
+    pos = block_begin + block;
+    for (std::size_t d = k; d-- > 0;) {
+      if (++idx[d] < box.shape[d]) break;
+      idx[d] = 0;
+    }
   }
   if (pending.length > 0) f(pending);
 }
