@@ -12,7 +12,7 @@
 // "alloc" rows call the operations as the MoE layer does (each allocates its output and its
 // temporaries): time and PEAK HEAP BYTES above the inputs, counted by replacing operator new.
 // "kernel" rows run the same passes into preallocated buffers, isolating the copies from page
-// faults. Time is the median of `reps` runs; GB/s counts the bytes the fused pass must move
+// faults. Time is the best of `reps` runs (shared machine); GB/s counts the bytes the fused pass must move
 // (read + write of each row once).
 #include <atomic>
 #include <cstdio>
@@ -71,7 +71,7 @@ struct Measured {
 template <typename F>
 Measured Measure(int reps, F&& f) {
   Measured m;
-  m.seconds = rs::bench::MedianSeconds(reps, [&] {
+  m.seconds = rs::bench::BestSeconds(reps, [&] {
     const std::int64_t base = g_live.load();
     g_peak.store(base);
     f();
@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   auto arg = [&](int i, std::int64_t def) { return argc > i ? std::atoll(argv[i]) : def; };
   const std::int64_t t = arg(1, 4096), d = arg(2, 2048), e = arg(3, 64), k = arg(4, 8);
   const int reps = static_cast<int>(arg(5, 5));
-  std::printf("MoE dispatch, CPU, f32: T=%lld d=%lld E=%lld k=%lld, median of %d runs, 1 thread\n",
+  std::printf("MoE dispatch, CPU, f32: T=%lld d=%lld E=%lld k=%lld, best of %d runs, 1 thread\n",
               static_cast<long long>(t), static_cast<long long>(d), static_cast<long long>(e),
               static_cast<long long>(k), reps);
 

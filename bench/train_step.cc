@@ -3,7 +3,7 @@
 //
 //   bench_train_step [preset|FILE.json] [batch] [seq] [steps]   defaults: small-moe 8 256 3
 //
-// Reports the parameter count (total and active per token), median step time, tokens/s and
+// Reports the parameter count (total and active per token), best step time, tokens/s and
 // model FLOP/s. Model FLOPs per token = 6 · active matrix parameters (embedding lookup
 // excluded, output projection included) + causal attention 12 · layers · S · nq · dh
 // (QKᵀ and PV at full S×S, as computed, forward 4 and backward 8).
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
               static_cast<long long>(t.seq_len()), tokens);
 
   double first_loss = 0;
-  const double sec = rs::bench::MedianSeconds(steps, [&] {
+  const double sec = rs::bench::BestSeconds(steps, [&] {
     const auto r = t.Step();
     if (first_loss == 0) first_loss = r.losses.ce;
   });

@@ -27,16 +27,33 @@ void ZeroRows(T* dst, std::int64_t rows, std::int64_t d) {
 template <typename T>
 void GatherWeighted(const T* y, std::int64_t d, const std::int32_t* rows, const T* probs, std::int64_t n,
                     std::int64_t k, T* out) {
+  // Columns in blocks that stay in registers: each output element is written once and the k
+  // source rows are streamed side by side (the sum per element is still j = 0, 1, ... in order).
+  constexpr std::int64_t kBlock = 32;
+  std::vector<const T*> src(static_cast<std::size_t>(k));
+  std::vector<T> w(static_cast<std::size_t>(k));
   for (std::int64_t t = 0; t < n; ++t) {
-    T* __restrict o = out + t * d;
     for (std::int64_t j = 0; j < k; ++j) {
-      const T* __restrict src = y + static_cast<std::int64_t>(rows[t * k + j]) * d;
-      const T p = probs != nullptr ? probs[t * k + j] : T(1);
-      if (j == 0) {
-        for (std::int64_t i = 0; i < d; ++i) o[i] = p * src[i];
-      } else {
-        for (std::int64_t i = 0; i < d; ++i) o[i] += p * src[i];
+      src[static_cast<std::size_t>(j)] = y + static_cast<std::int64_t>(rows[t * k + j]) * d;
+      w[static_cast<std::size_t>(j)] = probs != nullptr ? probs[t * k + j] : T(1);
+    }
+    T* __restrict o = out + t * d;
+    std::int64_t i = 0;
+    for (; i + kBlock <= d; i += kBlock) {
+      T acc[kBlock];
+      const T* __restrict s0 = src[0] + i;
+      for (std::int64_t b = 0; b < kBlock; ++b) acc[b] = w[0] * s0[b];
+      for (std::int64_t j = 1; j < k; ++j) {
+        const T* __restrict sj = src[static_cast<std::size_t>(j)] + i;
+        const T wj = w[static_cast<std::size_t>(j)];
+        for (std::int64_t b = 0; b < kBlock; ++b) acc[b] += wj * sj[b];
       }
+      for (std::int64_t b = 0; b < kBlock; ++b) o[i + b] = acc[b];
+    }
+    for (; i < d; ++i) {
+      T acc = w[0] * src[0][i];
+      for (std::int64_t j = 1; j < k; ++j) acc += w[static_cast<std::size_t>(j)] * src[static_cast<std::size_t>(j)][i];
+      o[i] = acc;
     }
   }
 }
