@@ -158,9 +158,12 @@ TEST(CliTest, ExampleVerifyInspectExitCodes) {
 
   r = RunCli("inspect " + ck + " --tensor layers.1.moe.experts.fc1.weight");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  // ep splits the experts (dim 0), tp the logical fused dim (dim 1).
-  EXPECT_NE(r.output.find("[0:2, 0:64, 0:64]"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("[2:4, 64:128, 0:64]"), std::string::npos) << r.output;
+  // ep splits the experts (dim 0); tp rank i holds the i-th half of gate AND of up (fused
+  // SwiGLU: rank-local [W_i; V_i]), stored as two logical pieces.
+  for (const char* box : {"0  main      [0:2, 0:32, 0:64]", "0  main      [0:2, 64:96, 0:64]",
+                          "3  main      [2:4, 32:64, 0:64]", "3  main      [2:4, 96:128, 0:64]"}) {
+    EXPECT_NE(r.output.find(box), std::string::npos) << box << "\n" << r.output;
+  }
 
   r = RunCli("inspect " + ck + " --tensor no.such.tensor");
   EXPECT_EQ(r.exit_code, 1);
