@@ -210,6 +210,7 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
   if (need_verify && whole && loc.codec == Codec::kNone) {
     // Hash each block right after reading it, while it is still in the CPU cache.
     constexpr std::int64_t kBlock = std::int64_t{256} << 10;
+    f->Prefetch(loc.offset, len);
     Xxh3Stream hash;
     for (std::int64_t pos = 0; pos < len; pos += kBlock) {
       const std::span<std::byte> block = out.subspan(static_cast<std::size_t>(pos),

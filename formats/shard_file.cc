@@ -66,7 +66,7 @@ std::size_t Window(const ThreadPool* pool) { return pool == nullptr ? 1 : 2 * po
 // Asks the kernel to start reading [offset, offset + len) now. Workers then find their extents
 // in the page cache instead of each waiting for its own synchronous read; on cold caches
 // this is what lets decompression overlap the disk.
-void Prefetch(int fd, std::int64_t offset, std::int64_t len) {
+void PrefetchFd(int fd, std::int64_t offset, std::int64_t len) {
   if (len > 0) ::posix_fadvise(fd, static_cast<off_t>(offset), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
 }
 
@@ -487,10 +487,13 @@ Status ShardFileReader::ReadAt(std::int64_t offset, std::span<std::byte> out, co
     return DataLoss(what + ": read at offset " + std::to_string(offset) + ", length " + std::to_string(len) +
                     " passes the end of the file (" + std::to_string(file_size_) + " bytes)");
   }
+  // Pieces of at most 256 KiB: on Linux 6.x cold reads measured faster this way than in one
+  // large call (readahead keeps the disk busy while we copy), and warm reads no slower.
+  constexpr std::size_t kReadPiece = std::size_t{256} << 10;
   std::size_t done = 0;
   while (done < out.size()) {
-    const ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset) +
-                                                                        static_cast<off_t>(done));
+    const ssize_t n = ::pread(fd_, out.data() + done, std::min(out.size() - done, kReadPiece),
+                              static_cast<off_t>(offset) + static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return IoError(what + ": " + Errno("pread"));
     if (n == 0) {
@@ -501,6 +504,8 @@ Status ShardFileReader::ReadAt(std::int64_t offset, std::span<std::byte> out, co
   }
   return Status::Ok();
 }
+
+void ShardFileReader::Prefetch(std::int64_t offset, std::int64_t len) const { PrefetchFd(fd_, offset, len); }
 
 Status ShardFileReader::ReadChunk(const ShardLocation& loc, std::size_t index, std::span<std::byte> chunk_out,
                                   const std::string& what) const {
@@ -523,7 +528,7 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
   RS_CHECK_MSG(begin >= 0 && len <= loc.nbytes - begin, "range " << begin << "+" << len << " of " << loc.nbytes);
   if (len == 0) return Status::Ok();
   if (loc.codec == Codec::kNone) {
-    Prefetch(fd_, loc.offset + begin, len);
+    PrefetchFd(fd_, loc.offset + begin, len);
     return ReadAt(loc.offset + begin, out, what);
   }
 
@@ -552,7 +557,7 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
   const std::int64_t last = (end - 1) / c;
   for (std::int64_t i = first; i <= last; ++i) {
     const ShardLocation::Chunk& ch = loc.chunks[static_cast<std::size_t>(i)];
-    Prefetch(fd_, ch.offset, ch.size);
+    PrefetchFd(fd_, ch.offset, ch.size);
   }
   if (pool == nullptr || first == last) {
     for (std::int64_t i = first; i <= last; ++i) one(i);
@@ -573,7 +578,7 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
     for (std::int64_t pos = 0; pos < loc.nbytes; pos += kStreamBlock) {
       if (pos >= advised - kPrefetchBytes / 2) {
         const std::int64_t until = std::min(loc.nbytes, pos + kPrefetchBytes);
-        Prefetch(fd_, loc.offset + advised, until - advised);
+        PrefetchFd(fd_, loc.offset + advised, until - advised);
         advised = until;
       }
       const std::int64_t len = std::min(kStreamBlock, loc.nbytes - pos);
@@ -601,7 +606,7 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
   for (std::size_t i = 0; i < n; ++i) {
     while (submitted < n && submitted < i + window) {
       const std::size_t k = submitted++;
-      Prefetch(fd_, loc.chunks[k].offset, loc.chunks[k].size);
+      PrefetchFd(fd_, loc.chunks[k].offset, loc.chunks[k].size);
       if (pool != nullptr) {
         group.Run([k, &decode] { decode(k); });
       } else {

@@ -133,6 +133,9 @@ class ShardFileReader {
   // the file, IoError if the read fails.
   Status ReadAt(std::int64_t offset, std::span<std::byte> out, const std::string& what) const;
 
+  // Asks the kernel to read [offset, offset + len) ahead (posix_fadvise WILLNEED).
+  void Prefetch(std::int64_t offset, std::int64_t len) const;
+
   // Reads the uncompressed bytes [begin, begin + out.size()) of a located shard. zstd chunks
   // are read and decompressed on `pool` (if non-null).
   Status ReadRange(const ShardLocation& loc, std::int64_t begin, std::span<std::byte> out, ThreadPool* pool,
