@@ -7,6 +7,7 @@
 // model FLOP/s. Model FLOPs per token = 6 · active matrix parameters (embedding lookup
 // excluded, output projection included) + causal attention 12 · layers · S · nq · dh
 // (QKᵀ and PV at full S×S, as computed, forward 4 and backward 8).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -39,8 +40,8 @@ int main(int argc, char** argv) {
   tc.seq_len = argc > 3 ? std::atoll(argv[3]) : std::min<std::int64_t>(256, c.max_seq_len);
   const int steps = argc > 4 ? std::atoi(argv[4]) : 3;
 
-  const double peak = rs::bench::SgemmPeakGflops();
-  std::printf("sgemm peak (2048^3, OpenBLAS default threads): %.1f GFLOP/s\n", peak);
+  const double peak = rs::bench::SgemmPeakGflops(2048, 10);
+  std::printf("sgemm peak (2048^3, OpenBLAS default threads, best of 10): %.1f GFLOP/s\n", peak);
 
   auto corpus = rs::train::LoadCorpus(rs::train::kDefaultCorpus);
   if (!corpus.ok()) {
@@ -76,10 +77,14 @@ int main(int argc, char** argv) {
     const auto r = t.Step();
     if (first_loss == 0) first_loss = r.losses.ce;
   });
+  // The machine is shared: measure the peak again and use the larger value (see moe_layer.cc).
+  const double peak_end = rs::bench::SgemmPeakGflops(2048, 10);
+  std::printf("sgemm peak measured again: %.1f GFLOP/s; using %.1f\n", peak_end, std::max(peak, peak_end));
+  const double best_peak = std::max(peak, peak_end);
   const double gflops = flops_per_token * tokens / sec * 1e-9;
   std::printf(
       "step %.3f s | %.0f tokens/s | %.1f GFLOP/s model FLOPs = %.1f%% of the sgemm peak "
       "(first loss %.3f)\n",
-      sec, tokens / sec, gflops, 100.0 * gflops / peak, first_loss);
+      sec, tokens / sec, gflops, 100.0 * gflops / best_peak, first_loss);
   return 0;
 }
