@@ -32,7 +32,7 @@ struct Job {
 // and the first error.
 class Scheduler {
  public:
-  Scheduler(std::int64_t budget, std::size_t jobs) : budget_(budget), jobs_(jobs) {}
+  explicit Scheduler(std::int64_t budget) : budget_(budget) {}
 
   // Blocks until it is `job`'s turn and its reservation fits; false when stopping.
   bool Acquire(std::size_t job, std::int64_t bytes) {
@@ -84,7 +84,6 @@ class Scheduler {
   std::mutex mu_;
   std::condition_variable cv_;
   std::int64_t budget_;
-  std::size_t jobs_;
   std::int64_t held_ = 0;
   std::int64_t peak_ = 0;
   std::size_t next_grant_ = 0;
@@ -220,7 +219,7 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& sour
     jobs.push_back(job);
   }
 
-  Scheduler sched(plan.options.memory_budget, jobs.size());
+  Scheduler sched(plan.options.memory_budget);
   std::atomic<std::size_t> next{0};
   std::atomic<std::int64_t> done_bytes{0};
   std::atomic<std::int64_t> read_bytes{0};

@@ -184,6 +184,7 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
     }
     plan.tensors.push_back(std::move(t));
     plan.source_tensor.push_back(i);
+    plan.source_dtypes.push_back(source.tensors[i].dtype);
   }
   RS_ASSIGN_OR_RETURN(PhysicalMap map, PhysicalMap::Create(target, plan.tensors));
 
@@ -304,8 +305,11 @@ std::string ReshardPlan::Detail() const {
        << (s.replica == ReplicaKind::kReplica ? " replica" : "") << "\n";
     for (std::size_t i = s.first_transfer; i < s.first_transfer + s.num_transfers; ++i) {
       const Transfer& t = transfers[i];
-      os << "  <- source shard " << t.source << " box " << t.box << " items " << t.window << ": " << t.items
-         << " items in " << t.runs << " copies" << (t.dense ? ", dense read" : "") << "\n";
+      const auto es = static_cast<std::int64_t>(DTypeSize(source_dtypes[s.tensor]));
+      const auto ds = static_cast<std::int64_t>(DTypeSize(tensors[s.tensor].dtype));
+      os << "  <- source shard " << t.source << " bytes [" << t.src_begin * es << ", " << t.src_end * es << ") -> bytes ["
+         << t.dst_begin * ds << ", " << t.dst_end * ds << "): box " << t.box << " within items " << t.window << ", "
+         << t.items << " items in " << t.runs << " copies" << (t.dense ? ", read whole" : "") << "\n";
     }
   }
   return os.str();

@@ -81,6 +81,7 @@ struct ReshardPlan {
   ReshardOptions options;
   std::vector<TensorSpec> tensors;          // target specs: source specs with dtype conversion applied
   std::vector<std::size_t> source_tensor;   // per target tensor: index into the source manifest's tensors
+  std::vector<DType> source_dtypes;         // per target tensor: its dtype in the source
   std::vector<TargetShard> targets;         // by rank, then tensor, then piece
   std::vector<Transfer> transfers;
   std::vector<RankCost> ranks;              // per target rank
