@@ -66,10 +66,11 @@ Result<Setup> Prepare(const ConvertArgs& a) {
 
 // Writes this process's share (all of it when `owner` is empty) through `writer`.
 Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::vector<std::int64_t>& owner,
-                                std::int64_t me, bool show_progress) {
+                                std::int64_t me, bool show_progress, bool verify_source) {
   for (const TensorSpec& t : s.plan.tensors) RS_RETURN_IF_ERROR(writer.AddTensor(t));
   ExecuteOptions eo;
   eo.threads = s.writer.threads;
+  eo.map_sources = !verify_source;
   if (!owner.empty()) eo.owns_rank = [&owner, me](std::int64_t r) { return owner[static_cast<std::size_t>(r)] == me; };
   std::unique_ptr<Progress> progress;
   if (show_progress) {
@@ -105,7 +106,7 @@ void RunConvert(const ConvertArgs& a) {
     if (!setup.ok()) Fail("convert", setup.status());
     auto writer = CheckpointWriter::Create(a.out, setup->writer);
     if (!writer.ok()) Fail("convert", writer.status());
-    auto stats = WriteShare(*setup, **writer, {}, 0, /*show_progress=*/true);
+    auto stats = WriteShare(*setup, **writer, {}, 0, /*show_progress=*/true, a.verify_source);
     if (!stats.ok()) Fail("convert", stats.status());
     if (Status st = (*writer)->Commit(); !st.ok()) Fail("convert", st);
     Report(a, *setup, *stats, elapsed(), 1);
@@ -124,7 +125,8 @@ void RunConvert(const ConvertArgs& a) {
     if (!writer.ok()) {
       stats = writer.status();
     } else {
-      stats = WriteShare(*setup, **writer, owner, world.rank(), /*show_progress=*/world.rank() == 0);
+      stats = WriteShare(*setup, **writer, owner, world.rank(), /*show_progress=*/world.rank() == 0,
+                         a.verify_source);
       if (stats.ok()) {
         if (Status st = (*writer)->CommitFragment(); !st.ok()) stats = st;
       }

@@ -1,6 +1,11 @@
 #include "reshard/execute.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -9,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -114,10 +120,81 @@ void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::
   }
 }
 
+// Read-only memory maps of uncompressed source extents. Gathering many small copies out of a
+// mapped block saves the copy into a staging buffer that pread would need; blocks are mapped
+// with MAP_POPULATE (one fault pass) and unmapped as soon as the copies are taken, so mapped
+// pages never exceed one staging block per job. Used only when source checksums are not being
+// verified (the reader verifies what it reads itself).
+class SourceMaps {
+ public:
+  explicit SourceMaps(CheckpointReader& reader) : reader_(reader) {}
+  ~SourceMaps() {
+    for (const auto& [file, fd] : fds_) ::close(fd);
+  }
+
+  class Mapping {
+   public:
+    Mapping() = default;
+    Mapping(void* base, std::size_t len, const std::byte* data) : base_(base), len_(len), data_(data) {}
+    Mapping(Mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), len_(o.len_), data_(o.data_) {}
+    Mapping& operator=(Mapping&& o) noexcept {
+      if (this != &o) {
+        Reset();
+        base_ = std::exchange(o.base_, nullptr);
+        len_ = o.len_;
+        data_ = o.data_;
+      }
+      return *this;
+    }
+    ~Mapping() { Reset(); }
+    const std::byte* data() const { return data_; }
+
+   private:
+    void Reset() {
+      if (base_ != nullptr) ::munmap(base_, len_);
+      base_ = nullptr;
+    }
+    void* base_ = nullptr;
+    std::size_t len_ = 0;
+    const std::byte* data_ = nullptr;
+  };
+
+  // Bytes [begin, begin + len) of shard `index`'s buffer (codec none only).
+  Result<Mapping> Map(std::size_t index, std::int64_t begin, std::int64_t len) {
+    const ShardEntry& e = reader_.manifest().shards[index];
+    RS_CHECK(e.codec == Codec::kNone && begin >= 0 && len > 0 && begin + len <= e.nbytes);
+    RS_ASSIGN_OR_RETURN(const ShardLocation loc, reader_.LocateShard(index));  // extents checked against the file
+    RS_ASSIGN_OR_RETURN(const int fd, Fd(e.file));
+    static const std::int64_t page = ::sysconf(_SC_PAGESIZE);
+    const std::int64_t at = loc.offset + begin;
+    const std::int64_t aligned = at - at % page;
+    const auto span = static_cast<std::size_t>(at - aligned + len);
+    void* base = ::mmap(nullptr, span, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(aligned));
+    if (base == MAP_FAILED) return IoError(reader_.DescribeShard(index) + ": mmap failed: " + std::strerror(errno));
+    return Mapping(base, span, static_cast<const std::byte*>(base) + (at - aligned));
+  }
+
+ private:
+  Result<int> Fd(const std::string& file) {
+    std::lock_guard lock(mu_);
+    const auto it = fds_.find(file);
+    if (it != fds_.end()) return it->second;
+    const std::string path = reader_.dir() + "/" + file;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return IoError(path + ": open: " + std::strerror(errno));
+    fds_.emplace(file, fd);
+    return fd;
+  }
+
+  CheckpointReader& reader_;
+  std::mutex mu_;
+  std::map<std::string, int> fds_;
+};
+
 // Fills items `window` of one target shard's buffer (`out` holds just the window) from its
 // transfers.
-Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointReader& source, ItemRange window,
-                  std::span<std::byte> out, std::span<std::byte> staging, std::int64_t& bytes_read) {
+Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointReader& source, SourceMaps* maps,
+                  ItemRange window, std::span<std::byte> out, std::span<std::byte> staging, std::int64_t& bytes_read) {
   const Manifest& m = source.manifest();
   const TensorSpec& dst_spec = plan.tensors[ts.tensor];
   const TensorSpec& src_spec = m.tensors[plan.source_tensor[ts.tensor]];
@@ -126,6 +203,7 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
   const auto ses = static_cast<std::int64_t>(DTypeSize(from));
   const auto des = static_cast<std::int64_t>(DTypeSize(to));
   const std::int64_t staging_items = static_cast<std::int64_t>(staging.size()) / ses;
+  std::vector<Copy> copies;
   auto dst_span = [&](std::int64_t dst, std::int64_t n) {
     return out.subspan(static_cast<std::size_t>((dst - window.begin) * des), static_cast<std::size_t>(n * des));
   };
@@ -135,10 +213,13 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
     const ShardEntry& se = m.shards[t.source];
     std::int64_t w0 = 0;
     std::int64_t w1 = 0;  // source items [w0, w1) currently in the staging block
+    const std::byte* block = staging.data();  // where those items are: staging, or a mapping
+    SourceMaps::Mapping mapping;
+    const bool mapped = maps != nullptr && se.codec == Codec::kNone;
     Status st;
-    ForEachCopy(dst_spec.shape, se.piece, ts.piece, t, window, [&](const Copy& copy) {
-      if (!st.ok()) return;
-      Copy c = copy;
+    copies.clear();
+    AppendCopies(dst_spec.shape, se.piece, ts.piece, t, window, copies);
+    for (Copy c : copies) {
       while (c.length > 0) {
         const bool staged = c.src >= w0 && c.src < w1;
         // Contiguous bytes that need no conversion go straight into the target buffer unless
@@ -146,33 +227,42 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
         if (!staged && from == to && (!t.dense || staging_items == 0 || c.length * 2 >= staging_items)) {
           st = source.ReadShardRange(t.source, c.src * ses, dst_span(c.dst, c.length));
           bytes_read += c.length * ses;
-          return;
+          break;
         }
         if (!staged) {
           RS_CHECK(staging_items > 0);
           w0 = c.src;
           w1 = t.dense ? std::min(t.src_end, w0 + staging_items) : w0 + std::min(c.length, staging_items);
-          st = source.ReadShardRange(t.source, w0 * ses,
-                                     staging.first(static_cast<std::size_t>((w1 - w0) * ses)));
           bytes_read += (w1 - w0) * ses;
-          if (!st.ok()) return;
+          if (mapped) {
+            auto mapped_block = maps->Map(t.source, w0 * ses, (w1 - w0) * ses);
+            if (!mapped_block.ok()) {
+              st = mapped_block.status();
+              break;
+            }
+            mapping = std::move(mapped_block).value();
+            block = mapping.data();
+          } else {
+            st = source.ReadShardRange(t.source, w0 * ses, staging.first(static_cast<std::size_t>((w1 - w0) * ses)));
+            if (!st.ok()) break;
+          }
         }
         const std::int64_t n = std::min(c.length, w1 - c.src);
-        CopyItems(from, staging.data() + (c.src - w0) * ses, to, dst_span(c.dst, n).data(), n);
+        CopyItems(from, block + (c.src - w0) * ses, to, dst_span(c.dst, n).data(), n);
         c.src += n;
         c.dst += n;
         c.length -= n;
       }
-    });
-    RS_RETURN_IF_ERROR(st);
+      RS_RETURN_IF_ERROR(st);
+    }
   }
   return Status::Ok();
 }
 
 // Streams one target shard into the writer, window by window.
 Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, CheckpointReader& source,
-              CheckpointWriter& writer, Scheduler& sched, Buffer& buffer, std::span<std::byte> staging,
-              std::int64_t& bytes_read) {
+              SourceMaps* maps, CheckpointWriter& writer, Scheduler& sched, Buffer& buffer,
+              std::span<std::byte> staging, std::int64_t& bytes_read) {
   const TensorSpec& t = plan.tensors[ts.tensor];
   const auto des = static_cast<std::int64_t>(DTypeSize(t.dtype));
   // Dataset names follow the order of BeginShard, so each file begins its shards in job order.
@@ -189,7 +279,7 @@ Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, Ch
   for (std::int64_t w = 0; w < n; w += per) {
     const ItemRange window{w, std::min(n, w + per)};
     const std::span<std::byte> out = buffer.span().first(static_cast<std::size_t>(window.size() * des));
-    RS_RETURN_IF_ERROR(FillWindow(plan, ts, source, window, out, staging, bytes_read));
+    RS_RETURN_IF_ERROR(FillWindow(plan, ts, source, maps, window, out, staging, bytes_read));
     RS_RETURN_IF_ERROR((*sink)->Append(out));
     if (sched.stopped()) return Status::Ok();
   }
@@ -220,6 +310,7 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& sour
   }
 
   Scheduler sched(plan.options.memory_budget);
+  std::unique_ptr<SourceMaps> maps = options.map_sources ? std::make_unique<SourceMaps>(source) : nullptr;
   std::atomic<std::size_t> next{0};
   std::atomic<std::int64_t> done_bytes{0};
   std::atomic<std::int64_t> read_bytes{0};
@@ -235,7 +326,7 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& sour
       // never exceeds what the budget granted.
       if (job.staging) staging = Buffer(static_cast<std::size_t>(plan.options.staging_bytes));
       std::int64_t nread = 0;
-      const Status st = RunJob(plan, ts, job, source, writer, sched, buffer, staging.span(), nread);
+      const Status st = RunJob(plan, ts, job, source, maps.get(), writer, sched, buffer, staging.span(), nread);
       read_bytes += nread;
       buffer = Buffer();
       staging = Buffer();
@@ -319,6 +410,7 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
   ExecuteOptions eo;
   eo.threads = options.threads;
   eo.progress = options.progress;
+  eo.map_sources = !options.verify_source;
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, *reader, *writer, eo));
   writer->SetLayout(target.layout.ToJson());
   writer->SetMetadata(ConvertedMetadata(reader->manifest(), plan));

@@ -32,6 +32,9 @@ struct ExecuteOptions {
   std::function<bool(std::int64_t rank)> owns_rank;
   // Called after each job with (bytes written so far, bytes this process writes in all).
   std::function<void(std::int64_t, std::int64_t)> progress;
+  // Gather strided reads of uncompressed sources from read-only memory maps instead of a
+  // staging copy. Only when the reader does not verify checksums (it verifies what it reads).
+  bool map_sources = false;
 };
 
 struct ExecuteStats {

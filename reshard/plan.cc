@@ -57,6 +57,13 @@ std::int64_t CopyBlockItems(const Box& box, const Box& source_box, const Box& ta
 
 void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
                  ItemRange dst_window, const std::function<void(const Copy&)>& f) {
+  std::vector<Copy> copies;
+  AppendCopies(global, source, target, t, dst_window, copies);
+  for (const Copy& c : copies) f(c);
+}
+
+void AppendCopies(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
+                  ItemRange dst_window, std::vector<Copy>& out) {
   const Box& box = t.box;
   const std::size_t rank = box.rank();
   const std::int64_t c0 = BoxItemsBefore(global, box, t.window.begin);
@@ -112,7 +119,7 @@ void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, 
     if (pending.length > 0 && pending.src + pending.length == c.src && pending.dst + pending.length == c.dst) {
       pending.length += c.length;
     } else {
-      if (pending.length > 0) f(pending);
+      if (pending.length > 0) out.push_back(pending);
       pending = c;
     }
     pos = block_begin + block;
@@ -121,7 +128,7 @@ void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, 
       idx[d] = 0;
     }
   }
-  if (pending.length > 0) f(pending);
+  if (pending.length > 0) out.push_back(pending);
 }
 
 RankCost ReshardPlan::Total() const {

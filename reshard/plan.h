@@ -117,6 +117,9 @@ struct Copy {
 // O(rank · log n) to find the first, then O(rank) per copy.
 void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
                  ItemRange dst_window, const std::function<void(const Copy&)>& f);
+// The same copies appended to `out` (no call per copy, for the executor's inner loop).
+void AppendCopies(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
+                  ItemRange dst_window, std::vector<Copy>& out);
 
 // The length of the copies of a transfer: the items of `box` that are contiguous in both
 // pieces' buffers (the trailing dims both pieces cover fully, times the next dim).

@@ -101,18 +101,21 @@ TEST(InterruptTest, KilledConversionsLeaveNoCheckpointAndReRunsSucceed) {
     ASSERT_GE(pid, 0);
     if (pid == 0) {
       const std::string out = dst;
-      execl(RS_CLI, RS_CLI, "convert", src.c_str(), "--to", "tp=1,ep=4,fsdp=2", "--threads", "2",
+      execl(RS_CLI, RS_CLI, "convert", src.c_str(), "--to", "tp=1,ep=4,fsdp=2", "--threads", "2", "--codec", "zstd:3",
             "-o", out.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(5, 250)(rng)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(5, 300)(rng)));
     kill(pid, SIGKILL);
     int status = 0;
     waitpid(pid, &status, 0);
     if (WIFSIGNALED(status)) {
-      ++killed_midway;
-      EXPECT_FALSE(LooksLikeCheckpoint(dst)) << "attempt " << attempt;
-      EXPECT_NE(RunCli("verify " + dst).exit_code, 0);
+      // Killed before the commit's rename: nothing at dst. Killed after it (while exiting):
+      // a complete checkpoint, which verify below must find sound.
+      if (!LooksLikeCheckpoint(dst)) {
+        ++killed_midway;
+        EXPECT_NE(RunCli("verify " + dst).exit_code, 0);
+      }
     } else {
       // Finished before the kill: then it must be complete and sound.
       EXPECT_EQ(WEXITSTATUS(status), 0);
