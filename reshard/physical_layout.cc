@@ -289,7 +289,8 @@ std::optional<Placement> PhysicalMap::Place(std::size_t tensor, std::int64_t ran
   const auto it = group.param_of_tensor.find(param_index_[tensor]);
   RS_CHECK(it != group.param_of_tensor.end());
   const auto& slices = group.slices[it->second];
-  const std::int64_t f = layout_.layout.mesh().RankToCoords(rank)[*layout_.layout.mesh().AxisIndex(kFsdpAxis)];
+  const auto fsdp_axis = layout_.layout.mesh().AxisIndex(kFsdpAxis);
+  const std::int64_t f = fsdp_axis ? layout_.layout.mesh().RankToCoords(rank)[*fsdp_axis] : 0;
   const auto hit = std::lower_bound(slices.begin(), slices.end(), f,
                                     [](const std::pair<std::int64_t, ItemRange>& s, std::int64_t r) { return s.first < r; });
   if (hit == slices.end() || hit->first != f) return std::nullopt;  // this fsdp rank holds none of it
