@@ -1,6 +1,5 @@
-// Physical <-> logical mapping for box-sharded layouts: which piece of which logical tensor
-// each rank holds under a layout (DESIGN §2). `example`, `convert` and the trainer's save and
-// load all place shards through this one function.
+// A stored piece as a layout places it: which rank holds which piece of which logical tensor,
+// and whether it is the main copy. PhysicalMap::PlacePieces (physical_layout.h) produces them.
 #pragma once
 
 #include <cstdint>
@@ -23,11 +22,5 @@ struct PlacedShard {
 };
 
 enum class Replicas : std::uint8_t { kMainOnly, kAll };
-
-// Every (tensor, rank) piece under `layout`, ordered by rank, then tensor. Ranks that hold
-// nothing of a tensor (another pipeline stage, an empty part of an uneven split) are skipped.
-// With Replicas::kMainOnly only main replicas are listed (what a deduplicating save writes).
-std::vector<PlacedShard> PlaceShards(const Layout& layout, const std::vector<TensorSpec>& tensors,
-                                     std::int64_t num_layers, Replicas replicas);
 
 }  // namespace rs
