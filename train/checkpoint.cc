@@ -120,6 +120,7 @@ Result<ModelConfig> CheckpointModelConfig(const std::string& dir) {
 }
 
 Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config) {
+  RS_RETURN_IF_ERROR(CheckTrainable(config));
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
   auto model = std::make_unique<Transformer<float>>(config, DispatchOptions{});
   for (std::size_t i = 0; i < model->specs().size(); ++i) {

@@ -37,6 +37,14 @@ struct Transformer<T>::Layer {
   Buffer<T> h_in, xn1, rstd1, h_mid, xn2, rstd2;
 };
 
+Status CheckTrainable(const ModelConfig& config) {
+  if (config.full_attn_interval > 0) {
+    return Unimplemented("model '" + config.name + "': field 'full_attn_interval' asks for gated-delta-net layers, " +
+                         "which the training core does not implement (reshard example/convert handle them)");
+  }
+  return Status::Ok();
+}
+
 template <typename T>
 Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& dispatch)
     : c_(config), dispatch_(dispatch), specs_(ModelParameters(config)) {

@@ -30,10 +30,15 @@ struct Losses {
   std::vector<std::vector<std::int64_t>> loads;  // per layer: assignments per expert (empty if dense)
 };
 
+// Unimplemented when the config uses a layer type the training core does not implement yet
+// (gated-delta-net layers: the resharder and `example` handle them, the trainer does not).
+// Call before constructing a Transformer from untrusted input.
+Status CheckTrainable(const ModelConfig& config);
+
 template <typename T>
 class Transformer {
  public:
-  // RS_CHECKs that the config validates.
+  // RS_CHECKs that the config validates and CheckTrainable.
   Transformer(const ModelConfig& config, const DispatchOptions& dispatch);
   ~Transformer();
   Transformer(const Transformer&) = delete;

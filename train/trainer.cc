@@ -70,6 +70,7 @@ Result<TrainConfig> TrainConfigFromJson(const nlohmann::json& j) {
 
 Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus) {
   RS_RETURN_IF_ERROR(model.Validate());
+  RS_RETURN_IF_ERROR(CheckTrainable(model));
   RS_RETURN_IF_ERROR(ValidateTrainConfig(train, model));
   RS_RETURN_IF_ERROR(CheckCorpusFits(corpus, train.seq_len > 0 ? train.seq_len : model.max_seq_len));
   return std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus)));
