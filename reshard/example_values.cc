@@ -6,26 +6,11 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "core/hash.h"
 #include "reshard/example.h"
 
 namespace rs {
 namespace {
-
-std::uint64_t Fnv1a(std::string_view s) {
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : s) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
-
-std::uint64_t SplitMix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // Uniform in [-1, 1) with 24 random bits: exact in float32.
 double Uniform(std::uint64_t key, std::int64_t flat) {
@@ -38,7 +23,7 @@ bool IsNormWeight(const std::string& param) { return param.find("norm.weight") !
 // The master value of a parameter: norms near one, matrices scaled by 1/sqrt(fan_in).
 double MasterValue(const TensorSpec& t, std::uint64_t seed, std::int64_t flat) {
   const std::string& param = t.role == TensorRole::kOptimizerState ? t.param : t.name;
-  const double u = Uniform(SplitMix64(seed) ^ Fnv1a(param), flat);
+  const double u = Uniform(SplitMix64(seed) ^ Fnv1a64(param), flat);
   if (IsNormWeight(param)) return 1.0 + 0.125 * u;
   const std::int64_t fan_in = t.shape.empty() ? 1 : t.shape.back();
   return u / std::sqrt(static_cast<double>(fan_in));
@@ -51,12 +36,12 @@ double ExampleValue(const TensorSpec& t, std::uint64_t seed, std::int64_t flat) 
     case TensorRole::kParameter:
       return MasterValue(t, seed, flat);
     case TensorRole::kBuffer:
-      return 0.01 * Uniform(SplitMix64(seed) ^ Fnv1a(t.name), flat);
+      return 0.01 * Uniform(SplitMix64(seed) ^ Fnv1a64(t.name), flat);
     case TensorRole::kScalar:
       return 1000.0 + static_cast<double>(seed % 1000);  // a step counter
     case TensorRole::kOptimizerState: {
       if (t.state == "master") return MasterValue(t, seed, flat);
-      const double u = Uniform(SplitMix64(seed + 1) ^ Fnv1a(t.name), flat);
+      const double u = Uniform(SplitMix64(seed + 1) ^ Fnv1a64(t.name), flat);
       if (t.state == "exp_avg_sq") return 1e-6 * (u + 1.0);  // second moments are >= 0
       return 1e-3 * u;
     }

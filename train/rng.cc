@@ -7,21 +7,6 @@
 
 namespace rs::train {
 
-std::uint64_t Mix64(std::uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-std::uint64_t Fnv1a64(std::string_view s) {
-  std::uint64_t h = 0xCBF29CE484222325ULL;
-  for (const char c : s) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001B3ULL;
-  }
-  return h;
-}
-
 std::uint64_t Rng::Next() {
   state_ += 0x9E3779B97F4A7C15ULL;
   return Mix64(state_);

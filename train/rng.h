@@ -6,13 +6,14 @@
 #include <cstdint>
 #include <string_view>
 
+#include "core/hash.h"
+
 namespace rs::train {
 
-// The SplitMix64 output function (Steele, Lea, Flood 2014).
-std::uint64_t Mix64(std::uint64_t x);
-
-// FNV-1a 64 of `s`; used to give every parameter its own stream independent of order.
-std::uint64_t Fnv1a64(std::string_view s);
+// Mix64 (the SplitMix64 output function) and FNV-1a 64, which gives every parameter its own
+// stream independent of order, are in core/hash.h.
+using ::rs::Fnv1a64;
+using ::rs::Mix64;
 
 class Rng {
  public:
