@@ -63,9 +63,7 @@ Result<std::vector<FsdpParam>> LoadParams(const BucketsArgs& a) {
     return InvalidArgument("--model '" + a.model +
                            "' is neither a preset (deepseek-v3, qwen3-30b-a3b, mixtral-8x7b) nor an existing file");
   }
-  RS_ASSIGN_OR_RETURN(auto text, ReadSmallFile(a.model, std::int64_t{64} << 20));
-  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return InvalidArgument(a.model + ": not valid JSON");
+  RS_ASSIGN_OR_RETURN(auto j, ReadJsonFile(a.model));
   auto params = FsdpParamsFromJson(j);
   if (!params.ok()) return params.status().WithContext(a.model);
   return params;

@@ -47,14 +47,14 @@ std::string HumanBytes(std::int64_t bytes) {
   return buf;
 }
 
-namespace {
-
 Result<nlohmann::json> ReadJsonFile(const std::string& path) {
   RS_ASSIGN_OR_RETURN(auto text, ReadSmallFile(path, std::int64_t{64} << 20));
   auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return InvalidArgument(path + ": not valid JSON");
   return j;
 }
+
+namespace {
 
 bool LooksLikeFile(const std::string& arg) {
   return arg.find('/') != std::string::npos || arg.ends_with(".json") || std::filesystem::exists(arg);
@@ -76,11 +76,6 @@ Result<RuleSet> LoadRulesArg(const std::string& arg) {
   auto r = RuleSetFromJson(j);
   if (!r.ok()) return r.status().WithContext(arg);
   return r;
-}
-
-Result<Layout> LoadLayoutArg(const std::string& layout, const std::string& rules) {
-  RS_ASSIGN_OR_RETURN(auto rule_set, LoadRulesArg(rules));
-  return Layout::Parse(layout, rule_set);
 }
 
 Progress::Progress(std::string label, std::int64_t total)

@@ -7,6 +7,8 @@
 #include <string>
 
 #include "cli/commands.h"
+#include <nlohmann/json.hpp>
+
 #include "core/layout.h"
 #include "core/model.h"
 #include "core/status.h"
@@ -25,8 +27,8 @@ std::string HumanBytes(std::int64_t bytes);  // "1.50 GiB"
 Result<ModelConfig> LoadModelArg(const std::string& arg);
 // --rules NAME|FILE: a built-in rule set, or a rule-set JSON file.
 Result<RuleSet> LoadRulesArg(const std::string& arg);
-// --layout SHORT_FORM with --rules.
-Result<Layout> LoadLayoutArg(const std::string& layout, const std::string& rules);
+// A JSON file of at most 64 MiB; InvalidArgument naming the file if it does not parse.
+Result<nlohmann::json> ReadJsonFile(const std::string& path);
 
 // A one-line progress display on stderr, redrawn at most ~10 times a second; silent when
 // stderr is not a terminal.

@@ -180,6 +180,26 @@ TEST(CliTest, ExampleVerifyInspectExitCodes) {
   EXPECT_EQ(RunCli("example --layout tp=x -o " + (tmp / "bad")).exit_code, 2);
   EXPECT_EQ(RunCli("example --layout zz=2 -o " + (tmp / "bad")).exit_code, 2);
   EXPECT_EQ(RunCli("example --model nonesuch -o " + (tmp / "bad")).exit_code, 1);
+
+  // Model and rule files: bad JSON and bad fields are usage errors that name the file.
+  const auto write = [](const std::string& path, const std::string& text) { std::ofstream(path) << text; };
+  write(tmp / "broken.json", "{\"d_model\": ");
+  r = RunCli("example --model " + (tmp / "broken.json") + " -o " + (tmp / "bad"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("broken.json"), std::string::npos) << r.output;
+  write(tmp / "model.json", R"({"preset": "tiny-moe", "n_kv_heads": 3})");
+  r = RunCli("example --model " + (tmp / "model.json") + " -o " + (tmp / "bad"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("n_kv_heads"), std::string::npos) << r.output;
+  write(tmp / "rules.json", R"({"name": "mine", "rules": {"embed": ["fdsp"]}})");
+  r = RunCli("example --rules " + (tmp / "rules.json") + " -o " + (tmp / "bad"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("rules.json"), std::string::npos) << r.output;
+  write(tmp / "rules-ok.json", R"({"name": "mine", "rules": {"embed": ["fsdp"], "mlp": ["tp"]}})");
+  r = RunCli("example --rules " + (tmp / "rules-ok.json") + " --layout tp=2,fsdp=2 -o " + (tmp / "custom"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(RunCli("verify " + (tmp / "custom")).exit_code, 0);
+  EXPECT_FALSE(std::filesystem::exists(tmp / "bad"));
 }
 
 TEST(CliTest, VerifyFailsOnCorruption) {
