@@ -1,4 +1,4 @@
-// Benchmark: fused vs unfused MoE dispatch on the CPU (DESIGN §5).
+// Benchmark: fused vs unfused MoE dispatch on the CPU (docs/DESIGN.md §5).
 //
 //   bench_moe_dispatch [T] [d] [E] [k] [reps]     defaults: 4096 2048 64 8 5
 //

@@ -1,4 +1,4 @@
-// The MPI world of a `reshard` process, when it was launched by mpirun (DESIGN §6: process
+// The MPI world of a `reshard` process, when it was launched by mpirun (docs/DESIGN.md §6: process
 // launch and bootstrap go through MPI; no home-made transport). MPI is initialised only when
 // the launcher's environment is present, so a plain `reshard convert` never touches MPI, and
 // builds without MPI treat every run as a single process.

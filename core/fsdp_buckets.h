@@ -1,4 +1,4 @@
-// FSDP bucket planning (DESIGN §4): parameters are packed into flat buckets, each bucket is cut
+// FSDP bucket planning (docs/DESIGN.md §4): parameters are packed into flat buckets, each bucket is cut
 // into `dp` equal shards (one per data-parallel rank), and the plan says where every parameter
 // sits. The plan is a plain value: it prints itself, converts to JSON, and yields the
 // distributed-optimizer layout (rank r -> flat item ranges of the parameters it holds) that the

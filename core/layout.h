@@ -1,4 +1,4 @@
-// A layout: a mesh plus logical axis rules (DESIGN §2, the MaxText model). A rule maps a
+// A layout: a mesh plus logical axis rules (docs/DESIGN.md §2, the MaxText model). A rule maps a
 // logical axis name (a tensor dim's label) to the mesh axes that shard it, in order. A mesh
 // axis shards at most one dim of a tensor: if an earlier dim already uses it, it is skipped
 // for later dims. Ranks whose coordinates along all axes that do not shard a tensor are 0

@@ -1,5 +1,5 @@
 // Shapes, boxes and flat item ranges of logical tensors, and their decomposition into
-// contiguous runs of the global row-major item index (DESIGN §2). Pure value types, no I/O.
+// contiguous runs of the global row-major item index (docs/DESIGN.md §2). Pure value types, no I/O.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // A logical tensor: a checkpoint entry whose meaning does not depend on the parallel layout
-// (DESIGN §2), with the component table that describes how fused tensors are stored
-// rank-locally (DESIGN §3).
+// (docs/DESIGN.md §2), with the component table that describes how fused tensors are stored
+// rank-locally (docs/DESIGN.md §3).
 #pragma once
 
 #include <cstdint>
@@ -32,7 +32,7 @@ struct Component {
 };
 
 // The fused dim of the tensor is the concatenation of the components, each split evenly over
-// the tensor-parallel ranks; rank i of TP=t stores [c0_i; c1_i; ...] (DESIGN §3).
+// the tensor-parallel ranks; rank i of TP=t stores [c0_i; c1_i; ...] (docs/DESIGN.md §3).
 struct ComponentTable {
   int dim = 0;                 // the fused dim of the logical tensor
   std::int64_t unit_rows = 1;  // rows per unit (head_dim for heads)

@@ -1,4 +1,4 @@
-// Rank-local tensors and their logical meaning (DESIGN §3): one generic mapping,
+// Rank-local tensors and their logical meaning (docs/DESIGN.md §3): one generic mapping,
 // rank-local item -> (component, logical item), that serves every fused parameter.
 //
 // A rank's local tensor (the TP-local tensor a framework holds before any FSDP flattening)

@@ -1,4 +1,4 @@
-// Physical <-> logical mapping under a full layout (DESIGN §2–4): for every rank and logical
+// Physical <-> logical mapping under a full layout (docs/DESIGN.md §2–4): for every rank and logical
 // tensor, the rank-local buffer a training framework holds – the TP-local tensor in fused
 // order with padded vocab, or its flat FSDP slice – and the logical pieces it consists of.
 // `reshard example`, `reshard convert` and the trainer's save and load all go through this.
@@ -7,7 +7,7 @@
 // express:
 //  - fsdp form: "box" shards dims by the rules (MaxText style: `embed` -> fsdp); "flat" ignores
 //    the rules' use of the fsdp axis and gives each fsdp rank the flat item ranges of its
-//    TP-local parameters that the FSDP bucket planner assigns (distributed optimizer, DESIGN
+//    TP-local parameters that the FSDP bucket planner assigns (distributed optimizer, docs/DESIGN.md
 //    §4). Optimizer states take their parameter's ranges; buffers and scalars are replicated
 //    over fsdp.
 //  - vocab padding: vocab-parallel dims (tensors with vocab_size > 0, dim 0) are padded to a

@@ -1,4 +1,4 @@
-// An overlap index over the stored pieces of a checkpoint (DESIGN §2): for a query piece of a
+// An overlap index over the stored pieces of a checkpoint (docs/DESIGN.md §2): for a query piece of a
 // logical tensor, the pieces that share at least one item with it, without comparing every
 // pair. Per tensor and per dim (plus one pseudo-dim: the piece's global flat extent), the
 // pieces' intervals are sorted and covered by a max-end tree; a query counts the overlaps on

@@ -1,4 +1,4 @@
-// Dropless MoE dispatch (DESIGN §5): the (token, slot) assignments sorted expert-major, each
+// Dropless MoE dispatch (docs/DESIGN.md §5): the (token, slot) assignments sorted expert-major, each
 // expert's segment padded to a multiple of an alignment, and the moves between token order and
 // that padded buffer.
 //

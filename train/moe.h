@@ -1,4 +1,4 @@
-// One MoE block (DESIGN §5): router -> dropless dispatch (fused or unfused) -> grouped SwiGLU
+// One MoE block (docs/DESIGN.md §5): router -> dropless dispatch (fused or unfused) -> grouped SwiGLU
 // experts -> weighted combine, plus an optional shared expert applied to every token.
 #pragma once
 

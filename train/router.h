@@ -1,4 +1,4 @@
-// MoE routers of DESIGN §5 / MODEL.md §5: top-k with softmax after selection, softmax before
+// MoE routers of docs/DESIGN.md §5 / MODEL.md §5: top-k with softmax after selection, softmax before
 // selection, sigmoid with aux-loss-free expert bias, group-limited, Sinkhorn. Each produces,
 // per token, k (expert, gate weight) slots plus the load-balancing and z losses, and a
 // backward pass from gate-weight gradients to logit gradients (the losses' gradients

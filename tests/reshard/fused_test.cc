@@ -1,5 +1,5 @@
 // Component-table mapping (reshard/fused.h): examples, random properties against the item by
-// item reference, and the item-coordinate regression (DESIGN §3).
+// item reference, and the item-coordinate regression (docs/DESIGN.md §3).
 #include "reshard/fused.h"
 
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@ namespace {
 
 ComponentTable GateUp(std::int64_t f) { return ComponentTable{0, 1, {{"gate", f}, {"up", f}}}; }
 
-// Gated-delta-net in_proj of nk key heads of dk and nv value heads of dv (DESIGN §3).
+// Gated-delta-net in_proj of nk key heads of dk and nv value heads of dv (docs/DESIGN.md §3).
 ComponentTable InProj(std::int64_t nk, std::int64_t dk, std::int64_t nv, std::int64_t dv) {
   return ComponentTable{
       0, 1, {{"query", nk * dk}, {"key", nk * dk}, {"value", nv * dv}, {"z", nv * dv}, {"beta", nv}, {"alpha", nv}}};
@@ -207,7 +207,7 @@ TEST(LocalTensorMapTest, ShardsOfAFusedDimCoverTheTensorOnce) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The item-coordinate rule (DESIGN §3). A framework holds, on TP rank i, the fused local
+// The item-coordinate rule (docs/DESIGN.md §3). A framework holds, on TP rank i, the fused local
 // tensor [c0_i; c1_i; ...]; FSDP gives each DP rank a flat slice of it; a fused Adam keeps
 // its states as plain buffers of the same slice, with no metadata of their own. Mapping such
 // a buffer to logical items must use the coordinates of the WHOLE TP-local tensor (the

@@ -1,4 +1,4 @@
-// CUDA kernels for the MoE dispatch of DESIGN §5: fused permute + pad (gather each
+// CUDA kernels for the MoE dispatch of docs/DESIGN.md §5: fused permute + pad (gather each
 // destination row of the expert-major padded buffer from its token, zero the padding rows,
 // in one pass) and unpermute + unpad (out[t] = Σ_j p[t,j] · y[row(t,j)]).
 //
