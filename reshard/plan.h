@@ -1,4 +1,4 @@
-// A reshard plan (CONVENTIONS: plan, then execute): for every target shard of a conversion,
+// A reshard plan (plan, then execute): for every target shard of a conversion,
 // which source shards supply which of its items, as a plain value that prints itself and
 // states its cost (bytes read and written per target rank, read amplification, copy
 // operations, peak buffer) before any data file is touched.
