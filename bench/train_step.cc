@@ -15,6 +15,7 @@
 #include <string>
 
 #include "bench/train_bench_util.h"
+#include "core/check.h"
 #include "core/model.h"
 #include "train/data.h"
 #include "train/trainer.h"
@@ -75,7 +76,8 @@ int main(int argc, char** argv) {
   double first_loss = 0;
   const double sec = rs::bench::BestSeconds(steps, [&] {
     const auto r = t.Step();
-    if (first_loss == 0) first_loss = r.losses.ce;
+    RS_CHECK(r.ok());
+    if (first_loss == 0) first_loss = r->losses.ce;
   });
   // The machine is shared: measure the peak again and use the larger value (see moe_layer.cc).
   const double peak_end = rs::bench::SgemmPeakGflops(2048, 10);

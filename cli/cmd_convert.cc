@@ -2,16 +2,15 @@
 // optimizer state – to another parallel layout, streaming with a fixed memory budget. Under
 // mpirun the target rank files are divided among the processes; each writes its own into a
 // shared staging directory and rank 0 publishes the manifest once all are done.
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdio>
 #include <memory>
 
 #include "cli/commands.h"
-#include "cli/mpi_world.h"
 #include "cli/reshard_args.h"
 #include "cli/util.h"
+#include "dist/commit.h"
+#include "dist/mpi.h"
 #include "reshard/execute.h"
 
 namespace rs::cli {
@@ -98,51 +97,25 @@ void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, dou
 }
 
 void RunConvert(const ConvertArgs& a) {
-  MpiWorld& world = MpiWorld::Get();
+  dist::MpiWorld& world = dist::MpiWorld::Get();
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   auto setup = Prepare(a);
-  if (!world.active()) {
-    if (!setup.ok()) Fail("convert", setup.status());
-    auto writer = CheckpointWriter::Create(a.out, setup->writer);
-    if (!writer.ok()) Fail("convert", writer.status());
-    auto stats = WriteShare(*setup, **writer, {}, 0, /*show_progress=*/true, a.verify_source);
-    if (!stats.ok()) Fail("convert", stats.status());
-    if (Status st = (*writer)->Commit(); !st.ok()) Fail("convert", st);
-    Report(a, *setup, *stats, elapsed(), 1);
-    return;
-  }
   // Every process plans the same conversion; all must succeed before any writes.
   if (!world.AllOk(setup.ok())) {
     Fail("convert", setup.ok() ? Internal("another process failed to plan the conversion") : setup.status());
   }
-  const std::string txn = world.Broadcast("mpi-" + std::to_string(::getpid()) + "-" +
-                                          std::to_string(std::chrono::system_clock::now().time_since_epoch().count()));
-  const std::vector<std::int64_t> owner = AssignRanks(setup->plan, world.size());
-  Result<ExecuteStats> stats = ExecuteStats{};
-  {
-    auto writer = CheckpointWriter::CreateStaged(a.out, txn, world.rank(), setup->writer);
-    if (!writer.ok()) {
-      stats = writer.status();
-    } else {
-      stats = WriteShare(*setup, **writer, owner, world.rank(), /*show_progress=*/world.rank() == 0,
-                         a.verify_source);
-      if (stats.ok()) {
-        if (Status st = (*writer)->CommitFragment(); !st.ok()) stats = st;
-      }
-    }
-  }
-  const bool all_ok = world.AllOk(stats.ok());
-  Status published = Status::Ok();
-  if (world.rank() == 0) {
-    published = all_ok ? CheckpointWriter::CommitStaged(a.out, txn, world.size())
-                       : CheckpointWriter::AbortStaged(a.out, txn);
-  }
-  const bool done = world.AllOk(published.ok() && all_ok);
-  if (!stats.ok()) Fail("convert", stats.status());
-  if (!published.ok()) Fail("convert", published);
-  if (!done) Fail("convert", Internal("another process failed; nothing was published"));
-  if (world.rank() == 0) Report(a, *setup, *stats, elapsed(), world.size());
+  const std::vector<std::int64_t> owner = world.active() ? AssignRanks(setup->plan, world.size())
+                                                         : std::vector<std::int64_t>{};
+  ExecuteStats stats;
+  const Status st = dist::WriteCheckpointTogether(world.comm(), a.out, setup->writer, [&](CheckpointWriter& writer) {
+    auto s = WriteShare(*setup, writer, owner, world.rank(), /*show_progress=*/world.rank() == 0, a.verify_source);
+    if (!s.ok()) return s.status();
+    stats = *s;
+    return Status::Ok();
+  });
+  if (!st.ok()) Fail("convert", st);
+  if (world.rank() == 0) Report(a, *setup, stats, elapsed(), world.size());
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
-// `reshard train` and `reshard eval`: the single-process training core (train/) from the
-// command line. train/MODEL.md defines the model, the data and what eval computes.
+// `reshard train` and `reshard eval`: the training core (train/) from the command line, as one
+// process or as `mpirun -np N reshard train --layout L` (one process per rank of L's mesh).
+// train/MODEL.md defines the model, the data and what eval computes. Under mpirun rank 0
+// prints and logs; a failure on any rank ends every rank (MPI_Abort) with a message naming it.
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -11,7 +13,9 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/reshard_args.h"
 #include "cli/util.h"
+#include "dist/mpi.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/eval.h"
@@ -36,6 +40,9 @@ struct TrainArgs {
   train::TrainConfig config;
   std::string dispatch = "fused";
   int threads = 0;
+  std::string layout = "tp=1";
+  std::string rules = "megatron";
+  bool with_replicas = false;
   // Options that define the run; with --resume they come from the checkpoint instead.
   std::vector<CLI::Option*> run_defining;
 };
@@ -63,74 +70,116 @@ Result<std::string> ResolveResume(const std::string& dir) {
   return (fs::path(dir) / best).string();
 }
 
+// The run's layout. Training keeps sharded data-parallel state as the bucket planner's flat
+// slices, so fsdp_form defaults to flat here.
+Result<PhysicalLayout> TrainLayoutArg(const TrainArgs& a) {
+  RS_ASSIGN_OR_RETURN(const RuleSet rules, LoadRulesArg(a.rules));
+  std::string text = a.layout;
+  if (text.find("fsdp_form=") == std::string::npos) text += text.empty() ? "fsdp_form=flat" : ",fsdp_form=flat";
+  auto layout = PhysicalLayout::Parse(text, rules);
+  if (!layout.ok()) return layout.status().WithContext("--layout");
+  return layout;
+}
+
 void RunTrain(TrainArgs& a) {
+  dist::MpiWorld& world = dist::MpiWorld::Get();
+  const bool lead = world.rank() == 0;
+  // Errors every rank sees alike (arguments, files, layout vs. np) end each rank with the same
+  // message and exit code; errors of one rank in the middle of collective work abort the run.
+  auto fail_all = [&](const Status& s) { Fail("train", s); };
+  auto fail_one = [&](const Status& s) {
+    std::fprintf(stderr, "reshard train: rank %lld: %s\n", static_cast<long long>(world.rank()), s.ToString().c_str());
+    world.Abort(1);
+  };
   if (a.threads > 0) train::SetBlasThreads(a.threads);
-  if (a.steps < 0) Fail("train", InvalidArgument("--steps must be >= 0"));
-  if (a.save_every < 0) Fail("train", InvalidArgument("--save-every must be >= 0"));
-  if (a.save_every > 0 && a.save.empty()) Fail("train", InvalidArgument("--save-every needs --save DIR"));
+  if (a.steps < 0) fail_all(InvalidArgument("--steps must be >= 0"));
+  if (a.save_every < 0) fail_all(InvalidArgument("--save-every must be >= 0"));
+  if (a.save_every > 0 && a.save.empty()) fail_all(InvalidArgument("--save-every needs --save DIR"));
   const std::optional<std::string> data = a.data.empty() ? std::nullopt : std::optional<std::string>(a.data);
+  auto layout = TrainLayoutArg(a);
+  if (!layout.ok()) fail_all(layout.status());
+  if (layout->layout.num_ranks() != world.size()) {
+    fail_all(InvalidArgument("--layout " + layout->ToString() + " has " + std::to_string(layout->layout.num_ranks()) +
+                             " ranks but " + std::to_string(world.size()) + " process" +
+                             (world.size() == 1 ? " runs" : "es run") + "; start it with mpirun -np " +
+                             std::to_string(layout->layout.num_ranks())));
+  }
+  const train::TrainParallel parallel{*layout, &world.comm()};
 
   std::unique_ptr<train::Trainer> trainer;
   if (!a.resume.empty()) {
     for (const CLI::Option* o : a.run_defining) {
       if (o->count() > 0) {
-        Fail("train", InvalidArgument(o->get_name() + " cannot be combined with --resume: a resumed run keeps the "
-                                                      "checkpoint's model, seed and training settings"));
+        fail_all(InvalidArgument(o->get_name() + " cannot be combined with --resume: a resumed run keeps the "
+                                                 "checkpoint's model, seed and training settings"));
       }
     }
     auto dir = ResolveResume(a.resume);
-    if (!dir.ok()) Fail("train", dir.status());
-    auto t = train::ResumeFromCheckpoint(*dir, data);
-    if (!t.ok()) Fail("train", t.status());
+    if (!dir.ok()) fail_all(dir.status());
+    auto t = train::ResumeFromCheckpoint(*dir, data, parallel);
+    if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
     trainer = std::move(*t);
-    std::fprintf(stderr, "resumed %s at step %" PRId64 "\n", dir->c_str(), trainer->step());
+    if (lead) std::fprintf(stderr, "resumed %s at step %" PRId64 "\n", dir->c_str(), trainer->step());
   } else {
     auto model = LoadModelArg(a.model);
-    if (!model.ok()) Fail("train", model.status());
+    if (!model.ok()) fail_all(model.status());
     a.config.seed = a.seed;
     a.config.dispatch.mode = a.dispatch == "unfused" ? DispatchMode::kUnfused : DispatchMode::kFused;
     auto corpus = train::LoadCorpus(data.value_or(train::kDefaultCorpus));
-    if (!corpus.ok()) Fail("train", corpus.status());
-    auto t = train::Trainer::Create(*model, a.config, std::move(*corpus));
-    if (!t.ok()) Fail("train", t.status());
+    if (!corpus.ok()) fail_all(corpus.status());
+    auto t = train::Trainer::Create(*model, a.config, std::move(*corpus), parallel);
+    if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to start") : t.status());
     trainer = std::move(*t);
   }
   const ModelConfig& mc = trainer->model_config();
-  std::fprintf(stderr, "model %s: %zu parameters; batch %" PRId64 " x %" PRId64 " tokens; data %s (%zu bytes)\n",
-               mc.name.c_str(), trainer->model().params().size(), trainer->train_config().batch_size,
-               trainer->seq_len(), trainer->corpus().path.c_str(), trainer->corpus().bytes.size());
+  if (lead) {
+    std::fprintf(stderr,
+                 "model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64 " tokens; data %s (%zu bytes); "
+                 "layout %s (%" PRId64 " rank%s)\n",
+                 mc.name.c_str(), trainer->num_parameters(), trainer->train_config().batch_size, trainer->seq_len(),
+                 trainer->corpus().path.c_str(), trainer->corpus().bytes.size(), layout->ToString().c_str(),
+                 world.size(), world.size() == 1 ? "" : "s");
+  }
 
   std::ofstream log;
-  if (!a.log.empty()) {
+  if (lead && !a.log.empty()) {
     // A resumed run continues its log; a fresh run starts a new one.
     log.open(a.log, a.resume.empty() ? std::ios::trunc : std::ios::app);
-    if (!log) Fail("train", IoError("cannot open log file '" + a.log + "'"));
+    if (!log) fail_one(IoError("cannot open log file '" + a.log + "'"));
   }
   auto save = [&] {
     const std::string dir = StepDir(a.save, trainer->step());
-    if (Status s = train::SaveCheckpoint(dir, *trainer); !s.ok()) Fail("train", s);
-    std::fprintf(stderr, "saved %s\n", dir.c_str());
+    if (Status s = train::SaveCheckpoint(dir, *trainer, a.with_replicas); !s.ok()) fail_all(s);
+    if (lead) std::fprintf(stderr, "saved %s\n", dir.c_str());
   };
 
   if (trainer->step() >= a.steps) {
     // A fresh run with --steps 0 still writes its initial state when asked to (a checkpoint of
     // the initialisation); a resumed run already has its checkpoint.
     if (a.resume.empty() && !a.save.empty()) save();
-    std::fprintf(stderr, "at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(),
-                 a.steps);
+    if (lead) {
+      std::fprintf(stderr, "at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(),
+                   a.steps);
+    }
     return;
   }
   const std::int64_t first = trainer->step();
-  double seconds = 0;
+  double seconds = 0, comm_seconds = 0;
   std::int64_t tokens = 0;
   train::StepReport r;
   while (trainer->step() < a.steps) {
-    r = trainer->Step();
+    auto step = trainer->Step();
+    if (!step.ok()) fail_one(step.status());
+    r = std::move(*step);
     seconds += r.seconds;
+    comm_seconds += r.comm_seconds;
     tokens += r.tokens;
     const double tps = static_cast<double>(r.tokens) / r.seconds;
-    std::printf("step %6" PRId64 " | loss %.4f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s\n",
+    if (!lead) continue;
+    std::printf("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s",
                 r.step, r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
+    if (world.active()) std::printf(" | comm %s", HumanBytes(r.comm.total()).c_str());
+    std::printf("\n");
     std::fflush(stdout);
     if (log.is_open()) {
       log << nlohmann::json{{"step", r.step},
@@ -141,17 +190,30 @@ void RunTrain(TrainArgs& a) {
                             {"lr", r.update.lr},
                             {"grad_norm", r.update.grad_norm},
                             {"tokens", r.tokens},
-                            {"tokens_per_s", tps}}
+                            {"tokens_per_s", tps},
+                            {"seconds", r.seconds},
+                            {"comm_seconds", r.comm_seconds},
+                            {"comm_bytes",
+                             {{"allreduce", r.comm.allreduce_bytes},
+                              {"allgather", r.comm.allgather_bytes},
+                              {"reduce_scatter", r.comm.reduce_scatter_bytes},
+                              {"alltoall", r.comm.alltoall_bytes},
+                              {"broadcast", r.comm.broadcast_bytes}}}}
                  .dump()
           << '\n';
       log.flush();
-      if (!log) Fail("train", IoError("cannot write log file '" + a.log + "'"));
+      if (!log) fail_one(IoError("cannot write log file '" + a.log + "'"));
     }
     const bool last = trainer->step() == a.steps;
     if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) save();
   }
-  std::fprintf(stderr, "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s); final loss %.4f (ce %.4f)\n", first + 1,
-               trainer->step(), seconds, static_cast<double>(tokens) / seconds, r.losses.total, r.losses.ce);
+  if (lead) {
+    std::fprintf(stderr,
+                 "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s, %.0f%% in gradient/parameter collectives); "
+                 "final loss %.4f (ce %.4f)\n",
+                 first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds,
+                 100.0 * comm_seconds / seconds, r.losses.total, r.losses.ce);
+  }
 }
 
 struct EvalArgs {
@@ -229,6 +291,11 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--resume", a->resume, "Continue from a checkpoint (or the latest in a --save directory)");
   cmd->add_option("--log", a->log, "JSON-lines log, one object per step");
   cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
+  cmd->add_option("--layout", a->layout,
+                  "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form defaults to flat")
+      ->capture_default_str();
+  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
+  cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");
   cmd->callback([a] { RunTrain(*a); });
 
   auto e = std::make_shared<EvalArgs>();

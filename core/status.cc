@@ -15,6 +15,7 @@ std::string_view ErrorCodeName(ErrorCode code) {
     case ErrorCode::kIoError: return "IoError";
     case ErrorCode::kUnimplemented: return "Unimplemented";
     case ErrorCode::kInternal: return "Internal";
+    case ErrorCode::kUnavailable: return "Unavailable";
   }
   return "Unknown";
 }

@@ -24,6 +24,7 @@ enum class ErrorCode : std::uint8_t {
   kIoError,             // the operating system refused (open, read, write, rename, fsync)
   kUnimplemented,
   kInternal,
+  kUnavailable,         // a peer process or the transport between processes failed
 };
 
 std::string_view ErrorCodeName(ErrorCode code);
@@ -57,6 +58,7 @@ inline Status VersionMismatch(std::string m) { return {ErrorCode::kVersionMismat
 inline Status IoError(std::string m) { return {ErrorCode::kIoError, std::move(m)}; }
 inline Status Unimplemented(std::string m) { return {ErrorCode::kUnimplemented, std::move(m)}; }
 inline Status Internal(std::string m) { return {ErrorCode::kInternal, std::move(m)}; }
+inline Status Unavailable(std::string m) { return {ErrorCode::kUnavailable, std::move(m)}; }
 
 // A value or the Status that explains why there is none.
 template <typename T>

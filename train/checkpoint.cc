@@ -1,5 +1,7 @@
 #include "train/checkpoint.h"
 
+#include "dist/commit.h"
+
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -39,63 +41,25 @@ Status ReadFloats(CheckpointReader& r, const std::string& name, const Shape& exp
 
 }  // namespace
 
-Status SaveCheckpoint(const std::string& dir, Trainer& trainer) {
+Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas) {
   const ModelConfig& config = trainer.model_config();
-  Transformer<float>& model = trainer.model();
-  AdamW& opt = trainer.optimizer();
-  RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(dir, WriterOptions{}));
-  RS_ASSIGN_OR_RETURN(const RuleSet rules, BuiltinRuleSet("megatron"));
-  RS_ASSIGN_OR_RETURN(const Layout layout, Layout::Parse("tp=1", rules));
-
-  const std::vector<TensorSpec> tensors = ModelCheckpointTensors(config, AdamStateNames());
-  std::vector<std::byte> converted;
-  for (const TensorSpec& t : tensors) {
-    RS_RETURN_IF_ERROR(writer->AddTensor(t));
-    const Piece whole{Box::Full(t.shape), std::nullopt};
-    std::span<const std::byte> bytes;
-    const std::int64_t step = trainer.step();
-    if (t.role == TensorRole::kScalar) {
-      RS_CHECK(t.name == "optimizer.step");
-      bytes = std::as_bytes(std::span<const std::int64_t>(&step, 1));
-      RS_RETURN_IF_ERROR(writer->WriteShard(/*rank=*/0, t.name, whole, bytes));
-      continue;
-    }
-    const std::string& param = t.role == TensorRole::kOptimizerState ? t.param : t.name;
-    const auto i = model.index(param);
-    RS_CHECK_MSG(i.has_value(), "model lacks " << param);
-    const auto off = static_cast<std::size_t>(model.offset(*i));
-    const auto n = static_cast<std::size_t>(model.numel(*i));
-    std::span<const float> src;
-    if (t.role == TensorRole::kOptimizerState) {
-      if (t.state == "master") {
-        src = model.params().subspan(off, n);
-      } else if (t.state == "exp_avg") {
-        src = opt.exp_avg().subspan(off, n);
-      } else {
-        RS_CHECK_MSG(t.state == "exp_avg_sq", "unknown optimizer state " << t.state);
-        src = opt.exp_avg_sq().subspan(off, n);
-      }
-    } else {
-      src = model.params().subspan(off, n);
-    }
-    if (t.dtype == DType::kF32) {
-      bytes = std::as_bytes(src);
-    } else {
-      converted.resize(n * DTypeSize(t.dtype));
-      ConvertFloats(DType::kF32, src.data(), t.dtype, converted.data(), n);
-      bytes = converted;
-    }
-    RS_RETURN_IF_ERROR(writer->WriteShard(/*rank=*/0, t.name, whole, bytes));
-  }
-  writer->SetLayout(layout.ToJson());
+  const ShardedState& state = trainer.state();
   const Corpus& corpus = trainer.corpus();
-  writer->SetMetadata(nlohmann::json{
-      {"producer", "rs-train"},
-      {"step", trainer.step()},
-      {"model", config},
-      {"train", trainer.train_config()},
-      {"data", {{"path", corpus.path}, {"bytes", corpus.bytes.size()}, {"fnv1a64", Hex64(corpus.fnv1a)}}}});
-  return writer->Commit();
+  WriterOptions options;
+  options.producer = "rs-train";
+  return dist::WriteCheckpointTogether(*trainer.groups().world, dir, options, [&](CheckpointWriter& writer) {
+    for (const TensorSpec& t : state.map().tensors()) RS_RETURN_IF_ERROR(writer.AddTensor(t));
+    RS_RETURN_IF_ERROR(state.Save(writer, trainer.model(), trainer.step(), with_replicas));
+    writer.SetLayout(state.layout().layout.ToJson());
+    writer.SetMetadata(nlohmann::json{
+        {"producer", "rs-train"},
+        {"step", trainer.step()},
+        {"model", config},
+        {"train", trainer.train_config()},
+        {"physical_layout", state.layout().ToJson()},
+        {"data", {{"path", corpus.path}, {"bytes", corpus.bytes.size()}, {"fnv1a64", Hex64(corpus.fnv1a)}}}});
+    return Status::Ok();
+  });
 }
 
 namespace {
@@ -133,7 +97,8 @@ Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, co
 }
 
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
-                                                      const std::optional<std::string>& data_path) {
+                                                      const std::optional<std::string>& data_path,
+                                                      const TrainParallel& parallel) {
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
   RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
   auto ctx = [&](const Status& s) { return s.WithContext("checkpoint '" + dir + "' metadata"); };
@@ -156,26 +121,8 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                               "' was trained on (FNV-1a " + Hex64(corpus.fnv1a) + ", expected " +
                               data["fnv1a64"].get<std::string>() + "); pass the original with --data");
   }
-  RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(*model_config, *train_config, std::move(corpus)));
-
-  Transformer<float>& model = trainer->model();
-  AdamW& opt = trainer->optimizer();
-  for (std::size_t i = 0; i < model.specs().size(); ++i) {
-    const TensorSpec& s = model.specs()[i];
-    const auto off = static_cast<std::size_t>(model.offset(i));
-    const auto n = static_cast<std::size_t>(model.numel(i));
-    if (!model.trainable(i)) {  // buffers: stored as themselves
-      RS_RETURN_IF_ERROR(ReadFloats(*reader, s.name, s.shape, model.params().subspan(off, n)));
-      continue;
-    }
-    // Training continues from the fp32 master weights, never from the (maybe rounded) params.
-    RS_RETURN_IF_ERROR(
-        ReadFloats(*reader, OptimizerStateName(s.name, "master"), s.shape, model.params().subspan(off, n)));
-    RS_RETURN_IF_ERROR(
-        ReadFloats(*reader, OptimizerStateName(s.name, "exp_avg"), s.shape, opt.exp_avg().subspan(off, n)));
-    RS_RETURN_IF_ERROR(
-        ReadFloats(*reader, OptimizerStateName(s.name, "exp_avg_sq"), s.shape, opt.exp_avg_sq().subspan(off, n)));
-  }
+  RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(*model_config, *train_config, std::move(corpus), parallel));
+  RS_RETURN_IF_ERROR(trainer->state().Load(*reader, trainer->model()));
   RS_ASSIGN_OR_RETURN(const TensorSpec* step_spec, reader->FindTensor("optimizer.step"));
   if (step_spec->dtype != DType::kI64 || step_spec->numel() != 1) {
     return DataLoss("checkpoint '" + dir + "': 'optimizer.step' must be one i64");

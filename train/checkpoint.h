@@ -1,8 +1,8 @@
-// Training checkpoints in the Foundations format (formats/FORMAT.md): a single-rank layout
-// ("tp=1" under the megatron rules) in which every tensor of
-// ModelCheckpointTensors(config, AdamStateNames()) is one whole shard. Parameters are stored
-// in config.param_dtype (rounded from the fp32 master weights), the master weights and Adam
-// moments in f32, the step as an i64 scalar. The metadata holds what rebuilding the run needs:
+// Training checkpoints in the format of formats/FORMAT.md, at the run's layout: the tensors of
+// ModelCheckpointTensors(config, AdamStateNames()) placed by the physical map (one whole shard
+// each for one process). Parameters are stored in config.param_dtype (rounded from the fp32
+// master weights), the master weights and Adam moments in f32, the step as an i64 scalar. The
+// metadata holds what rebuilding the run needs (plus "physical_layout"):
 //   {"producer": "rs-train", "step": S, "model": {ModelConfig}, "train": {TrainConfig},
 //    "data": {"path": ..., "bytes": N, "fnv1a64": "<16 hex digits>"}}
 #pragma once
@@ -18,17 +18,23 @@
 
 namespace rs::train {
 
-// Writes the trainer's full state to `dir` (which must not exist: AlreadyExists). IoError from
-// the file system. The write is atomic (formats' commit protocol).
-Status SaveCheckpoint(const std::string& dir, Trainer& trainer);
+// Writes the trainer's full state to `dir` (which must not exist: AlreadyExists) at the
+// trainer's layout: every rank writes its own shards into "rank-<rank>.h5" (main replicas, all
+// with `with_replicas`), and the checkpoint is committed once, atomically, for all ranks
+// (dist/commit.h). Collective over the trainer's world. IoError from the file system; a
+// failure on any rank fails every rank and leaves nothing at `dir`.
+Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas = false);
 
-// Rebuilds a trainer from a checkpoint written by SaveCheckpoint, ready to run its next step.
-// The corpus is `data_path` when given, else the path stored in the metadata; either way its
-// size and FNV-1a must match the metadata (FailedPrecondition otherwise: the batches would
-// differ). NotFound / DataLoss / VersionMismatch from reading; InvalidArgument if the metadata
-// lacks the model or training config.
+// Rebuilds a trainer from a checkpoint written by SaveCheckpoint at ANY layout, ready to run
+// its next step at `parallel`'s layout: each rank reads exactly the pieces of its own
+// placements (optimizer states included). The corpus is `data_path` when given, else the path
+// stored in the metadata; either way its size and FNV-1a must match the metadata
+// (FailedPrecondition otherwise: the batches would differ). NotFound / DataLoss /
+// VersionMismatch from reading; InvalidArgument if the metadata lacks the model or training
+// config.
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
-                                                      const std::optional<std::string>& data_path);
+                                                      const std::optional<std::string>& data_path,
+                                                      const TrainParallel& parallel = {});
 
 // The model config stored in a checkpoint's metadata (InvalidArgument if absent or invalid).
 Result<ModelConfig> CheckpointModelConfig(const std::string& dir);

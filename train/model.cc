@@ -6,17 +6,13 @@
 
 #include "core/check.h"
 #include "train/gemm.h"
+#include "train/init.h"
 #include "train/layers.h"
-#include "train/rng.h"
 
 namespace rs::train {
 namespace {
 
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
-
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 template <typename T>
 void AddInto(T* dst, const T* src, std::size_t n) {
@@ -45,9 +41,65 @@ Status CheckTrainable(const ModelConfig& config) {
   return Status::Ok();
 }
 
+// Vocab-parallel cross-entropy (MODEL.md §4) over this rank's logits [n, vl], whose column j
+// is vocab row off + j; columns at or past `vocab` are padding. Returns this rank's sum of the
+// per-row losses; dlogits (when not null) gets their gradient scaled by `inv_rows`. With one
+// rank (off 0, vl = vocab) this is exactly the single-process computation.
 template <typename T>
-Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& dispatch)
-    : c_(config), dispatch_(dispatch), specs_(ModelParameters(config)) {
+double VocabParallelCrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n, std::int64_t vl,
+                                 std::int64_t off, std::int64_t vocab, double inv_rows, ModelParallel& par,
+                                 T* dlogits) {
+  const std::int64_t valid = std::clamp<std::int64_t>(vocab - off, 0, vl);
+  const auto un = static_cast<std::size_t>(n);
+  std::vector<T> mx(un, -std::numeric_limits<T>::infinity());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T* li = logits + i * vl;
+    if (valid > 0) mx[static_cast<std::size_t>(i)] = *std::max_element(li, li + valid);
+  }
+  par.AllReduceTp(std::span<T>(mx), dist::ReduceOp::kMax);
+  std::vector<double> sum(un, 0.0), target(un, 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T* li = logits + i * vl;
+    const double m = static_cast<double>(mx[static_cast<std::size_t>(i)]);
+    double s = 0;
+    for (std::int64_t j = 0; j < valid; ++j) s += std::exp(static_cast<double>(li[j]) - m);
+    sum[static_cast<std::size_t>(i)] = s;
+    const std::int64_t t = targets[i] - off;
+    if (t >= 0 && t < valid) target[static_cast<std::size_t>(i)] = static_cast<double>(li[t]);
+  }
+  par.AllReduceTp(std::span<double>(sum));
+  par.AllReduceTp(std::span<double>(target));
+  double total = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const double lse = static_cast<double>(mx[k]) + std::log(sum[k]);
+    total += lse - target[k];
+    if (dlogits == nullptr) continue;
+    const T* li = logits + i * vl;
+    T* di = dlogits + i * vl;
+    for (std::int64_t j = 0; j < valid; ++j) di[j] = static_cast<T>(std::exp(static_cast<double>(li[j]) - lse) * inv_rows);
+    std::fill(di + valid, di + vl, T(0));
+    const std::int64_t t = targets[i] - off;
+    if (t >= 0 && t < valid) di[t] -= static_cast<T>(inv_rows);
+  }
+  return total;
+}
+
+template <typename T>
+Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& dispatch, std::vector<TensorSpec> local_specs,
+                            ModelParallel* par)
+    : c_(config),
+      dispatch_(dispatch),
+      par_(par != nullptr ? par : &SingleProcess()),
+      specs_(local_specs.empty() ? ModelParameters(config) : std::move(local_specs)) {
+  {
+    const std::vector<TensorSpec> global = ModelParameters(config);
+    RS_CHECK_MSG(global.size() == specs_.size(), "local specs do not match the model");
+    for (std::size_t i = 0; i < global.size(); ++i) {
+      RS_CHECK_MSG(global[i].name == specs_[i].name && global[i].shape.size() == specs_[i].shape.size(),
+                   "local spec " << specs_[i].name << " does not match " << global[i].name);
+    }
+  }
   std::int64_t total = 0;
   for (const auto& s : specs_) {
     offsets_.push_back(total);
@@ -58,13 +110,20 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
   embedding_ = Need("embedding.weight");
   final_norm_ = Need("final_norm.weight");
   output_ = Need("output.weight");
-  const AttentionShape as{c_.d_model, c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.rope_theta};
+  vocab_rows_ = specs_[embedding_].shape[0];
+  RS_CHECK(specs_[output_].shape[0] == vocab_rows_);
+  auto dim = [&](std::size_t t, std::size_t k) { return specs_[t].shape[k]; };
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
-    auto l = std::make_unique<Layer>(as);
+    const std::size_t qkv = Need(p + "attn.qkv.weight"), out = Need(p + "attn.out.weight");
+    // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].
+    const std::int64_t nq = dim(out, 1) / c_.head_dim;
+    const std::int64_t nkv = (dim(qkv, 0) / c_.head_dim - nq) / 2;
+    RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
+    auto l = std::make_unique<Layer>(AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta});
     l->attn_norm = Need(p + "attn_norm.weight");
-    l->qkv = Need(p + "attn.qkv.weight");
-    l->out = Need(p + "attn.out.weight");
+    l->qkv = qkv;
+    l->out = out;
     l->mlp_norm = Need(p + "mlp_norm.weight");
     if (c_.IsMoeLayer(i)) {
       l->router = Need(p + "moe.router.weight");
@@ -75,11 +134,13 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
         l->sfc1 = Need(p + "moe.shared.fc1.weight");
         l->sfc2 = Need(p + "moe.shared.fc2.weight");
       }
-      l->moe = std::make_unique<MoeLayer<T>>(c_, dispatch_);
+      RS_CHECK_MSG(dim(l->efc1, 0) == c_.n_experts, "expert parallelism is not part of this model yet");
+      l->moe = std::make_unique<MoeLayer<T>>(c_, dispatch_, par_, dim(l->efc2, 2),
+                                             l->sfc2 != kNone ? dim(l->sfc2, 1) : 0);
     } else {
       l->fc1 = Need(p + "mlp.fc1.weight");
       l->fc2 = Need(p + "mlp.fc2.weight");
-      l->dense = std::make_unique<GroupedSwiGlu<T>>(c_.d_model, c_.dense_ffn);
+      l->dense = std::make_unique<GroupedSwiGlu<T>>(c_.d_model, dim(l->fc2, 1));
     }
     layers_.push_back(std::move(l));
   }
@@ -105,22 +166,10 @@ std::size_t Transformer<T>::Need(const std::string& name) const {
 
 template <typename T>
 void Transformer<T>::Initialize(std::uint64_t seed, double init_std) {
-  const double out_std = init_std / std::sqrt(2.0 * static_cast<double>(c_.n_layers));
+  RS_CHECK_MSG(specs_ == ModelParameters(c_), "Initialize needs whole tensors; a sharded model is filled by pieces");
   for (std::size_t i = 0; i < specs_.size(); ++i) {
-    const std::string& name = specs_[i].name;
-    T* p = P(i);
-    const auto n = static_cast<std::size_t>(numel(i));
-    if (EndsWith(name, "norm.weight")) {
-      std::fill(p, p + n, T(1));
-    } else if (specs_[i].role == TensorRole::kBuffer) {
-      std::fill(p, p + n, T(0));
-    } else {
-      // One stream per tensor, keyed by name, so adding a tensor never changes the others.
-      Rng rng(Mix64(seed ^ Fnv1a64(name)));
-      const bool residual_out = EndsWith(name, "attn.out.weight") || EndsWith(name, "fc2.weight");
-      const double std = residual_out ? out_std : init_std;
-      for (std::size_t j = 0; j < n; ++j) p[j] = static_cast<T>(rng.Normal() * std);
-    }
+    InitialPiece<T>(specs_[i], Piece{Box::Full(specs_[i].shape), std::nullopt}, InitOptions{seed, init_std, c_.n_layers},
+                    std::span<T>(P(i), static_cast<std::size_t>(numel(i))));
   }
 }
 
@@ -132,7 +181,7 @@ void Transformer<T>::ZeroGrads() {
 template <typename T>
 Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targets, std::int64_t batch,
                            std::int64_t seq, Pass pass) {
-  const std::int64_t d = c_.d_model, v = c_.vocab_size;
+  const std::int64_t d = c_.d_model, v = c_.vocab_size, vl = vocab_rows_, voff = par_->vocab_offset;
   const std::int64_t n = batch * seq;
   const auto nd = static_cast<std::size_t>(n * d);
   RS_CHECK(batch > 0 && seq > 0);
@@ -144,8 +193,15 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   for (std::int64_t t = 0; t < n; ++t) {
     RS_CHECK_MSG(inputs[t] >= 0 && inputs[t] < v, "token " << inputs[t] << " outside the vocabulary");
     RS_CHECK_MSG(targets[t] >= 0 && targets[t] < v, "target " << targets[t] << " outside the vocabulary");
-    std::copy_n(P(embedding_) + inputs[t] * d, d, h.data() + t * d);
+    // Vocab-parallel: the rank holding the token's row contributes it, the others zeros.
+    const std::int64_t row = inputs[t] - voff;
+    if (row >= 0 && row < vl) {
+      std::copy_n(P(embedding_) + row * d, d, h.data() + t * d);
+    } else {
+      std::fill_n(h.data() + t * d, d, T(0));
+    }
   }
+  par_->AllReduceTp(std::span<T>(h.data(), nd));
   for (std::size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = *layers_[li];
     l.h_in.assign(h.begin(), h.end());
@@ -153,6 +209,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     l.rstd1.resize(static_cast<std::size_t>(n));
     RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data());
     l.attn.Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data());
+    par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // attention out is row-parallel
     AddInto(h.data(), tmp.data(), nd);
     l.h_mid.assign(h.begin(), h.end());
     l.xn2.resize(nd);
@@ -168,6 +225,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     } else {
       const std::int64_t rows[] = {n};
       l.dense->Forward(l.xn2.data(), rows, P(l.fc1), P(l.fc2), tmp.data());
+      par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // fc2 is row-parallel
     }
     AddInto(h.data(), tmp.data(), nd);
   }
@@ -175,18 +233,24 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   x_final_.resize(nd);
   rstd_final_.resize(static_cast<std::size_t>(n));
   RmsNormForward(h_final_.data(), P(final_norm_), n, d, c_.norm_eps, x_final_.data(), rstd_final_.data());
-  Buffer<T> logits(static_cast<std::size_t>(n * v));
-  Gemm<T>(Trans::kNo, Trans::kYes, n, v, d, T(1), x_final_.data(), d, P(output_), d, T(0), logits.data(), v);
+  Buffer<T> logits(static_cast<std::size_t>(n * vl));
+  Gemm<T>(Trans::kNo, Trans::kYes, n, vl, d, T(1), x_final_.data(), d, P(output_), d, T(0), logits.data(), vl);
   const bool backward = pass == Pass::kForwardBackward;
   dlogits_.resize(backward ? logits.size() : 0);
-  losses.ce = CrossEntropy(logits.data(), targets, n, v, backward ? dlogits_.data() : static_cast<T*>(nullptr));
+  const double inv_rows = 1.0 / static_cast<double>(par_->GlobalRows(n));
+  double ce = VocabParallelCrossEntropy(logits.data(), targets, n, vl, voff, v, inv_rows, *par_,
+                                        backward ? dlogits_.data() : static_cast<T*>(nullptr));
+  par_->AllReduceData(std::span<double>(&ce, 1));
+  losses.ce = ce * inv_rows;
   losses.total = losses.ce + losses.aux + losses.z;
   if (!backward) return losses;
 
-  // Backward, in reverse.
+  // Backward, in reverse. Inputs of column-parallel blocks get partial gradients on each tp
+  // rank: they are all-reduced before they join the residual stream.
   Buffer<T> dx(nd), dh(nd);
-  Gemm<T>(Trans::kNo, Trans::kNo, n, d, v, T(1), dlogits_.data(), v, P(output_), d, T(0), dx.data(), d);
-  Gemm<T>(Trans::kYes, Trans::kNo, v, d, n, T(1), dlogits_.data(), v, x_final_.data(), d, T(1), G(output_), d);
+  Gemm<T>(Trans::kNo, Trans::kNo, n, d, vl, T(1), dlogits_.data(), vl, P(output_), d, T(0), dx.data(), d);
+  Gemm<T>(Trans::kYes, Trans::kNo, vl, d, n, T(1), dlogits_.data(), vl, x_final_.data(), d, T(1), G(output_), d);
+  par_->AllReduceTp(std::span<T>(dx.data(), nd));
   RmsNormBackward(dx.data(), h_final_.data(), P(final_norm_), rstd_final_.data(), n, d, dh.data(), G(final_norm_));
   for (std::size_t li = layers_.size(); li-- > 0;) {
     Layer& l = *layers_[li];
@@ -198,16 +262,20 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
       l.moe->Backward(dh.data(), w, dx.data(), g);
     } else {
       l.dense->Backward(dh.data(), P(l.fc1), P(l.fc2), dx.data(), G(l.fc1), G(l.fc2));
+      par_->AllReduceTp(std::span<T>(dx.data(), nd));
     }
     RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm));
     AddInto(dh.data(), tmp.data(), nd);
     l.attn.Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out));
+    par_->AllReduceTp(std::span<T>(dx.data(), nd));
     RmsNormBackward(dx.data(), l.h_in.data(), P(l.attn_norm), l.rstd1.data(), n, d, tmp.data(), G(l.attn_norm));
     AddInto(dh.data(), tmp.data(), nd);
   }
   T* demb = G(embedding_);
-  for (std::int64_t t = 0; t < n; ++t)
-    AddInto(demb + inputs_[static_cast<std::size_t>(t)] * d, dh.data() + t * d, static_cast<std::size_t>(d));
+  for (std::int64_t t = 0; t < n; ++t) {
+    const std::int64_t row = inputs_[static_cast<std::size_t>(t)] - voff;
+    if (row >= 0 && row < vl) AddInto(demb + row * d, dh.data() + t * d, static_cast<std::size_t>(d));
+  }
   return losses;
 }
 

@@ -18,6 +18,7 @@
 #include "train/attention.h"
 #include "train/buffer.h"
 #include "train/experts.h"
+#include "train/model_parallel.h"
 #include "train/moe.h"
 
 namespace rs::train {
@@ -39,7 +40,14 @@ template <typename T>
 class Transformer {
  public:
   // RS_CHECKs that the config validates and CheckTrainable.
-  Transformer(const ModelConfig& config, const DispatchOptions& dispatch);
+  //
+  // One process holds every tensor whole. Under tensor parallelism (`par`, see
+  // model_parallel.h) `local_specs` are this rank's tensors – ModelParameters(config) in the
+  // same order with the rank-local shapes of the physical map (reshard/physical_layout.h): QKV
+  // with the rank's heads, SwiGLU fc1 as [W_i; V_i], padded vocab rows – and the local head
+  // counts and ffn widths are read off them. `par` must outlive the model.
+  Transformer(const ModelConfig& config, const DispatchOptions& dispatch, std::vector<TensorSpec> local_specs = {},
+              ModelParallel* par = nullptr);
   ~Transformer();
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -57,11 +65,15 @@ class Transformer {
   bool trainable(std::size_t i) const { return specs_[i].role == TensorRole::kParameter; }
 
   // Fills the parameters from `seed` as MODEL.md §6 says (normal(0, std) matrices, output
-  // projections scaled by 1/sqrt(2·n_layers), norms 1, expert biases 0).
+  // projections scaled by 1/sqrt(2·n_layers), norms 1, expert biases 0). Whole tensors only
+  // (one process); a sharded model is filled piece by piece (InitialPiece, train/init.h).
   void Initialize(std::uint64_t seed, double init_std);
 
   // inputs, targets: [batch, seq] token ids in [0, vocab). Returns the losses; with
   // `backward` the gradients of `total` are ACCUMULATED into grads() (ZeroGrads first).
+  // With data parallelism these are this rank's rows of the batch, the losses are those of the
+  // whole batch and the gradients this rank's share of the whole batch's gradient (summed over
+  // the data group they give it). A failed collective is left in the ModelParallel's status.
   enum class Pass : std::uint8_t { kForward, kForwardBackward };
   Losses Run(const std::int32_t* inputs, const std::int32_t* targets, std::int64_t batch, std::int64_t seq, Pass pass);
   void ZeroGrads();
@@ -76,6 +88,8 @@ class Transformer {
 
   ModelConfig c_;
   DispatchOptions dispatch_;
+  ModelParallel* par_;
+  std::int64_t vocab_rows_ = 0;  // this rank's rows of the (padded) vocabulary
   std::vector<TensorSpec> specs_;
   std::vector<std::int64_t> offsets_;
   std::vector<T> params_, grads_;

@@ -6,14 +6,16 @@
 namespace rs::train {
 
 template <typename T>
-MoeLayer<T>::MoeLayer(const ModelConfig& c, const DispatchOptions& dispatch)
+MoeLayer<T>::MoeLayer(const ModelConfig& c, const DispatchOptions& dispatch, ModelParallel* par, std::int64_t moe_ffn,
+                      std::int64_t shared_ffn)
     : d_(c.d_model),
       e_(c.n_experts),
-      shared_ffn_(c.shared_ffn),
+      shared_ffn_(c.shared_ffn > 0 ? (shared_ffn > 0 ? shared_ffn : c.shared_ffn) : 0),
       dispatch_(dispatch),
-      router_(RouterOptionsFromModel(c)),
-      experts_(c.d_model, c.moe_ffn),
-      shared_(c.d_model, c.shared_ffn > 0 ? c.shared_ffn : 1) {}
+      par_(par != nullptr ? par : &SingleProcess()),
+      router_(RouterOptionsFromModel(c), par_),
+      experts_(c.d_model, moe_ffn > 0 ? moe_ffn : c.moe_ffn),
+      shared_(c.d_model, shared_ffn_ > 0 ? shared_ffn_ : 1) {}
 
 template <typename T>
 const Routing<T>& MoeLayer<T>::Forward(const T* x, std::int64_t n, const MoeWeights<T>& w, T* y) {
@@ -34,6 +36,9 @@ const Routing<T>& MoeLayer<T>::Forward(const T* x, std::int64_t n, const MoeWeig
     shared_.Forward(x, rows, w.shared_fc1, w.shared_fc2, ys.data());
     for (std::size_t i = 0; i < ys.size(); ++i) y[i] += ys[i];
   }
+  // Each tp rank holds a share of every expert's (and the shared expert's) ffn: the output is
+  // the sum of the ranks' partial outputs.
+  par_->AllReduceTp(std::span<T>(y, static_cast<std::size_t>(n * d)));
   return routing_;
 }
 
@@ -41,21 +46,27 @@ template <typename T>
 void MoeLayer<T>::Backward(const T* dy, const MoeWeights<T>& w, T* dx, const MoeGrads<T>& g) {
   RS_CHECK(x_ != nullptr);
   const std::int64_t d = d_, e = e_, n = n_;
+  const auto nd = static_cast<std::size_t>(n * d);
   Buffer<T> dprobs(static_cast<std::size_t>(n * routing_.top_k));
   Buffer<T> dy_pad = CombineBackward(dispatch_.mode, dy, y_pad_.data(), d, plan_, routing_.probs.data(), dprobs.data());
+  // <y[row], dy[t]> over this rank's share of the expert output: summed over tp.
+  par_->AllReduceTp(std::span<T>(dprobs.data(), dprobs.size()));
   Buffer<T> dx_pad(static_cast<std::size_t>(plan_.padded_rows() * d));
   experts_.Backward(dy_pad.data(), w.fc1, w.fc2, dx_pad.data(), g.fc1, g.fc2);
   Buffer<T>().swap(dy_pad);
   DispatchBackward(dispatch_.mode, dx_pad.data(), d, plan_, dx);
+  if (shared_ffn_ > 0) {
+    Buffer<T> dxs(nd);
+    shared_.Backward(dy, w.shared_fc1, w.shared_fc2, dxs.data(), g.shared_fc1, g.shared_fc2);
+    for (std::size_t i = 0; i < nd; ++i) dx[i] += dxs[i];
+  }
+  // The experts' input gradients are partial sums over the tp ranks; the router's (below) is
+  // the same on every rank and is added once, after the reduction.
+  par_->AllReduceTp(std::span<T>(dx, nd));
   Buffer<T> dlogits(static_cast<std::size_t>(n * e));
   router_.Backward(dprobs.data(), dlogits.data());
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, e, T(1), dlogits.data(), e, w.router, d, T(1), dx, d);
   Gemm<T>(Trans::kYes, Trans::kNo, e, d, n, T(1), dlogits.data(), e, x_, d, T(1), g.router, d);
-  if (shared_ffn_ > 0) {
-    Buffer<T> dxs(static_cast<std::size_t>(n * d));
-    shared_.Backward(dy, w.shared_fc1, w.shared_fc2, dxs.data(), g.shared_fc1, g.shared_fc2);
-    for (std::size_t i = 0; i < dxs.size(); ++i) dx[i] += dxs[i];
-  }
 }
 
 template class MoeLayer<float>;

@@ -2,6 +2,8 @@
 // experts -> weighted combine, plus an optional shared expert applied to every token.
 #pragma once
 
+#include "train/model_parallel.h"
+
 #include <cstdint>
 #include <memory>
 
@@ -40,7 +42,13 @@ struct MoeGrads {
 template <typename T>
 class MoeLayer {
  public:
-  MoeLayer(const ModelConfig& c, const DispatchOptions& dispatch);
+  // Under tensor parallelism (`par`, default one process) the experts' and the shared expert's
+  // ffn dims are this rank's shares (`moe_ffn`, `shared_ffn`; 0 = the config's, i.e. tp 1):
+  // fc1 [E, 2·moe_ffn, d] holds the rank's [W_i; V_i] per expert, fc2 [E, d, moe_ffn]. The
+  // router is replicated; the block's output and its input gradient are all-reduced over tp,
+  // and so are the gate-weight gradients (each rank sees only its share of an expert output).
+  MoeLayer(const ModelConfig& c, const DispatchOptions& dispatch, ModelParallel* par = nullptr,
+           std::int64_t moe_ffn = 0, std::int64_t shared_ffn = 0);
 
   // x: [n, d] (kept by pointer until Backward); y: [n, d] overwritten. The returned routing
   // (experts, gate weights, loads, aux and z losses) stays valid until the next Forward.
@@ -53,6 +61,7 @@ class MoeLayer {
  private:
   std::int64_t d_, e_, shared_ffn_;
   DispatchOptions dispatch_;
+  ModelParallel* par_;
   Router<T> router_;
   GroupedSwiGlu<T> experts_;
   GroupedSwiGlu<T> shared_;

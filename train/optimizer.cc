@@ -84,12 +84,23 @@ AdamW::AdamW(const OptimizerConfig& c, std::vector<ParamSegment> segments, std::
 }
 
 UpdateInfo AdamW::Update(std::span<float> params, std::span<const float> grads, std::int64_t step) {
+  auto info = Update(params, grads, step, [](double sq) -> Result<double> { return sq; });
+  RS_CHECK(info.ok());
+  return *info;
+}
+
+Result<UpdateInfo> AdamW::Update(std::span<float> params, std::span<const float> grads, std::int64_t step,
+                                 const NormReducer& reduce) {
   RS_CHECK(params.size() == m_.size() && grads.size() == m_.size() && step >= 0);
   // Per-element treatment of the flat vector: 0 = skipped (buffers), 1 = no decay, 2 = decay.
   if (kind_.size() != m_.size()) {
     kind_.assign(m_.size(), 0);
     for (const auto& s : segments_) {
       std::fill_n(kind_.begin() + s.offset, s.size, static_cast<std::uint8_t>(!s.trainable ? 0 : s.decay ? 2 : 1));
+    }
+    in_norm_.assign(m_.size(), 0);
+    for (const auto& s : segments_) {
+      std::fill_n(in_norm_.begin() + s.offset, s.size, static_cast<std::uint8_t>(s.trainable && s.counts_in_norm));
     }
   }
   UpdateInfo info;
@@ -103,13 +114,14 @@ UpdateInfo AdamW::Update(std::span<float> params, std::span<const float> grads, 
     double sq = 0;
     for (std::int64_t i = begin; i < end; ++i) {
       const auto k = static_cast<std::size_t>(i);
-      const double g = kind_[k] != 0 ? static_cast<double>(grads[k]) : 0.0;
+      const double g = in_norm_[k] != 0 ? static_cast<double>(grads[k]) : 0.0;
       sq += g * g;
     }
     partial[static_cast<std::size_t>(c)] = sq;
   });
   double sq = 0;
   for (const double p : partial) sq += p;
+  RS_ASSIGN_OR_RETURN(sq, reduce(sq));
   info.grad_norm = std::sqrt(sq);
   if (c_.clip_norm > 0 && info.grad_norm > c_.clip_norm) info.clip_scale = c_.clip_norm / (info.grad_norm + 1e-6);
   const double t = static_cast<double>(step + 1);

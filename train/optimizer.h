@@ -3,6 +3,8 @@
 // how many steps this invocation will run), so a run resumed at step s continues exactly.
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
@@ -42,6 +44,10 @@ struct ParamSegment {
   std::int64_t size = 0;
   bool trainable = true;  // buffers (expert bias) are skipped entirely
   bool decay = true;      // weight decay applies
+  // Whether the segment counts in the global gradient norm. A rank that holds a replica of
+  // items whose main copy another rank holds (tp-replicated norms, replicated kv heads, data-
+  // parallel replicas) updates them but leaves them out of its share of the norm.
+  bool counts_in_norm = true;
 };
 
 struct UpdateInfo {
@@ -58,6 +64,12 @@ class AdamW {
   // multiplied by the clipping factor on the fly. Parallel over fixed chunks: the result does
   // not depend on the number of threads.
   UpdateInfo Update(std::span<float> params, std::span<const float> grads, std::int64_t step);
+  // The same, where this vector is one rank's share of a distributed model: `reduce` turns the
+  // local sum of squared gradients (float64) into the global one (an all-reduce over the ranks;
+  // its error is returned).
+  using NormReducer = std::function<Result<double>(double local_sum_of_squares)>;
+  Result<UpdateInfo> Update(std::span<float> params, std::span<const float> grads, std::int64_t step,
+                            const NormReducer& reduce);
 
   const OptimizerConfig& config() const { return c_; }
   std::span<float> exp_avg() { return m_; }
@@ -67,7 +79,8 @@ class AdamW {
   OptimizerConfig c_;
   std::vector<ParamSegment> segments_;
   std::vector<float> m_, v_;
-  std::vector<std::uint8_t> kind_;  // per element: 0 skip, 1 no decay, 2 decay (built lazily)
+  std::vector<std::uint8_t> kind_;     // per element: 0 skip, 1 no decay, 2 decay (built lazily)
+  std::vector<std::uint8_t> in_norm_;  // per element: counts in the gradient norm (built lazily)
 };
 
 }  // namespace rs::train

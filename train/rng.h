@@ -26,6 +26,9 @@ class Rng {
   double Normal();
   // Uniform integer in [0, n): (Next() >> 11) mod n; n > 0.
   std::uint64_t Below(std::uint64_t n);
+  // Advances the state as `n` calls of Next() would, in O(1) (the state is a counter): draw
+  // i of a stream is reachable without drawing the ones before it.
+  void Skip(std::uint64_t n) { state_ += n * 0x9E3779B97F4A7C15ULL; }
 
  private:
   std::uint64_t state_;

@@ -45,17 +45,19 @@ RouterOptions RouterOptionsFromModel(const ModelConfig& c) {
 
 template <typename T>
 std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_t e, double tol, std::int64_t max_iters,
-                                    std::int64_t* iterations) {
+                                    std::int64_t* iterations, ModelParallel* par) {
+  ModelParallel& pp = par != nullptr ? *par : SingleProcess();
   const auto sz = static_cast<std::size_t>(n * e);
   std::vector<double> c(sz);
   // exp(l − max) instead of exp(l): a constant factor is absorbed by the scalings, and this
   // cannot overflow.
   double mx = -std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < sz; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
+  pp.AllReduceData(std::span<double>(&mx, 1), dist::ReduceOp::kMax);
   for (std::size_t i = 0; i < sz; ++i) c[i] = std::exp(static_cast<double>(logits[i]) - mx);
   std::vector<double> d0(static_cast<std::size_t>(n), 1.0), d1(static_cast<std::size_t>(e), 1.0);
   std::vector<double> colsum(static_cast<std::size_t>(e));
-  const double inv_n = 1.0 / static_cast<double>(n), inv_e = 1.0 / static_cast<double>(e);
+  const double inv_n = 1.0 / static_cast<double>(pp.GlobalRows(n)), inv_e = 1.0 / static_cast<double>(e);
   std::int64_t it = 0;
   while (it < max_iters) {
     ++it;
@@ -73,6 +75,7 @@ std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_
         colsum[static_cast<std::size_t>(j)] += d0[static_cast<std::size_t>(t)] * c[static_cast<std::size_t>(t * e + j)];
       }
     }
+    pp.AllReduceData(std::span<double>(colsum));
     double change = 0;
     for (std::int64_t j = 0; j < e; ++j) {
       const double next = inv_e / colsum[static_cast<std::size_t>(j)];
@@ -91,7 +94,8 @@ std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_
 }
 
 template <typename T>
-Router<T>::Router(const RouterOptions& opts) : o_(opts) {
+Router<T>::Router(const RouterOptions& opts, ModelParallel* par)
+    : o_(opts), par_(par != nullptr ? par : &SingleProcess()) {
   RS_CHECK(o_.num_experts > 0 && o_.top_k >= 1 && o_.top_k <= o_.num_experts);
   if (o_.kind == RouterKind::kGroupLimited) {
     RS_CHECK(o_.groups >= 1 && o_.num_experts % o_.groups == 0);
@@ -105,6 +109,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
   const std::int64_t e = o_.num_experts, k = o_.top_k;
   const auto ne = static_cast<std::size_t>(n * e);
   n_ = n;
+  global_n_ = par_->GlobalRows(n);
   Routing<T> r;
   r.num_tokens = n;
   r.top_k = k;
@@ -130,7 +135,8 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
     lse_[static_cast<std::size_t>(t)] = lse;
     z += static_cast<double>(lse) * static_cast<double>(lse);
   }
-  r.z_loss = o_.z_loss_coef * z / static_cast<double>(n);
+  par_->AllReduceData(std::span<double>(&z, 1));
+  r.z_loss = o_.z_loss_coef * z / static_cast<double>(global_n_);
 
   const bool need_sigmoid = o_.kind == RouterKind::kSigmoidBias || (o_.kind == RouterKind::kSinkhorn && k == 1);
   if (need_sigmoid) {
@@ -139,7 +145,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
   }
   std::vector<double> balanced;
   if (o_.kind == RouterKind::kSinkhorn) {
-    balanced = SinkhornBalance(logits, n, e, o_.sinkhorn_tol, o_.sinkhorn_max_iters, nullptr);
+    balanced = SinkhornBalance(logits, n, e, o_.sinkhorn_tol, o_.sinkhorn_max_iters, nullptr, par_);
   }
   if (o_.kind == RouterKind::kSigmoidBias) RS_CHECK(expert_bias != nullptr);
 
@@ -210,10 +216,11 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
   // Load-balancing loss c · E · Σ_i f_i · P_i, with P_i the mean router probability: the
   // softmax for every kind except sigmoid_bias, whose probabilities are the sigmoids
   // normalised per token.
+  par_->AllReduceData(std::span<std::int64_t>(r.loads));  // loads of the whole batch
   f_.resize(static_cast<std::size_t>(e));
   for (std::int64_t i = 0; i < e; ++i) {
     f_[static_cast<std::size_t>(i)] =
-        static_cast<double>(r.loads[static_cast<std::size_t>(i)]) / static_cast<double>(n * k);
+        static_cast<double>(r.loads[static_cast<std::size_t>(i)]) / static_cast<double>(global_n_ * k);
   }
   double aux = 0;
   for (std::int64_t t = 0; t < n; ++t) {
@@ -227,7 +234,8 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
       for (std::int64_t j = 0; j < e; ++j) aux += f_[static_cast<std::size_t>(j)] * static_cast<double>(s[j]);
     }
   }
-  r.aux_loss = o_.aux_loss_coef * static_cast<double>(e) * aux / static_cast<double>(n);
+  par_->AllReduceData(std::span<double>(&aux, 1));
+  r.aux_loss = o_.aux_loss_coef * static_cast<double>(e) * aux / static_cast<double>(global_n_);
   last_.experts = r.experts;
   last_.probs = r.probs;
   return r;
@@ -237,8 +245,8 @@ template <typename T>
 void Router<T>::Backward(const T* dprobs, T* dlogits) const {
   const std::int64_t n = n_, e = o_.num_experts, k = o_.top_k;
   std::vector<T> g(static_cast<std::size_t>(e));
-  const T aux_scale = static_cast<T>(o_.aux_loss_coef * static_cast<double>(e) / static_cast<double>(n));
-  const T z_scale = static_cast<T>(2.0 * o_.z_loss_coef / static_cast<double>(n));
+  const T aux_scale = static_cast<T>(o_.aux_loss_coef * static_cast<double>(e) / static_cast<double>(global_n_));
+  const T z_scale = static_cast<T>(2.0 * o_.z_loss_coef / static_cast<double>(global_n_));
   for (std::int64_t t = 0; t < n; ++t) {
     const T* s = softmax_.data() + t * e;
     const std::int32_t* sel = last_.experts.data() + t * k;
@@ -324,8 +332,8 @@ template void UpdateExpertBias<double>(std::span<double>, std::span<const std::i
 template class Router<float>;
 template class Router<double>;
 template std::vector<double> SinkhornBalance<float>(const float*, std::int64_t, std::int64_t, double, std::int64_t,
-                                                    std::int64_t*);
+                                                    std::int64_t*, ModelParallel*);
 template std::vector<double> SinkhornBalance<double>(const double*, std::int64_t, std::int64_t, double, std::int64_t,
-                                                     std::int64_t*);
+                                                     std::int64_t*, ModelParallel*);
 
 }  // namespace rs::train

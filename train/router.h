@@ -5,6 +5,8 @@
 // included). Selection is piecewise constant: no gradient flows through which expert is chosen.
 #pragma once
 
+#include "train/model_parallel.h"
+
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -43,9 +45,12 @@ struct Routing {
 template <typename T>
 class Router {
  public:
-  explicit Router(const RouterOptions& opts);
+  // `par` (default: one process) supplies the data-parallel group over which the statistics
+  // of the whole batch are reduced; it must outlive the router.
+  explicit Router(const RouterOptions& opts, ModelParallel* par = nullptr);
 
-  // logits: [n, E]. expert_bias: [E], used (and required) by sigmoid_bias only.
+  // logits: [n, E] (this rank's rows of the batch). expert_bias: [E], used (and required) by
+  // sigmoid_bias only. Loads, f_i, P_i, the losses and Sinkhorn are over the whole batch.
   Routing<T> Forward(const T* logits, std::int64_t n, const T* expert_bias);
   // dprobs: [n, k] gradient of the loss w.r.t. the gate weights of the last Forward.
   // Overwrites dlogits [n, E] with the full gradient: gate path + aux loss + z-loss.
@@ -55,7 +60,9 @@ class Router {
 
  private:
   RouterOptions o_;
+  ModelParallel* par_;
   std::int64_t n_ = 0;
+  std::int64_t global_n_ = 0;  // rows of the whole batch
   std::vector<T> softmax_;  // [n, E] softmax of the logits (aux loss, z-loss, gates)
   std::vector<T> sigmoid_;  // [n, E] sigmoid of the logits (sigmoid_bias; sinkhorn k = 1)
   std::vector<T> lse_;      // [n] logsumexp of each row (z-loss)
@@ -64,11 +71,13 @@ class Router {
 };
 
 // Sinkhorn balancing of C = exp(logits − max): returns the balanced matrix [n, E] whose rows
-// sum to 1/n and columns to 1/E (columns exactly, rows within the stopping tolerance).
-// `iterations`, when not null, receives the number of row+column rescalings done.
+// sum to 1/N and columns to 1/E (columns exactly, rows within the stopping tolerance), N the
+// rows of the whole batch: with `par`, this rank's n rows are one part of it, and the maximum
+// and the column sums are all-reduced over par->data. `iterations`, when not null, receives
+// the number of row+column rescalings done (the same on every rank).
 template <typename T>
 std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_t e, double tol, std::int64_t max_iters,
-                                    std::int64_t* iterations);
+                                    std::int64_t* iterations, ModelParallel* par = nullptr);
 
 // The aux-loss-free bias update: b_i += rate · sign(mean load − load_i), sign(0) = 0.
 template <typename T>

@@ -1,21 +1,12 @@
 #include "train/trainer.h"
 
 #include <chrono>
+
+#include "core/check.h"
+#include "core/layout.h"
 #include <nlohmann/json.hpp>
 
 namespace rs::train {
-namespace {
-
-std::vector<ParamSegment> Segments(const Transformer<float>& m) {
-  std::vector<ParamSegment> out;
-  for (std::size_t i = 0; i < m.specs().size(); ++i) {
-    // Weight decay on matrices only: decaying norm gains towards 0 would fight the norm.
-    out.push_back({m.offset(i), m.numel(i), m.trainable(i), m.specs()[i].shape.size() >= 2});
-  }
-  return out;
-}
-
-}  // namespace
 
 Status ValidateTrainConfig(const TrainConfig& t, const ModelConfig& m) {
   if (t.batch_size < 1 || t.batch_size > (1 << 20)) return InvalidArgument("train: 'batch_size' must be in [1, 2^20]");
@@ -68,36 +59,92 @@ Result<TrainConfig> TrainConfigFromJson(const nlohmann::json& j) {
   return t;
 }
 
-Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus) {
+PhysicalLayout TrainParallel::DefaultLayout() {
+  auto rules = BuiltinRuleSet("megatron");
+  RS_CHECK(rules.ok());
+  auto layout = PhysicalLayout::Parse("tp=1,fsdp_form=flat", *rules);
+  RS_CHECK(layout.ok());
+  return *layout;
+}
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus,
+                                                 const TrainParallel& parallel) {
   RS_RETURN_IF_ERROR(model.Validate());
   RS_RETURN_IF_ERROR(CheckTrainable(model));
   RS_RETURN_IF_ERROR(ValidateTrainConfig(train, model));
   RS_RETURN_IF_ERROR(CheckCorpusFits(corpus, train.seq_len > 0 ? train.seq_len : model.max_seq_len));
-  return std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus)));
+  std::unique_ptr<dist::Communicator> self;
+  dist::Communicator* world = parallel.world;
+  if (world == nullptr) {
+    self = dist::MakeSelfCommunicator("world");
+    world = self.get();
+  }
+  RS_ASSIGN_OR_RETURN(auto state, ShardedState::Create(model, parallel.layout, world->rank(), train.optimizer));
+  if (train.batch_size % state->data_size() != 0) {
+    return InvalidArgument("train: batch_size " + std::to_string(train.batch_size) +
+                           " is not divisible by the data-parallel degree " + std::to_string(state->data_size()) +
+                           " (dp x fsdp) of layout " + parallel.layout.ToString());
+  }
+  RS_ASSIGN_OR_RETURN(ProcessGroups groups, state->MakeGroups(*world));
+  auto t = std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus), std::move(state), std::move(groups)));
+  t->self_ = std::move(self);
+  t->state_->Initialize(t->model_, train.seed, train.init_std);
+  return t;
 }
 
-Trainer::Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corpus)
+Trainer::Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corpus, std::unique_ptr<ShardedState> state,
+                 ProcessGroups groups)
     : train_(train),
       corpus_(std::move(corpus)),
       seq_(train.seq_len > 0 ? train.seq_len : model.max_seq_len),
-      model_(model, train.dispatch),
-      opt_(train.optimizer, Segments(model_), static_cast<std::int64_t>(model_.params().size())) {
-  model_.Initialize(train_.seed, train_.init_std);
+      state_(std::move(state)),
+      groups_(std::move(groups)),
+      par_{groups_.tp.get(), groups_.data.get(), 0, state_->vocab_offset(), Status::Ok()},
+      model_(model, train.dispatch, state_->local_specs(), &par_) {}
+
+std::int64_t Trainer::num_parameters() const {
+  std::int64_t n = 0;
+  for (const TensorSpec& s : ModelParameters(model_.config())) n += s.numel();
+  return n;
 }
 
-StepReport Trainer::Step() {
-  const auto start = std::chrono::steady_clock::now();
-  const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
-  model_.ZeroGrads();
+Result<StepReport> Trainer::Step() {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  groups_.ResetStats();
   StepReport r;
-  r.losses = model_.Run(b.inputs.data(), b.targets.data(), b.batch, b.seq, Transformer<float>::Pass::kForwardBackward);
-  r.update = opt_.Update(model_.params(), model_.grads(), step_);
-  // The bias follows the loads of this step's forward pass (DeepSeek-V3's per-step update).
+  const std::string at = "step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) + ": ";
+  // Phase 1: the parameters of this step (fsdp: all-gather every bucket).
+  auto t0 = Clock::now();
+  if (Status s = state_->GatherParameters(groups_, model_); !s.ok()) return s.WithContext(at + "gather parameters");
+  r.comm_seconds += since(t0);
+  // Phase 2: forward and backward on this rank's rows of the global batch.
+  const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
+  const std::int64_t rows = b.batch / state_->data_size();
+  const auto first = static_cast<std::size_t>(state_->data_index() * rows * b.seq);
+  model_.ZeroGrads();
+  par_.global_rows = b.batch * b.seq;
+  par_.status = Status::Ok();
+  r.losses = model_.Run(b.inputs.data() + first, b.targets.data() + first, rows, b.seq,
+                        Transformer<float>::Pass::kForwardBackward);
+  if (!par_.status.ok()) return par_.status.WithContext(at + "forward/backward");
+  // Phase 3: gradients of the whole batch (kv replicas, fsdp reduce-scatter, dp all-reduce).
+  t0 = Clock::now();
+  if (Status s = state_->ReduceGradients(groups_, model_); !s.ok()) return s.WithContext(at + "reduce gradients");
+  r.comm_seconds += since(t0);
+  // Phase 4: global norm, clip, AdamW on the owned items.
+  auto update = state_->Update(groups_, step_);
+  if (!update.ok()) return update.status().WithContext(at + "optimizer update");
+  r.update = *update;
+  // Phase 5: the bias follows the loads of this step's forward pass (DeepSeek-V3's per-step
+  // update); loads are those of the whole batch, so every rank moves its copy the same way.
   model_.UpdateExpertBiases(r.losses);
   ++step_;
   r.step = step_;
   r.tokens = b.batch * b.seq;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.comm = groups_.Stats();
+  r.seconds = since(start);
   return r;
 }
 

@@ -1,7 +1,13 @@
-// Single-process training: the model, AdamW state and the step counter, and one step =
-// batch(seed, step) -> forward + backward -> clip -> AdamW -> expert-bias update. The whole
-// state that the next step depends on is (master weights, expert biases, exp_avg, exp_avg_sq,
-// step, configs, data), all of which a checkpoint stores, so resuming is bit-exact.
+// Training: the model, its sharded state and the step counter; one step =
+// batch(seed, step) -> gather parameters -> forward + backward -> reduce gradients -> global
+// norm, clip, AdamW -> expert-bias update. The whole state that the next step depends on is
+// (master weights, expert biases, exp_avg, exp_avg_sq, step, configs, data), all of which a
+// checkpoint stores, so resuming is exact: bit-exact at the same layout, build and --threads.
+//
+// One process is the layout "tp=1". Under mpirun every rank builds a Trainer for its rank of
+// the same PhysicalLayout (train/sharded.h): the global batch and its order do not depend on
+// the layout, each data-parallel rank takes its rows of it, and the losses are those of the
+// whole batch.
 #pragma once
 
 #include <cstdint>
@@ -11,10 +17,13 @@
 
 #include "core/model.h"
 #include "core/status.h"
+#include "dist/communicator.h"
+#include "reshard/physical_layout.h"
 #include "train/data.h"
 #include "train/model.h"
 #include "train/moe.h"
 #include "train/optimizer.h"
+#include "train/sharded.h"
 
 namespace rs::train {
 
@@ -36,21 +45,35 @@ Status ValidateTrainConfig(const TrainConfig& t, const ModelConfig& m);
 void to_json(nlohmann::json& j, const TrainConfig& t);
 Result<TrainConfig> TrainConfigFromJson(const nlohmann::json& j);
 
+// Where a Trainer runs: its layout and the communicator of all its processes.
+struct TrainParallel {
+  // Default: one process ("tp=1", megatron rules, flat fsdp form).
+  PhysicalLayout layout = DefaultLayout();
+  dist::Communicator* world = nullptr;  // null: a single process
+  static PhysicalLayout DefaultLayout();
+};
+
 struct StepReport {
   std::int64_t step = 0;  // 1-based number of the step just completed
   Losses losses;
   UpdateInfo update;
-  std::int64_t tokens = 0;
-  double seconds = 0;  // wall time of the step
+  std::int64_t tokens = 0;  // of the global batch
+  double seconds = 0;       // wall time of the step
+  double comm_seconds = 0;  // of which in gradient/parameter collectives outside the model
+  dist::CommStats comm;     // bytes this rank received during the step
 };
 
 class Trainer {
  public:
   // A fresh run: parameters initialised from train.seed, optimizer state zero, step 0.
-  // InvalidArgument for bad configs or a corpus too short for seq_len.
-  static Result<std::unique_ptr<Trainer>> Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus);
+  // InvalidArgument for bad configs, a corpus too short for seq_len, a batch that the data-
+  // parallel degree does not divide, or a layout that does not fit; Unimplemented for layouts
+  // the training core does not support. Collective over parallel.world.
+  static Result<std::unique_ptr<Trainer>> Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus,
+                                                 const TrainParallel& parallel = {});
 
-  StepReport Step();
+  // One step; a failed collective or phase is returned (the state is then undefined).
+  Result<StepReport> Step();
 
   std::int64_t step() const { return step_; }
   void set_step(std::int64_t s) { step_ = s; }
@@ -58,17 +81,26 @@ class Trainer {
   const ModelConfig& model_config() const { return model_.config(); }
   const TrainConfig& train_config() const { return train_; }
   const Corpus& corpus() const { return corpus_; }
+  // The rank's model: whole TP-local tensors (parameters as of the last gather).
   Transformer<float>& model() { return model_; }
-  AdamW& optimizer() { return opt_; }
+  ShardedState& state() { return *state_; }
+  ProcessGroups& groups() { return groups_; }
+  std::int64_t rank() const { return state_->rank(); }
+  // Sum of every logical parameter's items (the model's size, whatever the layout).
+  std::int64_t num_parameters() const;
 
  private:
-  Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corpus);
+  Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corpus, std::unique_ptr<ShardedState> state,
+          ProcessGroups groups);
 
   TrainConfig train_;
   Corpus corpus_;
   std::int64_t seq_;
+  std::unique_ptr<ShardedState> state_;
+  ProcessGroups groups_;
+  std::unique_ptr<dist::Communicator> self_;  // the world of a single process
+  ModelParallel par_;
   Transformer<float> model_;
-  AdamW opt_;
   std::int64_t step_ = 0;
 };
 

@@ -1,0 +1,56 @@
+// What a layer of the model needs to know about the processes it runs on (Megatron-style
+// tensor parallelism plus data parallelism, docs/DESIGN.md §6):
+//  - `tp`: the tensor-parallel group. Column-parallel weights (QKV by heads, SwiGLU fc1 as the
+//    rank's [W_i; V_i], expert fc1) and row-parallel weights (attention out, fc2) are held as
+//    the rank-local tensors of the physical map; a row-parallel output is all-reduced over tp
+//    in the forward pass, the input gradient of a column-parallel block in the backward pass.
+//    Embedding and output are vocab-parallel: rank i holds padded vocab rows
+//    [vocab_offset, vocab_offset + local rows); rows >= vocab_size are padding and never win.
+//  - `data`: the ranks that each hold other rows of the same global batch. Everything the
+//    model defines over the whole batch (cross-entropy mean, router load-balancing statistics,
+//    z-loss mean, Sinkhorn balancing, expert-bias loads) is all-reduced over it, so every
+//    number equals the single-process one up to summation order.
+// A null communicator is a group of one. Collectives called from inside the forward and
+// backward passes record the first failure in `status` (then the pass finishes on stale data
+// and its caller returns the status): a phase fails as a whole, never by aborting.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "core/status.h"
+#include "dist/communicator.h"
+
+namespace rs::train {
+
+struct ModelParallel {
+  dist::Communicator* tp = nullptr;
+  dist::Communicator* data = nullptr;
+  std::int64_t global_rows = 0;   // token rows of the whole batch over `data` (0: this pass's rows)
+  std::int64_t vocab_offset = 0;  // first (padded) vocab row of this rank's embedding / output
+  Status status;                  // first failed collective; sticky until cleared
+
+  std::int64_t tp_size() const { return tp != nullptr ? tp->size() : 1; }
+  std::int64_t GlobalRows(std::int64_t local_rows) const { return global_rows > 0 ? global_rows : local_rows; }
+
+  template <typename T>
+  void AllReduceTp(std::span<T> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
+    Reduce(tp, x, op);
+  }
+  template <typename T>
+  void AllReduceData(std::span<T> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
+    Reduce(data, x, op);
+  }
+
+ private:
+  template <typename T>
+  void Reduce(dist::Communicator* c, std::span<T> x, dist::ReduceOp op) {
+    if (c == nullptr || c->size() == 1 || !status.ok()) return;
+    status = c->AllReduce(x, op);
+  }
+};
+
+// The context of a single process (every group of one); shared, never written.
+ModelParallel& SingleProcess();
+
+}  // namespace rs::train

@@ -1,0 +1,123 @@
+// One rank's share of a training run under a parallel layout (docs/DESIGN.md §2–4, §6).
+//
+// The layout is the same PhysicalLayout that `example` and `convert` use, and the rank's
+// tensors are exactly the physical map's placements of ModelCheckpointTensors(config, Adam):
+//  - compute weights: the TP-local tensor of every parameter and buffer (QKV with the rank's
+//    heads and replicated kv heads, fc1 as [W_i; V_i], padded vocab rows), whole on every rank
+//    of an fsdp group while a step runs;
+//  - owned state: master weights, gradients and Adam moments of the rank's placement only – the
+//    whole TP-local tensor without sharded data parallelism, the FSDP bucket planner's flat
+//    slice with it (distributed optimizer). A checkpoint shard is this state, mapped to
+//    logical pieces by the same map; nothing is gathered to one rank.
+// Step phases (each returns a status): GatherParameters (fsdp all-gather of every bucket, or a
+// copy), the model's forward/backward (tp and data collectives inside), ReduceGradients
+// (kv-replica all-reduce, fsdp reduce-scatter per bucket, dp all-reduce), Update (global norm
+// over main copies only, clip, AdamW on owned items).
+//
+// Supported now: tp, fsdp (flat form), dp. Pipeline, expert, expert-tensor and context
+// parallelism are refused with Unimplemented (they remain convertible with `reshard convert`).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/model.h"
+#include "dist/communicator.h"
+#include "formats/checkpoint_reader.h"
+#include "formats/checkpoint_writer.h"
+#include "reshard/physical_layout.h"
+#include "train/model.h"
+#include "train/optimizer.h"
+
+namespace rs::train {
+
+// The process groups of a rank; null members are groups of one.
+struct ProcessGroups {
+  dist::Communicator* world = nullptr;
+  std::unique_ptr<dist::Communicator> tp, fsdp, dp, data, kv;
+  // Bytes this rank received in every group since the last reset.
+  dist::CommStats Stats() const;
+  void ResetStats();
+};
+
+class ShardedState {
+ public:
+  // Checks that `layout` fits the model and that training supports it (InvalidArgument /
+  // Unimplemented naming the axis or tensor), and lays out rank `rank`'s tensors.
+  static Result<std::unique_ptr<ShardedState>> Create(const ModelConfig& model, const PhysicalLayout& layout,
+                                                      std::int64_t rank, const OptimizerConfig& optimizer);
+
+  // Builds the communicators of the layout's groups (collective over `world`, whose size must
+  // be the mesh size).
+  Result<ProcessGroups> MakeGroups(dist::Communicator& world) const;
+
+  const PhysicalMap& map() const { return *map_; }
+  const PhysicalLayout& layout() const { return map_->layout(); }
+  std::int64_t rank() const { return rank_; }
+  // ModelParameters(config) with this rank's local shapes.
+  const std::vector<TensorSpec>& local_specs() const { return local_specs_; }
+  std::int64_t vocab_offset() const { return vocab_offset_; }
+  // Which rows of the global batch this rank trains on: sequences
+  // [data_index · B / data_size, (data_index + 1) · B / data_size).
+  std::int64_t data_index() const { return data_index_; }
+  std::int64_t data_size() const { return data_size_; }
+  const BucketPlan* bucket_plan() const { return plan_; }
+
+  // Fresh run: fills `model` (whole TP-local tensors) with the initial values of MODEL.md §6
+  // and the owned master weights from them.
+  void Initialize(Transformer<float>& model, std::uint64_t seed, double init_std);
+  // Resume: reads master weights, moments and buffers of this rank's placements from a
+  // checkpoint of any layout (each piece through the reader's overlap index). DataLoss when a
+  // tensor is missing or has another shape (a checkpoint of another model).
+  Status Load(CheckpointReader& reader, Transformer<float>& model);
+  // Writes this rank's shards (main replicas; all with `with_replicas`) of every checkpoint
+  // tensor into `writer`; parameters rounded from the master weights to their dtype.
+  Status Save(CheckpointWriter& writer, const Transformer<float>& model, std::int64_t step, bool with_replicas) const;
+
+  // Step phases.
+  Status GatherParameters(ProcessGroups& groups, Transformer<float>& model);
+  Status ReduceGradients(ProcessGroups& groups, Transformer<float>& model);
+  Result<UpdateInfo> Update(ProcessGroups& groups, std::int64_t step);
+
+  std::span<float> master() { return master_; }
+  std::span<float> grads() { return grad_; }
+  AdamW& optimizer() { return *opt_; }
+  // The owned items of model tensor `i` (its placement's buffer), or an empty span for
+  // buffers (not trained).
+  std::span<const float> Owned(std::span<const float> owned, std::size_t i) const;
+
+ private:
+  struct Tensor {
+    std::size_t ckpt = 0;                // index into map_.tensors()
+    LocalTensorMap local;                // the TP-local tensor (the compute weights)
+    std::optional<Placement> placement;  // this rank's buffer (nullopt: an fsdp rank holding none)
+    std::int64_t owned = -1;             // trainable: offset of the buffer in the owned vectors
+  };
+  struct BucketShard {
+    std::size_t bucket = 0;
+    std::int64_t base = 0;  // offset of this rank's shard in the owned vectors
+  };
+  ShardedState() = default;
+  std::size_t CkptIndex(const std::string& name) const;
+
+  std::optional<PhysicalMap> map_;  // always set after Create
+  std::int64_t rank_ = 0;
+  std::vector<TensorSpec> local_specs_;
+  std::vector<Tensor> tensors_;  // per model tensor (ModelParameters order)
+  std::int64_t vocab_offset_ = 0;
+  std::int64_t data_index_ = 0, data_size_ = 1;
+  std::int64_t fsdp_index_ = 0, fsdp_size_ = 1;
+  std::int64_t kv_replication_ = 1;  // tp ranks that hold each kv head
+  const BucketPlan* plan_ = nullptr;  // with fsdp > 1
+  std::vector<BucketShard> shards_;
+  std::vector<std::size_t> plan_tensor_;  // per plan param: model tensor index
+  std::vector<float> master_, grad_;
+  std::unique_ptr<AdamW> opt_;
+  ModelConfig config_;
+};
+
+}  // namespace rs::train
