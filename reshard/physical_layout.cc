@@ -299,6 +299,11 @@ std::optional<Placement> PhysicalMap::Place(std::size_t tensor, std::int64_t ran
   return p;
 }
 
+std::optional<LocalTensorMap> PhysicalMap::LocalTensor(std::size_t tensor, std::int64_t rank) const {
+  RS_CHECK(tensor < tensors_.size() && rank >= 0 && rank < num_ranks());
+  return LocalMap(tensor, rank, layout_.options.fsdp == FsdpForm::kFlat ? flat_layout_ : box_layout_);
+}
+
 std::vector<Placement> PhysicalMap::PlaceAll(Replicas replicas) const {
   std::vector<Placement> out;
   for (std::int64_t rank = 0; rank < num_ranks(); ++rank) {

@@ -76,10 +76,6 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   s->data_index_ = Coord(mesh, coords, kDpAxis) * fsdp + s->fsdp_index_;
   s->data_size_ = mesh.AxisSize(kDpAxis) * fsdp;
   if (tp > model.n_kv_heads) s->kv_replication_ = tp / model.n_kv_heads;
-  // The rank of this fsdp group whose fsdp coordinate is 0: it holds every TP-local tensor.
-  std::vector<std::int64_t> zero = coords;
-  if (const auto f = mesh.AxisIndex(kFsdpAxis)) zero[*f] = 0;
-  const std::int64_t zero_rank = mesh.CoordsToRank(zero);
 
   const std::vector<TensorSpec> params = ModelParameters(model);
   const auto& all = s->map_->tensors();
@@ -96,11 +92,11 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
                              "'; the training core shards parameters over tp (and flat fsdp) only");
       }
     }
-    auto local = s->map_->Place(i, zero_rank);
-    if (!local) return Internal("no placement of '" + params[i].name + "' on rank " + std::to_string(zero_rank));
+    auto local = s->map_->LocalTensor(i, rank);
+    if (!local) return Internal("no local tensor of '" + params[i].name + "' on rank " + std::to_string(rank));
     Tensor t;
     t.ckpt = i;
-    t.local = local->local;
+    t.local = std::move(*local);
     t.placement = s->map_->Place(i, rank);
     TensorSpec ls = params[i];
     ls.shape = t.local.local_shape();
@@ -357,7 +353,7 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
     // heads; the head's gradient is their sum.
     for (std::size_t i = 0; i < local_specs_.size(); ++i) {
       if (!EndsWith(local_specs_[i].name, "attn.qkv.weight")) continue;
-      const std::string out = local_specs_[i].name.substr(0, local_specs_[i].name.size() - 8) + "out.weight";
+      const std::string out = local_specs_[i].name.substr(0, local_specs_[i].name.size() - 10) + "out.weight";
       const auto o = std::find_if(local_specs_.begin(), local_specs_.end(),
                                   [&](const TensorSpec& s) { return s.name == out; });
       RS_CHECK(o != local_specs_.end());
