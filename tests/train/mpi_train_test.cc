@@ -1,0 +1,240 @@
+// Multi-rank training under mpirun --oversubscribe against the single-process trainer: loss
+// parity at every supported layout, gradients assembled from the ranks' checkpoints, save at
+// one layout / verify / diff / resume at another, bad inputs and a killed rank. Skipped when
+// mpirun is missing.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/cli/cli_test_util.h"
+
+namespace rs {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CommandResult;
+using testing::RunCli;
+using testing::TempDir;
+
+bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
+
+// `mpirun -np N reshard ARGS` (root allowed: CI runs as root), stdout and stderr together.
+CommandResult RunMpi(int np, const std::string& args) {
+  const std::string cmd = "mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) + " " +
+                          std::string(RS_CLI) + " " + args + " 2>&1";
+  CommandResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  std::size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::vector<double> Losses(const std::string& log) {
+  std::vector<double> out;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return out;
+}
+
+// Worst relative loss difference of step 1 and of all steps.
+struct Parity {
+  double first = 0;
+  double worst = 0;
+};
+Parity Compare(const std::vector<double>& ref, const std::vector<double>& got) {
+  Parity p;
+  EXPECT_EQ(ref.size(), got.size());
+  for (std::size_t i = 0; i < std::min(ref.size(), got.size()); ++i) {
+    const double rel = std::abs(ref[i] - got[i]) / std::abs(ref[i]);
+    if (i == 0) p.first = rel;
+    p.worst = std::max(p.worst, rel);
+  }
+  return p;
+}
+
+int Ranks(const std::string& layout) {
+  int n = 1;
+  std::size_t pos = 0;
+  while ((pos = layout.find('=', pos)) != std::string::npos) n *= std::atoi(layout.c_str() + ++pos);
+  return n;
+}
+
+class MpiTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
+  }
+  TempDir tmp_;
+  // A model with a dense first layer, a shared expert and the Sinkhorn router (global
+  // statistics over the data group), and one with sigmoid_bias (expert-bias loads).
+  std::string Model(const std::string& name, const std::string& router) {
+    const std::string path = tmp_.path().string() + "/" + name + ".json";
+    std::ofstream(path) << R"({"name": ")" << name << R"(", "n_layers": 3, "first_dense_layers": 1, "shared_ffn": 32, )"
+                        << R"("router": ")" << router << R"("})";
+    return path;
+  }
+  std::vector<double> Train(const std::string& layout, const std::string& args, const std::string& tag) {
+    const std::string log = tmp_.path().string() + "/" + tag + ".jsonl";
+    const CommandResult r = layout.empty() ? RunCli("train " + args + " --threads 1 --log " + log)
+                                           : RunMpi(Ranks(layout), "train " + args + " --threads 1 --layout " +
+                                                                       layout + " --log " + log);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return Losses(log);
+  }
+};
+
+TEST_F(MpiTrainTest, LossesMatchOneProcessAtEveryLayout) {
+  const std::string tiny = "--model tiny-moe --steps 10";
+  const std::string shared = "--model " + Model("shared-sinkhorn", "sinkhorn") + " --steps 10 --align 16";
+  const std::string bias = "--model " + Model("shared-bias", "sigmoid_bias") + " --steps 10 --dispatch unfused";
+  struct Case {
+    std::string args, layout;
+  };
+  const std::vector<Case> cases = {
+      {tiny, "tp=2"},      {tiny, "fsdp=2"},           {tiny, "fsdp=2,bucket_policy=lcm"},
+      {tiny, "dp=2"},      {tiny, "tp=2,fsdp=2"},      {tiny, "tp=4"},  // kv heads replicated (2 kv heads)
+      {shared, "tp=2"},    {shared, "dp=2,fsdp=2"},    {bias, "tp=2,fsdp=2"},
+  };
+  double worst_first = 0, worst = 0;
+  for (const auto& [args, layout] : cases) {
+    const std::vector<double> ref = Train("", args, "ref");
+    const Parity p = Compare(ref, Train(layout, args, "par"));
+    EXPECT_LE(p.first, 1e-6) << args << " at " << layout;
+    EXPECT_LE(p.worst, 1e-4) << args << " at " << layout;
+    worst_first = std::max(worst_first, p.first);
+    worst = std::max(worst, p.worst);
+  }
+  std::printf("worst relative loss difference: step 1 %.3g, steps 1-10 %.3g\n", worst_first, worst);
+}
+
+// One step's gradients, assembled from the ranks' shards: after step 1, exp_avg = (1 − β1) ·
+// clip · g, so equal exp_avg tensors (every layout stores them in logical coordinates) are
+// equal gradients; the updated master weights are compared too.
+TEST_F(MpiTrainTest, GradientsAndMasterWeightsMatchOneProcess) {
+  const std::string one = tmp_.path().string() + "/one", many = tmp_.path().string() + "/many";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 1 --threads 1 --save " + one).exit_code, 0);
+  const CommandResult r = RunMpi(4, "train --model tiny-moe --steps 1 --threads 1 --layout tp=2,fsdp=2 --save " + many);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string a = one + "/step-00000001", b = many + "/step-00000001";
+  const CommandResult v = RunCli("verify " + b);
+  EXPECT_EQ(v.exit_code, 0) << v.output;
+  const CommandResult d = RunCli("diff " + a + " " + b + " --tolerance 1e-6");
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+  // And the check can fail: a different seed gives different gradients.
+  const std::string other = tmp_.path().string() + "/other";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 1 --seed 2 --threads 1 --save " + other).exit_code, 0);
+  EXPECT_EQ(RunCli("diff " + a + " " + other + "/step-00000001 --tolerance 1e-6").exit_code, 1);
+}
+
+TEST_F(MpiTrainTest, SaveAtOneLayoutResumeAtAnother) {
+  const std::string ref_log = tmp_.path().string() + "/ref.jsonl";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 10 --threads 1 --log " + ref_log).exit_code, 0);
+  const std::vector<double> ref = Losses(ref_log);
+  const std::string run = tmp_.path().string() + "/run", one = tmp_.path().string() + "/one";
+  CommandResult r = RunMpi(4, "train --model tiny-moe --steps 5 --threads 1 --layout tp=2,fsdp=2 --save " + run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 5 --threads 1 --save " + one).exit_code, 0);
+  const std::string ckpt = run + "/step-00000005";
+  EXPECT_EQ(RunCli("verify " + ckpt).exit_code, 0);
+  // Every rank wrote its own file.
+  for (int rank = 0; rank < 4; ++rank) {
+    char name[32];
+    std::snprintf(name, sizeof name, "rank-%05d.h5", rank);
+    EXPECT_TRUE(fs::exists(fs::path(ckpt) / name)) << name;
+  }
+  r = RunCli("diff " + one + "/step-00000005 " + ckpt + " --tolerance 1e-5");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  // Resume at other layouts and process counts, straight from the tp=2,fsdp=2 checkpoint.
+  for (const std::string& layout : {std::string("dp=2"), std::string("tp=4"), std::string()}) {
+    const std::string log = tmp_.path().string() + "/resumed.jsonl";
+    std::filesystem::remove(log);
+    r = layout.empty() ? RunCli("train --resume " + ckpt + " --steps 10 --threads 1 --log " + log)
+                       : RunMpi(Ranks(layout), "train --resume " + ckpt + " --steps 10 --threads 1 --layout " + layout +
+                                                   " --log " + log);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::vector<double> got = Losses(log);
+    ASSERT_EQ(got.size(), 5u);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
+    }
+  }
+}
+
+TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
+  CommandResult r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=4");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("mpirun -np 4"), std::string::npos) << r.output;
+  r = RunMpi(3, "train --model tiny-moe --steps 1 --layout tp=3");  // 4 query heads over 3 ranks
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("query"), std::string::npos) << r.output;
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=2 --rules /nonexistent/rules.json");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("'ep' axis"), std::string::npos) << r.output;
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout dp=2 --batch-size 3");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  // Resuming from a checkpoint of another model: an example of small-moe has no training state.
+  const std::string other = tmp_.path().string() + "/other";
+  ASSERT_EQ(RunCli("example --model small-moe --layout tp=2 -o " + other).exit_code, 0);
+  r = RunMpi(2, "train --resume " + other + " --steps 2 --layout tp=2");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(other), std::string::npos) << r.output;
+}
+
+// A rank killed mid-run: every rank ends non-zero within seconds and no checkpoint appears.
+TEST_F(MpiTrainTest, KilledRankEndsTheRunWithoutACheckpoint) {
+  const std::string save = tmp_.path().string() + "/killed";
+  const std::string marker = tmp_.path().string() + "/marker.jsonl";
+  const std::string cmd = "mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(RS_CLI) +
+                          " train --model tiny-moe --steps 100000 --threads 1 --layout fsdp=2 --save-every 100000 "
+                          "--save " + save + " --log " + marker + " > /dev/null 2>&1";
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Wait until training runs, then kill one rank (the one that does not write the log).
+  for (int i = 0; i < 200 && !(fs::exists(marker) && fs::file_size(marker) > 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(fs::exists(marker));
+  const std::string kill_cmd = "pkill -9 -f -n 'reshard train.*" + marker + "'";
+  EXPECT_EQ(std::system(kill_cmd.c_str()), 0);
+  const auto start = std::chrono::steady_clock::now();
+  int status = 0;
+  pid_t done = 0;
+  while ((done = waitpid(pid, &status, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (done == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    FAIL() << "the run did not end within 30 s of a killed rank";
+  }
+  EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(std::system(("pgrep -f 'reshard train.*" + marker + "' > /dev/null").c_str()) == 0, false);
+  EXPECT_FALSE(fs::exists(save) && fs::exists(fs::path(save) / "step-00100000"));
+}
+
+}  // namespace
+}  // namespace rs
