@@ -67,7 +67,8 @@ enum class BucketPolicy : std::uint8_t {
   // shard boundary, fills the alignment gaps with small parameters, and searches the shard
   // size; so per group it never pads more than the better of kLcm and kSplit. kElement: the
   // better of the kLcm and kSplit compositions at element alignment (members must start
-  // A-aligned there, which leaves nothing for the packer to gain). With merge_units, a group
+  // A-aligned there, which leaves the packer little to gain: padding is below A per member
+  // plus dp x A per bucket). With merge_units, a group
   // that still pads more than `merge_target` is merged with the next FSDP units of the same
   // kind (see PlanOptions::merge_units).
   kBest,
@@ -105,7 +106,7 @@ struct PlanOptions {
   double merge_target = 0.005;
   ShardGranularity granularity = ShardGranularity::kElement;
   // kElement only: shard boundaries and member starts on multiples of this many bytes (a power
-  // of two in [1, 2^20]; the default, 128, is 64 bf16 items, Megatron's parameter alignment).
+  // of two in [1, 2^20]; the default, 128, is 64 bf16 items).
   std::int64_t align_bytes = 128;
 };
 

@@ -8,8 +8,10 @@
 //  - fsdp form: "box" shards dims by the rules (MaxText style: `embed` -> fsdp); "flat" ignores
 //    the rules' use of the fsdp axis and gives each fsdp rank the flat item ranges of its
 //    TP-local parameters that the FSDP bucket planner assigns (distributed optimizer, DESIGN
-//    §4). Optimizer states take their parameter's ranges; buffers and scalars are replicated
-//    over fsdp.
+//    §4), under the options' bucket policy, shard granularity (element: ranges on multiples of
+//    bucket_align_bytes, so an expert matrix may be split; matrix: whole dim-0 rows) and unit
+//    merging. Optimizer states take their parameter's ranges; buffers and scalars are
+//    replicated over fsdp.
 //  - vocab padding: vocab-parallel dims (tensors with vocab_size > 0, dim 0) are padded to a
 //    multiple of (sharding degree x vocab_multiple); padding rows hold no logical item.
 //  - expert tensor parallelism: on tensors marked `expert`, a dim labelled L uses the rule for
