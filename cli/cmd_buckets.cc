@@ -1,10 +1,12 @@
-// `reshard buckets --model PRESET|FILE.json --dp N [--ep N] [--policy lcm|split|best] [--json]`:
-// plans FSDP buckets (core/fsdp_buckets.h) and reports their padding and all-gather traffic.
+// `reshard buckets --model PRESET|FILE.json --dp N [--ep N] [--policy lcm|split|best]
+// [--granularity element|matrix] [--merge-units] [--compare] [--json]`: plans FSDP buckets
+// (core/fsdp_buckets.h) and reports their padding, all-gather traffic and largest bucket.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "cli/commands.h"
@@ -21,6 +23,9 @@ struct BucketsArgs {
   std::int64_t dp = 0;
   std::int64_t ep = 1;
   std::string policy = "best";
+  std::string granularity = "element";
+  std::int64_t align_bytes = 128;
+  bool merge_units = false;
   bool per_expert_2d = false;
   std::int64_t layers_per_unit = 1;
   double bucket_mib = 0.0;
@@ -42,9 +47,16 @@ requires_grad, unit). --ep, --per-expert-2d and --layers-per-unit apply to prese
 Presets (shapes only, all bf16): deepseek-v3, qwen3-30b-a3b, mixtral-8x7b, with grouped 3-D expert
 weights [E/ep, 2f, d] and [E/ep, d, f] by default; one FSDP unit per decoder layer by default.
 
+Granularity: element (default) puts shard boundaries on multiples of --align-bytes in each
+parameter's flat items, so an expert matrix may be split across ranks (element-wise optimizers
+such as AdamW); matrix keeps every dim-0 row whole (a grouped expert weight's expert matrices),
+as optimizers that need whole matrices do. One bucket per FSDP unit unless --merge-units.
+
 Padding counts every bucket byte that holds no parameter (alignment gaps and the tail).
 All-gather bytes per step: what each rank receives when every bucket is all-gathered once,
-sum over buckets of bucket bytes x (dp - 1) / dp; the whole group moves dp times that.)";
+sum over buckets of bucket bytes x (dp - 1) / dp; the whole group moves dp times that.
+Largest bucket: the peak bytes a rank holds all-gathered at once (one bucket at a time).
+--compare prints every policy under both granularities.)";
 
 Result<std::vector<FsdpParam>> LoadParams(const BucketsArgs& a) {
   for (const auto& name : FsdpPresetNames()) {
@@ -91,7 +103,11 @@ std::string Pct(double f) {
 
 nlohmann::json TotalsJson(const BucketPlan& p) {
   return {{"policy", BucketPolicyName(p.options.policy)},
+          {"granularity", ShardGranularityName(p.options.granularity)},
+          {"merge_units", p.options.merge_units},
           {"buckets", p.buckets.size()},
+          {"merged_buckets", p.merged_buckets()},
+          {"largest_bucket_bytes", p.largest_bucket_bytes()},
           {"param_bytes", p.param_bytes()},
           {"total_bytes", p.total_bytes()},
           {"padding_bytes", p.padding_bytes()},
@@ -100,17 +116,27 @@ nlohmann::json TotalsJson(const BucketPlan& p) {
 }
 
 void PrintTotals(const BucketPlan& p) {
-  std::printf("%-6s %8zu buckets  padding %12s (%9s)  all-gather/rank/step %12s  (group %s)\n",
-              std::string(BucketPolicyName(p.options.policy)).c_str(), p.buckets.size(),
+  std::printf("%-6s %-8s %6zu buckets  padding %12s (%9s)  all-gather/rank/step %12s  largest bucket %12s\n",
+              std::string(BucketPolicyName(p.options.policy)).c_str(),
+              std::string(ShardGranularityName(p.options.granularity)).c_str(), p.buckets.size(),
               HumanBytes(p.padding_bytes()).c_str(), Pct(p.padding_fraction()).c_str(),
-              HumanBytes(p.allgather_bytes_per_rank()).c_str(),
-              HumanBytes(p.allgather_bytes_per_rank() * p.options.dp).c_str());
+              HumanBytes(p.allgather_bytes_per_rank()).c_str(), HumanBytes(p.largest_bucket_bytes()).c_str());
+}
+
+// What merging units cost and bought: the same plan with one bucket per unit, side by side.
+void PrintMergeCost(const BucketPlan& merged, const BucketPlan& apart) {
+  std::printf("merging units: %zu of %zu buckets hold several units; padding %s -> %s, largest bucket %s -> %s\n",
+              merged.merged_buckets(), merged.buckets.size(), Pct(apart.padding_fraction()).c_str(),
+              Pct(merged.padding_fraction()).c_str(), HumanBytes(apart.largest_bucket_bytes()).c_str(),
+              HumanBytes(merged.largest_bucket_bytes()).c_str());
 }
 
 void PrintPlan(const BucketsArgs& a, const BucketPlan& p) {
-  std::printf("model %s, %zu parameters, %s; dp %lld, policy %s\n", a.model.c_str(), p.params.size(),
+  std::printf("model %s, %zu parameters, %s; dp %lld, policy %s, granularity %s%s\n", a.model.c_str(), p.params.size(),
               HumanBytes(p.param_bytes()).c_str(), static_cast<long long>(p.options.dp),
-              std::string(BucketPolicyName(p.options.policy)).c_str());
+              std::string(BucketPolicyName(p.options.policy)).c_str(),
+              std::string(ShardGranularityName(p.options.granularity)).c_str(),
+              p.options.merge_units ? ", units merged" : "");
   if (!a.summary) {
     std::printf("\n%6s  %-12s %-10s %7s %14s %12s %12s %9s\n", "bucket", "kind", "units", "members", "csf", "size",
                 "padding", "pad %");
@@ -131,9 +157,10 @@ void PrintPlan(const BucketsArgs& a, const BucketPlan& p) {
   std::printf("parameters %s, buckets %s, padding %s = %s of the buckets\n", HumanBytes(p.param_bytes()).c_str(),
               HumanBytes(p.total_bytes()).c_str(), HumanBytes(p.padding_bytes()).c_str(),
               Pct(p.padding_fraction()).c_str());
-  std::printf("all-gather per step: %s received per rank, %s over the group\n",
+  std::printf("all-gather per step: %s received per rank, %s over the group; largest bucket %s\n",
               HumanBytes(p.allgather_bytes_per_rank()).c_str(),
-              HumanBytes(p.allgather_bytes_per_rank() * p.options.dp).c_str());
+              HumanBytes(p.allgather_bytes_per_rank() * p.options.dp).c_str(),
+              HumanBytes(p.largest_bucket_bytes()).c_str());
 }
 
 void PrintRank(const BucketPlan& p, std::int64_t rank) {
@@ -164,6 +191,11 @@ void RunBuckets(const BucketsArgs& a) {
   if (!params.ok()) Fail("buckets", params.status());
   auto policy = ParseBucketPolicy(a.policy);
   if (!policy.ok()) Fail("buckets", policy.status());
+  auto granularity = ParseShardGranularity(a.granularity);
+  if (!granularity.ok()) Fail("buckets", granularity.status());
+  if (a.merge_units && a.no_merge_units) {
+    Fail("buckets", InvalidArgument("--merge-units and --no-merge-units contradict each other"));
+  }
   if (a.dp < 1) Fail("buckets", InvalidArgument("--dp must be at least 1"));
   if (a.rank < -1 || a.rank >= a.dp) Fail("buckets", InvalidArgument("--rank must be in [0, dp)"));
   if (!(a.bucket_mib >= 0.0 && a.bucket_mib <= 1e9)) {
@@ -173,20 +205,27 @@ void RunBuckets(const BucketsArgs& a) {
   o.dp = a.dp;
   o.policy = *policy;
   o.bucket_limit_bytes = std::llround(a.bucket_mib * 1024.0 * 1024.0);
-  o.merge_units = !a.no_merge_units;
+  o.merge_units = a.merge_units;
+  o.granularity = *granularity;
+  o.align_bytes = a.align_bytes;
 
   if (a.compare) {
     nlohmann::json all = nlohmann::json::array();
-    if (!a.json)
-      std::printf("%s dp %lld ep %lld\n", a.model.c_str(), static_cast<long long>(a.dp), static_cast<long long>(a.ep));
-    for (const auto p : {BucketPolicy::kLcm, BucketPolicy::kSplit, BucketPolicy::kBest}) {
-      o.policy = p;
-      auto plan = PlanBuckets(*params, o);
-      if (!plan.ok()) Fail("buckets", plan.status());
-      if (a.json) {
-        all.push_back(TotalsJson(*plan));
-      } else {
-        PrintTotals(*plan);
+    if (!a.json) {
+      std::printf("%s dp %lld ep %lld%s\n", a.model.c_str(), static_cast<long long>(a.dp), static_cast<long long>(a.ep),
+                  a.merge_units ? ", units merged" : ", one bucket per unit");
+    }
+    for (const auto g : {ShardGranularity::kMatrix, ShardGranularity::kElement}) {
+      for (const auto p : {BucketPolicy::kLcm, BucketPolicy::kSplit, BucketPolicy::kBest}) {
+        o.policy = p;
+        o.granularity = g;
+        auto plan = PlanBuckets(*params, o);
+        if (!plan.ok()) Fail("buckets", plan.status());
+        if (a.json) {
+          all.push_back(TotalsJson(*plan));
+        } else {
+          PrintTotals(*plan);
+        }
       }
     }
     if (a.json) {
@@ -196,10 +235,24 @@ void RunBuckets(const BucketsArgs& a) {
     return;
   }
 
+  std::optional<BucketPlan> apart;
+  if (o.merge_units && o.policy == BucketPolicy::kBest) {
+    PlanOptions no_merge = o;
+    no_merge.merge_units = false;
+    auto p = PlanBuckets(*params, no_merge);
+    if (!p.ok()) Fail("buckets", p.status());
+    apart = std::move(p).value();
+  }
   auto plan = PlanBuckets(std::move(*params), o);
   if (!plan.ok()) Fail("buckets", plan.status());
   if (a.json) {
     nlohmann::json j = *plan;
+    if (apart) {
+      j["unmerged"] = {{"padding_fraction", apart->padding_fraction()},
+                       {"padding_bytes", apart->padding_bytes()},
+                       {"largest_bucket_bytes", apart->largest_bucket_bytes()},
+                       {"buckets", apart->buckets.size()}};
+    }
     j["model"] = a.model;
     j["ep"] = a.ep;
     if (a.summary) j.erase("buckets");
@@ -208,6 +261,7 @@ void RunBuckets(const BucketsArgs& a) {
     return;
   }
   PrintPlan(a, *plan);
+  if (apart) PrintMergeCost(*plan, *apart);
   if (a.rank >= 0) PrintRank(*plan, a.rank);
 }
 
@@ -229,6 +283,14 @@ void RegisterBuckets(CLI::App& app) {
                   "lcm (baseline: bucket CSF = LCM of row sizes), split (grouped experts by CSF), best")
       ->capture_default_str()
       ->check(CLI::IsMember({"lcm", "split", "best"}));
+  cmd->add_option("--granularity", a->granularity,
+                  "element (shard boundaries on --align-bytes; AdamW) or matrix (whole dim-0 rows / expert "
+                  "matrices; Muon, Shampoo)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"element", "matrix"}));
+  cmd->add_option("--align-bytes", a->align_bytes, "element granularity: alignment in bytes (a power of two)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
   cmd->add_flag("--per-expert-2d", a->per_expert_2d, "One 2-D fc1/fc2 weight per expert instead of grouped 3-D");
   cmd->add_option("--layers-per-unit", a->layers_per_unit,
                   "Decoder layers per FSDP unit (presets); 0 = the whole model is one unit")
@@ -236,8 +298,10 @@ void RegisterBuckets(CLI::App& app) {
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 20));
   cmd->add_option("--bucket-mib", a->bucket_mib, "Largest bucket in MiB of parameters (0 = no limit)")
       ->capture_default_str();
-  cmd->add_flag("--no-merge-units", a->no_merge_units,
-                "best: never put two FSDP units in one bucket, even where a unit alone pads heavily");
+  cmd->add_flag("--merge-units", a->merge_units,
+                "best: merge an FSDP unit with the next ones while it pads more than 0.5% (coarser all-gather; "
+                "the cost is reported)");
+  cmd->add_flag("--no-merge-units", a->no_merge_units, "One bucket per FSDP unit (the default; kept for scripts)");
   cmd->add_option("--rank", a->rank, "Also list the flat item ranges of every parameter this rank holds");
   cmd->add_flag("--compare", a->compare, "Print the totals of all three policies");
   cmd->add_flag("--summary", a->summary, "Totals only, no per-bucket listing");

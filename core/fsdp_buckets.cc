@@ -47,6 +47,9 @@ Status ValidateInput(const std::vector<FsdpParam>& params, const PlanOptions& o)
   }
   if (o.bucket_limit_bytes < 0) return InvalidArgument("bucket limit must not be negative");
   if (!(o.merge_target >= 0.0 && o.merge_target < 1.0)) return InvalidArgument("merge target must be in [0, 1)");
+  if (o.align_bytes < 1 || o.align_bytes > (std::int64_t{1} << 20) || (o.align_bytes & (o.align_bytes - 1)) != 0) {
+    return InvalidArgument("align_bytes must be a power of two in [1, 2^20], got " + std::to_string(o.align_bytes));
+  }
   std::set<std::string_view> names;
   std::int64_t total = 0;
   for (const auto& p : params) {
@@ -87,15 +90,19 @@ std::vector<Draft> PlanKindBest(const std::vector<std::vector<Item>>& units, std
     std::size_t begin, end;  // units [begin, end)
     std::vector<Draft> drafts;
   };
+  auto plan_group = [&](const std::vector<Item>& items) {
+    return o.granularity == ShardGranularity::kElement ? fsdp_internal::PlanGroupAligned(items, dp, limit)
+                                                       : fsdp_internal::PlanGroupBest(items, dp, limit);
+  };
   auto plan_units = [&](std::size_t begin, std::size_t end) {
     std::vector<const std::vector<Item>*> parts;
     for (std::size_t u = begin; u < end; ++u) parts.push_back(&units[u]);
-    return fsdp_internal::PlanGroupBest(Concat(parts), dp, limit);
+    return plan_group(Concat(parts));
   };
   std::vector<Segment> segments;
   std::size_t i = 0;
   while (i < units.size()) {
-    Segment best{i, i + 1, fsdp_internal::PlanGroupBest(units[i], dp, limit)};
+    Segment best{i, i + 1, plan_group(units[i])};
     double best_frac = fsdp_internal::PaddingFraction(best.drafts);
     if (o.merge_units) {
       for (std::size_t j = i + 2; j <= units.size() && best_frac > o.merge_target; ++j) {
@@ -142,7 +149,7 @@ Bucket ToBucket(const Draft& d, const std::vector<FsdpParam>& params) {
   std::set<std::int64_t> units;
   for (std::size_t i = 0; i < d.items.size(); ++i) {
     const Item& it = d.items[i];
-    b.members.push_back({it.param, d.offsets[i], it.numel, it.row});
+    b.members.push_back({it.param, d.offsets[i], it.numel, params[it.param].row_items(), it.row});
     units.insert(it.unit);
   }
   b.units.assign(units.begin(), units.end());
@@ -199,6 +206,21 @@ Result<BucketPolicy> ParseBucketPolicy(std::string_view name) {
   return InvalidArgument("unknown bucket policy '" + std::string(name) + "' (expected lcm, split or best)");
 }
 
+std::string_view ShardGranularityName(ShardGranularity g) {
+  return g == ShardGranularity::kMatrix ? "matrix" : "element";
+}
+
+Result<ShardGranularity> ParseShardGranularity(std::string_view name) {
+  for (const auto g : {ShardGranularity::kElement, ShardGranularity::kMatrix}) {
+    if (name == ShardGranularityName(g)) return g;
+  }
+  return InvalidArgument("unknown shard granularity '" + std::string(name) + "' (expected element or matrix)");
+}
+
+std::int64_t ElementAlignItems(std::int64_t align_bytes, DType dtype) {
+  return std::max<std::int64_t>(1, align_bytes / static_cast<std::int64_t>(DTypeSize(dtype)));
+}
+
 std::int64_t Bucket::param_items() const {
   std::int64_t n = 0;
   for (const auto& m : members) n += m.numel;
@@ -248,6 +270,17 @@ std::int64_t BucketPlan::allgather_bytes_per_rank() const {
   return n;
 }
 
+std::int64_t BucketPlan::largest_bucket_bytes() const {
+  std::int64_t n = 0;
+  for (const auto& b : buckets) n = std::max(n, b.size_bytes());
+  return n;
+}
+
+std::size_t BucketPlan::merged_buckets() const {
+  return static_cast<std::size_t>(
+      std::count_if(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.units.size() > 1; }));
+}
+
 std::vector<RankSlice> BucketPlan::RankSlices(std::int64_t rank) const {
   RS_CHECK_MSG(rank >= 0 && rank < options.dp, "rank " << rank << " outside dp " << options.dp);
   std::vector<RankSlice> out;
@@ -281,11 +314,14 @@ std::vector<std::pair<std::int64_t, ItemRange>> BucketPlan::ParamSlices(std::siz
 
 std::string BucketPlan::ToString() const {
   std::ostringstream os;
-  os << "bucket plan: policy " << BucketPolicyName(options.policy) << ", dp " << options.dp << ", " << buckets.size()
-     << " buckets\n"
+  os << "bucket plan: policy " << BucketPolicyName(options.policy) << ", granularity "
+     << ShardGranularityName(options.granularity);
+  if (options.granularity == ShardGranularity::kElement) os << " (" << options.align_bytes << " B)";
+  os << ", dp " << options.dp << ", " << buckets.size() << " buckets" << (options.merge_units ? ", units merged" : "")
+     << "\n"
      << "  parameters " << param_bytes() << " B, buckets " << total_bytes() << " B, padding " << padding_bytes()
      << " B (" << Percent(padding_fraction()) << "), all-gather per rank per step " << allgather_bytes_per_rank()
-     << " B\n";
+     << " B, largest bucket " << largest_bucket_bytes() << " B\n";
   for (std::size_t i = 0; i < buckets.size(); ++i) {
     const Bucket& b = buckets[i];
     os << "bucket " << i << ": " << DTypeName(b.dtype) << (b.expert ? " expert" : " shared")
@@ -294,8 +330,8 @@ std::string BucketPlan::ToString() const {
     os << ", csf " << b.csf << ", shard " << b.shard_items << " items, size " << b.size_items() << " items, padding "
        << b.padding_items() << " items (" << Percent(b.padding_fraction()) << ", gaps " << b.gap_items() << ")\n";
     for (const auto& m : b.members) {
-      os << "  @" << m.offset << " +" << m.numel << " row " << m.row_items << "  " << params[m.param].name << ' '
-         << ShapeText(params[m.param].shape) << '\n';
+      os << "  @" << m.offset << " +" << m.numel << " row " << m.row_items << " align " << m.align_items << "  "
+         << params[m.param].name << ' ' << ShapeText(params[m.param].shape) << '\n';
     }
   }
   return os.str();
@@ -306,20 +342,29 @@ std::ostream& operator<<(std::ostream& os, const BucketPlan& plan) { return os <
 void to_json(nlohmann::json& j, const BucketPlan& plan) {
   j = nlohmann::json{{"dp", plan.options.dp},
                      {"policy", BucketPolicyName(plan.options.policy)},
+                     {"granularity", ShardGranularityName(plan.options.granularity)},
+                     {"align_bytes", plan.options.align_bytes},
+                     {"merge_units", plan.options.merge_units},
                      {"bucket_limit_bytes", plan.options.bucket_limit_bytes},
                      {"param_bytes", plan.param_bytes()},
                      {"total_bytes", plan.total_bytes()},
                      {"padding_bytes", plan.padding_bytes()},
                      {"padding_fraction", plan.padding_fraction()},
                      {"allgather_bytes_per_rank", plan.allgather_bytes_per_rank()},
+                     {"largest_bucket_bytes", plan.largest_bucket_bytes()},
+                     {"merged_buckets", plan.merged_buckets()},
                      {"buckets", nlohmann::json::array()}};
   for (std::size_t i = 0; i < plan.buckets.size(); ++i) {
     const Bucket& b = plan.buckets[i];
     nlohmann::json members = nlohmann::json::array();
     for (const auto& m : b.members) {
       const FsdpParam& p = plan.params[m.param];
-      members.push_back(
-          {{"name", p.name}, {"shape", p.shape}, {"offset", m.offset}, {"numel", m.numel}, {"row_items", m.row_items}});
+      members.push_back({{"name", p.name},
+                         {"shape", p.shape},
+                         {"offset", m.offset},
+                         {"numel", m.numel},
+                         {"row_items", m.row_items},
+                         {"align_items", m.align_items}});
     }
     j["buckets"].push_back({{"index", i},
                             {"dtype", DTypeName(b.dtype)},
@@ -352,7 +397,10 @@ Result<BucketPlan> PlanBuckets(std::vector<FsdpParam> params, const PlanOptions&
     const FsdpParam& p = plan.params[i];
     const Kind kind{p.dtype, p.expert, p.requires_grad};
     if (!groups.contains(kind)) kinds.push_back(kind);
-    groups[kind][p.unit].push_back({i, p.numel(), p.row_items(), p.expert && p.shape.size() >= 3, p.unit});
+    const std::int64_t align = options.granularity == ShardGranularity::kElement
+                                   ? ElementAlignItems(options.align_bytes, p.dtype)
+                                   : p.row_items();
+    groups[kind][p.unit].push_back({i, p.numel(), align, p.expert && p.shape.size() >= 3, p.unit, p.row_items()});
   }
 
   std::vector<Draft> drafts;
@@ -412,18 +460,25 @@ Status CheckBucketPlan(const BucketPlan& plan) {
         return Internal(who + ": dtype or flags differ from the bucket's");
       }
       if (m.numel != p.numel() || m.row_items != p.row_items()) return Internal(who + ": wrong size or row size");
+      const bool element = plan.options.granularity == ShardGranularity::kElement;
+      const std::int64_t align = element ? ElementAlignItems(plan.options.align_bytes, p.dtype) : p.row_items();
+      if (m.align_items != align) return Internal(who + ": alignment unit is not the granularity's");
+      if (element && (m.offset % align != 0 || b.shard_items % align != 0)) {
+        return Internal(who + ": member or shard not on the element alignment");
+      }
       if (m.offset < prev_end) return Internal(who + ": overlaps the previous member");
       if (m.end() > b.size_items()) return Internal(who + ": extends past the bucket");
       prev_end = m.end();
       if (b.shard_items == 0 || m.numel == 0) continue;
-      // Row alignment: the first boundary inside the member is on a row boundary, and so are
-      // the later ones (then the shard size is a multiple of the row).
+      // Alignment: the first boundary inside the member is on a multiple of align_items from
+      // its start, and so are the later ones (then the shard size is a multiple of it).
       const std::int64_t first = (m.offset / b.shard_items + 1) * b.shard_items;
-      if (first < m.end() && (first - m.offset) % m.row_items != 0) {
-        return Internal(who + ": shard boundary " + std::to_string(first) + " splits a row");
+      if (first < m.end() && (first - m.offset) % m.align_items != 0) {
+        return Internal(who + ": shard boundary " + std::to_string(first) + " splits an alignment unit");
       }
-      if (first + b.shard_items < m.end() && b.shard_items % m.row_items != 0) {
-        return Internal(who + ": shard boundary " + std::to_string(first + b.shard_items) + " splits a row");
+      if (first + b.shard_items < m.end() && b.shard_items % m.align_items != 0) {
+        return Internal(who + ": shard boundary " + std::to_string(first + b.shard_items) +
+                        " splits an alignment unit");
       }
     }
   }

@@ -289,7 +289,7 @@ Result<std::vector<Draft>> PlanGroupBaseline(const std::vector<Item>& items, std
   // Streams in order of first appearance: key 0 is everything that is not split off.
   std::vector<std::pair<std::int64_t, std::vector<Item>>> streams;
   for (const auto& it : items) {
-    const std::int64_t key = split_grouped_experts && it.grouped_expert ? it.row : 0;
+    const std::int64_t key = split_grouped_experts && it.grouped_expert ? it.param_row : 0;
     auto s = std::find_if(streams.begin(), streams.end(), [&](const auto& p) { return p.first == key; });
     if (s == streams.end()) s = streams.insert(streams.end(), {key, {}});
     s->second.push_back(it);
@@ -330,6 +330,16 @@ std::vector<Draft> PlanGroupBest(const std::vector<Item>& items, std::int64_t dp
     if (base.ok()) consider(std::move(base).value());
   }
   RS_CHECK(best.has_value());  // ComposeByRowClass always succeeds
+  return std::move(*best);
+}
+
+std::vector<Draft> PlanGroupAligned(const std::vector<Item>& items, std::int64_t dp, std::int64_t limit_items) {
+  std::optional<std::vector<Draft>> best;
+  for (const bool split : {false, true}) {
+    auto base = PlanGroupBaseline(items, dp, limit_items, split);
+    RS_CHECK_MSG(base.ok(), base.status().ToString());
+    if (!best || Better(*base, *best)) best = std::move(base).value();
+  }
   return std::move(*best);
 }
 

@@ -21,9 +21,13 @@ inline constexpr std::int64_t kMaxAlign = std::int64_t{1} << 46;
 struct Item {
   std::size_t param = 0;
   std::int64_t numel = 0;
-  std::int64_t row = 1;         // chunk size factor
+  // The alignment unit the layout keeps: shard boundaries inside the item fall on multiples of
+  // it from the item's start. Matrix granularity: the parameter's row (chunk size factor);
+  // element granularity: the element alignment in items.
+  std::int64_t row = 1;
   bool grouped_expert = false;  // an expert weight with >= 3 dims (one row = one expert)
   std::int64_t unit = 0;
+  std::int64_t param_row = 1;  // the parameter's own row size; kSplit streams grouped experts by it
 };
 
 // One bucket before it becomes a Bucket: its members with their offsets, and its shard size.
@@ -64,5 +68,12 @@ Result<std::vector<Draft>> PlanGroupBaseline(const std::vector<Item>& items, std
 
 // The best composition found for a group (see BucketPolicy::kBest). Never fails.
 std::vector<Draft> PlanGroupBest(const std::vector<Item>& items, std::int64_t dp, std::int64_t limit_items);
+
+// kBest under element granularity, where every item's row is the element alignment A: only
+// layouts that start every member on a multiple of A (with shard sizes that are multiples of
+// A) are allowed, so this is the better of the two baseline compositions (one stream, or
+// grouped experts streamed apart). Padding is below A per member plus dp x A per bucket.
+// Never fails (A is bounded by validation, so the LCM of equal rows cannot overflow).
+std::vector<Draft> PlanGroupAligned(const std::vector<Item>& items, std::int64_t dp, std::int64_t limit_items);
 
 }  // namespace rs::fsdp_internal

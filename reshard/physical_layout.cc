@@ -31,6 +31,13 @@ Result<std::int64_t> ParseInt(const std::string& s, const std::string& where) {
 
 std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
+Status ValidateAlignBytes(std::int64_t v, const std::string& where) {
+  if (v < 1 || v > (std::int64_t{1} << 20) || (v & (v - 1)) != 0) {
+    return InvalidArgument(where + ": bucket_align_bytes must be a power of two in [1, 2^20]");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string_view FsdpFormName(FsdpForm f) { return f == FsdpForm::kFlat ? "flat" : "box"; }
@@ -59,6 +66,18 @@ Result<PhysicalLayout> PhysicalLayout::Parse(const std::string& text, const Rule
       auto p = ParseBucketPolicy(value);
       if (!p.ok()) return p.status().WithContext(where);
       o.bucket_policy = *p;
+    } else if (key == "bucket_granularity") {
+      auto g = ParseShardGranularity(value);
+      if (!g.ok()) return g.status().WithContext(where);
+      o.bucket_granularity = *g;
+    } else if (key == "bucket_align_bytes") {
+      RS_ASSIGN_OR_RETURN(o.bucket_align_bytes, ParseInt(value, where));
+      RS_RETURN_IF_ERROR(ValidateAlignBytes(o.bucket_align_bytes, where));
+    } else if (key == "bucket_merge_units") {
+      if (value != "0" && value != "1" && value != "false" && value != "true") {
+        return InvalidArgument(where + ": bucket_merge_units must be 0 or 1");
+      }
+      o.bucket_merge_units = value == "1" || value == "true";
     } else if (key == "bucket_limit_mib") {
       RS_ASSIGN_OR_RETURN(const std::int64_t mib, ParseInt(value, where));
       if (mib > (std::int64_t{1} << 40)) return InvalidArgument(where + ": bucket limit too large");
@@ -86,6 +105,9 @@ nlohmann::json PhysicalLayout::ToJson() const {
                         {"fsdp_form", FsdpFormName(options.fsdp)},
                         {"bucket_policy", BucketPolicyName(options.bucket_policy)},
                         {"bucket_limit_bytes", options.bucket_limit_bytes},
+                        {"bucket_granularity", ShardGranularityName(options.bucket_granularity)},
+                        {"bucket_align_bytes", options.bucket_align_bytes},
+                        {"bucket_merge_units", options.bucket_merge_units},
                         {"vocab_multiple", options.vocab_multiple}};
 }
 
@@ -102,6 +124,29 @@ Result<PhysicalLayout> PhysicalLayout::FromJson(const nlohmann::json& j) {
   if (j.contains("bucket_policy")) {
     if (!j["bucket_policy"].is_string()) return InvalidArgument("physical layout.bucket_policy: expected a string");
     RS_ASSIGN_OR_RETURN(p.options.bucket_policy, ParseBucketPolicy(j["bucket_policy"].get<std::string>()));
+  }
+  // Pre-issue-14 JSON: the plan its flat checkpoints were written with (see the header).
+  p.options.bucket_granularity = ShardGranularity::kMatrix;
+  p.options.bucket_merge_units = true;
+  if (j.contains("bucket_granularity")) {
+    if (!j["bucket_granularity"].is_string()) {
+      return InvalidArgument("physical layout.bucket_granularity: expected a string");
+    }
+    RS_ASSIGN_OR_RETURN(p.options.bucket_granularity,
+                        ParseShardGranularity(j["bucket_granularity"].get<std::string>()));
+  }
+  if (j.contains("bucket_merge_units")) {
+    if (!j["bucket_merge_units"].is_boolean()) {
+      return InvalidArgument("physical layout.bucket_merge_units: expected true or false");
+    }
+    p.options.bucket_merge_units = j["bucket_merge_units"].get<bool>();
+  }
+  if (j.contains("bucket_align_bytes")) {
+    if (!j["bucket_align_bytes"].is_number_integer()) {
+      return InvalidArgument("physical layout.bucket_align_bytes: expected an integer");
+    }
+    p.options.bucket_align_bytes = j["bucket_align_bytes"].get<std::int64_t>();
+    RS_RETURN_IF_ERROR(ValidateAlignBytes(p.options.bucket_align_bytes, "physical layout"));
   }
   for (const auto& [key, field] :
        {std::pair{"bucket_limit_bytes", &p.options.bucket_limit_bytes}, std::pair{"vocab_multiple", &p.options.vocab_multiple}}) {
@@ -120,6 +165,11 @@ std::string PhysicalLayout::ToString() const {
   if (options.fsdp == FsdpForm::kFlat) {
     s += " fsdp_form=flat bucket_policy=" + std::string(BucketPolicyName(options.bucket_policy));
     if (options.bucket_limit_bytes > 0) s += " bucket_limit_bytes=" + std::to_string(options.bucket_limit_bytes);
+    s += " bucket_granularity=" + std::string(ShardGranularityName(options.bucket_granularity));
+    if (options.bucket_granularity == ShardGranularity::kElement) {
+      s += " bucket_align_bytes=" + std::to_string(options.bucket_align_bytes);
+    }
+    if (options.bucket_merge_units) s += " bucket_merge_units=1";
   }
   if (options.vocab_multiple != 1) s += " vocab_multiple=" + std::to_string(options.vocab_multiple);
   return s;
@@ -182,6 +232,9 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
     po.dp = mesh.AxisSize(kFsdpAxis);
     po.policy = layout.options.bucket_policy;
     po.bucket_limit_bytes = layout.options.bucket_limit_bytes;
+    po.granularity = layout.options.bucket_granularity;
+    po.align_bytes = layout.options.bucket_align_bytes;
+    po.merge_units = layout.options.bucket_merge_units;
     for (std::int64_t rank = 0; rank < mesh.size(); ++rank) {
       if (m.FsdpZeroRank(rank) != rank) continue;
       auto group = std::make_shared<FlatGroup>();

@@ -7,9 +7,11 @@
 // express:
 //  - fsdp form: "box" shards dims by the rules (MaxText style: `embed` -> fsdp); "flat" ignores
 //    the rules' use of the fsdp axis and gives each fsdp rank the flat item ranges of its
-//    TP-local parameters that the FSDP bucket planner assigns (distributed optimizer, docs/DESIGN.md
-//    §4). Optimizer states take their parameter's ranges; buffers and scalars are replicated
-//    over fsdp.
+//    TP-local parameters that the FSDP bucket planner assigns (distributed optimizer,
+//    docs/DESIGN.md §4), under the options' bucket policy, shard granularity (element: ranges on multiples of
+//    bucket_align_bytes, so an expert matrix may be split; matrix: whole dim-0 rows) and unit
+//    merging. Optimizer states take their parameter's ranges; buffers and scalars are
+//    replicated over fsdp.
 //  - vocab padding: vocab-parallel dims (tensors with vocab_size > 0, dim 0) are padded to a
 //    multiple of (sharding degree x vocab_multiple); padding rows hold no logical item.
 //  - expert tensor parallelism: on tensors marked `expert`, a dim labelled L uses the rule for
@@ -43,8 +45,13 @@ std::string_view FsdpFormName(FsdpForm f);  // "box", "flat"
 
 struct PhysicalOptions {
   FsdpForm fsdp = FsdpForm::kBox;
-  BucketPolicy bucket_policy = BucketPolicy::kBest;  // flat form only
-  std::int64_t bucket_limit_bytes = 0;               // flat form only; 0 = no limit
+  // Flat form only: the bucket planner's options (core/fsdp_buckets.h PlanOptions). The defaults
+  // are the planner's: element granularity at 128-byte alignment, one bucket per FSDP unit.
+  BucketPolicy bucket_policy = BucketPolicy::kBest;
+  std::int64_t bucket_limit_bytes = 0;  // 0 = no limit
+  ShardGranularity bucket_granularity = ShardGranularity::kElement;
+  std::int64_t bucket_align_bytes = 128;  // element granularity only
+  bool bucket_merge_units = false;
   std::int64_t vocab_multiple = 1;
   friend bool operator==(const PhysicalOptions&, const PhysicalOptions&) = default;
 };
@@ -54,11 +61,16 @@ struct PhysicalLayout {
   PhysicalOptions options;
 
   // The layout short form plus optional keys: "tp=2,fsdp=4,fsdp_form=flat,vocab_multiple=8,
-  // pp_split=1/3,bucket_policy=best,bucket_limit_mib=64". InvalidArgument naming the token.
+  // pp_split=1/3,bucket_policy=best,bucket_limit_mib=64,bucket_granularity=element,
+  // bucket_align_bytes=128,bucket_merge_units=0". InvalidArgument naming the token.
   static Result<PhysicalLayout> Parse(const std::string& text, const RuleSet& rules);
   // {"layout": Layout::ToJson(), "fsdp_form", "bucket_policy", "bucket_limit_bytes",
-  //  "vocab_multiple"}.
+  //  "bucket_granularity", "bucket_align_bytes", "bucket_merge_units", "vocab_multiple"}.
   nlohmann::json ToJson() const;
+  // Keys may be missing. A missing "bucket_granularity" reads as "matrix" and a missing
+  // "bucket_merge_units" as true: JSON written before issue 14 has neither, and its flat
+  // checkpoints were laid out by that plan (best, whole rows, units merged), so this default is
+  // what keeps them readable. (New JSON always carries both.)
   static Result<PhysicalLayout> FromJson(const nlohmann::json& j);
   std::string ToString() const;
   friend bool operator==(const PhysicalLayout&, const PhysicalLayout&) = default;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <sstream>
@@ -45,6 +46,36 @@ TEST(PhysicalLayoutTest, ParseAndJsonRoundTrip) {
   auto back = PhysicalLayout::FromJson(p.ToJson());
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, p);
+  // The planner's defaults: element granularity at 128 bytes, one bucket per unit.
+  EXPECT_EQ(p.options.bucket_granularity, ShardGranularity::kElement);
+  EXPECT_EQ(p.options.bucket_align_bytes, 128);
+  EXPECT_FALSE(p.options.bucket_merge_units);
+  const PhysicalLayout q =
+      ParseOrDie("tp=2,fsdp=4,fsdp_form=flat,bucket_granularity=matrix,bucket_align_bytes=256,bucket_merge_units=1");
+  EXPECT_EQ(q.options.bucket_granularity, ShardGranularity::kMatrix);
+  EXPECT_EQ(q.options.bucket_align_bytes, 256);
+  EXPECT_TRUE(q.options.bucket_merge_units);
+  EXPECT_EQ(*PhysicalLayout::FromJson(q.ToJson()), q);
+  // JSON written before issue 14 has no granularity or merge key: its flat checkpoints were
+  // laid out with whole rows and merged units, so that is what it reads as.
+  nlohmann::json old = p.ToJson();
+  old.erase("bucket_granularity");
+  old.erase("bucket_align_bytes");
+  old.erase("bucket_merge_units");
+  auto legacy = PhysicalLayout::FromJson(old);
+  ASSERT_TRUE(legacy.ok()) << legacy.status().ToString();
+  EXPECT_EQ(legacy->options.bucket_granularity, ShardGranularity::kMatrix);
+  EXPECT_TRUE(legacy->options.bucket_merge_units);
+  EXPECT_EQ(legacy->options.bucket_policy, BucketPolicy::kSplit);
+  for (const char* bad : {"fsdp_form=flat,bucket_granularity=row", "fsdp_form=flat,bucket_align_bytes=96",
+                          "fsdp_form=flat,bucket_align_bytes=0", "fsdp_form=flat,bucket_merge_units=yes"}) {
+    EXPECT_EQ(PhysicalLayout::Parse(std::string("tp=2,") + bad, *BuiltinRuleSet("megatron")).status().code(),
+              ErrorCode::kInvalidArgument)
+        << bad;
+  }
+  nlohmann::json bad_json = p.ToJson();
+  bad_json["bucket_align_bytes"] = 3;
+  EXPECT_FALSE(PhysicalLayout::FromJson(bad_json).ok());
   EXPECT_EQ(PhysicalLayout::Parse("tp=2,fsdp_form=diagonal", *BuiltinRuleSet("megatron")).status().code(),
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(PhysicalLayout::Parse("tq=2", *BuiltinRuleSet("megatron")).status().code(), ErrorCode::kInvalidArgument);
@@ -155,6 +186,34 @@ void ExpectExactCover(const PhysicalMap& m, const std::string& what) {
       next = r.end;
     }
     ASSERT_EQ(next, m.tensors()[t].numel()) << what << ": tensor " << m.tensors()[t].name << " not covered";
+  }
+}
+
+TEST(PhysicalLayoutTest, FlatFsdpFollowsTheChosenGranularity) {
+  ModelConfig c;
+  const auto tensors = ModelCheckpointTensors(c, {"exp_avg"});
+  const std::size_t fc1 = IndexOf(tensors, "layers.0.moe.experts.fc1.weight");
+  const std::int64_t row = tensors[fc1].numel() / tensors[fc1].shape[0];  // one expert matrix
+  // Element granularity (2-byte alignment): some rank's piece of the grouped expert weight
+  // starts inside an expert matrix; matrix granularity: none does.
+  for (const bool element : {true, false}) {
+    const PhysicalMap m = MapOrDie(
+        element ? "fsdp=8,fsdp_form=flat,bucket_align_bytes=2" : "fsdp=8,fsdp_form=flat,bucket_granularity=matrix",
+        tensors);
+    const BucketPlan* plan = m.BucketPlanOf(0);
+    ASSERT_NE(plan, nullptr);
+    EXPECT_EQ(plan->options.granularity, element ? ShardGranularity::kElement : ShardGranularity::kMatrix);
+    EXPECT_FALSE(plan->options.merge_units);
+    bool split_matrix = false;
+    for (std::int64_t rank = 0; rank < 8; ++rank) {
+      const auto p = m.Place(fc1, rank);
+      if (!p || !p->slice) continue;
+      if (p->slice->begin % row != 0 || (p->slice->end % row != 0 && p->slice->end != tensors[fc1].numel())) {
+        split_matrix = true;
+      }
+    }
+    EXPECT_EQ(split_matrix, element);
+    ExpectExactCover(m, element ? "element" : "matrix");
   }
 }
 

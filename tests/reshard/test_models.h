@@ -59,7 +59,14 @@ inline PhysicalLayout RandomPhysicalLayout(std::mt19937_64& rng, const ModelConf
     for (const auto& [axis, size] : {std::pair{"tp", tp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"fsdp", fsdp}, {"dp", dp}}) {
       text.append(text.empty() ? "" : ",").append(axis).append("=").append(std::to_string(size));
     }
-    if (Pick(rng, {0, 1}) == 1) text += ",fsdp_form=flat";
+    if (Pick(rng, {0, 1}) == 1) {
+      text += ",fsdp_form=flat";
+      // Both shard granularities; element alignments from 2 bytes (most splits) to the default.
+      const std::int64_t g = Pick(rng, {0, 1, 2, 3});
+      if (g == 1) text += ",bucket_granularity=matrix,bucket_merge_units=1";
+      if (g == 2) text += ",bucket_align_bytes=2";
+      if (g == 3) text += ",bucket_align_bytes=16";
+    }
     if (Pick(rng, {0, 0, 1}) == 1) text += ",vocab_multiple=4";
     if (pp > 1 && pp <= c.n_layers && Pick(rng, {0, 1}) == 1) {
       // An uneven explicit split: the last stage takes the remainder.
