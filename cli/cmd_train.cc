@@ -175,34 +175,35 @@ void RunTrain(TrainArgs& a) {
     comm_seconds += r.comm_seconds;
     tokens += r.tokens;
     const double tps = static_cast<double>(r.tokens) / r.seconds;
-    if (!lead) continue;
-    std::printf("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s",
-                r.step, r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
-    if (world.active()) std::printf(" | comm %s", HumanBytes(r.comm.total()).c_str());
-    std::printf("\n");
-    std::fflush(stdout);
-    if (log.is_open()) {
-      log << nlohmann::json{{"step", r.step},
-                            {"loss", r.losses.total},
-                            {"ce", r.losses.ce},
-                            {"aux_loss", r.losses.aux},
-                            {"z_loss", r.losses.z},
-                            {"lr", r.update.lr},
-                            {"grad_norm", r.update.grad_norm},
-                            {"tokens", r.tokens},
-                            {"tokens_per_s", tps},
-                            {"seconds", r.seconds},
-                            {"comm_seconds", r.comm_seconds},
-                            {"comm_bytes",
-                             {{"allreduce", r.comm.allreduce_bytes},
-                              {"allgather", r.comm.allgather_bytes},
-                              {"reduce_scatter", r.comm.reduce_scatter_bytes},
-                              {"alltoall", r.comm.alltoall_bytes},
-                              {"broadcast", r.comm.broadcast_bytes}}}}
-                 .dump()
-          << '\n';
-      log.flush();
-      if (!log) fail_one(IoError("cannot write log file '" + a.log + "'"));
+    if (lead) {
+      std::printf("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s",
+                  r.step, r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
+      if (world.active()) std::printf(" | comm %s", HumanBytes(r.comm.total()).c_str());
+      std::printf("\n");
+      std::fflush(stdout);
+      if (log.is_open()) {
+        log << nlohmann::json{{"step", r.step},
+                              {"loss", r.losses.total},
+                              {"ce", r.losses.ce},
+                              {"aux_loss", r.losses.aux},
+                              {"z_loss", r.losses.z},
+                              {"lr", r.update.lr},
+                              {"grad_norm", r.update.grad_norm},
+                              {"tokens", r.tokens},
+                              {"tokens_per_s", tps},
+                              {"seconds", r.seconds},
+                              {"comm_seconds", r.comm_seconds},
+                              {"comm_bytes",
+                               {{"allreduce", r.comm.allreduce_bytes},
+                                {"allgather", r.comm.allgather_bytes},
+                                {"reduce_scatter", r.comm.reduce_scatter_bytes},
+                                {"alltoall", r.comm.alltoall_bytes},
+                                {"broadcast", r.comm.broadcast_bytes}}}}
+                   .dump()
+            << '\n';
+        log.flush();
+        if (!log) fail_one(IoError("cannot write log file '" + a.log + "'"));
+      }
     }
     const bool last = trainer->step() == a.steps;
     if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) save();

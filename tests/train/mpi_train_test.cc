@@ -184,15 +184,16 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("query"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=2 --rules /nonexistent/rules.json");
-  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("/nonexistent/rules.json"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("'ep' axis"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout dp=2 --batch-size 3");
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  // Resuming from a checkpoint of another model: an example of small-moe has no training state.
+  // Resuming from a checkpoint that is not a training run's (an example has no training state).
   const std::string other = tmp_.path().string() + "/other";
-  ASSERT_EQ(RunCli("example --model small-moe --layout tp=2 -o " + other).exit_code, 0);
+  ASSERT_EQ(RunCli("example --model " + Model("other", "topk") + " --layout tp=2 -o " + other).exit_code, 0);
   r = RunMpi(2, "train --resume " + other + " --steps 2 --layout tp=2");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find(other), std::string::npos) << r.output;
@@ -216,7 +217,7 @@ TEST_F(MpiTrainTest, KilledRankEndsTheRunWithoutACheckpoint) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   ASSERT_TRUE(fs::exists(marker));
-  const std::string kill_cmd = "pkill -9 -f -n 'reshard train.*" + marker + "'";
+  const std::string kill_cmd = "pkill -9 -f -n '[r]eshard train.*" + marker + "'";
   EXPECT_EQ(std::system(kill_cmd.c_str()), 0);
   const auto start = std::chrono::steady_clock::now();
   int status = 0;
@@ -232,7 +233,7 @@ TEST_F(MpiTrainTest, KilledRankEndsTheRunWithoutACheckpoint) {
   }
   EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
-  EXPECT_EQ(std::system(("pgrep -f 'reshard train.*" + marker + "' > /dev/null").c_str()) == 0, false);
+  EXPECT_EQ(std::system(("pgrep -f '[r]eshard train.*" + marker + "' > /dev/null").c_str()) == 0, false);
   EXPECT_FALSE(fs::exists(save) && fs::exists(fs::path(save) / "step-00100000"));
 }
 
