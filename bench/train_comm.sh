@@ -2,9 +2,8 @@
 # Benchmark: communication bytes and step time of multi-rank training (not run by CTest).
 #
 # For each layout it trains MODEL (default small-moe) for STEPS steps under mpirun and prints,
-# from rank 0's log, the bytes rank 0 received per step by kind, the FSDP all-gather bytes that
-# `reshard buckets` predicts for the same model, degree and policy (they must be equal), the
-# step time and the share of it spent in the gradient/parameter collectives outside the model.
+# from rank 0's log, the bytes rank 0 received per step by kind (the FSDP all-gather bytes
+# equal `reshard buckets`' allgather_bytes_per_rank for the TP-local f32 parameters), the step time and the share of it spent in the gradient/parameter collectives outside the model.
 # Usage: bench/train_comm.sh [BUILD_DIR] [MODEL] [STEPS]
 set -euo pipefail
 B=${1:-build}/cli/reshard
@@ -30,10 +29,6 @@ mib = lambda b: b / 2**20
 print(f"{sys.argv[2]:>28}: step {last['seconds']:.2f} s, collectives outside the model {100*last['comm_seconds']/last['seconds']:.0f} %, "
       f"all-reduce {mib(c['allreduce']):.2f} MiB, all-gather {mib(c['allgather']):.2f} MiB, reduce-scatter {mib(c['reduce_scatter']):.2f} MiB per step (rank 0)")
 PY
-}
-predict() {  # dp policy
-  "$B" buckets --model "$tmp/model.json" --dp "$1" --policy "$2" --json 2>/dev/null |
-    python3 -c "import json,sys; print(f\"  reshard buckets --dp $1 --policy $2 (f32 TP-local params): all-gather {json.load(sys.stdin)['allgather_bytes_per_rank']/2**20:.2f} MiB per rank\")" || true
 }
 run tp=1 1
 run tp=2 2
