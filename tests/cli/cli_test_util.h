@@ -17,8 +17,9 @@ struct CommandResult {
   std::string output;  // stdout and stderr together
 };
 
-inline CommandResult RunCli(const std::string& args) {
-  const std::string cmd = std::string(RS_CLI) + " " + args + " 2>&1";
+// Runs a shell command line, capturing stdout and stderr together.
+inline CommandResult RunShell(const std::string& command) {
+  const std::string cmd = command + " 2>&1";
   CommandResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -29,6 +30,8 @@ inline CommandResult RunCli(const std::string& args) {
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
 }
+
+inline CommandResult RunCli(const std::string& args) { return RunShell(std::string(RS_CLI) + " " + args); }
 
 // A fresh directory under the system temp dir, removed when the object goes away.
 class TempDir {

@@ -25,18 +25,6 @@ using testing::TempDir;
 
 bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
 
-// Runs a shell command line, capturing stdout and stderr together.
-testing::CommandResult RunCommand(const std::string& cmd) {
-  testing::CommandResult r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  std::size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 // Everything a manifest says about the data, in a canonical order: which file and dataset
 // holds which piece, and its checksum. Producer and timing-dependent order are left out.
@@ -73,7 +61,7 @@ TEST(MpiConvertTest, TwoAndFourProcessesWriteWhatOneWrites) {
   for (int np : {2, 4}) {
     const std::string dst = tmp / ("np" + std::to_string(np));
     const std::string cmd = mpirun + "-np " + std::to_string(np) + " " + RS_CLI + " convert " + src + to + "-o " + dst;
-    const auto r = RunCommand(cmd);
+    const auto r = testing::RunShell(cmd);
     ASSERT_EQ(r.exit_code, 0) << cmd << "\n" << r.output;
     EXPECT_NE(r.output.find(std::to_string(np) + " processes"), std::string::npos) << r.output;
     EXPECT_EQ(ManifestFacts(dst), ManifestFacts(tmp / "np1")) << "np=" << np;

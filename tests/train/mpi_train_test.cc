@@ -32,17 +32,8 @@ bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 
 
 // `mpirun -np N reshard ARGS` (root allowed: CI runs as root), stdout and stderr together.
 CommandResult RunMpi(int np, const std::string& args) {
-  const std::string cmd = "mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) + " " +
-                          std::string(RS_CLI) + " " + args + " 2>&1";
-  CommandResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  std::size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return testing::RunShell("mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) + " " +
+                           std::string(RS_CLI) + " " + args);
 }
 
 std::vector<double> Losses(const std::string& log) {
