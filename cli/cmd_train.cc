@@ -71,7 +71,7 @@ Result<std::string> ResolveResume(const std::string& dir) {
 }
 
 // The run's layout. Training keeps sharded data-parallel state as the bucket planner's flat
-// slices, so fsdp_form defaults to flat here.
+// slices unless asked for boxes (fsdp_form=box), so fsdp_form defaults to flat here.
 Result<PhysicalLayout> TrainLayoutArg(const TrainArgs& a) {
   RS_ASSIGN_OR_RETURN(const RuleSet rules, LoadRulesArg(a.rules));
   std::string text = a.layout;
@@ -293,7 +293,7 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--log", a->log, "JSON-lines log, one object per step");
   cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
   cmd->add_option("--layout", a->layout,
-                  "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form defaults to flat")
+                  "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form=flat (default) or box")
       ->capture_default_str();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");

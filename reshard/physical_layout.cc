@@ -354,7 +354,7 @@ std::optional<Placement> PhysicalMap::Place(std::size_t tensor, std::int64_t ran
 
 std::optional<LocalTensorMap> PhysicalMap::LocalTensor(std::size_t tensor, std::int64_t rank) const {
   RS_CHECK(tensor < tensors_.size() && rank >= 0 && rank < num_ranks());
-  return LocalMap(tensor, rank, layout_.options.fsdp == FsdpForm::kFlat ? flat_layout_ : box_layout_);
+  return LocalMap(tensor, rank, flat_layout_);  // the rules without fsdp, in either form
 }
 
 std::vector<Placement> PhysicalMap::PlaceAll(Replicas replicas) const {

@@ -105,9 +105,9 @@ class PhysicalMap {
   // What `rank` holds of tensor `tensor`, or nullopt when it holds nothing (another pipeline
   // stage, an empty part of an uneven split).
   std::optional<Placement> Place(std::size_t tensor, std::int64_t rank) const;
-  // The rank's local tensor (TP-local, fused order, padded) before any FSDP flattening – what
-  // a framework computes with after gathering its fsdp group's slices – or nullopt when the
-  // rank's pipeline stage does not hold the tensor.
+  // The rank's local tensor (TP-local, fused order, padded) before any FSDP sharding, flat or
+  // box – what a framework computes with after gathering its fsdp group's slices or boxes – or
+  // nullopt when the rank's pipeline stage does not hold the tensor.
   std::optional<LocalTensorMap> LocalTensor(std::size_t tensor, std::int64_t rank) const;
   // Every placement, by rank then tensor.
   std::vector<Placement> PlaceAll(Replicas replicas) const;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "core/check.h"
 #include "dist/mesh_groups.h"
@@ -25,6 +26,85 @@ bool EndsWith(const std::string& s, std::string_view suffix) {
 }
 
 std::span<std::byte> Bytes(std::span<float> x) { return std::as_writable_bytes(x); }
+
+using CopyRun = ShardedState::CopyRun;
+
+// For every index along box dim `box`, the index along the compute tensor's dim that holds the
+// same logical item (same fused component); nullopt when the compute dim lacks one of them
+// (padding, or a box outside the compute tensor).
+std::optional<std::vector<std::int64_t>> DimIndex(const DimMap& box, const DimMap& compute) {
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(box.local_size), -1);
+  if (box == compute) {
+    std::iota(idx.begin(), idx.end(), std::int64_t{0});
+    return idx;
+  }
+  for (const DimSegment& b : box.segments) {
+    for (const DimSegment& c : compute.segments) {
+      if (c.component != b.component) continue;
+      const std::int64_t lo = std::max(b.logical_begin, c.logical_begin);
+      const std::int64_t hi = std::min(b.logical_begin + b.length, c.logical_begin + c.length);
+      for (std::int64_t x = lo; x < hi; ++x) {
+        idx[static_cast<std::size_t>(b.local_begin + x - b.logical_begin)] = c.local_begin + x - c.logical_begin;
+      }
+    }
+  }
+  if (std::find(idx.begin(), idx.end(), -1) != idx.end()) return std::nullopt;
+  return idx;
+}
+
+// The runs that place a box (row-major, `idx` per dim as DimIndex gives) in a compute tensor
+// of shape `compute`; adjacent items merge into one run.
+std::vector<CopyRun> BoxRuns(const std::vector<std::vector<std::int64_t>>& idx, const Shape& compute) {
+  std::vector<CopyRun> runs;
+  const std::size_t rank = idx.size();
+  std::int64_t numel = 1;
+  for (const auto& d : idx) numel *= static_cast<std::int64_t>(d.size());
+  if (numel == 0) return runs;
+  if (rank == 0) return {{0, 0, 1}};
+  std::vector<std::int64_t> stride(rank, 1);
+  for (std::size_t d = rank - 1; d > 0; --d) stride[d - 1] = stride[d] * compute[d];
+  const auto& last = idx[rank - 1];
+  std::vector<std::size_t> c(rank, 0);  // counter over the leading dims
+  for (std::int64_t owned = 0; owned < numel;) {
+    std::int64_t base = 0;
+    for (std::size_t d = 0; d + 1 < rank; ++d) base += idx[d][c[d]] * stride[d];
+    for (std::int64_t j : last) {
+      const std::int64_t at = base + j;
+      if (!runs.empty() && runs.back().owned + runs.back().length == owned &&
+          runs.back().compute + runs.back().length == at) {
+        ++runs.back().length;
+      } else {
+        runs.push_back({owned, at, 1});
+      }
+      ++owned;
+    }
+    for (std::size_t d = rank - 1; d-- > 0;) {
+      if (++c[d] < idx[d].size()) break;
+      c[d] = 0;
+    }
+  }
+  return runs;
+}
+
+// The runs of `box` (a placement's local map) inside `compute`, or nullopt when the box is not
+// made of items of the compute tensor.
+std::optional<std::vector<CopyRun>> RunsIn(const LocalTensorMap& box, const LocalTensorMap& compute) {
+  std::vector<std::vector<std::int64_t>> idx;
+  for (std::size_t d = 0; d < box.dims().size(); ++d) {
+    auto i = DimIndex(box.dims()[d], compute.dims()[d]);
+    if (!i) return std::nullopt;
+    idx.push_back(std::move(*i));
+  }
+  return BoxRuns(idx, compute.local_shape());
+}
+
+// dst[run.compute ...] = src[run.owned ...] (to_compute) or the reverse.
+void CopyRuns(const std::vector<CopyRun>& runs, std::span<const float> src, std::span<float> dst, bool to_compute) {
+  for (const CopyRun& r : runs) {
+    const std::int64_t from = to_compute ? r.owned : r.compute, to = to_compute ? r.compute : r.owned;
+    std::copy_n(src.begin() + from, r.length, dst.begin() + to);
+  }
+}
 
 }  // namespace
 
@@ -55,10 +135,6 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   }
   const std::int64_t fsdp = mesh.AxisSize(kFsdpAxis);
   const bool flat = layout.options.fsdp == FsdpForm::kFlat;
-  if (fsdp > 1 && !flat) {
-    return Unimplemented("train: fsdp > 1 needs fsdp_form=flat (the distributed optimizer's flat bucket slices); " +
-                         std::string("write a box-form checkpoint afterwards with `reshard convert`"));
-  }
   if (rank < 0 || rank >= mesh.size()) {
     return InvalidArgument("rank " + std::to_string(rank) + " outside the mesh of " + std::to_string(mesh.size()));
   }
@@ -86,10 +162,10 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     const auto axes = layout.layout.ShardingAxes(params[i]);
     for (std::size_t d = 0; d < axes.size(); ++d) {
       for (const std::string& a : axes[d]) {
-        if (mesh.AxisSize(a) <= 1 || a == kTpAxis || (a == kFsdpAxis && flat)) continue;
+        if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis) continue;
         return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name + "' is sharded over axis '" +
                              a + "' under rules '" + layout.layout.rules().name +
-                             "'; the training core shards parameters over tp (and flat fsdp) only");
+                             "'; the training core shards parameters over tp and fsdp only");
       }
     }
     auto local = s->map_->LocalTensor(i, rank);
@@ -113,9 +189,28 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     RS_CHECK(segs.empty() || (segs[0].local_begin == 0 && segs[0].logical_begin == s->vocab_offset_));
   }
 
-  // Owned vectors: bucket shards (fsdp), or the whole TP-local trainable tensors.
+  // Where each placement sits in its compute tensor: a flat slice of it, or a box.
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    Tensor& t = s->tensors_[i];
+    RS_CHECK(t.placement.has_value() || (fsdp > 1 && flat));
+    if (!t.placement) continue;
+    if (const auto& slice = t.placement->slice) {
+      RS_CHECK(flat && t.placement->local.dims() == t.local.dims());
+      t.self = {{0, slice->begin, slice->size()}};
+      continue;
+    }
+    auto runs = RunsIn(t.placement->local, t.local);
+    if (!runs) {
+      return Unimplemented("train: the box of '" + params[i].name + "' on rank " + std::to_string(rank) +
+                           " under layout " + layout.ToString() + " is not part of its tensor-parallel shard (rules '" +
+                           layout.layout.rules().name + "' cut a dim over fsdp outside tp); use fsdp_form=flat");
+    }
+    t.self = std::move(*runs);
+  }
+  // Owned vectors: bucket shards (flat fsdp), boxes (box fsdp), or the whole TP-local trainable
+  // tensors.
   std::int64_t owned = 0;
-  if (fsdp > 1) {
+  if (fsdp > 1 && flat) {
     s->plan_ = s->map_->BucketPlanOf(rank);
     RS_CHECK(s->plan_ != nullptr);
     for (const FsdpParam& p : s->plan_->params) s->plan_tensor_.push_back(s->CkptIndex(p.name));
@@ -136,12 +231,12 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     }
   } else {
     for (std::size_t i = 0; i < params.size(); ++i) {
+      Tensor& t = s->tensors_[i];
       if (params[i].role != TensorRole::kParameter) continue;
-      const auto& p = s->tensors_[i].placement;
-      RS_CHECK(p && (!p->slice || *p->slice == (ItemRange{0, s->tensors_[i].local.local_numel()})));
-      s->tensors_[i].owned = owned;
-      owned += s->tensors_[i].local.local_numel();
+      t.owned = owned;
+      owned += t.placement->buffer_numel();
     }
+    if (fsdp > 1) RS_RETURN_IF_ERROR(s->PlanBoxPeers(mesh));
   }
   s->master_.assign(static_cast<std::size_t>(owned), 0.0f);
   s->grad_.assign(static_cast<std::size_t>(owned), 0.0f);
@@ -170,6 +265,60 @@ std::size_t ShardedState::CkptIndex(const std::string& name) const {
   }
   RS_CHECK_MSG(false, "no tensor " << name);
   return 0;
+}
+
+Status ShardedState::PlanBoxPeers(const Mesh& mesh) {
+  const std::vector<std::int64_t> peers = mesh.GroupRanks(rank_, {kFsdpAxis});
+  RS_CHECK(static_cast<std::int64_t>(peers.size()) == fsdp_size_);
+  box_peers_.resize(peers.size());
+  for (std::size_t q = 0; q < peers.size(); ++q) {
+    BoxPeer& peer = box_peers_[q];
+    std::int64_t owned = 0;
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const Tensor& t = tensors_[i];
+      peer.base.push_back(t.owned < 0 ? -1 : owned);
+      if (t.owned < 0) {
+        peer.runs.emplace_back();
+        continue;
+      }
+      const auto p = map_->Place(t.ckpt, peers[q]);
+      RS_CHECK(p && !p->slice && p->local.logical_shape() == t.local.logical_shape());
+      auto runs = RunsIn(p->local, t.local);
+      if (!runs) {
+        return Unimplemented("train: the box of '" + local_specs_[i].name + "' on rank " + std::to_string(peers[q]) +
+                             " is not part of the tensor-parallel shard of rank " + std::to_string(rank_) +
+                             "; use fsdp_form=flat");
+      }
+      peer.runs.push_back(std::move(*runs));
+      owned += p->buffer_numel();
+    }
+    box_items_ = std::max(box_items_, owned);
+  }
+  // A parameter is cut when its boxes tile the compute tensor (each item in exactly one peer's
+  // box), replicated over fsdp when every peer holds all of it; anything else is refused.
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    Tensor& t = tensors_[i];
+    if (t.owned < 0) continue;
+    const std::int64_t n = t.local.local_numel();
+    std::vector<std::int32_t> hits(static_cast<std::size_t>(n), 0);
+    for (const BoxPeer& peer : box_peers_) {
+      for (const CopyRun& r : peer.runs[i]) {
+        for (std::int64_t k = 0; k < r.length; ++k) ++hits[static_cast<std::size_t>(r.compute + k)];
+      }
+    }
+    const bool tiled = std::all_of(hits.begin(), hits.end(), [](std::int32_t h) { return h == 1; });
+    const bool replicated = std::all_of(hits.begin(), hits.end(), [&](std::int32_t h) { return h == fsdp_size_; });
+    if (!tiled && !replicated) {
+      return Unimplemented("train: the fsdp boxes of '" + local_specs_[i].name +
+                           "' neither tile nor replicate its tensor-parallel shard; use fsdp_form=flat");
+    }
+    t.box_cut = tiled && fsdp_size_ > 1;
+  }
+  return Status::Ok();
+}
+
+Placement ShardedState::ComputePlacement(std::size_t i) const {
+  return Placement{tensors_[i].ckpt, rank_, ReplicaKind::kMain, tensors_[i].local, std::nullopt};
 }
 
 Result<ProcessGroups> ShardedState::MakeGroups(dist::Communicator& world) const {
@@ -216,9 +365,8 @@ void ShardedState::Initialize(Transformer<float>& model, std::uint64_t seed, dou
                                                            static_cast<std::size_t>(model.numel(i)))),
                   sizeof(float));
     if (t.owned < 0) continue;
-    const std::int64_t begin = t.placement->slice ? t.placement->slice->begin : 0;
-    std::copy_n(model.params().begin() + model.offset(i) + begin, t.placement->buffer_numel(),
-                master_.begin() + t.owned);
+    CopyRuns(t.self, model.params().subspan(static_cast<std::size_t>(model.offset(i))),
+             std::span<float>(master_).subspan(static_cast<std::size_t>(t.owned)), /*to_compute=*/false);
   }
 }
 
@@ -256,8 +404,8 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model) {
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const Tensor& t = tensors_[i];
     const TensorSpec& spec = map_->tensors()[t.ckpt];
-    if (spec.role != TensorRole::kParameter) {  // buffers: the whole (replicated) local tensor
-      RS_RETURN_IF_ERROR(ReadPlacement(reader, spec.name, spec.shape, *t.placement,
+    if (spec.role != TensorRole::kParameter) {  // buffers: the whole compute tensor
+      RS_RETURN_IF_ERROR(ReadPlacement(reader, spec.name, spec.shape, ComputePlacement(i),
                                        model.params().subspan(static_cast<std::size_t>(model.offset(i)),
                                                               static_cast<std::size_t>(model.numel(i)))));
       continue;
@@ -282,6 +430,7 @@ Status ShardedState::Save(CheckpointWriter& writer, const Transformer<float>& mo
   const auto& all = map_->tensors();
   const std::size_t n_params = tensors_.size();
   std::vector<std::byte> converted;
+  std::vector<float> buffer;
   for (std::size_t i = 0; i < all.size(); ++i) {
     const TensorSpec& spec = all[i];
     const auto p = map_->Place(i, rank_);
@@ -296,8 +445,10 @@ Status ShardedState::Save(CheckpointWriter& writer, const Transformer<float>& mo
       const std::size_t param = spec.role == TensorRole::kOptimizerState ? CkptIndex(spec.param) : i;
       RS_CHECK(param < n_params);
       if (spec.role == TensorRole::kBuffer) {
-        src = model.params().subspan(static_cast<std::size_t>(model.offset(param)),
-                                     static_cast<std::size_t>(model.numel(param)));
+        buffer.resize(static_cast<std::size_t>(p->buffer_numel()));
+        CopyRuns(tensors_[param].self, model.params().subspan(static_cast<std::size_t>(model.offset(param))), buffer,
+                 /*to_compute=*/false);
+        src = buffer;
       } else if (spec.role == TensorRole::kParameter || spec.state == "master") {
         src = Owned(master_, param);
       } else if (spec.state == "exp_avg") {
@@ -324,23 +475,40 @@ Status ShardedState::Save(CheckpointWriter& writer, const Transformer<float>& mo
 
 Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>& model) {
   std::span<float> params = model.params();
-  if (plan_ == nullptr) {
-    for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      const auto owned = Owned(master_, i);
-      std::copy(owned.begin(), owned.end(), params.begin() + model.offset(i));
+  if (plan_ != nullptr) {  // flat: one all-gather per bucket
+    std::vector<float> full;
+    for (const BucketShard& sh : shards_) {
+      const Bucket& b = plan_->buckets[sh.bucket];
+      full.resize(static_cast<std::size_t>(b.size_items()));
+      RS_RETURN_IF_ERROR(groups.fsdp->AllGather(std::span<const float>(master_).subspan(
+                                                    static_cast<std::size_t>(sh.base), static_cast<std::size_t>(b.shard_items)),
+                                                full));
+      for (const BucketMember& m : b.members) {
+        const std::size_t t = plan_tensor_[m.param];
+        std::copy_n(full.begin() + m.offset, m.numel, params.begin() + model.offset(t));
+      }
     }
     return Status::Ok();
   }
-  std::vector<float> full;
-  for (const BucketShard& sh : shards_) {
-    const Bucket& b = plan_->buckets[sh.bucket];
-    full.resize(static_cast<std::size_t>(b.size_items()));
-    RS_RETURN_IF_ERROR(groups.fsdp->AllGather(
-        std::span<const float>(master_).subspan(static_cast<std::size_t>(sh.base), static_cast<std::size_t>(b.shard_items)),
-        full));
-    for (const BucketMember& m : b.members) {
-      const std::size_t t = plan_tensor_[m.param];
-      std::copy_n(full.begin() + m.offset, m.numel, params.begin() + model.offset(t));
+  if (box_peers_.empty()) {  // every owned buffer is its whole compute tensor or a replica of it
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      if (tensors_[i].owned < 0) continue;
+      CopyRuns(tensors_[i].self, std::span<const float>(master_).subspan(static_cast<std::size_t>(tensors_[i].owned)),
+               params.subspan(static_cast<std::size_t>(model.offset(i))), /*to_compute=*/true);
+    }
+    return Status::Ok();
+  }
+  // Box: one all-gather of the owned vectors (padded to the largest), then every peer's boxes.
+  const auto n = static_cast<std::size_t>(box_items_);
+  std::vector<float> send(n, 0.0f), full(n * box_peers_.size());
+  std::copy(master_.begin(), master_.end(), send.begin());
+  RS_RETURN_IF_ERROR(groups.fsdp->AllGather(send, full));
+  for (std::size_t q = 0; q < box_peers_.size(); ++q) {
+    const BoxPeer& peer = box_peers_[q];
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      if (peer.base[i] < 0 || (!tensors_[i].box_cut && static_cast<std::int64_t>(q) != fsdp_index_)) continue;
+      CopyRuns(peer.runs[i], std::span<const float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])),
+               params.subspan(static_cast<std::size_t>(model.offset(i))), /*to_compute=*/true);
     }
   }
   return Status::Ok();
@@ -363,12 +531,7 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
       RS_RETURN_IF_ERROR(groups.kv->AllReduce(kv, dist::ReduceOp::kSum));
     }
   }
-  if (plan_ == nullptr) {
-    for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      if (tensors_[i].owned < 0) continue;
-      std::copy_n(grads.begin() + model.offset(i), model.numel(i), grad_.begin() + tensors_[i].owned);
-    }
-  } else {
+  if (plan_ != nullptr) {  // flat: one reduce-scatter per bucket
     std::vector<float> full;
     for (const BucketShard& sh : shards_) {
       const Bucket& b = plan_->buckets[sh.bucket];
@@ -379,6 +542,25 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
       RS_RETURN_IF_ERROR(groups.fsdp->ReduceScatter(
           full, std::span<float>(grad_).subspan(static_cast<std::size_t>(sh.base), static_cast<std::size_t>(b.shard_items))));
     }
+  } else if (box_peers_.empty()) {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      if (tensors_[i].owned < 0) continue;
+      CopyRuns(tensors_[i].self, grads.subspan(static_cast<std::size_t>(model.offset(i))),
+               std::span<float>(grad_).subspan(static_cast<std::size_t>(tensors_[i].owned)), /*to_compute=*/false);
+    }
+  } else {  // box: every peer's boxes packed in its owned order, one reduce-scatter
+    const auto n = static_cast<std::size_t>(box_items_);
+    std::vector<float> full(n * box_peers_.size(), 0.0f), mine(n);
+    for (std::size_t q = 0; q < box_peers_.size(); ++q) {
+      const BoxPeer& peer = box_peers_[q];
+      for (std::size_t i = 0; i < tensors_.size(); ++i) {
+        if (peer.base[i] < 0) continue;
+        CopyRuns(peer.runs[i], grads.subspan(static_cast<std::size_t>(model.offset(i))),
+                 std::span<float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])), /*to_compute=*/false);
+      }
+    }
+    RS_RETURN_IF_ERROR(groups.fsdp->ReduceScatter(full, mine));
+    std::copy_n(mine.begin(), grad_.size(), grad_.begin());
   }
   if (groups.dp != nullptr && groups.dp->size() > 1) {
     RS_RETURN_IF_ERROR(groups.dp->AllReduce(std::span<float>(grad_), dist::ReduceOp::kSum));

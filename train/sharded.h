@@ -14,7 +14,14 @@
 // (kv-replica all-reduce, fsdp reduce-scatter per bucket, dp all-reduce), Update (global norm
 // over main copies only, clip, AdamW on owned items).
 //
-// Supported now: tp, fsdp (flat form), dp. Pipeline, expert, expert-tensor and context
+// FSDP comes in both forms of the physical map. Flat: the bucket planner's slices, one
+// all-gather / reduce-scatter per bucket. Box: each rank owns the box of every parameter that
+// the rules cut over fsdp (`embed` -> fsdp); one all-gather / reduce-scatter over the
+// concatenated owned vectors (padded to the largest), and precomputed copy runs place every
+// peer's box in the compute tensor. A parameter the rules do not cut over fsdp is replicated
+// there (its gradient summed over the group, counted once in the norm).
+//
+// Supported now: tp, fsdp (flat and box), dp. Pipeline, expert, expert-tensor and context
 // parallelism are refused with Unimplemented (they remain convertible with `reshard convert`).
 #pragma once
 
@@ -46,6 +53,11 @@ struct ProcessGroups {
 
 class ShardedState {
  public:
+  // Items [owned, owned + length) of a placement's buffer are items [compute, compute + length)
+  // of the compute (TP-local) tensor.
+  struct CopyRun {
+    std::int64_t owned = 0, compute = 0, length = 0;
+  };
   // Checks that `layout` fits the model and that training supports it (InvalidArgument /
   // Unimplemented naming the axis or tensor), and lays out rank `rank`'s tensors.
   static Result<std::unique_ptr<ShardedState>> Create(const ModelConfig& model, const PhysicalLayout& layout,
@@ -96,6 +108,13 @@ class ShardedState {
     LocalTensorMap local;                // the TP-local tensor (the compute weights)
     std::optional<Placement> placement;  // this rank's buffer (nullopt: an fsdp rank holding none)
     std::int64_t owned = -1;             // trainable: offset of the buffer in the owned vectors
+    std::vector<CopyRun> self;           // the placement's buffer within the compute tensor
+    bool box_cut = false;                // box-form fsdp: the peers' boxes tile the compute tensor
+  };
+  // Box-form fsdp: where fsdp peer q keeps tensor i (offset in q's owned vector) and its runs.
+  struct BoxPeer {
+    std::vector<std::int64_t> base;          // per model tensor (-1: not trained)
+    std::vector<std::vector<CopyRun>> runs;  // per model tensor
   };
   struct BucketShard {
     std::size_t bucket = 0;
@@ -103,6 +122,9 @@ class ShardedState {
   };
   ShardedState() = default;
   std::size_t CkptIndex(const std::string& name) const;
+  Status PlanBoxPeers(const Mesh& mesh);
+  // The compute tensor of model tensor `i` as a placement (what a load of a buffer fills).
+  Placement ComputePlacement(std::size_t i) const;
 
   std::optional<PhysicalMap> map_;  // always set after Create
   std::int64_t rank_ = 0;
@@ -115,6 +137,8 @@ class ShardedState {
   const BucketPlan* plan_ = nullptr;  // with fsdp > 1
   std::vector<BucketShard> shards_;
   std::vector<std::size_t> plan_tensor_;  // per plan param: model tensor index
+  std::vector<BoxPeer> box_peers_;  // box-form fsdp, by fsdp index
+  std::int64_t box_items_ = 0;      // the largest owned vector in the fsdp group
   std::vector<float> master_, grad_;
   std::unique_ptr<AdamW> opt_;
   ModelConfig config_;

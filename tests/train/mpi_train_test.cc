@@ -12,6 +12,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,10 +60,15 @@ Parity Compare(const std::vector<double>& ref, const std::vector<double>& got) {
   return p;
 }
 
-int Ranks(const std::string& layout) {
+int Ranks(const std::string& layout) {  // the product of the mesh axes in a layout string
   int n = 1;
-  std::size_t pos = 0;
-  while ((pos = layout.find('=', pos)) != std::string::npos) n *= std::atoi(layout.c_str() + ++pos);
+  std::stringstream tokens(layout);
+  for (std::string token; std::getline(tokens, token, ',');) {
+    const std::string key = token.substr(0, token.find('='));
+    if (key == "pp" || key == "dp" || key == "fsdp" || key == "cp" || key == "ep" || key == "etp" || key == "tp") {
+      n *= std::atoi(token.c_str() + key.size() + 1);
+    }
+  }
   return n;
 }
 
@@ -101,6 +107,8 @@ TEST_F(MpiTrainTest, LossesMatchOneProcessAtEveryLayout) {
       {tiny, "tp=2"},      {tiny, "fsdp=2"},           {tiny, "fsdp=2,bucket_policy=lcm"},
       {tiny, "dp=2"},      {tiny, "tp=2,fsdp=2"},      {tiny, "tp=4"},  // kv heads replicated (2 kv heads)
       {shared, "tp=2"},    {shared, "dp=2,fsdp=2"},    {bias, "tp=2,fsdp=2"},
+      // Box-form FSDP: every parameter's `embed` dim cut over fsdp.
+      {tiny, "fsdp=2,fsdp_form=box"}, {tiny, "tp=2,fsdp=2,fsdp_form=box"}, {shared, "dp=2,fsdp=2,fsdp_form=box"},
   };
   double worst_first = 0, worst = 0;
   for (const auto& [args, layout] : cases) {
@@ -165,6 +173,38 @@ TEST_F(MpiTrainTest, SaveAtOneLayoutResumeAtAnother) {
       EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
     }
   }
+}
+
+// Box-form FSDP beyond the built-in rules: an uneven cut (64 columns over 3 ranks), and a rule
+// set that cuts the ffn dim over tp then fsdp (the boxes split each rank's fused [W_i; V_i]
+// per component); its save equals one process's and resumes at another form. A rule set whose
+// fsdp boxes leave the tensor-parallel shard (fsdp before tp on one dim) is refused.
+TEST_F(MpiTrainTest, BoxFormFsdpWithUnevenCutsAndCustomRules) {
+  const std::string args = "--model tiny-moe --steps 6 --batch-size 12";
+  const std::vector<double> ref = Train("", args, "ref");
+  EXPECT_LE(Compare(ref, Train("fsdp=3,fsdp_form=box", args, "uneven")).worst, 1e-4);
+  const std::string rules = tmp_.path().string() + "/tp-first.json", bad = tmp_.path().string() + "/fsdp-first.json";
+  std::ofstream(rules) << R"({"name": "tp-first", "rules": {"vocab": ["tp"], "heads": ["tp"], "kv_heads": ["tp"], )"
+                       << R"("mlp": ["tp", "fsdp"], "exp": ["ep"]}})";
+  std::ofstream(bad) << R"({"name": "fsdp-first", "rules": {"vocab": ["tp"], "heads": ["tp"], "kv_heads": ["tp"], )"
+                     << R"("mlp": ["fsdp", "tp"], "exp": ["ep"]}})";
+  const std::string one = tmp_.path().string() + "/one", box = tmp_.path().string() + "/box";
+  ASSERT_EQ(RunCli("train " + args + " --threads 1 --save " + one).exit_code, 0);
+  const std::string log = tmp_.path().string() + "/custom.jsonl";
+  CommandResult r = RunMpi(4, "train " + args + " --threads 1 --layout tp=2,fsdp=2,fsdp_form=box --rules " + rules +
+                                  " --log " + log + " --save " + box);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Parity p = Compare(ref, Losses(log));
+  EXPECT_LE(p.first, 1e-6);
+  EXPECT_LE(p.worst, 1e-4);
+  EXPECT_EQ(RunCli("verify " + box + "/step-00000006").exit_code, 0);
+  r = RunCli("diff " + one + "/step-00000006 " + box + "/step-00000006 --tolerance 1e-5");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  r = RunMpi(2, "train --resume " + box + "/step-00000006 --steps 8 --threads 1 --layout fsdp=2");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  r = RunMpi(4, "train " + args + " --threads 1 --layout tp=2,fsdp=2,fsdp_form=box --rules " + bad);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("fsdp_form=flat"), std::string::npos) << r.output;
 }
 
 TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
