@@ -1,6 +1,7 @@
 // `reshard buckets --model PRESET|FILE.json --dp N [--ep N] [--policy lcm|split|best]
 // [--granularity element|matrix] [--merge-units] [--compare] [--json]`: plans FSDP buckets
 // (core/fsdp_buckets.h) and reports their padding, all-gather traffic and largest bucket.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -13,7 +14,9 @@
 #include "cli/util.h"
 #include "core/fsdp_buckets.h"
 #include "core/fsdp_presets.h"
+#include "core/model.h"
 #include "formats/manifest.h"
+#include "reshard/physical_layout.h"
 
 namespace rs::cli {
 namespace {
@@ -31,6 +34,7 @@ struct BucketsArgs {
   double bucket_mib = 0.0;
   bool no_merge_units = false;
   std::int64_t rank = -1;
+  std::int64_t tp = 1;
   bool compare = false;
   bool summary = false;
   bool json = false;
@@ -43,6 +47,11 @@ constexpr const char* kFileHelp = R"(
 or the bare array. name and shape are required; dtype defaults to bf16, expert to false,
 requires_grad to true, unit (the FSDP unit) to 0. Parameters are bucketed by (dtype, expert,
 requires_grad, unit). --ep, --per-expert-2d and --layers-per-unit apply to presets only.
+
+A training model (tiny-moe, small-moe, or a model JSON file as `train --model` takes) is
+bucketed as `train --layout tp=T,fsdp=N` does: the TP-local f32 parameters of one tp rank
+(--tp T, default 1), one unit per layer. Its all-gather bytes are what a training step moves
+per rank.
 
 Presets (shapes only, all bf16): deepseek-v3, qwen3-30b-a3b, mixtral-8x7b, with grouped 3-D expert
 weights [E/ep, 2f, d] and [E/ep, d, f] by default; one FSDP unit per decoder layer by default.
@@ -58,7 +67,42 @@ sum over buckets of bucket bytes x (dp - 1) / dp; the whole group moves dp times
 Largest bucket: the peak bytes a rank holds all-gathered at once (one bucket at a time).
 --compare prints every policy under both granularities.)";
 
+// A training model's parameters as `train --layout tp=T,fsdp=N` buckets them: the TP-local
+// shapes of tp rank 0 (every tp rank's are the same), dtype f32 (the master weights that the
+// trainer gathers), one unit per layer – the physical map's own list.
+Result<std::vector<FsdpParam>> TrainingParams(const ModelConfig& model, std::int64_t tp) {
+  RS_ASSIGN_OR_RETURN(const RuleSet rules, BuiltinRuleSet("megatron"));
+  RS_ASSIGN_OR_RETURN(const PhysicalLayout layout,
+                      PhysicalLayout::Parse("tp=" + std::to_string(tp) + ",fsdp_form=flat", rules));
+  auto map = PhysicalMap::Create(layout, ModelCheckpointTensors(model, {}));
+  if (!map.ok()) return map.status().WithContext("model '" + model.name + "' at tp=" + std::to_string(tp));
+  std::vector<FsdpParam> params = map->BucketPlanOf(0)->params;
+  for (FsdpParam& p : params) p.dtype = DType::kF32;
+  return params;
+}
+
+bool IsParamList(const nlohmann::json& j) { return j.is_array() || (j.is_object() && j.contains("params")); }
+
+// The training model that --model names (a preset of `train` or a model JSON file), or nullopt
+// for FSDP presets and parameter lists.
+Result<std::optional<ModelConfig>> TrainingModel(const std::string& arg) {
+  const auto presets = ModelPresetNames();
+  if (std::find(presets.begin(), presets.end(), arg) != presets.end()) {
+    RS_ASSIGN_OR_RETURN(ModelConfig model, ModelPreset(arg));
+    return std::optional<ModelConfig>(std::move(model));
+  }
+  if (!std::filesystem::exists(arg)) return std::optional<ModelConfig>();
+  RS_ASSIGN_OR_RETURN(auto j, ReadJsonFile(arg));
+  if (IsParamList(j)) return std::optional<ModelConfig>();
+  auto model = ModelConfigFromJson(j);
+  if (!model.ok()) return model.status().WithContext(arg);
+  return std::optional<ModelConfig>(std::move(model).value());
+}
+
 Result<std::vector<FsdpParam>> LoadParams(const BucketsArgs& a) {
+  RS_ASSIGN_OR_RETURN(const std::optional<ModelConfig> model, TrainingModel(a.model));
+  if (model) return TrainingParams(*model, a.tp);
+  if (a.tp != 1) return InvalidArgument("--tp applies to training models (tiny-moe, small-moe or a model JSON file)");
   for (const auto& name : FsdpPresetNames()) {
     if (a.model != name) continue;
     FsdpPresetOptions o;
@@ -255,6 +299,10 @@ void RunBuckets(const BucketsArgs& a) {
     }
     j["model"] = a.model;
     j["ep"] = a.ep;
+    if (auto model = TrainingModel(a.model); model.ok() && model->has_value()) {
+      j["train_model"] = **model;  // the full description, for scripts that derive volumes
+      j["tp"] = a.tp;
+    }
     if (a.summary) j.erase("buckets");
     if (a.rank >= 0) j["rank"] = {{"rank", a.rank}, {"slices", RankJson(*plan, a.rank)}};
     std::printf("%s\n", j.dump(2).c_str());
@@ -271,7 +319,9 @@ void RegisterBuckets(CLI::App& app) {
   auto a = std::make_shared<BucketsArgs>();
   auto* cmd = app.add_subcommand("buckets", "Plan FSDP buckets and report their padding and all-gather traffic");
   cmd->footer(kFileHelp);
-  cmd->add_option("--model", a->model, "Preset (deepseek-v3, qwen3-30b-a3b, mixtral-8x7b) or parameter JSON file")
+  cmd->add_option("--model", a->model,
+                  "Preset (deepseek-v3, qwen3-30b-a3b, mixtral-8x7b), training model (tiny-moe, small-moe, model JSON "
+                  "file) or parameter JSON file")
       ->required();
   cmd->add_option("--dp", a->dp, "Data-parallel (sharding) degree")
       ->required()
@@ -303,6 +353,9 @@ void RegisterBuckets(CLI::App& app) {
                 "the cost is reported)");
   cmd->add_flag("--no-merge-units", a->no_merge_units, "One bucket per FSDP unit (the default; kept for scripts)");
   cmd->add_option("--rank", a->rank, "Also list the flat item ranges of every parameter this rank holds");
+  cmd->add_option("--tp", a->tp, "Training models: the tensor-parallel degree whose TP-local parameters are bucketed")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 16));
   cmd->add_flag("--compare", a->compare, "Print the totals of all three policies");
   cmd->add_flag("--summary", a->summary, "Totals only, no per-bucket listing");
   cmd->add_flag("--json", a->json, "Machine-readable output (key padding_fraction holds the total)");
