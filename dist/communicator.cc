@@ -28,6 +28,11 @@ class SelfCommunicator final : public Communicator {
     std::copy(send.begin(), send.end(), recv.begin());
     return Status::Ok();
   }
+  Status AllGather(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+    RS_CHECK(send.size() == recv.size());
+    std::copy(send.begin(), send.end(), recv.begin());
+    return Status::Ok();
+  }
   Status ReduceScatter(std::span<const float> send, std::span<float> recv) override {
     RS_CHECK(send.size() == recv.size());
     std::copy(send.begin(), send.end(), recv.begin());

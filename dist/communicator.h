@@ -50,6 +50,7 @@ class Communicator {
   virtual Status AllReduce(std::span<std::int64_t> data, ReduceOp op) = 0;
   // recv = the ranks' `send` blocks in rank order; recv.size() == size() · send.size().
   virtual Status AllGather(std::span<const float> send, std::span<float> recv) = 0;
+  virtual Status AllGather(std::span<const std::int64_t> send, std::span<std::int64_t> recv) = 0;
   // Sums `send` (size() blocks of recv.size()) over the ranks; rank r receives block r.
   virtual Status ReduceScatter(std::span<const float> send, std::span<float> recv) = 0;
   // Block i of `send` (send_counts[i] items, consecutive) goes to rank i; block j of `recv`

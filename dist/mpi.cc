@@ -64,6 +64,16 @@ class MpiCommunicator final : public Communicator {
     return Status::Ok();
   }
 
+  Status AllGather(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
+    RS_CHECK(recv.size() == send.size() * static_cast<std::size_t>(size()));
+    RS_RETURN_IF_ERROR(CountFits(recv.size(), "all-gather", name()));
+    RS_RETURN_IF_ERROR(Check(MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_INT64_T, recv.data(),
+                                           static_cast<int>(send.size()), MPI_INT64_T, comm_),
+                             "all-gather"));
+    stats_.allgather_bytes += static_cast<std::int64_t>(send.size() * 8) * (size() - 1);
+    return Status::Ok();
+  }
+
   Status ReduceScatter(std::span<const float> send, std::span<float> recv) override {
     RS_CHECK(send.size() == recv.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(CountFits(send.size(), "reduce-scatter", name()));

@@ -251,6 +251,113 @@ void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const 
 // Explicit instantiations for float (training) and double (reference); a type cannot be
 // parenthesised, hence the NOLINT.
 // NOLINTBEGIN(bugprone-macro-parentheses)
+ExchangeLayout PlanExchange(std::span<const std::int64_t> counts, std::int64_t sources, std::int64_t experts,
+                            std::int64_t alignment) {
+  RS_CHECK(sources >= 1 && experts >= 1 && static_cast<std::int64_t>(counts.size()) == sources * experts);
+  ExchangeLayout l;
+  l.sources = sources;
+  l.experts = experts;
+  l.alignment = alignment;
+  l.counts.assign(counts.begin(), counts.end());
+  const auto n = static_cast<std::size_t>(sources * experts);
+  l.recv_offsets.resize(n);
+  l.sorted_offsets.resize(n);
+  l.padded_offsets.resize(n);
+  l.expert_rows.assign(static_cast<std::size_t>(experts), 0);
+  l.padded_rows.assign(static_cast<std::size_t>(experts), 0);
+  l.source_rows.assign(static_cast<std::size_t>(sources), 0);
+  for (std::int64_t s = 0; s < sources; ++s) {
+    for (std::int64_t e = 0; e < experts; ++e) {
+      const auto i = static_cast<std::size_t>(s * experts + e);
+      RS_CHECK(counts[i] >= 0);
+      l.recv_offsets[i] = l.rows;
+      l.rows += counts[i];
+      l.source_rows[static_cast<std::size_t>(s)] += counts[i];
+      l.expert_rows[static_cast<std::size_t>(e)] += counts[i];
+    }
+  }
+  std::int64_t sorted = 0;
+  for (std::int64_t e = 0; e < experts; ++e) {
+    const std::int64_t padded_start = l.total_padded, sorted_start = sorted;
+    for (std::int64_t s = 0; s < sources; ++s) {
+      const auto i = static_cast<std::size_t>(s * experts + e);
+      l.sorted_offsets[i] = sorted;
+      l.padded_offsets[i] = padded_start + (sorted - sorted_start);
+      sorted += counts[i];
+    }
+    const std::int64_t rows = l.expert_rows[static_cast<std::size_t>(e)];
+    const std::int64_t padded = alignment > 1 ? (rows + alignment - 1) / alignment * alignment : rows;
+    l.padded_rows[static_cast<std::size_t>(e)] = padded;
+    l.total_padded += padded;
+  }
+  return l;
+}
+
+namespace {
+
+// Copies every (source, expert) block from `from` offsets to `to` offsets.
+template <typename T>
+void MoveBlocks(const T* in, std::int64_t d, const ExchangeLayout& l, const std::vector<std::int64_t>& from,
+                const std::vector<std::int64_t>& to, T* out) {
+  for (std::size_t i = 0; i < l.counts.size(); ++i) {
+    std::copy_n(in + from[i] * d, l.counts[i] * d, out + to[i] * d);
+  }
+}
+
+// Zeroes the padding rows of each expert's segment of the padded buffer.
+template <typename T>
+void ZeroPadding(std::int64_t d, const ExchangeLayout& l, T* padded) {
+  std::int64_t start = 0;
+  for (std::int64_t e = 0; e < l.experts; ++e) {
+    const auto i = static_cast<std::size_t>(e);
+    std::fill_n(padded + (start + l.expert_rows[i]) * d, (l.padded_rows[i] - l.expert_rows[i]) * d, T(0));
+    start += l.padded_rows[i];
+  }
+}
+
+// Unfused second pass: unpadded expert-major -> padded expert-major (or back), one copy per
+// expert.
+template <typename T>
+void PadExperts(const T* in, std::int64_t d, const ExchangeLayout& l, T* out, bool to_padded) {
+  std::int64_t sorted = 0, padded = 0;
+  for (std::int64_t e = 0; e < l.experts; ++e) {
+    const auto i = static_cast<std::size_t>(e);
+    const std::int64_t from = to_padded ? sorted : padded, to = to_padded ? padded : sorted;
+    std::copy_n(in + from * d, l.expert_rows[i] * d, out + to * d);
+    sorted += l.expert_rows[i];
+    padded += l.padded_rows[i];
+  }
+}
+
+}  // namespace
+
+template <typename T>
+Buffer<T> ExchangeToExperts(DispatchMode mode, const T* recv, std::int64_t d, const ExchangeLayout& l) {
+  Buffer<T> padded(static_cast<std::size_t>(l.total_padded * d));
+  if (mode == DispatchMode::kFused) {
+    MoveBlocks(recv, d, l, l.recv_offsets, l.padded_offsets, padded.data());
+  } else {
+    Buffer<T> sorted(static_cast<std::size_t>(l.rows * d));
+    MoveBlocks(recv, d, l, l.recv_offsets, l.sorted_offsets, sorted.data());
+    PadExperts(sorted.data(), d, l, padded.data(), /*to_padded=*/true);
+  }
+  ZeroPadding(d, l, padded.data());
+  return padded;
+}
+
+template <typename T>
+Buffer<T> ExchangeFromExperts(DispatchMode mode, const T* padded, std::int64_t d, const ExchangeLayout& l) {
+  Buffer<T> out(static_cast<std::size_t>(l.rows * d));
+  if (mode == DispatchMode::kFused) {
+    MoveBlocks(padded, d, l, l.padded_offsets, l.recv_offsets, out.data());
+  } else {
+    Buffer<T> sorted(static_cast<std::size_t>(l.rows * d));
+    PadExperts(padded, d, l, sorted.data(), /*to_padded=*/false);
+    MoveBlocks(sorted.data(), d, l, l.sorted_offsets, l.recv_offsets, out.data());
+  }
+  return out;
+}
+
 #define RS_INSTANTIATE(T)                                                                                              \
   template void PermutePad<T>(const T*, std::int64_t, const DispatchPlan&, T*);                                        \
   template void UnpadUnpermute<T>(const T*, std::int64_t, const DispatchPlan&, const T*, T*);                          \
@@ -264,7 +371,9 @@ void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const 
   template void CombineForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, const T*, T*);            \
   template Buffer<T> CombineBackward<T>(DispatchMode, const T*, const T*, std::int64_t, const DispatchPlan&, const T*, \
                                         T*);                                                                           \
-  template void DispatchBackward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, T*);
+  template void DispatchBackward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, T*);                  \
+  template Buffer<T> ExchangeToExperts<T>(DispatchMode, const T*, std::int64_t, const ExchangeLayout&);                \
+  template Buffer<T> ExchangeFromExperts<T>(DispatchMode, const T*, std::int64_t, const ExchangeLayout&);
 RS_INSTANTIATE(float)
 RS_INSTANTIATE(double)
 #undef RS_INSTANTIATE

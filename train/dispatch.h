@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -89,5 +90,37 @@ Buffer<T> CombineBackward(DispatchMode mode, const T* dout, const T* y_pad, std:
 // Backward of DispatchForward: dx [n, d] overwritten from dx_pad [padded_rows, d].
 template <typename T>
 void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const DispatchPlan& plan, T* dx);
+
+// --- Expert-parallel exchange -----------------------------------------------------------
+// The expert side of an all-to-all dispatch. A rank that holds `experts` local experts receives
+// from each of `sources` ranks that rank's rows for each of them, source-major:
+// [source][local expert][rows], counts[s · experts + e] rows (each source's rows in its own
+// slot order). The experts run on the expert-major buffer [local expert][source][rows] with
+// each expert's segment padded to a multiple of `alignment` – the fused permute+pad of the
+// one-process path, across ranks. With sources in data order, an expert sees its rows in the
+// same order as one process would.
+struct ExchangeLayout {
+  std::int64_t sources = 0, experts = 0, alignment = 0;
+  std::vector<std::int64_t> counts;          // [S·El]
+  std::vector<std::int64_t> recv_offsets;    // [S·El] first row of (s, e) in the received buffer
+  std::vector<std::int64_t> sorted_offsets;  // [S·El] first row of (s, e) in the unpadded expert-major buffer
+  std::vector<std::int64_t> padded_offsets;  // [S·El] first row of (s, e) in the padded buffer
+  std::vector<std::int64_t> expert_rows;     // [El] rows of each expert
+  std::vector<std::int64_t> padded_rows;     // [El] the same padded to the alignment
+  std::vector<std::int64_t> source_rows;     // [S] rows received from each source
+  std::int64_t rows = 0, total_padded = 0;
+};
+// counts: [sources · experts], each >= 0 (RS_CHECK).
+ExchangeLayout PlanExchange(std::span<const std::int64_t> counts, std::int64_t sources, std::int64_t experts,
+                            std::int64_t alignment);
+
+// Received rows [rows, d] -> the padded expert-major buffer [total_padded, d], padding rows zero.
+// Fused: one pass. Unfused: re-sort into an unpadded expert-major buffer, then pad (two passes).
+template <typename T>
+Buffer<T> ExchangeToExperts(DispatchMode mode, const T* recv, std::int64_t d, const ExchangeLayout& l);
+// The reverse: padded expert-major rows -> source-major rows [rows, d] (padding dropped); also
+// the backward of ExchangeToExperts.
+template <typename T>
+Buffer<T> ExchangeFromExperts(DispatchMode mode, const T* padded, std::int64_t d, const ExchangeLayout& l);
 
 }  // namespace rs::train

@@ -134,9 +134,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
         l->sfc1 = Need(p + "moe.shared.fc1.weight");
         l->sfc2 = Need(p + "moe.shared.fc2.weight");
       }
-      RS_CHECK_MSG(dim(l->efc1, 0) == c_.n_experts, "expert parallelism is not part of this model yet");
       l->moe = std::make_unique<MoeLayer<T>>(c_, dispatch_, par_, dim(l->efc2, 2),
-                                             l->sfc2 != kNone ? dim(l->sfc2, 1) : 0);
+                                             l->sfc2 != kNone ? dim(l->sfc2, 1) : 0, dim(l->efc1, 0));
     } else {
       l->fc1 = Need(p + "mlp.fc1.weight");
       l->fc2 = Need(p + "mlp.fc2.weight");

@@ -6,7 +6,10 @@
 //    in the forward pass, the input gradient of a column-parallel block in the backward pass.
 //    Embedding and output are vocab-parallel: rank i holds padded vocab rows
 //    [vocab_offset, vocab_offset + local rows); rows >= vocab_size are padding and never win.
-//  - `data`: the ranks that each hold other rows of the same global batch. Everything the
+//  - `ep`: the expert-parallel group – ranks with other rows that each hold a contiguous block of
+//    the experts ([expert_offset, expert_offset + local experts) on this rank). The MoE block
+//    sends every routed row to the rank of its expert by all-to-all(v) and back.
+//  - `data`: the ranks that each hold other rows of the same global batch (ep included). Everything the
 //    model defines over the whole batch (cross-entropy mean, router load-balancing statistics,
 //    z-loss mean, Sinkhorn balancing, expert-bias loads) is all-reduced over it, so every
 //    number equals the single-process one up to summation order.
@@ -15,8 +18,10 @@
 // and its caller returns the status): a phase fails as a whole, never by aborting.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 
 #include "core/status.h"
 #include "dist/communicator.h"
@@ -29,8 +34,12 @@ struct ModelParallel {
   std::int64_t global_rows = 0;   // token rows of the whole batch over `data` (0: this pass's rows)
   std::int64_t vocab_offset = 0;  // first (padded) vocab row of this rank's embedding / output
   Status status;                  // first failed collective; sticky until cleared
+  dist::Communicator* ep = nullptr;
+  std::int64_t expert_offset = 0;  // first expert of this rank's expert tensors
 
   std::int64_t tp_size() const { return tp != nullptr ? tp->size() : 1; }
+  std::int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
+  std::int64_t ep_rank() const { return ep != nullptr ? ep->rank() : 0; }
   std::int64_t GlobalRows(std::int64_t local_rows) const { return global_rows > 0 ? global_rows : local_rows; }
 
   template <typename T>
@@ -40,6 +49,26 @@ struct ModelParallel {
   template <typename T>
   void AllReduceData(std::span<T> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
     Reduce(data, x, op);
+  }
+  // Over ep: every rank's `send` (same size) in rank order.
+  void AllGatherEp(std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+    if (ep == nullptr || ep->size() == 1) {
+      std::copy(send.begin(), send.end(), recv.begin());
+      return;
+    }
+    if (status.ok()) status = ep->AllGather(send, recv);
+  }
+  // Over ep: block i of `send` (send_counts[i] items) to rank i. Expert parallelism runs in f32
+  // (the float64 model is the one-process reference).
+  template <typename T>
+  void AllToAllEp(std::span<const T> send, std::span<const std::int64_t> send_counts, std::span<T> recv,
+                  std::span<const std::int64_t> recv_counts) {
+    if (!status.ok()) return;
+    if constexpr (std::is_same_v<T, float>) {
+      status = ep->AllToAllV(send, send_counts, recv, recv_counts);
+    } else {
+      status = Unimplemented("expert parallelism runs in f32 only");
+    }
   }
 
  private:

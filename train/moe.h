@@ -47,8 +47,17 @@ class MoeLayer {
   // fc1 [E, 2·moe_ffn, d] holds the rank's [W_i; V_i] per expert, fc2 [E, d, moe_ffn]. The
   // router is replicated; the block's output and its input gradient are all-reduced over tp,
   // and so are the gate-weight gradients (each rank sees only its share of an expert output).
+  //
+  // With `local_experts` < E (0 = all) this rank holds experts [par->expert_offset, + local)
+  // in fc1/fc2, and the block exchanges rows (expert parallelism): the token side routes and
+  // permutes its rows over all E experts without padding; the rows of the ep group's experts
+  // go to their ranks by all-to-all(v) (counts first, by all-gather), where ExchangeToExperts
+  // lays them out expert-major with the alignment padding in one pass; the experts' outputs
+  // return the same way and are combined with the gate weights. Rows of experts outside the ep
+  // group (EP over tp: the tp ranks hold the same tokens and other experts) stay zero here and
+  // are summed by the tp all-reduce of the output, like a tensor-parallel partial sum.
   MoeLayer(const ModelConfig& c, const DispatchOptions& dispatch, ModelParallel* par = nullptr,
-           std::int64_t moe_ffn = 0, std::int64_t shared_ffn = 0);
+           std::int64_t moe_ffn = 0, std::int64_t shared_ffn = 0, std::int64_t local_experts = 0);
 
   // x: [n, d] (kept by pointer until Backward); y: [n, d] overwritten. The returned routing
   // (experts, gate weights, loads, aux and z losses) stays valid until the next Forward.
@@ -59,7 +68,16 @@ class MoeLayer {
   const DispatchPlan& plan() const { return plan_; }
 
  private:
-  std::int64_t d_, e_, shared_ffn_;
+  bool Exchanging() const { return local_experts_ < e_ || par_->ep_size() > 1; }
+  // Sends the group's rows of `rows` (token side, [plan rows, d]) to the experts' ranks and
+  // returns the padded expert-major buffer; sets layout_ and the counts on the first call of
+  // a pass (`plan_counts`).
+  Buffer<T> ToExperts(const T* rows, bool plan_counts);
+  // The reverse: padded expert outputs (or input gradients) back to the token side, [plan rows,
+  // d], zero for rows of experts outside the group.
+  Buffer<T> FromExperts(const T* padded);
+
+  std::int64_t d_, e_, shared_ffn_, local_experts_;
   DispatchOptions dispatch_;
   ModelParallel* par_;
   Router<T> router_;
@@ -71,6 +89,13 @@ class MoeLayer {
   DispatchPlan plan_;
   Buffer<T> x_pad_;  // [padded rows, d] expert inputs
   Buffer<T> y_pad_;  // [padded rows, d] expert outputs
+  // Expert parallelism: the token-side rows of the group's experts start at row group_begin_
+  // of the plan; send_counts_ / recv_counts_ are items per ep rank; y_rows_ the combined
+  // outputs on the token side [plan rows, d].
+  ExchangeLayout layout_;
+  std::int64_t group_begin_ = 0, group_rows_ = 0;
+  std::vector<std::int64_t> send_counts_, recv_counts_;
+  Buffer<T> y_rows_;
 };
 
 }  // namespace rs::train

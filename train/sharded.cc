@@ -15,6 +15,7 @@ namespace {
 constexpr const char* kTpAxis = "tp";
 constexpr const char* kFsdpAxis = "fsdp";
 constexpr const char* kDpAxis = "dp";
+constexpr const char* kEpAxis = "ep";
 
 std::int64_t Coord(const Mesh& mesh, const std::vector<std::int64_t>& coords, const std::string& axis) {
   const auto i = mesh.AxisIndex(axis);
@@ -110,7 +111,7 @@ void CopyRuns(const std::vector<CopyRun>& runs, std::span<const float> src, std:
 
 dist::CommStats ProcessGroups::Stats() const {
   dist::CommStats s = world != nullptr ? world->stats() : dist::CommStats{};
-  for (const auto* c : {tp.get(), fsdp.get(), dp.get(), data.get(), kv.get()}) {
+  for (const auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), data.get(), kv.get()}) {
     if (c != nullptr) s += c->stats();
   }
   return s;
@@ -118,7 +119,7 @@ dist::CommStats ProcessGroups::Stats() const {
 
 void ProcessGroups::ResetStats() {
   if (world != nullptr) world->ResetStats();
-  for (auto* c : {tp.get(), fsdp.get(), dp.get(), data.get(), kv.get()}) {
+  for (auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), data.get(), kv.get()}) {
     if (c != nullptr) c->ResetStats();
   }
 }
@@ -126,10 +127,10 @@ void ProcessGroups::ResetStats() {
 Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& model, const PhysicalLayout& layout,
                                                             std::int64_t rank, const OptimizerConfig& optimizer) {
   const Mesh& mesh = layout.layout.mesh();
-  for (const char* axis : {"pp", "ep", "etp", "cp"}) {
+  for (const char* axis : {"pp", "etp", "cp"}) {
     if (mesh.AxisSize(axis) > 1) {
       return Unimplemented(std::string("train: the '") + axis + "' axis of layout " + layout.ToString() +
-                           " is not supported by the training core yet (tp, fsdp and dp are); checkpoints of such "
+                           " is not supported by the training core yet (tp, fsdp, ep and dp are); checkpoints of such "
                            "layouts can still be written by `reshard convert`");
     }
   }
@@ -149,8 +150,10 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   const std::int64_t tp = mesh.AxisSize(kTpAxis), tp_index = Coord(mesh, coords, kTpAxis);
   s->fsdp_index_ = Coord(mesh, coords, kFsdpAxis);
   s->fsdp_size_ = fsdp;
-  s->data_index_ = Coord(mesh, coords, kDpAxis) * fsdp + s->fsdp_index_;
-  s->data_size_ = mesh.AxisSize(kDpAxis) * fsdp;
+  // The ranks with other rows of the batch, row-major over (dp, fsdp, ep) as the data group.
+  const std::int64_t ep = mesh.AxisSize(kEpAxis);
+  s->data_index_ = (Coord(mesh, coords, kDpAxis) * fsdp + s->fsdp_index_) * ep + Coord(mesh, coords, kEpAxis);
+  s->data_size_ = mesh.AxisSize(kDpAxis) * fsdp * ep;
   if (tp > model.n_kv_heads) s->kv_replication_ = tp / model.n_kv_heads;
 
   const std::vector<TensorSpec> params = ModelParameters(model);
@@ -163,6 +166,13 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     for (std::size_t d = 0; d < axes.size(); ++d) {
       for (const std::string& a : axes[d]) {
         if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis) continue;
+        if (a == kEpAxis && params[i].expert && d == 0) continue;  // experts in blocks over ep
+        if (a == kEpAxis) {
+          return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name +
+                               "' is sharded over 'ep' under rules '" + layout.layout.rules().name +
+                               "' (ep as context parallelism outside the MoE block); the training core shards only "
+                               "the expert dim over ep so far");
+        }
         return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name + "' is sharded over axis '" +
                              a + "' under rules '" + layout.layout.rules().name +
                              "'; the training core shards parameters over tp and fsdp only");
@@ -187,6 +197,15 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     s->vocab_offset_ = by_tp ? tp_index * rows : 0;
     const auto& segs = s->tensors_[0].local.dims()[0].segments;
     RS_CHECK(segs.empty() || (segs[0].local_begin == 0 && segs[0].logical_begin == s->vocab_offset_));
+  }
+
+  // Experts: this rank's block starts at the first logical expert of its expert tensors.
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].expert) continue;
+    const auto& segs = s->tensors_[i].local.dims()[0].segments;
+    RS_CHECK(!segs.empty() && segs[0].local_begin == 0);
+    s->expert_offset_ = segs[0].logical_begin;
+    break;
   }
 
   // Where each placement sits in its compute tensor: a flat slice of it, or a box.
@@ -255,6 +274,20 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     }
   }
   s->opt_ = std::make_unique<AdamW>(optimizer, std::move(segments), owned);
+  // Non-expert parameters are replicated over ep (each ep rank trains other rows): their owned
+  // gradients are summed over ep; an expert's gradient is complete on the rank that holds it.
+  if (ep > 1) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const Tensor& t = s->tensors_[i];
+      if (params[i].role != TensorRole::kParameter || params[i].expert || t.owned < 0) continue;
+      const std::int64_t n = t.placement->buffer_numel();
+      if (!s->ep_shared_.empty() && s->ep_shared_.back().end == t.owned) {
+        s->ep_shared_.back().end += n;
+      } else {
+        s->ep_shared_.push_back({t.owned, t.owned + n});
+      }
+    }
+  }
   return s;
 }
 
@@ -333,7 +366,8 @@ Result<ProcessGroups> ShardedState::MakeGroups(dist::Communicator& world) const 
   RS_ASSIGN_OR_RETURN(g.tp, dist::MeshGroup(world, mesh, {kTpAxis}, "tp"));
   RS_ASSIGN_OR_RETURN(g.fsdp, dist::MeshGroup(world, mesh, {kFsdpAxis}, "fsdp"));
   RS_ASSIGN_OR_RETURN(g.dp, dist::MeshGroup(world, mesh, {kDpAxis}, "dp"));
-  RS_ASSIGN_OR_RETURN(g.data, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis}, "data"));
+  RS_ASSIGN_OR_RETURN(g.ep, dist::MeshGroup(world, mesh, {kEpAxis}, "ep"));
+  RS_ASSIGN_OR_RETURN(g.data, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis, kEpAxis}, "data"));
   if (kv_replication_ > 1) {
     // The tp ranks that hold the same kv head: their gradients of it are partial sums.
     const std::int64_t r = g.tp->rank();
@@ -561,6 +595,16 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
     }
     RS_RETURN_IF_ERROR(groups.fsdp->ReduceScatter(full, mine));
     std::copy_n(mine.begin(), grad_.size(), grad_.begin());
+  }
+  if (!ep_shared_.empty() && groups.ep != nullptr && groups.ep->size() > 1) {
+    std::vector<float> packed;
+    for (const ItemRange& r : ep_shared_) packed.insert(packed.end(), grad_.begin() + r.begin, grad_.begin() + r.end);
+    RS_RETURN_IF_ERROR(groups.ep->AllReduce(std::span<float>(packed), dist::ReduceOp::kSum));
+    auto it = packed.begin();
+    for (const ItemRange& r : ep_shared_) {
+      std::copy_n(it, r.size(), grad_.begin() + r.begin);
+      it += r.size();
+    }
   }
   if (groups.dp != nullptr && groups.dp->size() > 1) {
     RS_RETURN_IF_ERROR(groups.dp->AllReduce(std::span<float>(grad_), dist::ReduceOp::kSum));

@@ -21,8 +21,14 @@
 // peer's box in the compute tensor. A parameter the rules do not cut over fsdp is replicated
 // there (its gradient summed over the group, counted once in the norm).
 //
-// Supported now: tp, fsdp (flat and box), dp. Pipeline, expert, expert-tensor and context
-// parallelism are refused with Unimplemented (they remain convertible with `reshard convert`).
+// Expert parallelism (ep): expert tensors hold the rank's block of experts (the MoE block
+// exchanges rows by all-to-all, train/moe.h); every other parameter is replicated over ep and
+// its gradient summed over ep. EP over tp (rules with exp -> tp) needs nothing here: the
+// expert dim is then a tensor-parallel cut.
+//
+// Supported now: tp, fsdp (flat and box), ep, dp. Pipeline, expert-tensor and context
+// parallelism (ep-as-cp rules) are refused with Unimplemented (they remain convertible with
+// `reshard convert`).
 #pragma once
 
 #include <cstdint>
@@ -45,7 +51,7 @@ namespace rs::train {
 // The process groups of a rank; null members are groups of one.
 struct ProcessGroups {
   dist::Communicator* world = nullptr;
-  std::unique_ptr<dist::Communicator> tp, fsdp, dp, data, kv;
+  std::unique_ptr<dist::Communicator> tp, fsdp, dp, ep, data, kv;
   // Bytes this rank received in every group since the last reset.
   dist::CommStats Stats() const;
   void ResetStats();
@@ -73,6 +79,8 @@ class ShardedState {
   // ModelParameters(config) with this rank's local shapes.
   const std::vector<TensorSpec>& local_specs() const { return local_specs_; }
   std::int64_t vocab_offset() const { return vocab_offset_; }
+  // The first expert of this rank's expert tensors (0 unless ep or EP over tp splits them).
+  std::int64_t expert_offset() const { return expert_offset_; }
   // Which rows of the global batch this rank trains on: sequences
   // [data_index · B / data_size, (data_index + 1) · B / data_size).
   std::int64_t data_index() const { return data_index_; }
@@ -131,6 +139,8 @@ class ShardedState {
   std::vector<TensorSpec> local_specs_;
   std::vector<Tensor> tensors_;  // per model tensor (ModelParameters order)
   std::int64_t vocab_offset_ = 0;
+  std::int64_t expert_offset_ = 0;
+  std::vector<ItemRange> ep_shared_;  // owned ranges of non-expert parameters (summed over ep)
   std::int64_t data_index_ = 0, data_size_ = 1;
   std::int64_t fsdp_index_ = 0, fsdp_size_ = 1;
   std::int64_t kv_replication_ = 1;  // tp ranks that hold each kv head

@@ -207,6 +207,33 @@ TEST_F(MpiTrainTest, BoxFormFsdpWithUnevenCutsAndCustomRules) {
   EXPECT_NE(r.output.find("fsdp_form=flat"), std::string::npos) << r.output;
 }
 
+// The FSDP bytes a training step moves per rank are what `reshard buckets` predicts for the same
+// model, tp degree and plan options (flat form), under two policies and granularities.
+TEST_F(MpiTrainTest, FsdpBytesEqualTheBucketPlan) {
+  struct Case {
+    std::string layout, buckets;
+  };
+  for (const auto& [layout, buckets] :
+       {Case{"tp=2,fsdp=2", "--tp 2 --dp 2"},
+        Case{"fsdp=4,bucket_policy=lcm,bucket_granularity=matrix", "--dp 4 --policy lcm --granularity matrix"}}) {
+    const std::string log = tmp_.path().string() + "/bytes.jsonl";
+    std::filesystem::remove(log);
+    const CommandResult t = RunMpi(Ranks(layout), "train --model tiny-moe --steps 1 --threads 1 --layout " + layout +
+                                                      " --log " + log);
+    ASSERT_EQ(t.exit_code, 0) << t.output;
+    const CommandResult b = RunCli("buckets --model tiny-moe --json --summary " + buckets);
+    ASSERT_EQ(b.exit_code, 0) << b.output;
+    std::ifstream in(log);
+    std::string line;
+    ASSERT_TRUE(std::getline(in, line));
+    const auto bytes = nlohmann::json::parse(line)["comm_bytes"];
+    const auto plan = nlohmann::json::parse(b.output);
+    EXPECT_GT(plan["allgather_bytes_per_rank"].get<std::int64_t>(), 0);
+    EXPECT_EQ(bytes["allgather"], plan["allgather_bytes_per_rank"]) << layout;
+    EXPECT_EQ(bytes["reduce_scatter"], plan["allgather_bytes_per_rank"]) << layout;
+  }
+}
+
 TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   CommandResult r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=4");
   EXPECT_EQ(r.exit_code, 2) << r.output;
