@@ -31,6 +31,17 @@ RuleSet EpAsCp() {
   return r;
 }
 
+RuleSet EpOverTp() {
+  RuleSet r = Megatron();
+  r.name = "ep-over-tp";
+  // Megatron's "MoE parallel folding": attention and dense layers are tensor-parallel over tp,
+  // while in the MoE block the same ranks hold whole experts (the expert dim cut over tp, the
+  // experts' ffn dim not cut), so the token exchange stays inside the model-parallel group.
+  r.rules["exp"] = {"tp"};
+  r.rules["exp_mlp"] = {};
+  return r;
+}
+
 bool IsCanonicalAxis(const std::string& name) {
   const auto& axes = CanonicalMeshAxes();
   return std::find(axes.begin(), axes.end(), name) != axes.end();
@@ -67,10 +78,11 @@ Result<std::int64_t> IntField(const nlohmann::json& j, const std::string& field)
 Result<RuleSet> BuiltinRuleSet(const std::string& name) {
   if (name == "megatron") return Megatron();
   if (name == "ep-as-cp") return EpAsCp();
+  if (name == "ep-over-tp") return EpOverTp();
   return NotFound("unknown rule set '" + name + "' (built-in: " + Join(BuiltinRuleSetNames()) + ")");
 }
 
-std::vector<std::string> BuiltinRuleSetNames() { return {"megatron", "ep-as-cp"}; }
+std::vector<std::string> BuiltinRuleSetNames() { return {"megatron", "ep-as-cp", "ep-over-tp"}; }
 
 Result<RuleSet> RuleSetFromJson(const nlohmann::json& j) {
   if (!j.is_object()) return InvalidArgument("rule set: expected a JSON object");

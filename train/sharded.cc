@@ -166,7 +166,7 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     for (std::size_t d = 0; d < axes.size(); ++d) {
       for (const std::string& a : axes[d]) {
         if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis) continue;
-        if (a == kEpAxis && params[i].expert && d == 0) continue;  // experts in blocks over ep
+        if (a == kEpAxis && params[i].expert && d == 0) continue;  // experts in blocks over ep (checked below)
         if (a == kEpAxis) {
           return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name +
                                "' is sharded over 'ep' under rules '" + layout.layout.rules().name +
@@ -199,9 +199,26 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     RS_CHECK(segs.empty() || (segs[0].local_begin == 0 && segs[0].logical_begin == s->vocab_offset_));
   }
 
-  // Experts: this rank's block starts at the first logical expert of its expert tensors.
+  // Experts: this rank's block starts at the first logical expert of its expert tensors. The
+  // expert dim may be cut over ep (rows exchanged by all-to-all) or over tp (EP over tp: the tp
+  // ranks share their tokens), not over both or anything else.
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (!params[i].expert) continue;
+    TensorSpec relabelled = params[i];  // as the physical map places it (exp_<label> rules)
+    for (std::string& label : relabelled.axes) {
+      if (!label.empty() && layout.layout.rules().rules.count("exp_" + label) != 0) label = "exp_" + label;
+    }
+    std::vector<std::string> cut;
+    const auto axes = layout.layout.ShardingAxes(relabelled);
+    for (const std::string& a : axes[0]) {
+      if (mesh.AxisSize(a) > 1) cut.push_back(a);
+    }
+    if (cut.size() > 1 || (cut.size() == 1 && cut[0] != kEpAxis && cut[0] != kTpAxis)) {
+      return Unimplemented("train: the expert dim of '" + params[i].name + "' is cut over more than ep or tp alone "
+                           "under rules '" + layout.layout.rules().name + "'; the training core exchanges tokens "
+                           "over one of them");
+    }
+    s->experts_over_ep_ = cut.size() == 1 && cut[0] == kEpAxis;
     const auto& segs = s->tensors_[i].local.dims()[0].segments;
     RS_CHECK(!segs.empty() && segs[0].local_begin == 0);
     s->expert_offset_ = segs[0].logical_begin;
@@ -274,12 +291,15 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     }
   }
   s->opt_ = std::make_unique<AdamW>(optimizer, std::move(segments), owned);
-  // Non-expert parameters are replicated over ep (each ep rank trains other rows): their owned
-  // gradients are summed over ep; an expert's gradient is complete on the rank that holds it.
+  // Parameters replicated over ep (each ep rank trains other rows) have their owned gradients
+  // summed over ep: all but the experts when they are cut over ep – whose gradient is then
+  // complete on the rank that holds them – and all of them otherwise.
   if (ep > 1) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       const Tensor& t = s->tensors_[i];
-      if (params[i].role != TensorRole::kParameter || params[i].expert || t.owned < 0) continue;
+      if (params[i].role != TensorRole::kParameter || (params[i].expert && s->experts_over_ep_) || t.owned < 0) {
+        continue;
+      }
       const std::int64_t n = t.placement->buffer_numel();
       if (!s->ep_shared_.empty() && s->ep_shared_.back().end == t.owned) {
         s->ep_shared_.back().end += n;

@@ -81,6 +81,9 @@ class ShardedState {
   std::int64_t vocab_offset() const { return vocab_offset_; }
   // The first expert of this rank's expert tensors (0 unless ep or EP over tp splits them).
   std::int64_t expert_offset() const { return expert_offset_; }
+  // Whether the ep axis cuts the expert dim (the MoE block then exchanges rows over ep); with
+  // other rules ep is one more data-parallel axis.
+  bool experts_over_ep() const { return experts_over_ep_; }
   // Which rows of the global batch this rank trains on: sequences
   // [data_index · B / data_size, (data_index + 1) · B / data_size).
   std::int64_t data_index() const { return data_index_; }
@@ -140,6 +143,7 @@ class ShardedState {
   std::vector<Tensor> tensors_;  // per model tensor (ModelParameters order)
   std::int64_t vocab_offset_ = 0;
   std::int64_t expert_offset_ = 0;
+  bool experts_over_ep_ = false;
   std::vector<ItemRange> ep_shared_;  // owned ranges of non-expert parameters (summed over ep)
   std::int64_t data_index_ = 0, data_size_ = 1;
   std::int64_t fsdp_index_ = 0, fsdp_size_ = 1;

@@ -99,8 +99,8 @@ Trainer::Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corp
       seq_(train.seq_len > 0 ? train.seq_len : model.max_seq_len),
       state_(std::move(state)),
       groups_(std::move(groups)),
-      par_{groups_.tp.get(), groups_.data.get(), 0, state_->vocab_offset(), Status::Ok(), groups_.ep.get(),
-           state_->expert_offset()},
+      par_{groups_.tp.get(), groups_.data.get(), 0, state_->vocab_offset(), Status::Ok(),
+           state_->experts_over_ep() ? groups_.ep.get() : nullptr, state_->expert_offset()},
       model_(model, train.dispatch, state_->local_specs(), &par_) {}
 
 std::int64_t Trainer::num_parameters() const {

@@ -45,7 +45,7 @@ void ExpectInvalid(const Status& s, const std::string& needle) {
 }
 
 TEST(LayoutTest, BuiltinRuleSets) {
-  EXPECT_EQ(BuiltinRuleSetNames(), (std::vector<std::string>{"megatron", "ep-as-cp"}));
+  EXPECT_EQ(BuiltinRuleSetNames(), (std::vector<std::string>{"megatron", "ep-as-cp", "ep-over-tp"}));
   const RuleSet m = Rules("megatron");
   EXPECT_EQ(m.name, "megatron");
   EXPECT_EQ(m.rules.at("vocab"), (std::vector<std::string>{"tp"}));
@@ -57,6 +57,10 @@ TEST(LayoutTest, BuiltinRuleSets) {
   const RuleSet c = Rules("ep-as-cp");
   EXPECT_EQ(c.rules.at("embed"), (std::vector<std::string>{"fsdp", "ep"}));
   EXPECT_EQ(c.rules.at("exp"), (std::vector<std::string>{"ep"}));
+  const RuleSet f = Rules("ep-over-tp");  // MoE parallel folding: experts whole, over tp
+  EXPECT_EQ(f.rules.at("exp"), (std::vector<std::string>{"tp"}));
+  EXPECT_EQ(f.rules.at("exp_mlp"), (std::vector<std::string>{}));
+  EXPECT_EQ(f.rules.at("mlp"), (std::vector<std::string>{"tp"}));
   auto bad = BuiltinRuleSet("nope");
   EXPECT_EQ(bad.status().code(), ErrorCode::kNotFound);
   EXPECT_NE(bad.status().message().find("megatron"), std::string::npos);  // lists the known ones
