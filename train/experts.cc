@@ -11,7 +11,8 @@ namespace rs::train {
 template <typename T>
 void GroupedSwiGlu<T>::Forward(const T* x, std::span<const std::int64_t> group_rows, const T* fc1, const T* fc2, T* y) {
   const std::int64_t d = d_, f = f_;
-  x_ = x;
+  x_ = x;  // null when there are no rows (an expert-parallel rank that receives none)
+  forwarded_ = true;
   rows_.assign(group_rows.begin(), group_rows.end());
   const std::int64_t n = std::accumulate(rows_.begin(), rows_.end(), std::int64_t{0});
   h_.resize(static_cast<std::size_t>(n * 2 * f));
@@ -36,7 +37,7 @@ void GroupedSwiGlu<T>::Forward(const T* x, std::span<const std::int64_t> group_r
 
 template <typename T>
 void GroupedSwiGlu<T>::Backward(const T* dy, const T* fc1, const T* fc2, T* dx, T* dfc1, T* dfc2) {
-  RS_CHECK(x_ != nullptr);
+  RS_CHECK_MSG(forwarded_, "GroupedSwiGlu::Backward before Forward");
   const std::int64_t d = d_, f = f_;
   const std::int64_t n = std::accumulate(rows_.begin(), rows_.end(), std::int64_t{0});
   Buffer<T> da(static_cast<std::size_t>(n * f));

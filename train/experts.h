@@ -26,6 +26,7 @@ class GroupedSwiGlu {
  private:
   std::int64_t d_, f_;
   const T* x_ = nullptr;
+  bool forwarded_ = false;
   std::vector<std::int64_t> rows_;
   Buffer<T> h_;  // [Σ rows, 2f] pre-activation [gate | up]
   Buffer<T> a_;  // [Σ rows, f] silu(gate) ⊙ up

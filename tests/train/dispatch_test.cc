@@ -206,3 +206,106 @@ TEST(DispatchTest, CombineGradientMatchesFiniteDifferences) {
 
 }  // namespace
 }  // namespace rs::train
+
+namespace rs::train {
+namespace {
+
+// Expert-parallel exchange, simulated in one process: P source ranks route their own tokens
+// (source 1 has none), each destination q receives [source][its local expert] blocks exactly as
+// the all-to-all delivers them, and ExchangeToExperts must put every (token, slot) of every
+// source exactly once at its expert's padded segment, in source-then-slot order, with zero
+// padding; fused and unfused agree bit for bit; ExchangeFromExperts inverts it and ignores
+// padding rows (the gradient of a padding row goes nowhere).
+TEST(ExchangeTest, EveryAssignmentArrivesOnceAtItsExpertsRank) {
+  const std::int64_t d = 3, k = 2;
+  for (std::uint64_t seed = 0; seed < 6; ++seed) {
+    for (const std::int64_t p : {1, 2, 4}) {
+      for (const auto a : kAlignments) {
+        const std::int64_t el = 2, e = p * el;
+        if (e - 1 < k) continue;
+        std::vector<std::int64_t> tokens(static_cast<std::size_t>(p));
+        std::vector<std::vector<float>> x(static_cast<std::size_t>(p));
+        std::vector<DispatchPlan> plans;
+        std::vector<std::vector<std::int32_t>> routings;
+        std::vector<Buffer<float>> rows;
+        for (std::int64_t s = 0; s < p; ++s) {
+          const std::int64_t n = s == 1 ? 0 : 5 + static_cast<std::int64_t>(seed) * 3 + s;
+          tokens[static_cast<std::size_t>(s)] = n;
+          const auto values = RandomVector(static_cast<std::size_t>(n * d), 100 * seed + static_cast<std::uint64_t>(s));
+          x[static_cast<std::size_t>(s)].assign(values.begin(), values.end());
+          const auto routing = n > 0 ? RandomRouting(n, k, e, seed * 7 + static_cast<std::uint64_t>(s)) : std::vector<std::int32_t>{};
+          plans.push_back(PlanDispatch(routing.data(), n, k, e, 0));
+          routings.push_back(routing);
+          rows.push_back(DispatchForward(DispatchMode::kFused, x[static_cast<std::size_t>(s)].data(), d, plans.back()));
+        }
+        std::int64_t arrived = 0;
+        for (std::int64_t q = 0; q < p; ++q) {
+          std::vector<std::int64_t> counts;
+          std::vector<float> recv;
+          for (std::int64_t s = 0; s < p; ++s) {
+            const DispatchPlan& pl = plans[static_cast<std::size_t>(s)];
+            for (std::int64_t j = 0; j < el; ++j) {
+              const auto ex = static_cast<std::size_t>(q * el + j);
+              counts.push_back(pl.counts[ex]);
+              const auto& r = rows[static_cast<std::size_t>(s)];
+              recv.insert(recv.end(), r.begin() + pl.offsets[ex] * d, r.begin() + pl.offsets[ex + 1] * d);
+            }
+          }
+          const ExchangeLayout l = PlanExchange(counts, p, el, a);
+          const Buffer<float> fused = ExchangeToExperts(DispatchMode::kFused, recv.data(), d, l);
+          const Buffer<float> unfused = ExchangeToExperts(DispatchMode::kUnfused, recv.data(), d, l);
+          ASSERT_EQ(fused.size(), static_cast<std::size_t>(l.total_padded * d));
+          EXPECT_TRUE(std::equal(fused.begin(), fused.end(), unfused.begin()));
+          std::vector<int> hit(static_cast<std::size_t>(l.total_padded), 0);
+          for (std::int64_t s = 0; s < p; ++s) {
+            const DispatchPlan& pl = plans[static_cast<std::size_t>(s)];
+            for (std::int64_t slot = 0; slot < pl.rows(); ++slot) {
+              const std::int64_t ex = routings[static_cast<std::size_t>(s)][static_cast<std::size_t>(slot)];
+              if (ex / el != q) continue;
+              const std::int64_t j = ex % el, within = pl.row_of_slot[static_cast<std::size_t>(slot)] - pl.offsets[static_cast<std::size_t>(ex)];
+              const std::int64_t at = l.padded_offsets[static_cast<std::size_t>(s * el + j)] + within;
+              ++hit[static_cast<std::size_t>(at)];
+              ++arrived;
+              for (std::int64_t c = 0; c < d; ++c) {
+                ASSERT_EQ(fused[static_cast<std::size_t>(at * d + c)], x[static_cast<std::size_t>(s)][static_cast<std::size_t>((slot / k) * d + c)]);
+              }
+            }
+          }
+          std::int64_t start = 0;
+          for (std::int64_t j = 0; j < el; ++j) {
+            const std::int64_t used = l.expert_rows[static_cast<std::size_t>(j)], padded = l.padded_rows[static_cast<std::size_t>(j)];
+            if (a > 1) {
+              EXPECT_EQ(padded % a, 0);
+            }
+            for (std::int64_t r = start; r < start + padded; ++r) {
+              EXPECT_EQ(hit[static_cast<std::size_t>(r)], r < start + used ? 1 : 0);
+              if (r >= start + used) {
+                for (std::int64_t c = 0; c < d; ++c) EXPECT_EQ(fused[static_cast<std::size_t>(r * d + c)], 0.0f);
+              }
+            }
+            start += padded;
+          }
+          // The way back, with garbage in the padding rows: exactly the received rows again.
+          Buffer<float> dirty = fused;
+          start = 0;
+          for (std::int64_t j = 0; j < el; ++j) {
+            for (std::int64_t r = start + l.expert_rows[static_cast<std::size_t>(j)]; r < start + l.padded_rows[static_cast<std::size_t>(j)]; ++r) {
+              std::fill_n(dirty.begin() + r * d, d, 1e30f);
+            }
+            start += l.padded_rows[static_cast<std::size_t>(j)];
+          }
+          for (const DispatchMode mode : {DispatchMode::kFused, DispatchMode::kUnfused}) {
+            const Buffer<float> back = ExchangeFromExperts(mode, dirty.data(), d, l);
+            EXPECT_TRUE(std::equal(back.begin(), back.end(), recv.begin(), recv.end()));
+          }
+        }
+        std::int64_t expected = 0;
+        for (const std::int64_t n : tokens) expected += n * k;
+        EXPECT_EQ(arrived, expected);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rs::train

@@ -234,6 +234,76 @@ TEST_F(MpiTrainTest, FsdpBytesEqualTheBucketPlan) {
   }
 }
 
+// Expert parallelism: rows exchanged by all-to-all over ep (alone, with fsdp, with tp), EP over
+// tp (the ep-over-tp rules), for tiny-moe and for 8-expert models with a dense first layer and
+// a shared expert under every router kind, with fused and unfused dispatch and alignments
+// 0 / 16 / 128.
+TEST_F(MpiTrainTest, ExpertParallelLossesMatchOneProcess) {
+  const std::string tiny = "--model tiny-moe --steps 10";
+  auto eight = [&](const std::string& router, const std::string& extra) {
+    const std::string path = tmp_.path().string() + "/eight-" + router + ".json";
+    std::ofstream(path) << R"({"name": "eight-)" << router << R"(", "n_layers": 3, "first_dense_layers": 1, )"
+                        << R"("shared_ffn": 32, "n_experts": 8, "top_k": 2, "router": ")" << router << R"("})";
+    return "--model " + path + " --steps 10 " + extra;
+  };
+  struct Case {
+    std::string args, layout;
+  };
+  const std::vector<Case> cases = {
+      {tiny, "ep=2"},
+      {tiny, "ep=4"},
+      {tiny, "ep=2,fsdp=2"},
+      {tiny, "tp=2,ep=2"},
+      {tiny + " --rules ep-over-tp", "tp=2"},
+      {eight("topk", "--align 16"), "ep=2"},
+      {eight("softmax_topk", "--align 128 --dispatch unfused"), "ep=4"},
+      {eight("sigmoid_bias", "--align 16"), "ep=2,fsdp=2"},
+      {eight("group_limited", ""), "tp=2,ep=2"},
+      {eight("sinkhorn", "--align 128 --rules ep-over-tp"), "tp=2,ep=2"},
+  };
+  double worst_first = 0, worst = 0;
+  for (const auto& [args, layout] : cases) {
+    const Parity p = Compare(Train("", args, "ref"), Train(layout, args, "par"));
+    EXPECT_LE(p.first, 1e-6) << args << " at " << layout;
+    EXPECT_LE(p.worst, 1e-4) << args << " at " << layout;
+    worst_first = std::max(worst_first, p.first);
+    worst = std::max(worst, p.worst);
+  }
+  std::printf("expert parallel, worst relative loss difference: step 1 %.3g, steps 1-10 %.3g\n", worst_first, worst);
+}
+
+// One step at ep=2,fsdp=2: gradients (through exp_avg) and master weights of every parameter
+// equal one process's; then save at ep=4, resume at ep=2,fsdp=2 and in one process.
+TEST_F(MpiTrainTest, ExpertParallelGradientsSaveAndResume) {
+  const std::string one = tmp_.path().string() + "/one", many = tmp_.path().string() + "/many";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 1 --threads 1 --save " + one).exit_code, 0);
+  CommandResult r = RunMpi(4, "train --model tiny-moe --steps 1 --threads 1 --layout ep=2,fsdp=2 --save " + many);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-6");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+
+  const std::string ref_log = tmp_.path().string() + "/ref.jsonl";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 10 --threads 1 --log " + ref_log).exit_code, 0);
+  const std::vector<double> ref = Losses(ref_log);
+  const std::string run = tmp_.path().string() + "/ep4";
+  r = RunMpi(4, "train --model tiny-moe --steps 5 --threads 1 --layout ep=4 --save " + run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string ckpt = run + "/step-00000005";
+  EXPECT_EQ(RunCli("verify " + ckpt).exit_code, 0);
+  for (const std::string& layout : {std::string("ep=2,fsdp=2"), std::string()}) {
+    const std::string log = tmp_.path().string() + "/resumed.jsonl";
+    std::filesystem::remove(log);
+    r = layout.empty() ? RunCli("train --resume " + ckpt + " --steps 10 --threads 1 --log " + log)
+                       : RunMpi(4, "train --resume " + ckpt + " --steps 10 --threads 1 --layout " + layout + " --log " + log);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::vector<double> got = Losses(log);
+    ASSERT_EQ(got.size(), 5u);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
+    }
+  }
+}
+
 TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   CommandResult r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=4");
   EXPECT_EQ(r.exit_code, 2) << r.output;
@@ -244,9 +314,12 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=2 --rules /nonexistent/rules.json");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("/nonexistent/rules.json"), std::string::npos) << r.output;
-  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2");
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2 --rules ep-as-cp");  // context parallelism
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("'ep' axis"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ep as context parallelism"), std::string::npos) << r.output;
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout etp=2");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("'etp' axis"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout dp=2 --batch-size 3");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   // Resuming from a checkpoint that is not a training run's (an example has no training state).
