@@ -189,6 +189,13 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
   for (auto& [logical, axes] : flat_rules.rules) std::erase(axes, std::string(kFsdpAxis));
   m.box_layout_ = Layout(mesh, box_rules, layout.layout.pp_split());
   m.flat_layout_ = Layout(mesh, flat_rules, layout.layout.pp_split());
+  // What a rank computes with: ep cuts only expert dims there; any other use of ep (ep-as-cp's
+  // `embed`) shards data-parallel state the way fsdp does and is gathered before use.
+  RuleSet compute_rules = flat_rules;
+  for (auto& [logical, axes] : compute_rules.rules) {
+    if (logical.rfind("exp", 0) != 0) std::erase(axes, std::string("ep"));
+  }
+  m.compute_layout_ = Layout(mesh, compute_rules, layout.layout.pp_split());
   const Layout& rules_layout = layout.options.fsdp == FsdpForm::kFlat ? m.flat_layout_ : m.box_layout_;
 
   std::map<std::string, std::size_t> by_name;
@@ -354,7 +361,7 @@ std::optional<Placement> PhysicalMap::Place(std::size_t tensor, std::int64_t ran
 
 std::optional<LocalTensorMap> PhysicalMap::LocalTensor(std::size_t tensor, std::int64_t rank) const {
   RS_CHECK(tensor < tensors_.size() && rank >= 0 && rank < num_ranks());
-  return LocalMap(tensor, rank, flat_layout_);  // the rules without fsdp, in either form
+  return LocalMap(tensor, rank, compute_layout_);
 }
 
 std::vector<Placement> PhysicalMap::PlaceAll(Replicas replicas) const {

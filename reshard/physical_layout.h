@@ -107,7 +107,9 @@ class PhysicalMap {
   std::optional<Placement> Place(std::size_t tensor, std::int64_t rank) const;
   // The rank's local tensor (TP-local, fused order, padded) before any FSDP sharding, flat or
   // box – what a framework computes with after gathering its fsdp group's slices or boxes – or
-  // nullopt when the rank's pipeline stage does not hold the tensor.
+  // nullopt when the rank's pipeline stage does not hold the tensor. Only tp (and, on expert
+  // dims, ep) cut it: ep on other dims (the ep-as-cp rules' `embed`) is sharded data-parallel
+  // state like fsdp.
   std::optional<LocalTensorMap> LocalTensor(std::size_t tensor, std::int64_t rank) const;
   // Every placement, by rank then tensor.
   std::vector<Placement> PlaceAll(Replicas replicas) const;
@@ -134,6 +136,7 @@ class PhysicalMap {
   PhysicalLayout layout_;
   Layout box_layout_;   // rules as used for boxes (exp_mlp added for etp)
   Layout flat_layout_;  // flat form: the same without the fsdp axis in any rule
+  Layout compute_layout_;  // LocalTensor: flat_layout_ without ep outside expert dims
   std::vector<TensorSpec> tensors_;
   std::vector<TensorSpec> placement_specs_;
   std::vector<std::size_t> param_index_;  // per tensor: the parameter whose coordinates it uses

@@ -26,7 +26,8 @@ void ApplyRope(T* x, std::int64_t n_heads, std::int64_t head_dim, const T* cos, 
 }
 
 template <typename T>
-Attention<T>::Attention(const AttentionShape& shape) : s_(shape) {
+Attention<T>::Attention(const AttentionShape& shape, ModelParallel* par)
+    : s_(shape), par_(par != nullptr ? par : &SingleProcess()) {
   RS_CHECK(s_.n_heads > 0 && s_.n_kv_heads > 0 && s_.n_heads % s_.n_kv_heads == 0);
   RS_CHECK(s_.head_dim > 0 && s_.head_dim % 2 == 0);
 }
@@ -54,47 +55,68 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   batch_ = batch;
   seq_ = seq;
   x_ = x;
-  EnsureRopeTable(seq);
+  const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
+  EnsureRopeTable(total);
   const std::int64_t d = s_.d_model, dh = s_.head_dim, nq = s_.n_heads, nkv = s_.n_kv_heads;
   const std::int64_t w = (nq + 2 * nkv) * dh;  // qkv row width
   const std::int64_t c = nq * dh;              // context row width
+  const std::int64_t kvw = 2 * nkv * dh;       // k and v of one position
   const std::int64_t n = batch * seq;
   const std::int64_t half = dh / 2;
   const std::int64_t group = nq / nkv;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
   qkv_.resize(static_cast<std::size_t>(n * w));
-  probs_.resize(static_cast<std::size_t>(batch * nq * seq * seq));
+  probs_.resize(static_cast<std::size_t>(batch * nq * seq * total));
   ctx_.resize(static_cast<std::size_t>(n * c));
 
   Gemm<T>(Trans::kNo, Trans::kYes, n, w, d, T(1), x, d, wqkv, d, T(0), qkv_.data(), w);
   for (std::int64_t r = 0; r < n; ++r) {
-    const std::int64_t pos = r % seq;
+    const std::int64_t pos = first + r % seq;
     // q and k heads are adjacent in the fused row, so one call rotates all nq + nkv heads.
     ApplyRope(qkv_.data() + r * w, nq + nkv, dh, cos_.data() + pos * half, sin_.data() + pos * half,
               RopeDirection::kForward);
+  }
+  // Keys and values of all positions: this rank's own rows, or every cp rank's, gathered.
+  const T* kv = qkv_.data() + nq * dh;
+  std::int64_t kv_stride = w, kv_batch = seq * w;
+  if (cp > 1) {
+    std::vector<T> mine(static_cast<std::size_t>(n * kvw)), all(static_cast<std::size_t>(cp * n * kvw));
+    for (std::int64_t r = 0; r < n; ++r) std::copy_n(qkv_.data() + r * w + nq * dh, kvw, mine.data() + r * kvw);
+    par_->AllGatherCp(std::span<const T>(mine), std::span<T>(all));
+    kv_.resize(static_cast<std::size_t>(batch * total * kvw));
+    for (std::int64_t q = 0; q < cp; ++q) {
+      for (std::int64_t b = 0; b < batch; ++b) {
+        std::copy_n(all.data() + (q * n + b * seq) * kvw, seq * kvw, kv_.data() + (b * total + q * seq) * kvw);
+      }
+    }
+    kv = kv_.data();
+    kv_stride = kvw;
+    kv_batch = total * kvw;
   }
   for (std::int64_t b = 0; b < batch; ++b) {
     const T* base = qkv_.data() + b * seq * w;
     for (std::int64_t h = 0; h < nq; ++h) {
       const std::int64_t g = h / group;
       const T* q = base + h * dh;
-      const T* k = base + (nq + g) * dh;
-      const T* v = base + (nq + nkv + g) * dh;
-      T* p = probs_.data() + (b * nq + h) * seq * seq;
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, seq, dh, scale, q, w, k, w, T(0), p, seq);
+      const T* k = kv + b * kv_batch + g * dh;
+      const T* v = kv + b * kv_batch + (nkv + g) * dh;
+      T* p = probs_.data() + (b * nq + h) * seq * total;
+      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, scale, q, w, k, kv_stride, T(0), p, total);
       for (std::int64_t i = 0; i < seq; ++i) {
-        T* row = p + i * seq;
-        const T mx = *std::max_element(row, row + i + 1);
+        T* row = p + i * total;
+        const std::int64_t last = first + i;  // causal by global position
+        const T mx = *std::max_element(row, row + last + 1);
         T sum = 0;
-        for (std::int64_t j = 0; j <= i; ++j) {
+        for (std::int64_t j = 0; j <= last; ++j) {
           row[j] = std::exp(row[j] - mx);
           sum += row[j];
         }
         const T inv = T(1) / sum;
-        for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
-        std::fill(row + i + 1, row + seq, T(0));
+        for (std::int64_t j = 0; j <= last; ++j) row[j] *= inv;
+        std::fill(row + last + 1, row + total, T(0));
       }
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, seq, T(1), p, seq, v, w, T(0), ctx_.data() + b * seq * c + h * dh, c);
+      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, T(1), p, total, v, kv_stride, T(0),
+              ctx_.data() + b * seq * c + h * dh, c);
     }
   }
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, c, T(1), ctx_.data(), c, wout, c, T(0), y, d);
@@ -106,7 +128,9 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   const std::int64_t d = s_.d_model, dh = s_.head_dim, nq = s_.n_heads, nkv = s_.n_kv_heads;
   const std::int64_t w = (nq + 2 * nkv) * dh;
   const std::int64_t c = nq * dh;
+  const std::int64_t kvw = 2 * nkv * dh;
   const std::int64_t seq = seq_, batch = batch_;
+  const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
   const std::int64_t n = batch * seq;
   const std::int64_t half = dh / 2;
   const std::int64_t group = nq / nkv;
@@ -117,35 +141,61 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   Gemm<T>(Trans::kYes, Trans::kNo, d, c, n, T(1), dy, d, ctx_.data(), c, T(1), dwout, c);
 
   std::vector<T> dqkv(static_cast<std::size_t>(n * w), T(0));
-  std::vector<T> ds(static_cast<std::size_t>(seq * seq));
+  // Key/value gradients of all positions: straight into dqkv, or (cp) into a buffer that is
+  // reduce-scattered to the ranks that hold them.
+  const T* kv = qkv_.data() + nq * dh;
+  T* dkv = dqkv.data() + nq * dh;
+  std::int64_t kv_stride = w, kv_batch = seq * w;
+  std::vector<T> dkv_all;
+  if (cp > 1) {
+    dkv_all.assign(static_cast<std::size_t>(batch * total * kvw), T(0));
+    kv = kv_.data();
+    dkv = dkv_all.data();
+    kv_stride = kvw;
+    kv_batch = total * kvw;
+  }
+  std::vector<T> ds(static_cast<std::size_t>(seq * total));
   for (std::int64_t b = 0; b < batch; ++b) {
     const T* base = qkv_.data() + b * seq * w;
     T* dbase = dqkv.data() + b * seq * w;
     for (std::int64_t h = 0; h < nq; ++h) {
       const std::int64_t g = h / group;
       const T* q = base + h * dh;
-      const T* k = base + (nq + g) * dh;
-      const T* v = base + (nq + nkv + g) * dh;
-      const T* p = probs_.data() + (b * nq + h) * seq * seq;
+      const T* k = kv + b * kv_batch + g * dh;
+      const T* v = kv + b * kv_batch + (nkv + g) * dh;
+      T* dk = dkv + b * kv_batch + g * dh;
+      T* dv = dkv + b * kv_batch + (nkv + g) * dh;
+      const T* p = probs_.data() + (b * nq + h) * seq * total;
       const T* dc = dctx.data() + b * seq * c + h * dh;
-      // dP = dctx · Vᵀ, then dS = P ⊙ (dP − rowsum(P ⊙ dP)) (softmax backward; zero above
-      // the diagonal because P is).
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, seq, dh, T(1), dc, c, v, w, T(0), ds.data(), seq);
-      Gemm<T>(Trans::kYes, Trans::kNo, seq, dh, seq, T(1), p, seq, dc, c, T(1), dbase + (nq + nkv + g) * dh, w);
+      // dP = dctx · Vᵀ, then dS = P ⊙ (dP − rowsum(P ⊙ dP)) (softmax backward; zero where
+      // the mask is because P is).
+      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, T(1), dc, c, v, kv_stride, T(0), ds.data(), total);
+      Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, T(1), p, total, dc, c, T(1), dv, kv_stride);
       for (std::int64_t i = 0; i < seq; ++i) {
-        const T* prow = p + i * seq;
-        T* drow = ds.data() + i * seq;
+        const T* prow = p + i * total;
+        T* drow = ds.data() + i * total;
+        const std::int64_t last = first + i;
         T dot = 0;
-        for (std::int64_t j = 0; j <= i; ++j) dot += prow[j] * drow[j];
-        for (std::int64_t j = 0; j <= i; ++j) drow[j] = prow[j] * (drow[j] - dot);
-        std::fill(drow + i + 1, drow + seq, T(0));
+        for (std::int64_t j = 0; j <= last; ++j) dot += prow[j] * drow[j];
+        for (std::int64_t j = 0; j <= last; ++j) drow[j] = prow[j] * (drow[j] - dot);
+        std::fill(drow + last + 1, drow + total, T(0));
       }
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, seq, scale, ds.data(), seq, k, w, T(1), dbase + h * dh, w);
-      Gemm<T>(Trans::kYes, Trans::kNo, seq, dh, seq, scale, ds.data(), seq, q, w, T(1), dbase + (nq + g) * dh, w);
+      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k, kv_stride, T(1), dbase + h * dh, w);
+      Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q, w, T(1), dk, kv_stride);
     }
   }
+  if (cp > 1) {  // every rank's share of each position's k/v gradient, summed where it lives
+    std::vector<T> send(static_cast<std::size_t>(cp * n * kvw)), mine(static_cast<std::size_t>(n * kvw));
+    for (std::int64_t q = 0; q < cp; ++q) {
+      for (std::int64_t b = 0; b < batch; ++b) {
+        std::copy_n(dkv_all.data() + (b * total + q * seq) * kvw, seq * kvw, send.data() + (q * n + b * seq) * kvw);
+      }
+    }
+    par_->ReduceScatterCp(std::span<const T>(send), std::span<T>(mine));
+    for (std::int64_t r = 0; r < n; ++r) std::copy_n(mine.data() + r * kvw, kvw, dqkv.data() + r * w + nq * dh);
+  }
   for (std::int64_t r = 0; r < n; ++r) {
-    const std::int64_t pos = r % seq;
+    const std::int64_t pos = first + r % seq;
     ApplyRope(dqkv.data() + r * w, nq + nkv, dh, cos_.data() + pos * half, sin_.data() + pos * half,
               RopeDirection::kInverse);
   }

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "train/model_parallel.h"
+
 namespace rs::train {
 
 struct AttentionShape {
@@ -27,7 +29,13 @@ void ApplyRope(T* x, std::int64_t n_heads, std::int64_t head_dim, const T* cos, 
 template <typename T>
 class Attention {
  public:
-  explicit Attention(const AttentionShape& shape);
+  // With context parallelism (`par->cp` of P ranks) a rank holds positions [r·seq, (r+1)·seq)
+  // of each sequence: its queries attend to the keys and values of all P·seq positions, which
+  // are all-gathered over cp (all-gather rather than a ring: the same bytes, and with no
+  // compute/communication overlap on this CPU path a ring only adds P−1 latency steps), under
+  // the causal mask by global position; RoPE uses global positions. The key/value gradients
+  // are reduce-scattered back to their ranks.
+  explicit Attention(const AttentionShape& shape, ModelParallel* par = nullptr);
 
   // x: [batch·seq, d] rows in (batch, position) order; wqkv: [(nq + 2·nkv)·dh, d] with rows
   // [q heads; k heads; v heads]; wout: [d, nq·dh]. Writes y: [batch·seq, d]. Keeps a pointer
@@ -40,13 +48,15 @@ class Attention {
   void EnsureRopeTable(std::int64_t seq);
 
   AttentionShape s_;
+  ModelParallel* par_;
   std::int64_t batch_ = 0;
   std::int64_t seq_ = 0;
   std::int64_t rope_seq_ = 0;
   const T* x_ = nullptr;
-  std::vector<T> cos_, sin_;  // [seq, dh/2]
+  std::vector<T> cos_, sin_;  // [positions, dh/2]
   std::vector<T> qkv_;        // [N, (nq+2nkv)·dh], q and k after the rotary embedding
-  std::vector<T> probs_;      // [batch, nq, seq, seq], causal softmax (zeros above the diagonal)
+  std::vector<T> kv_;         // context parallel: [batch, P·seq, 2·nkv·dh] every rank's k and v
+  std::vector<T> probs_;      // [batch, nq, seq, P·seq], causal softmax (zeros above the diagonal)
   std::vector<T> ctx_;        // [N, nq·dh]
 };
 

@@ -23,7 +23,7 @@ void AddInto(T* dst, const T* src, std::size_t n) {
 
 template <typename T>
 struct Transformer<T>::Layer {
-  explicit Layer(const AttentionShape& s) : attn(s) {}
+  Layer(const AttentionShape& s, ModelParallel* par) : attn(s, par) {}
   std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
   std::size_t fc1 = kNone, fc2 = kNone;  // dense MLP
   std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
@@ -120,7 +120,7 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
     const std::int64_t nq = dim(out, 1) / c_.head_dim;
     const std::int64_t nkv = (dim(qkv, 0) / c_.head_dim - nq) / 2;
     RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
-    auto l = std::make_unique<Layer>(AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta});
+    auto l = std::make_unique<Layer>(AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta}, par_);
     l->attn_norm = Need(p + "attn_norm.weight");
     l->qkv = qkv;
     l->out = out;

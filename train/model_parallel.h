@@ -36,10 +36,15 @@ struct ModelParallel {
   Status status;                  // first failed collective; sticky until cleared
   dist::Communicator* ep = nullptr;
   std::int64_t expert_offset = 0;  // first expert of this rank's expert tensors
+  // Context parallelism (the ep axis under the ep-as-cp rules): the ranks that hold other
+  // positions of the same sequences; this rank's are [cp_rank · seq, (cp_rank + 1) · seq).
+  dist::Communicator* cp = nullptr;
 
   std::int64_t tp_size() const { return tp != nullptr ? tp->size() : 1; }
   std::int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
   std::int64_t ep_rank() const { return ep != nullptr ? ep->rank() : 0; }
+  std::int64_t cp_size() const { return cp != nullptr ? cp->size() : 1; }
+  std::int64_t cp_rank() const { return cp != nullptr ? cp->rank() : 0; }
   std::int64_t GlobalRows(std::int64_t local_rows) const { return global_rows > 0 ? global_rows : local_rows; }
 
   template <typename T>
@@ -68,6 +73,25 @@ struct ModelParallel {
       status = ep->AllToAllV(send, send_counts, recv, recv_counts);
     } else {
       status = Unimplemented("expert parallelism runs in f32 only");
+    }
+  }
+  // Over cp: all-gather of equal blocks, and the reduce-scatter that is its backward.
+  template <typename T>
+  void AllGatherCp(std::span<const T> send, std::span<T> recv) {
+    if (!status.ok()) return;
+    if constexpr (std::is_same_v<T, float>) {
+      status = cp->AllGather(send, recv);
+    } else {
+      status = Unimplemented("context parallelism runs in f32 only");
+    }
+  }
+  template <typename T>
+  void ReduceScatterCp(std::span<const T> send, std::span<T> recv) {
+    if (!status.ok()) return;
+    if constexpr (std::is_same_v<T, float>) {
+      status = cp->ReduceScatter(send, recv);
+    } else {
+      status = Unimplemented("context parallelism runs in f32 only");
     }
   }
 
