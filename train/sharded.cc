@@ -114,6 +114,7 @@ dist::CommStats ProcessGroups::Stats() const {
   for (const auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), data.get(), kv.get()}) {
     if (c != nullptr) s += c->stats();
   }
+  for (const auto& c : box) s += c->stats();
   return s;
 }
 
@@ -122,6 +123,7 @@ void ProcessGroups::ResetStats() {
   for (auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), data.get(), kv.get()}) {
     if (c != nullptr) c->ResetStats();
   }
+  for (auto& c : box) c->ResetStats();
 }
 
 Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& model, const PhysicalLayout& layout,
@@ -150,13 +152,35 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   const std::int64_t tp = mesh.AxisSize(kTpAxis), tp_index = Coord(mesh, coords, kTpAxis);
   s->fsdp_index_ = Coord(mesh, coords, kFsdpAxis);
   s->fsdp_size_ = fsdp;
-  // The ranks with other rows of the batch, row-major over (dp, fsdp, ep) as the data group.
+  // Context parallelism: rules that cut a non-expert parameter over ep make ep shard the
+  // sequence outside the MoE block (ep-as-cp) – the parameter is gathered over (fsdp, ep).
   const std::int64_t ep = mesh.AxisSize(kEpAxis);
-  s->data_index_ = (Coord(mesh, coords, kDpAxis) * fsdp + s->fsdp_index_) * ep + Coord(mesh, coords, kEpAxis);
-  s->data_size_ = mesh.AxisSize(kDpAxis) * fsdp * ep;
+  const std::vector<TensorSpec> specs = ModelParameters(model);
+  const bool cp_by_ep = ep > 1 && std::any_of(specs.begin(), specs.end(), [&](const TensorSpec& t) {
+    if (t.expert || t.role != TensorRole::kParameter) return false;
+    for (const auto& axes : layout.layout.ShardingAxes(t)) {
+      if (std::find(axes.begin(), axes.end(), kEpAxis) != axes.end()) return true;
+    }
+    return false;
+  });
+  // The ranks with other rows of the batch, row-major over (dp, fsdp, ep) as the data group;
+  // under cp the ep ranks share rows and split their positions instead.
+  const std::int64_t row_ep = cp_by_ep ? 1 : ep;
+  const std::int64_t ep_index = Coord(mesh, coords, kEpAxis);
+  s->data_index_ = (Coord(mesh, coords, kDpAxis) * fsdp + s->fsdp_index_) * row_ep + (cp_by_ep ? 0 : ep_index);
+  s->data_size_ = mesh.AxisSize(kDpAxis) * fsdp * row_ep;
+  if (cp_by_ep) {
+    s->cp_index_ = ep_index;
+    s->cp_size_ = ep;
+    if (flat && fsdp > 1) {
+      return Unimplemented("train: rules '" + layout.layout.rules().name +
+                           "' use ep as context parallelism; train them with fsdp_form=box (the flat bucket "
+                           "slices of ep-cut tensors are not gathered over ep)");
+    }
+  }
   if (tp > model.n_kv_heads) s->kv_replication_ = tp / model.n_kv_heads;
 
-  const std::vector<TensorSpec> params = ModelParameters(model);
+  const std::vector<TensorSpec>& params = specs;
   const auto& all = s->map_->tensors();
   for (std::size_t i = 0; i < params.size(); ++i) {
     RS_CHECK(all[i].name == params[i].name);
@@ -166,16 +190,10 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     for (std::size_t d = 0; d < axes.size(); ++d) {
       for (const std::string& a : axes[d]) {
         if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis) continue;
-        if (a == kEpAxis && params[i].expert && d == 0) continue;  // experts in blocks over ep (checked below)
-        if (a == kEpAxis) {
-          return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name +
-                               "' is sharded over 'ep' under rules '" + layout.layout.rules().name +
-                               "' (ep as context parallelism outside the MoE block); the training core shards only "
-                               "the expert dim over ep so far");
-        }
+        if (a == kEpAxis) continue;  // experts in blocks (checked below), or ep-as-cp boxes
         return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name + "' is sharded over axis '" +
                              a + "' under rules '" + layout.layout.rules().name +
-                             "'; the training core shards parameters over tp and fsdp only");
+                             "'; the training core shards parameters over tp, fsdp and ep only");
       }
     }
     auto local = s->map_->LocalTensor(i, rank);
@@ -230,7 +248,8 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     Tensor& t = s->tensors_[i];
     RS_CHECK(t.placement.has_value() || (fsdp > 1 && flat));
     if (!t.placement) continue;
-    if (const auto& slice = t.placement->slice) {
+    const auto& slice = t.placement->slice;
+    if (slice && slice->size() < t.placement->local.local_numel()) {  // a flat fsdp slice
       RS_CHECK(flat && t.placement->local.dims() == t.local.dims());
       t.self = {{0, slice->begin, slice->size()}};
       continue;
@@ -266,13 +285,29 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       owned += bucket.shard_items;
     }
   } else {
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      Tensor& t = s->tensors_[i];
-      if (params[i].role != TensorRole::kParameter) continue;
-      t.owned = owned;
-      owned += t.placement->buffer_numel();
+    // Box groups: experts over fsdp; other parameters over fsdp, and ep too under cp. Each
+    // group's tensors are one segment of the owned vectors, in model order.
+    for (const bool experts : {false, true}) {
+      BoxGroup g;
+      g.axes = {kFsdpAxis};
+      if (cp_by_ep && !experts) g.axes.push_back(kEpAxis);
+      g.begin = owned;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        Tensor& t = s->tensors_[i];
+        if (params[i].role != TensorRole::kParameter || params[i].expert != experts) continue;
+        t.owned = owned;
+        owned += t.placement->buffer_numel();
+      }
+      g.end = owned;
+      for (const std::string& a : g.axes) g.size *= mesh.AxisSize(a);
+      if (g.size > 1 && g.end > g.begin) {
+        RS_RETURN_IF_ERROR(s->PlanBoxGroup(mesh, g));
+        for (Tensor& t : s->tensors_) {
+          if (t.owned >= g.begin && t.owned < g.end) t.box_group = static_cast<int>(s->box_groups_.size());
+        }
+        s->box_groups_.push_back(std::move(g));
+      }
     }
-    if (fsdp > 1) RS_RETURN_IF_ERROR(s->PlanBoxPeers(mesh));
   }
   s->master_.assign(static_cast<std::size_t>(owned), 0.0f);
   s->grad_.assign(static_cast<std::size_t>(owned), 0.0f);
@@ -300,6 +335,7 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       if (params[i].role != TensorRole::kParameter || (params[i].expert && s->experts_over_ep_) || t.owned < 0) {
         continue;
       }
+      if (t.box_group >= 0 && s->box_groups_[static_cast<std::size_t>(t.box_group)].axes.size() > 1) continue;  // summed over (fsdp, ep)
       const std::int64_t n = t.placement->buffer_numel();
       if (!s->ep_shared_.empty() && s->ep_shared_.back().end == t.owned) {
         s->ep_shared_.back().end += n;
@@ -320,22 +356,26 @@ std::size_t ShardedState::CkptIndex(const std::string& name) const {
   return 0;
 }
 
-Status ShardedState::PlanBoxPeers(const Mesh& mesh) {
-  const std::vector<std::int64_t> peers = mesh.GroupRanks(rank_, {kFsdpAxis});
-  RS_CHECK(static_cast<std::int64_t>(peers.size()) == fsdp_size_);
-  box_peers_.resize(peers.size());
+Status ShardedState::PlanBoxGroup(const Mesh& mesh, BoxGroup& group) {
+  const std::vector<std::int64_t> peers = mesh.GroupRanks(rank_, group.axes);
+  RS_CHECK(static_cast<std::int64_t>(peers.size()) == group.size);
+  const auto in_group = [&](const Tensor& t) { return t.owned >= group.begin && t.owned < group.end; };
+  group.peers.resize(peers.size());
   for (std::size_t q = 0; q < peers.size(); ++q) {
-    BoxPeer& peer = box_peers_[q];
+    if (peers[q] == rank_) group.index = static_cast<std::int64_t>(q);
+    BoxPeer& peer = group.peers[q];
     std::int64_t owned = 0;
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const Tensor& t = tensors_[i];
-      peer.base.push_back(t.owned < 0 ? -1 : owned);
-      if (t.owned < 0) {
+      const bool member = t.owned >= 0 && in_group(t);
+      peer.base.push_back(member ? owned : -1);
+      if (!member) {
         peer.runs.emplace_back();
         continue;
       }
       const auto p = map_->Place(t.ckpt, peers[q]);
-      RS_CHECK(p && !p->slice && p->local.logical_shape() == t.local.logical_shape());
+      RS_CHECK(p && (!p->slice || p->slice->size() == p->local.local_numel()) &&
+               p->local.logical_shape() == t.local.logical_shape());
       auto runs = RunsIn(p->local, t.local);
       if (!runs) {
         return Unimplemented("train: the box of '" + local_specs_[i].name + "' on rank " + std::to_string(peers[q]) +
@@ -345,27 +385,28 @@ Status ShardedState::PlanBoxPeers(const Mesh& mesh) {
       peer.runs.push_back(std::move(*runs));
       owned += p->buffer_numel();
     }
-    box_items_ = std::max(box_items_, owned);
+    group.items = std::max(group.items, owned);
   }
   // A parameter is cut when its boxes tile the compute tensor (each item in exactly one peer's
-  // box), replicated over fsdp when every peer holds all of it; anything else is refused.
+  // box), replicated over the group when every peer holds all of it; anything else is refused.
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     Tensor& t = tensors_[i];
-    if (t.owned < 0) continue;
+    if (t.owned < 0 || !in_group(t)) continue;
     const std::int64_t n = t.local.local_numel();
     std::vector<std::int32_t> hits(static_cast<std::size_t>(n), 0);
-    for (const BoxPeer& peer : box_peers_) {
+    for (const BoxPeer& peer : group.peers) {
       for (const CopyRun& r : peer.runs[i]) {
         for (std::int64_t k = 0; k < r.length; ++k) ++hits[static_cast<std::size_t>(r.compute + k)];
       }
     }
     const bool tiled = std::all_of(hits.begin(), hits.end(), [](std::int32_t h) { return h == 1; });
-    const bool replicated = std::all_of(hits.begin(), hits.end(), [&](std::int32_t h) { return h == fsdp_size_; });
+    const bool replicated = std::all_of(hits.begin(), hits.end(), [&](std::int32_t h) { return h == group.size; });
     if (!tiled && !replicated) {
-      return Unimplemented("train: the fsdp boxes of '" + local_specs_[i].name +
-                           "' neither tile nor replicate its tensor-parallel shard; use fsdp_form=flat");
+      return Unimplemented("train: the boxes of '" + local_specs_[i].name + "' over the group of axes (" +
+                           group.axes[0] + (group.axes.size() > 1 ? ", " + group.axes[1] : std::string()) +
+                           ") neither tile nor replicate its tensor-parallel shard; use fsdp_form=flat");
     }
-    t.box_cut = tiled && fsdp_size_ > 1;
+    t.box_cut = tiled;
   }
   return Status::Ok();
 }
@@ -388,6 +429,10 @@ Result<ProcessGroups> ShardedState::MakeGroups(dist::Communicator& world) const 
   RS_ASSIGN_OR_RETURN(g.dp, dist::MeshGroup(world, mesh, {kDpAxis}, "dp"));
   RS_ASSIGN_OR_RETURN(g.ep, dist::MeshGroup(world, mesh, {kEpAxis}, "ep"));
   RS_ASSIGN_OR_RETURN(g.data, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis, kEpAxis}, "data"));
+  for (const BoxGroup& b : box_groups_) {
+    RS_ASSIGN_OR_RETURN(auto c, dist::MeshGroup(world, mesh, b.axes, b.axes.size() > 1 ? "fsdp-ep" : "fsdp"));
+    g.box.push_back(std::move(c));
+  }
   if (kv_replication_ > 1) {
     // The tp ranks that hold the same kv head: their gradients of it are partial sums.
     const std::int64_t r = g.tp->rank();
@@ -544,25 +589,27 @@ Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>&
     }
     return Status::Ok();
   }
-  if (box_peers_.empty()) {  // every owned buffer is its whole compute tensor or a replica of it
-    for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      if (tensors_[i].owned < 0) continue;
-      CopyRuns(tensors_[i].self, std::span<const float>(master_).subspan(static_cast<std::size_t>(tensors_[i].owned)),
-               params.subspan(static_cast<std::size_t>(model.offset(i))), /*to_compute=*/true);
-    }
-    return Status::Ok();
+  // Box form: an owned buffer outside every group is its compute tensor's box itself; each
+  // group all-gathers its members' owned segments (padded to the largest) and places every
+  // peer's boxes.
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].owned < 0 || tensors_[i].box_group >= 0) continue;
+    CopyRuns(tensors_[i].self, std::span<const float>(master_).subspan(static_cast<std::size_t>(tensors_[i].owned)),
+             params.subspan(static_cast<std::size_t>(model.offset(i))), /*to_compute=*/true);
   }
-  // Box: one all-gather of the owned vectors (padded to the largest), then every peer's boxes.
-  const auto n = static_cast<std::size_t>(box_items_);
-  std::vector<float> send(n, 0.0f), full(n * box_peers_.size());
-  std::copy(master_.begin(), master_.end(), send.begin());
-  RS_RETURN_IF_ERROR(groups.fsdp->AllGather(send, full));
-  for (std::size_t q = 0; q < box_peers_.size(); ++q) {
-    const BoxPeer& peer = box_peers_[q];
-    for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      if (peer.base[i] < 0 || (!tensors_[i].box_cut && static_cast<std::int64_t>(q) != fsdp_index_)) continue;
-      CopyRuns(peer.runs[i], std::span<const float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])),
-               params.subspan(static_cast<std::size_t>(model.offset(i))), /*to_compute=*/true);
+  for (std::size_t gi = 0; gi < box_groups_.size(); ++gi) {
+    const BoxGroup& g = box_groups_[gi];
+    const auto n = static_cast<std::size_t>(g.items);
+    std::vector<float> send(n, 0.0f), full(n * g.peers.size());
+    std::copy(master_.begin() + g.begin, master_.begin() + g.end, send.begin());
+    RS_RETURN_IF_ERROR(groups.box[gi]->AllGather(send, full));
+    for (std::size_t q = 0; q < g.peers.size(); ++q) {
+      const BoxPeer& peer = g.peers[q];
+      for (std::size_t i = 0; i < tensors_.size(); ++i) {
+        if (peer.base[i] < 0 || (!tensors_[i].box_cut && static_cast<std::int64_t>(q) != g.index)) continue;
+        CopyRuns(peer.runs[i], std::span<const float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])),
+                 params.subspan(static_cast<std::size_t>(model.offset(i))), /*to_compute=*/true);
+      }
     }
   }
   return Status::Ok();
@@ -596,25 +643,27 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
       RS_RETURN_IF_ERROR(groups.fsdp->ReduceScatter(
           full, std::span<float>(grad_).subspan(static_cast<std::size_t>(sh.base), static_cast<std::size_t>(b.shard_items))));
     }
-  } else if (box_peers_.empty()) {
+  } else {
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      if (tensors_[i].owned < 0) continue;
+      if (tensors_[i].owned < 0 || tensors_[i].box_group >= 0) continue;
       CopyRuns(tensors_[i].self, grads.subspan(static_cast<std::size_t>(model.offset(i))),
                std::span<float>(grad_).subspan(static_cast<std::size_t>(tensors_[i].owned)), /*to_compute=*/false);
     }
-  } else {  // box: every peer's boxes packed in its owned order, one reduce-scatter
-    const auto n = static_cast<std::size_t>(box_items_);
-    std::vector<float> full(n * box_peers_.size(), 0.0f), mine(n);
-    for (std::size_t q = 0; q < box_peers_.size(); ++q) {
-      const BoxPeer& peer = box_peers_[q];
-      for (std::size_t i = 0; i < tensors_.size(); ++i) {
-        if (peer.base[i] < 0) continue;
-        CopyRuns(peer.runs[i], grads.subspan(static_cast<std::size_t>(model.offset(i))),
-                 std::span<float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])), /*to_compute=*/false);
+    for (std::size_t gi = 0; gi < box_groups_.size(); ++gi) {  // every peer's boxes, one reduce-scatter
+      const BoxGroup& g = box_groups_[gi];
+      const auto n = static_cast<std::size_t>(g.items);
+      std::vector<float> full(n * g.peers.size(), 0.0f), mine(n);
+      for (std::size_t q = 0; q < g.peers.size(); ++q) {
+        const BoxPeer& peer = g.peers[q];
+        for (std::size_t i = 0; i < tensors_.size(); ++i) {
+          if (peer.base[i] < 0) continue;
+          CopyRuns(peer.runs[i], grads.subspan(static_cast<std::size_t>(model.offset(i))),
+                   std::span<float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])), /*to_compute=*/false);
+        }
       }
+      RS_RETURN_IF_ERROR(groups.box[gi]->ReduceScatter(full, mine));
+      std::copy_n(mine.begin(), g.end - g.begin, grad_.begin() + g.begin);
     }
-    RS_RETURN_IF_ERROR(groups.fsdp->ReduceScatter(full, mine));
-    std::copy_n(mine.begin(), grad_.size(), grad_.begin());
   }
   if (!ep_shared_.empty() && groups.ep != nullptr && groups.ep->size() > 1) {
     std::vector<float> packed;

@@ -52,6 +52,7 @@ namespace rs::train {
 struct ProcessGroups {
   dist::Communicator* world = nullptr;
   std::unique_ptr<dist::Communicator> tp, fsdp, dp, ep, data, kv;
+  std::vector<std::unique_ptr<dist::Communicator>> box;  // per box group of the state
   // Bytes this rank received in every group since the last reset.
   dist::CommStats Stats() const;
   void ResetStats();
@@ -84,8 +85,12 @@ class ShardedState {
   // Whether the ep axis cuts the expert dim (the MoE block then exchanges rows over ep); with
   // other rules ep is one more data-parallel axis.
   bool experts_over_ep() const { return experts_over_ep_; }
+  // Context parallelism: the ep axis cuts the sequence (rules that shard non-expert dims over
+  // ep, as ep-as-cp does); this rank holds part cp_index() of cp_size() of every sequence.
+  std::int64_t cp_index() const { return cp_index_; }
+  std::int64_t cp_size() const { return cp_size_; }
   // Which rows of the global batch this rank trains on: sequences
-  // [data_index · B / data_size, (data_index + 1) · B / data_size).
+  // [data_index · B / data_size, (data_index + 1) · B / data_size) (positions: see cp_index).
   std::int64_t data_index() const { return data_index_; }
   std::int64_t data_size() const { return data_size_; }
   const BucketPlan* bucket_plan() const { return plan_; }
@@ -120,12 +125,24 @@ class ShardedState {
     std::optional<Placement> placement;  // this rank's buffer (nullopt: an fsdp rank holding none)
     std::int64_t owned = -1;             // trainable: offset of the buffer in the owned vectors
     std::vector<CopyRun> self;           // the placement's buffer within the compute tensor
-    bool box_cut = false;                // box-form fsdp: the peers' boxes tile the compute tensor
+    bool box_cut = false;                // box form: the group peers' boxes tile the compute tensor
+    int box_group = -1;                  // index into box_groups_, or -1
   };
-  // Box-form fsdp: where fsdp peer q keeps tensor i (offset in q's owned vector) and its runs.
+  // Box form: where group peer q keeps tensor i (offset in q's segment of the group) and its runs.
   struct BoxPeer {
-    std::vector<std::int64_t> base;          // per model tensor (-1: not trained)
+    std::vector<std::int64_t> base;          // per model tensor (-1: not in the group)
     std::vector<std::vector<CopyRun>> runs;  // per model tensor
+  };
+  // The tensors whose boxes are gathered over one group of mesh axes – fsdp, or fsdp and ep
+  // for the tensors that the ep-as-cp rules cut over ep – with this rank's segment of the
+  // owned vectors and, per group rank, where it keeps them. One all-gather / reduce-scatter
+  // per group and step.
+  struct BoxGroup {
+    std::vector<std::string> axes;
+    std::int64_t begin = 0, end = 0;  // this rank's segment of the owned vectors
+    std::int64_t index = 0, size = 1;  // this rank's index in the group, the group's size
+    std::int64_t items = 0;           // the largest segment in the group
+    std::vector<BoxPeer> peers;       // by group index
   };
   struct BucketShard {
     std::size_t bucket = 0;
@@ -133,7 +150,7 @@ class ShardedState {
   };
   ShardedState() = default;
   std::size_t CkptIndex(const std::string& name) const;
-  Status PlanBoxPeers(const Mesh& mesh);
+  Status PlanBoxGroup(const Mesh& mesh, BoxGroup& group);
   // The compute tensor of model tensor `i` as a placement (what a load of a buffer fills).
   Placement ComputePlacement(std::size_t i) const;
 
@@ -144,15 +161,15 @@ class ShardedState {
   std::int64_t vocab_offset_ = 0;
   std::int64_t expert_offset_ = 0;
   bool experts_over_ep_ = false;
-  std::vector<ItemRange> ep_shared_;  // owned ranges of non-expert parameters (summed over ep)
+  std::vector<ItemRange> ep_shared_;  // owned ranges of parameters replicated over ep (summed over it)
+  std::int64_t cp_index_ = 0, cp_size_ = 1;  // context parallel (ep under ep-as-cp): sequence parts
   std::int64_t data_index_ = 0, data_size_ = 1;
   std::int64_t fsdp_index_ = 0, fsdp_size_ = 1;
   std::int64_t kv_replication_ = 1;  // tp ranks that hold each kv head
   const BucketPlan* plan_ = nullptr;  // with fsdp > 1
   std::vector<BucketShard> shards_;
   std::vector<std::size_t> plan_tensor_;  // per plan param: model tensor index
-  std::vector<BoxPeer> box_peers_;  // box-form fsdp, by fsdp index
-  std::int64_t box_items_ = 0;      // the largest owned vector in the fsdp group
+  std::vector<BoxGroup> box_groups_;  // box form, groups of more than one rank
   std::vector<float> master_, grad_;
   std::unique_ptr<AdamW> opt_;
   ModelConfig config_;

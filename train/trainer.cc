@@ -83,7 +83,13 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
   if (train.batch_size % state->data_size() != 0) {
     return InvalidArgument("train: batch_size " + std::to_string(train.batch_size) +
                            " is not divisible by the data-parallel degree " + std::to_string(state->data_size()) +
-                           " (dp x fsdp) of layout " + parallel.layout.ToString());
+                           " (dp x fsdp, x ep unless ep is context parallel) of layout " + parallel.layout.ToString());
+  }
+  const std::int64_t seq = train.seq_len > 0 ? train.seq_len : model.max_seq_len;
+  if (seq % state->cp_size() != 0) {
+    return InvalidArgument("train: seq_len " + std::to_string(seq) + " is not divisible by the context-parallel " +
+                           "degree " + std::to_string(state->cp_size()) + " (ep under rules '" +
+                           parallel.layout.layout.rules().name + "')");
   }
   RS_ASSIGN_OR_RETURN(ProcessGroups groups, state->MakeGroups(*world));
   auto t = std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus), std::move(state), std::move(groups)));
@@ -100,7 +106,8 @@ Trainer::Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corp
       state_(std::move(state)),
       groups_(std::move(groups)),
       par_{groups_.tp.get(), groups_.data.get(), 0, state_->vocab_offset(), Status::Ok(),
-           state_->experts_over_ep() ? groups_.ep.get() : nullptr, state_->expert_offset()},
+           state_->experts_over_ep() ? groups_.ep.get() : nullptr, state_->expert_offset(),
+           state_->cp_size() > 1 ? groups_.ep.get() : nullptr},
       model_(model, train.dispatch, state_->local_specs(), &par_) {}
 
 std::int64_t Trainer::num_parameters() const {
@@ -122,13 +129,19 @@ Result<StepReport> Trainer::Step() {
   r.comm_seconds += since(t0);
   // Phase 2: forward and backward on this rank's rows of the global batch.
   const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
+  // This rank's rows, and under context parallelism its part of their positions.
   const std::int64_t rows = b.batch / state_->data_size();
-  const auto first = static_cast<std::size_t>(state_->data_index() * rows * b.seq);
+  const std::int64_t seq = b.seq / state_->cp_size(), pos = state_->cp_index() * seq;
+  std::vector<std::int32_t> inputs, targets;
+  for (std::int64_t row = state_->data_index() * rows; row < (state_->data_index() + 1) * rows; ++row) {
+    const auto from = static_cast<std::ptrdiff_t>(row * b.seq + pos);
+    inputs.insert(inputs.end(), b.inputs.begin() + from, b.inputs.begin() + from + seq);
+    targets.insert(targets.end(), b.targets.begin() + from, b.targets.begin() + from + seq);
+  }
   model_.ZeroGrads();
   par_.global_rows = b.batch * b.seq;
   par_.status = Status::Ok();
-  r.losses = model_.Run(b.inputs.data() + first, b.targets.data() + first, rows, b.seq,
-                        Transformer<float>::Pass::kForwardBackward);
+  r.losses = model_.Run(inputs.data(), targets.data(), rows, seq, Transformer<float>::Pass::kForwardBackward);
   if (!par_.status.ok()) return par_.status.WithContext(at + "forward/backward");
   // Phase 3: gradients of the whole batch (kv replicas, fsdp reduce-scatter, dp all-reduce).
   t0 = Clock::now();
