@@ -272,6 +272,64 @@ TEST_F(MpiTrainTest, ExpertParallelLossesMatchOneProcess) {
   std::printf("expert parallel, worst relative loss difference: step 1 %.3g, steps 1-10 %.3g\n", worst_first, worst);
 }
 
+// ep-as-cp (MaxText's rule): ep is context parallelism outside the MoE block – every rank of an
+// ep group holds a part of the same sequences, attention gathers keys and values over ep –
+// and expert parallelism inside it. Fractional per-rank batches: one sequence over 4 ranks.
+// Then a save at ep-as-cp resumes at plain ep and in one process.
+TEST_F(MpiTrainTest, EpAsCpLossesMatchOneProcess) {
+  const std::string path = tmp_.path().string() + "/eight.json";
+  std::ofstream(path) << R"({"name": "eight", "n_layers": 3, "first_dense_layers": 1, "shared_ffn": 32, )"
+                      << R"("n_experts": 8, "top_k": 2, "router": "sigmoid_bias"})";
+  struct Case {
+    std::string args, layout;
+  };
+  const std::vector<Case> cases = {
+      {"--model tiny-moe --steps 10 --rules ep-as-cp", "ep=2,fsdp=2,fsdp_form=box"},
+      {"--model tiny-moe --steps 10 --rules ep-as-cp", "ep=2"},
+      {"--model tiny-moe --steps 10 --rules ep-as-cp --batch-size 1", "ep=4,fsdp_form=box"},
+      {"--model tiny-moe --steps 10 --rules ep-as-cp --batch-size 2", "ep=2,fsdp=2,fsdp_form=box"},
+      {"--model " + path + " --steps 10 --rules ep-as-cp --align 16", "tp=2,ep=2,fsdp_form=box"},
+  };
+  double worst_first = 0, worst = 0;
+  for (const auto& [args, layout] : cases) {
+    const Parity p = Compare(Train("", args, "ref"), Train(layout, args, "par"));
+    EXPECT_LE(p.first, 1e-6) << args << " at " << layout;
+    EXPECT_LE(p.worst, 1e-4) << args << " at " << layout;
+    worst_first = std::max(worst_first, p.first);
+    worst = std::max(worst, p.worst);
+  }
+  std::printf("ep-as-cp, worst relative loss difference: step 1 %.3g, steps 1-10 %.3g\n", worst_first, worst);
+
+  // One step's gradients (through exp_avg) and master weights equal one process's.
+  const std::string one = tmp_.path().string() + "/one", many = tmp_.path().string() + "/many";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 1 --threads 1 --save " + one).exit_code, 0);
+  CommandResult g = RunMpi(4, "train --model tiny-moe --steps 1 --threads 1 --rules ep-as-cp --layout "
+                              "ep=2,fsdp=2,fsdp_form=box --save " + many);
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  g = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-6");
+  EXPECT_EQ(g.exit_code, 0) << g.output;
+
+  const std::vector<double> ref = Train("", "--model tiny-moe --steps 10", "ref10");
+  const std::string run = tmp_.path().string() + "/cp";
+  CommandResult r = RunMpi(4, "train --model tiny-moe --steps 5 --threads 1 --rules ep-as-cp --layout "
+                              "ep=2,fsdp=2,fsdp_form=box --save " + run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string ckpt = run + "/step-00000005";
+  EXPECT_EQ(RunCli("verify " + ckpt).exit_code, 0);
+  for (const std::string& layout : {std::string("ep=4"), std::string()}) {
+    const std::string log = tmp_.path().string() + "/resumed.jsonl";
+    std::filesystem::remove(log);
+    r = layout.empty() ? RunCli("train --resume " + ckpt + " --steps 10 --threads 1 --log " + log)
+                       : RunMpi(4, "train --resume " + ckpt + " --steps 10 --threads 1 --layout " + layout + " --log " + log);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::vector<double> got = Losses(log);
+    ASSERT_EQ(got.size(), 5u);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
+    }
+  }
+}
+
 // One step at ep=2,fsdp=2: gradients (through exp_avg) and master weights of every parameter
 // equal one process's; then save at ep=4, resume at ep=2,fsdp=2 and in one process.
 TEST_F(MpiTrainTest, ExpertParallelGradientsSaveAndResume) {
@@ -314,9 +372,13 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=2 --rules /nonexistent/rules.json");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("/nonexistent/rules.json"), std::string::npos) << r.output;
-  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2 --rules ep-as-cp");  // context parallelism
+  // ep-as-cp gathers ep-cut boxes; flat fsdp slices of them are refused, with the way out named.
+  r = RunMpi(4, "train --model tiny-moe --steps 1 --layout ep=2,fsdp=2 --rules ep-as-cp");
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("ep as context parallelism"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fsdp_form=box"), std::string::npos) << r.output;
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2 --rules ep-as-cp --seq-len 63");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("context-parallel"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout etp=2");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("'etp' axis"), std::string::npos) << r.output;
