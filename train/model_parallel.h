@@ -39,6 +39,10 @@ struct ModelParallel {
   // Context parallelism (the ep axis under the ep-as-cp rules): the ranks that hold other
   // positions of the same sequences; this rank's are [cp_rank · seq, (cp_rank + 1) · seq).
   dist::Communicator* cp = nullptr;
+  // Expert tensor parallelism (etp > 1): the ranks that share tokens and hold other shares of
+  // every expert's ffn, so the routed experts' outputs are partial sums over this group rather
+  // than over tp (null: tp, where the experts' ffn is cut over tp as the dense MLP's is).
+  dist::Communicator* etp = nullptr;
 
   std::int64_t tp_size() const { return tp != nullptr ? tp->size() : 1; }
   std::int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
@@ -50,6 +54,10 @@ struct ModelParallel {
   template <typename T>
   void AllReduceTp(std::span<T> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
     Reduce(tp, x, op);
+  }
+  template <typename T>
+  void AllReduceExperts(std::span<T> x) {
+    Reduce(etp != nullptr ? etp : tp, x, dist::ReduceOp::kSum);
   }
   template <typename T>
   void AllReduceData(std::span<T> x, dist::ReduceOp op = dist::ReduceOp::kSum) {

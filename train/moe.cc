@@ -98,15 +98,19 @@ const Routing<T>& MoeLayer<T>::Forward(const T* x, std::int64_t n, const MoeWeig
     experts_.Forward(x_pad_.data(), plan_.padded_counts, w.fc1, w.fc2, y_pad_.data());
     CombineForward(dispatch_.mode, y_pad_.data(), d, plan_, routing_.probs.data(), y);
   }
+  // Each tp rank holds a share of every expert's (and the shared expert's) ffn: the output is
+  // the sum of the ranks' partial outputs. With etp the routed experts' shares are over etp
+  // and the shared expert's over tp: two sums.
+  const auto ny = static_cast<std::size_t>(n * d);
+  if (par_->etp != nullptr) par_->AllReduceExperts(std::span<T>(y, ny));
   if (shared_ffn_ > 0) {
-    Buffer<T> ys(static_cast<std::size_t>(n * d));
+    Buffer<T> ys(ny);
     const std::int64_t rows[] = {n};
     shared_.Forward(x, rows, w.shared_fc1, w.shared_fc2, ys.data());
+    if (par_->etp != nullptr) par_->AllReduceTp(std::span<T>(ys));
     for (std::size_t i = 0; i < ys.size(); ++i) y[i] += ys[i];
   }
-  // Each tp rank holds a share of every expert's (and the shared expert's) ffn: the output is
-  // the sum of the ranks' partial outputs.
-  par_->AllReduceTp(std::span<T>(y, static_cast<std::size_t>(n * d)));
+  if (par_->etp == nullptr) par_->AllReduceTp(std::span<T>(y, ny));
   return routing_;
 }
 
@@ -118,8 +122,8 @@ void MoeLayer<T>::Backward(const T* dy, const MoeWeights<T>& w, T* dx, const Moe
   Buffer<T> dprobs(static_cast<std::size_t>(n * routing_.top_k));
   const T* y_rows = Exchanging() ? y_rows_.data() : y_pad_.data();
   Buffer<T> dy_rows = CombineBackward(dispatch_.mode, dy, y_rows, d, plan_, routing_.probs.data(), dprobs.data());
-  // <y[row], dy[t]> over this rank's share of the expert output: summed over tp.
-  par_->AllReduceTp(std::span<T>(dprobs.data(), dprobs.size()));
+  // <y[row], dy[t]> over this rank's share of the expert output: summed over tp (etp).
+  par_->AllReduceExperts(std::span<T>(dprobs.data(), dprobs.size()));
   if (Exchanging()) {  // the gradient of the exchange is the exchange of the gradient
     Buffer<T> dy_pad = ToExperts(dy_rows.data(), /*plan_counts=*/false);
     Buffer<T>().swap(dy_rows);
@@ -134,14 +138,16 @@ void MoeLayer<T>::Backward(const T* dy, const MoeWeights<T>& w, T* dx, const Moe
     Buffer<T>().swap(dy_rows);
     DispatchBackward(dispatch_.mode, dx_pad.data(), d, plan_, dx);
   }
+  // The experts' input gradients are partial sums over the tp (etp) ranks; the router's
+  // (below) is the same on every rank and is added once, after the reduction.
+  if (par_->etp != nullptr) par_->AllReduceExperts(std::span<T>(dx, nd));
   if (shared_ffn_ > 0) {
     Buffer<T> dxs(nd);
     shared_.Backward(dy, w.shared_fc1, w.shared_fc2, dxs.data(), g.shared_fc1, g.shared_fc2);
+    if (par_->etp != nullptr) par_->AllReduceTp(std::span<T>(dxs));
     for (std::size_t i = 0; i < nd; ++i) dx[i] += dxs[i];
   }
-  // The experts' input gradients are partial sums over the tp ranks; the router's (below) is
-  // the same on every rank and is added once, after the reduction.
-  par_->AllReduceTp(std::span<T>(dx, nd));
+  if (par_->etp == nullptr) par_->AllReduceTp(std::span<T>(dx, nd));
   Buffer<T> dlogits(static_cast<std::size_t>(n * e));
   router_.Backward(dprobs.data(), dlogits.data());
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, e, T(1), dlogits.data(), e, w.router, d, T(1), dx, d);

@@ -16,6 +16,7 @@ constexpr const char* kTpAxis = "tp";
 constexpr const char* kFsdpAxis = "fsdp";
 constexpr const char* kDpAxis = "dp";
 constexpr const char* kEpAxis = "ep";
+constexpr const char* kEtpAxis = "etp";
 
 std::int64_t Coord(const Mesh& mesh, const std::vector<std::int64_t>& coords, const std::string& axis) {
   const auto i = mesh.AxisIndex(axis);
@@ -111,7 +112,7 @@ void CopyRuns(const std::vector<CopyRun>& runs, std::span<const float> src, std:
 
 dist::CommStats ProcessGroups::Stats() const {
   dist::CommStats s = world != nullptr ? world->stats() : dist::CommStats{};
-  for (const auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), data.get(), kv.get()}) {
+  for (const auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), etp.get(), data.get(), kv.get()}) {
     if (c != nullptr) s += c->stats();
   }
   for (const auto& c : box) s += c->stats();
@@ -120,7 +121,7 @@ dist::CommStats ProcessGroups::Stats() const {
 
 void ProcessGroups::ResetStats() {
   if (world != nullptr) world->ResetStats();
-  for (auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), data.get(), kv.get()}) {
+  for (auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), etp.get(), data.get(), kv.get()}) {
     if (c != nullptr) c->ResetStats();
   }
   for (auto& c : box) c->ResetStats();
@@ -129,10 +130,10 @@ void ProcessGroups::ResetStats() {
 Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& model, const PhysicalLayout& layout,
                                                             std::int64_t rank, const OptimizerConfig& optimizer) {
   const Mesh& mesh = layout.layout.mesh();
-  for (const char* axis : {"pp", "etp", "cp"}) {
+  for (const char* axis : {"pp", "cp"}) {
     if (mesh.AxisSize(axis) > 1) {
       return Unimplemented(std::string("train: the '") + axis + "' axis of layout " + layout.ToString() +
-                           " is not supported by the training core yet (tp, fsdp, ep and dp are); checkpoints of such "
+                           " is not supported by the training core yet (tp, fsdp, ep, etp and dp are); checkpoints of such "
                            "layouts can still be written by `reshard convert`");
     }
   }
@@ -189,7 +190,7 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     const auto axes = layout.layout.ShardingAxes(params[i]);
     for (std::size_t d = 0; d < axes.size(); ++d) {
       for (const std::string& a : axes[d]) {
-        if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis) continue;
+        if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis || a == kEtpAxis) continue;
         if (a == kEpAxis) continue;  // experts in blocks (checked below), or ep-as-cp boxes
         return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name + "' is sharded over axis '" +
                              a + "' under rules '" + layout.layout.rules().name +
@@ -428,6 +429,7 @@ Result<ProcessGroups> ShardedState::MakeGroups(dist::Communicator& world) const 
   RS_ASSIGN_OR_RETURN(g.fsdp, dist::MeshGroup(world, mesh, {kFsdpAxis}, "fsdp"));
   RS_ASSIGN_OR_RETURN(g.dp, dist::MeshGroup(world, mesh, {kDpAxis}, "dp"));
   RS_ASSIGN_OR_RETURN(g.ep, dist::MeshGroup(world, mesh, {kEpAxis}, "ep"));
+  RS_ASSIGN_OR_RETURN(g.etp, dist::MeshGroup(world, mesh, {kEtpAxis}, "etp"));
   RS_ASSIGN_OR_RETURN(g.data, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis, kEpAxis}, "data"));
   for (const BoxGroup& b : box_groups_) {
     RS_ASSIGN_OR_RETURN(auto c, dist::MeshGroup(world, mesh, b.axes, b.axes.size() > 1 ? "fsdp-ep" : "fsdp"));

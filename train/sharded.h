@@ -26,9 +26,12 @@
 // its gradient summed over ep. EP over tp (rules with exp -> tp) needs nothing here: the
 // expert dim is then a tensor-parallel cut.
 //
-// Supported now: tp, fsdp (flat and box), ep, dp. Pipeline, expert-tensor and context
-// parallelism (ep-as-cp rules) are refused with Unimplemented (they remain convertible with
-// `reshard convert`).
+// Expert tensor parallelism (etp): the etp ranks share their tokens and hold other shares of
+// every expert's ffn (the rules' exp_mlp -> etp); the routed experts' outputs are summed over
+// etp. Under ep-as-cp rules ep is also context parallelism (see cp_index).
+//
+// Supported now: tp, fsdp (flat and box), ep, etp, dp. Pipeline parallelism and the separate
+// cp axis are refused with Unimplemented (they remain convertible with `reshard convert`).
 #pragma once
 
 #include <cstdint>
@@ -51,7 +54,7 @@ namespace rs::train {
 // The process groups of a rank; null members are groups of one.
 struct ProcessGroups {
   dist::Communicator* world = nullptr;
-  std::unique_ptr<dist::Communicator> tp, fsdp, dp, ep, data, kv;
+  std::unique_ptr<dist::Communicator> tp, fsdp, dp, ep, etp, data, kv;
   std::vector<std::unique_ptr<dist::Communicator>> box;  // per box group of the state
   // Bytes this rank received in every group since the last reset.
   dist::CommStats Stats() const;

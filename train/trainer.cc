@@ -107,7 +107,8 @@ Trainer::Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corp
       groups_(std::move(groups)),
       par_{groups_.tp.get(), groups_.data.get(), 0, state_->vocab_offset(), Status::Ok(),
            state_->experts_over_ep() ? groups_.ep.get() : nullptr, state_->expert_offset(),
-           state_->cp_size() > 1 ? groups_.ep.get() : nullptr},
+           state_->cp_size() > 1 ? groups_.ep.get() : nullptr,
+           groups_.etp->size() > 1 ? groups_.etp.get() : nullptr},
       model_(model, train.dispatch, state_->local_specs(), &par_) {}
 
 std::int64_t Trainer::num_parameters() const {

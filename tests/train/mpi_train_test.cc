@@ -260,6 +260,9 @@ TEST_F(MpiTrainTest, ExpertParallelLossesMatchOneProcess) {
       {eight("sigmoid_bias", "--align 16"), "ep=2,fsdp=2"},
       {eight("group_limited", ""), "tp=2,ep=2"},
       {eight("sinkhorn", "--align 128 --rules ep-over-tp"), "tp=2,ep=2"},
+      // Expert tensor parallelism: experts' ffn over etp (shared expert over tp).
+      {tiny, "ep=2,etp=2"},
+      {eight("topk", "--align 16"), "tp=2,etp=2"},
   };
   double worst_first = 0, worst = 0;
   for (const auto& [args, layout] : cases) {
@@ -379,9 +382,9 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2 --rules ep-as-cp --seq-len 63");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("context-parallel"), std::string::npos) << r.output;
-  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout etp=2");
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout cp=2");
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("'etp' axis"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("'cp' axis"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout dp=2 --batch-size 3");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   // Resuming from a checkpoint that is not a training run's (an example has no training state).
