@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "core/shape.h"
+#include "core/text.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/thread_pool.h"
 
@@ -304,7 +305,8 @@ nlohmann::json VerifyReport::ToJson() const {
 
 std::string VerifyReport::ToText() const {
   std::ostringstream os;
-  for (const Finding& f : findings) os << FindingKindName(f.kind) << ": " << f.message << "\n";
+  // One line per finding, whatever a name from the manifest holds (newlines, escapes).
+  for (const Finding& f : findings) os << FindingKindName(f.kind) << ": " << SafeText(f.message) << "\n";
   if (findings_omitted > 0) os << "(" << findings_omitted << " more findings omitted)\n";
   os << (sound() ? "SOUND" : "NOT SOUND") << ": " << dir << ": " << counts.tensors << " tensors, " << counts.shards
      << " shards (" << counts.replicas << " replicas) in " << counts.files << " files, " << counts.checked_bytes
