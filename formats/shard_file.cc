@@ -489,7 +489,8 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
                     " stored bytes each, more than the file (" + std::to_string(file_size_) + " bytes) can hold");
   }
   hsize_t indexed = 0;
-  if (H5Dget_num_chunks(dset.get(), h5::kAll, &indexed) < 0) {
+  // The whole dataspace (HDF5 1.10 does not take H5S_ALL here).
+  if (H5Dget_num_chunks(dset.get(), space.get(), &indexed) < 0) {
     return DataLoss(what + ": the dataset's chunk index cannot be read");
   }
   if (indexed != static_cast<hsize_t>(num_chunks)) {
