@@ -304,6 +304,29 @@ TEST_F(HostileInput, HugeChunkedDataset) {
            {{Cmd::kVerify, {"huge.h5", "can hold"}}, {Cmd::kVerifyJson, {"huge.h5", "can hold"}}}});
 }
 
+TEST_F(HostileInput, ShapesThatCutIntoBillionsOfRuns) {
+  // final_norm.weight and its states as [2^28, 2], each stored as the box [2^28, 1]: valid
+  // numbers, but 2^28 contiguous runs per shard for a coverage check to keep in memory.
+  RunCase({"runs", false,
+           [](const std::string& d) {
+             json m = ReadManifest(d);
+             for (json& t : m["tensors"]) {
+               if (t["name"].get<std::string>().rfind("final_norm.weight", 0) != 0) continue;
+               t["shape"] = {std::int64_t{1} << 28, 2};
+               t["axes"] = {"embed", ""};
+             }
+             for (json& s : m["shards"]) {
+               if (s["tensor"].get<std::string>().rfind("final_norm.weight", 0) != 0) continue;
+               s["box"] = {{"offset", {0, 0}}, {"shape", {std::int64_t{1} << 28, 1}}};
+               s["nbytes"] = std::int64_t{4} << 28;
+             }
+             WriteManifest(d, m);
+           },
+           {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kConvert, Cmd::kDiff, Cmd::kEval, Cmd::kResume},
+           {"final_norm.weight"},
+           {{Cmd::kVerify, {"runs"}}, {Cmd::kVerifyJson, {"runs"}}}});
+}
+
 // --- Class 3: data files and manifests that are not regular files --------------------------
 
 TEST_F(HostileInput, DataFileIsAFifo) {
