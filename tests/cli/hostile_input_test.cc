@@ -34,7 +34,10 @@ using testing::CommandResult;
 using testing::RunShell;
 using testing::TempDir;
 
-constexpr const char* kLimits = "ulimit -v 4194304; exec timeout 20 ";  // 4 GiB, 20 s
+// 4 GiB of address space, 20 s. Thread counts are pinned so that what the program reserves
+// (OpenBLAS buffers and malloc arenas per thread) does not grow with the machine's cores.
+constexpr const char* kLimits =
+    "export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2; ulimit -v 4194304; exec timeout 20 ";
 
 CommandResult RunBounded(const std::string& args) {
   return RunShell(std::string("(") + kLimits + RS_CLI + " " + args + ")");
