@@ -84,8 +84,8 @@ Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::v
 
 void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, double seconds, std::int64_t processes) {
   const RankCost total = s.plan.Total();
-  for (const std::string& c : s.plan.converted) std::fprintf(stderr, "dtype conversion: %s\n", c.c_str());
-  std::fprintf(stderr,
+  for (const std::string& c : s.plan.converted) PrintErr( "dtype conversion: %s\n", c.c_str());
+  PrintErr(
                "converted %s -> %s (%s): %lld shards, %s written in %.2f s (%.1f MiB/s), %s read "
                "(amplification %.3f), peak buffer %s of budget %s, %lld process%s\n",
                a.src.c_str(), a.out.c_str(), s.plan.target.ToString().c_str(), static_cast<long long>(total.shards),

@@ -34,9 +34,9 @@ void RunDiff(const DiffArgs& args) {
   if (!report.ok()) Fail("diff", report.status());
   if (args.json) {
     nlohmann::json j = *report;
-    std::printf("%s\n", j.dump(2).c_str());
+    PrintJson(j);
   } else {
-    std::printf("%s", report->ToString().c_str());
+    Print("%s", report->ToString().c_str());
   }
   // With --tolerance, values that differ by at most that much (absolute) count as equal: the
   // check for runs that did the same arithmetic in another order (e.g. at another layout).
@@ -46,7 +46,7 @@ void RunDiff(const DiffArgs& args) {
     same = same && (t.kind == TensorDiffKind::kIdentical || close);
   }
   if (args.tolerance > 0 && !args.json) {
-    std::printf("%s within absolute tolerance %g\n", same ? "all tensors" : "NOT all tensors", args.tolerance);
+    Print("%s within absolute tolerance %g\n", same ? "all tensors" : "NOT all tensors", args.tolerance);
   }
   if (!same) Exit(kExitFailed);
 }

@@ -37,7 +37,7 @@ void RunExample(const ExampleArgs& a) {
   o.with_replicas = a.with_replicas;
   o.threads = a.threads;
   if (Status s = WriteExampleCheckpoint(o, a.out); !s.ok()) Fail("example", s);
-  std::fprintf(stderr, "wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(),
+  PrintErr( "wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(),
                layout->ToString().c_str(), static_cast<long long>(o.layout.num_ranks()));
 }
 

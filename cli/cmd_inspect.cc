@@ -29,7 +29,7 @@ struct TensorStats {
 std::string LayoutText(const nlohmann::json& layout) {
   if (layout.is_null()) return "(none recorded)";
   auto parsed = Layout::FromJson(layout);
-  return parsed.ok() ? parsed->ToString() : layout.dump();
+  return parsed.ok() ? parsed->ToString() : JsonText(layout, -1);
 }
 
 std::string PieceText(const Piece& p) {
@@ -57,24 +57,24 @@ void InspectTensor(const Manifest& m, const std::string& name, bool json) {
   if (json) {
     nlohmann::json j = {{"tensor", t}, {"shards", nlohmann::json::array()}};
     for (const auto* s : shards) j["shards"].push_back(ShardJson(*s));
-    std::printf("%s\n", j.dump(2).c_str());
+    PrintJson(j);
     return;
   }
-  std::printf("tensor  %s\ndtype   %s\nshape   %s\nrole    %s\naxes   ", t.name.c_str(),
+  Print("tensor  %s\ndtype   %s\nshape   %s\nrole    %s\naxes   ", t.name.c_str(),
               std::string(DTypeName(t.dtype)).c_str(), ShapeToString(t.shape).c_str(),
               std::string(TensorRoleName(t.role)).c_str());
-  for (const auto& a : t.axes) std::printf(" %s", a.empty() ? "-" : a.c_str());
-  std::printf("\n");
+  for (const auto& a : t.axes) Print(" %s", a.empty() ? "-" : a.c_str());
+  Print("\n");
   if (!t.components.empty()) {
-    std::printf("fused   dim %d:", t.components.dim);
+    Print("fused   dim %d:", t.components.dim);
     for (const auto& c : t.components.components) {
-      std::printf(" %s=%lld", c.name.c_str(), static_cast<long long>(c.size * t.components.unit_rows));
+      Print(" %s=%lld", c.name.c_str(), static_cast<long long>(c.size * t.components.unit_rows));
     }
-    std::printf(" rows\n");
+    Print(" rows\n");
   }
-  std::printf("\n%6s  %-8s  %-40s  %-18s  %s\n", "rank", "copy", "box", "file", "bytes");
+  Print("\n%6s  %-8s  %-40s  %-18s  %s\n", "rank", "copy", "box", "file", "bytes");
   for (const auto* s : shards) {
-    std::printf("%6lld  %-8s  %-40s  %-18s  %s\n", static_cast<long long>(s->rank),
+    Print("%6lld  %-8s  %-40s  %-18s  %s\n", static_cast<long long>(s->rank),
                 s->replica == ReplicaKind::kMain ? "main" : "replica", PieceText(s->piece).c_str(), s->file.c_str(),
                 HumanBytes(s->nbytes).c_str());
   }
@@ -133,19 +133,19 @@ void RunInspect(const InspectOptions& o) {
                               {"bytes", t.nbytes()},
                               {"stored_bytes", st.stored_bytes}});
     }
-    std::printf("%s\n", j.dump(2).c_str());
+    PrintJson(j);
     return;
   }
-  std::printf("checkpoint  %s\nformat      %s v%lld (producer: %s)\nlayout      %s\n", o.dir.c_str(), m.format.c_str(),
+  Print("checkpoint  %s\nformat      %s v%lld (producer: %s)\nlayout      %s\n", o.dir.c_str(), m.format.c_str(),
               static_cast<long long>(m.version), m.producer.c_str(), LayoutText(m.layout).c_str());
-  if (m.metadata.contains("step")) std::printf("step        %s\n", m.metadata["step"].dump().c_str());
-  std::printf("tensors     %zu (%s logical)\nshards      %zu in %zu files (%s uncompressed, %s on disk, ratio %.2fx)\n\n",
+  if (m.metadata.contains("step")) Print("step        %s\n", JsonText(m.metadata["step"], -1).c_str());
+  Print("tensors     %zu (%s logical)\nshards      %zu in %zu files (%s uncompressed, %s on disk, ratio %.2fx)\n\n",
               m.tensors.size(), HumanBytes(logical_bytes).c_str(), m.shards.size(), files.size(),
               HumanBytes(shard_bytes).c_str(), HumanBytes(disk_bytes).c_str(), ratio);
-  std::printf("%-52s %-7s %-18s %-16s %7s %11s\n", "tensor", "dtype", "shape", "role", "shards", "bytes");
+  Print("%-52s %-7s %-18s %-16s %7s %11s\n", "tensor", "dtype", "shape", "role", "shards", "bytes");
   for (const auto& t : m.tensors) {
     const auto& st = stats[t.name];
-    std::printf("%-52s %-7s %-18s %-16s %7lld %11s\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
+    Print("%-52s %-7s %-18s %-16s %7lld %11s\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
                 ShapeToString(t.shape).c_str(), std::string(TensorRoleName(t.role)).c_str(),
                 static_cast<long long>(st.shards), HumanBytes(t.nbytes()).c_str());
   }

@@ -50,11 +50,11 @@ void RunPlan(const PlanArgs& a) {
   if (!plan.ok()) Fail("plan", plan.status());
   if (a.json) {
     nlohmann::json j = *plan;
-    std::printf("%s\n", j.dump(2).c_str());
+    PrintJson(j);
     return;
   }
-  std::printf("source: %s (%zu shards)\n%s", a.src.c_str(), manifest->shards.size(), plan->Summary().c_str());
-  if (a.detail) std::printf("%s", plan->Detail().c_str());
+  Print("source: %s (%zu shards)\n%s", a.src.c_str(), manifest->shards.size(), plan->Summary().c_str());
+  if (a.detail) Print("%s", plan->Detail().c_str());
 }
 
 }  // namespace

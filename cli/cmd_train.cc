@@ -88,7 +88,7 @@ void RunTrain(TrainArgs& a) {
   // message and exit code; errors of one rank in the middle of collective work abort the run.
   auto fail_all = [&](const Status& s) { Fail("train", s); };
   auto fail_one = [&](const Status& s) {
-    std::fprintf(stderr, "reshard train: rank %lld: %s\n", static_cast<long long>(world.rank()), s.ToString().c_str());
+    PrintErr( "reshard train: rank %lld: %s\n", static_cast<long long>(world.rank()), s.ToString().c_str());
     world.Abort(1);
   };
   if (a.threads > 0) train::SetBlasThreads(a.threads);
@@ -119,7 +119,7 @@ void RunTrain(TrainArgs& a) {
     auto t = train::ResumeFromCheckpoint(*dir, data, parallel);
     if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
     trainer = std::move(*t);
-    if (lead) std::fprintf(stderr, "resumed %s at step %" PRId64 "\n", dir->c_str(), trainer->step());
+    if (lead) PrintErr( "resumed %s at step %" PRId64 "\n", dir->c_str(), trainer->step());
   } else {
     auto model = LoadModelArg(a.model);
     if (!model.ok()) fail_all(model.status());
@@ -133,7 +133,7 @@ void RunTrain(TrainArgs& a) {
   }
   const ModelConfig& mc = trainer->model_config();
   if (lead) {
-    std::fprintf(stderr,
+    PrintErr(
                  "model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64 " tokens; data %s (%zu bytes); "
                  "layout %s (%" PRId64 " rank%s)\n",
                  mc.name.c_str(), trainer->num_parameters(), trainer->train_config().batch_size, trainer->seq_len(),
@@ -150,7 +150,7 @@ void RunTrain(TrainArgs& a) {
   auto save = [&] {
     const std::string dir = StepDir(a.save, trainer->step());
     if (Status s = train::SaveCheckpoint(dir, *trainer, a.with_replicas); !s.ok()) fail_all(s);
-    if (lead) std::fprintf(stderr, "saved %s\n", dir.c_str());
+    if (lead) PrintErr( "saved %s\n", dir.c_str());
   };
 
   if (trainer->step() >= a.steps) {
@@ -158,7 +158,7 @@ void RunTrain(TrainArgs& a) {
     // the initialisation); a resumed run already has its checkpoint.
     if (a.resume.empty() && !a.save.empty()) save();
     if (lead) {
-      std::fprintf(stderr, "at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(),
+      PrintErr( "at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(),
                    a.steps);
     }
     return;
@@ -176,10 +176,10 @@ void RunTrain(TrainArgs& a) {
     tokens += r.tokens;
     const double tps = static_cast<double>(r.tokens) / r.seconds;
     if (lead) {
-      std::printf("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s",
+      Print("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s",
                   r.step, r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
-      if (world.active()) std::printf(" | comm %s", HumanBytes(r.comm.total()).c_str());
-      std::printf("\n");
+      if (world.active()) Print(" | comm %s", HumanBytes(r.comm.total()).c_str());
+      Print("\n");
       std::fflush(stdout);
       if (log.is_open()) {
         log << nlohmann::json{{"step", r.step},
@@ -199,7 +199,7 @@ void RunTrain(TrainArgs& a) {
                                 {"reduce_scatter", r.comm.reduce_scatter_bytes},
                                 {"alltoall", r.comm.alltoall_bytes},
                                 {"broadcast", r.comm.broadcast_bytes}}}}
-                   .dump()
+                   .dump()  // numbers only
             << '\n';
         log.flush();
         if (!log) fail_one(IoError("cannot write log file '" + a.log + "'"));
@@ -209,7 +209,7 @@ void RunTrain(TrainArgs& a) {
     if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) save();
   }
   if (lead) {
-    std::fprintf(stderr,
+    PrintErr(
                  "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s, %.0f%% in gradient/parameter collectives); "
                  "final loss %.4f (ce %.4f)\n",
                  first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds,
@@ -240,18 +240,16 @@ void RunEval(const EvalArgs& a) {
   if (!r.ok()) Fail("eval", r.status());
   const double bits = r->mean_ce / std::log(2.0);
   if (a.json) {
-    std::printf("%s\n", nlohmann::json{{"checkpoint", a.checkpoint},
-                                       {"model", config->name},
-                                       {"data", a.data},
-                                       {"seq_len", r->seq_len},
-                                       {"windows", r->windows},
-                                       {"tokens", r->tokens},
-                                       {"mean_ce", r->mean_ce},
-                                       {"bits_per_byte", bits}}
-                            .dump(2)
-                            .c_str());
+    PrintJson(nlohmann::json{{"checkpoint", a.checkpoint},
+                             {"model", config->name},
+                             {"data", a.data},
+                             {"seq_len", r->seq_len},
+                             {"windows", r->windows},
+                             {"tokens", r->tokens},
+                             {"mean_ce", r->mean_ce},
+                             {"bits_per_byte", bits}});
   } else {
-    std::printf("%s: mean cross-entropy %.6f nats/byte (%.4f bits/byte) over %" PRId64 " windows x %" PRId64
+    Print("%s: mean cross-entropy %.6f nats/byte (%.4f bits/byte) over %" PRId64 " windows x %" PRId64
                 " tokens of %s\n",
                 a.checkpoint.c_str(), r->mean_ce, bits, r->windows, r->seq_len, a.data.c_str());
   }

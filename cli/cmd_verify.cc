@@ -21,9 +21,9 @@ void RunVerify(const VerifyArgs& a) {
   o.checksums = a.skip_checksums ? ChecksumCheck::kSkip : ChecksumCheck::kAll;
   const VerifyReport report = VerifyCheckpoint(a.dir, o);
   if (a.json) {
-    std::printf("%s\n", report.ToJson().dump(2).c_str());
+    PrintJson(report.ToJson());
   } else {
-    std::printf("%s", report.ToText().c_str());
+    Print("%s", report.ToText().c_str());
   }
   std::fflush(stdout);
   if (!report.sound()) Exit(kExitFailed);

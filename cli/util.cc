@@ -2,11 +2,13 @@
 
 #include <unistd.h>
 
+#include <cstdarg>
 #include <cstdio>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
 
+#include "core/text.h"
 #include "formats/manifest.h"
 
 namespace rs::cli {
@@ -24,12 +26,52 @@ const char* HintFor(ErrorCode code) {
   }
 }
 
+__attribute__((format(printf, 2, 0))) void VPrint(FILE* out, const char* format, std::va_list args) {
+  std::va_list copy;
+  va_copy(copy, args);
+  const int n = std::vsnprintf(nullptr, 0, format, copy);
+  va_end(copy);
+  if (n <= 0) return;
+  std::string text(static_cast<std::size_t>(n) + 1, '\0');
+  std::vsnprintf(text.data(), text.size(), format, args);
+  text.resize(static_cast<std::size_t>(n));
+  const std::string safe = SafeText(text, /*keep_newlines=*/true);
+  std::fwrite(safe.data(), 1, safe.size(), out);
+}
+
 }  // namespace
+
+void Print(const char* format, ...) {
+  std::va_list args;
+  va_start(args, format);
+  VPrint(stdout, format, args);
+  va_end(args);
+}
+
+void PrintErr(const char* format, ...) {
+  std::va_list args;
+  va_start(args, format);
+  VPrint(stderr, format, args);
+  va_end(args);
+}
+
+std::string JsonText(const nlohmann::json& j, int indent) {
+  // ensure_ascii: non-ASCII text is written as \uXXXX escapes, so that not even a C1 control
+  // character (U+009B is a terminal's CSI) reaches the terminal raw.
+  return j.dump(indent, ' ', /*ensure_ascii=*/true, nlohmann::json::error_handler_t::replace);
+}
+
+void PrintJson(const nlohmann::json& j) {
+  const std::string text = JsonText(j) + "\n";
+  std::fwrite(text.data(), 1, text.size(), stdout);
+}
 
 void Exit(int code) { throw CLI::RuntimeError(code); }
 
 void Fail(const std::string& command, const Status& status) {
-  std::fprintf(stderr, "reshard %s: error: %s\n", command.c_str(), status.ToString().c_str());
+  // One line: a newline inside a message (a name from a file) is escaped too.
+  const std::string message = SafeText(status.ToString());
+  std::fprintf(stderr, "reshard %s: error: %s\n", SafeText(command).c_str(), message.c_str());
   if (const char* hint = HintFor(status.code())) std::fprintf(stderr, "hint: %s\n", hint);
   Exit(status.code() == ErrorCode::kInvalidArgument ? kExitUsage : kExitFailed);
 }

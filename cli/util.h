@@ -15,6 +15,19 @@
 
 namespace rs::cli {
 
+// Output. Every command prints through these, never with printf directly: text from files
+// (tensor names, paths, metadata, messages that quote them) is untrusted. Print / PrintErr
+// format like printf, then escape bytes that are not UTF-8 and control characters other than
+// newline and tab (core/text.h), so a terminal shows "\x1B" instead of obeying it.
+void Print(const char* format, ...) __attribute__((format(printf, 1, 2)));
+void PrintErr(const char* format, ...) __attribute__((format(printf, 1, 2)));
+// `j` as JSON text (indent 2) plus a newline on stdout, ASCII only (other characters as \u
+// escapes). Strings that are not valid UTF-8 get U+FFFD for their bad bytes instead of
+// nlohmann::json throwing (and the program aborting).
+void PrintJson(const nlohmann::json& j);
+// The JSON text PrintJson prints, without the newline (indent < 0: one line).
+std::string JsonText(const nlohmann::json& j, int indent = 2);
+
 // Prints "reshard <command>: error: <status>" plus a hint, then ends the command with
 // kExitUsage for InvalidArgument and kExitFailed otherwise.
 [[noreturn]] void Fail(const std::string& command, const Status& status);

@@ -45,6 +45,13 @@ std::string_view DTypeName(DType t) {
   RS_CHECK_MSG(false, "bad DType " << static_cast<int>(t));
 }
 
+std::optional<DType> DTypeFromName(std::string_view name) {
+  for (DType t : kAllDTypes) {
+    if (name == DTypeName(t)) return t;
+  }
+  return std::nullopt;
+}
+
 std::optional<DType> ParseDType(std::string_view name) {
   // Case-insensitive so that safetensors' ("F32", "BF16", "F8_E4M3") and numpy / torch
   // spellings are accepted as well as ours.

@@ -35,7 +35,11 @@ std::size_t DTypeSize(DType t);
 // Canonical lower-case name used in manifests: "f64", "f32", "f16", "bf16", "f8_e4m3",
 // "f8_e5m2", "i8", "i16", "i32", "i64", "u8", "bool".
 std::string_view DTypeName(DType t);
-// Inverse of DTypeName; also accepts common aliases ("float32", "bfloat16", "fp8_e4m3"...).
+// Inverse of DTypeName, exactly: only the canonical spelling (FORMAT.md §5). What files
+// (manifests, checkpoint metadata) are read with.
+std::optional<DType> DTypeFromName(std::string_view name);
+// For command-line arguments and hand-written model files only: the canonical names, case-
+// insensitively, and common aliases ("float32", "bfloat16", "fp8_e4m3", safetensors' "F32"...).
 std::optional<DType> ParseDType(std::string_view name);
 bool IsFloating(DType t);
 

@@ -26,16 +26,74 @@ Result<RouterKind> ParseRouterKind(std::string_view name) {
                          "' (expected topk, softmax_topk, sigmoid_bias, group_limited or sinkhorn)");
 }
 
+namespace {
+
+// int64 arithmetic that remembers whether anything overflowed.
+struct Checked {
+  std::int64_t v = 0;
+  bool overflow = false;
+  Checked() = default;
+  Checked(std::int64_t x) : v(x) {}  // NOLINT(google-explicit-constructor)
+  friend Checked operator*(Checked a, Checked b) {
+    Checked r;
+    r.overflow = a.overflow || b.overflow || __builtin_mul_overflow(a.v, b.v, &r.v);
+    return r;
+  }
+  friend Checked operator+(Checked a, Checked b) {
+    Checked r;
+    r.overflow = a.overflow || b.overflow || __builtin_add_overflow(a.v, b.v, &r.v);
+    return r;
+  }
+};
+
+// The items of ModelParameters(c), tensor by tensor, without building the list. Requires the
+// per-field checks of Validate (every dim in range), not the count itself.
+Checked ParameterCount(const ModelConfig& c) {
+  const Checked d = c.d_model;
+  Checked n = Checked(2) * c.vocab_size * d + d;  // embedding, output, final_norm
+  for (std::int64_t i = 0; i < c.n_layers && !n.overflow; ++i) {
+    n = n + Checked(2) * d;  // attn_norm, mlp_norm
+    if (c.IsGdnLayer(i)) {
+      const Checked qk = Checked(c.gdn_key_heads) * c.gdn_key_dim;
+      const Checked v = Checked(c.gdn_value_heads) * c.gdn_value_dim;
+      const Checked nv = c.gdn_value_heads;
+      n = n + (Checked(2) * qk + Checked(2) * v + Checked(2) * nv) * d + (Checked(2) * qk + v) * c.gdn_conv_kernel +
+          Checked(2) * nv + c.gdn_value_dim + d * v;
+    } else {
+      n = n + (Checked(c.n_heads) + Checked(2) * c.n_kv_heads) * c.head_dim * d + d * c.n_heads * c.head_dim;
+    }
+    if (!c.IsMoeLayer(i)) {
+      n = n + Checked(3) * c.dense_ffn * d;  // fc1 [2f, d], fc2 [d, f]
+      continue;
+    }
+    n = n + Checked(c.n_experts) * d + Checked(3) * c.n_experts * c.moe_ffn * d;  // router, experts fc1 + fc2
+    if (c.router == RouterKind::kSigmoidBias) n = n + c.n_experts;
+    n = n + Checked(3) * c.shared_ffn * d;
+  }
+  return n;
+}
+
+}  // namespace
+
+Result<std::int64_t> ModelParameterCount(const ModelConfig& c) {
+  RS_RETURN_IF_ERROR(c.Validate());
+  return ParameterCount(c).v;
+}
+
 Status ModelConfig::Validate() const {
   auto bad = [&](const char* field, const std::string& why) {
     return InvalidArgument("model '" + name + "': field '" + field + "' " + why);
   };
   constexpr std::int64_t kMaxDim = std::int64_t{1} << 24;
   const std::pair<const char*, std::int64_t> positive[] = {
-      {"vocab_size", vocab_size}, {"d_model", d_model}, {"n_layers", n_layers}, {"n_heads", n_heads},
+      {"vocab_size", vocab_size}, {"d_model", d_model}, {"n_heads", n_heads},
       {"n_kv_heads", n_kv_heads}, {"head_dim", head_dim}, {"max_seq_len", max_seq_len}};
   for (const auto& [field, v] : positive) {
     if (v < 1 || v > kMaxDim) return bad(field, "must be in [1, 2^24], got " + std::to_string(v));
+  }
+  // The tensor list grows with the layers (ModelParameters), so they are bounded tighter.
+  if (n_layers < 1 || n_layers > kMaxLayers) {
+    return bad("n_layers", "must be in [1, " + std::to_string(kMaxLayers) + "], got " + std::to_string(n_layers));
   }
   if (n_heads % n_kv_heads != 0) return bad("n_kv_heads", "must divide n_heads");
   if (head_dim % 2 != 0) return bad("head_dim", "must be even (rotary embedding rotates pairs)");
@@ -71,6 +129,13 @@ Status ModelConfig::Validate() const {
   if (!IsFloating(param_dtype)) return bad("param_dtype", "must be a floating type");
   if (!(norm_eps > 0)) return bad("norm_eps", "must be > 0");
   if (!(rope_theta > 0)) return bad("rope_theta", "must be > 0");
+  // Each dim is in range; their products must be too (sizes of tensors, of the model).
+  if (ParameterCount(*this).overflow) {
+    return InvalidArgument("model '" + name + "': its parameter count overflows int64 (vocab_size " +
+                           std::to_string(vocab_size) + ", d_model " + std::to_string(d_model) + ", n_layers " +
+                           std::to_string(n_layers) + ", n_experts " + std::to_string(n_experts) + ", moe_ffn " +
+                           std::to_string(moe_ffn) + ")");
+  }
   return Status::Ok();
 }
 
@@ -132,7 +197,7 @@ void to_json(nlohmann::json& j, const ModelConfig& c) {
   }
 }
 
-Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
+Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling dtypes) {
   if (!j.is_object()) return InvalidArgument("model description must be a JSON object");
   ModelConfig c;
   if (j.contains("preset")) {
@@ -173,8 +238,13 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j) {
       if (key == "name") {
         c.name = s;
       } else if (key == "param_dtype") {
-        auto t = ParseDType(s);
-        if (!t) return InvalidArgument("model: field 'param_dtype' has unknown dtype '" + s + "'");
+        auto t = dtypes == DTypeSpelling::kCanonical ? DTypeFromName(s) : ParseDType(s);
+        if (!t) {
+          return InvalidArgument("model: field 'param_dtype' has unknown dtype '" + s + "'" +
+                                 (dtypes == DTypeSpelling::kCanonical && ParseDType(s)
+                                      ? " (files spell it '" + std::string(DTypeName(*ParseDType(s))) + "')"
+                                      : std::string()));
+        }
         c.param_dtype = *t;
       } else {
         RS_ASSIGN_OR_RETURN(c.router, ParseRouterKind(s));

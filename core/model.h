@@ -63,8 +63,10 @@ struct ModelConfig {
   bool IsGdnLayer(std::int64_t layer) const { return full_attn_interval > 0 && (layer + 1) % full_attn_interval != 0; }
 
   bool IsMoeLayer(std::int64_t layer) const { return n_experts > 0 && layer >= first_dense_layers; }
-  // InvalidArgument naming the field when a value is out of range or inconsistent.
+  // InvalidArgument naming the field when a value is out of range (dims in [1, 2^24], n_layers
+  // in [1, kMaxLayers]) or inconsistent, or when the parameter count overflows int64.
   Status Validate() const;
+  static constexpr std::int64_t kMaxLayers = std::int64_t{1} << 16;
   friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 
@@ -72,9 +74,15 @@ struct ModelConfig {
 // "small-moe" (about 100M parameters, for benchmarks). NotFound otherwise.
 Result<ModelConfig> ModelPreset(const std::string& name);
 std::vector<std::string> ModelPresetNames();
+// How a dtype may be spelled: exactly as FORMAT.md §5 (what files hold, e.g. checkpoint
+// metadata), or with the aliases ParseDType accepts (hand-written model files, command lines).
+enum class DTypeSpelling : std::uint8_t { kCanonical, kAliases };
 // Parses a model JSON document (any subset of the fields, defaults from tiny-moe, unknown
 // keys are InvalidArgument) and validates it.
-Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j);
+Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling dtypes = DTypeSpelling::kAliases);
+// Items of all the tensors of ModelParameters(c), computed without building the list
+// (InvalidArgument if `c` does not validate).
+Result<std::int64_t> ModelParameterCount(const ModelConfig& c);
 void to_json(nlohmann::json& j, const ModelConfig& c);
 
 // The model's parameters and buffers, in a fixed order:

@@ -24,6 +24,18 @@ std::string OptimizerStateName(const std::string& param, const std::string& stat
   return param + "/" + state;
 }
 
+Status CheckOptimizerStateName(const TensorSpec& t) {
+  if (t.role != TensorRole::kOptimizerState) return Status::Ok();
+  auto bad = [&](const std::string& what) {
+    return InvalidArgument("tensor '" + t.name + "': optimizer state with field 'param' = '" + t.param +
+                           "' and field 'state' = '" + t.state + "': " + what);
+  };
+  if (t.name != OptimizerStateName(t.param, t.state)) {
+    return bad("its name must be '<param>/<state>' = '" + OptimizerStateName(t.param, t.state) + "'");
+  }
+  return Status::Ok();
+}
+
 namespace {
 
 nlohmann::json PlaceToJson(const PipelinePlace& p) {
@@ -100,8 +112,15 @@ Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j) {
   FieldReader f(j, t.name);
 
   RS_ASSIGN_OR_RETURN(auto dtype_name, f.String("dtype"));
-  auto dtype = ParseDType(dtype_name);
-  if (!dtype) return f.Error("dtype", "has unknown value '" + dtype_name + "'");
+  // Files spell a dtype one way only (FORMAT.md §5); aliases are for command lines.
+  auto dtype = DTypeFromName(dtype_name);
+  if (!dtype) {
+    const auto alias = ParseDType(dtype_name);
+    return f.Error("dtype", "has value '" + dtype_name + "', which is not a dtype of FORMAT.md §5" +
+                                (alias ? " (the spelling of that type is '" + std::string(DTypeName(*alias)) + "')"
+                                       : std::string(" (f64, f32, f16, bf16, f8_e4m3, f8_e5m2, i8, i16, i32, i64, "
+                                                     "u8, bool)")));
+  }
   t.dtype = *dtype;
 
   RS_ASSIGN_OR_RETURN(t.shape, f.IntList("shape"));
@@ -124,6 +143,7 @@ Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j) {
     t.role = TensorRole::kOptimizerState;
     RS_ASSIGN_OR_RETURN(t.param, f.String("param"));
     RS_ASSIGN_OR_RETURN(t.state, f.String("state"));
+    RS_RETURN_IF_ERROR(CheckOptimizerStateName(t));
   } else if (role == "scalar") {
     t.role = TensorRole::kScalar;
   } else if (role == "buffer") {

@@ -70,11 +70,16 @@ struct TensorSpec {
 };
 
 // JSON round trip (the manifest's "tensors" entries). FromJson validates every field and
-// reports the tensor's name in errors (InvalidArgument / DataLoss for bad values).
+// reports the tensor's name in errors (InvalidArgument / DataLoss for bad values); dtypes must
+// be spelled as DTypeName does, optimizer states must pass CheckOptimizerStateName.
 void to_json(nlohmann::json& j, const TensorSpec& t);
 Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j);
 
 // The name of optimizer state `state` of parameter `param`: "<param>/<state>".
 std::string OptimizerStateName(const std::string& param, const std::string& state);
+// For optimizer states: InvalidArgument naming the tensor and both fields unless its name is
+// OptimizerStateName(param, state) (FORMAT.md §3.1), so that a state cannot silently belong to
+// another parameter of the same shape. Ok for other roles.
+Status CheckOptimizerStateName(const TensorSpec& t);
 
 }  // namespace rs

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "core/memory.h"
 #include "formats/codec.h"
 #include "formats/thread_pool.h"
 
@@ -227,8 +228,11 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
 
 Result<std::vector<std::byte>> CheckpointReader::ReadShard(std::size_t index) {
   RS_CHECK(index < manifest_.shards.size());
-  std::vector<std::byte> out(static_cast<std::size_t>(manifest_.shards[index].nbytes));
+  // Located first: the shard's extents are then bounded by its file's size before its
+  // manifest size is trusted with an allocation.
   RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+  RS_RETURN_IF_ERROR(CheckMemory(manifest_.shards[index].nbytes, DescribeShard(index)));
+  std::vector<std::byte> out(static_cast<std::size_t>(manifest_.shards[index].nbytes));
   const ShardFileReader* f = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -347,6 +351,12 @@ Result<std::vector<std::byte>> CheckpointReader::ReadPiece(const std::string& te
   RS_ASSIGN_OR_RETURN(const TensorSpec* t, FindTensor(tensor));
   RS_RETURN_IF_ERROR(CheckPiece(dir_, *t, piece));
   const auto bytes = static_cast<std::size_t>(piece.numel()) * DTypeSize(t->dtype);  // within the tensor
+  // The shape comes from the manifest: refuse what cannot be allocated with a message rather
+  // than std::bad_alloc (a piece of a sound checkpoint is also backed by its files; ReadPiece
+  // checks that while reading).
+  RS_RETURN_IF_ERROR(CheckMemory(static_cast<std::int64_t>(bytes),
+                                 dir_ + ": tensor '" + tensor + "' " + ShapeToString(t->shape) + ", piece " +
+                                     BoxToString(piece.box)));
   std::vector<std::byte> out(bytes);
   RS_RETURN_IF_ERROR(ReadPiece(tensor, piece, out));
   return out;

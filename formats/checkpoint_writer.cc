@@ -204,6 +204,7 @@ Status CheckpointWriter::AddTensor(const TensorSpec& t) {
   if (!numel.ok() || !CheckedMul(*numel, static_cast<std::int64_t>(DTypeSize(t.dtype)))) {
     return InvalidArgument("tensor '" + t.name + "': shape " + ShapeToString(t.shape) + " is negative or too large");
   }
+  RS_RETURN_IF_ERROR(CheckOptimizerStateName(t));  // what readers check (FORMAT.md §3.1)
   std::lock_guard<std::mutex> lock(mu_);
   if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
   const auto it = tensor_index_.find(t.name);

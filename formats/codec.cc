@@ -55,6 +55,17 @@ Status ZstdDecompress(std::span<const std::byte> src, std::span<std::byte> dst, 
   if (content == ZSTD_CONTENTSIZE_ERROR) {
     return DataLoss(std::string(what) + ": not a zstd frame");
   }
+  // A chunk is exactly one frame (FORMAT.md §4.2): ZSTD_decompress would go on decoding
+  // whatever frames follow the first, so bytes after it are refused here.
+  const std::size_t frame = ZSTD_findFrameCompressedSize(src.data(), src.size());
+  if (ZSTD_isError(frame)) {
+    return DataLoss(std::string(what) + ": not a complete zstd frame (" + ZSTD_getErrorName(frame) + ")");
+  }
+  if (frame != src.size()) {
+    return DataLoss(std::string(what) + ": " + std::to_string(src.size() - frame) +
+                    " bytes follow the chunk's zstd frame of " + std::to_string(frame) +
+                    " bytes; a chunk must be exactly one frame");
+  }
   if (content != ZSTD_CONTENTSIZE_UNKNOWN && content != dst.size()) {
     return DataLoss(std::string(what) + ": zstd frame holds " + std::to_string(content) + " bytes, expected " +
                     std::to_string(dst.size()));

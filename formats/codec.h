@@ -38,7 +38,9 @@ inline constexpr std::int64_t kDefaultChunkBytes = std::int64_t{4} << 20;
 // One zstd frame holding `src` (with the content size in its header).
 std::vector<std::byte> ZstdCompress(std::span<const std::byte> src, int level);
 // Decompresses one zstd frame into exactly `dst.size()` bytes. DataLoss (with `what`
-// describing the chunk) if the frame is malformed or does not hold exactly that many bytes.
+// describing the chunk) if the frame is malformed, does not hold exactly that many bytes, or
+// is followed by anything (another frame, a skippable frame, stray bytes): `src` must be
+// exactly one frame.
 Status ZstdDecompress(std::span<const std::byte> src, std::span<std::byte> dst, std::string_view what);
 
 // XXH3-64 of `bytes`.

@@ -16,6 +16,8 @@ namespace {
 size_t ZstdFilter(unsigned int flags, size_t cd_nelmts, const unsigned int cd_values[], size_t nbytes,
                   size_t* buf_size, void** buf) {
   if ((flags & H5Z_FLAG_REVERSE) != 0) {
+    // A chunk is exactly one frame (FORMAT.md §4.2), as in formats/codec.cc.
+    if (ZSTD_findFrameCompressedSize(*buf, nbytes) != nbytes) return 0;
     const unsigned long long content = ZSTD_getFrameContentSize(*buf, nbytes);
     if (content == ZSTD_CONTENTSIZE_ERROR || content == ZSTD_CONTENTSIZE_UNKNOWN) return 0;
     void* out = std::malloc(static_cast<size_t>(content));

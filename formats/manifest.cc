@@ -11,6 +11,8 @@
 #include <unordered_map>
 
 #include "core/dtype.h"
+#include "core/file.h"
+#include "core/text.h"
 
 namespace rs {
 namespace {
@@ -285,7 +287,9 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
       const json again = json::parse(text);
       (void)again;
     } catch (const json::parse_error& e) {
-      detail += std::string(" (") + e.what() + ")";
+      // The parser quotes the bytes it stopped at, which may be anything (invalid UTF-8,
+      // control characters): escape them so the message is safe in JSON and on a terminal.
+      detail += " (" + SafeText(e.what()) + ")";
     }
     return DataLoss(std::string(source) + ": " + detail);
   }
@@ -293,23 +297,15 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
 }
 
 Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) return NotFound(path + ": no such file");
-    return IoError(path + ": open: " + std::strerror(err));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  // A FIFO or device at `path` is refused before it could block the read (core/file.h).
+  std::int64_t size = 0;
+  RS_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &size));
+  if (size > max_bytes) {
     ::close(fd);
-    return IoError(path + ": not a regular file");
-  }
-  if (st.st_size > max_bytes) {
-    ::close(fd);
-    return DataLoss(path + ": " + std::to_string(st.st_size) + " bytes, larger than the limit of " +
+    return DataLoss(path + ": " + std::to_string(size) + " bytes, larger than the limit of " +
                     std::to_string(max_bytes));
   }
-  std::string text(static_cast<std::size_t>(st.st_size), '\0');
+  std::string text(static_cast<std::size_t>(size), '\0');
   std::size_t done = 0;
   while (done < text.size()) {
     const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
@@ -331,6 +327,8 @@ Result<Manifest> ReadManifest(const std::string& dir) {
     if (text.status().code() == ErrorCode::kNotFound) {
       return NotFound(path + ": no manifest, so no committed checkpoint at " + dir);
     }
+    // Not a regular file: whatever is there is not a manifest (and reading it could block).
+    if (text.status().code() == ErrorCode::kFailedPrecondition) return DataLoss(text.status().message());
     return text.status();
   }
   return ParseManifest(*text, path);

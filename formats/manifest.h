@@ -69,10 +69,12 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
 // Parses manifest text (malformed JSON is DataLoss), then ManifestFromJson.
 Result<Manifest> ParseManifest(std::string_view text, std::string_view source);
 // Reads "<dir>/manifest.json". NotFound if it does not exist (no checkpoint at `dir`);
-// IoError if it cannot be read; DataLoss if larger than kMaxManifestBytes; else as ParseManifest.
+// IoError if it cannot be read; DataLoss if it is not a regular file (a FIFO, a device: refused
+// without blocking) or larger than kMaxManifestBytes; else as ParseManifest.
 Result<Manifest> ReadManifest(const std::string& dir);
 
-// Reads a whole small file (at most `max_bytes`). NotFound / IoError / DataLoss (too large).
+// Reads a whole small file (at most `max_bytes`). NotFound / IoError / DataLoss (too large) /
+// FailedPrecondition (not a regular file: never opened in a way that could block).
 Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes);
 
 // Formats an item index of a tensor of shape `shape` as coordinates, e.g. "[3, 17]".

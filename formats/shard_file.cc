@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "core/check.h"
+#include "core/file.h"
 #include "core/shape.h"
 #include "formats/hdf5_util.h"
 
@@ -61,7 +62,25 @@ struct ChunkSlots {
   }
 };
 
-std::size_t Window(const ThreadPool* pool) { return pool == nullptr ? 1 : 2 * pool->size() + 1; }
+// Decoded chunks held at once by one Stream: the window below stays within this many bytes
+// (but is at least one chunk), so a file's chunk size (up to kMaxChunkBytes) cannot multiply
+// into gigabytes of buffers.
+constexpr std::int64_t kMaxWindowBytes = std::int64_t{256} << 20;
+
+std::size_t Window(const ThreadPool* pool, std::int64_t chunk_bytes) {
+  const std::size_t wanted = pool == nullptr ? 1 : 2 * pool->size() + 1;
+  const auto fits = static_cast<std::size_t>(std::max<std::int64_t>(1, kMaxWindowBytes / std::max<std::int64_t>(chunk_bytes, 1)));
+  return std::min(wanted, fits);
+}
+
+// The fewest bytes a chunk of `chunk_bytes` can be stored in (FORMAT.md §4.2): raw, all of
+// them; as one Zstandard frame (RFC 8878), a frame header of at least 6 bytes (magic, frame
+// header descriptor, window descriptor or 1-byte content size) plus blocks that decompress
+// to at most 128 KiB each and take at least 4 bytes each (an RLE block: 3-byte header, 1 byte).
+std::int64_t MinStoredChunkBytes(std::int64_t chunk_bytes) {
+  constexpr std::int64_t kMaxBlock = std::int64_t{128} << 10;
+  return std::min(chunk_bytes, 6 + 4 * ((chunk_bytes + kMaxBlock - 1) / kMaxBlock));
+}
 
 // Asks the kernel to start reading [offset, offset + len) now. Workers then find their extents
 // in the page cache instead of each waiting for its own synchronous read; on cold caches
@@ -285,7 +304,7 @@ Status DatasetWriter::SubmitChunk() {
   }
   pending_.push_back({next_chunk_++, std::move(c)});
   // A bounded window of chunks in flight keeps memory at a few chunks per worker.
-  while (pending_.size() > Window(pool_)) RS_RETURN_IF_ERROR(WriteOldest());
+  while (pending_.size() > Window(pool_, chunk_)) RS_RETURN_IF_ERROR(WriteOldest());
   return Status::Ok();
 }
 
@@ -359,20 +378,27 @@ Status ShardFileWriter::Close() {
 // Reader
 
 Result<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return NotFound(path + ": data file is missing");
-    return IoError(path + ": " + Errno("open"));
+  // Only a regular file is opened at all, and never in a way that blocks (a FIFO would wait
+  // for a writer forever): core/file.h.
+  std::int64_t size = 0;
+  Result<int> fd = OpenRegularFile(path, &size);
+  if (!fd.ok()) {
+    switch (fd.status().code()) {
+      case ErrorCode::kNotFound: return NotFound(path + ": data file is missing");
+      case ErrorCode::kFailedPrecondition: return DataLoss(fd.status().message());  // a FIFO, a directory...
+      default: return fd.status();
+    }
   }
   std::unique_ptr<ShardFileReader> r(new ShardFileReader());
   r->path_ = path;
-  r->fd_ = fd;
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return IoError(path + ": " + Errno("fstat"));
-  if (!S_ISREG(st.st_mode)) return DataLoss(path + ": not a regular file");
-  r->file_size_ = st.st_size;
+  r->fd_ = *fd;
+  r->file_size_ = size;
+  // HDF5 opens the file by name itself. Handing it our descriptor's /proc name makes it open
+  // the very file checked above, even if `path` was replaced by a FIFO in the meantime.
+  static const bool have_proc_fd = ::access("/proc/self/fd", X_OK) == 0;
+  const std::string h5_path = have_proc_fd ? "/proc/self/fd/" + std::to_string(*fd) : path;
   auto lock = h5::Lock();
-  const hid_t fid = H5Fopen(path.c_str(), H5F_ACC_RDONLY, h5::kDefault);
+  const hid_t fid = H5Fopen(h5_path.c_str(), H5F_ACC_RDONLY, h5::kDefault);
   if (fid < 0) {
     return DataLoss(path + ": cannot be opened as an HDF5 file (" + std::to_string(r->file_size_) +
                     " bytes; truncated or corrupt)");
@@ -446,7 +472,32 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
     return DataLoss(what + ": codec zstd needs exactly the filter " + std::to_string(kZstdFilterId));
   }
   loc.chunk_bytes = static_cast<std::int64_t>(cdims[0]);
+  // HDF5 itself refuses chunks larger than a fixed-size dataset; one here would only make a
+  // reader decode a chunk far larger than the data.
+  if (loc.chunk_bytes > nbytes) {
+    return DataLoss(what + ": chunk size " + std::to_string(loc.chunk_bytes) + " is larger than the dataset (" +
+                    std::to_string(nbytes) + " bytes)");
+  }
+  // Every number below comes from the file, so it is bounded before anything is allocated per
+  // chunk: each of the ceil(nbytes / C) chunks takes at least MinStoredChunkBytes(C) bytes of
+  // the file, and HDF5's chunk index must list exactly that many chunks.
   const std::int64_t num_chunks = (nbytes - 1) / loc.chunk_bytes + 1;
+  const std::int64_t min_stored = MinStoredChunkBytes(loc.chunk_bytes);
+  if (num_chunks > file_size_ / min_stored) {
+    return DataLoss(what + ": " + std::to_string(nbytes) + " bytes in chunks of " + std::to_string(loc.chunk_bytes) +
+                    " need " + std::to_string(num_chunks) + " chunks of at least " + std::to_string(min_stored) +
+                    " stored bytes each, more than the file (" + std::to_string(file_size_) + " bytes) can hold");
+  }
+  hsize_t indexed = 0;
+  // The whole dataspace (HDF5 1.10 does not take H5S_ALL here).
+  if (H5Dget_num_chunks(dset.get(), space.get(), &indexed) < 0) {
+    return DataLoss(what + ": the dataset's chunk index cannot be read");
+  }
+  if (indexed != static_cast<hsize_t>(num_chunks)) {
+    return DataLoss(what + ": the file's chunk index lists " + std::to_string(indexed) + " chunks, " +
+                    std::to_string(nbytes) + " bytes in chunks of " + std::to_string(loc.chunk_bytes) + " need " +
+                    std::to_string(num_chunks) + (indexed < static_cast<hsize_t>(num_chunks) ? " (chunks are missing)" : ""));
+  }
   const auto max_stored = static_cast<std::int64_t>(ZSTD_compressBound(static_cast<std::size_t>(loc.chunk_bytes)));
   loc.chunks.resize(static_cast<std::size_t>(num_chunks));
   for (std::int64_t i = 0; i < num_chunks; ++i) {
@@ -462,7 +513,7 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
     ShardLocation::Chunk& c = loc.chunks[static_cast<std::size_t>(i)];
     c.raw = (mask & 1u) != 0;
     if (c.raw ? size != static_cast<hsize_t>(loc.chunk_bytes)
-              : (size == 0 || size > static_cast<hsize_t>(max_stored))) {
+              : (size < static_cast<hsize_t>(min_stored) || size > static_cast<hsize_t>(max_stored))) {
       return DataLoss(chunk_what + ": stored size " + std::to_string(size) + " is impossible for a " +
                       std::to_string(loc.chunk_bytes) + "-byte chunk");
     }
@@ -589,7 +640,7 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
     return Status::Ok();
   }
   const std::size_t n = loc.chunks.size();
-  const std::size_t window = Window(pool);
+  const std::size_t window = Window(pool, loc.chunk_bytes);
   ChunkSlots slots(n);
   // Chunk i decodes into ring[i % window]: chunk i + window is only submitted after chunk i
   // was consumed, so buffers are reused instead of allocated (and page-faulted) per chunk.

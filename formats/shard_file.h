@@ -114,7 +114,8 @@ class ShardFileWriter {
 
 class ShardFileReader {
  public:
-  // Opens `path` read-only. NotFound if it is missing; DataLoss if HDF5 cannot open it
+  // Opens `path` read-only. NotFound if it is missing; DataLoss if it is not a regular file (a
+  // FIFO, a device, a directory: refused without blocking, core/file.h) or HDF5 cannot open it
   // (truncated or not an HDF5 file); IoError otherwise.
   static Result<std::unique_ptr<ShardFileReader>> Open(const std::string& path);
   ~ShardFileReader();
@@ -126,7 +127,9 @@ class ShardFileReader {
 
   // Finds dataset `name` and checks it against the manifest: a 1-D 1-byte integer dataset of
   // `nbytes` elements; contiguous for codec none, chunked with filter 32015 for zstd; every
-  // extent inside the file. DataLoss naming `what` (file, dataset, tensor) otherwise.
+  // extent inside the file. For zstd, the chunk table is bounded before it is allocated
+  // (FORMAT.md §4.3): chunk size <= nbytes, as many chunks as the file can hold and as HDF5's
+  // chunk index lists. DataLoss naming `what` (file, dataset, tensor) otherwise.
   Result<ShardLocation> Locate(const std::string& name, Codec codec, std::int64_t nbytes, const std::string& what) const;
 
   // pread of exactly out.size() bytes at `offset`; DataLoss if the extent passes the end of

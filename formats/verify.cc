@@ -12,7 +12,9 @@
 #include <sstream>
 
 #include "core/dtype.h"
+#include "core/memory.h"
 #include "core/shape.h"
+#include "core/text.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/thread_pool.h"
 
@@ -79,6 +81,27 @@ Result<std::int64_t> FirstDifference(CheckpointReader& r, std::size_t a, std::in
   return std::int64_t{-1};
 }
 
+// An upper bound of PieceToRuns(shape, piece).size(), in O(rank): a box is a grid of
+// contiguous rows over the dims before its last partial dim, and a range keeps some of them.
+// Shapes come from the manifest, so the runs a check would materialize are bounded with this
+// before any is (a box one item wide in the last dim of a [2^28, 2] tensor is 2^28 runs).
+std::int64_t RunsUpperBound(const Shape& shape, const Piece& piece) {
+  const ItemRange range = piece.range.value_or(ItemRange{0, piece.box.numel()});
+  if (range.empty()) return 0;
+  if (shape.empty()) return 1;
+  std::size_t k = shape.size() - 1;
+  while (k > 0 && piece.box.shape[k] == shape[k]) --k;
+  std::int64_t row = piece.box.shape[k];  // within the tensor: no overflow
+  for (std::size_t i = k + 1; i < shape.size(); ++i) row *= shape[i];
+  return (range.end - 1) / row - range.begin / row + 1;
+}
+
+// CheckMemory for `runs` records of `bytes_each` (twice: a vector grows by copying).
+Status CheckRuns(std::int64_t runs, std::size_t bytes_each, const std::string& what) {
+  const auto bytes = CheckedMul(runs, static_cast<std::int64_t>(2 * bytes_each));
+  return CheckMemory(bytes ? *bytes : -1, what + ": " + std::to_string(runs) + " contiguous runs");
+}
+
 struct MainRun {
   std::int64_t begin = 0;  // global item
   std::int64_t end = 0;
@@ -102,6 +125,18 @@ void CheckCoverage(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
   const std::string manifest_path = r.dir() + "/" + std::string(kManifestFileName);
   const std::int64_t numel = t.numel();
   const auto es = static_cast<std::int64_t>(DTypeSize(t.dtype));
+  std::int64_t max_runs = 0;
+  for (const std::size_t idx : r.ShardsOf(t.name)) {
+    const ShardEntry& s = m.shards[idx];
+    if (s.replica == ReplicaKind::kMain) max_runs = CheckedAdd(max_runs, RunsUpperBound(t.shape, s.piece)).value_or(-1);
+    if (max_runs < 0) break;
+  }
+  if (Status st = CheckRuns(max_runs, sizeof(MainRun), "tensor '" + t.name + "' " + ShapeToString(t.shape) +
+                                                           ": checking its coverage (main replicas)");
+      !st.ok()) {
+    out.Add(FindingKind::kManifest, st.code(), t.name, manifest_path, st.message() + "; coverage not checked");
+    return;
+  }
   std::vector<MainRun> runs;
   for (const std::size_t idx : r.ShardsOf(t.name)) {
     const ShardEntry& s = m.shards[idx];
@@ -218,6 +253,13 @@ void CheckReplicas(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
       continue;
     }
     std::int64_t budget = o.max_compare_bytes;
+    // Overlaps with the main replicas are runs of the replica's piece (bounded as above).
+    if (Status st = CheckRuns(RunsUpperBound(t.shape, rep.piece), sizeof(Overlap),
+                              "tensor '" + t.name + "': comparing replica " + r.DescribeShard(idx));
+        !st.ok()) {
+      out.AddCapped(FindingKind::kReplicaMismatch, t.name, rep.file, st.message() + "; not compared");
+      continue;
+    }
     for (const std::size_t main : mains) {
       for (const Overlap& ov : IntersectPieces(t.shape, rep.piece, m.shards[main].piece)) {
         Result<std::int64_t> diff = FirstDifference(r, idx, ov.a_local, main, ov.b_local, ov.length, es, &budget);
@@ -304,7 +346,8 @@ nlohmann::json VerifyReport::ToJson() const {
 
 std::string VerifyReport::ToText() const {
   std::ostringstream os;
-  for (const Finding& f : findings) os << FindingKindName(f.kind) << ": " << f.message << "\n";
+  // One line per finding, whatever a name from the manifest holds (newlines, escapes).
+  for (const Finding& f : findings) os << FindingKindName(f.kind) << ": " << SafeText(f.message) << "\n";
   if (findings_omitted > 0) os << "(" << findings_omitted << " more findings omitted)\n";
   os << (sound() ? "SOUND" : "NOT SOUND") << ": " << dir << ": " << counts.tensors << " tensors, " << counts.shards
      << " shards (" << counts.replicas << " replicas) in " << counts.files << " files, " << counts.checked_bytes

@@ -21,6 +21,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "core/file.h"
 
 namespace rs {
 
@@ -180,10 +181,11 @@ class SourceMaps {
     const auto it = fds_.find(file);
     if (it != fds_.end()) return it->second;
     const std::string path = reader_.dir() + "/" + file;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return IoError(path + ": open: " + std::strerror(errno));
-    fds_.emplace(file, fd);
-    return fd;
+    // Never a FIFO or a device, even if the name changed since LocateShard checked it.
+    Result<int> fd = OpenRegularFile(path);
+    if (!fd.ok()) return fd.status().code() == ErrorCode::kFailedPrecondition ? DataLoss(fd.status().message()) : fd.status();
+    fds_.emplace(file, *fd);
+    return *fd;
   }
 
   CheckpointReader& reader_;

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "core/check.h"
@@ -36,6 +38,43 @@ Status ReadFloats(CheckpointReader& r, const std::string& name, const Shape& exp
   }
   RS_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, r.ReadTensor(name));
   ConvertFloats(spec->dtype, bytes.data(), DType::kF32, out.data(), out.size());
+  return Status::Ok();
+}
+
+// The model a config describes must be the one the manifest holds, before anything is
+// allocated for it: the config comes from the checkpoint's metadata (or --model) and may claim
+// any size. First, without building the tensor list, its layer count against the manifest's
+// tensors (ModelParameters lists at least 4 per layer plus 3); then every parameter and buffer
+// of ModelParameters(config) must be in the manifest with that shape and a floating dtype.
+Status CheckModelAgainstManifest(const ModelConfig& c, const Manifest& m, const std::string& dir) {
+  const std::string model = "checkpoint '" + dir + "': the model config (metadata 'model' or --model: '" + c.name +
+                            "', vocab_size " + std::to_string(c.vocab_size) + ", d_model " +
+                            std::to_string(c.d_model) + ", n_layers " + std::to_string(c.n_layers) + ", n_experts " +
+                            std::to_string(c.n_experts) + ")";
+  const auto tensors = static_cast<std::int64_t>(m.tensors.size());
+  if (c.n_layers > (tensors - 3) / 4) {
+    return DataLoss(model + " has field 'n_layers' = " + std::to_string(c.n_layers) + ", but the manifest's " +
+                    std::to_string(tensors) + " tensors hold at most " + std::to_string(std::max<std::int64_t>(0, (tensors - 3) / 4)) +
+                    " layers");
+  }
+  std::unordered_map<std::string_view, const TensorSpec*> by_name;
+  for (const TensorSpec& t : m.tensors) by_name.emplace(t.name, &t);
+  for (const TensorSpec& want : ModelParameters(c)) {
+    const auto it = by_name.find(want.name);
+    if (it == by_name.end()) {
+      return DataLoss(model + " has tensor '" + want.name + "' " + ShapeToString(want.shape) +
+                      ", which the manifest does not hold");
+    }
+    const TensorSpec& have = *it->second;
+    if (have.shape != want.shape) {
+      return DataLoss(model + " has tensor '" + want.name + "' of shape " + ShapeToString(want.shape) +
+                      ", the manifest's has shape " + ShapeToString(have.shape));
+    }
+    if (!IsFloating(have.dtype)) {
+      return DataLoss("checkpoint '" + dir + "': tensor '" + want.name + "' has non-floating dtype " +
+                      std::string(DTypeName(have.dtype)));
+    }
+  }
   return Status::Ok();
 }
 
@@ -78,7 +117,7 @@ Result<nlohmann::json> Metadata(CheckpointReader& r) {
 Result<ModelConfig> CheckpointModelConfig(const std::string& dir) {
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
   RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
-  auto config = ModelConfigFromJson(meta["model"]);
+  auto config = ModelConfigFromJson(meta["model"], DTypeSpelling::kCanonical);
   if (!config.ok()) return config.status().WithContext("checkpoint '" + dir + "' metadata");
   return config;
 }
@@ -86,6 +125,8 @@ Result<ModelConfig> CheckpointModelConfig(const std::string& dir) {
 Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config) {
   RS_RETURN_IF_ERROR(CheckTrainable(config));
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
+  RS_RETURN_IF_ERROR(CheckModelAgainstManifest(config, reader->manifest(), dir));
+  RS_RETURN_IF_ERROR(CheckModelMemory(config, /*rows=*/0, /*seq=*/0, /*training=*/false));
   auto model = std::make_unique<Transformer<float>>(config, DispatchOptions{});
   for (std::size_t i = 0; i < model->specs().size(); ++i) {
     const TensorSpec& s = model->specs()[i];
@@ -102,8 +143,9 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
   RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
   auto ctx = [&](const Status& s) { return s.WithContext("checkpoint '" + dir + "' metadata"); };
-  auto model_config = ModelConfigFromJson(meta["model"]);
+  auto model_config = ModelConfigFromJson(meta["model"], DTypeSpelling::kCanonical);
   if (!model_config.ok()) return ctx(model_config.status());
+  RS_RETURN_IF_ERROR(CheckModelAgainstManifest(*model_config, reader->manifest(), dir));
   if (!meta.contains("train") || !meta.contains("data") || !meta["data"].is_object()) {
     return InvalidArgument("checkpoint '" + dir + "' metadata lacks 'train' or 'data': not resumable");
   }

@@ -1,26 +1,45 @@
 #include "train/data.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 
 #include "core/check.h"
+#include "core/file.h"
+#include "core/memory.h"
 #include "train/rng.h"
 
 namespace rs::train {
 
 Result<Corpus> LoadCorpus(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    const int err = errno;
-    if (err == ENOENT) return NotFound("data file '" + path + "' does not exist");
-    return IoError("cannot open data file '" + path + "': " + std::strerror(err));
+  // The path may come from checkpoint metadata (--resume): only a regular file is read, so a
+  // FIFO or a device there cannot block the run (core/file.h).
+  std::int64_t size = 0;
+  Result<int> fd = OpenRegularFile(path, &size);
+  if (!fd.ok()) {
+    if (fd.status().code() == ErrorCode::kNotFound) return NotFound("data file '" + path + "' does not exist");
+    return fd.status().WithContext("data file");
+  }
+  if (Status s = CheckMemory(size, "data file '" + path + "'"); !s.ok()) {
+    ::close(*fd);
+    return s;
   }
   Corpus c;
   c.path = path;
-  c.bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  if (in.bad()) return IoError("cannot read data file '" + path + "'");
+  c.bytes.resize(static_cast<std::size_t>(size));
+  std::size_t done = 0;
+  while (done < c.bytes.size()) {
+    const ssize_t n = ::read(*fd, c.bytes.data() + done, c.bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(*fd);
+      return IoError("cannot read data file '" + path + "'" + (n < 0 ? std::string(": ") + std::strerror(err) : ""));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  ::close(*fd);
   if (c.bytes.empty()) return InvalidArgument("data file '" + path + "' is empty");
   c.fnv1a = Fnv1a64(std::string_view(reinterpret_cast<const char*>(c.bytes.data()), c.bytes.size()));
   return c;

@@ -20,7 +20,9 @@ struct Corpus {
   std::uint64_t fnv1a = 0;  // FNV-1a 64 of the bytes: a resumed run checks it sees the same data
 };
 
-// NotFound if the file does not exist; IoError if it cannot be read; InvalidArgument if empty.
+// NotFound if the file does not exist; FailedPrecondition if it is not a regular file (a FIFO,
+// a device: refused without reading, core/file.h) or larger than memory allows; IoError if it
+// cannot be read; InvalidArgument if empty.
 Result<Corpus> LoadCorpus(const std::string& path);
 
 struct Batch {

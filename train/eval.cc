@@ -16,6 +16,7 @@ Result<EvalResult> Evaluate(Transformer<float>& model, const Corpus& corpus, std
     return InvalidArgument("model '" + c.name + "' has vocab_size " + std::to_string(c.vocab_size) +
                            "; byte-level evaluation needs at least 256");
   }
+  RS_RETURN_IF_ERROR(CheckModelMemory(c, /*rows=*/1, seq_len, /*training=*/false));
   const std::int64_t available = EvalWindowCount(corpus, seq_len);
   if (available == 0) {
     return InvalidArgument("data file '" + corpus.path + "' (" + std::to_string(corpus.bytes.size()) +

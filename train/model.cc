@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "core/memory.h"
 #include "train/gemm.h"
 #include "train/init.h"
 #include "train/layers.h"
@@ -39,6 +40,32 @@ Status CheckTrainable(const ModelConfig& config) {
                          "which the training core does not implement (reshard example/convert handle them)");
   }
   return Status::Ok();
+}
+
+Status CheckModelMemory(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool training,
+                        std::int64_t ranks) {
+  RS_ASSIGN_OR_RETURN(const std::int64_t params, ModelParameterCount(c));
+  std::int64_t attention_layers = 0;
+  for (std::int64_t i = 0; i < c.n_layers; ++i) attention_layers += c.IsGdnLayer(i) ? 0 : 1;
+  std::int64_t floats = 0;
+  bool overflow = __builtin_mul_overflow(params, training ? 5 : 2, &floats);
+  if (rows > 0) {
+    std::int64_t tokens = 0, logits = 0, probs = 0;
+    overflow = overflow || __builtin_mul_overflow(rows, seq, &tokens) ||
+               __builtin_mul_overflow(tokens, c.vocab_size * (training ? 2 : 1), &logits) ||
+               __builtin_mul_overflow(tokens, seq, &probs) || __builtin_mul_overflow(probs, c.n_heads, &probs) ||
+               __builtin_mul_overflow(probs, attention_layers, &probs) ||
+               __builtin_add_overflow(floats, logits, &floats) || __builtin_add_overflow(floats, probs, &floats);
+  }
+  std::int64_t bytes = 0;
+  overflow = overflow || __builtin_mul_overflow(floats / std::max<std::int64_t>(ranks, 1), 4, &bytes);
+  return CheckMemory(overflow ? -1 : bytes,
+                     "model '" + c.name + "' (" + std::to_string(params) + " parameters: vocab_size " +
+                         std::to_string(c.vocab_size) + ", d_model " + std::to_string(c.d_model) + ", n_layers " +
+                         std::to_string(c.n_layers) + ", n_experts " + std::to_string(c.n_experts) + ", moe_ffn " +
+                         std::to_string(c.moe_ffn) + (rows > 0 ? ", " + std::to_string(rows) + " x " +
+                                                                     std::to_string(seq) + " tokens" : std::string()) +
+                         (training ? ", training" : "") + ")");
 }
 
 // Vocab-parallel cross-entropy (MODEL.md §4) over this rank's logits [n, vl], whose column j

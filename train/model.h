@@ -36,6 +36,16 @@ struct Losses {
 // Call before constructing a Transformer from untrusted input.
 Status CheckTrainable(const ModelConfig& config);
 
+// What running a config needs at the least, for refusing (FailedPrecondition, core/memory.h)
+// before allocating: a config may come from a file (checkpoint metadata, --model) and claim a
+// model no machine holds. Counted, as 4-byte floats: the parameters and their gradients (plus
+// the three AdamW states when `training`), the logits of `rows` x `seq` tokens (and their
+// gradient when training) and every attention layer's probabilities [rows, heads, seq, seq];
+// all divided by `ranks` (a lower bound of one rank's share at any layout). `rows` = 0 counts
+// the parameters only. InvalidArgument if the config does not validate.
+Status CheckModelMemory(const ModelConfig& config, std::int64_t rows, std::int64_t seq, bool training,
+                        std::int64_t ranks = 1);
+
 template <typename T>
 class Transformer {
  public:

@@ -73,6 +73,10 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
   RS_RETURN_IF_ERROR(CheckTrainable(model));
   RS_RETURN_IF_ERROR(ValidateTrainConfig(train, model));
   RS_RETURN_IF_ERROR(CheckCorpusFits(corpus, train.seq_len > 0 ? train.seq_len : model.max_seq_len));
+  // The configs may come from a checkpoint's metadata (--resume): refuse a model this process
+  // cannot hold before allocating any of it.
+  RS_RETURN_IF_ERROR(CheckModelMemory(model, train.batch_size, train.seq_len > 0 ? train.seq_len : model.max_seq_len,
+                                      /*training=*/true, parallel.layout.layout.num_ranks()));
   std::unique_ptr<dist::Communicator> self;
   dist::Communicator* world = parallel.world;
   if (world == nullptr) {

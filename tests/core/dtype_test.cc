@@ -57,6 +57,16 @@ TEST(DTypeTest, ParseAliasesAndRejects) {
   EXPECT_FALSE(ParseDType("f32 ").has_value());
 }
 
+// Files (manifests, checkpoint metadata) spell a dtype exactly one way (FORMAT.md §5).
+TEST(DTypeTest, FromNameAcceptsOnlyTheCanonicalSpelling) {
+  for (DType t : kAllDTypes) EXPECT_EQ(DTypeFromName(DTypeName(t)), t) << DTypeName(t);
+  for (const char* alias : {"F32", "float32", "float", "BF16", "bfloat16", "fp8_e4m3", "F8_E5M2", "half", "int64",
+                            "uint8", "Bool", "f32 ", ""}) {
+    EXPECT_FALSE(DTypeFromName(alias).has_value()) << alias;
+  }
+  EXPECT_EQ(ParseDType("F32"), DType::kF32);  // the command line keeps the aliases
+}
+
 TEST(DTypeTest, IsFloating) {
   for (DType t : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E5M2}) {
     EXPECT_TRUE(IsFloating(t)) << DTypeName(t);

@@ -1,11 +1,17 @@
 // The corruption corpus (issue 2): each case is built from a sound checkpoint by the test,
 // then read with CheckpointReader and checked with VerifyCheckpoint. Every case asserts the
 // exact error kind and that the message names the file and the tensor.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
-
 #include <functional>
 #include <random>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -13,6 +19,7 @@
 
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
+#include "formats/hdf5_util.h"
 #include "formats/verify.h"
 #include "tests/formats/test_util.h"
 
@@ -290,6 +297,22 @@ TEST(ManifestCorruption, Corpus) {
        {"manifest.json", "safetensors"}},
       {"mistyped field", [](json& m) { m["shards"][3]["rank"] = "one"; }, ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "rank-00001.h5", "rank"}},
+      // FORMAT.md §5 names one spelling per dtype; aliases are for command lines only.
+      {"dtype alias F32", [](json& m) { m["tensors"][0]["dtype"] = "F32"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "dtype", "'F32'", "'f32'"}},
+      {"dtype alias bfloat16", [](json& m) { m["tensors"][1]["dtype"] = "bfloat16"; }, ErrorCode::kDataLoss,
+       {"manifest.json", "mlp.w", "dtype", "'bfloat16'", "'bf16'"}},
+      // An optimizer state must be named after the parameter its 'param' field names.
+      {"state of another parameter",
+       [](json& m) {
+         json state = m["tensors"][0];
+         state["name"] = "attn.w/exp_avg";
+         state["role"] = "optimizer_state";
+         state["param"] = "mlp.w";
+         state["state"] = "exp_avg";
+         m["tensors"].push_back(state);
+       },
+       ErrorCode::kDataLoss, {"manifest.json", "attn.w/exp_avg", "param", "mlp.w"}},
   };
   for (const ManifestCase& mc : cases) {
     SCOPED_TRACE(mc.name);
@@ -318,6 +341,163 @@ TEST(ManifestCorruption, MalformedJson) {
   EXPECT_EQ(CheckpointReader::Open(c.dir).status().code(), ErrorCode::kDataLoss);
   c.SetManifestText("[1, 2]");
   EXPECT_EQ(CheckpointReader::Open(c.dir).status().code(), ErrorCode::kDataLoss);
+}
+
+// --- Hostile input (issue 15) ---------------------------------------------------------------
+
+// Runs `f` on a thread; if it has not returned after a few seconds (blocked opening a FIFO),
+// opens the FIFO's write end to release it and fails the test instead of hanging the suite.
+template <typename F>
+void ExpectReturnsPromptly(const std::string& fifo, F f) {
+  std::atomic<bool> done{false};
+  std::thread t([&] {
+    f();
+    done = true;
+  });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!done && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (!done) {
+    ADD_FAILURE() << "blocked on the FIFO " << fifo;
+    const int fd = ::open(fifo.c_str(), O_WRONLY);
+    if (fd >= 0) ::close(fd);
+  }
+  t.join();
+}
+
+TEST(HostileInput, DataFileThatIsAFifo) {
+  Corpus c("none");
+  fs::remove(c.File(1));
+  ASSERT_EQ(::mkfifo(c.File(1).c_str(), 0644), 0);
+  ExpectReturnsPromptly(c.File(1), [&] {
+    const Status s = ReadEverything(c.dir);
+    EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+    ExpectNames(s.message(), {"rank-00001.h5", "attn.w", "FIFO"});
+    ExpectFinding(c.dir, FindingKind::kBadFile, {"rank-00001.h5", "FIFO", "attn.w", "mlp.w"});
+  });
+}
+
+TEST(HostileInput, ManifestThatIsAFifo) {
+  Corpus c("none");
+  const std::string path = c.dir + "/manifest.json";
+  fs::remove(path);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0);
+  ExpectReturnsPromptly(path, [&] {
+    const Status s = CheckpointReader::Open(c.dir).status();
+    EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+    ExpectNames(s.message(), {"manifest.json", "FIFO"});
+    ExpectFinding(c.dir, FindingKind::kManifest, {"manifest.json", "FIFO"});
+  });
+}
+
+TEST(HostileInput, ManifestWithInvalidUtf8) {
+  Corpus c("none");
+  std::string text = c.Manifest().dump(1);
+  text[text.find("\"mlp.w\"") + 1] = '\xff';
+  c.SetManifestText(text);
+  const Status s = CheckpointReader::Open(c.dir).status();
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  // The parser quotes the bytes it stopped at; the message escapes them.
+  EXPECT_EQ(s.message().find('\xff'), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("\\xFF"), std::string::npos) << s.message();
+  const VerifyReport rep = VerifyCheckpoint(c.dir);
+  ASSERT_FALSE(rep.sound());
+  EXPECT_NO_THROW((void)rep.ToJson().dump());
+}
+
+TEST(HostileInput, ZstdChunkMustBeExactlyOneFrame) {
+  std::vector<std::byte> data(1000, std::byte{7});
+  const std::vector<std::byte> frame = ZstdCompress(data, 1);
+  std::vector<std::byte> out(data.size());
+  ASSERT_TRUE(ZstdDecompress(frame, out, "x").ok());
+  const std::vector<std::byte> empty = ZstdCompress({}, 1);
+  std::vector<std::byte> two = frame;
+  two.insert(two.end(), empty.begin(), empty.end());
+  const Status s = ZstdDecompress(two, out, "f.h5, chunk 0");
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss);
+  ExpectNames(s.message(), {"f.h5, chunk 0", "frame", std::to_string(empty.size()) + " bytes follow"});
+  std::vector<std::byte> stray = frame;
+  stray.push_back(std::byte{0});
+  EXPECT_EQ(ZstdDecompress(stray, out, "x").code(), ErrorCode::kDataLoss);
+  const std::vector<std::byte> cut(frame.begin(), frame.end() - 1);
+  EXPECT_EQ(ZstdDecompress(cut, out, "x").code(), ErrorCode::kDataLoss);
+}
+
+TEST(HostileInput, StoredChunkOfTwoFrames) {
+  Corpus c("zstd:1");
+  const json m = c.Manifest();
+  const std::string dataset = m["shards"][0]["dataset"];  // attn.w on rank 0
+  {
+    // Chunk 0 plus an empty frame: it decodes to the same bytes (the checksum still matches).
+    auto lock = h5::Lock();
+    h5::Handle file(H5Fopen(c.File(0).c_str(), H5F_ACC_RDWR, h5::kDefault), H5Fclose);
+    h5::Handle dset(H5Dopen2(file.get(), dataset.c_str(), h5::kDefault), H5Dclose);
+    ASSERT_TRUE(dset.valid());
+    const hsize_t origin[1] = {0};
+    hsize_t size = 0;
+    ASSERT_GE(H5Dget_chunk_storage_size(dset.get(), origin, &size), 0);
+    std::vector<std::byte> chunk(size);
+    std::uint32_t mask = 0;
+    ASSERT_GE(H5Dread_chunk(dset.get(), h5::kDefault, origin, &mask, chunk.data()), 0);
+    ASSERT_EQ(mask, 0u);
+    const std::vector<std::byte> empty = ZstdCompress({}, 1);
+    chunk.insert(chunk.end(), empty.begin(), empty.end());
+    ASSERT_GE(H5Dwrite_chunk(dset.get(), h5::kDefault, mask, origin, chunk.size(), chunk.data()), 0);
+  }
+  const Status s = ReadEverything(c.dir);
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"rank-00000.h5", "attn.w", "chunk 0", "frame"});
+  ExpectFinding(c.dir, FindingKind::kChecksum, {"rank-00000.h5", "attn.w", "frame"});
+}
+
+// A chunked dataset of `nbytes` bytes in chunks of `chunk` bytes with no chunk stored.
+void CreateChunkedDataset(const std::string& path, hsize_t nbytes, hsize_t chunk, bool unlimited) {
+  auto lock = h5::Lock();
+  h5::Handle file(H5Fcreate(path.c_str(), H5F_ACC_EXCL, h5::kDefault, h5::kDefault), H5Fclose);
+  ASSERT_TRUE(file.valid());
+  const hsize_t dims[1] = {nbytes};
+  const hsize_t maxdims[1] = {H5S_UNLIMITED};
+  const hsize_t cdims[1] = {chunk};
+  h5::Handle space(H5Screate_simple(1, dims, unlimited ? maxdims : nullptr), H5Sclose);
+  h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  const unsigned level = 1;
+  ASSERT_GE(H5Pset_chunk(dcpl.get(), 1, cdims), 0);
+  ASSERT_GE(H5Pset_filter(dcpl.get(), static_cast<H5Z_filter_t>(kZstdFilterId), H5Z_FLAG_OPTIONAL, 1, &level), 0);
+  h5::Handle dset(H5Dcreate2(file.get(), "d", H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(), h5::kDefault),
+                  H5Dclose);
+  ASSERT_TRUE(dset.valid());
+}
+
+TEST(HostileInput, ChunkCountBoundedByTheFileBeforeAllocating) {
+  // mlp.w claims [2^33, 1] bf16 = 16 GiB, stored in a dataset of 2^22 chunks of 4 KiB that the
+  // file (a few KiB) cannot hold: refused before a per-chunk table (or buffer) is allocated.
+  Corpus c("zstd:1");
+  const json original = c.Manifest();
+  CreateChunkedDataset(c.dir + "/huge.h5", hsize_t{1} << 34, 4096, /*unlimited=*/false);
+  json m = original;
+  m["tensors"][1]["shape"] = {std::int64_t{1} << 33, 1};
+  m["shards"][2]["box"] = {{"offset", {0, 0}}, {"shape", {std::int64_t{1} << 33, 1}}};
+  m["shards"][2]["nbytes"] = std::int64_t{1} << 34;
+  m["shards"][2]["file"] = "huge.h5";
+  m["shards"][2]["dataset"] = "d";
+  m["shards"].erase(3);
+  c.SetManifest(m);
+  auto r = CheckpointReader::Open(c.dir);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const Status s = (*r)->LocateShard(2).status();
+  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+  ExpectNames(s.message(), {"huge.h5", "mlp.w", "4194304 chunks", "can hold"});
+
+  // A chunk larger than its dataset (possible only with unlimited max dims).
+  CreateChunkedDataset(c.dir + "/wide.h5", 256, 1 << 20, /*unlimited=*/true);
+  m = original;
+  m["shards"][2]["file"] = "wide.h5";  // mlp.w rows 0..15: 256 bytes
+  m["shards"][2]["dataset"] = "d";
+  c.SetManifest(m);
+  r = CheckpointReader::Open(c.dir);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const Status w = (*r)->LocateShard(2).status();
+  EXPECT_EQ(w.code(), ErrorCode::kDataLoss) << w.ToString();
+  ExpectNames(w.message(), {"wide.h5", "mlp.w", "chunk size 1048576", "larger than the dataset"});
 }
 
 }  // namespace

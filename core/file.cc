@@ -1,0 +1,70 @@
+#include "core/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace rs {
+
+std::string FileKindName(unsigned mode) {
+  const auto m = static_cast<mode_t>(mode);
+  if (S_ISREG(m)) return "regular file";
+  if (S_ISDIR(m)) return "directory";
+  if (S_ISFIFO(m)) return "FIFO";
+  if (S_ISCHR(m)) return "character device";
+  if (S_ISBLK(m)) return "block device";
+  if (S_ISSOCK(m)) return "socket";
+  if (S_ISLNK(m)) return "symbolic link";
+  return "special file";
+}
+
+Result<int> OpenRegularFile(const std::string& path, std::int64_t* size) {
+  auto not_regular = [&](mode_t mode) {
+    return FailedPrecondition(path + ": is a " + FileKindName(mode) +
+                              ", not a regular file (refused: reading it could block or never end)");
+  };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) return NotFound(path + ": no such file");
+    return IoError(path + ": stat: " + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode);
+  // O_NONBLOCK: if the name now points to a FIFO, open() returns at once instead of waiting
+  // for a writer; the fstat below then refuses it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFound(path + ": no such file");
+    return IoError(path + ": open: " + std::strerror(err));
+  }
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return IoError(path + ": fstat: " + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return not_regular(st.st_mode);
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return IoError(path + ": fcntl: " + std::strerror(err));
+  }
+  if (size != nullptr) *size = static_cast<std::int64_t>(st.st_size);
+  return fd;
+}
+
+Result<std::int64_t> CheckRegularFile(const std::string& path) {
+  std::int64_t size = 0;
+  RS_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &size));
+  ::close(fd);
+  return size;
+}
+
+}  // namespace rs
