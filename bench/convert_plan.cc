@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
     const rs::TensorSpec& spec = tensors[s.tensor];
     m.shards.push_back(rs::ShardEntry{spec.name, s.piece, "f.h5", "d",
                                       s.piece.numel() * static_cast<std::int64_t>(rs::DTypeSize(spec.dtype)),
-                                      rs::Codec::kNone, 0, s.rank, rs::ReplicaKind::kMain});
+                                      rs::Codec::kNone, 0, s.rank, rs::ReplicaKind::kMain, {}});
   }
   const double place_s = Since(t);
 

@@ -72,6 +72,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
   r->locations_.resize(r->manifest_.shards.size());
   r->verified_.assign(r->manifest_.shards.size(), 0);
   r->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
+  r->cache_ = std::make_unique<BlockCache>(std::max<std::int64_t>(0, options.cache_bytes));
   return r;
 }
 
@@ -122,16 +123,32 @@ Result<std::int64_t> CheckpointReader::FileSize(const std::string& file) {
   return f->file_size();
 }
 
-Result<ShardLocation> CheckpointReader::LocateShard(std::size_t index) {
+Result<const ShardFileReader*> CheckpointReader::OpenFile(const std::string& file) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return File(file);
+}
+
+Result<const ShardLocation*> CheckpointReader::Located(std::size_t index) {
   RS_CHECK(index < manifest_.shards.size());
   std::lock_guard<std::mutex> lock(mu_);
-  if (locations_[index]) return *locations_[index];
+  if (locations_[index]) return &*locations_[index];
   const ShardEntry& s = manifest_.shards[index];
   Result<const ShardFileReader*> f = File(s.file);
   if (!f.ok()) return f.status().WithContext("tensor '" + s.tensor + "'");
   RS_ASSIGN_OR_RETURN(ShardLocation loc, (*f)->Locate(s.dataset, s.codec, s.nbytes, DescribeShard(index)));
-  locations_[index] = loc;
-  return loc;
+  if (manifest_.version >= 2) {
+    // The block table is loaded with the location (8 bytes per block), so that a location never
+    // changes once published and readers share it without locking.
+    RS_RETURN_IF_ERROR(
+        (*f)->LoadBlockTable(loc, s.blocks.dataset, s.blocks.checksum, manifest_.block_bytes, DescribeShard(index)));
+  }
+  locations_[index] = std::move(loc);
+  return &*locations_[index];
+}
+
+Result<ShardLocation> CheckpointReader::LocateShard(std::size_t index) {
+  RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
+  return *loc;
 }
 
 Status CheckpointReader::VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes) {
@@ -150,15 +167,16 @@ Status CheckpointReader::CheckHash(std::size_t index, const ShardLocation& loc, 
 }
 
 Result<std::uint64_t> CheckpointReader::HashShard(std::size_t index) {
-  RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+  RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
   const ShardFileReader* f = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     f = files_.at(manifest_.shards[index].file).get();
   }
   Xxh3Stream hash;
-  RS_RETURN_IF_ERROR(f->Stream(loc, pool_.get(), DescribeShard(index),
-                               [&hash](std::span<const std::byte> block) { hash.Update(block); }));
+  RS_RETURN_IF_ERROR(f->Stream(*loc, pool_.get(), DescribeShard(index),
+                               [&hash](std::span<const std::byte> block) { hash.Update(block); },
+                               /*verify=*/loc->has_blocks()));
   return hash.Digest();
 }
 
@@ -167,9 +185,9 @@ Status CheckpointReader::VerifyShard(std::size_t index) {
   const ShardEntry& s = manifest_.shards[index];
   if (h != s.checksum) {
     // The location is cached by HashShard; it tells where the bad bytes were read from.
-    RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+    RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
     return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of the data at " +
-                    DescribeExtent(loc) + ", expected " + ChecksumToString(s.checksum));
+                    DescribeExtent(*loc) + ", expected " + ChecksumToString(s.checksum));
   }
   std::lock_guard<std::mutex> lock(mu_);
   verified_[index] = 1;
@@ -193,21 +211,28 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
     return OutOfRange(DescribeShard(index) + ": bytes [" + std::to_string(byte_begin) + ", +" + std::to_string(len) +
                       ") outside the shard's " + std::to_string(s.nbytes));
   }
-  RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+  RS_ASSIGN_OR_RETURN(const ShardLocation* locp, Located(index));
+  const ShardLocation& loc = *locp;
+  const ShardFileReader* f = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    f = files_.at(s.file).get();
+  }
+  if (manifest_.version >= 2) {
+    // Each block is checked as it is read, whatever part of the shard is asked for.
+    const bool verify = options_.checksums == ChecksumPolicy::kVerify && loc.has_blocks();
+    return f->ReadRange(loc, byte_begin, out, pool_.get(), DescribeShard(index), verify,
+                        verify ? cache_.get() : nullptr);
+  }
   const bool whole = byte_begin == 0 && len == s.nbytes;
   bool need_verify = false;
   if (options_.checksums == ChecksumPolicy::kVerify) {
     std::lock_guard<std::mutex> lock(mu_);
     need_verify = verified_[index] == 0;
   }
-  // A partial read of an unverified shard verifies the whole shard first (one extra pass); a
-  // whole read verifies the bytes it read.
+  // Version 1: a partial read of an unverified shard verifies the whole shard first (one extra
+  // pass); a whole read verifies the bytes it read.
   if (need_verify && !whole) RS_RETURN_IF_ERROR(VerifyShard(index));
-  const ShardFileReader* f = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    f = files_.at(s.file).get();
-  }
   if (need_verify && whole && loc.codec == Codec::kNone) {
     // Hash each block right after reading it, while it is still in the CPU cache.
     constexpr std::int64_t kBlock = std::int64_t{256} << 10;
@@ -230,7 +255,7 @@ Result<std::vector<std::byte>> CheckpointReader::ReadShard(std::size_t index) {
   RS_CHECK(index < manifest_.shards.size());
   // Located first: the shard's extents are then bounded by its file's size before its
   // manifest size is trusted with an allocation.
-  RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateShard(index));
+  RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
   RS_RETURN_IF_ERROR(CheckMemory(manifest_.shards[index].nbytes, DescribeShard(index)));
   std::vector<std::byte> out(static_cast<std::size_t>(manifest_.shards[index].nbytes));
   const ShardFileReader* f = nullptr;
@@ -238,8 +263,9 @@ Result<std::vector<std::byte>> CheckpointReader::ReadShard(std::size_t index) {
     std::lock_guard<std::mutex> lock(mu_);
     f = files_.at(manifest_.shards[index].file).get();
   }
-  RS_RETURN_IF_ERROR(f->ReadRange(loc, 0, out, pool_.get(), DescribeShard(index)));
-  RS_RETURN_IF_ERROR(VerifyBytes(index, loc, out));
+  // Version 2: every block is checked as it is read; version 1: the whole shard afterwards.
+  RS_RETURN_IF_ERROR(f->ReadRange(*loc, 0, out, pool_.get(), DescribeShard(index), loc->has_blocks()));
+  if (manifest_.version < 2) RS_RETURN_IF_ERROR(VerifyBytes(index, *loc, out));
   return out;
 }
 

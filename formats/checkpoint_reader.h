@@ -23,13 +23,21 @@ namespace rs {
 
 class ThreadPool;
 
-// Whether reads check each shard's XXH3-64 against the manifest. A shard is verified once,
-// in full, the first time any part of it is read.
+// Whether reads check the bytes they return against the manifest's checksums.
+//  - Format version 2 (FORMAT.md §4.4): every byte returned is checked against the checksum of
+//    its block (codec none: blocks of the manifest's block_bytes) or stored chunk (zstd), read
+//    whole even when only part of it is needed (and cached for the next read, so a sequential
+//    reader reads every block once).
+//  - Format version 1: a shard's XXH3-64 covers the whole shard, so a shard is verified once,
+//    in full, the first time any part of it is read (a partial read costs one extra pass over
+//    the shard).
 enum class ChecksumPolicy : std::uint8_t { kVerify, kSkip };
 
 struct ReaderOptions {
   int threads = 0;  // decompression / read workers; 0 = hardware concurrency
   ChecksumPolicy checksums = ChecksumPolicy::kVerify;
+  // Verified blocks kept for reads that need part of one again (version 2, kVerify).
+  std::int64_t cache_bytes = std::int64_t{16} << 20;
 };
 
 class CheckpointReader {
@@ -58,18 +66,27 @@ class CheckpointReader {
   Result<std::vector<std::byte>> ReadTensor(const std::string& tensor);
 
   // Bytes [byte_begin, byte_begin + out.size()) of shard `index`'s uncompressed buffer
-  // (checksum-verified per the policy). OutOfRange if the range is outside the shard.
+  // (checksum-verified per the policy). OutOfRange if the range is outside the shard;
+  // DataLoss naming the file, the tensor and the byte range of a block whose checksum does
+  // not match.
   Status ReadShardRange(std::size_t index, std::int64_t byte_begin, std::span<std::byte> out);
   // The whole uncompressed buffer of shard `index`, always checksum-verified.
   Result<std::vector<std::byte>> ReadShard(std::size_t index);
   // Streams shard `index` once and compares its XXH3-64 with the manifest (DataLoss on mismatch).
   Status VerifyShard(std::size_t index);
   // Streams shard `index` once and returns the XXH3-64 of its uncompressed bytes (errors are
-  // those of reading: DataLoss for corrupt files or chunks, IoError).
+  // those of reading: DataLoss for corrupt files or chunks, IoError). Version 2: every block
+  // is checked against the block table on the way (DataLoss naming the block's byte range).
   Result<std::uint64_t> HashShard(std::size_t index);
   // Opens the shard's file and validates its dataset (DataLoss: missing file or dataset,
-  // extents past the end of the file, wrong type / size / layout).
+  // extents past the end of the file, wrong type / size / layout); version 2: also reads the
+  // shard's block table and checks it against the manifest.
   Result<ShardLocation> LocateShard(std::size_t index);
+  // The open reader of data file `file` (as shards name it); DataLoss if it is missing or not
+  // an HDF5 file. For whole-file checks (verify).
+  Result<const ShardFileReader*> OpenFile(const std::string& file);
+  // Blocks read whole for partial reads and found again in the cache (version 2).
+  const BlockCache& cache() const { return *cache_; }
   // "<dir>/<file>, dataset '<ds>' (tensor '<name>')": how messages name a shard.
   std::string DescribeShard(std::size_t index) const;
   // Size in bytes of a data file (for checks that it is large enough); DataLoss if missing.
@@ -78,6 +95,8 @@ class CheckpointReader {
  private:
   CheckpointReader() = default;
   Result<const ShardFileReader*> File(const std::string& file);
+  // The cached location of shard `index` (located on first use); never changes afterwards.
+  Result<const ShardLocation*> Located(std::size_t index);
   Status EnsureVerified(std::size_t index);
   Status VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes);
   // Compares a computed hash with the manifest; marks the shard verified.
@@ -90,6 +109,7 @@ class CheckpointReader {
   std::vector<std::vector<std::size_t>> shards_of_;  // per tensor
 
   std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<BlockCache> cache_;
   std::mutex mu_;  // guards the caches below
   std::map<std::string, std::unique_ptr<ShardFileReader>> files_;
   std::vector<std::optional<ShardLocation>> locations_;

@@ -114,6 +114,36 @@ std::string UniqueSuffix() {
   return buf;
 }
 
+Status CheckOptions(const WriterOptions& o) {
+  if (o.format_version != 1 && o.format_version != 2) {
+    return InvalidArgument("cannot write format version " + std::to_string(o.format_version) + " (1 or 2)");
+  }
+  if (o.format_version >= 2 && (o.block_bytes < kMinBlockBytes || o.block_bytes > kMaxBlockBytes)) {
+    return InvalidArgument("block size " + std::to_string(o.block_bytes) + " outside [" + std::to_string(kMinBlockBytes) +
+                           ", " + std::to_string(kMaxBlockBytes) + "]");
+  }
+  if (o.chunk_bytes <= 0) return InvalidArgument("chunk size " + std::to_string(o.chunk_bytes) + " must be positive");
+  return Status::Ok();
+}
+
+// The order of shards in a manifest: by tensor (declaration order), main replicas first, then
+// by rank, box, range, file and dataset - a total order, so the manifest does not depend on
+// the order in which (possibly concurrent) writers finished their shards.
+bool ShardBefore(const ShardEntry& a, std::size_t ta, const ShardEntry& b, std::size_t tb) {
+  if (ta != tb) return ta < tb;
+  if (a.replica != b.replica) return a.replica < b.replica;
+  if (a.rank != b.rank) return a.rank < b.rank;
+  if (a.piece.box.offset != b.piece.box.offset) return a.piece.box.offset < b.piece.box.offset;
+  if (a.piece.box.shape != b.piece.box.shape) return a.piece.box.shape < b.piece.box.shape;
+  const auto range = [](const ShardEntry& s) {
+    return s.piece.range ? std::pair<std::int64_t, std::int64_t>{s.piece.range->begin, s.piece.range->end}
+                         : std::pair<std::int64_t, std::int64_t>{-1, -1};
+  };
+  if (range(a) != range(b)) return range(a) < range(b);
+  if (a.file != b.file) return a.file < b.file;
+  return a.dataset < b.dataset;
+}
+
 Status ValidatePiece(const TensorSpec& t, const Piece& p, std::size_t nbytes) {
   const std::string where = "tensor '" + t.name + "' " + ShapeToString(t.shape);
   if (p.box.offset.size() != t.shape.size() || p.box.shape.size() != t.shape.size()) {
@@ -150,6 +180,7 @@ std::string RankFileName(std::int64_t rank) {
 Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(const std::string& dir_in,
                                                                    const WriterOptions& options) {
   const std::string dir = StripSlashes(dir_in);
+  RS_RETURN_IF_ERROR(CheckOptions(options));
   RS_RETURN_IF_ERROR(CheckTarget(dir));
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter());
   w->dir_ = dir;
@@ -170,6 +201,7 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::CreateStaged(const s
   const std::string dir = StripSlashes(dir_in);
   if (txn.empty() || txn.find('/') != std::string::npos) return InvalidArgument("bad transaction id '" + txn + "'");
   if (fragment_id < 0) return InvalidArgument("negative fragment id");
+  RS_RETURN_IF_ERROR(CheckOptions(options));
   RS_RETURN_IF_ERROR(CheckTarget(dir));
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter());
   w->dir_ = dir;
@@ -279,9 +311,18 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
     attribute = a.dump();
     ++open_sinks_;
   }
-  const CodecSpec codec = e.codec == Codec::kNone ? CodecSpec{Codec::kNone, 0} : options_.codec;
-  Result<std::unique_ptr<DatasetWriter>> d =
-      file->BeginDataset(e.dataset, e.nbytes, codec, options_.chunk_bytes, pool_.get(), attribute);
+  DatasetSpec spec;
+  spec.name = e.dataset;
+  spec.nbytes = e.nbytes;
+  spec.codec = e.codec == Codec::kNone ? CodecSpec{Codec::kNone, 0} : options_.codec;
+  spec.chunk_bytes = options_.chunk_bytes;
+  spec.attribute = attribute;
+  if (options_.format_version >= 2 && e.nbytes > 0) {
+    spec.table = e.dataset + ".blocks";
+    spec.block_bytes = options_.block_bytes;
+    e.blocks.dataset = spec.table;
+  }
+  Result<std::unique_ptr<DatasetWriter>> d = file->BeginDataset(spec, pool_.get());
   if (!d.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     --open_sinks_;
@@ -321,14 +362,15 @@ Status ShardSink::Append(std::span<const std::byte> bytes) {
 
 Status ShardSink::Finish() {
   if (writer_ == nullptr) return FailedPrecondition("shard of '" + entry_.tensor + "' already finished");
-  Result<std::int64_t> stored = dataset_->Finish();
-  if (!stored.ok()) return stored.status().WithContext("tensor '" + entry_.tensor + "'");
+  Result<DatasetWriter::Written> written = dataset_->Finish();
+  if (!written.ok()) return written.status().WithContext("tensor '" + entry_.tensor + "'");
   entry_.checksum = hash_->Digest();
+  entry_.blocks.checksum = written->table_checksum;
   dataset_.reset();
   std::lock_guard<std::mutex> lock(writer_->mu_);
   --writer_->open_sinks_;
   writer_->shards_.push_back(entry_);
-  writer_->stored_bytes_ += *stored;
+  writer_->stored_bytes_ += written->stored_bytes;
   writer_ = nullptr;
   return Status::Ok();
 }
@@ -337,21 +379,43 @@ Status CheckpointWriter::CloseFiles() {
   for (auto& [rank, f] : files_) {
     if (f->writer != nullptr) RS_RETURN_IF_ERROR(f->writer->Close());
   }
+  file_entries_.clear();
+  if (options_.format_version < 2) return Status::Ok();
+  // Whole-file accounting (FORMAT.md §3.3): read the closed file back the way `verify` will,
+  // locate every shard's data and hash the bytes around them (HDF5's metadata, attributes,
+  // block tables): little next to the data, and from the page cache.
+  std::map<std::string, std::vector<const ShardEntry*>> by_file;
+  for (const ShardEntry& s : shards_) by_file[s.file].push_back(&s);
+  for (const auto& [name, shards] : by_file) {
+    const std::string path = staging_ + "/" + name;
+    RS_ASSIGN_OR_RETURN(auto reader, ShardFileReader::Open(path));
+    std::vector<Extent> extents;
+    for (const ShardEntry* s : shards) {
+      const std::string what = path + ", dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
+      Result<ShardLocation> loc = reader->Locate(s->dataset, s->codec, s->nbytes, what);
+      if (!loc.ok()) return Internal("reading back what was written: " + loc.status().message());
+      for (Extent& e : DataExtents(*loc)) {
+        e.owner = "dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
+        extents.push_back(std::move(e));
+      }
+    }
+    Result<ShardFileReader::Outside> outside = reader->HashOutside(std::move(extents));
+    if (!outside.ok()) return Internal("reading back what was written: " + outside.status().message());
+    file_entries_.push_back({name, reader->file_size(), outside->checksum});
+  }
   return Status::Ok();
 }
 
 Manifest CheckpointWriter::BuildManifest() const {
   Manifest m;
+  m.version = options_.format_version;
+  m.block_bytes = options_.block_bytes;
   m.producer = options_.producer;
   m.tensors = tensors_;
   m.shards = shards_;
-  // Deterministic order whatever the order of (possibly concurrent) WriteShard calls.
-  std::stable_sort(m.shards.begin(), m.shards.end(), [this](const ShardEntry& a, const ShardEntry& b) {
-    const std::size_t ta = tensor_index_.at(a.tensor), tb = tensor_index_.at(b.tensor);
-    if (ta != tb) return ta < tb;
-    if (a.replica != b.replica) return a.replica < b.replica;
-    if (a.rank != b.rank) return a.rank < b.rank;
-    return a.piece.box.offset < b.piece.box.offset;
+  m.files = file_entries_;
+  std::sort(m.shards.begin(), m.shards.end(), [this](const ShardEntry& a, const ShardEntry& b) {
+    return ShardBefore(a, tensor_index_.at(a.tensor), b, tensor_index_.at(b.tensor));
   });
   m.layout = layout_;
   m.metadata = metadata_;
@@ -407,10 +471,25 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
     RS_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxManifestBytes));
     RS_ASSIGN_OR_RETURN(Manifest part, ParseManifest(text, path));
     if (first) {
+      merged.version = part.version;
+      merged.block_bytes = part.block_bytes;
       merged.producer = part.producer;
       merged.layout = part.layout;
       merged.metadata = part.metadata;
       first = false;
+    }
+    if (part.version != merged.version || (part.version >= 2 && part.block_bytes != merged.block_bytes)) {
+      return DataLoss(path + ": format version " + std::to_string(part.version) + " / block size " +
+                      std::to_string(part.block_bytes) + " differs from the other fragments");
+    }
+    // Each process accounted for its own files; a file is written by one process only.
+    for (DataFileEntry& f : part.files) {
+      if (merged.FindFile(f.name) != nullptr) {
+        return DataLoss(path + ": data file '" + f.name + "' is listed by two fragments");
+      }
+      merged.files.insert(std::upper_bound(merged.files.begin(), merged.files.end(), f,
+                                           [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; }),
+                          std::move(f));
     }
     if (!part.layout.is_null()) {
       if (merged.layout.is_null()) merged.layout = part.layout;
@@ -437,6 +516,9 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
       merged.shards.push_back(std::move(s));
     }
   }
+  std::sort(merged.shards.begin(), merged.shards.end(), [&index](const ShardEntry& a, const ShardEntry& b) {
+    return ShardBefore(a, index.at(a.tensor), b, index.at(b.tensor));
+  });
   for (const std::string& path : fragments) {
     if (::unlink(path.c_str()) != 0) return IoError(Errno(path + ": unlink"));
   }

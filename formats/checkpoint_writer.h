@@ -64,12 +64,20 @@ struct WriterOptions {
   int threads = 0;                              // compression workers; 0 = hardware concurrency
   std::string producer = "moe-reshard";
   std::int64_t chunk_bytes = kDefaultChunkBytes;  // zstd chunk size (uncompressed)
+  // The format version written: 2 (block tables, file accounting); 1 only to produce
+  // checkpoints for older readers (and tests of reading them).
+  std::int64_t format_version = kFormatVersion;
+  std::int64_t block_bytes = kDefaultBlockBytes;  // version 2: block size of uncompressed shards
 };
 
 class CheckpointWriter {
  public:
   // Starts a checkpoint at `dir` (parents are created). AlreadyExists if `dir` exists; IoError
-  // if the staging directory cannot be made.
+  // if the staging directory cannot be made; InvalidArgument for a format version this build
+  // does not write or a block size outside [kMinBlockBytes, kMaxBlockBytes].
+  //
+  // Reproducible output: the files depend only on what is written and on the order in which
+  // shards of each rank file are begun (BeginShard / WriteShard), not on threads or timing.
   static Result<std::unique_ptr<CheckpointWriter>> Create(const std::string& dir, const WriterOptions& options);
   // One process's part of a multi-process write. All processes pass the same `txn` (e.g. a
   // timestamp broadcast by rank 0) and distinct `fragment_id`s, and write disjoint ranks.
@@ -120,6 +128,8 @@ class CheckpointWriter {
   friend class ShardSink;
   CheckpointWriter() = default;
   Result<ShardFileWriter*> FileForRank(std::int64_t rank);
+  // Closes (and fsyncs) the data files and, for version 2, records each one's size and the
+  // checksum of its bytes outside the shards' data (FORMAT.md §3.3), read back from the file.
   Status CloseFiles();
   Manifest BuildManifest() const;
 
@@ -140,6 +150,7 @@ class CheckpointWriter {
   };
   std::map<std::int64_t, std::unique_ptr<RankFile>> files_;
   std::vector<ShardEntry> shards_;
+  std::vector<DataFileEntry> file_entries_;  // version 2, by CloseFiles
   nlohmann::json layout_;
   nlohmann::json metadata_ = nlohmann::json::object();
   std::int64_t stored_bytes_ = 0;

@@ -115,6 +115,7 @@ Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); 
 void Xxh3Stream::Update(std::span<const std::byte> bytes) {
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), bytes.data(), bytes.size());
 }
+void Xxh3Stream::Reset() { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_)); }
 std::uint64_t Xxh3Stream::Digest() const { return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_)); }
 
 }  // namespace rs

@@ -59,6 +59,7 @@ class Xxh3Stream {
   Xxh3Stream& operator=(const Xxh3Stream&) = delete;
   void Update(std::span<const std::byte> bytes);
   std::uint64_t Digest() const;
+  void Reset();  // back to the hash of nothing
 
  private:
   void* state_;  // XXH3_state_t, kept out of this header

@@ -4,9 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 
@@ -122,7 +124,14 @@ Result<TensorSpec> ParseTensor(const json& j, std::size_t index, std::string_vie
   return spec;
 }
 
-Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view source,
+Result<std::uint64_t> GetChecksum(const json& obj, const char* key, const Ctx& ctx) {
+  RS_ASSIGN_OR_RETURN(const std::string text, GetString(obj, key, ctx));
+  const auto h = ParseChecksum(text);
+  if (!h) return ctx.Bad("field '" + std::string(key) + "' = " + Quote(text) + " is not 'xxh3-64:<16 hex digits>'");
+  return *h;
+}
+
+Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view source, std::int64_t version,
                               const std::vector<TensorSpec>& tensors,
                               const std::unordered_map<std::string, std::size_t>& by_name) {
   Ctx ctx{std::string(source) + ": shards[" + std::to_string(index) + "]"};
@@ -181,16 +190,44 @@ Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view
   const auto c = ParseCodecName(codec);
   if (!c) return ctx.Bad("unknown codec " + Quote(codec) + " (expected 'none' or 'zstd')");
   s.codec = *c;
-  RS_ASSIGN_OR_RETURN(const std::string checksum, GetString(j, "checksum", ctx));
-  const auto h = ParseChecksum(checksum);
-  if (!h) return ctx.Bad("field 'checksum' = " + Quote(checksum) + " is not 'xxh3-64:<16 hex digits>'");
-  s.checksum = *h;
+  RS_ASSIGN_OR_RETURN(s.checksum, GetChecksum(j, "checksum", ctx));
   RS_ASSIGN_OR_RETURN(s.rank, GetInt(j, "rank", ctx));
   if (s.rank < 0) return ctx.Bad("field 'rank' is negative");
   const auto rep = j.find("replica");
   if (rep == j.end() || !rep->is_boolean()) return ctx.Bad("missing or non-boolean field 'replica'");
   s.replica = rep->get<bool>() ? ReplicaKind::kReplica : ReplicaKind::kMain;
+  if (version >= 2) {
+    // Every byte of a non-empty shard is covered by its block table (FORMAT.md §4.4).
+    const auto b = j.find("blocks");
+    if (s.nbytes == 0) {
+      if (b != j.end()) return ctx.Bad("field 'blocks' on a shard of nbytes = 0 (an empty shard has no block table)");
+    } else {
+      if (b == j.end() || !b->is_object()) {
+        return ctx.Bad("missing or non-object field 'blocks' (format version 2: the block table of a shard of " +
+                       std::to_string(s.nbytes) + " bytes)");
+      }
+      RS_ASSIGN_OR_RETURN(s.blocks.dataset, GetString(*b, "dataset", ctx));
+      if (s.blocks.dataset.empty() || s.blocks.dataset == s.dataset) {
+        return ctx.Bad("field 'blocks.dataset' = " + Quote(s.blocks.dataset) +
+                       " must name a dataset other than the shard's own");
+      }
+      RS_ASSIGN_OR_RETURN(s.blocks.checksum, GetChecksum(*b, "checksum", ctx));
+    }
+  }
   return s;
+}
+
+Result<DataFileEntry> ParseFile(const json& j, std::size_t index, std::string_view source) {
+  Ctx ctx{std::string(source) + ": files[" + std::to_string(index) + "]"};
+  if (!j.is_object()) return ctx.Bad("must be an object");
+  DataFileEntry f;
+  RS_ASSIGN_OR_RETURN(f.name, GetString(j, "name", ctx));
+  ctx.where += " (file " + Quote(f.name) + ")";
+  if (!SafeRelativePath(f.name)) return ctx.Bad("field 'name' must be a relative path inside the checkpoint");
+  RS_ASSIGN_OR_RETURN(f.size, GetInt(j, "size", ctx));
+  if (f.size < 0) return ctx.Bad("field 'size' is negative");
+  RS_ASSIGN_OR_RETURN(f.outside_checksum, GetChecksum(j, "outside_checksum", ctx));
+  return f;
 }
 
 }  // namespace
@@ -200,6 +237,12 @@ std::int64_t Manifest::TensorIndex(std::string_view name) const {
     if (tensors[i].name == name) return static_cast<std::int64_t>(i);
   }
   return -1;
+}
+
+const DataFileEntry* Manifest::FindFile(std::string_view name) const {
+  const auto it = std::lower_bound(files.begin(), files.end(), name,
+                                   [](const DataFileEntry& f, std::string_view n) { return f.name < n; });
+  return it != files.end() && it->name == name ? &*it : nullptr;
 }
 
 nlohmann::json ManifestToJson(const Manifest& m) {
@@ -227,9 +270,20 @@ nlohmann::json ManifestToJson(const Manifest& m) {
     sj["checksum"] = ChecksumToString(s.checksum);
     sj["rank"] = s.rank;
     sj["replica"] = s.replica == ReplicaKind::kReplica;
+    if (m.version >= 2 && s.nbytes > 0) {
+      sj["blocks"] = {{"dataset", s.blocks.dataset}, {"checksum", ChecksumToString(s.blocks.checksum)}};
+    }
     shards.push_back(std::move(sj));
   }
   j["shards"] = std::move(shards);
+  if (m.version >= 2) {
+    j["block_bytes"] = m.block_bytes;
+    json files = json::array();
+    for (const DataFileEntry& f : m.files) {
+      files.push_back({{"name", f.name}, {"size", f.size}, {"outside_checksum", ChecksumToString(f.outside_checksum)}});
+    }
+    j["files"] = std::move(files);
+  }
   j["layout"] = m.layout;
   j["metadata"] = m.metadata;
   return j;
@@ -251,6 +305,13 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
                            std::to_string(kMinReadableVersion) + " to " + std::to_string(kMaxReadableVersion));
   }
   RS_ASSIGN_OR_RETURN(m.producer, GetString(j, "producer", ctx));
+  if (m.version >= 2) {
+    RS_ASSIGN_OR_RETURN(m.block_bytes, GetInt(j, "block_bytes", ctx));
+    if (m.block_bytes < kMinBlockBytes || m.block_bytes > kMaxBlockBytes) {
+      return ctx.Bad("field 'block_bytes' = " + std::to_string(m.block_bytes) + " outside [" +
+                     std::to_string(kMinBlockBytes) + ", " + std::to_string(kMaxBlockBytes) + "]");
+    }
+  }
 
   const auto tensors = j.find("tensors");
   if (tensors == j.end() || !tensors->is_array()) return ctx.Bad("missing or non-array field 'tensors'");
@@ -267,8 +328,48 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
   if (shards == j.end() || !shards->is_array()) return ctx.Bad("missing or non-array field 'shards'");
   m.shards.reserve(shards->size());
   for (std::size_t i = 0; i < shards->size(); ++i) {
-    RS_ASSIGN_OR_RETURN(ShardEntry s, ParseShard((*shards)[i], i, source, m.tensors, by_name));
+    RS_ASSIGN_OR_RETURN(ShardEntry s, ParseShard((*shards)[i], i, source, m.version, m.tensors, by_name));
     m.shards.push_back(std::move(s));
+  }
+  if (m.version >= 2) {
+    // No dataset is named twice in one file (a table is never another shard's data), and the
+    // file list names exactly the files the shards name, each once.
+    std::unordered_map<std::string, std::size_t> datasets;  // "file\0dataset" -> shard index
+    std::set<std::string> named;
+    for (std::size_t i = 0; i < m.shards.size(); ++i) {
+      const ShardEntry& s = m.shards[i];
+      named.insert(s.file);
+      for (const std::string* d : {&s.dataset, &s.blocks.dataset}) {
+        if (d->empty()) continue;
+        const auto [it, fresh] = datasets.emplace(s.file + '\0' + *d, i);
+        if (!fresh) {
+          return ctx.Bad("shards[" + std::to_string(i) + "] (tensor " + Quote(s.tensor) + ", file " + Quote(s.file) +
+                         "): dataset " + Quote(*d) + " is also named by shards[" + std::to_string(it->second) +
+                         "] (tensor " + Quote(m.shards[it->second].tensor) + ")");
+        }
+      }
+    }
+    const auto files = j.find("files");
+    if (files == j.end() || !files->is_array()) {
+      return ctx.Bad("missing or non-array field 'files' (format version 2: size and checksum of every data file)");
+    }
+    m.files.reserve(files->size());
+    for (std::size_t i = 0; i < files->size(); ++i) {
+      RS_ASSIGN_OR_RETURN(DataFileEntry f, ParseFile((*files)[i], i, source));
+      m.files.push_back(std::move(f));
+    }
+    std::sort(m.files.begin(), m.files.end(), [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; });
+    for (std::size_t i = 0; i < m.files.size(); ++i) {
+      if (i > 0 && m.files[i].name == m.files[i - 1].name) {
+        return ctx.Bad("field 'files' lists " + Quote(m.files[i].name) + " twice");
+      }
+      if (named.count(m.files[i].name) == 0) {
+        return ctx.Bad("field 'files' lists " + Quote(m.files[i].name) + ", which no shard is stored in");
+      }
+    }
+    for (const std::string& f : named) {
+      if (m.FindFile(f) == nullptr) return ctx.Bad("field 'files' lacks data file " + Quote(f) + " (its size and checksum)");
+    }
   }
   if (const auto it = j.find("layout"); it != j.end()) m.layout = *it;
   if (const auto it = j.find("metadata"); it != j.end() && !it->is_null()) {

@@ -17,9 +17,16 @@
 namespace rs {
 
 inline constexpr std::string_view kFormatName = "moe-reshard-checkpoint";
-inline constexpr std::int64_t kFormatVersion = 1;         // what this build writes
+inline constexpr std::int64_t kFormatVersion = 2;         // what this build writes
 inline constexpr std::int64_t kMinReadableVersion = 1;    // what this build reads
-inline constexpr std::int64_t kMaxReadableVersion = 1;
+inline constexpr std::int64_t kMaxReadableVersion = 2;
+// Version 2 (FORMAT.md §4.4): every shard of nbytes > 0 has a block table, one XXH3-64 per
+// `block_bytes` of an uncompressed shard or per stored zstd chunk, so that partial reads can be
+// checked; the manifest records each data file's size and a checksum of its bytes outside the
+// shards' data extents.
+inline constexpr std::int64_t kDefaultBlockBytes = std::int64_t{1} << 20;
+inline constexpr std::int64_t kMinBlockBytes = std::int64_t{4} << 10;
+inline constexpr std::int64_t kMaxBlockBytes = std::int64_t{1} << 30;
 inline constexpr std::string_view kManifestFileName = "manifest.json";
 // Manifests larger than this are refused before reading (a corrupt size must not make us
 // allocate without bound); a trillion-parameter model with 10^5 shards stays far below it.
@@ -27,6 +34,13 @@ inline constexpr std::int64_t kMaxManifestBytes = std::int64_t{1} << 30;
 
 // Whether a stored piece is the main copy (counted for coverage) or a replica of it.
 enum class ReplicaKind : std::uint8_t { kMain, kReplica };
+
+// Version 2: where a shard's block checksums are (FORMAT.md §4.4).
+struct BlockTableRef {
+  std::string dataset;         // HDF5 path of the table in the shard's file; "" = no table
+  std::uint64_t checksum = 0;  // XXH3-64 of the table's bytes
+  friend bool operator==(const BlockTableRef&, const BlockTableRef&) = default;
+};
 
 struct ShardEntry {
   std::string tensor;
@@ -38,7 +52,18 @@ struct ShardEntry {
   std::uint64_t checksum = 0;  // XXH3-64 of the uncompressed bytes
   std::int64_t rank = 0;     // the rank that wrote it
   ReplicaKind replica = ReplicaKind::kMain;
+  BlockTableRef blocks;      // version 2, nbytes > 0 only
   friend bool operator==(const ShardEntry&, const ShardEntry&) = default;
+};
+
+// Version 2: one data file as a whole (FORMAT.md §3.3), so that `verify` accounts for every
+// byte of it: its size, and the XXH3-64 of its bytes outside the shards' data extents (HDF5's
+// own metadata, attributes, block tables, free space).
+struct DataFileEntry {
+  std::string name;  // relative to the checkpoint directory, as shards name it
+  std::int64_t size = 0;
+  std::uint64_t outside_checksum = 0;
+  friend bool operator==(const DataFileEntry&, const DataFileEntry&) = default;
 };
 
 struct Manifest {
@@ -47,12 +72,16 @@ struct Manifest {
   std::string producer;
   std::vector<TensorSpec> tensors;
   std::vector<ShardEntry> shards;
+  std::int64_t block_bytes = kDefaultBlockBytes;  // version 2: block size of uncompressed shards
+  std::vector<DataFileEntry> files;               // version 2: one per data file, sorted by name
   nlohmann::json layout;                             // opaque (Layout::ToJson); null if absent
   nlohmann::json metadata = nlohmann::json::object();  // free: step, model config, ...
 
   // Index of the tensor named `name` in `tensors`, or -1. Linear; callers that look up many
   // names build their own map.
   std::int64_t TensorIndex(std::string_view name) const;
+  // The entry of data file `name` (version 2), or nullptr.
+  const DataFileEntry* FindFile(std::string_view name) const;
 };
 
 nlohmann::json ManifestToJson(const Manifest& m);
@@ -63,8 +92,11 @@ nlohmann::json ManifestToJson(const Manifest& m);
 //    (names the version found and the supported range);
 //  - DataLoss: anything else malformed: wrong format name, missing or mistyped fields, negative
 //    or overflowing dims, a box outside its tensor, a range outside its box, nbytes that does
-//    not match the piece, unknown tensors, duplicate names, unsafe file names. Messages name the
-//    tensor, the shard index, the data file and the field.
+//    not match the piece, unknown tensors, duplicate names, unsafe file names; in version 2 also
+//    a block_bytes outside [kMinBlockBytes, kMaxBlockBytes], a shard of nbytes > 0 without a
+//    block table (or an empty one with one), a dataset named twice in one file, and a `files`
+//    list that does not name every data file of the shards exactly once (or names others).
+//    Messages name the tensor, the shard index, the data file and the field.
 Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view source);
 // Parses manifest text (malformed JSON is DataLoss), then ManifestFromJson.
 Result<Manifest> ParseManifest(std::string_view text, std::string_view source);

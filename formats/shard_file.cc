@@ -92,6 +92,15 @@ void PrefetchFd(int fd, std::int64_t offset, std::int64_t len) {
 // Readahead window for streaming reads.
 constexpr std::int64_t kPrefetchBytes = std::int64_t{64} << 20;
 
+// A block table's bytes (FORMAT.md §4.4): each checksum as a little-endian u64.
+std::vector<std::byte> BlockTableBytes(const std::vector<std::uint64_t>& table) {
+  std::vector<std::byte> bytes(table.size() * 8);
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    for (std::size_t k = 0; k < 8; ++k) bytes[8 * i + k] = static_cast<std::byte>((table[i] >> (8 * k)) & 0xffU);
+  }
+  return bytes;
+}
+
 }  // namespace
 
 std::int64_t ShardLocation::stored_bytes() const {
@@ -101,14 +110,75 @@ std::int64_t ShardLocation::stored_bytes() const {
   return total;
 }
 
+std::vector<Extent> DataExtents(const ShardLocation& loc) {
+  std::vector<Extent> out;
+  if (loc.nbytes == 0) return out;
+  if (loc.codec == Codec::kNone) {
+    out.push_back({loc.offset, loc.nbytes, {}});
+  } else {
+    out.reserve(loc.chunks.size());
+    for (const ShardLocation::Chunk& c : loc.chunks) out.push_back({c.offset, c.size, {}});
+  }
+  return out;
+}
+
+std::int64_t BlockCount(std::int64_t nbytes, std::int64_t block_size) {
+  RS_CHECK(block_size > 0 && nbytes >= 0);
+  return nbytes == 0 ? 0 : (nbytes - 1) / block_size + 1;
+}
+
+BlockCache::Block BlockCache::Get(const Key& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = lru_.begin(); it != lru_.end(); ++it) {
+    if (it->key == key) {
+      lru_.splice(lru_.begin(), lru_, it);
+      ++hits_;
+      return lru_.front().block;
+    }
+  }
+  ++misses_;
+  return nullptr;
+}
+
+void BlockCache::Put(const Key& key, Block block) {
+  const auto size = static_cast<std::int64_t>(block->size());
+  if (size > capacity_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Entry& e : lru_) {
+    if (e.key == key) return;  // another thread read it too
+  }
+  lru_.push_front({key, std::move(block)});
+  held_ += size;
+  while (held_ > capacity_) {
+    held_ -= static_cast<std::int64_t>(lru_.back().block->size());
+    lru_.pop_back();
+  }
+}
+
+std::int64_t BlockCache::hits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hits_;
+}
+
+std::int64_t BlockCache::misses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return misses_;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writer
 
 Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::string& path) {
   auto lock = h5::Lock();
+  // No modification times in object headers (the root group's included): the same data gives
+  // the same bytes (reproducible checkpoints, FORMAT.md §6).
+  h5::Handle fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  if (!fcpl.valid() || H5Pset_obj_track_times(fcpl.get(), 0) < 0) {
+    return IoError(path + ": cannot set up the file creation properties");
+  }
   // H5F_ACC_EXCL: a second writer of the same rank file is a bug upstream, never an overwrite.
   // Default library-version bounds keep the file readable by every HDF5 1.8+ tool.
-  const hid_t fid = H5Fcreate(path.c_str(), H5F_ACC_EXCL, h5::kDefault, h5::kDefault);
+  const hid_t fid = H5Fcreate(path.c_str(), H5F_ACC_EXCL, fcpl.get(), h5::kDefault);
   if (fid < 0) return IoError(path + ": cannot create HDF5 file (does it exist already?)");
   std::unique_ptr<ShardFileWriter> w(new ShardFileWriter());
   w->path_ = path;
@@ -124,6 +194,42 @@ ShardFileWriter::~ShardFileWriter() {
     H5Fclose(file_id_);
   }
   if (sync_fd_ >= 0) ::close(sync_fd_);
+}
+
+std::int64_t ShardFileWriter::TakeSeq() {
+  std::lock_guard<std::mutex> lock(turn_mu_);
+  const std::int64_t seq = next_seq_++;
+  unfinished_.emplace(seq, std::this_thread::get_id());
+  return seq;
+}
+
+void ShardFileWriter::Touch(std::int64_t seq) {
+  std::lock_guard<std::mutex> lock(turn_mu_);
+  const auto it = unfinished_.find(seq);
+  if (it != unfinished_.end()) it->second = std::this_thread::get_id();
+}
+
+void ShardFileWriter::AwaitTurn(std::int64_t seq) {
+  std::unique_lock<std::mutex> lock(turn_mu_);
+  const std::thread::id me = std::this_thread::get_id();
+  if (const auto it = unfinished_.find(seq); it != unfinished_.end()) it->second = me;
+  // Our turn: every dataset begun earlier has done its HDF5 work, or one of them is fed by this
+  // very thread (waiting for it would wait forever; the thread's program order decides).
+  turn_cv_.wait(lock, [&] {
+    bool others = false;
+    for (const auto& [s, owner] : unfinished_) {
+      if (s >= seq) break;
+      if (owner == me) return true;
+      others = true;
+    }
+    return !others;
+  });
+}
+
+void ShardFileWriter::ReleaseTurn(std::int64_t seq) {
+  std::lock_guard<std::mutex> lock(turn_mu_);
+  unfinished_.erase(seq);
+  turn_cv_.notify_all();
 }
 
 Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool,
@@ -170,30 +276,19 @@ void ShardFileWriter::StartWriteback() {
   if (sync_fd_ >= 0) ::sync_file_range(sync_fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
 }
 
-Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const std::string& name, std::int64_t nbytes,
-                                                                    const CodecSpec& codec, std::int64_t chunk_bytes,
-                                                                    ThreadPool* pool, const std::string& attribute) {
-  RS_CHECK(file_id_ >= 0);
-  RS_CHECK(chunk_bytes > 0 && nbytes >= 0);
-  std::unique_ptr<DatasetWriter> d(new DatasetWriter());
-  d->file_ = this;
-  d->what_ = path_ + ", dataset '" + name + "'";
-  d->nbytes_ = nbytes;
-  d->zstd_ = codec.codec == Codec::kZstd && nbytes > 0;
-  d->level_ = codec.level;
-  d->pool_ = pool;
-  d->chunk_ = std::min(chunk_bytes, std::max<std::int64_t>(nbytes, 1));
-  const std::string& what = d->what_;
-
+Status ShardFileWriter::CreateDataset(const DatasetSpec& spec, std::int64_t chunk, std::int64_t* dset_out,
+                                      std::int64_t* data_offset, std::int64_t* table_offset, const std::string& what) {
+  const bool zstd = dset_out != nullptr;
   auto lock = h5::Lock();
-  const hsize_t dims[1] = {static_cast<hsize_t>(nbytes)};
+  const hsize_t dims[1] = {static_cast<hsize_t>(spec.nbytes)};
   h5::Handle space(H5Screate_simple(1, dims, nullptr), H5Sclose);
   h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   if (!space.valid() || !dcpl.valid()) return IoError(what + ": cannot create dataspace / property list");
   H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
-  if (d->zstd_) {
-    const hsize_t cdims[1] = {static_cast<hsize_t>(d->chunk_)};
-    const unsigned int level = static_cast<unsigned int>(codec.level);
+  H5Pset_obj_track_times(dcpl.get(), 0);
+  if (zstd) {
+    const hsize_t cdims[1] = {static_cast<hsize_t>(chunk)};
+    const auto level = static_cast<unsigned int>(spec.codec.level);
     if (H5Pset_chunk(dcpl.get(), 1, cdims) < 0 ||
         H5Pset_filter(dcpl.get(), static_cast<H5Z_filter_t>(kZstdFilterId), H5Z_FLAG_OPTIONAL, 1, &level) < 0) {
       return IoError(what + ": cannot set up the chunked zstd layout");
@@ -204,39 +299,78 @@ Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const std::
     // and the bytes can go in with parallel pwrite outside the HDF5 lock (see Append).
     H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
   }
-  h5::Handle dset(H5Dcreate2(file_id_, name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(),
+  h5::Handle dset(H5Dcreate2(file_id_, spec.name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(),
                              h5::kDefault),
                   H5Dclose);
   if (!dset.valid()) return IoError(what + ": cannot create dataset");
-  if (!attribute.empty()) {
+  if (!spec.attribute.empty()) {
     h5::Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
-    H5Tset_size(type.get(), attribute.size());
+    H5Tset_size(type.get(), spec.attribute.size());
     h5::Handle aspace(H5Screate(H5S_SCALAR), H5Sclose);
     h5::Handle attr(H5Acreate2(dset.get(), "rs_shard", type.get(), aspace.get(), h5::kDefault, h5::kDefault),
                     H5Aclose);
-    if (!attr.valid() || H5Awrite(attr.get(), type.get(), attribute.data()) < 0) {
+    if (!attr.valid() || H5Awrite(attr.get(), type.get(), spec.attribute.data()) < 0) {
       return IoError(what + ": cannot write attribute rs_shard");
     }
   }
-  if (!d->zstd_ && nbytes > 0) {
+  if (!zstd && spec.nbytes > 0) {
     const haddr_t addr = H5Dget_offset(dset.get());
     if (addr == HADDR_UNDEF) return IoError(what + ": HDF5 did not allocate the dataset's storage");
-    d->offset_ = static_cast<std::int64_t>(addr);
+    *data_offset = static_cast<std::int64_t>(addr);
   }
-  if (d->zstd_) {
-    d->dset_ = dset.Release();  // now owned by `d` (closed in Finish or its destructor)
-    d->group_ = std::make_unique<TaskGroup>(pool);
+  if (!spec.table.empty()) {
+    // The block table: a contiguous dataset of 8 bytes per block, allocated now (so that its
+    // place in the file does not depend on when the shard's last byte arrives) and filled with
+    // pwrite by Finish.
+    const std::int64_t blocks = BlockCount(spec.nbytes, zstd ? chunk : spec.block_bytes);
+    const hsize_t tdims[1] = {static_cast<hsize_t>(8 * blocks)};
+    h5::Handle tspace(H5Screate_simple(1, tdims, nullptr), H5Sclose);
+    h5::Handle tdcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+    if (!tspace.valid() || !tdcpl.valid()) return IoError(what + ": cannot create the block table's dataspace");
+    H5Pset_fill_time(tdcpl.get(), H5D_FILL_TIME_NEVER);
+    H5Pset_obj_track_times(tdcpl.get(), 0);
+    H5Pset_layout(tdcpl.get(), H5D_CONTIGUOUS);
+    H5Pset_alloc_time(tdcpl.get(), H5D_ALLOC_TIME_EARLY);
+    h5::Handle table(H5Dcreate2(file_id_, spec.table.c_str(), H5T_STD_U8LE, tspace.get(), h5::kDefault, tdcpl.get(),
+                                h5::kDefault),
+                     H5Dclose);
+    if (!table.valid()) return IoError(what + ": cannot create the block table dataset '" + spec.table + "'");
+    const haddr_t taddr = H5Dget_offset(table.get());
+    if (taddr == HADDR_UNDEF) return IoError(what + ": HDF5 did not allocate the block table's storage");
+    *table_offset = static_cast<std::int64_t>(taddr);
   }
-  return d;
+  if (zstd) *dset_out = dset.Release();  // owned by the caller (closed in Finish or its destructor)
+  return Status::Ok();
 }
 
-Result<std::int64_t> ShardFileWriter::WriteDataset(const std::string& name, std::span<const std::byte> bytes,
-                                                   const CodecSpec& codec, std::int64_t chunk_bytes, ThreadPool* pool,
-                                                   const std::string& attribute) {
-  RS_ASSIGN_OR_RETURN(auto d, BeginDataset(name, static_cast<std::int64_t>(bytes.size()), codec, chunk_bytes, pool,
-                                           attribute));
-  RS_RETURN_IF_ERROR(d->Append(bytes));
-  return d->Finish();
+Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const DatasetSpec& spec, ThreadPool* pool) {
+  RS_CHECK(file_id_ >= 0);
+  RS_CHECK(spec.chunk_bytes > 0 && spec.nbytes >= 0);
+  std::unique_ptr<DatasetWriter> d(new DatasetWriter());
+  d->file_ = this;
+  d->spec_ = spec;
+  d->what_ = path_ + ", dataset '" + spec.name + "'";
+  d->zstd_ = spec.codec.codec == Codec::kZstd && spec.nbytes > 0;
+  d->pool_ = pool;
+  d->chunk_ = std::min(spec.chunk_bytes, std::max<std::int64_t>(spec.nbytes, 1));
+  if (spec.nbytes == 0) d->spec_.table.clear();  // an empty shard has no blocks
+  if (!d->spec_.table.empty()) {
+    RS_CHECK(d->zstd_ || spec.block_bytes > 0);
+    d->table_.reserve(static_cast<std::size_t>(BlockCount(spec.nbytes, d->zstd_ ? d->chunk_ : spec.block_bytes)));
+    if (!d->zstd_) d->block_hash_ = std::make_unique<Xxh3Stream>();
+  }
+  d->seq_ = TakeSeq();
+  if (d->zstd_) {
+    // Created in its turn, when its first chunk is written (see BeginDataset in the header).
+    d->group_ = std::make_unique<TaskGroup>(pool);
+    return d;
+  }
+  AwaitTurn(d->seq_);
+  const Status created = CreateDataset(d->spec_, 0, nullptr, &d->offset_, &d->table_offset_, d->what_);
+  ReleaseTurn(d->seq_);  // the rest is pwrite, outside HDF5
+  d->turn_released_ = true;
+  RS_RETURN_IF_ERROR(created);
+  return d;
 }
 
 // One chunk being compressed on the pool.
@@ -246,6 +380,7 @@ struct DatasetWriter::Compressed {
   bool ready = false;
   bool raw = false;
   std::vector<std::byte> data;
+  std::uint64_t hash = 0;  // XXH3-64 of `data`, the stored bytes (the block table's entry)
 };
 
 DatasetWriter::~DatasetWriter() {
@@ -254,21 +389,54 @@ DatasetWriter::~DatasetWriter() {
     auto lock = h5::Lock();
     H5Dclose(dset_);
   }
+  if (!turn_released_ && file_ != nullptr) file_->ReleaseTurn(seq_);
+}
+
+void DatasetWriter::HashBlocks(std::span<const std::byte> bytes) {
+  while (!bytes.empty()) {
+    const auto take = static_cast<std::size_t>(
+        std::min<std::int64_t>(static_cast<std::int64_t>(bytes.size()), spec_.block_bytes - block_filled_));
+    block_hash_->Update(bytes.first(take));
+    block_filled_ += static_cast<std::int64_t>(take);
+    bytes = bytes.subspan(take);
+    if (block_filled_ == spec_.block_bytes) {
+      table_.push_back(block_hash_->Digest());
+      block_hash_->Reset();
+      block_filled_ = 0;
+    }
+  }
+}
+
+Result<std::uint64_t> DatasetWriter::WriteTable() {
+  if (spec_.table.empty()) return std::uint64_t{0};
+  RS_CHECK_MSG(static_cast<std::int64_t>(table_.size()) ==
+                   BlockCount(spec_.nbytes, zstd_ ? chunk_ : spec_.block_bytes),
+               what_ << ": " << table_.size() << " block checksums");
+  const std::vector<std::byte> bytes = BlockTableBytes(table_);
+  RS_RETURN_IF_ERROR(file_->WriteAt(table_offset_, bytes, nullptr, what_ + ", block table '" + spec_.table + "'"));
+  return Xxh3(bytes);
+}
+
+Status DatasetWriter::Create() {
+  file_->AwaitTurn(seq_);
+  return file_->CreateDataset(spec_, chunk_, &dset_, nullptr, &table_offset_, what_);
 }
 
 Status DatasetWriter::Append(std::span<const std::byte> bytes) {
   if (finished_) return FailedPrecondition(what_ + ": Append after Finish");
   RS_RETURN_IF_ERROR(error_);
   const auto n = static_cast<std::int64_t>(bytes.size());
-  if (n > nbytes_ - written_) {
+  if (n > spec_.nbytes - written_) {
     return InvalidArgument(what_ + ": " + std::to_string(written_ + n) + " bytes appended to a dataset of " +
-                           std::to_string(nbytes_));
+                           std::to_string(spec_.nbytes));
   }
   if (!zstd_) {
+    if (block_hash_ != nullptr) HashBlocks(bytes);
     RS_RETURN_IF_ERROR(file_->WriteAt(offset_ + written_, bytes, pool_, what_));
     written_ += n;
     return Status::Ok();
   }
+  file_->Touch(seq_);
   std::size_t pos = 0;
   while (pos < bytes.size()) {
     if (partial_.capacity() == 0) partial_.reserve(static_cast<std::size_t>(chunk_));
@@ -286,12 +454,15 @@ Status DatasetWriter::SubmitChunk() {
   // HDF5 chunks are full-size even at the dataset's edge; the tail is zero padding.
   partial_.resize(static_cast<std::size_t>(chunk_), std::byte{0});
   auto c = std::make_shared<Compressed>();
-  auto run = [c, src = std::move(partial_), level = level_, chunk = chunk_]() mutable {
+  auto run = [c, src = std::move(partial_), level = spec_.codec.level, chunk = chunk_]() mutable {
     std::vector<std::byte> out = ZstdCompress(src, level);
     // Incompressible chunks are stored raw with the filter-skipped mask bit, as HDF5 allows.
     const bool raw = static_cast<std::int64_t>(out.size()) >= chunk;
+    std::vector<std::byte> data = raw ? std::move(src) : std::move(out);
+    const std::uint64_t hash = Xxh3(data);
     std::lock_guard<std::mutex> lock(c->mu);
-    c->data = raw ? std::move(src) : std::move(out);
+    c->data = std::move(data);
+    c->hash = hash;
     c->raw = raw;
     c->ready = true;
     c->cv.notify_all();
@@ -325,6 +496,13 @@ Status DatasetWriter::WriteOldest() {
     std::unique_lock<std::mutex> lock(c.mu);
     c.cv.wait_for(lock, std::chrono::milliseconds(1), [&] { return c.ready; });
   }
+  if (dset_ < 0) {
+    // The dataset's first chunk: create it in its turn (after the datasets begun earlier).
+    if (Status st = Create(); !st.ok()) {
+      error_ = st;
+      return error_;
+    }
+  }
   const hsize_t offset[1] = {static_cast<hsize_t>(p.index) * static_cast<hsize_t>(chunk_)};
   auto lock = h5::Lock();
   if (H5Dwrite_chunk(dset_, h5::kDefault, c.raw ? 1u : 0u, offset, c.data.size(), c.data.data()) < 0) {
@@ -332,29 +510,42 @@ Status DatasetWriter::WriteOldest() {
     return error_;
   }
   stored_ += static_cast<std::int64_t>(c.data.size());
+  if (!spec_.table.empty()) table_.push_back(c.hash);
   return Status::Ok();
 }
 
-Result<std::int64_t> DatasetWriter::Finish() {
+Result<DatasetWriter::Written> DatasetWriter::Finish() {
   if (finished_) return FailedPrecondition(what_ + ": Finish called twice");
   RS_RETURN_IF_ERROR(error_);
-  if (written_ != nbytes_) {
-    return InvalidArgument(what_ + ": finished after " + std::to_string(written_) + " of " + std::to_string(nbytes_) +
-                           " bytes");
+  if (written_ != spec_.nbytes) {
+    return InvalidArgument(what_ + ": finished after " + std::to_string(written_) + " of " +
+                           std::to_string(spec_.nbytes) + " bytes");
   }
+  std::uint64_t table_checksum = 0;
   if (zstd_) {
+    file_->Touch(seq_);
     if (!partial_.empty()) RS_RETURN_IF_ERROR(SubmitChunk());
     while (!pending_.empty()) RS_RETURN_IF_ERROR(WriteOldest());
-    auto lock = h5::Lock();
-    const herr_t rc = H5Dclose(dset_);
-    dset_ = -1;
-    if (rc < 0) return IoError(what_ + ": H5Dclose failed");
+    RS_ASSIGN_OR_RETURN(table_checksum, WriteTable());
+    {
+      auto lock = h5::Lock();
+      const herr_t rc = H5Dclose(static_cast<hid_t>(dset_));
+      dset_ = -1;
+      if (rc < 0) return IoError(what_ + ": H5Dclose failed");
+    }
+    file_->ReleaseTurn(seq_);
+    turn_released_ = true;
   } else {
-    stored_ = nbytes_;
+    if (block_hash_ != nullptr && block_filled_ > 0) {
+      table_.push_back(block_hash_->Digest());
+      block_filled_ = 0;
+    }
+    RS_ASSIGN_OR_RETURN(table_checksum, WriteTable());
+    stored_ = spec_.nbytes;
   }
   finished_ = true;
   file_->StartWriteback();
-  return stored_;
+  return Written{stored_, table_checksum};
 }
 
 Status ShardFileWriter::Close() {
@@ -558,60 +749,141 @@ Status ShardFileReader::ReadAt(std::int64_t offset, std::span<std::byte> out, co
 
 void ShardFileReader::Prefetch(std::int64_t offset, std::int64_t len) const { PrefetchFd(fd_, offset, len); }
 
+namespace {
+
+// "<what>: block 3 (bytes [3145728, 4194304) of the shard, at file offset 8192, length 1048576)"
+std::string BlockWhat(const ShardLocation& loc, std::int64_t i, const std::string& what) {
+  const std::int64_t b = i * loc.block_bytes;
+  const std::int64_t e = std::min(loc.nbytes, b + loc.block_bytes);
+  if (loc.codec == Codec::kNone) {
+    return what + ": block " + std::to_string(i) + " (bytes [" + std::to_string(b) + ", " + std::to_string(e) +
+           ") of the shard, at file offset " + std::to_string(loc.offset + b) + ", length " + std::to_string(e - b) + ")";
+  }
+  const ShardLocation::Chunk& c = loc.chunks[static_cast<std::size_t>(i)];
+  return what + ": chunk " + std::to_string(i) + " (bytes [" + std::to_string(b) + ", " + std::to_string(e) +
+         ") of the shard, stored at file offset " + std::to_string(c.offset) + ", length " + std::to_string(c.size) + ")";
+}
+
+Status BlockMismatch(const ShardLocation& loc, std::int64_t i, std::uint64_t got, const std::string& what) {
+  return DataLoss(BlockWhat(loc, i, what) + ": checksum " + ChecksumToString(got) + " of the " +
+                  (loc.codec == Codec::kNone ? "block" : "stored chunk") + ", expected " +
+                  ChecksumToString(loc.blocks[static_cast<std::size_t>(i)]) + " (block table)");
+}
+
+}  // namespace
+
 Status ShardFileReader::ReadChunk(const ShardLocation& loc, std::size_t index, std::span<std::byte> chunk_out,
-                                  const std::string& what) const {
+                                  const std::string& what, bool verify) const {
   RS_CHECK(static_cast<std::int64_t>(chunk_out.size()) == loc.chunk_bytes);
+  RS_CHECK(!verify || loc.has_blocks());
   const ShardLocation::Chunk& c = loc.chunks[index];
   const std::string chunk_what = what + ", chunk " + std::to_string(index) + " at offset " +
                                  std::to_string(c.offset) + ", length " + std::to_string(c.size);
-  if (c.raw) return ReadAt(c.offset, chunk_out, chunk_what);
+  if (c.raw) {
+    RS_RETURN_IF_ERROR(ReadAt(c.offset, chunk_out, chunk_what));
+    if (verify) {
+      const std::uint64_t h = Xxh3(chunk_out);
+      if (h != loc.blocks[index]) return BlockMismatch(loc, static_cast<std::int64_t>(index), h, what);
+    }
+    return Status::Ok();
+  }
   // Reused per thread: a fresh multi-MiB buffer per chunk costs a page fault per 4 KiB.
   thread_local std::vector<std::byte> stored;
   stored.resize(static_cast<std::size_t>(c.size));
   const std::span<std::byte> compressed(stored.data(), stored.size());
   RS_RETURN_IF_ERROR(ReadAt(c.offset, compressed, chunk_what));
+  if (verify) {
+    // Checked before decompression: the decoder never sees bytes the writer did not store.
+    const std::uint64_t h = Xxh3(compressed);
+    if (h != loc.blocks[index]) return BlockMismatch(loc, static_cast<std::int64_t>(index), h, what);
+  }
   return ZstdDecompress(compressed, chunk_out, chunk_what);
 }
 
+Status ShardFileReader::ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
+                                  const std::string& what) const {
+  const std::int64_t b = index * loc.block_bytes;
+  RS_CHECK(loc.codec == Codec::kNone && static_cast<std::int64_t>(out.size()) == std::min(loc.block_bytes, loc.nbytes - b));
+  RS_RETURN_IF_ERROR(ReadAt(loc.offset + b, out, what));
+  const std::uint64_t h = Xxh3(out);
+  if (h != loc.blocks[static_cast<std::size_t>(index)]) return BlockMismatch(loc, index, h, what);
+  return Status::Ok();
+}
+
 Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, std::span<std::byte> out,
-                                  ThreadPool* pool, const std::string& what) const {
+                                  ThreadPool* pool, const std::string& what, bool verify, BlockCache* cache) const {
   const auto len = static_cast<std::int64_t>(out.size());
   RS_CHECK_MSG(begin >= 0 && len <= loc.nbytes - begin, "range " << begin << "+" << len << " of " << loc.nbytes);
+  RS_CHECK(!verify || loc.has_blocks());
   if (len == 0) return Status::Ok();
-  if (loc.codec == Codec::kNone) {
+  const std::int64_t end = begin + len;
+  if (loc.codec == Codec::kNone && !verify) {
     PrefetchFd(fd_, loc.offset + begin, len);
     return ReadAt(loc.offset + begin, out, what);
   }
-
-  const std::int64_t c = loc.chunk_bytes;
-  const std::int64_t end = begin + len;
+  // In blocks: zstd chunks, or (verifying codec none) blocks of the table. A block the range
+  // covers whole is read (and decoded) in place; one it covers in part is read whole, checked,
+  // and kept in `cache` for the next read.
+  const std::int64_t bs = loc.codec == Codec::kNone ? loc.block_bytes : loc.chunk_bytes;
   std::mutex mu;
   Status first_error;
-  auto one = [&, this](std::int64_t i) {
-    const std::int64_t lo = std::max(begin, i * c);
-    const std::int64_t hi = std::min(end, (i + 1) * c);
-    std::span<std::byte> dst = out.subspan(static_cast<std::size_t>(lo - begin), static_cast<std::size_t>(hi - lo));
-    Status s;
-    if (hi - lo == c) {
-      s = ReadChunk(loc, static_cast<std::size_t>(i), dst, what);  // whole chunk: decode in place
+  auto whole_block = [&](std::int64_t i) -> BlockCache::Block {
+    BlockCache::Key key{this, 0, 0, verify ? loc.blocks[static_cast<std::size_t>(i)] : 0, loc.codec};
+    if (loc.codec == Codec::kNone) {
+      key.offset = loc.offset + i * bs;
+      key.length = std::min(bs, loc.nbytes - i * bs);
     } else {
-      std::vector<std::byte> tmp(static_cast<std::size_t>(c));
-      s = ReadChunk(loc, static_cast<std::size_t>(i), tmp, what);
-      if (s.ok()) std::memcpy(dst.data(), tmp.data() + (lo - i * c), dst.size());
+      key.offset = loc.chunks[static_cast<std::size_t>(i)].offset;
+      key.length = loc.chunks[static_cast<std::size_t>(i)].size;
+    }
+    if (cache != nullptr) {
+      if (BlockCache::Block hit = cache->Get(key)) return hit;
+    }
+    auto buf = std::make_shared<std::vector<std::byte>>(
+        static_cast<std::size_t>(loc.codec == Codec::kNone ? key.length : loc.chunk_bytes));
+    const Status st = loc.codec == Codec::kNone ? ReadBlock(loc, i, *buf, what)
+                                                : ReadChunk(loc, static_cast<std::size_t>(i), *buf, what, verify);
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (first_error.ok()) first_error = st;
+      return nullptr;
+    }
+    if (cache != nullptr) cache->Put(key, buf);
+    return buf;
+  };
+  auto one = [&, this](std::int64_t i) {
+    const std::int64_t lo = std::max(begin, i * bs);
+    const std::int64_t hi = std::min(end, (i + 1) * bs);
+    std::span<std::byte> dst = out.subspan(static_cast<std::size_t>(lo - begin), static_cast<std::size_t>(hi - lo));
+    const bool covered = lo == i * bs && (hi == (i + 1) * bs || hi == loc.nbytes);
+    Status s;
+    if (covered && loc.codec == Codec::kNone) {
+      s = ReadBlock(loc, i, dst, what);
+    } else if (covered && hi - lo == bs) {
+      s = ReadChunk(loc, static_cast<std::size_t>(i), dst, what, verify);  // whole chunk: decode in place
+    } else {
+      const BlockCache::Block block = whole_block(i);
+      if (block != nullptr) std::memcpy(dst.data(), block->data() + (lo - i * bs), dst.size());
+      return;
     }
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(mu);
       if (first_error.ok()) first_error = s;
     }
   };
-  const std::int64_t first = begin / c;
-  const std::int64_t last = (end - 1) / c;
-  for (std::int64_t i = first; i <= last; ++i) {
-    const ShardLocation::Chunk& ch = loc.chunks[static_cast<std::size_t>(i)];
-    PrefetchFd(fd_, ch.offset, ch.size);
+  const std::int64_t first = begin / bs;
+  const std::int64_t last = (end - 1) / bs;
+  if (loc.codec == Codec::kNone) {
+    const std::int64_t from = first * bs;
+    PrefetchFd(fd_, loc.offset + from, std::min(loc.nbytes, (last + 1) * bs) - from);
+  } else {
+    for (std::int64_t i = first; i <= last; ++i) {
+      const ShardLocation::Chunk& ch = loc.chunks[static_cast<std::size_t>(i)];
+      PrefetchFd(fd_, ch.offset, ch.size);
+    }
   }
   if (pool == nullptr || first == last) {
-    for (std::int64_t i = first; i <= last; ++i) one(i);
+    for (std::int64_t i = first; i <= last && first_error.ok(); ++i) one(i);
   } else {
     TaskGroup group(pool);
     for (std::int64_t i = first; i <= last; ++i) group.Run([i, &one] { one(i); });
@@ -621,20 +893,27 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
 }
 
 Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const std::string& what,
-                               const std::function<void(std::span<const std::byte>)>& sink) const {
+                               const std::function<void(std::span<const std::byte>)>& sink, bool verify) const {
+  RS_CHECK(!verify || loc.has_blocks());
   if (loc.nbytes == 0) return Status::Ok();
   if (loc.codec == Codec::kNone) {
-    std::vector<std::byte> block(static_cast<std::size_t>(std::min(kStreamBlock, loc.nbytes)));
+    // Verifying: whole blocks of the table (each checked before it reaches the sink).
+    const std::int64_t step = verify ? loc.block_bytes : kStreamBlock;
+    std::vector<std::byte> block(static_cast<std::size_t>(std::min(step, loc.nbytes)));
     std::int64_t advised = 0;
-    for (std::int64_t pos = 0; pos < loc.nbytes; pos += kStreamBlock) {
+    for (std::int64_t pos = 0; pos < loc.nbytes; pos += step) {
       if (pos >= advised - kPrefetchBytes / 2) {
-        const std::int64_t until = std::min(loc.nbytes, pos + kPrefetchBytes);
+        const std::int64_t until = std::min(loc.nbytes, std::max(pos + step, advised + kPrefetchBytes));
         PrefetchFd(fd_, loc.offset + advised, until - advised);
         advised = until;
       }
-      const std::int64_t len = std::min(kStreamBlock, loc.nbytes - pos);
+      const std::int64_t len = std::min(step, loc.nbytes - pos);
       std::span<std::byte> dst(block.data(), static_cast<std::size_t>(len));
-      RS_RETURN_IF_ERROR(ReadAt(loc.offset + pos, dst, what));
+      if (verify) {
+        RS_RETURN_IF_ERROR(ReadBlock(loc, pos / step, dst, what));
+      } else {
+        RS_RETURN_IF_ERROR(ReadAt(loc.offset + pos, dst, what));
+      }
       sink(dst);
     }
     return Status::Ok();
@@ -649,7 +928,7 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
   auto decode = [&, this](std::size_t i) {
     std::vector<std::byte>& buf = ring[i % ring.size()];
     buf.resize(static_cast<std::size_t>(loc.chunk_bytes));
-    slots.status[i] = ReadChunk(loc, i, buf, what);
+    slots.status[i] = ReadChunk(loc, i, buf, what, verify);
     slots.Publish(i);
   };
   std::size_t submitted = 0;
@@ -674,6 +953,112 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
   }
   group.Wait();
   return result;
+}
+
+Status ShardFileReader::LoadBlockTable(ShardLocation& loc, const std::string& table, std::uint64_t checksum,
+                                       std::int64_t block_bytes, const std::string& what) const {
+  if (loc.nbytes == 0 || loc.has_blocks()) return Status::Ok();
+  const std::int64_t bs = loc.codec == Codec::kNone ? block_bytes : loc.chunk_bytes;
+  RS_CHECK(bs > 0);
+  const std::int64_t count = BlockCount(loc.nbytes, bs);
+  const std::string table_what = what + ", block table '" + table + "' (" + std::to_string(count) + " blocks of " +
+                                 std::to_string(bs) + " bytes)";
+  // Located first: the table's 8 bytes per block then lie inside the file before they are
+  // allocated (and a block of a located shard holds at least one byte of the file).
+  RS_ASSIGN_OR_RETURN(const ShardLocation t, Locate(table, Codec::kNone, 8 * count, table_what));
+  std::vector<std::byte> bytes(static_cast<std::size_t>(8 * count));
+  RS_RETURN_IF_ERROR(ReadAt(t.offset, bytes, table_what));
+  const std::uint64_t h = Xxh3(bytes);
+  if (h != checksum) {
+    return DataLoss(table_what + ": checksum " + ChecksumToString(h) + " of the table at file offset " +
+                    std::to_string(t.offset) + ", length " + std::to_string(8 * count) + ", expected " +
+                    ChecksumToString(checksum) + " (manifest)");
+  }
+  loc.blocks.resize(static_cast<std::size_t>(count));
+  for (std::size_t i = 0; i < loc.blocks.size(); ++i) {
+    std::uint64_t v = 0;
+    for (std::size_t k = 0; k < 8; ++k) v |= static_cast<std::uint64_t>(bytes[8 * i + k]) << (8 * k);
+    loc.blocks[i] = v;
+  }
+  loc.block_bytes = bs;
+  return Status::Ok();
+}
+
+Result<std::optional<std::string>> ShardFileReader::ReadStringAttribute(const std::string& name,
+                                                                        const std::string& attr,
+                                                                        const std::string& what) const {
+  constexpr hsize_t kMaxAttributeBytes = hsize_t{64} << 10;
+  auto lock = h5::Lock();
+  h5::Handle dset(H5Dopen2(file_id_, name.c_str(), h5::kDefault), H5Dclose);
+  if (!dset.valid()) return DataLoss(what + ": dataset is missing from the file");
+  const htri_t exists = H5Aexists(dset.get(), attr.c_str());
+  if (exists < 0) return DataLoss(what + ": attribute '" + attr + "' cannot be read");
+  if (exists == 0) return std::optional<std::string>();
+  h5::Handle a(H5Aopen(dset.get(), attr.c_str(), h5::kDefault), H5Aclose);
+  h5::Handle type(a.valid() ? H5Aget_type(a.get()) : -1, H5Tclose);
+  h5::Handle space(a.valid() ? H5Aget_space(a.get()) : -1, H5Sclose);
+  if (!type.valid() || !space.valid() || H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) != 0 ||
+      H5Sget_simple_extent_type(space.get()) != H5S_SCALAR) {
+    return DataLoss(what + ": attribute '" + attr + "' is not a fixed-length string");
+  }
+  const std::size_t size = H5Tget_size(type.get());
+  if (size == 0 || size > kMaxAttributeBytes) {
+    return DataLoss(what + ": attribute '" + attr + "' of " + std::to_string(size) + " bytes (at most " +
+                    std::to_string(kMaxAttributeBytes) + ")");
+  }
+  h5::Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
+  std::string text(size, '\0');
+  if (!mem.valid() || H5Tset_size(mem.get(), size) < 0 || H5Aread(a.get(), mem.get(), text.data()) < 0) {
+    return DataLoss(what + ": attribute '" + attr + "' cannot be read");
+  }
+  while (!text.empty() && text.back() == '\0') text.pop_back();
+  return std::optional<std::string>(std::move(text));
+}
+
+Result<ShardFileReader::Outside> ShardFileReader::HashOutside(std::vector<Extent> extents) const {
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
+    return a.offset != b.offset ? a.offset < b.offset : a.length < b.length;
+  });
+  std::int64_t covered = 0;  // end of the extents so far
+  const Extent* last = nullptr;
+  for (const Extent& e : extents) {
+    const auto end = CheckedAdd(e.offset, e.length);
+    if (e.offset < 0 || e.length < 0 || !end || *end > file_size_) {
+      return DataLoss(path_ + ": " + e.owner + ": data at offset " + std::to_string(e.offset) + ", length " +
+                      std::to_string(e.length) + " passes the end of the file (" + std::to_string(file_size_) + " bytes)");
+    }
+    if (e.length == 0) continue;
+    if (last != nullptr && e.offset < covered) {
+      return DataLoss(path_ + ": the data of " + last->owner + " (file offset " + std::to_string(last->offset) +
+                      ", length " + std::to_string(last->length) + ") and of " + e.owner + " (file offset " +
+                      std::to_string(e.offset) + ", length " + std::to_string(e.length) + ") overlap");
+    }
+    covered = *end;
+    last = &e;
+  }
+  Xxh3Stream hash;
+  Outside out;
+  std::vector<std::byte> buf;
+  auto gap = [&](std::int64_t from, std::int64_t to) -> Status {
+    for (std::int64_t pos = from; pos < to;) {
+      const std::int64_t n = std::min<std::int64_t>(to - pos, std::int64_t{1} << 20);
+      buf.resize(static_cast<std::size_t>(n));
+      RS_RETURN_IF_ERROR(ReadAt(pos, buf, path_ + ": bytes outside the data"));
+      hash.Update(buf);
+      out.bytes += n;
+      pos += n;
+    }
+    return Status::Ok();
+  };
+  std::int64_t pos = 0;
+  for (const Extent& e : extents) {
+    if (e.length == 0) continue;
+    RS_RETURN_IF_ERROR(gap(pos, e.offset));
+    pos = e.offset + e.length;
+  }
+  RS_RETURN_IF_ERROR(gap(pos, file_size_));
+  out.checksum = hash.Digest();
+  return out;
 }
 
 }  // namespace rs

@@ -4,12 +4,18 @@
 // chunks are compressed / decompressed on the worker pool and moved with direct chunk I/O.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <list>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/status.h"
@@ -30,7 +36,77 @@ struct ShardLocation {
     bool raw = false;         // filter skipped (filter mask bit 0): stored uncompressed
   };
   std::vector<Chunk> chunks;  // codec zstd, in order
+  // Version 2 (FORMAT.md §4.4), once loaded: the block table, one XXH3-64 per block. Block i of
+  // codec none is the shard's bytes [i·B, min((i+1)·B, nbytes)) with B = block_bytes; block i of
+  // codec zstd is chunk i, and its checksum is that of the chunk's stored bytes.
+  std::vector<std::uint64_t> blocks;
+  std::int64_t block_bytes = 0;  // codec none: B; zstd: chunk_bytes
+  bool has_blocks() const { return block_bytes > 0; }
   std::int64_t stored_bytes() const;
+};
+
+// A byte range of a file.
+struct Extent {
+  std::int64_t offset = 0;
+  std::int64_t length = 0;
+  std::string owner;  // what occupies it, for messages
+};
+// The extents of the file a located shard's data occupies: [offset, offset + nbytes) for codec
+// none, every stored chunk for zstd; none for an empty shard.
+std::vector<Extent> DataExtents(const ShardLocation& loc);
+// How many blocks a shard of `nbytes` bytes has (FORMAT.md §4.4): ceil(nbytes / block size),
+// where the block size is `block_bytes` for codec none and the chunk size for zstd.
+std::int64_t BlockCount(std::int64_t nbytes, std::int64_t block_size);
+
+// Verified, uncompressed blocks kept for reads that need part of a block again (the next
+// window of a sequential reader usually starts in the block where the last one ended), so that
+// reading whole blocks to check them costs no extra I/O or decompression. Thread-safe; holds
+// at most `capacity` bytes (least recently used blocks are dropped).
+class BlockCache {
+ public:
+  explicit BlockCache(std::int64_t capacity) : capacity_(capacity) {}
+  using Block = std::shared_ptr<const std::vector<std::byte>>;
+  // What identifies a block: its file (reader), the extent it was read from, the checksum it
+  // was checked against and how it was decoded.
+  struct Key {
+    const void* file = nullptr;
+    std::int64_t offset = 0;
+    std::int64_t length = 0;
+    std::uint64_t checksum = 0;
+    Codec codec = Codec::kNone;
+    friend bool operator==(const Key&, const Key&) = default;
+  };
+  Block Get(const Key& key);
+  void Put(const Key& key, Block block);
+  std::int64_t hits() const;
+  std::int64_t misses() const;
+
+ private:
+  struct Entry {
+    Key key;
+    Block block;
+  };
+  mutable std::mutex mu_;
+  std::int64_t capacity_;
+  std::int64_t held_ = 0;
+  std::int64_t hits_ = 0;
+  std::int64_t misses_ = 0;
+  std::list<Entry> lru_;  // most recent first
+};
+
+// What a dataset is, besides its bytes.
+struct DatasetSpec {
+  std::string name;
+  std::int64_t nbytes = 0;
+  CodecSpec codec;
+  std::int64_t chunk_bytes = kDefaultChunkBytes;  // zstd
+  // JSON text describing the shard, for people browsing the file: the string attribute
+  // "rs_shard". Empty: none.
+  std::string attribute;
+  // Format version 2: the block table's dataset name (FORMAT.md §4.4) and, for codec none,
+  // the block size. Empty: no table (version 1, or an empty dataset).
+  std::string table;
+  std::int64_t block_bytes = 0;
 };
 
 class ShardFileWriter;
@@ -46,9 +122,13 @@ class DatasetWriter {
 
   // InvalidArgument past the dataset's size; IoError from the file system or HDF5.
   Status Append(std::span<const std::byte> bytes);
-  // Writes the last chunk and closes the dataset; returns the bytes stored in the file.
+  struct Written {
+    std::int64_t stored_bytes = 0;     // bytes stored in the file (compressed size)
+    std::uint64_t table_checksum = 0;  // XXH3-64 of the block table (when there is one)
+  };
+  // Writes the last chunk and the block table and closes the dataset.
   // InvalidArgument if fewer bytes than the dataset's size were appended.
-  Result<std::int64_t> Finish();
+  Result<Written> Finish();
   std::int64_t written() const { return written_; }
 
  private:
@@ -60,15 +140,25 @@ class DatasetWriter {
   };
   DatasetWriter() = default;
   Status SubmitChunk();
+  // Waits for the oldest pending chunk to be compressed, then writes it (HDF5 allocates its
+  // space now, so chunks are written in the file's dataset order, see ShardFileWriter).
   Status WriteOldest();
+  Status Create();  // zstd: creates the dataset, its attribute and its table (in turn)
+  void HashBlocks(std::span<const std::byte> bytes);  // codec none: the block table
+  Result<std::uint64_t> WriteTable();  // writes the block table; returns its checksum
 
   ShardFileWriter* file_ = nullptr;
+  DatasetSpec spec_;
   std::string what_;
-  std::int64_t nbytes_ = 0;
+  std::int64_t seq_ = -1;  // position among the datasets of the file (the order they were begun)
+  bool turn_released_ = false;
   std::int64_t written_ = 0;
-  std::int64_t offset_ = -1;  // codec none: file offset of the early-allocated storage
+  std::int64_t offset_ = -1;        // codec none: file offset of the early-allocated storage
+  std::int64_t table_offset_ = -1;  // file offset of the block table's early-allocated storage
+  std::vector<std::uint64_t> table_;
+  std::unique_ptr<Xxh3Stream> block_hash_;  // codec none: the block being filled
+  std::int64_t block_filled_ = 0;
   bool zstd_ = false;
-  int level_ = 3;
   std::int64_t chunk_ = 0;
   ThreadPool* pool_ = nullptr;
   std::int64_t dset_ = -1;  // zstd: the open dataset (hid_t), for direct chunk writes
@@ -87,17 +177,18 @@ class ShardFileWriter {
   static Result<std::unique_ptr<ShardFileWriter>> Create(const std::string& path);
   ~ShardFileWriter();  // closes without fsync if Close() was not called
 
-  // Writes dataset `name` holding `bytes`. zstd chunks of `chunk_bytes` are compressed on
-  // `pool` (if non-null) while earlier chunks are written. `attribute` (JSON text describing the
-  // shard, for people browsing the file) is stored as the string attribute "rs_shard".
-  // Returns the bytes stored in the file (compressed size). IoError on HDF5 failures.
-  Result<std::int64_t> WriteDataset(const std::string& name, std::span<const std::byte> bytes, const CodecSpec& codec,
-                                    std::int64_t chunk_bytes, ThreadPool* pool, const std::string& attribute);
-  // Streaming form of WriteDataset: creates dataset `name` of `nbytes` bytes, whose bytes then
-  // arrive through DatasetWriter::Append. Several datasets of one file may be open at once.
-  Result<std::unique_ptr<DatasetWriter>> BeginDataset(const std::string& name, std::int64_t nbytes,
-                                                      const CodecSpec& codec, std::int64_t chunk_bytes,
-                                                      ThreadPool* pool, const std::string& attribute);
+
+  // Creates dataset `spec.name` of `spec.nbytes` bytes, whose bytes then arrive through
+  // DatasetWriter::Append. zstd chunks are compressed on `pool` (if non-null) while earlier
+  // chunks are written. Several datasets of one file may be open at once.
+  //
+  // Reproducible files: HDF5 allocates file space in the order of the calls that need it, so
+  // every dataset does its HDF5 work in its turn, in the order the datasets were begun (codec
+  // none: all of it here; zstd: creation, chunk writes and close, which wait for the datasets
+  // begun earlier to finish). The same sequence of BeginDataset calls then gives the same file
+  // whatever the threads and timing. A thread that still has an earlier dataset of the file
+  // open does not wait for it (it could not finish it meanwhile); its program order decides.
+  Result<std::unique_ptr<DatasetWriter>> BeginDataset(const DatasetSpec& spec, ThreadPool* pool);
   // Closes the HDF5 file and fsyncs it. IoError on failure.
   Status Close();
   const std::string& path() const { return path_; }
@@ -107,9 +198,23 @@ class ShardFileWriter {
   ShardFileWriter() = default;
   void StartWriteback();
   Status WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool, const std::string& what);
+  // Creates a dataset (and its attribute and block table) in the file. Called in turn.
+  Status CreateDataset(const DatasetSpec& spec, std::int64_t chunk, std::int64_t* dset_out, std::int64_t* data_offset,
+                       std::int64_t* table_offset, const std::string& what);
+  // The turn of dataset `seq` (see BeginDataset).
+  std::int64_t TakeSeq();
+  void AwaitTurn(std::int64_t seq);
+  void Touch(std::int64_t seq);  // the calling thread now feeds dataset `seq`
+  void ReleaseTurn(std::int64_t seq);
+
   std::string path_;
   std::int64_t file_id_ = -1;
   int sync_fd_ = -1;  // our own descriptor of the file, for early writeback and fsync
+
+  std::mutex turn_mu_;
+  std::condition_variable turn_cv_;
+  std::int64_t next_seq_ = 0;
+  std::map<std::int64_t, std::thread::id> unfinished_;  // datasets begun and not released, by seq
 };
 
 class ShardFileReader {
@@ -140,19 +245,51 @@ class ShardFileReader {
   void Prefetch(std::int64_t offset, std::int64_t len) const;
 
   // Reads the uncompressed bytes [begin, begin + out.size()) of a located shard. zstd chunks
-  // are read and decompressed on `pool` (if non-null).
+  // are read and decompressed on `pool` (if non-null). With `verify` (the shard's block table
+  // must be loaded: LoadBlockTable), every byte delivered was checked against the checksum of
+  // its block: blocks that the range covers only in part are read whole (and kept in `cache`,
+  // if not null, for the next read that needs them); a zstd chunk's stored bytes are checked
+  // before they are decompressed. DataLoss naming `what`, the block, its byte range in the
+  // shard and in the file on a mismatch.
   Status ReadRange(const ShardLocation& loc, std::int64_t begin, std::span<std::byte> out, ThreadPool* pool,
-                   const std::string& what) const;
+                   const std::string& what, bool verify = false, BlockCache* cache = nullptr) const;
 
   // Delivers all uncompressed bytes of a located shard, in order, in blocks of at most a few
   // MiB (for checksums without holding a whole shard in memory). Decompression runs ahead on
-  // `pool` (if non-null).
+  // `pool` (if non-null). With `verify`, as ReadRange: each block is checked before any byte of
+  // it reaches `sink` (codec none: a block is read whole first).
   Status Stream(const ShardLocation& loc, ThreadPool* pool, const std::string& what,
-                const std::function<void(std::span<const std::byte>)>& sink) const;
+                const std::function<void(std::span<const std::byte>)>& sink, bool verify = false) const;
+
+  // Version 2: locates the block table dataset `table` of a located shard (a contiguous 1-D
+  // uint8 dataset of 8 bytes per block, FORMAT.md §4.4), reads it, checks its XXH3-64 against
+  // `checksum` and stores it in `loc`. `block_bytes` is the manifest's (codec none). DataLoss
+  // naming `what` and the table on any mismatch.
+  Status LoadBlockTable(ShardLocation& loc, const std::string& table, std::uint64_t checksum,
+                        std::int64_t block_bytes, const std::string& what) const;
+
+  // The string attribute `attr` of dataset `name`: nullopt if the dataset has none; DataLoss if
+  // the dataset is missing or the attribute is not a string of at most 64 KiB.
+  Result<std::optional<std::string>> ReadStringAttribute(const std::string& name, const std::string& attr,
+                                                         const std::string& what) const;
+
+  // The file's bytes outside `extents` (FORMAT.md §3.3): their XXH3-64, in file order, and
+  // their count. DataLoss naming the two extents if two of them overlap, or one that passes
+  // the end of the file.
+  struct Outside {
+    std::uint64_t checksum = 0;
+    std::int64_t bytes = 0;
+  };
+  Result<Outside> HashOutside(std::vector<Extent> extents) const;
 
  private:
   ShardFileReader() = default;
+  // Reads chunk `index` into `chunk_out`; with `verify`, checks the stored bytes against the
+  // block table before decompressing them.
   Status ReadChunk(const ShardLocation& loc, std::size_t index, std::span<std::byte> chunk_out,
+                   const std::string& what, bool verify = false) const;
+  // Reads block `index` of a codec-none shard into `out` (exactly the block) and checks it.
+  Status ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
                    const std::string& what) const;
   std::string path_;
   std::int64_t file_id_ = -1;

@@ -16,6 +16,7 @@
 #include "core/shape.h"
 #include "core/text.h"
 #include "formats/checkpoint_reader.h"
+#include "formats/shard_file.h"
 #include "formats/thread_pool.h"
 
 namespace rs {
@@ -299,6 +300,22 @@ void CheckOptimizerStates(const Manifest& m, const std::string& manifest_path, F
   }
 }
 
+// The informative attribute a writer of this project stores with a shard's dataset
+// (FORMAT.md §4): what the manifest says about the shard.
+nlohmann::json ExpectedAttribute(const ShardEntry& s, const TensorSpec& t) {
+  nlohmann::json a = {{"tensor", s.tensor}, {"dtype", DTypeName(t.dtype)}, {"box_offset", s.piece.box.offset},
+                      {"box_shape", s.piece.box.shape}};
+  if (s.piece.range) a["range"] = {s.piece.range->begin, s.piece.range->end};
+  return a;
+}
+
+// Whether a read error means wrong bytes (a checksum, an undecodable zstd frame) rather than a
+// file that cannot be read as the manifest says.
+bool IsChecksumError(const Status& s) {
+  const std::string& m = s.message();
+  return m.find("checksum") != std::string::npos || m.find("zstd") != std::string::npos;
+}
+
 }  // namespace
 
 std::string_view FindingKindName(FindingKind k) {
@@ -312,6 +329,8 @@ std::string_view FindingKindName(FindingKind k) {
     case FindingKind::kOverlap: return "overlap";
     case FindingKind::kReplicaMismatch: return "replica_mismatch";
     case FindingKind::kOptimizerState: return "optimizer_state";
+    case FindingKind::kFileBytes: return "file_bytes";
+    case FindingKind::kAttribute: return "attribute";
   }
   return "unknown";
 }
@@ -324,9 +343,11 @@ nlohmann::json VerifyReport::ToJson() const {
   nlohmann::json j;
   j["dir"] = dir;
   j["sound"] = sound();
+  j["format_version"] = counts.format_version;
   j["counts"] = {{"tensors", counts.tensors},           {"shards", counts.shards},
                  {"replicas", counts.replicas},         {"files", counts.files},
-                 {"checked_bytes", counts.checked_bytes}, {"stored_bytes", counts.stored_bytes}};
+                 {"checked_bytes", counts.checked_bytes}, {"stored_bytes", counts.stored_bytes},
+                 {"outside_bytes", counts.outside_bytes}};
   nlohmann::json by_kind = nlohmann::json::object();
   nlohmann::json list = nlohmann::json::array();
   for (const Finding& f : findings) {
@@ -349,37 +370,43 @@ std::string VerifyReport::ToText() const {
   // One line per finding, whatever a name from the manifest holds (newlines, escapes).
   for (const Finding& f : findings) os << FindingKindName(f.kind) << ": " << SafeText(f.message) << "\n";
   if (findings_omitted > 0) os << "(" << findings_omitted << " more findings omitted)\n";
+  if (counts.format_version == 1) {
+    os << "note: format version 1: no block tables or file checksums; bytes outside the shards' data are not "
+          "checked\n";
+  }
   os << (sound() ? "SOUND" : "NOT SOUND") << ": " << dir << ": " << counts.tensors << " tensors, " << counts.shards
      << " shards (" << counts.replicas << " replicas) in " << counts.files << " files, " << counts.checked_bytes
-     << " bytes checksummed, " << findings.size() + static_cast<std::size_t>(findings_omitted) << " findings\n";
+     << " bytes checksummed";
+  if (counts.format_version >= 2) os << " (+ " << counts.outside_bytes << " outside the data)";
+  os << ", " << findings.size() + static_cast<std::size_t>(findings_omitted) << " findings\n";
   return os.str();
 }
 
 VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
-  VerifyReport report;
-  report.dir = dir;
-  Findings out(&report, options.max_findings_per_tensor);
-  const std::string manifest_path = dir + "/" + std::string(kManifestFileName);
-  auto finish = [&]() -> VerifyReport {
-    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return std::move(report);
-  };
-
   ReaderOptions ro;
   ro.threads = options.threads;
-  ro.checksums = ChecksumPolicy::kSkip;  // verified explicitly below, each shard once
+  ro.checksums = ChecksumPolicy::kSkip;  // verified explicitly, each shard once
   Result<std::unique_ptr<CheckpointReader>> opened = CheckpointReader::Open(dir, ro);
   if (!opened.ok()) {
+    VerifyReport report;
+    report.dir = dir;
     const bool version = opened.status().code() == ErrorCode::kVersionMismatch;
-    out.Add(version ? FindingKind::kVersion : FindingKind::kManifest, opened.status().code(), "", manifest_path,
-            opened.status().message());
-    return finish();
+    report.findings.push_back({version ? FindingKind::kVersion : FindingKind::kManifest, opened.status().code(), "",
+                               dir + "/" + std::string(kManifestFileName), opened.status().message()});
+    return report;
   }
-  CheckpointReader& r = **opened;
+  return VerifyCheckpoint(**opened, options);
+}
+
+VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  VerifyReport report;
+  report.dir = r.dir();
+  Findings out(&report, options.max_findings_per_tensor);
   const Manifest& m = r.manifest();
   report.counts.tensors = static_cast<std::int64_t>(m.tensors.size());
   report.counts.shards = static_cast<std::int64_t>(m.shards.size());
+  report.counts.format_version = m.version;
 
   // Files: present and openable. A missing or broken file is one finding that names the
   // tensors it holds, not one per shard.
@@ -391,7 +418,7 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
   report.counts.files = static_cast<std::int64_t>(tensors_in_file.size());
   std::set<std::string> bad_files;
   for (const auto& [file, tensors] : tensors_in_file) {
-    const std::string path = dir + "/" + file;
+    const std::string path = r.dir() + "/" + file;
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0) {
       out.Add(FindingKind::kMissingFile, ErrorCode::kDataLoss, *tensors.begin(), file,
@@ -407,12 +434,19 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
       continue;
     }
     report.counts.stored_bytes += *size;
+    if (const DataFileEntry* entry = m.FindFile(file); entry != nullptr && entry->size != *size) {
+      out.Add(FindingKind::kFileBytes, ErrorCode::kDataLoss, *tensors.begin(), file,
+              path + ": " + std::to_string(*size) + " bytes, the manifest says " + std::to_string(entry->size) +
+                  "; it holds shards of tensors " + Join(tensors, 8));
+    }
   }
 
-  // Shards: dataset extents inside the file, then checksums, in parallel.
+  // Shards: dataset extents inside the file, block tables, attributes, then checksums, in
+  // parallel.
   const std::size_t n = m.shards.size();
-  std::vector<std::optional<Finding>> shard_findings(n);
+  std::vector<std::vector<Finding>> shard_findings(n);
   std::vector<std::int64_t> checked(n, 0);
+  std::vector<std::optional<ShardLocation>> located(n);
   std::int64_t total_bytes = 0;
   for (const ShardEntry& s : m.shards) total_bytes += s.nbytes;
   std::mutex progress_mu;
@@ -426,18 +460,38 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
         const ShardEntry& s = m.shards[i];
         Result<ShardLocation> loc = r.LocateShard(i);
         if (!loc.ok()) {
-          shard_findings[i] = Finding{FindingKind::kBadFile, loc.status().code(), s.tensor, s.file,
-                                      loc.status().message()};
+          // A block table that does not match the manifest is wrong bytes, like bad data.
+          shard_findings[i].push_back({IsChecksumError(loc.status()) ? FindingKind::kChecksum : FindingKind::kBadFile,
+                                       loc.status().code(), s.tensor, s.file, loc.status().message()});
           return;
         }
+        located[i] = *loc;
+        if (Result<const ShardFileReader*> f = r.OpenFile(s.file); f.ok()) {
+          const std::string what = r.DescribeShard(i);
+          Result<std::optional<std::string>> attr = (*f)->ReadStringAttribute(s.dataset, "rs_shard", what);
+          const TensorSpec& t = m.tensors[static_cast<std::size_t>(m.TensorIndex(s.tensor))];
+          if (!attr.ok()) {
+            shard_findings[i].push_back({FindingKind::kAttribute, attr.status().code(), s.tensor, s.file,
+                                         attr.status().message()});
+          } else if (attr->has_value()) {
+            const nlohmann::json got = nlohmann::json::parse(**attr, nullptr, /*allow_exceptions=*/false);
+            const nlohmann::json want = ExpectedAttribute(s, t);
+            if (got != want) {
+              shard_findings[i].push_back({FindingKind::kAttribute, ErrorCode::kDataLoss, s.tensor, s.file,
+                                           what + ": attribute 'rs_shard' is " + SafeText(**attr) +
+                                               ", the manifest says " + want.dump()});
+            }
+          }
+        }
         if (options.checksums == ChecksumCheck::kSkip) return;
+        if (options.checksums == ChecksumCheck::kReplicasOnly && s.replica == ReplicaKind::kMain) return;
         Result<std::uint64_t> h = r.HashShard(i);
         if (!h.ok()) {
-          // Undecodable data (a corrupt zstd frame) is a checksum-class failure: the bytes
-          // are wrong; an unreadable extent is a file problem.
-          const bool decode = h.status().message().find("zstd") != std::string::npos;
-          shard_findings[i] = Finding{decode ? FindingKind::kChecksum : FindingKind::kBadFile, h.status().code(),
-                                      s.tensor, s.file, h.status().message()};
+          // Undecodable data (a corrupt zstd frame) or a block that does not match its checksum
+          // is a checksum-class failure: the bytes are wrong; an unreadable extent is a file
+          // problem.
+          shard_findings[i].push_back({IsChecksumError(h.status()) ? FindingKind::kChecksum : FindingKind::kBadFile,
+                                       h.status().code(), s.tensor, s.file, h.status().message()});
           return;
         }
         checked[i] = s.nbytes;
@@ -447,9 +501,9 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
           options.progress(progress_done, total_bytes);
         }
         if (*h != s.checksum) {
-          shard_findings[i] = Finding{FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
-                                      r.DescribeShard(i) + ": checksum " + ChecksumToString(*h) + " of the data at " +
-                                          DescribeExtent(*loc) + ", expected " + ChecksumToString(s.checksum)};
+          shard_findings[i].push_back({FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
+                                       r.DescribeShard(i) + ": checksum " + ChecksumToString(*h) + " of the data at " +
+                                           DescribeExtent(*loc) + ", expected " + ChecksumToString(s.checksum)});
         }
       });
     }
@@ -457,15 +511,56 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
   }
   for (std::size_t i = 0; i < n; ++i) {
     report.counts.checked_bytes += checked[i];
-    if (shard_findings[i]) report.findings.push_back(std::move(*shard_findings[i]));
+    for (Finding& f : shard_findings[i]) report.findings.push_back(std::move(f));
+  }
+
+  // Version 2: the bytes of each file outside the shards' data (FORMAT.md §3.3), once every
+  // shard of the file was located (a file whose shards cannot be located has its finding).
+  if (m.version >= 2 && options.checksums != ChecksumCheck::kSkip) {
+    std::map<std::string, std::vector<Extent>> extents;
+    std::set<std::string> unlocated;
+    for (std::size_t i = 0; i < n; ++i) {
+      const ShardEntry& s = m.shards[i];
+      if (bad_files.count(s.file) != 0) continue;
+      if (!located[i]) {
+        unlocated.insert(s.file);
+        continue;
+      }
+      for (Extent& e : DataExtents(*located[i])) {
+        e.owner = "dataset '" + s.dataset + "' (tensor '" + s.tensor + "')";
+        extents[s.file].push_back(std::move(e));
+      }
+    }
+    for (auto& [file, list] : extents) {
+      if (unlocated.count(file) != 0) continue;
+      const DataFileEntry* entry = m.FindFile(file);
+      Result<const ShardFileReader*> f = r.OpenFile(file);
+      if (entry == nullptr || !f.ok()) continue;
+      const std::string& tensor = *tensors_in_file[file].begin();
+      Result<ShardFileReader::Outside> outside = (*f)->HashOutside(std::move(list));
+      if (!outside.ok()) {
+        out.Add(FindingKind::kFileBytes, outside.status().code(), tensor, file, outside.status().message());
+        continue;
+      }
+      report.counts.outside_bytes += outside->bytes;
+      if (outside->checksum != entry->outside_checksum) {
+        out.Add(FindingKind::kFileBytes, ErrorCode::kDataLoss, tensor, file,
+                r.dir() + "/" + file + ": checksum " + ChecksumToString(outside->checksum) + " of the " +
+                    std::to_string(outside->bytes) +
+                    " bytes outside the shards' data (HDF5 metadata, attributes, block tables), expected " +
+                    ChecksumToString(entry->outside_checksum) + "; it holds shards of tensors " +
+                    Join(tensors_in_file[file], 8));
+      }
+    }
   }
 
   for (const TensorSpec& t : m.tensors) {
     CheckCoverage(r, t, options, out);
     CheckReplicas(r, t, options, out);
   }
-  CheckOptimizerStates(m, manifest_path, out);
-  return finish();
+  CheckOptimizerStates(m, r.dir() + "/" + std::string(kManifestFileName), out);
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
 }
 
 }  // namespace rs

@@ -2,8 +2,12 @@
 // the manifest's schema and version; every data file present and large enough for what it
 // should hold; every checksum (in parallel); every logical tensor covered exactly once by main
 // replicas, with gaps and overlaps reported by coordinates; replicas byte-identical to their
-// main copy; optimizer states shaped like their parameters. Problems are findings in the
-// report, never errors: VerifyCheckpoint always returns a report.
+// main copy; optimizer states shaped like their parameters. Format version 2: every byte of
+// every data file is accounted for - the shards' data against their block tables, everything
+// else (HDF5's metadata, attributes, block tables, free space) against the file's checksum in
+// the manifest, and the file's size - and the datasets' informative attributes must agree
+// with the manifest. Problems are findings in the report, never errors: VerifyCheckpoint
+// always returns a report.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +22,8 @@
 
 namespace rs {
 
+class CheckpointReader;
+
 enum class FindingKind : std::uint8_t {
   kManifest,         // manifest missing, malformed, or inconsistent
   kVersion,          // written by a format version this build does not read
@@ -28,9 +34,12 @@ enum class FindingKind : std::uint8_t {
   kOverlap,          // items of a tensor that two main replicas hold
   kReplicaMismatch,  // a replica whose bytes differ from the main replica's
   kOptimizerState,   // an optimizer state without its parameter, or shaped differently
+  kFileBytes,        // version 2: a data file's size, or its bytes outside the shards' data,
+                     // differ from the manifest (or two shards' data overlap in the file)
+  kAttribute,        // a dataset's informative attribute contradicts the manifest
 };
 // "manifest", "version", "missing_file", "bad_file", "checksum", "gap", "overlap",
-// "replica_mismatch", "optimizer_state"
+// "replica_mismatch", "optimizer_state", "file_bytes", "attribute"
 std::string_view FindingKindName(FindingKind k);
 
 struct Finding {
@@ -48,6 +57,8 @@ struct VerifyCounts {
   std::int64_t files = 0;
   std::int64_t checked_bytes = 0;  // uncompressed bytes whose checksum was computed
   std::int64_t stored_bytes = 0;   // bytes in data files (compressed)
+  std::int64_t outside_bytes = 0;  // version 2: bytes outside the shards' data, checksummed
+  std::int64_t format_version = 0;  // of the manifest (0 if it could not be read)
 };
 
 struct VerifyReport {
@@ -63,7 +74,11 @@ struct VerifyReport {
   std::string ToText() const;  // one line per finding plus a summary line
 };
 
-enum class ChecksumCheck : std::uint8_t { kAll, kSkip };
+// kAll: every byte of every file (data against block tables and shard checksums, the rest
+// against the files' checksums). kSkip: structure and coverage only. kReplicasOnly: all but the
+// data of main replicas, for callers that read every byte of those themselves with checked
+// reads (`diff`).
+enum class ChecksumCheck : std::uint8_t { kAll, kSkip, kReplicasOnly };
 
 struct VerifyOptions {
   int threads = 0;  // 0 = hardware concurrency
@@ -78,5 +93,8 @@ struct VerifyOptions {
 };
 
 VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options = {});
+// The same checks through an open reader (whose checksum policy applies to the coverage and
+// replica comparisons).
+VerifyReport VerifyCheckpoint(CheckpointReader& reader, const VerifyOptions& options = {});
 
 }  // namespace rs

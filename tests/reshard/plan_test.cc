@@ -58,7 +58,7 @@ Manifest ManifestOf(const PhysicalMap& map) {
   for (const PlacedShard& s : map.PlacePieces(Replicas::kMainOnly)) {
     const TensorSpec& t = m.tensors[s.tensor];
     m.shards.push_back(ShardEntry{t.name, s.piece, "rank-x.h5", "d", s.piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype)),
-                                  Codec::kNone, 0, s.rank, ReplicaKind::kMain});
+                                  Codec::kNone, 0, s.rank, ReplicaKind::kMain, {}});
   }
   return m;
 }
