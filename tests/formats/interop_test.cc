@@ -74,18 +74,57 @@ TEST_P(Interop, H5pyReadsOurShards) {
   ASSERT_TRUE((*w)->Commit().ok());
   // The script follows FORMAT.md only: manifest -> file/dataset -> bytes.
   const std::string script = tmp / "read.py";
-  WriteText(script, R"(import sys, json, h5py, hdf5plugin
+  // With the system's libxxhash (through ctypes) it also checks format version 2's block
+  // tables and accounts for every byte of each file (FORMAT.md §3.3, §4.4).
+  WriteText(script, R"(import sys, json, ctypes, h5py, hdf5plugin
 d = sys.argv[1]
 m = json.load(open(d + "/manifest.json"))
-assert m["format"] == "moe-reshard-checkpoint" and m["format_version"] == 1
+assert m["format"] == "moe-reshard-checkpoint" and m["format_version"] == 2
+try:
+    lib = ctypes.CDLL("libxxhash.so.0")
+    lib.XXH3_64bits.restype = ctypes.c_uint64
+    lib.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    xxh3 = lambda b: "xxh3-64:%016x" % lib.XXH3_64bits(bytes(b), len(b))
+except OSError:
+    xxh3 = None
 out = open(sys.argv[2], "wb")
+extents = {}
 for s in m["shards"]:
     with h5py.File(d + "/" + s["file"], "r") as f:
         ds = f[s["dataset"]]
         assert ds.dtype == "uint8" and ds.shape == (s["nbytes"],), (ds.dtype, ds.shape)
+        data = ds[()].tobytes()
+        table = f[s["blocks"]["dataset"]][()].tobytes()
+        blocks = [int.from_bytes(table[i:i + 8], "little") for i in range(0, len(table), 8)]
+        ext = extents.setdefault(s["file"], [])
         if s["codec"] == "zstd":
             assert 32015 in ds._filters or "32015" in ds._filters, ds._filters
-        out.write(ds[()].tobytes())
+            n = ds.id.get_num_chunks()
+            assert n == len(blocks) == -(-s["nbytes"] // ds.chunks[0])
+            for i in range(n):
+                info = ds.id.get_chunk_info(i)
+                ext.append((info.byte_offset, info.size))
+                _, stored = ds.id.read_direct_chunk(info.chunk_offset)
+                if xxh3: assert xxh3(stored) == "xxh3-64:%016x" % blocks[i], i
+        else:
+            B = m["block_bytes"]
+            assert len(blocks) == -(-s["nbytes"] // B)
+            ext.append((ds.id.get_offset(), s["nbytes"]))
+            for i in range(len(blocks)):
+                if xxh3: assert xxh3(data[i * B:(i + 1) * B]) == "xxh3-64:%016x" % blocks[i], i
+        if xxh3:
+            assert xxh3(table) == s["blocks"]["checksum"]
+            assert xxh3(data) == s["checksum"]
+        out.write(data)
+for fe in m["files"]:
+    raw = open(d + "/" + fe["name"], "rb").read()
+    assert len(raw) == fe["size"]
+    outside, pos = b"", 0
+    for off, size in sorted(extents[fe["name"]]):
+        outside += raw[pos:off]
+        pos = off + size
+    outside += raw[pos:]
+    if xxh3: assert xxh3(outside) == fe["outside_checksum"], fe["name"]
 )");
   ASSERT_EQ(RunPython(script, dir + " " + (tmp / "out.bin")), 0);
   EXPECT_EQ(ReadBinary(tmp / "out.bin"), expected);
@@ -107,6 +146,7 @@ with h5py.File(sys.argv[1], "w") as f:
   std::vector<std::byte> expected(kN);
   for (std::int64_t i = 0; i < kN; ++i) expected[static_cast<std::size_t>(i)] = static_cast<std::byte>(i % 251);
   Manifest m;
+  m.version = 1;  // a version-1 manifest over a file another HDF5 stack wrote (no block table)
   m.producer = "h5py";
   m.tensors.push_back(Spec("x", DType::kU8, {kN}));
   ShardEntry s;

@@ -88,6 +88,7 @@ TEST(Verify, CoverageSweepIsNotPerItem) {
   std::filesystem::create_directories(dir);
   const std::int64_t rows = std::int64_t{1} << 20, cols = std::int64_t{1} << 20;
   Manifest m;
+  m.version = 1;  // no block tables or file entries: the data files do not exist
   m.producer = "verify_test";
   m.tensors.push_back(Spec("huge", DType::kU8, {rows, cols}));
   // Four column blocks per row band... simplified: 3 row bands, one missing a column range, one
