@@ -2,6 +2,11 @@
 // optimizer state – to another parallel layout, streaming with a fixed memory budget. Under
 // mpirun the target rank files are divided among the processes; each writes its own into a
 // shared staging directory and rank 0 publishes the manifest once all are done.
+//
+// Every source byte read is checked (format version 2: against its block checksum, at no
+// extra I/O; version 1: a shard read in part is checked whole first), so a corrupt source
+// fails the conversion, naming the file, tensor and byte range, and nothing is published.
+// --verify-source additionally verifies the whole source up front, as `reshard verify` does.
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -11,6 +16,7 @@
 #include "cli/util.h"
 #include "dist/commit.h"
 #include "dist/mpi.h"
+#include "formats/verify.h"
 #include "reshard/execute.h"
 
 namespace rs::cli {
@@ -28,6 +34,7 @@ struct ConvertArgs {
   std::string param_dtype;
   bool with_replicas = false;
   bool verify_source = false;
+  bool no_verify = false;
 };
 
 // Everything both the single- and the multi-process path need.
@@ -41,7 +48,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   Setup s;
   ReaderOptions ro;
   ro.threads = a.threads;
-  ro.checksums = a.verify_source ? ChecksumPolicy::kVerify : ChecksumPolicy::kSkip;
+  ro.checksums = a.no_verify ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
   RS_ASSIGN_OR_RETURN(s.reader, CheckpointReader::Open(a.src, ro));
   RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.reader->manifest()));
   ReshardOptions o;
@@ -65,11 +72,11 @@ Result<Setup> Prepare(const ConvertArgs& a) {
 
 // Writes this process's share (all of it when `owner` is empty) through `writer`.
 Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::vector<std::int64_t>& owner,
-                                std::int64_t me, bool show_progress, bool verify_source) {
+                                std::int64_t me, bool show_progress, bool no_verify) {
   for (const TensorSpec& t : s.plan.tensors) RS_RETURN_IF_ERROR(writer.AddTensor(t));
   ExecuteOptions eo;
   eo.threads = s.writer.threads;
-  eo.map_sources = !verify_source;
+  eo.map_sources = no_verify;
   if (!owner.empty()) eo.owns_rank = [&owner, me](std::int64_t r) { return owner[static_cast<std::size_t>(r)] == me; };
   std::unique_ptr<Progress> progress;
   if (show_progress) {
@@ -105,11 +112,31 @@ void RunConvert(const ConvertArgs& a) {
   if (!world.AllOk(setup.ok())) {
     Fail("convert", setup.ok() ? Internal("another process failed to plan the conversion") : setup.status());
   }
+  const std::int64_t version = setup->reader->manifest().version;
+  if (world.rank() == 0 && version < 2 && !a.no_verify && !a.verify_source) {
+    PrintErr("note: %s is format version %lld: its checksums cover whole shards, so a shard read only in part is "
+             "read once more in full to check it (format version 2 checks every block as it is read)\n",
+             a.src.c_str(), static_cast<long long>(version));
+  }
+  if (a.verify_source) {
+    // Up front, by one process: every byte of every source file, as `reshard verify` checks it.
+    Status sound = Status::Ok();
+    if (world.rank() == 0) {
+      VerifyOptions vo;
+      vo.threads = a.threads;
+      const VerifyReport report = VerifyCheckpoint(*setup->reader, vo);
+      if (!report.sound()) {
+        PrintErr("%s", report.ToText().c_str());
+        sound = DataLoss(a.src + ": the source is not sound (--verify-source): " + report.findings.front().message);
+      }
+    }
+    if (!world.AllOk(sound.ok())) Fail("convert", sound.ok() ? DataLoss(a.src + ": the source is not sound") : sound);
+  }
   const std::vector<std::int64_t> owner = world.active() ? AssignRanks(setup->plan, world.size())
                                                          : std::vector<std::int64_t>{};
   ExecuteStats stats;
   const Status st = dist::WriteCheckpointTogether(world.comm(), a.out, setup->writer, [&](CheckpointWriter& writer) {
-    auto s = WriteShare(*setup, writer, owner, world.rank(), /*show_progress=*/world.rank() == 0, a.verify_source);
+    auto s = WriteShare(*setup, writer, owner, world.rank(), /*show_progress=*/world.rank() == 0, a.no_verify);
     if (!s.ok()) return s.status();
     stats = *s;
     return Status::Ok();
@@ -135,7 +162,12 @@ void RegisterConvert(CLI::App& app) {
   cmd->add_option("--codec", a->codec, "Target codec: none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_option("--param-dtype", a->param_dtype, "Convert parameters (not optimizer states) to this dtype, e.g. bf16");
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of the target layout");
-  cmd->add_flag("--verify-source", a->verify_source, "Check the checksum of every source shard read");
+  cmd->add_flag("--verify-source", a->verify_source,
+                "First verify the whole source as `reshard verify` does (every byte of every file); refuse it if unsound");
+  cmd->add_flag("--no-verify", a->no_verify,
+                "Do not check source bytes against their checksums while reading (for a source verified just before; "
+                "saves the extra pass a format-version-1 source needs)");
+  cmd->get_option("--no-verify")->excludes("--verify-source");
   cmd->callback([a] { RunConvert(*a); });
 }
 

@@ -1,11 +1,18 @@
 // `reshard diff A B [--json] [--tolerance T]`: compares the logical content of two checkpoints whatever their
 // layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
+//
+// Both checkpoints must be sound: every byte compared is checked against its checksum as it is
+// read, and the rest of each checkpoint (structure, coverage, replicas, and for format version 2
+// the bytes of each file outside the shards' data) is verified as `reshard verify` does, without
+// reading the compared bytes twice. So diff never calls a checkpoint that verify rejects
+// identical to anything (unless --skip-checksums).
 #include <cstdio>
 
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "cli/util.h"
+#include "formats/verify.h"
 #include "reshard/diff.h"
 
 namespace rs::cli {
@@ -28,6 +35,21 @@ void RunDiff(const DiffArgs& args) {
   if (!a.ok()) Fail("diff", a.status());
   auto b = CheckpointReader::Open(args.b, ro);
   if (!b.ok()) Fail("diff", b.status());
+  if (!args.skip_checksums) {
+    // Everything verify checks except the main replicas' data, which the comparison reads
+    // (checked) anyway; replicas are read here.
+    for (CheckpointReader* r : {a->get(), b->get()}) {
+      VerifyOptions vo;
+      vo.threads = args.threads;
+      vo.checksums = ChecksumCheck::kReplicasOnly;
+      const VerifyReport report = VerifyCheckpoint(*r, vo);
+      if (!report.sound()) {
+        if (!args.json) PrintErr("%s", report.ToText().c_str());
+        Fail("diff", DataLoss(r->dir() + " is not sound (" + std::to_string(report.findings.size()) +
+                              " findings), first: " + report.findings.front().message));
+      }
+    }
+  }
   DiffOptions o;
   o.threads = args.threads;
   auto report = DiffCheckpoints(**a, **b, o);
@@ -63,7 +85,8 @@ void RegisterDiff(CLI::App& app) {
   cmd->add_option("--tolerance", a->tolerance,
                   "Values differing by at most this much (absolute) count as equal; exit 0 if all do")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_flag("--skip-checksums", a->skip_checksums, "Do not verify shard checksums while reading");
+  cmd->add_flag("--skip-checksums", a->skip_checksums,
+                "Compare only: do not check checksums or soundness (may call an unsound checkpoint identical)");
   cmd->callback([a] { RunDiff(*a); });
 }
 

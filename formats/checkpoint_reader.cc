@@ -140,7 +140,7 @@ Result<const ShardLocation*> CheckpointReader::Located(std::size_t index) {
     // The block table is loaded with the location (8 bytes per block), so that a location never
     // changes once published and readers share it without locking.
     RS_RETURN_IF_ERROR(
-        (*f)->LoadBlockTable(loc, s.blocks.dataset, s.blocks.checksum, manifest_.block_bytes, DescribeShard(index)));
+        (*f)->LoadBlockTable(loc, s.block_table, s.checksum, manifest_.block_bytes, DescribeShard(index)));
   }
   locations_[index] = std::move(loc);
   return &*locations_[index];
@@ -183,7 +183,9 @@ Result<std::uint64_t> CheckpointReader::HashShard(std::size_t index) {
 Status CheckpointReader::VerifyShard(std::size_t index) {
   RS_ASSIGN_OR_RETURN(const std::uint64_t h, HashShard(index));
   const ShardEntry& s = manifest_.shards[index];
-  if (h != s.checksum) {
+  // Version 2: HashShard checked every block against the table, and the table against the
+  // manifest's checksum.
+  if (manifest_.version < 2 && h != s.checksum) {
     // The location is cached by HashShard; it tells where the bad bytes were read from.
     RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
     return DataLoss(DescribeShard(index) + ": checksum " + ChecksumToString(h) + " of the data at " +
@@ -192,6 +194,13 @@ Status CheckpointReader::VerifyShard(std::size_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   verified_[index] = 1;
   return Status::Ok();
+}
+
+void CheckpointReader::RecordHash(std::size_t index, std::uint64_t h) {
+  RS_CHECK(index < manifest_.shards.size());
+  if (manifest_.version >= 2 || h != manifest_.shards[index].checksum) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  verified_[index] = 1;
 }
 
 Status CheckpointReader::EnsureVerified(std::size_t index) {

@@ -74,6 +74,9 @@ class CheckpointReader {
   Result<std::vector<std::byte>> ReadShard(std::size_t index);
   // Streams shard `index` once and compares its XXH3-64 with the manifest (DataLoss on mismatch).
   Status VerifyShard(std::size_t index);
+  // Records that shard `index`'s bytes hash to `h` (HashShard): if that is the manifest's
+  // checksum, the shard counts as verified, and version-1 reads need not check it again.
+  void RecordHash(std::size_t index, std::uint64_t h);
   // Streams shard `index` once and returns the XXH3-64 of its uncompressed bytes (errors are
   // those of reading: DataLoss for corrupt files or chunks, IoError). Version 2: every block
   // is checked against the block table on the way (DataLoss naming the block's byte range).

@@ -320,7 +320,7 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
   if (options_.format_version >= 2 && e.nbytes > 0) {
     spec.table = e.dataset + ".blocks";
     spec.block_bytes = options_.block_bytes;
-    e.blocks.dataset = spec.table;
+    e.block_table = spec.table;
   }
   Result<std::unique_ptr<DatasetWriter>> d = file->BeginDataset(spec, pool_.get());
   if (!d.ok()) {
@@ -329,7 +329,8 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
     return d.status().WithContext("tensor '" + tensor + "'");
   }
   sink->dataset_ = std::move(d).value();
-  sink->hash_ = std::make_unique<Xxh3Stream>();
+  // Version 1's checksum is that of the bytes; version 2's that of the block table.
+  if (options_.format_version < 2) sink->hash_ = std::make_unique<Xxh3Stream>();
   return sink;
 }
 
@@ -356,7 +357,7 @@ ShardSink::~ShardSink() {
 
 Status ShardSink::Append(std::span<const std::byte> bytes) {
   if (writer_ == nullptr) return FailedPrecondition("shard of '" + entry_.tensor + "' already finished");
-  hash_->Update(bytes);
+  if (hash_ != nullptr) hash_->Update(bytes);
   return dataset_->Append(bytes).WithContext("tensor '" + entry_.tensor + "'");
 }
 
@@ -364,8 +365,8 @@ Status ShardSink::Finish() {
   if (writer_ == nullptr) return FailedPrecondition("shard of '" + entry_.tensor + "' already finished");
   Result<DatasetWriter::Written> written = dataset_->Finish();
   if (!written.ok()) return written.status().WithContext("tensor '" + entry_.tensor + "'");
-  entry_.checksum = hash_->Digest();
-  entry_.blocks.checksum = written->table_checksum;
+  // Version 2 (FORMAT.md §4.4): the table's checksum; an empty shard has an empty table.
+  entry_.checksum = hash_ != nullptr ? hash_->Digest() : entry_.nbytes > 0 ? written->table_checksum : Xxh3({});
   dataset_.reset();
   std::lock_guard<std::mutex> lock(writer_->mu_);
   --writer_->open_sinks_;

@@ -198,20 +198,18 @@ Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view
   s.replica = rep->get<bool>() ? ReplicaKind::kReplica : ReplicaKind::kMain;
   if (version >= 2) {
     // Every byte of a non-empty shard is covered by its block table (FORMAT.md §4.4).
-    const auto b = j.find("blocks");
+    const bool has = j.contains("block_table");
     if (s.nbytes == 0) {
-      if (b != j.end()) return ctx.Bad("field 'blocks' on a shard of nbytes = 0 (an empty shard has no block table)");
+      if (has) return ctx.Bad("field 'block_table' on a shard of nbytes = 0 (an empty shard has no block table)");
     } else {
-      if (b == j.end() || !b->is_object()) {
-        return ctx.Bad("missing or non-object field 'blocks' (format version 2: the block table of a shard of " +
+      if (!has) {
+        return ctx.Bad("missing field 'block_table' (format version 2: the block checksums of a shard of " +
                        std::to_string(s.nbytes) + " bytes)");
       }
-      RS_ASSIGN_OR_RETURN(s.blocks.dataset, GetString(*b, "dataset", ctx));
-      if (s.blocks.dataset.empty() || s.blocks.dataset == s.dataset) {
-        return ctx.Bad("field 'blocks.dataset' = " + Quote(s.blocks.dataset) +
-                       " must name a dataset other than the shard's own");
+      RS_ASSIGN_OR_RETURN(s.block_table, GetString(j, "block_table", ctx));
+      if (s.block_table.empty() || s.block_table == s.dataset) {
+        return ctx.Bad("field 'block_table' = " + Quote(s.block_table) + " must name a dataset other than the shard's own");
       }
-      RS_ASSIGN_OR_RETURN(s.blocks.checksum, GetChecksum(*b, "checksum", ctx));
     }
   }
   return s;
@@ -270,9 +268,7 @@ nlohmann::json ManifestToJson(const Manifest& m) {
     sj["checksum"] = ChecksumToString(s.checksum);
     sj["rank"] = s.rank;
     sj["replica"] = s.replica == ReplicaKind::kReplica;
-    if (m.version >= 2 && s.nbytes > 0) {
-      sj["blocks"] = {{"dataset", s.blocks.dataset}, {"checksum", ChecksumToString(s.blocks.checksum)}};
-    }
+    if (m.version >= 2 && s.nbytes > 0) sj["block_table"] = s.block_table;
     shards.push_back(std::move(sj));
   }
   j["shards"] = std::move(shards);
@@ -339,7 +335,7 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
     for (std::size_t i = 0; i < m.shards.size(); ++i) {
       const ShardEntry& s = m.shards[i];
       named.insert(s.file);
-      for (const std::string* d : {&s.dataset, &s.blocks.dataset}) {
+      for (const std::string* d : {&s.dataset, &s.block_table}) {
         if (d->empty()) continue;
         const auto [it, fresh] = datasets.emplace(s.file + '\0' + *d, i);
         if (!fresh) {

@@ -35,13 +35,6 @@ inline constexpr std::int64_t kMaxManifestBytes = std::int64_t{1} << 30;
 // Whether a stored piece is the main copy (counted for coverage) or a replica of it.
 enum class ReplicaKind : std::uint8_t { kMain, kReplica };
 
-// Version 2: where a shard's block checksums are (FORMAT.md §4.4).
-struct BlockTableRef {
-  std::string dataset;         // HDF5 path of the table in the shard's file; "" = no table
-  std::uint64_t checksum = 0;  // XXH3-64 of the table's bytes
-  friend bool operator==(const BlockTableRef&, const BlockTableRef&) = default;
-};
-
 struct ShardEntry {
   std::string tensor;
   Piece piece;               // box in the global tensor + optional flat range inside it
@@ -49,10 +42,12 @@ struct ShardEntry {
   std::string dataset;       // HDF5 dataset path inside `file`
   std::int64_t nbytes = 0;   // uncompressed bytes = piece.numel() * dtype size
   Codec codec = Codec::kNone;
-  std::uint64_t checksum = 0;  // XXH3-64 of the uncompressed bytes
+  // Version 1: XXH3-64 of the uncompressed bytes. Version 2: XXH3-64 of the shard's block
+  // table (FORMAT.md §4.4), which holds one XXH3-64 per block of the stored bytes.
+  std::uint64_t checksum = 0;
   std::int64_t rank = 0;     // the rank that wrote it
   ReplicaKind replica = ReplicaKind::kMain;
-  BlockTableRef blocks;      // version 2, nbytes > 0 only
+  std::string block_table;   // version 2, nbytes > 0: HDF5 path of the block table in `file`
   friend bool operator==(const ShardEntry&, const ShardEntry&) = default;
 };
 

@@ -241,17 +241,21 @@ void CheckReplicas(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
   for (const std::size_t idx : r.ShardsOf(t.name)) {
     const ShardEntry& rep = m.shards[idx];
     if (rep.replica != ReplicaKind::kReplica) continue;
-    // Same piece as a main replica: the checksums (each verified against its bytes) decide.
+    // Same piece as a main replica: equal checksums (each verified against its bytes) mean
+    // equal bytes. Version 1's checksums are of the bytes, so different ones mean different
+    // bytes; version 2's are of the stored blocks (compressed, for zstd), so different ones are
+    // settled by comparing the bytes below.
     if (const auto it = exact.find(rep.piece); it != exact.end()) {
       const ShardEntry& main = m.shards[it->second];
-      if (main.checksum != rep.checksum) {
+      if (main.checksum == rep.checksum) continue;
+      if (m.version < 2) {
         out.AddCapped(FindingKind::kReplicaMismatch, t.name, rep.file,
                       "tensor '" + t.name + "': replica " + r.DescribeShard(idx) + " of box " +
                           BoxToString(rep.piece.box) + " has checksum " + ChecksumToString(rep.checksum) +
                           ", its main replica " + r.DescribeShard(it->second) + " has " +
                           ChecksumToString(main.checksum));
+        continue;
       }
-      continue;
     }
     std::int64_t budget = o.max_compare_bytes;
     // Overlaps with the main replicas are runs of the replica's piece (bounded as above).
@@ -495,12 +499,13 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
           return;
         }
         checked[i] = s.nbytes;
+        r.RecordHash(i, *h);
         if (options.progress) {
           std::lock_guard<std::mutex> lock(progress_mu);
           progress_done += s.nbytes;
           options.progress(progress_done, total_bytes);
         }
-        if (*h != s.checksum) {
+        if (m.version < 2 && *h != s.checksum) {  // version 2: each block checked by HashShard
           shard_findings[i].push_back({FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
                                        r.DescribeShard(i) + ": checksum " + ChecksumToString(*h) + " of the data at " +
                                            DescribeExtent(*loc) + ", expected " + ChecksumToString(s.checksum)});

@@ -22,6 +22,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/file.h"
+#include "formats/verify.h"
 
 namespace rs {
 
@@ -397,8 +398,17 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
                               const ConvertOptions& options) {
   ReaderOptions ro;
   ro.threads = options.threads;
-  ro.checksums = options.verify_source ? ChecksumPolicy::kVerify : ChecksumPolicy::kSkip;
+  ro.checksums = options.verify_reads ? ChecksumPolicy::kVerify : ChecksumPolicy::kSkip;
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(src, ro));
+  if (options.verify_source) {
+    VerifyOptions vo;
+    vo.threads = options.threads;
+    const VerifyReport report = VerifyCheckpoint(*reader, vo);
+    if (!report.sound()) {
+      return DataLoss(src + ": the source is not sound (" + std::to_string(report.findings.size()) +
+                      " findings), first: " + report.findings.front().message);
+    }
+  }
   ReshardOptions reshard = options.reshard;
   reshard.threads = options.threads;
   RS_ASSIGN_OR_RETURN(ReshardPlan plan, PlanReshard(reader->manifest(), target, reshard));
@@ -412,7 +422,7 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
   ExecuteOptions eo;
   eo.threads = options.threads;
   eo.progress = options.progress;
-  eo.map_sources = !options.verify_source;
+  eo.map_sources = !options.verify_reads;
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, *reader, *writer, eo));
   writer->SetLayout(target.layout.ToJson());
   writer->SetMetadata(ConvertedMetadata(reader->manifest(), plan));

@@ -33,7 +33,8 @@ struct ExecuteOptions {
   // Called after each job with (bytes written so far, bytes this process writes in all).
   std::function<void(std::int64_t, std::int64_t)> progress;
   // Gather strided reads of uncompressed sources from read-only memory maps instead of a
-  // staging copy. Only when the reader does not verify checksums (it verifies what it reads).
+  // staging copy. Only when the reader does not verify checksums (it verifies what it reads,
+  // and a mapping would hand out bytes no check has seen).
   bool map_sources = false;
 };
 
@@ -64,8 +65,11 @@ struct ConvertOptions {
   ReshardOptions reshard;
   CodecSpec codec;
   int threads = 0;
-  bool verify_source = false;  // check every source shard's checksum (a full extra read of
-                               // each shard that is only partly needed)
+  // Every source byte read is checked against its checksum (FORMAT.md §4.4; a version-1 shard
+  // read in part is checked whole first). verify_source: also verify the whole source up front
+  // (VerifyCheckpoint) and refuse an unsound one; verify_reads = false skips the checks.
+  bool verify_source = false;
+  bool verify_reads = true;
   std::string producer = "reshard convert";
   std::function<void(std::int64_t, std::int64_t)> progress;
 };

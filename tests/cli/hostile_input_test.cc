@@ -300,6 +300,7 @@ TEST_F(HostileInput, HugeChunkedDataset) {
              s["nbytes"] = std::int64_t{1} << 40;
              s["file"] = "huge.h5";
              s["dataset"] = "d";
+             m["files"].push_back({{"name", "huge.h5"}, {"size", 0}, {"outside_checksum", ChecksumToString(0)}});
              WriteManifest(dir, m);
            },
            {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kConvert, Cmd::kDiff, Cmd::kEval, Cmd::kResume},

@@ -603,7 +603,9 @@ TEST(Fuzz, RandomByteFlipsInDataFilesNeverCrash) {
       // does not look (HDF5 metadata it does not need, the attribute, free space).
       const VerifyReport rep = VerifyCheckpoint(c.dir);
       EXPECT_EQ(rep.sound(), bytes == pristine) << rep.ToText() << s.ToString();
-      if (!s.ok()) EXPECT_FALSE(rep.sound());
+      if (!s.ok()) {
+        EXPECT_FALSE(rep.sound());
+      }
     }
   }
   EXPECT_GT(failures, 20);  // most flips land in data and must be caught
