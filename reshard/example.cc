@@ -1,5 +1,7 @@
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -28,12 +30,29 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   for (const auto& t : tensors) RS_RETURN_IF_ERROR(writer->AddTensor(t));
 
   // Generation is per item and independent, so ranks' shards are generated in parallel; the
-  // writer serializes the HDF5 calls and compresses on its own pool.
+  // writer serializes the HDF5 calls and compresses on its own pool. Each rank file begins its
+  // shards in the order of `shards` (a worker waits for its turn after generating), so the
+  // files are the same whatever the number of threads (CheckpointWriter: reproducible files).
   const unsigned hw = std::max(1U, std::thread::hardware_concurrency());
   const auto workers = static_cast<unsigned>(options.threads > 0 ? static_cast<unsigned>(options.threads) : hw);
+  std::vector<std::size_t> file_seq(shards.size());
+  {
+    std::map<std::int64_t, std::size_t> per_file;
+    for (std::size_t i = 0; i < shards.size(); ++i) file_seq[i] = per_file[shards[i].rank]++;
+  }
   std::atomic<std::size_t> next{0};
   std::mutex mu;
+  std::condition_variable turn;
+  std::map<std::int64_t, std::size_t> begun;  // per rank file: shards begun so far
+  bool stop = false;
   Status first_error;
+  auto fail = [&](const Status& st) {
+    std::lock_guard lock(mu);
+    if (first_error.ok()) first_error = st;
+    stop = true;
+    next = shards.size();  // stop handing out work
+    turn.notify_all();
+  };
   auto work = [&] {
     std::vector<std::byte> buf;
     for (std::size_t i = next++; i < shards.size(); i = next++) {
@@ -41,11 +60,22 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
       const TensorSpec& t = tensors[s.tensor];
       buf.resize(static_cast<std::size_t>(s.piece.numel()) * DTypeSize(t.dtype));
       FillExamplePiece(t, s.piece, options.seed, buf);
-      Status st = writer->WriteShard(s.rank, t.name, s.piece, buf, s.replica);
-      if (!st.ok()) {
+      {
+        std::unique_lock lock(mu);
+        turn.wait(lock, [&] { return stop || begun[s.rank] == file_seq[i]; });
+        if (stop) return;
+      }
+      auto sink = writer->BeginShard(s.rank, t.name, s.piece, s.replica);
+      {
         std::lock_guard lock(mu);
-        if (first_error.ok()) first_error = st;
-        next = shards.size();  // stop handing out work
+        ++begun[s.rank];
+        turn.notify_all();
+      }
+      Status st = sink.ok() ? (*sink)->Append(buf) : sink.status();
+      if (st.ok()) st = (*sink)->Finish();
+      if (!st.ok()) {
+        fail(st);
+        return;
       }
     }
   };
