@@ -4,6 +4,7 @@
 // memory budget at two checkpoint sizes.
 //
 //   bench_convert [--size-gib=2] [--dir=/tmp] [--threads=0] [--budget=256MiB] [--cli=PATH]
+//                 [--format-version=2]
 //
 //   --size-gib  logical checkpoint size (parameters + AdamW states, f32); the RSS runs use this
 //               size and half of it
@@ -11,6 +12,8 @@
 //   --threads   convert worker threads (0 = all cores)
 //   --budget    --memory-budget of the RSS runs (the issue asks for <= 320 MiB at 256MiB)
 //   --cli       the reshard binary (default: ../cli/reshard next to this program)
+//   --format-version  the source checkpoint's format (2, or 1); each conversion runs twice:
+//               as by default (every source byte read checked) and with --no-verify
 //
 // Model: an MoE transformer with d_model 1024, 16 experts of ffn 1024, vocab 32000, GQA 16/8
 // heads of 64, as many layers as the size needs. Source layout tp=4,ep=4,fsdp=4 (64 rank
@@ -105,8 +108,11 @@ std::int64_t DirBytes(const std::string& dir) {
   return n;
 }
 
+std::int64_t g_format_version = 2;
+
 std::string WriteSource(const std::string& dir, double bytes) {
   rs::ExampleOptions o;
+  o.format_version = g_format_version;
   o.model = ModelOfSize(bytes);
   o.layout = *rs::Layout::Parse("tp=4,ep=4,fsdp=4", *rs::BuiltinRuleSet("megatron"));
   o.threads = 0;
@@ -135,6 +141,7 @@ int main(int argc, char** argv) {
     else if (a.rfind("--threads=", 0) == 0) threads = a.substr(10);
     else if (a.rfind("--budget=", 0) == 0) budget = a.substr(9);
     else if (a.rfind("--cli=", 0) == 0) cli = a.substr(6);
+    else if (a.rfind("--format-version=", 0) == 0) g_format_version = std::atoll(a.c_str() + 17);
     else {
       std::fprintf(stderr, "unknown argument %s (see the top of bench/convert.cc)\n", a.c_str());
       return 2;
@@ -157,10 +164,14 @@ int main(int argc, char** argv) {
   };
   std::vector<std::pair<std::string, Run>> runs;
   for (const Target& t : {Target{"tp=2,ep=8,fsdp=2", "convert -> tp=2,ep=8,fsdp=2"}, Target{"tp=1", "convert -> tp=1 (unsharded)"}}) {
-    const std::string dst = root + "/dst";
-    TimeShell("sync");
-    runs.emplace_back(t.label, RunChild({cli, "convert", src, "--to", t.layout, "-o", dst, "--threads", threads}));
-    fs::remove_all(dst);
+    for (const bool verify : {true, false}) {
+      const std::string dst = root + "/dst";
+      TimeShell("sync");
+      std::vector<std::string> args = {cli, "convert", src, "--to", t.layout, "-o", dst, "--threads", threads};
+      if (!verify) args.push_back("--no-verify");
+      runs.emplace_back(std::string(t.label) + (verify ? "" : " --no-verify"), RunChild(args));
+      fs::remove_all(dst);
+    }
   }
   TimeShell("sync");
   cp_s = std::min(cp_s, TimeShell("cp -r '" + src + "' '" + root + "/cp' && sync"));

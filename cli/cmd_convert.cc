@@ -35,6 +35,7 @@ struct ConvertArgs {
   bool with_replicas = false;
   bool verify_source = false;
   bool no_verify = false;
+  std::int64_t format_version = kFormatVersion;
 };
 
 // Everything both the single- and the multi-process path need.
@@ -67,6 +68,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
   s.writer.producer = "reshard convert";
+  s.writer.format_version = a.format_version;
   return s;
 }
 
@@ -168,6 +170,9 @@ void RegisterConvert(CLI::App& app) {
                 "Do not check source bytes against their checksums while reading (for a source verified just before; "
                 "saves the extra pass a format-version-1 source needs)");
   cmd->get_option("--no-verify")->excludes("--verify-source");
+  cmd->add_option("--format-version", a->format_version, "Checkpoint format version to write: 2, or 1 for older readers")
+      ->check(CLI::Range(1, 2))
+      ->capture_default_str();
   cmd->callback([a] { RunConvert(*a); });
 }
 

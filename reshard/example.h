@@ -13,6 +13,7 @@
 #include "core/shape.h"
 #include "core/tensor_spec.h"
 #include "formats/codec.h"
+#include "formats/manifest.h"
 #include "reshard/physical_layout.h"
 
 namespace rs {
@@ -35,6 +36,7 @@ struct ExampleOptions {
   bool with_replicas = false;  // also write the replicas that data parallelism keeps
   int threads = 0;             // 0 = hardware concurrency
   std::string producer = "reshard example";
+  std::int64_t format_version = kFormatVersion;  // 1: for readers that predate version 2
 };
 
 // Writes the example checkpoint of `options` to `dir` (atomically; AlreadyExists if `dir`
