@@ -228,10 +228,11 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
     f = files_.at(s.file).get();
   }
   if (manifest_.version >= 2) {
-    // Each block is checked as it is read, whatever part of the shard is asked for.
+    // Each block is checked as it is read, whatever part of the shard is asked for. Blocks
+    // read whole for a part of them (and zstd chunks, decoded whole anyway) are cached.
     const bool verify = options_.checksums == ChecksumPolicy::kVerify && loc.has_blocks();
     return f->ReadRange(loc, byte_begin, out, pool_.get(), DescribeShard(index), verify,
-                        verify ? cache_.get() : nullptr);
+                        verify || loc.codec == Codec::kZstd ? cache_.get() : nullptr);
   }
   const bool whole = byte_begin == 0 && len == s.nbytes;
   bool need_verify = false;
