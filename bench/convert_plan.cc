@@ -78,9 +78,14 @@ int main(int argc, char** argv) {
   m.tensors = tensors;
   for (const rs::PlacedShard& s : src_map->PlacePieces(rs::Replicas::kMainOnly)) {
     const rs::TensorSpec& spec = tensors[s.tensor];
-    m.shards.push_back(rs::ShardEntry{spec.name, s.piece, "f.h5", "d",
-                                      s.piece.numel() * static_cast<std::int64_t>(rs::DTypeSize(spec.dtype)),
-                                      rs::Codec::kNone, 0, s.rank, rs::ReplicaKind::kMain, {}});
+    rs::ShardEntry e;
+    e.tensor = spec.name;
+    e.piece = s.piece;
+    e.file = "f.h5";
+    e.dataset = "d";
+    e.nbytes = s.piece.numel() * static_cast<std::int64_t>(rs::DTypeSize(spec.dtype));
+    e.rank = s.rank;
+    m.shards.push_back(std::move(e));
   }
   const double place_s = Since(t);
 

@@ -48,6 +48,45 @@ Status CheckPiece(const std::string& dir, const TensorSpec& t, const Piece& piec
 
 }  // namespace
 
+TableRef TableRefOf(const ShardEntry& s, std::int64_t block_bytes) {
+  TableRef t;
+  t.codec = s.codec;
+  t.nbytes = s.nbytes;
+  t.data_offset = s.data_offset;
+  t.chunk_bytes = s.chunk_bytes;
+  t.block_bytes = block_bytes;
+  t.table_offset = s.block_table_offset;
+  t.checksum = s.checksum;
+  return t;
+}
+
+std::string CompareLocations(const ShardLocation& hdf5, const ShardLocation& table) {
+  if (hdf5.codec != table.codec || hdf5.nbytes != table.nbytes) return "codec or size";
+  if (hdf5.nbytes == 0) return "";
+  if (hdf5.codec == Codec::kNone) {
+    if (hdf5.offset != table.offset) {
+      return "data at file offset " + std::to_string(hdf5.offset) + " (HDF5) vs " + std::to_string(table.offset) +
+             " (manifest)";
+    }
+    return "";
+  }
+  if (hdf5.chunk_bytes != table.chunk_bytes) {
+    return "chunk size " + std::to_string(hdf5.chunk_bytes) + " (HDF5) vs " + std::to_string(table.chunk_bytes) +
+           " (manifest)";
+  }
+  for (std::size_t i = 0; i < hdf5.chunks.size() && i < table.chunks.size(); ++i) {
+    const ShardLocation::Chunk& a = hdf5.chunks[i];
+    const ShardLocation::Chunk& b = table.chunks[i];
+    if (a.offset != b.offset || a.size != b.size || a.raw != b.raw) {
+      return "chunk " + std::to_string(i) + " at file offset " + std::to_string(a.offset) + ", " +
+             std::to_string(a.size) + " bytes" + (a.raw ? " raw" : "") + " (HDF5) vs " + std::to_string(b.offset) +
+             ", " + std::to_string(b.size) + " bytes" + (b.raw ? " raw" : "") + " (block table)";
+    }
+  }
+  if (hdf5.chunks.size() != table.chunks.size()) return "chunk count";
+  return "";
+}
+
 std::string DescribeExtent(const ShardLocation& loc) {
   if (loc.codec == Codec::kNone) {
     return "file offset " + std::to_string(loc.offset) + ", length " + std::to_string(loc.nbytes);
@@ -128,26 +167,80 @@ Result<const ShardFileReader*> CheckpointReader::OpenFile(const std::string& fil
   return File(file);
 }
 
-Result<const ShardLocation*> CheckpointReader::Located(std::size_t index) {
+Result<const ShardLocation*> CheckpointReader::LocatedFromTable(std::size_t index) {
   RS_CHECK(index < manifest_.shards.size());
   std::lock_guard<std::mutex> lock(mu_);
   if (locations_[index]) return &*locations_[index];
   const ShardEntry& s = manifest_.shards[index];
   Result<const ShardFileReader*> f = File(s.file);
   if (!f.ok()) return f.status().WithContext("tensor '" + s.tensor + "'");
-  RS_ASSIGN_OR_RETURN(ShardLocation loc, (*f)->Locate(s.dataset, s.codec, s.nbytes, DescribeShard(index)));
   if (manifest_.version >= 2) {
-    // The block table is loaded with the location (8 bytes per block), so that a location never
-    // changes once published and readers share it without locking.
-    RS_RETURN_IF_ERROR(
-        (*f)->LoadBlockTable(loc, s.block_table, s.checksum, manifest_.block_bytes, DescribeShard(index)));
+    RS_ASSIGN_OR_RETURN(ShardLocation loc,
+                        (*f)->LocateFromTable(TableRefOf(s, manifest_.block_bytes), DescribeShard(index)));
+    locations_[index] = std::move(loc);
+  } else {
+    RS_ASSIGN_OR_RETURN(ShardLocation loc, (*f)->Locate(s.dataset, s.codec, s.nbytes, DescribeShard(index)));
+    locations_[index] = std::move(loc);
   }
-  locations_[index] = std::move(loc);
   return &*locations_[index];
 }
 
+Result<const ShardLocation*> CheckpointReader::Located(std::size_t index) {
+  RS_CHECK(index < manifest_.shards.size());
+  if (manifest_.version >= 2 && options_.checksums == ChecksumPolicy::kVerify) {
+    const ShardEntry& s = manifest_.shards[index];
+    if (Status st = CheckFile(s.file); !st.ok()) return st.WithContext("tensor '" + s.tensor + "'");
+  }
+  return LocatedFromTable(index);
+}
+
+Status CheckpointReader::CheckFile(const std::string& file) {
+  if (manifest_.version < 2) return Status::Ok();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const auto it = checked_files_.find(file); it != checked_files_.end()) return it->second;
+  }
+  // Everything below reads with pread only; HDF5 has not seen the file yet.
+  auto check = [&]() -> Status {
+    const std::string path = dir_ + "/" + file;
+    const DataFileEntry* entry = manifest_.FindFile(file);
+    RS_CHECK(entry != nullptr);  // the manifest lists every data file (ManifestFromJson)
+    const ShardFileReader* f = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      RS_ASSIGN_OR_RETURN(f, File(file));
+    }
+    if (f->file_size() != entry->size) {
+      return DataLoss(path + ": " + std::to_string(f->file_size()) + " bytes, the manifest says " +
+                      std::to_string(entry->size) + (f->file_size() < entry->size ? " (truncated)" : " (extended)"));
+    }
+    std::vector<Extent> extents;
+    for (std::size_t i = 0; i < manifest_.shards.size(); ++i) {
+      const ShardEntry& s = manifest_.shards[i];
+      if (s.file != file) continue;
+      RS_ASSIGN_OR_RETURN(const ShardLocation* loc, LocatedFromTable(i));
+      for (Extent& e : DataExtents(*loc)) {
+        e.owner = "dataset '" + s.dataset + "' (tensor '" + s.tensor + "')";
+        extents.push_back(std::move(e));
+      }
+    }
+    RS_ASSIGN_OR_RETURN(const ShardFileReader::Outside outside, f->HashOutside(std::move(extents)));
+    if (outside.checksum != entry->outside_checksum) {
+      return DataLoss(path + ": checksum " + ChecksumToString(outside.checksum) + " of the " +
+                      std::to_string(outside.bytes) +
+                      " bytes outside the shards' data (HDF5 metadata, attributes, block tables), expected " +
+                      ChecksumToString(entry->outside_checksum) + " (manifest)");
+    }
+    return Status::Ok();
+  };
+  const Status st = check();
+  std::lock_guard<std::mutex> lock(mu_);
+  checked_files_.emplace(file, st);
+  return st;
+}
+
 Result<ShardLocation> CheckpointReader::LocateShard(std::size_t index) {
-  RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
+  RS_ASSIGN_OR_RETURN(const ShardLocation* loc, LocatedFromTable(index));
   return *loc;
 }
 
@@ -167,7 +260,8 @@ Status CheckpointReader::CheckHash(std::size_t index, const ShardLocation& loc, 
 }
 
 Result<std::uint64_t> CheckpointReader::HashShard(std::size_t index) {
-  RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
+  // The shard's own blocks: whether the rest of its file is sound is CheckFile's business.
+  RS_ASSIGN_OR_RETURN(const ShardLocation* loc, LocatedFromTable(index));
   const ShardFileReader* f = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);

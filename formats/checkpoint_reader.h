@@ -81,10 +81,18 @@ class CheckpointReader {
   // those of reading: DataLoss for corrupt files or chunks, IoError). Version 2: every block
   // is checked against the block table on the way (DataLoss naming the block's byte range).
   Result<std::uint64_t> HashShard(std::size_t index);
-  // Opens the shard's file and validates its dataset (DataLoss: missing file or dataset,
-  // extents past the end of the file, wrong type / size / layout); version 2: also reads the
-  // shard's block table and checks it against the manifest.
+  // Version 1: opens the shard's file and validates its dataset with HDF5 (DataLoss: missing
+  // file or dataset, extents past the end of the file, wrong type / size / layout). Version 2:
+  // reads the shard's block table where the manifest says it is and checks it (DataLoss:
+  // extents past the end of the file, a table whose checksum differs) - without HDF5. (Reads
+  // with ChecksumPolicy::kVerify also check the whole file first: CheckFile.)
   Result<ShardLocation> LocateShard(std::size_t index);
+  // Version 2 (FORMAT.md §4.5): checks data file `file` as a whole before anything else reads
+  // it: its size, the block tables of its shards, their data extents inside the file and apart,
+  // and the checksum of every byte outside the data (HDF5's metadata, attributes, tables). So
+  // HDF5 never parses bytes that were not checked. DataLoss naming the file otherwise. Cached.
+  // Ok for version 1 (nothing to check).
+  Status CheckFile(const std::string& file);
   // The open reader of data file `file` (as shards name it); DataLoss if it is missing or not
   // an HDF5 file. For whole-file checks (verify).
   Result<const ShardFileReader*> OpenFile(const std::string& file);
@@ -100,6 +108,8 @@ class CheckpointReader {
   Result<const ShardFileReader*> File(const std::string& file);
   // The cached location of shard `index` (located on first use); never changes afterwards.
   Result<const ShardLocation*> Located(std::size_t index);
+  // Version 2: the location from the manifest and the block table, without CheckFile.
+  Result<const ShardLocation*> LocatedFromTable(std::size_t index);
   Status EnsureVerified(std::size_t index);
   Status VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes);
   // Compares a computed hash with the manifest; marks the shard verified.
@@ -116,10 +126,17 @@ class CheckpointReader {
   std::mutex mu_;  // guards the caches below
   std::map<std::string, std::unique_ptr<ShardFileReader>> files_;
   std::vector<std::optional<ShardLocation>> locations_;
+  std::map<std::string, Status> checked_files_;  // CheckFile results
   std::vector<unsigned char> verified_;
 };
 
 // "file offset X, length N" or "K zstd chunks from file offset X, S stored bytes, N uncompressed".
 std::string DescribeExtent(const ShardLocation& loc);
+
+// Version 2: what the manifest says about where shard `s` is (FORMAT.md §3.2).
+TableRef TableRefOf(const ShardEntry& s, std::int64_t block_bytes);
+// Version 2: "" if HDF5's view of a shard's dataset (`hdf5`, from ShardFileReader::Locate)
+// places its data where the manifest and block table (`table`) do; else what differs.
+std::string CompareLocations(const ShardLocation& hdf5, const ShardLocation& table);
 
 }  // namespace rs

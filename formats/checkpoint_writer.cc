@@ -15,6 +15,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "formats/checkpoint_reader.h"
 #include "formats/shard_file.h"
 #include "formats/thread_pool.h"
 
@@ -367,6 +368,11 @@ Status ShardSink::Finish() {
   if (!written.ok()) return written.status().WithContext("tensor '" + entry_.tensor + "'");
   // Version 2 (FORMAT.md §4.4): the table's checksum; an empty shard has an empty table.
   entry_.checksum = hash_ != nullptr ? hash_->Digest() : entry_.nbytes > 0 ? written->table_checksum : Xxh3({});
+  if (hash_ == nullptr && entry_.nbytes > 0) {
+    entry_.block_table_offset = written->table_offset;
+    entry_.data_offset = written->data_offset;
+    entry_.chunk_bytes = written->chunk_bytes;
+  }
   dataset_.reset();
   std::lock_guard<std::mutex> lock(writer_->mu_);
   --writer_->open_sinks_;
@@ -382,9 +388,10 @@ Status CheckpointWriter::CloseFiles() {
   }
   file_entries_.clear();
   if (options_.format_version < 2) return Status::Ok();
-  // Whole-file accounting (FORMAT.md §3.3): read the closed file back the way `verify` will,
-  // locate every shard's data and hash the bytes around them (HDF5's metadata, attributes,
-  // block tables): little next to the data, and from the page cache.
+  // Whole-file accounting (FORMAT.md §3.3): read the closed file back the way readers will
+  // (block tables where the entries say) and as HDF5 sees it (the two must agree), and hash
+  // the bytes around the data (HDF5's metadata, attributes, block tables): little next to the
+  // data, and from the page cache.
   std::map<std::string, std::vector<const ShardEntry*>> by_file;
   for (const ShardEntry& s : shards_) by_file[s.file].push_back(&s);
   for (const auto& [name, shards] : by_file) {
@@ -393,8 +400,13 @@ Status CheckpointWriter::CloseFiles() {
     std::vector<Extent> extents;
     for (const ShardEntry* s : shards) {
       const std::string what = path + ", dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
-      Result<ShardLocation> loc = reader->Locate(s->dataset, s->codec, s->nbytes, what);
+      Result<ShardLocation> loc = reader->LocateFromTable(TableRefOf(*s, options_.block_bytes), what);
       if (!loc.ok()) return Internal("reading back what was written: " + loc.status().message());
+      Result<ShardLocation> hdf5 = reader->Locate(s->dataset, s->codec, s->nbytes, what);
+      if (!hdf5.ok()) return Internal("reading back what was written: " + hdf5.status().message());
+      if (const std::string diff = CompareLocations(*hdf5, *loc); !diff.empty()) {
+        return Internal(what + ": HDF5 and the block table disagree: " + diff);
+      }
       for (Extent& e : DataExtents(*loc)) {
         e.owner = "dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
         extents.push_back(std::move(e));

@@ -197,18 +197,37 @@ Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view
   if (rep == j.end() || !rep->is_boolean()) return ctx.Bad("missing or non-boolean field 'replica'");
   s.replica = rep->get<bool>() ? ReplicaKind::kReplica : ReplicaKind::kMain;
   if (version >= 2) {
-    // Every byte of a non-empty shard is covered by its block table (FORMAT.md §4.4).
-    const bool has = j.contains("block_table");
+    // Every byte of a non-empty shard is covered by its block table (FORMAT.md §4.4), and the
+    // manifest says where the data and the table are.
     if (s.nbytes == 0) {
-      if (has) return ctx.Bad("field 'block_table' on a shard of nbytes = 0 (an empty shard has no block table)");
+      for (const char* f : {"block_table", "offset", "chunk_bytes"}) {
+        if (j.contains(f)) return ctx.Bad("field '" + std::string(f) + "' on a shard of nbytes = 0 (no data, no blocks)");
+      }
     } else {
-      if (!has) {
-        return ctx.Bad("missing field 'block_table' (format version 2: the block checksums of a shard of " +
+      const auto table = j.find("block_table");
+      if (table == j.end() || !table->is_object()) {
+        return ctx.Bad("missing or non-object field 'block_table' (format version 2: the block checksums of a shard of " +
                        std::to_string(s.nbytes) + " bytes)");
       }
-      RS_ASSIGN_OR_RETURN(s.block_table, GetString(j, "block_table", ctx));
+      RS_ASSIGN_OR_RETURN(s.block_table, GetString(*table, "dataset", ctx));
       if (s.block_table.empty() || s.block_table == s.dataset) {
-        return ctx.Bad("field 'block_table' = " + Quote(s.block_table) + " must name a dataset other than the shard's own");
+        return ctx.Bad("field 'block_table.dataset' = " + Quote(s.block_table) +
+                       " must name a dataset other than the shard's own");
+      }
+      RS_ASSIGN_OR_RETURN(s.block_table_offset, GetInt(*table, "offset", ctx));
+      if (s.block_table_offset < 0) return ctx.Bad("field 'block_table.offset' is negative");
+      if (s.codec == Codec::kNone) {
+        if (j.contains("chunk_bytes")) return ctx.Bad("field 'chunk_bytes' on a shard of codec none");
+        RS_ASSIGN_OR_RETURN(s.data_offset, GetInt(j, "offset", ctx));
+        if (s.data_offset < 0) return ctx.Bad("field 'offset' is negative");
+      } else {
+        if (j.contains("offset")) return ctx.Bad("field 'offset' on a shard of codec zstd (its chunks are in the block table)");
+        RS_ASSIGN_OR_RETURN(s.chunk_bytes, GetInt(j, "chunk_bytes", ctx));
+        constexpr std::int64_t kMaxChunk = std::int64_t{1} << 30;
+        if (s.chunk_bytes < 1 || s.chunk_bytes > std::min(s.nbytes, kMaxChunk)) {
+          return ctx.Bad("field 'chunk_bytes' = " + std::to_string(s.chunk_bytes) + " outside [1, min(nbytes, " +
+                         std::to_string(kMaxChunk) + ")]");
+        }
       }
     }
   }
@@ -268,7 +287,14 @@ nlohmann::json ManifestToJson(const Manifest& m) {
     sj["checksum"] = ChecksumToString(s.checksum);
     sj["rank"] = s.rank;
     sj["replica"] = s.replica == ReplicaKind::kReplica;
-    if (m.version >= 2 && s.nbytes > 0) sj["block_table"] = s.block_table;
+    if (m.version >= 2 && s.nbytes > 0) {
+      if (s.codec == Codec::kNone) {
+        sj["offset"] = s.data_offset;
+      } else {
+        sj["chunk_bytes"] = s.chunk_bytes;
+      }
+      sj["block_table"] = {{"dataset", s.block_table}, {"offset", s.block_table_offset}};
+    }
     shards.push_back(std::move(sj));
   }
   j["shards"] = std::move(shards);

@@ -47,7 +47,12 @@ struct ShardEntry {
   std::uint64_t checksum = 0;
   std::int64_t rank = 0;     // the rank that wrote it
   ReplicaKind replica = ReplicaKind::kMain;
-  std::string block_table;   // version 2, nbytes > 0: HDF5 path of the block table in `file`
+  // Version 2, nbytes > 0 (FORMAT.md §3.2, §4.4): where the data and the block table lie in
+  // `file`, so that reading and checking need nothing from the file's HDF5 metadata.
+  std::int64_t data_offset = -1;         // codec none: file offset of the data
+  std::int64_t chunk_bytes = 0;          // codec zstd: uncompressed bytes per chunk
+  std::string block_table;               // HDF5 path of the block table dataset
+  std::int64_t block_table_offset = -1;  // file offset of the table's bytes
   friend bool operator==(const ShardEntry&, const ShardEntry&) = default;
 };
 

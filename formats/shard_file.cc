@@ -92,16 +92,34 @@ void PrefetchFd(int fd, std::int64_t offset, std::int64_t len) {
 // Readahead window for streaming reads.
 constexpr std::int64_t kPrefetchBytes = std::int64_t{64} << 20;
 
-// A block table's bytes (FORMAT.md §4.4): each checksum as a little-endian u64.
-std::vector<std::byte> BlockTableBytes(const std::vector<std::uint64_t>& table) {
-  std::vector<std::byte> bytes(table.size() * 8);
-  for (std::size_t i = 0; i < table.size(); ++i) {
-    for (std::size_t k = 0; k < 8; ++k) bytes[8 * i + k] = static_cast<std::byte>((table[i] >> (8 * k)) & 0xffU);
-  }
-  return bytes;
+void PutLe(std::byte* p, std::uint64_t v, int n) {
+  for (int k = 0; k < n; ++k) p[k] = static_cast<std::byte>((v >> (8 * k)) & 0xffU);
+}
+
+std::uint64_t GetLe(const std::byte* p, int n) {
+  std::uint64_t v = 0;
+  for (int k = 0; k < n; ++k) v |= static_cast<std::uint64_t>(p[k]) << (8 * k);
+  return v;
 }
 
 }  // namespace
+
+std::int64_t BlockEntryBytes(Codec codec) { return codec == Codec::kNone ? 8 : 24; }
+
+std::vector<std::byte> EncodeBlockTable(Codec codec, const std::vector<BlockEntry>& entries) {
+  const auto each = static_cast<std::size_t>(BlockEntryBytes(codec));
+  std::vector<std::byte> bytes(entries.size() * each);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    std::byte* p = bytes.data() + i * each;
+    PutLe(p, entries[i].checksum, 8);
+    if (codec == Codec::kZstd) {
+      PutLe(p + 8, static_cast<std::uint64_t>(entries[i].offset), 8);
+      PutLe(p + 16, static_cast<std::uint64_t>(entries[i].size), 4);
+      PutLe(p + 20, entries[i].mask, 4);
+    }
+  }
+  return bytes;
+}
 
 std::int64_t ShardLocation::stored_bytes() const {
   if (codec == Codec::kNone) return nbytes;
@@ -323,7 +341,7 @@ Status ShardFileWriter::CreateDataset(const DatasetSpec& spec, std::int64_t chun
     // place in the file does not depend on when the shard's last byte arrives) and filled with
     // pwrite by Finish.
     const std::int64_t blocks = BlockCount(spec.nbytes, zstd ? chunk : spec.block_bytes);
-    const hsize_t tdims[1] = {static_cast<hsize_t>(8 * blocks)};
+    const hsize_t tdims[1] = {static_cast<hsize_t>(BlockEntryBytes(spec.codec.codec) * blocks)};
     h5::Handle tspace(H5Screate_simple(1, tdims, nullptr), H5Sclose);
     h5::Handle tdcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
     if (!tspace.valid() || !tdcpl.valid()) return IoError(what + ": cannot create the block table's dataspace");
@@ -400,7 +418,7 @@ void DatasetWriter::HashBlocks(std::span<const std::byte> bytes) {
     block_filled_ += static_cast<std::int64_t>(take);
     bytes = bytes.subspan(take);
     if (block_filled_ == spec_.block_bytes) {
-      table_.push_back(block_hash_->Digest());
+      table_.push_back({block_hash_->Digest(), 0, 0, 0});
       block_hash_->Reset();
       block_filled_ = 0;
     }
@@ -412,7 +430,7 @@ Result<std::uint64_t> DatasetWriter::WriteTable() {
   RS_CHECK_MSG(static_cast<std::int64_t>(table_.size()) ==
                    BlockCount(spec_.nbytes, zstd_ ? chunk_ : spec_.block_bytes),
                what_ << ": " << table_.size() << " block checksums");
-  const std::vector<std::byte> bytes = BlockTableBytes(table_);
+  const std::vector<std::byte> bytes = EncodeBlockTable(zstd_ ? Codec::kZstd : Codec::kNone, table_);
   RS_RETURN_IF_ERROR(file_->WriteAt(table_offset_, bytes, nullptr, what_ + ", block table '" + spec_.table + "'"));
   return Xxh3(bytes);
 }
@@ -510,7 +528,18 @@ Status DatasetWriter::WriteOldest() {
     return error_;
   }
   stored_ += static_cast<std::int64_t>(c.data.size());
-  if (!spec_.table.empty()) table_.push_back(c.hash);
+  if (!spec_.table.empty()) {
+    // Where HDF5 put the chunk: recorded in the block table (FORMAT.md §4.4).
+    unsigned int mask = 0;
+    haddr_t addr = HADDR_UNDEF;
+    hsize_t size = 0;
+    if (H5Dget_chunk_info_by_coord(static_cast<hid_t>(dset_), offset, &mask, &addr, &size) < 0 || addr == HADDR_UNDEF ||
+        size != c.data.size()) {
+      error_ = IoError(what_ + ": chunk " + std::to_string(p.index) + " was not stored as written");
+      return error_;
+    }
+    table_.push_back({c.hash, static_cast<std::int64_t>(addr), static_cast<std::int64_t>(size), mask});
+  }
   return Status::Ok();
 }
 
@@ -537,7 +566,7 @@ Result<DatasetWriter::Written> DatasetWriter::Finish() {
     turn_released_ = true;
   } else {
     if (block_hash_ != nullptr && block_filled_ > 0) {
-      table_.push_back(block_hash_->Digest());
+      table_.push_back({block_hash_->Digest(), 0, 0, 0});
       block_filled_ = 0;
     }
     RS_ASSIGN_OR_RETURN(table_checksum, WriteTable());
@@ -545,7 +574,18 @@ Result<DatasetWriter::Written> DatasetWriter::Finish() {
   }
   finished_ = true;
   file_->StartWriteback();
-  return Written{stored_, table_checksum};
+  Written w;
+  w.stored_bytes = stored_;
+  if (!spec_.table.empty()) {
+    w.table_checksum = table_checksum;
+    w.table_offset = table_offset_;
+    if (zstd_) {
+      w.chunk_bytes = chunk_;
+    } else {
+      w.data_offset = offset_;
+    }
+  }
+  return w;
 }
 
 Status ShardFileWriter::Close() {
@@ -587,15 +627,27 @@ Result<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std::string
   // HDF5 opens the file by name itself. Handing it our descriptor's /proc name makes it open
   // the very file checked above, even if `path` was replaced by a FIFO in the meantime.
   static const bool have_proc_fd = ::access("/proc/self/fd", X_OK) == 0;
-  const std::string h5_path = have_proc_fd ? "/proc/self/fd/" + std::to_string(*fd) : path;
-  auto lock = h5::Lock();
-  const hid_t fid = H5Fopen(h5_path.c_str(), H5F_ACC_RDONLY, h5::kDefault);
-  if (fid < 0) {
-    return DataLoss(path + ": cannot be opened as an HDF5 file (" + std::to_string(r->file_size_) +
-                    " bytes; truncated or corrupt)");
-  }
-  r->file_id_ = fid;
+  r->h5_path_ = have_proc_fd ? "/proc/self/fd/" + std::to_string(*fd) : path;
   return r;
+}
+
+Status ShardFileReader::CheckHdf5() const {
+  auto lock = h5::Lock();
+  return OpenHdf5();
+}
+
+Status ShardFileReader::OpenHdf5() const {
+  if (!hdf5_tried_) {
+    hdf5_tried_ = true;
+    const hid_t fid = H5Fopen(h5_path_.c_str(), H5F_ACC_RDONLY, h5::kDefault);
+    if (fid < 0) {
+      hdf5_error_ = DataLoss(path_ + ": cannot be opened as an HDF5 file (" + std::to_string(file_size_) +
+                             " bytes; truncated or corrupt)");
+    } else {
+      file_id_ = fid;
+    }
+  }
+  return hdf5_error_;
 }
 
 ShardFileReader::~ShardFileReader() {
@@ -609,10 +661,14 @@ ShardFileReader::~ShardFileReader() {
 Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec codec, std::int64_t nbytes,
                                               const std::string& what) const {
   auto lock = h5::Lock();
+  if (Status st = OpenHdf5(); !st.ok()) {
+    return DataLoss(what + ": the file cannot be opened as an HDF5 file (" + std::to_string(file_size_) +
+                    " bytes; truncated or corrupt)");
+  }
   ShardLocation loc;
   loc.codec = codec;
   loc.nbytes = nbytes;
-  h5::Handle dset(H5Dopen2(file_id_, name.c_str(), h5::kDefault), H5Dclose);
+  h5::Handle dset(H5Dopen2(static_cast<hid_t>(file_id_), name.c_str(), h5::kDefault), H5Dclose);
   if (!dset.valid()) return DataLoss(what + ": dataset is missing from the file");
   h5::Handle type(H5Dget_type(dset.get()), H5Tclose);
   if (!type.valid() || H5Tget_class(type.get()) != H5T_INTEGER || H5Tget_size(type.get()) != 1) {
@@ -955,33 +1011,70 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
   return result;
 }
 
-Status ShardFileReader::LoadBlockTable(ShardLocation& loc, const std::string& table, std::uint64_t checksum,
-                                       std::int64_t block_bytes, const std::string& what) const {
-  if (loc.nbytes == 0 || loc.has_blocks()) return Status::Ok();
-  const std::int64_t bs = loc.codec == Codec::kNone ? block_bytes : loc.chunk_bytes;
+Result<ShardLocation> ShardFileReader::LocateFromTable(const TableRef& ref, const std::string& what) const {
+  ShardLocation loc;
+  loc.codec = ref.codec;
+  loc.nbytes = ref.nbytes;
+  if (ref.nbytes == 0) return loc;
+  const std::int64_t bs = ref.codec == Codec::kNone ? ref.block_bytes : ref.chunk_bytes;
   RS_CHECK(bs > 0);
-  const std::int64_t count = BlockCount(loc.nbytes, bs);
-  const std::string table_what = what + ", block table '" + table + "' (" + std::to_string(count) + " blocks of " +
-                                 std::to_string(bs) + " bytes)";
-  // Located first: the table's 8 bytes per block then lie inside the file before they are
-  // allocated (and a block of a located shard holds at least one byte of the file).
-  RS_ASSIGN_OR_RETURN(const ShardLocation t, Locate(table, Codec::kNone, 8 * count, table_what));
-  std::vector<std::byte> bytes(static_cast<std::size_t>(8 * count));
-  RS_RETURN_IF_ERROR(ReadAt(t.offset, bytes, table_what));
-  const std::uint64_t h = Xxh3(bytes);
-  if (h != checksum) {
-    return DataLoss(table_what + ": checksum " + ChecksumToString(h) + " of the table at file offset " +
-                    std::to_string(t.offset) + ", length " + std::to_string(8 * count) + ", expected " +
-                    ChecksumToString(checksum) + " (manifest)");
+  const std::int64_t count = BlockCount(ref.nbytes, bs);
+  const std::int64_t each = BlockEntryBytes(ref.codec);
+  const std::string table_what = what + ", block table at file offset " + std::to_string(ref.table_offset) + " (" +
+                                 std::to_string(count) + " blocks of " + std::to_string(bs) + " bytes)";
+  // The table's size follows from the manifest's numbers; bounded by the file before it is
+  // allocated.
+  if (count > file_size_ / each || ref.table_offset > file_size_ - count * each) {
+    return DataLoss(table_what + ": " + std::to_string(count * each) + " bytes at file offset " +
+                    std::to_string(ref.table_offset) + " pass the end of the file (" + std::to_string(file_size_) +
+                    " bytes)");
   }
-  loc.blocks.resize(static_cast<std::size_t>(count));
-  for (std::size_t i = 0; i < loc.blocks.size(); ++i) {
-    std::uint64_t v = 0;
-    for (std::size_t k = 0; k < 8; ++k) v |= static_cast<std::uint64_t>(bytes[8 * i + k]) << (8 * k);
-    loc.blocks[i] = v;
+  std::vector<std::byte> bytes(static_cast<std::size_t>(count * each));
+  RS_RETURN_IF_ERROR(ReadAt(ref.table_offset, bytes, table_what));
+  const std::uint64_t h = Xxh3(bytes);
+  if (h != ref.checksum) {
+    return DataLoss(table_what + ", length " + std::to_string(count * each) + ": checksum " + ChecksumToString(h) +
+                    " of the block table, expected " + ChecksumToString(ref.checksum) + " (manifest)");
   }
   loc.block_bytes = bs;
-  return Status::Ok();
+  loc.blocks.resize(static_cast<std::size_t>(count));
+  if (ref.codec == Codec::kNone) {
+    const auto end = CheckedAdd(ref.data_offset, ref.nbytes);
+    if (ref.data_offset < 0 || !end || *end > file_size_) {
+      return DataLoss(what + ": data at offset " + std::to_string(ref.data_offset) + ", length " +
+                      std::to_string(ref.nbytes) + " passes the end of the file (" + std::to_string(file_size_) +
+                      " bytes)");
+    }
+    loc.offset = ref.data_offset;
+    for (std::size_t i = 0; i < loc.blocks.size(); ++i) loc.blocks[i] = GetLe(bytes.data() + 8 * i, 8);
+    return loc;
+  }
+  loc.chunk_bytes = ref.chunk_bytes;
+  const std::int64_t min_stored = MinStoredChunkBytes(ref.chunk_bytes);
+  const auto max_stored = static_cast<std::int64_t>(ZSTD_compressBound(static_cast<std::size_t>(ref.chunk_bytes)));
+  loc.chunks.resize(static_cast<std::size_t>(count));
+  for (std::size_t i = 0; i < loc.chunks.size(); ++i) {
+    const std::byte* p = bytes.data() + 24 * i;
+    loc.blocks[i] = GetLe(p, 8);
+    const std::uint64_t offset = GetLe(p + 8, 8);
+    const auto size = static_cast<std::int64_t>(GetLe(p + 16, 4));
+    const auto mask = static_cast<std::uint32_t>(GetLe(p + 20, 4));
+    const std::string chunk_what = what + ", chunk " + std::to_string(i) + " (block table)";
+    if (mask > 1) return DataLoss(chunk_what + ": filter mask " + std::to_string(mask) + " (0: zstd, 1: stored raw)");
+    ShardLocation::Chunk& c = loc.chunks[i];
+    c.raw = mask == 1;
+    if (c.raw ? size != ref.chunk_bytes : (size < min_stored || size > max_stored)) {
+      return DataLoss(chunk_what + ": stored size " + std::to_string(size) + " is impossible for a " +
+                      std::to_string(ref.chunk_bytes) + "-byte chunk");
+    }
+    if (size > file_size_ || offset > static_cast<std::uint64_t>(file_size_ - size)) {
+      return DataLoss(chunk_what + ": stored at offset " + std::to_string(offset) + ", length " + std::to_string(size) +
+                      ", past the end of the file (" + std::to_string(file_size_) + " bytes)");
+    }
+    c.offset = static_cast<std::int64_t>(offset);
+    c.size = size;
+  }
+  return loc;
 }
 
 Result<std::optional<std::string>> ShardFileReader::ReadStringAttribute(const std::string& name,
@@ -989,7 +1082,8 @@ Result<std::optional<std::string>> ShardFileReader::ReadStringAttribute(const st
                                                                         const std::string& what) const {
   constexpr hsize_t kMaxAttributeBytes = hsize_t{64} << 10;
   auto lock = h5::Lock();
-  h5::Handle dset(H5Dopen2(file_id_, name.c_str(), h5::kDefault), H5Dclose);
+  RS_RETURN_IF_ERROR(OpenHdf5());
+  h5::Handle dset(H5Dopen2(static_cast<hid_t>(file_id_), name.c_str(), h5::kDefault), H5Dclose);
   if (!dset.valid()) return DataLoss(what + ": dataset is missing from the file");
   const htri_t exists = H5Aexists(dset.get(), attr.c_str());
   if (exists < 0) return DataLoss(what + ": attribute '" + attr + "' cannot be read");

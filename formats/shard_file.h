@@ -58,6 +58,30 @@ std::vector<Extent> DataExtents(const ShardLocation& loc);
 // where the block size is `block_bytes` for codec none and the chunk size for zstd.
 std::int64_t BlockCount(std::int64_t nbytes, std::int64_t block_size);
 
+// One block of a block table (FORMAT.md §4.4). Codec none: 8 bytes, the checksum (a block's
+// place follows from the data's offset). Codec zstd: 24 bytes, the checksum of the stored chunk
+// and where it is stored - file offset (u64), stored size (u32) and HDF5 filter mask (u32: 1 =
+// stored raw) - so that no reader needs HDF5's chunk index.
+struct BlockEntry {
+  std::uint64_t checksum = 0;
+  std::int64_t offset = 0;  // zstd
+  std::int64_t size = 0;    // zstd
+  std::uint32_t mask = 0;   // zstd
+};
+std::int64_t BlockEntryBytes(Codec codec);  // 8 or 24
+std::vector<std::byte> EncodeBlockTable(Codec codec, const std::vector<BlockEntry>& entries);
+
+// Version 2: what the manifest says about a shard's place in its file (FORMAT.md §3.2).
+struct TableRef {
+  Codec codec = Codec::kNone;
+  std::int64_t nbytes = 0;
+  std::int64_t data_offset = 0;   // codec none
+  std::int64_t chunk_bytes = 0;   // codec zstd
+  std::int64_t block_bytes = 0;   // codec none: the manifest's block_bytes
+  std::int64_t table_offset = 0;
+  std::uint64_t checksum = 0;     // of the table
+};
+
 // Verified, uncompressed blocks kept for reads that need part of a block again (the next
 // window of a sequential reader usually starts in the block where the last one ended), so that
 // reading whole blocks to check them costs no extra I/O or decompression. Thread-safe; holds
@@ -124,7 +148,12 @@ class DatasetWriter {
   Status Append(std::span<const std::byte> bytes);
   struct Written {
     std::int64_t stored_bytes = 0;     // bytes stored in the file (compressed size)
-    std::uint64_t table_checksum = 0;  // XXH3-64 of the block table (when there is one)
+    // When there is a block table: its XXH3-64 and where the table and (codec none) the data
+    // are in the file, and (zstd) the chunk size.
+    std::uint64_t table_checksum = 0;
+    std::int64_t table_offset = -1;
+    std::int64_t data_offset = -1;
+    std::int64_t chunk_bytes = 0;
   };
   // Writes the last chunk and the block table and closes the dataset.
   // InvalidArgument if fewer bytes than the dataset's size were appended.
@@ -155,7 +184,7 @@ class DatasetWriter {
   std::int64_t written_ = 0;
   std::int64_t offset_ = -1;        // codec none: file offset of the early-allocated storage
   std::int64_t table_offset_ = -1;  // file offset of the block table's early-allocated storage
-  std::vector<std::uint64_t> table_;
+  std::vector<BlockEntry> table_;
   std::unique_ptr<Xxh3Stream> block_hash_;  // codec none: the block being filled
   std::int64_t block_filled_ = 0;
   bool zstd_ = false;
@@ -220,8 +249,9 @@ class ShardFileWriter {
 class ShardFileReader {
  public:
   // Opens `path` read-only. NotFound if it is missing; DataLoss if it is not a regular file (a
-  // FIFO, a device, a directory: refused without blocking, core/file.h) or HDF5 cannot open it
-  // (truncated or not an HDF5 file); IoError otherwise.
+  // FIFO, a device, a directory: refused without blocking, core/file.h); IoError otherwise.
+  // HDF5 opens the file only when first needed (Locate, ReadStringAttribute), so that a file
+  // can be checked (LocateFromTable, HashOutside) before HDF5 parses any of its bytes.
   static Result<std::unique_ptr<ShardFileReader>> Open(const std::string& path);
   ~ShardFileReader();
   ShardFileReader(const ShardFileReader&) = delete;
@@ -234,8 +264,18 @@ class ShardFileReader {
   // `nbytes` elements; contiguous for codec none, chunked with filter 32015 for zstd; every
   // extent inside the file. For zstd, the chunk table is bounded before it is allocated
   // (FORMAT.md §4.3): chunk size <= nbytes, as many chunks as the file can hold and as HDF5's
-  // chunk index lists. DataLoss naming `what` (file, dataset, tensor) otherwise.
+  // chunk index lists. DataLoss naming `what` (file, dataset, tensor) otherwise, or if HDF5
+  // cannot open the file (truncated or not an HDF5 file).
   Result<ShardLocation> Locate(const std::string& name, Codec codec, std::int64_t nbytes, const std::string& what) const;
+
+  // Whether HDF5 can open the file at all (DataLoss naming the file if not).
+  Status CheckHdf5() const;
+
+  // Version 2: a shard's location from what the manifest says (`ref`) and its block table, read
+  // with pread and checked against `ref.checksum` - nothing from HDF5 (FORMAT.md §4.4). Every
+  // extent is bounded by the file before it is read or allocated. DataLoss naming `what`, the
+  // table and the field otherwise.
+  Result<ShardLocation> LocateFromTable(const TableRef& ref, const std::string& what) const;
 
   // pread of exactly out.size() bytes at `offset`; DataLoss if the extent passes the end of
   // the file, IoError if the read fails.
@@ -246,7 +286,7 @@ class ShardFileReader {
 
   // Reads the uncompressed bytes [begin, begin + out.size()) of a located shard. zstd chunks
   // are read and decompressed on `pool` (if non-null). With `verify` (the shard's block table
-  // must be loaded: LoadBlockTable), every byte delivered was checked against the checksum of
+  // must be loaded: LocateFromTable), every byte delivered was checked against the checksum of
   // its block: blocks that the range covers only in part are read whole (and kept in `cache`,
   // if not null, for the next read that needs them); a zstd chunk's stored bytes are checked
   // before they are decompressed. DataLoss naming `what`, the block, its byte range in the
@@ -260,13 +300,6 @@ class ShardFileReader {
   // it reaches `sink` (codec none: a block is read whole first).
   Status Stream(const ShardLocation& loc, ThreadPool* pool, const std::string& what,
                 const std::function<void(std::span<const std::byte>)>& sink, bool verify = false) const;
-
-  // Version 2: locates the block table dataset `table` of a located shard (a contiguous 1-D
-  // uint8 dataset of 8 bytes per block, FORMAT.md §4.4), reads it, checks its XXH3-64 against
-  // `checksum` and stores it in `loc`. `block_bytes` is the manifest's (codec none). DataLoss
-  // naming `what` and the table on any mismatch.
-  Status LoadBlockTable(ShardLocation& loc, const std::string& table, std::uint64_t checksum,
-                        std::int64_t block_bytes, const std::string& what) const;
 
   // The string attribute `attr` of dataset `name`: nullopt if the dataset has none; DataLoss if
   // the dataset is missing or the attribute is not a string of at most 64 KiB.
@@ -291,8 +324,13 @@ class ShardFileReader {
   // Reads block `index` of a codec-none shard into `out` (exactly the block) and checks it.
   Status ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
                    const std::string& what) const;
+  // Opens the file with HDF5 once (with the HDF5 lock held); DataLoss if HDF5 cannot.
+  Status OpenHdf5() const;
   std::string path_;
-  std::int64_t file_id_ = -1;
+  std::string h5_path_;  // the name HDF5 opens: our descriptor's /proc name when there is one
+  mutable std::int64_t file_id_ = -1;
+  mutable bool hdf5_tried_ = false;
+  mutable Status hdf5_error_;
   int fd_ = -1;
   std::int64_t file_size_ = 0;
 };

@@ -412,8 +412,9 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
   report.counts.shards = static_cast<std::int64_t>(m.shards.size());
   report.counts.format_version = m.version;
 
-  // Files: present and openable. A missing or broken file is one finding that names the
-  // tensors it holds, not one per shard.
+  // Files: present, and of the size the manifest says (version 2), or openable by HDF5
+  // (version 1). A missing or broken file is one finding that names the tensors it holds, not
+  // one per shard.
   std::map<std::string, std::set<std::string>> tensors_in_file;
   for (const ShardEntry& s : m.shards) {
     tensors_in_file[s.file].insert(s.tensor);
@@ -430,33 +431,33 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
       bad_files.insert(file);
       continue;
     }
-    Result<std::int64_t> size = r.FileSize(file);
-    if (!size.ok()) {
-      out.Add(FindingKind::kBadFile, size.status().code(), *tensors.begin(), file,
-              size.status().message() + "; it holds shards of tensors " + Join(tensors, 8));
+    Result<const ShardFileReader*> f = r.OpenFile(file);
+    const Status opened = !f.ok() ? f.status() : m.version < 2 ? (*f)->CheckHdf5() : Status::Ok();
+    if (!opened.ok()) {
+      out.Add(FindingKind::kBadFile, opened.code(), *tensors.begin(), file,
+              opened.message() + "; it holds shards of tensors " + Join(tensors, 8));
       bad_files.insert(file);
       continue;
     }
-    report.counts.stored_bytes += *size;
-    if (const DataFileEntry* entry = m.FindFile(file); entry != nullptr && entry->size != *size) {
+    const std::int64_t size = (*f)->file_size();
+    report.counts.stored_bytes += size;
+    if (const DataFileEntry* entry = m.FindFile(file); entry != nullptr && entry->size != size) {
       out.Add(FindingKind::kFileBytes, ErrorCode::kDataLoss, *tensors.begin(), file,
-              path + ": " + std::to_string(*size) + " bytes, the manifest says " + std::to_string(entry->size) +
-                  "; it holds shards of tensors " + Join(tensors, 8));
+              path + ": " + std::to_string(size) + " bytes, the manifest says " + std::to_string(entry->size) +
+                  (size < entry->size ? " (truncated)" : " (extended)") + "; it holds shards of tensors " +
+                  Join(tensors, 8));
+      bad_files.insert(file);
     }
   }
 
-  // Shards: dataset extents inside the file, block tables, attributes, then checksums, in
-  // parallel.
+  // Shards, in parallel: where each one's data is (version 2: from its block table, checked
+  // against the manifest; version 1: from HDF5).
   const std::size_t n = m.shards.size();
   std::vector<std::vector<Finding>> shard_findings(n);
   std::vector<std::int64_t> checked(n, 0);
   std::vector<std::optional<ShardLocation>> located(n);
-  std::int64_t total_bytes = 0;
-  for (const ShardEntry& s : m.shards) total_bytes += s.nbytes;
-  std::mutex progress_mu;
-  std::int64_t progress_done = 0;
+  ThreadPool pool(static_cast<std::size_t>(std::max(0, options.threads)));
   {
-    ThreadPool pool(static_cast<std::size_t>(std::max(0, options.threads)));
     TaskGroup group(&pool);
     for (std::size_t i = 0; i < n; ++i) {
       if (bad_files.count(m.shards[i].file) != 0) continue;
@@ -470,8 +471,68 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
           return;
         }
         located[i] = *loc;
-        if (Result<const ShardFileReader*> f = r.OpenFile(s.file); f.ok()) {
-          const std::string what = r.DescribeShard(i);
+      });
+    }
+    group.Wait();
+  }
+
+  // Version 2: each file's bytes outside the shards' data (FORMAT.md §4.5), checked before HDF5
+  // parses any of them: a file whose metadata differs from what was written is not handed to
+  // HDF5 at all (a damaged HDF5 file can crash the library), its shards' data is still checked
+  // block by block.
+  std::set<std::string> hdf5_unsafe;
+  if (m.version >= 2) {
+    std::set<std::string> unlocated;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!located[i]) unlocated.insert(m.shards[i].file);
+    }
+    for (const auto& [file, tensors] : tensors_in_file) {
+      if (bad_files.count(file) != 0 || unlocated.count(file) != 0) {
+        hdf5_unsafe.insert(file);
+        continue;
+      }
+      if (options.checksums == ChecksumCheck::kSkip) continue;
+      const Status st = r.CheckFile(file);
+      if (!st.ok()) {
+        out.Add(FindingKind::kFileBytes, st.code(), *tensors.begin(), file,
+                st.message() + "; it holds shards of tensors " + Join(tensors, 8));
+        hdf5_unsafe.insert(file);
+        continue;
+      }
+      std::int64_t outside = m.FindFile(file)->size;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (m.shards[i].file == file) outside -= located[i]->stored_bytes();
+      }
+      report.counts.outside_bytes += outside;
+    }
+  }
+
+  // Then HDF5's view of each dataset (version 2: where the manifest says its data is), its
+  // informative attribute, and every block (or, version 1, the whole shard's checksum).
+  std::int64_t total_bytes = 0;
+  for (const ShardEntry& s : m.shards) total_bytes += s.nbytes;
+  std::mutex progress_mu;
+  std::int64_t progress_done = 0;
+  {
+    TaskGroup group(&pool);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!located[i]) continue;
+      group.Run([&, i] {
+        const ShardEntry& s = m.shards[i];
+        const std::string what = r.DescribeShard(i);
+        Result<const ShardFileReader*> f = r.OpenFile(s.file);
+        bool dataset_ok = f.ok() && hdf5_unsafe.count(s.file) == 0;
+        if (dataset_ok && m.version >= 2) {
+          Result<ShardLocation> hdf5 = (*f)->Locate(s.dataset, s.codec, s.nbytes, what);
+          const std::string diff = hdf5.ok() ? CompareLocations(*hdf5, *located[i]) : "";
+          if (!hdf5.ok() || !diff.empty()) {
+            shard_findings[i].push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, s.tensor, s.file,
+                                         hdf5.ok() ? what + ": the file's HDF5 metadata and the manifest disagree: " + diff
+                                                   : hdf5.status().message()});
+            dataset_ok = hdf5.ok();
+          }
+        }
+        if (dataset_ok) {
           Result<std::optional<std::string>> attr = (*f)->ReadStringAttribute(s.dataset, "rs_shard", what);
           const TensorSpec& t = m.tensors[static_cast<std::size_t>(m.TensorIndex(s.tensor))];
           if (!attr.ok()) {
@@ -507,8 +568,8 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
         }
         if (m.version < 2 && *h != s.checksum) {  // version 2: each block checked by HashShard
           shard_findings[i].push_back({FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
-                                       r.DescribeShard(i) + ": checksum " + ChecksumToString(*h) + " of the data at " +
-                                           DescribeExtent(*loc) + ", expected " + ChecksumToString(s.checksum)});
+                                       what + ": checksum " + ChecksumToString(*h) + " of the data at " +
+                                           DescribeExtent(*located[i]) + ", expected " + ChecksumToString(s.checksum)});
         }
       });
     }
@@ -517,46 +578,6 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
   for (std::size_t i = 0; i < n; ++i) {
     report.counts.checked_bytes += checked[i];
     for (Finding& f : shard_findings[i]) report.findings.push_back(std::move(f));
-  }
-
-  // Version 2: the bytes of each file outside the shards' data (FORMAT.md §3.3), once every
-  // shard of the file was located (a file whose shards cannot be located has its finding).
-  if (m.version >= 2 && options.checksums != ChecksumCheck::kSkip) {
-    std::map<std::string, std::vector<Extent>> extents;
-    std::set<std::string> unlocated;
-    for (std::size_t i = 0; i < n; ++i) {
-      const ShardEntry& s = m.shards[i];
-      if (bad_files.count(s.file) != 0) continue;
-      if (!located[i]) {
-        unlocated.insert(s.file);
-        continue;
-      }
-      for (Extent& e : DataExtents(*located[i])) {
-        e.owner = "dataset '" + s.dataset + "' (tensor '" + s.tensor + "')";
-        extents[s.file].push_back(std::move(e));
-      }
-    }
-    for (auto& [file, list] : extents) {
-      if (unlocated.count(file) != 0) continue;
-      const DataFileEntry* entry = m.FindFile(file);
-      Result<const ShardFileReader*> f = r.OpenFile(file);
-      if (entry == nullptr || !f.ok()) continue;
-      const std::string& tensor = *tensors_in_file[file].begin();
-      Result<ShardFileReader::Outside> outside = (*f)->HashOutside(std::move(list));
-      if (!outside.ok()) {
-        out.Add(FindingKind::kFileBytes, outside.status().code(), tensor, file, outside.status().message());
-        continue;
-      }
-      report.counts.outside_bytes += outside->bytes;
-      if (outside->checksum != entry->outside_checksum) {
-        out.Add(FindingKind::kFileBytes, ErrorCode::kDataLoss, tensor, file,
-                r.dir() + "/" + file + ": checksum " + ChecksumToString(outside->checksum) + " of the " +
-                    std::to_string(outside->bytes) +
-                    " bytes outside the shards' data (HDF5 metadata, attributes, block tables), expected " +
-                    ChecksumToString(entry->outside_checksum) + "; it holds shards of tensors " +
-                    Join(tensors_in_file[file], 8));
-      }
-    }
   }
 
   for (const TensorSpec& t : m.tensors) {

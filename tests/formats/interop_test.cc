@@ -94,21 +94,30 @@ for s in m["shards"]:
         ds = f[s["dataset"]]
         assert ds.dtype == "uint8" and ds.shape == (s["nbytes"],), (ds.dtype, ds.shape)
         data = ds[()].tobytes()
-        table = f[s["block_table"]][()].tobytes()
-        blocks = [int.from_bytes(table[i:i + 8], "little") for i in range(0, len(table), 8)]
+        t = f[s["block_table"]["dataset"]]
+        assert t.id.get_offset() == s["block_table"]["offset"]
+        table = t[()].tobytes()
         ext = extents.setdefault(s["file"], [])
         if s["codec"] == "zstd":
             assert 32015 in ds._filters or "32015" in ds._filters, ds._filters
+            assert ds.chunks[0] == s["chunk_bytes"]
             n = ds.id.get_num_chunks()
-            assert n == len(blocks) == -(-s["nbytes"] // ds.chunks[0])
+            assert n * 24 == len(table) and n == -(-s["nbytes"] // ds.chunks[0])
+            blocks = []
             for i in range(n):
+                e = table[24 * i:24 * i + 24]
+                blocks.append(int.from_bytes(e[0:8], "little"))
                 info = ds.id.get_chunk_info(i)
+                assert (info.byte_offset, info.size, info.filter_mask) == (
+                    int.from_bytes(e[8:16], "little"), int.from_bytes(e[16:20], "little"), int.from_bytes(e[20:24], "little"))
                 ext.append((info.byte_offset, info.size))
                 _, stored = ds.id.read_direct_chunk(info.chunk_offset)
                 if xxh3: assert xxh3(stored) == "xxh3-64:%016x" % blocks[i], i
         else:
             B = m["block_bytes"]
+            blocks = [int.from_bytes(table[i:i + 8], "little") for i in range(0, len(table), 8)]
             assert len(blocks) == -(-s["nbytes"] // B)
+            assert ds.id.get_offset() == s["offset"]
             ext.append((ds.id.get_offset(), s["nbytes"]))
             for i in range(len(blocks)):
                 if xxh3: assert xxh3(data[i * B:(i + 1) * B]) == "xxh3-64:%016x" % blocks[i], i

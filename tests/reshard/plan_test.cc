@@ -57,8 +57,14 @@ Manifest ManifestOf(const PhysicalMap& map) {
   m.tensors = map.tensors();
   for (const PlacedShard& s : map.PlacePieces(Replicas::kMainOnly)) {
     const TensorSpec& t = m.tensors[s.tensor];
-    m.shards.push_back(ShardEntry{t.name, s.piece, "rank-x.h5", "d", s.piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype)),
-                                  Codec::kNone, 0, s.rank, ReplicaKind::kMain, {}});
+    ShardEntry e;
+    e.tensor = t.name;
+    e.piece = s.piece;
+    e.file = "rank-x.h5";
+    e.dataset = "d";
+    e.nbytes = s.piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
+    e.rank = s.rank;
+    m.shards.push_back(std::move(e));
   }
   return m;
 }
