@@ -938,7 +938,9 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
       PrefetchFd(fd_, ch.offset, ch.size);
     }
   }
-  if (pool == nullptr || first == last) {
+  // Uncompressed blocks are read and hashed in order on this thread (each still in the CPU
+  // cache when hashed; callers read several shards at once); zstd chunks decode on the pool.
+  if (pool == nullptr || first == last || loc.codec == Codec::kNone) {
     for (std::int64_t i = first; i <= last && first_error.ok(); ++i) one(i);
   } else {
     TaskGroup group(pool);
