@@ -78,7 +78,8 @@ Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::v
   for (const TensorSpec& t : s.plan.tensors) RS_RETURN_IF_ERROR(writer.AddTensor(t));
   ExecuteOptions eo;
   eo.threads = s.writer.threads;
-  eo.map_sources = no_verify;
+  // Memory-mapped gathers: checked block by block in the mapping (version 2) or unchecked.
+  eo.map_sources = no_verify || s.reader->manifest().version >= 2;
   if (!owner.empty()) eo.owns_rank = [&owner, me](std::int64_t r) { return owner[static_cast<std::size_t>(r)] == me; };
   std::unique_ptr<Progress> progress;
   if (show_progress) {

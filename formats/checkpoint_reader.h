@@ -98,6 +98,9 @@ class CheckpointReader {
   Result<const ShardFileReader*> OpenFile(const std::string& file);
   // Blocks read whole for partial reads and found again in the cache (version 2).
   const BlockCache& cache() const { return *cache_; }
+  // LocateShard without the copy: the cached location, valid as long as the reader.
+  Result<const ShardLocation*> FindShard(std::size_t index) { return LocatedFromTable(index); }
+  ChecksumPolicy checksums() const { return options_.checksums; }
   // "<dir>/<file>, dataset '<ds>' (tensor '<name>')": how messages name a shard.
   std::string DescribeShard(std::size_t index) const;
   // Size in bytes of a data file (for checks that it is large enough); DataLoss if missing.

@@ -158,8 +158,26 @@ BlockCache::Block BlockCache::Get(const Key& key) {
   return nullptr;
 }
 
+std::shared_ptr<BlockCache::Data> BlockCache::Acquire(std::size_t size) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if ((*it)->capacity >= size) {
+        std::shared_ptr<Data> d = std::move(*it);
+        free_.erase(it);
+        d->size = size;
+        return d;
+      }
+    }
+  }
+  auto d = std::make_shared<Data>();
+  d->bytes = std::make_unique_for_overwrite<std::byte[]>(size);
+  d->size = d->capacity = size;
+  return d;
+}
+
 void BlockCache::Put(const Key& key, Block block) {
-  const auto size = static_cast<std::int64_t>(block->size());
+  const auto size = static_cast<std::int64_t>(block->size);
   if (size > capacity_) return;
   std::lock_guard<std::mutex> lock(mu_);
   for (const Entry& e : lru_) {
@@ -168,7 +186,10 @@ void BlockCache::Put(const Key& key, Block block) {
   lru_.push_front({key, std::move(block)});
   held_ += size;
   while (held_ > capacity_) {
-    held_ -= static_cast<std::int64_t>(lru_.back().block->size());
+    Entry& old = lru_.back();
+    held_ -= static_cast<std::int64_t>(old.block->size);
+    // Nobody else holds it (all copies are made under this lock): its buffer can be reused.
+    if (old.block.use_count() == 1 && free_.size() < 8) free_.push_back(std::const_pointer_cast<Data>(old.block));
     lru_.pop_back();
   }
 }
@@ -856,14 +877,20 @@ Status ShardFileReader::ReadChunk(const ShardLocation& loc, std::size_t index, s
   return ZstdDecompress(compressed, chunk_out, chunk_what);
 }
 
-Status ShardFileReader::ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
-                                  const std::string& what) const {
+Status CheckBlock(const ShardLocation& loc, std::int64_t index, std::span<const std::byte> bytes,
+                  const std::string& what) {
   const std::int64_t b = index * loc.block_bytes;
-  RS_CHECK(loc.codec == Codec::kNone && static_cast<std::int64_t>(out.size()) == std::min(loc.block_bytes, loc.nbytes - b));
-  RS_RETURN_IF_ERROR(ReadAt(loc.offset + b, out, what));
-  const std::uint64_t h = Xxh3(out);
+  RS_CHECK(loc.codec == Codec::kNone && loc.has_blocks() &&
+           static_cast<std::int64_t>(bytes.size()) == std::min(loc.block_bytes, loc.nbytes - b));
+  const std::uint64_t h = Xxh3(bytes);
   if (h != loc.blocks[static_cast<std::size_t>(index)]) return BlockMismatch(loc, index, h, what);
   return Status::Ok();
+}
+
+Status ShardFileReader::ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
+                                  const std::string& what) const {
+  RS_RETURN_IF_ERROR(ReadAt(loc.offset + index * loc.block_bytes, out, what));
+  return CheckBlock(loc, index, out, what);
 }
 
 Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, std::span<std::byte> out,
@@ -895,10 +922,17 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
     if (cache != nullptr) {
       if (BlockCache::Block hit = cache->Get(key)) return hit;
     }
-    auto buf = std::make_shared<std::vector<std::byte>>(
-        static_cast<std::size_t>(loc.codec == Codec::kNone ? key.length : loc.chunk_bytes));
-    const Status st = loc.codec == Codec::kNone ? ReadBlock(loc, i, *buf, what)
-                                                : ReadChunk(loc, static_cast<std::size_t>(i), *buf, what, verify);
+    const auto n = static_cast<std::size_t>(loc.codec == Codec::kNone ? key.length : loc.chunk_bytes);
+    std::shared_ptr<BlockCache::Data> buf;
+    if (cache != nullptr) {
+      buf = cache->Acquire(n);
+    } else {
+      buf = std::make_shared<BlockCache::Data>();
+      buf->bytes = std::make_unique_for_overwrite<std::byte[]>(n);
+      buf->size = buf->capacity = n;
+    }
+    const Status st = loc.codec == Codec::kNone ? ReadBlock(loc, i, buf->span(), what)
+                                                : ReadChunk(loc, static_cast<std::size_t>(i), buf->span(), what, verify);
     if (!st.ok()) {
       std::lock_guard<std::mutex> lock(mu);
       if (first_error.ok()) first_error = st;

@@ -69,6 +69,10 @@ struct BlockEntry {
   std::uint32_t mask = 0;   // zstd
 };
 std::int64_t BlockEntryBytes(Codec codec);  // 8 or 24
+// Checks `bytes`, block `index` of a located codec-none shard (its block table loaded), against
+// the table: DataLoss naming `what`, the block, its byte range in the shard and in the file.
+Status CheckBlock(const ShardLocation& loc, std::int64_t index, std::span<const std::byte> bytes,
+                  const std::string& what);
 std::vector<std::byte> EncodeBlockTable(Codec codec, const std::vector<BlockEntry>& entries);
 
 // Version 2: what the manifest says about a shard's place in its file (FORMAT.md §3.2).
@@ -89,7 +93,18 @@ struct TableRef {
 class BlockCache {
  public:
   explicit BlockCache(std::int64_t capacity) : capacity_(capacity) {}
-  using Block = std::shared_ptr<const std::vector<std::byte>>;
+  // A block's bytes. Not zero-filled when allocated (every byte is read into it), and recycled
+  // once the cache drops it and nobody holds it (a fresh buffer costs page faults per 4 KiB).
+  struct Data {
+    std::unique_ptr<std::byte[]> bytes;
+    std::size_t size = 0;
+    std::size_t capacity = 0;
+    std::span<std::byte> span() { return {bytes.get(), size}; }
+    const std::byte* data() const { return bytes.get(); }
+  };
+  using Block = std::shared_ptr<const Data>;
+  // A buffer of `size` bytes for a block to be read into (then Put).
+  std::shared_ptr<Data> Acquire(std::size_t size);
   // What identifies a block: its file (reader), the extent it was read from, the checksum it
   // was checked against and how it was decoded.
   struct Key {
@@ -116,6 +131,7 @@ class BlockCache {
   std::int64_t hits_ = 0;
   std::int64_t misses_ = 0;
   std::list<Entry> lru_;  // most recent first
+  std::vector<std::shared_ptr<Data>> free_;
 };
 
 // What a dataset is, besides its bytes.

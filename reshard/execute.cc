@@ -125,11 +125,16 @@ void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::
 // Read-only memory maps of uncompressed source extents. Gathering many small copies out of a
 // mapped block saves the copy into a staging buffer that pread would need; blocks are mapped
 // with MAP_POPULATE (one fault pass) and unmapped as soon as the copies are taken, so mapped
-// pages never exceed one staging block per job. Used only when source checksums are not being
-// verified (the reader verifies what it reads itself).
+// pages never exceed one staging block (plus a checksum block at either end) per job. When the
+// reader checks what it reads (format version 2), a mapping is widened to whole blocks of the
+// block table and each block is checked in the mapping before any copy is taken from it, after
+// the file as a whole (CheckpointReader::CheckFile).
 class SourceMaps {
  public:
-  explicit SourceMaps(CheckpointReader& reader) : reader_(reader) {}
+  explicit SourceMaps(CheckpointReader& reader)
+      : reader_(reader), verify_(reader.checksums() == ChecksumPolicy::kVerify) {
+    RS_CHECK(!verify_ || reader.manifest().version >= 2);  // version 1 has no block checksums
+  }
   ~SourceMaps() {
     for (const auto& [file, fd] : fds_) ::close(fd);
   }
@@ -165,15 +170,31 @@ class SourceMaps {
   Result<Mapping> Map(std::size_t index, std::int64_t begin, std::int64_t len) {
     const ShardEntry& e = reader_.manifest().shards[index];
     RS_CHECK(e.codec == Codec::kNone && begin >= 0 && len > 0 && begin + len <= e.nbytes);
-    RS_ASSIGN_OR_RETURN(const ShardLocation loc, reader_.LocateShard(index));  // extents checked against the file
+    RS_ASSIGN_OR_RETURN(const ShardLocation* loc, reader_.FindShard(index));  // extents checked against the file
+    std::int64_t from = begin, to = begin + len;  // what is mapped, in shard bytes
+    if (verify_) {
+      if (Status st = reader_.CheckFile(e.file); !st.ok()) return st.WithContext("tensor '" + e.tensor + "'");
+      from = from / loc->block_bytes * loc->block_bytes;
+      to = std::min(e.nbytes, (to - 1) / loc->block_bytes * loc->block_bytes + loc->block_bytes);
+    }
     RS_ASSIGN_OR_RETURN(const int fd, Fd(e.file));
     static const std::int64_t page = ::sysconf(_SC_PAGESIZE);
-    const std::int64_t at = loc.offset + begin;
+    const std::int64_t at = loc->offset + from;
     const std::int64_t aligned = at - at % page;
-    const auto span = static_cast<std::size_t>(at - aligned + len);
+    const auto span = static_cast<std::size_t>(at - aligned + (to - from));
     void* base = ::mmap(nullptr, span, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(aligned));
     if (base == MAP_FAILED) return IoError(reader_.DescribeShard(index) + ": mmap failed: " + std::strerror(errno));
-    return Mapping(base, span, static_cast<const std::byte*>(base) + (at - aligned));
+    Mapping m(base, span, static_cast<const std::byte*>(base) + (at - aligned) + (begin - from));
+    if (verify_) {
+      const std::byte* first = static_cast<const std::byte*>(base) + (at - aligned);
+      for (std::int64_t b = from; b < to; b += loc->block_bytes) {
+        const std::int64_t n = std::min(loc->block_bytes, e.nbytes - b);
+        RS_RETURN_IF_ERROR(CheckBlock(*loc, b / loc->block_bytes,
+                                      std::span<const std::byte>(first + (b - from), static_cast<std::size_t>(n)),
+                                      reader_.DescribeShard(index)));
+      }
+    }
+    return m;
   }
 
  private:
@@ -190,6 +211,7 @@ class SourceMaps {
   }
 
   CheckpointReader& reader_;
+  bool verify_;
   std::mutex mu_;
   std::map<std::string, int> fds_;
 };
@@ -422,7 +444,8 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
   ExecuteOptions eo;
   eo.threads = options.threads;
   eo.progress = options.progress;
-  eo.map_sources = !options.verify_reads;
+  // Checked gathers from memory maps need block checksums: version 2, or no checks at all.
+  eo.map_sources = !options.verify_reads || reader->manifest().version >= 2;
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, *reader, *writer, eo));
   writer->SetLayout(target.layout.ToJson());
   writer->SetMetadata(ConvertedMetadata(reader->manifest(), plan));

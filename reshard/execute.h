@@ -33,8 +33,8 @@ struct ExecuteOptions {
   // Called after each job with (bytes written so far, bytes this process writes in all).
   std::function<void(std::int64_t, std::int64_t)> progress;
   // Gather strided reads of uncompressed sources from read-only memory maps instead of a
-  // staging copy. Only when the reader does not verify checksums (it verifies what it reads,
-  // and a mapping would hand out bytes no check has seen).
+  // staging copy. With a reader that checks what it reads, only for format version 2 (each
+  // mapped block is checked in the mapping; a version-1 shard can only be checked whole).
   bool map_sources = false;
 };
 

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <tuple>
 
@@ -193,6 +195,45 @@ TEST(ConvertTest, ParamDtypeIsRecordedAndStatesStayExact) {
   std::vector<std::byte> want(param->size());
   ConvertFloats(DType::kF32, master->data(), DType::kBF16, want.data(), want.size() / 2);
   EXPECT_EQ(want, *param);
+}
+
+// A damaged block of a source shard that the conversion reads in strided gathers (tp splits
+// the row-parallel attention output weight along dim 1: runs of one row each, gathered through
+// memory maps, each mapped block checked before a copy is taken): the conversion fails naming
+// the file, the tensor and the block, and leaves nothing at the output. Without checks the
+// damage goes through.
+TEST(ConvertTest, DamagedBlockInAGatheredReadFails) {
+  TempDir tmp;
+  ModelConfig model;  // tiny-moe
+  const auto rules = *BuiltinRuleSet("megatron");
+  const PhysicalLayout one = *PhysicalLayout::Parse("tp=1", rules);
+  ASSERT_TRUE(WriteExample(model, one, "none", tmp / "src").ok());
+  auto m = ReadManifest(tmp / "src");
+  ASSERT_TRUE(m.ok());
+  const std::string tensor = "layers.0.attn.out.weight";  // [64, 64] f32: one block of 16 KiB
+  const ShardEntry* s = nullptr;
+  for (const ShardEntry& e : m->shards) {
+    if (e.tensor == tensor) s = &e;
+  }
+  ASSERT_NE(s, nullptr);
+  {
+    std::fstream f(tmp / ("src/" + s->file), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(s->data_offset + 5000);
+    const char c = 0x7f;
+    f.write(&c, 1);
+  }
+  const PhysicalLayout two = *PhysicalLayout::Parse("tp=2", rules);
+  auto r = ConvertTo(tmp / "src", two, tmp / "dst");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), ErrorCode::kDataLoss);
+  for (const std::string& n : std::vector<std::string>{s->file, tensor, "block 0", "bytes [0, 16384)", "expected"}) {
+    EXPECT_NE(r.status().message().find(n), std::string::npos) << n << " not in " << r.status().message();
+  }
+  EXPECT_FALSE(std::filesystem::exists(tmp / "dst"));
+  ConvertOptions unchecked;
+  unchecked.threads = 2;
+  unchecked.verify_reads = false;
+  EXPECT_TRUE(Convert(tmp / "src", two, tmp / "dst2", unchecked).ok());
 }
 
 TEST(ConvertTest, RefusesExistingOutputAndBadLayouts) {
