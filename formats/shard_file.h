@@ -36,9 +36,9 @@ struct ShardLocation {
     bool raw = false;         // filter skipped (filter mask bit 0): stored uncompressed
   };
   std::vector<Chunk> chunks;  // codec zstd, in order
-  // Version 2 (FORMAT.md §4.4), once loaded: the block table, one XXH3-64 per block. Block i of
-  // codec none is the shard's bytes [i·B, min((i+1)·B, nbytes)) with B = block_bytes; block i of
-  // codec zstd is chunk i, and its checksum is that of the chunk's stored bytes.
+  // Version 2 (FORMAT.md §4.4), from the block table (LocateFromTable): one XXH3-64 per block.
+  // Block i of codec none is the shard's bytes [i·B, min((i+1)·B, nbytes)) with B = block_bytes;
+  // block i of codec zstd is chunk i, and its checksum is that of the chunk's stored bytes.
   std::vector<std::uint64_t> blocks;
   std::int64_t block_bytes = 0;  // codec none: B; zstd: chunk_bytes
   bool has_blocks() const { return block_bytes > 0; }
