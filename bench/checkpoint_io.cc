@@ -29,6 +29,8 @@
 // reads come from the page cache for us and for `cat` alike. Writes include fsync (the commit
 // protocol); `cp -r` is followed by `sync FILES DIR` (fsync of the copies) so both pay for
 // durability.
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -91,7 +93,16 @@ struct Row {
   double bytes = 0;       // logical bytes moved
   double baseline = 0;    // GiB/s of the baseline it is compared with (0 = none)
   std::string note;
+  double cpu = 0;         // CPU seconds (user + system, all threads), least of the runs; 0 = not ours
 };
+
+// User + system CPU seconds of this process so far, all threads.
+double CpuSeconds() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
 
 }  // namespace
 
@@ -162,9 +173,17 @@ int main(int argc, char** argv) {
 
   // Best (shortest) of `repeat` runs of `fn`, which returns the seconds it measured: on a
   // shared machine the minimum is the least disturbed run, for us and the baselines alike.
-  auto best = [repeat](const auto& fn) {
-    double b = 1e300;
-    for (int i = 0; i < repeat; ++i) b = std::min(b, fn());
+  // The CPU time of the least CPU-hungry run goes to `last_cpu` (on a loaded machine, CPU
+  // seconds are the steadier measure of what checks cost).
+  double last_cpu = 0;
+  auto best = [repeat, &last_cpu](const auto& fn) {
+    double b = 1e300, cpu = 1e300;
+    for (int i = 0; i < repeat; ++i) {
+      const double c0 = CpuSeconds();
+      b = std::min(b, fn());
+      cpu = std::min(cpu, CpuSeconds() - c0);
+    }
+    last_cpu = cpu;
     return b;
   };
   double cp_rate = 0, cat_rate = 0;
@@ -219,7 +238,7 @@ int main(int argc, char** argv) {
       rows_out.push_back({"write cp -r + fsync (baseline)", cp_s, logical, 0, ""});
       fs::remove_all(cp_dir);
     }
-    rows_out.push_back({"write " + codec, write_s, logical, cp_rate, note});
+    rows_out.push_back({"write " + codec, write_s, logical, cp_rate, note, last_cpu});
 
     if (codec == "none") {
       const double cat_s = best([&] {
@@ -244,7 +263,7 @@ int main(int argc, char** argv) {
       });
       if (failed) return std::fprintf(stderr, "reading %s failed\n", dir.c_str()), 1;
       rows_out.push_back({std::string("read ") + codec + (policy == rs::ChecksumPolicy::kVerify ? " +checksums" : ""),
-                          read_s, logical, cat_rate, ""});
+                          read_s, logical, cat_rate, "", last_cpu});
     }
     for (const auto policy : {rs::ChecksumPolicy::kVerify, rs::ChecksumPolicy::kSkip}) {
       std::int64_t hits = 0, misses = 0;
@@ -278,7 +297,7 @@ int main(int argc, char** argv) {
       }
       rows_out.push_back({std::string("read windows ") + codec +
                               (policy == rs::ChecksumPolicy::kVerify ? " +checksums" : ""),
-                          read_s, logical, cat_rate, cache_note});
+                          read_s, logical, cat_rate, cache_note, last_cpu});
     }
     bool sound = true;
     const double verify_s = best([&] {
@@ -289,18 +308,21 @@ int main(int argc, char** argv) {
       sound = rs::VerifyCheckpoint(dir, vo).sound() && sound;
       return Since(t);
     });
-    rows_out.push_back({"verify " + codec, verify_s, logical, cat_rate, sound ? "sound" : "NOT SOUND"});
+    rows_out.push_back({"verify " + codec, verify_s, logical, cat_rate, sound ? "sound" : "NOT SOUND", last_cpu});
     fs::remove_all(dir);
   }
   fs::remove_all(root);
 
-  std::printf("\n%-34s %9s %9s %12s  %s\n", "operation", "seconds", "GiB/s", "vs baseline", "notes");
+  std::printf("\n%-34s %9s %9s %12s %8s  %s\n", "operation", "seconds", "GiB/s", "vs baseline", "CPU s", "notes");
   for (const Row& r : rows_out) {
     const double rate = r.bytes / kGiB / r.seconds;
     char ratio[32] = "";
     if (r.baseline > 0) std::snprintf(ratio, sizeof(ratio), "%.2fx", rate / r.baseline);
-    std::printf("%-34s %9.2f %9.2f %12s  %s\n", r.what.c_str(), r.seconds, rate, ratio, r.note.c_str());
+    char cpu[16] = "-";
+    if (r.cpu > 0) std::snprintf(cpu, sizeof(cpu), "%.2f", r.cpu);
+    std::printf("%-34s %9.2f %9.2f %12s %8s  %s\n", r.what.c_str(), r.seconds, rate, ratio, cpu, r.note.c_str());
   }
-  std::printf("(GiB/s of logical, uncompressed bytes; write baseline: cp -r + fsync; read / verify baseline: cat)\n");
+  std::printf("(GiB/s of logical, uncompressed bytes; write baseline: cp -r + fsync; read / verify baseline: cat;\n"
+              " CPU s: user + system seconds of the least CPU-hungry run)\n");
   return 0;
 }

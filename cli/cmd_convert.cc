@@ -36,6 +36,7 @@ struct ConvertArgs {
   bool verify_source = false;
   bool no_verify = false;
   std::int64_t format_version = kFormatVersion;
+  std::string block_size;
 };
 
 // Everything both the single- and the multi-process path need.
@@ -69,6 +70,9 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   s.writer.threads = a.threads;
   s.writer.producer = "reshard convert";
   s.writer.format_version = a.format_version;
+  if (!a.block_size.empty()) {
+    RS_ASSIGN_OR_RETURN(s.writer.block_bytes, ParseByteSize(a.block_size));
+  }
   return s;
 }
 
@@ -174,6 +178,7 @@ void RegisterConvert(CLI::App& app) {
   cmd->add_option("--format-version", a->format_version, "Checkpoint format version to write: 2, or 1 for older readers")
       ->check(CLI::Range(1, 2))
       ->capture_default_str();
+  cmd->add_option("--block-size", a->block_size, "Checksum block of uncompressed shards (format version 2), default 256KiB");
   cmd->callback([a] { RunConvert(*a); });
 }
 

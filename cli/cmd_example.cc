@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "cli/reshard_args.h"
 #include "cli/util.h"
 #include "reshard/example.h"
 
@@ -16,6 +17,7 @@ struct ExampleArgs {
   std::string codec = "none";
   bool with_replicas = false;
   std::int64_t format_version = kFormatVersion;
+  std::string block_size;
   int threads = 0;
   std::string out;
 };
@@ -37,6 +39,11 @@ void RunExample(const ExampleArgs& a) {
   o.seed = a.seed;
   o.with_replicas = a.with_replicas;
   o.format_version = a.format_version;
+  if (!a.block_size.empty()) {
+    auto b = ParseByteSize(a.block_size);
+    if (!b.ok()) Fail("example", b.status().WithContext("--block-size"));
+    o.block_bytes = *b;
+  }
   o.threads = a.threads;
   if (Status s = WriteExampleCheckpoint(o, a.out); !s.ok()) Fail("example", s);
   PrintErr( "wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(),
@@ -59,6 +66,7 @@ void RegisterExample(CLI::App& app) {
   cmd->add_option("--format-version", a->format_version, "Checkpoint format version to write: 2, or 1 for older readers")
       ->check(CLI::Range(1, 2))
       ->capture_default_str();
+  cmd->add_option("--block-size", a->block_size, "Checksum block of uncompressed shards (format version 2), default 256KiB");
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
   cmd->callback([a] { RunExample(*a); });

@@ -24,7 +24,7 @@ inline constexpr std::int64_t kMaxReadableVersion = 2;
 // `block_bytes` of an uncompressed shard or per stored zstd chunk, so that partial reads can be
 // checked; the manifest records each data file's size and a checksum of its bytes outside the
 // shards' data extents.
-inline constexpr std::int64_t kDefaultBlockBytes = std::int64_t{1} << 20;
+inline constexpr std::int64_t kDefaultBlockBytes = std::int64_t{256} << 10;
 inline constexpr std::int64_t kMinBlockBytes = std::int64_t{4} << 10;
 inline constexpr std::int64_t kMaxBlockBytes = std::int64_t{1} << 30;
 inline constexpr std::string_view kManifestFileName = "manifest.json";

@@ -972,9 +972,36 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
       PrefetchFd(fd_, ch.offset, ch.size);
     }
   }
-  // Uncompressed blocks are read and hashed in order on this thread (each still in the CPU
-  // cache when hashed; callers read several shards at once); zstd chunks decode on the pool.
-  if (pool == nullptr || first == last || loc.codec == Codec::kNone) {
+  if (loc.codec == Codec::kNone) {
+    // In order on this thread (callers read several shards at once): blocks the range covers
+    // whole are read straight into `out`, several per pread, then checked; the blocks at its
+    // ends come whole from the cache or the file.
+    constexpr std::int64_t kRunBytes = std::int64_t{8} << 20;
+    auto covered = [&](std::int64_t i) {
+      return i * bs >= begin && std::min(loc.nbytes, (i + 1) * bs) <= end;
+    };
+    for (std::int64_t i = first; i <= last && first_error.ok();) {
+      if (!covered(i)) {
+        one(i++);
+        continue;
+      }
+      std::int64_t j = i + 1;
+      while (j <= last && covered(j) && (j + 1 - i) * bs <= kRunBytes) ++j;
+      const std::int64_t from = i * bs, to = std::min(loc.nbytes, j * bs);
+      const std::span<std::byte> dst = out.subspan(static_cast<std::size_t>(from - begin), static_cast<std::size_t>(to - from));
+      Status s = ReadAt(loc.offset + from, dst, what);
+      for (std::int64_t k = i; s.ok() && k < j; ++k) {
+        const std::int64_t b = k * bs;
+        s = CheckBlock(loc, k, dst.subspan(static_cast<std::size_t>(b - from), static_cast<std::size_t>(std::min(bs, loc.nbytes - b))),
+                       what);
+      }
+      if (!s.ok()) first_error = s;
+      i = j;
+    }
+    return first_error;
+  }
+  // zstd chunks decode on the pool.
+  if (pool == nullptr || first == last) {
     for (std::int64_t i = first; i <= last && first_error.ok(); ++i) one(i);
   } else {
     TaskGroup group(pool);
@@ -989,8 +1016,9 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
   RS_CHECK(!verify || loc.has_blocks());
   if (loc.nbytes == 0) return Status::Ok();
   if (loc.codec == Codec::kNone) {
-    // Verifying: whole blocks of the table (each checked before it reaches the sink).
-    const std::int64_t step = verify ? loc.block_bytes : kStreamBlock;
+    // Verifying: whole blocks of the table, at least kStreamBlock bytes per read (each block is
+    // checked before it reaches the sink).
+    const std::int64_t step = verify ? (kStreamBlock + loc.block_bytes - 1) / loc.block_bytes * loc.block_bytes : kStreamBlock;
     std::vector<std::byte> block(static_cast<std::size_t>(std::min(step, loc.nbytes)));
     std::int64_t advised = 0;
     for (std::int64_t pos = 0; pos < loc.nbytes; pos += step) {
@@ -1001,10 +1029,12 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
       }
       const std::int64_t len = std::min(step, loc.nbytes - pos);
       std::span<std::byte> dst(block.data(), static_cast<std::size_t>(len));
-      if (verify) {
-        RS_RETURN_IF_ERROR(ReadBlock(loc, pos / step, dst, what));
-      } else {
-        RS_RETURN_IF_ERROR(ReadAt(loc.offset + pos, dst, what));
+      RS_RETURN_IF_ERROR(ReadAt(loc.offset + pos, dst, what));
+      for (std::int64_t b = pos; verify && b < pos + len; b += loc.block_bytes) {
+        RS_RETURN_IF_ERROR(CheckBlock(loc, b / loc.block_bytes,
+                                      dst.subspan(static_cast<std::size_t>(b - pos),
+                                                  static_cast<std::size_t>(std::min(loc.block_bytes, loc.nbytes - b))),
+                                      what));
       }
       sink(dst);
     }

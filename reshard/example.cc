@@ -27,6 +27,7 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   wo.threads = options.threads;
   wo.producer = options.producer;
   wo.format_version = options.format_version;
+  wo.block_bytes = options.block_bytes;
   RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(dir, wo));
   for (const auto& t : tensors) RS_RETURN_IF_ERROR(writer->AddTensor(t));
 

@@ -37,6 +37,7 @@ struct ExampleOptions {
   int threads = 0;             // 0 = hardware concurrency
   std::string producer = "reshard example";
   std::int64_t format_version = kFormatVersion;  // 1: for readers that predate version 2
+  std::int64_t block_bytes = kDefaultBlockBytes;  // version 2: checksum block size
 };
 
 // Writes the example checkpoint of `options` to `dir` (atomically; AlreadyExists if `dir`
