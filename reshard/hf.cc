@@ -644,8 +644,9 @@ class BlockReader {
  public:
   explicit BlockReader(std::int64_t block_bytes) : block_bytes_(block_bytes) {}
 
-  // Copies items [item, item + n) of `src` into `dst`, converted to `to`.
-  Status Read(const HfSource& src, std::int64_t item, std::int64_t n, DType to, std::byte* dst) {
+  // Copies items [item, item + n) of `src` into `dst`, converted to `to`. Blocks read ahead
+  // no further than item `limit` (the last item the caller will need from `src`).
+  Status Read(const HfSource& src, std::int64_t item, std::int64_t n, std::int64_t limit, DType to, std::byte* dst) {
     const DType from = src.tensor->dtype;
     const auto in_size = static_cast<std::int64_t>(DTypeSize(from));
     const auto out_size = static_cast<std::int64_t>(DTypeSize(to));
@@ -657,7 +658,7 @@ class BlockReader {
     }
     while (left > 0) {
       if (cached_ != src.tensor || b < begin_ || b >= begin_ + static_cast<std::int64_t>(block_.size())) {
-        const std::int64_t len = std::min(block_bytes_, src.tensor->nbytes() - b);
+        const std::int64_t len = std::min(block_bytes_, std::max(limit * in_size, b + left) - b);
         block_.resize(static_cast<std::size_t>(len));
         cached_ = nullptr;
         RS_RETURN_IF_ERROR(src.file->ReadTensorBytes(*src.tensor, b, block_));
@@ -695,8 +696,10 @@ struct TensorSource {
   std::vector<std::pair<std::int64_t, HfSource>> parts;  // (flat_begin, source), sorted
 };
 
-Status FillItems(const TensorSource& s, const TensorSpec& t, std::int64_t g, std::int64_t n, std::byte* dst,
-                 BlockReader& reader) {
+// Fills items [g, g + n) of `t` into `dst`; `g_limit` is the end of the items the caller still
+// needs (read-ahead stops there).
+Status FillItems(const TensorSource& s, const TensorSpec& t, std::int64_t g, std::int64_t n, std::int64_t g_limit,
+                 std::byte* dst, BlockReader& reader) {
   const auto esize = static_cast<std::int64_t>(DTypeSize(t.dtype));
   if (s.kind == TensorSource::Kind::kZero) {
     std::memset(dst, 0, static_cast<std::size_t>(n * esize));
@@ -711,7 +714,8 @@ Status FillItems(const TensorSource& s, const TensorSpec& t, std::int64_t g, std
     const std::int64_t local = g - it->first;
     const std::int64_t take = std::min(n, src.tensor->numel() - local);
     RS_CHECK(take > 0);
-    RS_RETURN_IF_ERROR(reader.Read(src, local, take, t.dtype, dst));
+    const std::int64_t limit = std::min(src.tensor->numel(), g_limit - it->first);
+    RS_RETURN_IF_ERROR(reader.Read(src, local, take, limit, t.dtype, dst));
     dst += take * esize;
     g += take;
     n -= take;
@@ -901,11 +905,13 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     result.peak_buffer = std::max<std::int64_t>(result.peak_buffer, static_cast<std::int64_t>(buf.size()) + block);
     RS_ASSIGN_OR_RETURN(auto sink, writer->BeginShard(s.rank, t.name, s.piece, s.replica));
     std::int64_t pos = 0;
-    for (const Run& run : PieceToRuns(t.shape, s.piece)) {
+    const std::vector<Run> runs = PieceToRuns(t.shape, s.piece);
+    const std::int64_t g_limit = runs.empty() ? 0 : runs.back().global_end();
+    for (const Run& run : runs) {
       std::int64_t g = run.global_begin, left = run.length;
       while (left > 0) {
         const std::int64_t n = std::min(left, window_items - pos);
-        if (Status st = FillItems(sources[s.tensor], t, g, n, buf.data() + pos * esize, blocks); !st.ok()) {
+        if (Status st = FillItems(sources[s.tensor], t, g, n, g_limit, buf.data() + pos * esize, blocks); !st.ok()) {
           return st.WithContext("import of '" + t.name + "'");
         }
         pos += n;
