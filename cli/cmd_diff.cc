@@ -1,4 +1,4 @@
-// `reshard diff A B [--json] [--tolerance T]`: compares the logical content of two checkpoints whatever their
+// `reshard diff A B [--json] [--tolerance T] [--role R]`: compares the logical content of two checkpoints whatever their
 // layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
 #include <cstdio>
 
@@ -18,6 +18,7 @@ struct DiffArgs {
   int threads = 0;
   bool skip_checksums = false;
   double tolerance = 0;
+  std::string role;
 };
 
 void RunDiff(const DiffArgs& args) {
@@ -30,6 +31,18 @@ void RunDiff(const DiffArgs& args) {
   if (!b.ok()) Fail("diff", b.status());
   DiffOptions o;
   o.threads = args.threads;
+  if (!args.role.empty()) {
+    bool known = false;
+    for (TensorRole r : {TensorRole::kParameter, TensorRole::kOptimizerState, TensorRole::kScalar, TensorRole::kBuffer}) {
+      if (TensorRoleName(r) == args.role) {
+        o.role = r;
+        known = true;
+      }
+    }
+    if (!known) {
+      Fail("diff", InvalidArgument("--role '" + args.role + "': expected parameter, optimizer_state, scalar or buffer"));
+    }
+  }
   auto report = DiffCheckpoints(**a, **b, o);
   if (!report.ok()) Fail("diff", report.status());
   if (args.json) {
@@ -63,6 +76,8 @@ void RegisterDiff(CLI::App& app) {
   cmd->add_option("--tolerance", a->tolerance,
                   "Values differing by at most this much (absolute) count as equal; exit 0 if all do")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--role", a->role,
+                  "Compare only tensors of this role: parameter, optimizer_state, scalar or buffer");
   cmd->add_flag("--skip-checksums", a->skip_checksums, "Do not verify shard checksums while reading");
   cmd->callback([a] { RunDiff(*a); });
 }
