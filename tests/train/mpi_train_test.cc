@@ -366,6 +366,9 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2 --rules ep-as-cp --seq-len 63");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("context-parallel"), std::string::npos) << r.output;
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout etp=2 --rules ep-over-tp");  // experts whole, etp idle
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("over etp alone"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout cp=2");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("'cp' axis"), std::string::npos) << r.output;
