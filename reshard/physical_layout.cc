@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/arith.h"
 #include "core/check.h"
 
 namespace rs {
@@ -29,7 +30,6 @@ Result<std::int64_t> ParseInt(const std::string& s, const std::string& where) {
   return v;
 }
 
-std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 Status ValidateAlignBytes(std::int64_t v, const std::string& where) {
   if (v < 1 || v > (std::int64_t{1} << 20) || (v & (v - 1)) != 0) {
