@@ -61,6 +61,10 @@ Status ShardSource::ReadPiece(const std::string& tensor, const Piece& piece, std
   return Status::Ok();
 }
 
+CheckpointSource::CheckpointSource(CheckpointReader& reader) : reader_(reader) {}
+CheckpointSource::CheckpointSource(std::unique_ptr<CheckpointReader> reader) : owned_(std::move(reader)), reader_(*owned_) {}
+CheckpointSource::~CheckpointSource() = default;
+
 const std::string& CheckpointSource::dir() const { return reader_.dir(); }
 const Manifest& CheckpointSource::manifest() const { return reader_.manifest(); }
 std::string CheckpointSource::DescribeShard(std::size_t index) const { return reader_.DescribeShard(index); }

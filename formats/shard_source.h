@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -44,10 +45,13 @@ class ShardSource {
   virtual Status ReadPiece(const std::string& tensor, const Piece& piece, std::span<std::byte> out);
 };
 
-// Our format through CheckpointReader (which the caller keeps alive).
+// Our format through CheckpointReader (which the caller keeps alive, or hands over).
 class CheckpointSource final : public ShardSource {
  public:
-  explicit CheckpointSource(CheckpointReader& reader) : reader_(reader) {}
+  explicit CheckpointSource(CheckpointReader& reader);
+  explicit CheckpointSource(std::unique_ptr<CheckpointReader> reader);
+  ~CheckpointSource() override;
+  CheckpointReader& reader() { return reader_; }
   const std::string& dir() const override;
   const Manifest& manifest() const override;
   std::string DescribeShard(std::size_t index) const override;
@@ -56,6 +60,7 @@ class CheckpointSource final : public ShardSource {
   Status ReadPiece(const std::string& tensor, const Piece& piece, std::span<std::byte> out) override;
 
  private:
+  std::unique_ptr<CheckpointReader> owned_;
   CheckpointReader& reader_;
 };
 
