@@ -140,7 +140,7 @@ class Machine {
     }
     return nullptr;
   }
-  Status PushGlobal(const std::string& module, const std::string& name) {
+  Status PushGlobal(std::string module, std::string name) {  // copies: Push may move the nodes
     if (FindGlobal(module, name) == nullptr) {
       std::string shown = module + "." + name;
       if (shown.size() > 200) shown = shown.substr(0, 200) + "...";
@@ -148,8 +148,8 @@ class Machine {
     }
     std::size_t n = 0;
     RS_RETURN_IF_ERROR(Push(PickleKind::kGlobal, &n));
-    N(n).module = module;
-    N(n).s = name;
+    N(n).module = std::move(module);
+    N(n).s = std::move(name);
     return Status::Ok();
   }
 
