@@ -71,7 +71,7 @@ void CheckCoverage(const DcpCheckpoint& c, std::size_t ti, const VerifyOptions& 
       gaps.push_back({covered, r.begin});
       gap_items += r.begin - covered;
     } else if (r.begin < covered) {
-      auto& ov = overlaps[{owner, r.chunk}];
+      auto& ov = overlaps[{std::min(owner, r.chunk), std::max(owner, r.chunk)}];
       if (ov.first == 0) ov.second = {r.begin, std::min(r.end, covered)};
       ov.first += std::min(r.end, covered) - r.begin;
     }
@@ -103,8 +103,10 @@ void CheckCoverage(const DcpCheckpoint& c, std::size_t ti, const VerifyOptions& 
     }
     report.findings.push_back(
         {FindingKind::kOverlap, ErrorCode::kDataLoss, t.fqn, meta,
-         "tensor '" + t.fqn + "' " + ShapeToString(t.size) + ": chunks at " + ShapeToString(t.chunks[pair.first].offsets) +
-             " (sizes " + ShapeToString(t.chunks[pair.first].sizes) + ") and at " + ShapeToString(t.chunks[pair.second].offsets) +
+         "tensor '" + t.fqn + "' " + ShapeToString(t.size) + ": chunk " + std::to_string(pair.first) + " at " +
+             ShapeToString(t.chunks[pair.first].offsets) +
+             " (sizes " + ShapeToString(t.chunks[pair.first].sizes) + ") and chunk " + std::to_string(pair.second) + " at " +
+             ShapeToString(t.chunks[pair.second].offsets) +
              " (sizes " + ShapeToString(t.chunks[pair.second].sizes) + ") both hold " + std::to_string(ov.first) +
              " items, first " + DescribeItems(t.size, ov.second.begin, ov.second.end)});
   }
