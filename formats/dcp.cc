@@ -510,8 +510,9 @@ Result<DcpChunkLocation> DcpCheckpoint::Locate(std::size_t ti, std::size_t ci) {
   std::int64_t file_size = 0;
   {
     std::lock_guard lock(mu_);
-    RS_ASSIGN_OR_RETURN(const File f, OpenFile(s.file));
-    file_size = f.size;
+    Result<File> f = OpenFile(s.file);
+    if (!f.ok()) return Status(f.status().code(), f.status().message() + " (item " + key + ")");
+    file_size = f->size;
   }
   if (s.offset > file_size || s.length > file_size - s.offset) {
     return DataLoss(where + ": the item runs past the end of the file (" + std::to_string(file_size) +

@@ -288,6 +288,7 @@ class Machine {
           stack_.pop_back();
           return Status::Ok();
         }
+        if (marks_.empty()) return Err("stack underflow");
         return PopMark().status();
       case kPopMark:
         return PopMark().status();
