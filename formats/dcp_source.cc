@@ -231,6 +231,10 @@ std::string DcpSource::DescribeShard(std::size_t index) const {
 }
 
 Result<std::int64_t> DcpSource::Step() {
+  {
+    std::lock_guard lock(mu_);
+    if (step_) return *step_;
+  }
   const DcpMetadata& md = dcp_->metadata();
   std::optional<double> value;
   std::string first;
@@ -266,7 +270,9 @@ Result<std::int64_t> DcpSource::Step() {
     }
   }
   if (!value) return DataLoss(dcp_->dir() + ": no optimizer step entries");
-  return static_cast<std::int64_t>(*value);
+  std::lock_guard lock(mu_);
+  step_ = static_cast<std::int64_t>(*value);
+  return *step_;
 }
 
 Status DcpSource::ReadShardRange(std::size_t index, std::int64_t byte_begin, std::span<std::byte> out) {

@@ -80,6 +80,7 @@ class DcpSource final : public ShardSource {
   std::vector<std::string> step_objects;  // DCP bytes FQNs of step entries
   std::mutex mu_;
   std::vector<unsigned char> crc_checked_;
+  std::optional<std::int64_t> step_;  // cached Step()
 };
 
 }  // namespace rs
