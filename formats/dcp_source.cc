@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "formats/manifest.h"
+
 namespace rs {
 namespace {
 
@@ -110,6 +112,14 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   m.layout = nullptr;
   m.metadata = nlohmann::json::object();
   m.metadata["dcp"] = {{"version", md.version}, {"tensor_keys", md.tensors.size()}, {"bytes_keys", md.objects.size()}};
+  // Megatron-Core's torch_dist backend writes DCP plus a metadata.json naming itself.
+  bool megatron = false;
+  if (Result<std::string> mj = ReadSmallFile(dir + "/metadata.json", std::int64_t{1} << 20); mj.ok()) {
+    const auto j = nlohmann::json::parse(*mj, nullptr, /*allow_exceptions=*/false);
+    megatron = j.is_object() && j.value("sharded_backend", nlohmann::json()).is_string() &&
+               j["sharded_backend"].get<std::string>() == "torch_dist";
+  }
+  if (megatron) m.metadata["dcp"]["megatron_torch_dist"] = true;
   std::vector<std::size_t> tensor_key;  // per manifest tensor: DCP tensor, or -1 for the step
   constexpr auto kNoKey = static_cast<std::size_t>(-1);
 
@@ -162,7 +172,10 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
     if (!missing.empty()) problems += "; missing from the checkpoint: " + Listed(missing);
     if (!unknown.empty()) problems += "; not tensors of the model: " + Listed(unknown);
     if (!problems.empty()) {
-      return FailedPrecondition(dir + ": the DCP checkpoint does not match the model '" + cfg.name + "'" + problems);
+      return FailedPrecondition(dir + ": the DCP checkpoint does not match the model '" + cfg.name + "'" + problems +
+                                (megatron ? " (this is a Megatron-Core torch_dist checkpoint: its key names are not mapped to "
+                                            "ours yet, see formats/DCP.md section 4)"
+                                          : ""));
     }
     m.metadata["model"] = cfg;
   } else {

@@ -165,6 +165,14 @@ TEST(DcpTest, ModelMismatchNamesTheTensors) {
   EXPECT_EQ(src.status().code(), ErrorCode::kFailedPrecondition);
   EXPECT_NE(src.status().message().find("embedding.weight"), std::string::npos) << src.status().message();
   EXPECT_NE(src.status().message().find("shapes differ"), std::string::npos);
+  EXPECT_EQ(src.status().message().find("Megatron"), std::string::npos);
+  // A Megatron-Core torch_dist directory is named as such.
+  ScratchDir scratch;
+  const std::string dir = CopyFixture(scratch, "bf16_2d");
+  WriteFile(dir + "/metadata.json", R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})");
+  auto mcore = DcpSource::Open(dir, o);
+  ASSERT_FALSE(mcore.ok());
+  EXPECT_NE(mcore.status().message().find("Megatron-Core torch_dist checkpoint"), std::string::npos) << mcore.status().message();
 }
 
 TEST(DcpTest, FixturesVerifySound) {
