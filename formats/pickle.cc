@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/memory.h"
+
 namespace rs {
 namespace {
 
@@ -97,9 +99,23 @@ class Machine {
   }
 
   // Nodes and the stack.
+  // Before the node table or the memo grows: what they would then hold must fit in the
+  // memory this process may use (a pickle of 10^9 one-byte opcodes is refused, not a
+  // std::bad_alloc).
+  // Counted generously: a growing vector briefly holds its old and new buffers, and the
+  // process has other uses for its address space.
+  Status Budget(std::size_t nodes, std::size_t memo, std::size_t stack) const {
+    const auto bytes = static_cast<std::int64_t>(2 * (3 * nodes * sizeof(PickleNode) + memo * 64 + 3 * stack * sizeof(std::size_t)));
+    Status st = CheckMemory(bytes, what_ + ": the pickle's values");
+    if (!st.ok()) return Status(st.code(), st.message() + " (at pickle byte offset " + std::to_string(op_at_) + ")");
+    return Status::Ok();
+  }
   Result<std::size_t> New(PickleKind kind) {
     if (static_cast<std::int64_t>(nodes_.size()) >= o_.max_nodes) {
       return Err("more than " + std::to_string(o_.max_nodes) + " values");
+    }
+    if (nodes_.size() == nodes_.capacity() && nodes_.size() >= 4096) {
+      RS_RETURN_IF_ERROR(Budget(2 * nodes_.size(), memo_.size(), stack_.size()));
     }
     PickleNode n;
     n.kind = kind;
@@ -107,7 +123,15 @@ class Machine {
     nodes_.push_back(std::move(n));
     return nodes_.size() - 1;
   }
+  // Before the stack grows (DUP and memo gets push without making a value).
+  Status StackRoom() {
+    if (stack_.size() == stack_.capacity() && stack_.size() >= 4096) {
+      return Budget(nodes_.size(), memo_.size(), 2 * stack_.size());
+    }
+    return Status::Ok();
+  }
   Status Push(PickleKind kind, std::size_t* out = nullptr) {
+    RS_RETURN_IF_ERROR(StackRoom());
     RS_ASSIGN_OR_RETURN(const std::size_t n, New(kind));
     stack_.push_back(n);
     if (out != nullptr) *out = n;
@@ -202,12 +226,16 @@ class Machine {
 
   Status Memo(std::uint64_t key) {
     RS_ASSIGN_OR_RETURN(const std::size_t top, Top());
+    if (memo_.size() >= 4096 && (memo_.size() & (memo_.size() - 1)) == 0) {
+      RS_RETURN_IF_ERROR(Budget(nodes_.size(), 2 * memo_.size(), stack_.size()));
+    }
     memo_[key] = top;
     return Status::Ok();
   }
   Status Get(std::uint64_t key) {
     const auto it = memo_.find(key);
     if (it == memo_.end()) return Err("memo index " + std::to_string(key) + " was never stored");
+    RS_RETURN_IF_ERROR(StackRoom());
     stack_.push_back(it->second);
     return Status::Ok();
   }
@@ -281,6 +309,9 @@ class Machine {
         return Status::Ok();
       }
       case kMark:
+        if (marks_.size() == marks_.capacity() && marks_.size() >= 4096) {
+          RS_RETURN_IF_ERROR(Budget(nodes_.size(), memo_.size(), stack_.size() + 2 * marks_.size()));
+        }
         marks_.push_back(stack_.size());
         return Status::Ok();
       case kPop:
@@ -294,6 +325,7 @@ class Machine {
         return PopMark().status();
       case kDup: {
         RS_ASSIGN_OR_RETURN(const std::size_t top, Top());
+        RS_RETURN_IF_ERROR(StackRoom());
         stack_.push_back(top);
         return Status::Ok();
       }

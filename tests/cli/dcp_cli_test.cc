@@ -142,5 +142,40 @@ TEST(DcpCliTest, HostileMetadataExecutesNothing) {
   EXPECT_FALSE(fs::exists(marker));
 }
 
+TEST(DcpCliTest, MetadataLargerThanMemoryIsRefused) {
+  // 64 MiB of NONE opcodes would make 64M values (about 10 GiB of nodes): under ulimit -v the
+  // reader refuses before the table outgrows the limit, with exit 1 and a message.
+  TempDir tmp;
+  const std::string dir = tmp / "big";
+  fs::create_directories(dir);
+  {
+    std::ofstream out(dir + "/.metadata", std::ios::binary);
+    out << "\x80\x04";
+    const std::string block(1 << 20, 'N');
+    for (int i = 0; i < 64; ++i) out << block;
+    out << ".";
+  }
+  const CommandResult r = RunShell("ulimit -v 1000000; " + std::string(RS_CLI) + " verify " + dir);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(Has(r.output, "the pickle's values")) << r.output;
+  EXPECT_TRUE(Has(r.output, "more than this process may use")) << r.output;
+}
+
+TEST(DcpCliTest, FifoMetadataDoesNotBlock) {
+  TempDir tmp;
+  const std::string dir = tmp / "fifo";
+  fs::create_directories(dir);
+  ASSERT_EQ(RunShell("mkfifo " + dir + "/.metadata").exit_code, 0);
+  const CommandResult r = RunShell("timeout 20 " + std::string(RS_CLI) + " verify " + dir);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(Has(r.output, "FIFO")) << r.output;
+  const std::string data = CopyBf16(tmp, "fifo_data", "");
+  fs::remove(data + "/__1_0.distcp");
+  ASSERT_EQ(RunShell("mkfifo " + data + "/__1_0.distcp").exit_code, 0);
+  const CommandResult d = RunShell("timeout 20 " + std::string(RS_CLI) + " verify " + data);
+  EXPECT_EQ(d.exit_code, 1) << d.output;
+  EXPECT_TRUE(Has(d.output, "__1_0.distcp")) << d.output;
+}
+
 }  // namespace
 }  // namespace rs::testing
