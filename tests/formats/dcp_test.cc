@@ -5,6 +5,7 @@
 // with messages naming the file and the key, without executing anything and without crashing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -147,6 +148,36 @@ TEST(DcpTest, FixtureValuesWithModel) {
 TEST(DcpTest, FixtureValuesWithoutModel) {
   ExpectValues("adamw_f32", false);
   ExpectValues("bf16_2d", false);
+}
+
+// Uneven shards (an empty chunk, a short last chunk) and a non-contiguous chunk (a transpose,
+// which torch.save keeps with its strides).
+TEST(DcpTest, UnevenAndStridedChunks) {
+  ExpectValues("uneven", false);
+  auto c = DcpCheckpoint::Open(kFixtures + "/uneven");
+  ASSERT_TRUE(c.ok());
+  const auto ti = static_cast<std::size_t>((*c)->TensorIndex("transposed"));
+  auto loc = (*c)->LocateChunk(ti, 0);
+  ASSERT_TRUE(loc.ok()) << loc.status().ToString();
+  EXPECT_FALSE(loc->contiguous);
+  EXPECT_EQ(loc->strides, (std::vector<std::int64_t>{1, 3}));
+  auto expected = SafetensorsFile::Open(kFixtures + "/uneven/expected.safetensors");
+  ASSERT_TRUE(expected.ok());
+  const SafetensorsTensor* t = (*expected)->Find("transposed");
+  ASSERT_NE(t, nullptr);
+  std::vector<std::byte> all(static_cast<std::size_t>(t->nbytes()));
+  ASSERT_TRUE((*expected)->ReadTensorBytes(*t, 0, all).ok());
+  // Every byte range, also ones that start or end inside an element.
+  for (std::int64_t b = 0; b < t->nbytes(); b += 7) {
+    for (std::int64_t e = b + 1; e <= t->nbytes(); e += 11) {
+      std::vector<std::byte> part(static_cast<std::size_t>(e - b));
+      ASSERT_TRUE((*c)->ReadChunk(ti, 0, b, part).ok());
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), all.begin() + b)) << b << ".." << e;
+    }
+  }
+  const auto rows = static_cast<std::size_t>((*c)->TensorIndex("uneven.rows"));
+  EXPECT_EQ((*c)->metadata().tensors[rows].chunks.back().sizes, (Shape{0, 5}));
+  EXPECT_TRUE(VerifyDcp(kFixtures + "/uneven").sound());
 }
 
 TEST(DcpTest, StepIsTheCommonStep) {
