@@ -8,6 +8,7 @@
 
 #include "cli/commands.h"
 #include "cli/reshard_args.h"
+#include "cli/source_args.h"
 #include "cli/util.h"
 #include "dist/commit.h"
 #include "dist/mpi.h"
@@ -28,22 +29,25 @@ struct ConvertArgs {
   std::string param_dtype;
   bool with_replicas = false;
   bool verify_source = false;
+  std::string model;
 };
 
 // Everything both the single- and the multi-process path need.
 struct Setup {
-  std::unique_ptr<CheckpointReader> reader;
+  std::unique_ptr<ShardSource> source;
   ReshardPlan plan;
   WriterOptions writer;
 };
 
 Result<Setup> Prepare(const ConvertArgs& a) {
   Setup s;
-  ReaderOptions ro;
-  ro.threads = a.threads;
-  ro.checksums = a.verify_source ? ChecksumPolicy::kVerify : ChecksumPolicy::kSkip;
-  RS_ASSIGN_OR_RETURN(s.reader, CheckpointReader::Open(a.src, ro));
-  RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.reader->manifest()));
+  SourceArgs sa;
+  sa.model = a.model;
+  sa.threads = a.threads;
+  sa.checksums = a.verify_source ? ChecksumPolicy::kVerify : ChecksumPolicy::kSkip;
+  sa.need_model = true;
+  RS_ASSIGN_OR_RETURN(s.source, OpenSource(a.src, sa));
+  RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.source->manifest()));
   ReshardOptions o;
   RS_ASSIGN_OR_RETURN(o.memory_budget, ParseByteSize(a.memory_budget));
   if (!a.max_shard_size.empty()) {
@@ -56,7 +60,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
     if (!t) return InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'");
     o.param_dtype = *t;
   }
-  RS_ASSIGN_OR_RETURN(s.plan, PlanReshard(s.reader->manifest(), target, o));
+  RS_ASSIGN_OR_RETURN(s.plan, PlanReshard(s.source->manifest(), target, o));
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
   s.writer.producer = "reshard convert";
@@ -76,9 +80,9 @@ Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::v
     progress = std::make_unique<Progress>("convert", s.plan.Total().bytes_written);
     eo.progress = [&progress](std::int64_t done, std::int64_t) { progress->Update(done); };
   }
-  RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(s.plan, *s.reader, writer, eo));
+  RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(s.plan, *s.source, writer, eo));
   writer.SetLayout(s.plan.target.layout.ToJson());
-  writer.SetMetadata(ConvertedMetadata(s.reader->manifest(), s.plan));
+  writer.SetMetadata(ConvertedMetadata(s.source->manifest(), s.plan));
   return stats;
 }
 
@@ -123,7 +127,7 @@ void RunConvert(const ConvertArgs& a) {
 void RegisterConvert(CLI::App& app) {
   auto a = std::make_shared<ConvertArgs>();
   auto* cmd = app.add_subcommand("convert", "Convert a checkpoint (parameters and optimizer states) to another layout");
-  cmd->add_option("src", a->src, "Source checkpoint directory (opened read-only)")->required();
+  cmd->add_option("src", a->src, "Source checkpoint directory, ours or PyTorch DCP (opened read-only)")->required();
   cmd->add_option("--to", a->to,
                   "Target layout, e.g. tp=2,ep=8,fsdp=2 [,fsdp_form=flat][,vocab_multiple=N][,pp_split=A/B]")
       ->required();
@@ -135,7 +139,10 @@ void RegisterConvert(CLI::App& app) {
   cmd->add_option("--codec", a->codec, "Target codec: none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_option("--param-dtype", a->param_dtype, "Convert parameters (not optimizer states) to this dtype, e.g. bf16");
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of the target layout");
-  cmd->add_flag("--verify-source", a->verify_source, "Check the checksum of every source shard read");
+  cmd->add_flag("--verify-source", a->verify_source,
+               "Check the checksum of every source shard read (DCP: the CRC-32 of every torch.save record read)");
+  cmd->add_option("--model", a->model,
+                  "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");
   cmd->callback([a] { RunConvert(*a); });
 }
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/source_args.h"
 #include "cli/util.h"
 #include "reshard/diff.h"
 
@@ -19,15 +20,22 @@ struct DiffArgs {
   bool skip_checksums = false;
   double tolerance = 0;
   std::string role;
+  std::string model;
 };
 
 void RunDiff(const DiffArgs& args) {
-  ReaderOptions ro;
-  ro.threads = args.threads;
-  ro.checksums = args.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
-  auto a = CheckpointReader::Open(args.a, ro);
+  SourceArgs sa;
+  sa.threads = args.threads;
+  sa.checksums = args.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
+  // --model applies to the side(s) that are PyTorch DCP directories.
+  auto open = [&](const std::string& dir) {
+    SourceArgs s = sa;
+    if (IsDcpSource(dir)) s.model = args.model;
+    return OpenSource(dir, s);
+  };
+  auto a = open(args.a);
   if (!a.ok()) Fail("diff", a.status());
-  auto b = CheckpointReader::Open(args.b, ro);
+  auto b = open(args.b);
   if (!b.ok()) Fail("diff", b.status());
   DiffOptions o;
   o.threads = args.threads;
@@ -69,8 +77,8 @@ void RunDiff(const DiffArgs& args) {
 void RegisterDiff(CLI::App& app) {
   auto a = std::make_shared<DiffArgs>();
   auto* cmd = app.add_subcommand("diff", "Compare the logical content of two checkpoints (exit 0 identical, 1 not)");
-  cmd->add_option("a", a->a, "First checkpoint directory")->required();
-  cmd->add_option("b", a->b, "Second checkpoint directory")->required();
+  cmd->add_option("a", a->a, "First checkpoint directory (ours or PyTorch DCP)")->required();
+  cmd->add_option("b", a->b, "Second checkpoint directory (ours or PyTorch DCP)")->required();
   cmd->add_flag("--json", a->json, "Machine-readable output");
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--tolerance", a->tolerance,
@@ -78,7 +86,8 @@ void RegisterDiff(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--role", a->role,
                   "Compare only tensors of this role: parameter, optimizer_state, scalar or buffer");
-  cmd->add_flag("--skip-checksums", a->skip_checksums, "Do not verify shard checksums while reading");
+  cmd->add_flag("--skip-checksums", a->skip_checksums, "Do not verify shard checksums (DCP: record CRC-32s) while reading");
+  cmd->add_option("--model", a->model, "PyTorch DCP sides: the model (preset or JSON file), to name and check their tensors");
   cmd->callback([a] { RunDiff(*a); });
 }
 

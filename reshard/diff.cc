@@ -101,6 +101,12 @@ void to_json(nlohmann::json& j, const DiffReport& r) {
 }
 
 Result<DiffReport> DiffCheckpoints(CheckpointReader& a, CheckpointReader& b, const DiffOptions& options) {
+  CheckpointSource sa(a);
+  CheckpointSource sb(b);
+  return DiffCheckpoints(sa, sb, options);
+}
+
+Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOptions& options) {
   DiffReport report;
   std::vector<Work> work;
   std::map<std::string, const TensorSpec*> in_b;

@@ -12,6 +12,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "formats/checkpoint_reader.h"
+#include "formats/shard_source.h"
 
 namespace rs {
 
@@ -50,5 +51,7 @@ struct DiffOptions {
 // Compares every tensor of `a` and `b` (of options.role, when set). Errors of reading (DataLoss: gaps, corrupt shards)
 // pass through.
 Result<DiffReport> DiffCheckpoints(CheckpointReader& a, CheckpointReader& b, const DiffOptions& options);
+// The same for any sources (e.g. a PyTorch DCP directory, formats/dcp_source.h).
+Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOptions& options);
 
 }  // namespace rs

@@ -21,6 +21,7 @@
 
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
+#include "formats/shard_source.h"
 #include "reshard/plan.h"
 
 namespace rs {
@@ -49,6 +50,9 @@ struct ExecuteStats {
 // and writing through `writer`, which the caller created, declared the plan's tensors on, and
 // commits afterwards. The first error stops all workers and is returned (IoError / DataLoss
 // from reading or writing); nothing is committed here.
+Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, CheckpointWriter& writer,
+                                 const ExecuteOptions& options);
+// The same for one of our checkpoints.
 Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& source, CheckpointWriter& writer,
                                  const ExecuteOptions& options);
 
