@@ -24,6 +24,11 @@ if [ -z "$CC" ] || [ -z "$CXX" ]; then
   echo "fuzz: clang is not installed (scripts/setup.sh installs clang-14 and libclang-rt-14-dev)" >&2
   exit 2
 fi
+if ! ls "$("$CXX" --print-runtime-dir 2>/dev/null)"/libclang_rt.fuzzer*.a >/dev/null 2>&1; then
+  echo "fuzz: $CXX has no libFuzzer runtime (libclang_rt.fuzzer; Debian: libclang-rt-14-dev, which" \
+       "scripts/setup.sh installs)" >&2
+  exit 2
+fi
 LAUNCHER=()
 command -v ccache >/dev/null 2>&1 && LAUNCHER=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 
