@@ -414,7 +414,8 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
   std::vector<std::optional<Finding>> shard_findings(n);
   std::vector<std::int64_t> checked(n, 0);
   std::int64_t total_bytes = 0;
-  for (const ShardEntry& s : m.shards) total_bytes += s.nbytes;
+  // Each nbytes fits in int64, their sum need not (two shards of a 2^62-byte tensor).
+  for (const ShardEntry& s : m.shards) total_bytes = CheckedAdd(total_bytes, s.nbytes).value_or(INT64_MAX);
   std::mutex progress_mu;
   std::int64_t progress_done = 0;
   {
