@@ -1,6 +1,6 @@
-// Small durable-file helpers for writers outside the checkpoint format (safetensors files, the
-// Hugging Face export directory): fsync a path, rename without replacing, unique suffixes for
-// staging names. (formats/checkpoint_writer.cc keeps its own private copies of the same steps.)
+// Small durable-file helpers shared by every writer (checkpoints, safetensors files, the Hugging
+// Face export directory): fsync a path, rename without replacing, unique suffixes for staging
+// names.
 #pragma once
 
 #include <string>
