@@ -83,9 +83,11 @@ inline Manifest WriteFuzzCheckpoint(const std::string& dir) {
     RS_CHECK((*w)->AddTensor(attn).ok() && (*w)->AddTensor(step).ok());
     const auto full = FuzzBytes(attn, false, 1);
     for (std::int64_t rank = 0; rank < 2; ++rank) {
-      RS_CHECK((*w)->WriteShard(rank, "attn.w", Rows(8 * rank, 8, 64), FuzzCut(attn, full, Rows(8 * rank, 8, 64))).ok());
+      const Piece p = Rows(8 * rank, 8, 64);
+      RS_CHECK((*w)->WriteShard(rank, "attn.w", p, FuzzCut(attn, full, p)).ok());
     }
-    RS_CHECK((*w)->WriteShard(1, "attn.w", Rows(0, 8, 64), FuzzCut(attn, full, Rows(0, 8, 64)), ReplicaKind::kReplica).ok());
+    const Piece copy = Rows(0, 8, 64);
+    RS_CHECK((*w)->WriteShard(1, "attn.w", copy, FuzzCut(attn, full, copy), ReplicaKind::kReplica).ok());
     const std::vector<std::byte> one = {std::byte{1}, {}, {}, {}, {}, {}, {}, {}};
     RS_CHECK((*w)->WriteShard(0, "step", Piece{Box{{}, {}}, std::nullopt}, one).ok());
     auto rules = BuiltinRuleSet("megatron");
@@ -126,7 +128,8 @@ inline Manifest WriteFuzzCheckpoint(const std::string& dir) {
   fs::create_directories(dir);
   for (const std::string& from : {none_dir, zstd_dir}) {
     for (const auto& entry : fs::directory_iterator(from)) {
-      if (entry.path().filename() != kManifestFileName) fs::rename(entry.path(), fs::path(dir) / entry.path().filename());
+      if (entry.path().filename() == kManifestFileName) continue;
+      fs::rename(entry.path(), fs::path(dir) / entry.path().filename());
     }
     fs::remove_all(from);
   }

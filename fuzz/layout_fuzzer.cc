@@ -82,7 +82,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     Result<RuleSet> again = RuleSetFromJson(back);
     RS_CHECK_MSG(again.ok() && *again == *rules, "rule set changed in a JSON round trip");
     // As `--rules FILE --to LAYOUT` uses it.
-    for (const char* to : {"tp=2,ep=2,fsdp=2", "tp=2,etp=2,ep=2,fsdp=2,fsdp_form=flat,vocab_multiple=4", "pp=2,cp=2,dp=2"}) {
+    for (const char* to :
+         {"tp=2,ep=2,fsdp=2", "tp=2,etp=2,ep=2,fsdp=2,fsdp_form=flat,vocab_multiple=4", "pp=2,cp=2,dp=2"}) {
       Result<PhysicalLayout> p = PhysicalLayout::Parse(to, *rules);
       RS_CHECK_MSG(p.ok(), p.status().ToString());
       CheckPhysical(*p);

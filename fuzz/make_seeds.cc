@@ -106,7 +106,11 @@ int main(int argc, char** argv) {
       {"wrong_codec", [](json& j) { j["shards"][4]["codec"] = "none"; j["shards"][0]["codec"] = "zstd"; }},
       {"wrong_checksum", [](json& j) { j["shards"][6]["checksum"] = "xxh3-64:0123456789abcdef"; }},
       {"other_file", [](json& j) { j["shards"][0]["file"] = "rank-00002.h5"; }},
-      {"moved_range", [](json& j) { j["shards"][6]["range"] = {{"begin", 0}, {"end", 100}}; j["shards"][7]["range"] = {{"begin", 50}, {"end", 206}}; }},
+      {"moved_range",
+       [](json& j) {
+         j["shards"][6]["range"] = {{"begin", 0}, {"end", 100}};
+         j["shards"][7]["range"] = {{"begin", 50}, {"end", 206}};
+       }},
       {"missing_file", [](json& j) { j["shards"][3]["file"] = "rank-00009.h5"; }},
       {"state_shape", [](json& j) { j["tensors"][3]["shape"] = {32, 4}; j["shards"].erase(7); j["shards"].erase(6); }},
   };
@@ -179,7 +183,8 @@ int main(int argc, char** argv) {
   Write(out / "layout" / "layout_bad_split.json",
         R"({"mesh": [{"name": "pp", "size": 2}], "rules": {"name": "m", "rules": {}}, "pp_split": [1, -1]})");
   Write(out / "layout" / "physical_old.json",
-        R"({"layout": {"mesh": [{"name": "fsdp", "size": 2}], "rules": {"name": "m", "rules": {"embed": ["fsdp"]}}}, "fsdp_form": "flat"})");
+        R"({"layout": {"mesh": [{"name": "fsdp", "size": 2}], "rules": {"name": "m", "rules": {"embed": ["fsdp"]}}},)"
+        R"( "fsdp_form": "flat"})");
 
   // --- models: model configs and parameter lists of the bucket planner.
   for (const std::string& name : rs::ModelPresetNames()) {
@@ -223,7 +228,8 @@ int main(int argc, char** argv) {
   }
   Write(out / "model" / "params_bad_dim.json", R"({"params": [{"name": "w", "shape": [-1, 4]}]})");
   Write(out / "model" / "params_big.json",
-        R"([{"name": "a", "shape": [4611686018427387904]}, {"name": "b", "shape": [3, 5, 7], "dtype": "f8_e4m3", "unit": -1}])");
+        R"([{"name": "a", "shape": [4611686018427387904]},)"
+        R"( {"name": "b", "shape": [3, 5, 7], "dtype": "f8_e4m3", "unit": -1}])");
   fs::remove_all(scratch);
   return 0;
 }

@@ -5,8 +5,8 @@
 // count, the tensor list, placement under a flat FSDP layout (placement.h), bucket plans.
 //
 // Properties: no crash, no sanitizer report, no uncaught exception, no hang; errors are
-// InvalidArgument (or NotFound); a config's to_json reads back to the same JSON; the parameter count
-// equals the items of the tensor list; bucket plans pass CheckBucketPlan.
+// InvalidArgument (or NotFound); a config's to_json reads back to the same JSON; the parameter
+// count equals the items of the tensor list; bucket plans pass CheckBucketPlan.
 #include <cstddef>
 #include <cstdint>
 #include <string>

@@ -115,8 +115,9 @@ for t in "${TARGETS[@]}"; do
     [ "$runs" -gt 0 ] && [ "$left" -le 0 ] && break
     log="$out/log.$runs"
     rc=0
-    ASAN_OPTIONS=$asan "$bin" "${args[@]}" -max_total_time=$(( left > 1 ? left : 1 )) "$out/corpus" "$seeds" \
-      >"$log" 2>&1 || rc=$?
+    # In a subshell whose stderr is dropped: bash's own "Aborted" line for a crashed target.
+    (ASAN_OPTIONS=$asan "$bin" "${args[@]}" -max_total_time=$(( left > 1 ? left : 1 )) "$out/corpus" "$seeds" \
+      >"$log" 2>&1; exit $?) 2>/dev/null || rc=$?
     runs=$(( runs + 1 ))
     n=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     execs=$(( execs + ${n:-0} ))

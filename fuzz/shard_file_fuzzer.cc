@@ -161,7 +161,9 @@ extern "C" std::size_t LLVMFuzzerCustomMutator(std::uint8_t* data, std::size_t s
         const std::size_t width = std::size_t{1} << pick(4);  // 1, 2, 4 or 8 bytes
         std::uint64_t v = kInteresting[pick(std::size(kInteresting))];
         if (pick(4) == 0) v = size - pick(std::min<std::size_t>(size, 64));  // near the end of the file
-        for (std::size_t b = 0; b < width && pos + b < size; ++b) data[pos + b] = static_cast<std::uint8_t>(v >> (8 * b));
+        for (std::size_t b = 0; b < width && pos + b < size; ++b) {
+          data[pos + b] = static_cast<std::uint8_t>(v >> (8 * b));
+        }
         break;
       }
       case 3: {
