@@ -13,7 +13,7 @@
 #  - all-to-all (ep): four exchanges per MoE layer (rows, outputs, output gradients, input
 #    gradients), each receiving (ep−1)/ep · n·k·d·4 bytes when routing is balanced; the ratio
 #    measured / balanced is the routing imbalance of the step.
-# and the step time with the share spent in the gradient/parameter collectives outside the model.
+# and the step time with the share spent inside collectives (waiting for peers included).
 # Usage: bench/train_comm.sh [BUILD_DIR] [MODEL] [STEPS] [BATCH]
 set -euo pipefail
 B=${1:-build}/cli/reshard
@@ -69,7 +69,7 @@ ep_grad = ar(plan["total_bytes"] - expert_bytes, ep)
 # cuts are even (the all-gather pads every rank's vector to the largest).
 box = sys.argv[8] == "box"
 ag = 0 if fsdp == 1 else plan["param_bytes"] * (fsdp - 1) / fsdp if box else plan["allgather_bytes_per_rank"]
-print(f"{layout:>26}: step {last['seconds']:6.2f} s ({100*last['comm_seconds']/last['seconds']:3.0f} % in grad/param collectives) | "
+print(f"{layout:>26}: step {last['seconds']:6.2f} s ({100*last['collective_seconds']/last['seconds']:3.0f} % in collectives) | "
       f"all-gather {mib(c['allgather']):7.2f} MiB (plan {mib(ag):7.2f}) | reduce-scatter {mib(c['reduce_scatter']):7.2f} MiB "
       f"(plan {mib(ag):7.2f}) | all-reduce {mib(c['allreduce']):7.2f} MiB (tp activations {mib(tp_act):.2f} + dp grads "
       f"{mib(dp_grad):.2f} + ep grads {mib(ep_grad):.2f}, other {c['allreduce'] - tp_act - dp_grad - ep_grad:+.0f} B)"

@@ -13,9 +13,11 @@
 
 #include "cli/commands.h"
 #include "cli/reshard_args.h"
+#include "cli/source_args.h"
 #include "cli/util.h"
 #include "dist/commit.h"
 #include "dist/mpi.h"
+#include "formats/dcp_verify.h"
 #include "formats/verify.h"
 #include "reshard/execute.h"
 
@@ -37,22 +39,25 @@ struct ConvertArgs {
   bool no_verify = false;
   std::int64_t format_version = kFormatVersion;
   std::string block_size;
+  std::string model;
 };
 
 // Everything both the single- and the multi-process path need.
 struct Setup {
-  std::unique_ptr<CheckpointReader> reader;
+  std::unique_ptr<ShardSource> source;
   ReshardPlan plan;
   WriterOptions writer;
 };
 
 Result<Setup> Prepare(const ConvertArgs& a) {
   Setup s;
-  ReaderOptions ro;
-  ro.threads = a.threads;
-  ro.checksums = a.no_verify ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
-  RS_ASSIGN_OR_RETURN(s.reader, CheckpointReader::Open(a.src, ro));
-  RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.reader->manifest()));
+  SourceArgs sa;
+  sa.model = a.model;
+  sa.threads = a.threads;
+  sa.checksums = a.no_verify ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
+  sa.need_model = true;
+  RS_ASSIGN_OR_RETURN(s.source, OpenSource(a.src, sa));
+  RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.source->manifest()));
   ReshardOptions o;
   RS_ASSIGN_OR_RETURN(o.memory_budget, ParseByteSize(a.memory_budget));
   if (!a.max_shard_size.empty()) {
@@ -65,7 +70,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
     if (!t) return InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'");
     o.param_dtype = *t;
   }
-  RS_ASSIGN_OR_RETURN(s.plan, PlanReshard(s.reader->manifest(), target, o));
+  RS_ASSIGN_OR_RETURN(s.plan, PlanReshard(s.source->manifest(), target, o));
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
   s.writer.producer = "reshard convert";
@@ -78,21 +83,22 @@ Result<Setup> Prepare(const ConvertArgs& a) {
 
 // Writes this process's share (all of it when `owner` is empty) through `writer`.
 Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::vector<std::int64_t>& owner,
-                                std::int64_t me, bool show_progress, bool no_verify) {
+                                std::int64_t me, bool show_progress) {
   for (const TensorSpec& t : s.plan.tensors) RS_RETURN_IF_ERROR(writer.AddTensor(t));
   ExecuteOptions eo;
   eo.threads = s.writer.threads;
-  // Memory-mapped gathers: checked block by block in the mapping (version 2) or unchecked.
-  eo.map_sources = no_verify || s.reader->manifest().version >= 2;
+  // Memory-mapped gathers where the source can check them block by block in the mapping
+  // (version 2) or is not asked to check.
+  eo.map_sources = true;
   if (!owner.empty()) eo.owns_rank = [&owner, me](std::int64_t r) { return owner[static_cast<std::size_t>(r)] == me; };
   std::unique_ptr<Progress> progress;
   if (show_progress) {
     progress = std::make_unique<Progress>("convert", s.plan.Total().bytes_written);
     eo.progress = [&progress](std::int64_t done, std::int64_t) { progress->Update(done); };
   }
-  RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(s.plan, *s.reader, writer, eo));
+  RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(s.plan, *s.source, writer, eo));
   writer.SetLayout(s.plan.target.layout.ToJson());
-  writer.SetMetadata(ConvertedMetadata(s.reader->manifest(), s.plan));
+  writer.SetMetadata(ConvertedMetadata(s.source->manifest(), s.plan));
   return stats;
 }
 
@@ -119,8 +125,9 @@ void RunConvert(const ConvertArgs& a) {
   if (!world.AllOk(setup.ok())) {
     Fail("convert", setup.ok() ? Internal("another process failed to plan the conversion") : setup.status());
   }
-  const std::int64_t version = setup->reader->manifest().version;
-  if (world.rank() == 0 && version < 2 && !a.no_verify && !a.verify_source) {
+  const bool dcp = IsDcpSource(a.src);
+  const std::int64_t version = setup->source->manifest().version;
+  if (world.rank() == 0 && !dcp && version < 2 && !a.no_verify && !a.verify_source) {
     PrintErr("note: %s is format version %lld: its checksums cover whole shards, so a shard read only in part is "
              "read once more in full to check it (format version 2 checks every block as it is read)\n",
              a.src.c_str(), static_cast<long long>(version));
@@ -131,7 +138,7 @@ void RunConvert(const ConvertArgs& a) {
     if (world.rank() == 0) {
       VerifyOptions vo;
       vo.threads = a.threads;
-      const VerifyReport report = VerifyCheckpoint(*setup->reader, vo);
+      const VerifyReport report = dcp ? VerifyDcp(a.src, vo) : VerifyCheckpoint(a.src, vo);
       if (!report.sound()) {
         PrintErr("%s", report.ToText().c_str());
         sound = DataLoss(a.src + ": the source is not sound (--verify-source): " + report.findings.front().message);
@@ -143,7 +150,7 @@ void RunConvert(const ConvertArgs& a) {
                                                          : std::vector<std::int64_t>{};
   ExecuteStats stats;
   const Status st = dist::WriteCheckpointTogether(world.comm(), a.out, setup->writer, [&](CheckpointWriter& writer) {
-    auto s = WriteShare(*setup, writer, owner, world.rank(), /*show_progress=*/world.rank() == 0, a.no_verify);
+    auto s = WriteShare(*setup, writer, owner, world.rank(), /*show_progress=*/world.rank() == 0);
     if (!s.ok()) return s.status();
     stats = *s;
     return Status::Ok();
@@ -157,7 +164,7 @@ void RunConvert(const ConvertArgs& a) {
 void RegisterConvert(CLI::App& app) {
   auto a = std::make_shared<ConvertArgs>();
   auto* cmd = app.add_subcommand("convert", "Convert a checkpoint (parameters and optimizer states) to another layout");
-  cmd->add_option("src", a->src, "Source checkpoint directory (opened read-only)")->required();
+  cmd->add_option("src", a->src, "Source checkpoint directory, ours or PyTorch DCP (opened read-only)")->required();
   cmd->add_option("--to", a->to,
                   "Target layout, e.g. tp=2,ep=8,fsdp=2 [,fsdp_form=flat][,vocab_multiple=N][,pp_split=A/B]")
       ->required();
@@ -173,12 +180,14 @@ void RegisterConvert(CLI::App& app) {
                 "First verify the whole source as `reshard verify` does (every byte of every file); refuse it if unsound");
   cmd->add_flag("--no-verify", a->no_verify,
                 "Do not check source bytes against their checksums while reading (for a source verified just before; "
-                "saves the extra pass a format-version-1 source needs)");
+                "saves the extra pass a format-version-1 source needs; DCP: the CRC-32 of each record)");
   cmd->get_option("--no-verify")->excludes("--verify-source");
   cmd->add_option("--format-version", a->format_version, "Checkpoint format version to write: 2, or 1 for older readers")
       ->check(CLI::Range(1, 2))
       ->capture_default_str();
   cmd->add_option("--block-size", a->block_size, "Checksum block of uncompressed shards (format version 2), default 256KiB");
+  cmd->add_option("--model", a->model,
+                  "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");
   cmd->callback([a] { RunConvert(*a); });
 }
 

@@ -1,4 +1,4 @@
-// `reshard diff A B [--json] [--tolerance T]`: compares the logical content of two checkpoints whatever their
+// `reshard diff A B [--json] [--tolerance T] [--role R]`: compares the logical content of two checkpoints whatever their
 // layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
 //
 // Both checkpoints must be sound: every byte compared is checked against its checksum as it is
@@ -11,7 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/source_args.h"
 #include "cli/util.h"
+#include "formats/dcp_verify.h"
 #include "formats/verify.h"
 #include "reshard/diff.h"
 
@@ -25,33 +27,56 @@ struct DiffArgs {
   int threads = 0;
   bool skip_checksums = false;
   double tolerance = 0;
+  std::string role;
+  std::string model;
 };
 
 void RunDiff(const DiffArgs& args) {
-  ReaderOptions ro;
-  ro.threads = args.threads;
-  ro.checksums = args.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
-  auto a = CheckpointReader::Open(args.a, ro);
+  SourceArgs sa;
+  sa.threads = args.threads;
+  sa.checksums = args.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
+  // --model applies to the side(s) that are PyTorch DCP directories.
+  auto open = [&](const std::string& dir) {
+    SourceArgs s = sa;
+    if (IsDcpSource(dir)) s.model = args.model;
+    return OpenSource(dir, s);
+  };
+  auto a = open(args.a);
   if (!a.ok()) Fail("diff", a.status());
-  auto b = CheckpointReader::Open(args.b, ro);
+  auto b = open(args.b);
   if (!b.ok()) Fail("diff", b.status());
   if (!args.skip_checksums) {
     // Everything verify checks except the main replicas' data, which the comparison reads
-    // (checked) anyway; replicas are read here.
-    for (CheckpointReader* r : {a->get(), b->get()}) {
+    // (checked) anyway; replicas are read here. A DCP side: structure and chunk coverage
+    // (the comparison checks the CRC-32 of every record it reads).
+    for (ShardSource* source : {a->get(), b->get()}) {
       VerifyOptions vo;
       vo.threads = args.threads;
-      vo.checksums = ChecksumCheck::kReplicasOnly;
-      const VerifyReport report = VerifyCheckpoint(*r, vo);
+      auto* ours = dynamic_cast<CheckpointSource*>(source);
+      vo.checksums = ours != nullptr ? ChecksumCheck::kReplicasOnly : ChecksumCheck::kSkip;
+      // Ours: the same reader, so files checked once are not checked again by the comparison.
+      const VerifyReport report = ours != nullptr ? VerifyCheckpoint(ours->reader(), vo) : VerifyDcp(source->dir(), vo);
       if (!report.sound()) {
         if (!args.json) PrintErr("%s", report.ToText().c_str());
-        Fail("diff", DataLoss(r->dir() + " is not sound (" + std::to_string(report.findings.size()) +
+        Fail("diff", DataLoss(source->dir() + " is not sound (" + std::to_string(report.findings.size()) +
                               " findings), first: " + report.findings.front().message));
       }
     }
   }
   DiffOptions o;
   o.threads = args.threads;
+  if (!args.role.empty()) {
+    bool known = false;
+    for (TensorRole r : {TensorRole::kParameter, TensorRole::kOptimizerState, TensorRole::kScalar, TensorRole::kBuffer}) {
+      if (TensorRoleName(r) == args.role) {
+        o.role = r;
+        known = true;
+      }
+    }
+    if (!known) {
+      Fail("diff", InvalidArgument("--role '" + args.role + "': expected parameter, optimizer_state, scalar or buffer"));
+    }
+  }
   auto report = DiffCheckpoints(**a, **b, o);
   if (!report.ok()) Fail("diff", report.status());
   if (args.json) {
@@ -78,15 +103,18 @@ void RunDiff(const DiffArgs& args) {
 void RegisterDiff(CLI::App& app) {
   auto a = std::make_shared<DiffArgs>();
   auto* cmd = app.add_subcommand("diff", "Compare the logical content of two checkpoints (exit 0 identical, 1 not)");
-  cmd->add_option("a", a->a, "First checkpoint directory")->required();
-  cmd->add_option("b", a->b, "Second checkpoint directory")->required();
+  cmd->add_option("a", a->a, "First checkpoint directory (ours or PyTorch DCP)")->required();
+  cmd->add_option("b", a->b, "Second checkpoint directory (ours or PyTorch DCP)")->required();
   cmd->add_flag("--json", a->json, "Machine-readable output");
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--tolerance", a->tolerance,
                   "Values differing by at most this much (absolute) count as equal; exit 0 if all do")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--role", a->role,
+                  "Compare only tensors of this role: parameter, optimizer_state, scalar or buffer");
   cmd->add_flag("--skip-checksums", a->skip_checksums,
                 "Compare only: do not check checksums or soundness (may call an unsound checkpoint identical)");
+  cmd->add_option("--model", a->model, "PyTorch DCP sides: the model (preset or JSON file), to name and check their tensors");
   cmd->callback([a] { RunDiff(*a); });
 }
 

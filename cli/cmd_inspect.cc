@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/source_args.h"
 #include "cli/util.h"
 #include "core/layout.h"
 #include "formats/manifest.h"
@@ -18,6 +19,7 @@ struct InspectOptions {
   std::string dir;
   bool json = false;
   std::string tensor;
+  std::string model;
 };
 
 struct TensorStats {
@@ -81,7 +83,17 @@ void InspectTensor(const Manifest& m, const std::string& name, bool json) {
 }
 
 void RunInspect(const InspectOptions& o) {
-  auto manifest = ReadManifest(o.dir);
+  Result<Manifest> manifest = Manifest();
+  if (IsDcpSource(o.dir)) {
+    SourceArgs sa;
+    sa.model = o.model;
+    auto source = OpenSource(o.dir, sa);
+    if (!source.ok()) Fail("inspect", source.status());
+    manifest = (*source)->manifest();
+  } else {
+    if (!o.model.empty()) Fail("inspect", InvalidArgument("--model is for PyTorch DCP directories"));
+    manifest = ReadManifest(o.dir);
+  }
   if (!manifest.ok()) Fail("inspect", manifest.status());
   const Manifest& m = *manifest;
   if (!o.tensor.empty()) {
@@ -156,9 +168,10 @@ void RunInspect(const InspectOptions& o) {
 void RegisterInspect(CLI::App& app) {
   auto opts = std::make_shared<InspectOptions>();
   auto* cmd = app.add_subcommand("inspect", "Show a checkpoint's tensors, shards, bytes and layout");
-  cmd->add_option("dir", opts->dir, "Checkpoint directory")->required();
+  cmd->add_option("dir", opts->dir, "Checkpoint directory (ours or PyTorch DCP)")->required();
   cmd->add_flag("--json", opts->json, "Machine-readable output");
   cmd->add_option("--tensor", opts->tensor, "Show which rank holds which box of this tensor");
+  cmd->add_option("--model", opts->model, "PyTorch DCP directories: the model (preset or JSON file), to check and place the tensors");
   cmd->callback([opts] { RunInspect(*opts); });
 }
 

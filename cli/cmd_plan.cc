@@ -6,6 +6,7 @@
 
 #include "cli/commands.h"
 #include "cli/reshard_args.h"
+#include "cli/source_args.h"
 #include "cli/util.h"
 #include "reshard/plan.h"
 
@@ -23,11 +24,16 @@ struct PlanArgs {
   bool with_replicas = false;
   bool json = false;
   bool detail = false;
+  std::string model;
 };
 
 void RunPlan(const PlanArgs& a) {
-  auto manifest = ReadManifest(a.src);
-  if (!manifest.ok()) Fail("plan", manifest.status());
+  SourceArgs sa;
+  sa.model = a.model;
+  sa.need_model = true;
+  auto source = OpenSource(a.src, sa);
+  if (!source.ok()) Fail("plan", source.status());
+  const Manifest* manifest = &(*source)->manifest();
   auto target = TargetLayoutArg(a.to, a.rules, *manifest);
   if (!target.ok()) Fail("plan", target.status());
   ReshardOptions o;
@@ -62,7 +68,7 @@ void RunPlan(const PlanArgs& a) {
 void RegisterPlan(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   auto* cmd = app.add_subcommand("plan", "Show what converting a checkpoint to a layout would read and write");
-  cmd->add_option("src", a->src, "Source checkpoint directory (only its manifest is read)")->required();
+  cmd->add_option("src", a->src, "Source checkpoint directory, ours or PyTorch DCP (only its manifest / .metadata is read)")->required();
   cmd->add_option("--to", a->to, "Target layout (as for convert)")->required();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
   cmd->add_option("--memory-budget", a->memory_budget, "As for convert")->capture_default_str();
@@ -72,6 +78,7 @@ void RegisterPlan(CLI::App& app) {
   cmd->add_flag("--with-replicas", a->with_replicas, "As for convert");
   cmd->add_flag("--json", a->json, "Machine-readable output");
   cmd->add_flag("--detail", a->detail, "List every target shard and its transfers");
+  cmd->add_option("--model", a->model, "PyTorch DCP sources: the model (preset or JSON file) whose tensors they hold");
   cmd->callback([a] { RunPlan(*a); });
 }
 

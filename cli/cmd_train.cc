@@ -164,7 +164,7 @@ void RunTrain(TrainArgs& a) {
     return;
   }
   const std::int64_t first = trainer->step();
-  double seconds = 0, comm_seconds = 0;
+  double seconds = 0, comm_seconds = 0, collective_seconds = 0;
   std::int64_t tokens = 0;
   train::StepReport r;
   while (trainer->step() < a.steps) {
@@ -173,6 +173,7 @@ void RunTrain(TrainArgs& a) {
     r = std::move(*step);
     seconds += r.seconds;
     comm_seconds += r.comm_seconds;
+    collective_seconds += r.comm.seconds;
     tokens += r.tokens;
     const double tps = static_cast<double>(r.tokens) / r.seconds;
     if (lead) {
@@ -193,6 +194,7 @@ void RunTrain(TrainArgs& a) {
                               {"tokens_per_s", tps},
                               {"seconds", r.seconds},
                               {"comm_seconds", r.comm_seconds},
+                              {"collective_seconds", r.comm.seconds},
                               {"comm_bytes",
                                {{"allreduce", r.comm.allreduce_bytes},
                                 {"allgather", r.comm.allgather_bytes},
@@ -210,10 +212,10 @@ void RunTrain(TrainArgs& a) {
   }
   if (lead) {
     PrintErr(
-                 "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s, %.0f%% in gradient/parameter collectives); "
-                 "final loss %.4f (ce %.4f)\n",
+                 "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s, %.0f%% in collectives, %.0f%% in the "
+                 "gradient/parameter phases); final loss %.4f (ce %.4f)\n",
                  first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds,
-                 100.0 * comm_seconds / seconds, r.losses.total, r.losses.ce);
+                 100.0 * collective_seconds / seconds, 100.0 * comm_seconds / seconds, r.losses.total, r.losses.ce);
   }
 }
 

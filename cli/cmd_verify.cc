@@ -2,7 +2,9 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "cli/source_args.h"
 #include "cli/util.h"
+#include "formats/dcp_verify.h"
 #include "formats/verify.h"
 
 namespace rs::cli {
@@ -19,10 +21,17 @@ void RunVerify(const VerifyArgs& a) {
   VerifyOptions o;
   o.threads = a.threads;
   o.checksums = a.skip_checksums ? ChecksumCheck::kSkip : ChecksumCheck::kAll;
-  const VerifyReport report = VerifyCheckpoint(a.dir, o);
+  const bool dcp = IsDcpSource(a.dir);
+  const VerifyReport report = dcp ? VerifyDcp(a.dir, o) : VerifyCheckpoint(a.dir, o);
   if (a.json) {
-    PrintJson(report.ToJson());
+    nlohmann::json j = report.ToJson();
+    if (dcp) j["format"] = "pytorch-dcp";
+    PrintJson(j);
   } else {
+    if (dcp) {
+      Print("note: PyTorch DCP keeps no checksums of its own; verify checked the CRC-32 that each torch.save archive "
+            "records for its storage bytes%s\n", a.skip_checksums ? " (skipped: --skip-checksums)" : "");
+    }
     Print("%s", report.ToText().c_str());
   }
   std::fflush(stdout);
@@ -34,7 +43,7 @@ void RunVerify(const VerifyArgs& a) {
 void RegisterVerify(CLI::App& app) {
   auto a = std::make_shared<VerifyArgs>();
   auto* cmd = app.add_subcommand("verify", "Check a checkpoint: manifest, files, checksums, coverage, replicas");
-  cmd->add_option("dir", a->dir, "Checkpoint directory")->required();
+  cmd->add_option("dir", a->dir, "Checkpoint directory (ours, or PyTorch DCP: .metadata + .distcp files)")->required();
   cmd->add_flag("--json", a->json, "Machine-readable report");
   cmd->add_option("--threads", a->threads, "Checksum threads (0 = all cores)")->capture_default_str();
   cmd->add_flag("--skip-checksums", a->skip_checksums, "Check structure and coverage only (fast)");

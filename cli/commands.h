@@ -22,5 +22,7 @@ void RegisterTrain(CLI::App& app);    // cmd_train.cc (train and eval)
 void RegisterConvert(CLI::App& app);  // cmd_convert.cc
 void RegisterPlan(CLI::App& app);     // cmd_plan.cc
 void RegisterDiff(CLI::App& app);     // cmd_diff.cc
+void RegisterExport(CLI::App& app);   // cmd_hf.cc
+void RegisterImport(CLI::App& app);   // cmd_hf.cc
 
 }  // namespace rs::cli

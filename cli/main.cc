@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   rs::cli::RegisterConvert(app);
   rs::cli::RegisterPlan(app);
   rs::cli::RegisterDiff(app);
+  rs::cli::RegisterExport(app);
+  rs::cli::RegisterImport(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

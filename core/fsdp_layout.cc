@@ -11,13 +11,12 @@
 #include <numeric>
 #include <utility>
 
+#include "core/arith.h"
 #include "core/check.h"
 
 namespace rs::fsdp_internal {
 namespace {
 
-std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
-std::int64_t RoundUp(std::int64_t a, std::int64_t b) { return CeilDiv(a, b) * b; }
 
 std::int64_t SumItems(const std::vector<Item>& items) {
   std::int64_t n = 0;

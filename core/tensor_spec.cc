@@ -188,15 +188,19 @@ Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j) {
       RS_ASSIGN_OR_RETURN(t.components.unit_rows, f.Int(c["unit_rows"], "components.unit_rows"));
       if (t.components.unit_rows < 1) return f.Error("components.unit_rows", "must be >= 1");
     }
+    std::int64_t total_units = 0;  // total_units(), without overflow
     for (const auto& part : c["parts"]) {
       if (!part.is_object() || !part.contains("name") || !part["name"].is_string() || !part.contains("size")) {
         return f.Error("components.parts", "entries must be {\"name\": string, \"size\": integer}");
       }
       RS_ASSIGN_OR_RETURN(auto size, f.Int(part["size"], "components.parts.size"));
       if (size < 0) return f.Error("components.parts.size", "must be >= 0");
+      const auto sum = CheckedAdd(total_units, size);
+      if (!sum) return f.Error("components.parts.size", "sizes add up to more than int64 holds");
+      total_units = *sum;
       t.components.components.push_back({part["name"].get<std::string>(), size});
     }
-    const auto units = CheckedMul(t.components.total_units(), t.components.unit_rows);
+    const auto units = CheckedMul(total_units, t.components.unit_rows);
     if (!units || *units != t.shape[static_cast<std::size_t>(dim)]) {
       return f.Error("components", "sizes times unit_rows must add up to the fused dim " +
                                        std::to_string(t.shape[static_cast<std::size_t>(dim)]));

@@ -12,6 +12,7 @@ CommStats& CommStats::operator+=(const CommStats& o) {
   reduce_scatter_bytes += o.reduce_scatter_bytes;
   alltoall_bytes += o.alltoall_bytes;
   broadcast_bytes += o.broadcast_bytes;
+  seconds += o.seconds;
   return *this;
 }
 

@@ -30,6 +30,7 @@ struct CommStats {
   std::int64_t reduce_scatter_bytes = 0;
   std::int64_t alltoall_bytes = 0;
   std::int64_t broadcast_bytes = 0;
+  double seconds = 0;  // wall time inside collectives (waiting for peers included)
   std::int64_t total() const {
     return allreduce_bytes + allgather_bytes + reduce_scatter_bytes + alltoall_bytes + broadcast_bytes;
   }

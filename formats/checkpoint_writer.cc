@@ -1,7 +1,6 @@
 #include "formats/checkpoint_writer.h"
 
 #include <fcntl.h>
-#include <stdio.h>  // renameat2
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,12 +9,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <random>
 #include <set>
 
 #include "core/check.h"
 #include "core/dtype.h"
 #include "formats/checkpoint_reader.h"
+#include "formats/durable_file.h"
 #include "formats/shard_file.h"
 #include "formats/thread_pool.h"
 
@@ -32,47 +31,12 @@ std::string StripSlashes(std::string p) {
 
 std::string StagingPath(const std::string& dir, const std::string& txn) { return dir + ".tmp-" + txn; }
 
-Status FsyncPath(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
-  if (fd < 0) return IoError(Errno(path + ": open for fsync"));
-  const int rc = ::fsync(fd);
-  const std::string err = rc != 0 ? Errno(path + ": fsync") : "";
-  ::close(fd);
-  return rc == 0 ? Status::Ok() : IoError(err);
-}
 
-// Creates `path` (which must not exist), writes `text` and fsyncs it.
-Status WriteFileDurably(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return IoError(Errno(path + ": create"));
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const std::string err = Errno(path + ": write");
-      ::close(fd);
-      return IoError(err);
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const std::string err = Errno(path + ": fsync");
-    ::close(fd);
-    return IoError(err);
-  }
-  if (::close(fd) != 0) return IoError(Errno(path + ": close"));
-  return Status::Ok();
-}
 
-bool Exists(const std::string& path) {
-  std::error_code ec;
-  return fs::symlink_status(path, ec).type() != fs::file_type::not_found;
-}
 
 Status CheckTarget(const std::string& dir) {
   if (dir.empty()) return InvalidArgument("checkpoint directory is empty");
-  if (Exists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
+  if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
   const fs::path parent = fs::path(dir).parent_path();
   if (!parent.empty()) {
     std::error_code ec;
@@ -92,28 +56,17 @@ Status Publish(const std::string& staging, const std::string& dir, const Manifes
   if (Result<Manifest> check = ManifestFromJson(j, path); !check.ok()) {
     return Internal("refusing to publish an invalid manifest: " + check.status().message());
   }
-  RS_RETURN_IF_ERROR(WriteFileDurably(path, j.dump(1)));
+  RS_RETURN_IF_ERROR(WriteNewFileDurably(path, j.dump(1)));
   RS_RETURN_IF_ERROR(FsyncPath(staging, /*directory=*/true));
   // RENAME_NOREPLACE closes the race between our existence check and the rename: plain
   // rename(2) would silently replace an empty directory that appeared meanwhile.
-  if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, dir.c_str(), RENAME_NOREPLACE) != 0) {
-    if (errno == EEXIST || errno == ENOTEMPTY) return AlreadyExists(dir + " appeared while writing; not replaced");
-    if (errno != EINVAL && errno != ENOSYS) return IoError(Errno("rename " + staging + " -> " + dir));
-    // A file system without RENAME_NOREPLACE: check, then rename (a small race remains).
-    if (Exists(dir)) return AlreadyExists(dir + " appeared while writing; not replaced");
-    if (::rename(staging.c_str(), dir.c_str()) != 0) return IoError(Errno("rename " + staging + " -> " + dir));
+  if (Status st = RenameNoReplace(staging, dir); !st.ok()) {
+    if (st.code() == ErrorCode::kAlreadyExists) return AlreadyExists(dir + " appeared while writing; not replaced");
+    return st;
   }
-  std::string parent = fs::path(dir).parent_path().string();
-  if (parent.empty()) parent = ".";
-  return FsyncPath(parent, /*directory=*/true);
+  return FsyncParentDir(dir);
 }
 
-std::string UniqueSuffix() {
-  std::random_device rd;
-  char buf[48];
-  std::snprintf(buf, sizeof(buf), "%d-%08x%08x", static_cast<int>(::getpid()), rd(), rd());
-  return buf;
-}
 
 Status CheckOptions(const WriterOptions& o) {
   if (o.format_version != 1 && o.format_version != 2) {
@@ -453,7 +406,7 @@ Status CheckpointWriter::CommitFragment() {
   if (open_sinks_ > 0) return FailedPrecondition(std::to_string(open_sinks_) + " shards are still being written");
   RS_RETURN_IF_ERROR(CloseFiles());
   const std::string path = staging_ + "/fragment-" + std::to_string(fragment_id_) + ".json";
-  RS_RETURN_IF_ERROR(WriteFileDurably(path, ManifestToJson(BuildManifest()).dump(1)));
+  RS_RETURN_IF_ERROR(WriteNewFileDurably(path, ManifestToJson(BuildManifest()).dump(1)));
   RS_RETURN_IF_ERROR(FsyncPath(staging_, /*directory=*/true));
   done_ = true;
   return Status::Ok();
@@ -463,7 +416,7 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
                                       std::int64_t expected_fragments) {
   const std::string dir = StripSlashes(dir_in);
   const std::string staging = StagingPath(dir, txn);
-  if (Exists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
+  if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
   std::vector<std::string> fragments;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(staging, ec)) {

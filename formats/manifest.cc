@@ -409,7 +409,8 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
     try {
       const json again = json::parse(text);
       (void)again;
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
+      // Not only parse_error: a number too large for a double ("1e999") is out_of_range.
       // The parser quotes the bytes it stopped at, which may be anything (invalid UTF-8,
       // control characters): escape them so the message is safe in JSON and on a terminal.
       detail += " (" + SafeText(e.what()) + ")";

@@ -513,7 +513,8 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
   // Then HDF5's view of each dataset (version 2: where the manifest says its data is), its
   // informative attribute, and every block (or, version 1, the whole shard's checksum).
   std::int64_t total_bytes = 0;
-  for (const ShardEntry& s : m.shards) total_bytes += s.nbytes;
+  // Each nbytes fits in int64, their sum need not (two shards of a 2^62-byte tensor).
+  for (const ShardEntry& s : m.shards) total_bytes = CheckedAdd(total_bytes, s.nbytes).value_or(INT64_MAX);
   std::mutex progress_mu;
   std::int64_t progress_done = 0;
   {

@@ -101,11 +101,21 @@ void to_json(nlohmann::json& j, const DiffReport& r) {
 }
 
 Result<DiffReport> DiffCheckpoints(CheckpointReader& a, CheckpointReader& b, const DiffOptions& options) {
+  CheckpointSource sa(a);
+  CheckpointSource sb(b);
+  return DiffCheckpoints(sa, sb, options);
+}
+
+Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOptions& options) {
   DiffReport report;
   std::vector<Work> work;
   std::map<std::string, const TensorSpec*> in_b;
-  for (const TensorSpec& t : b.manifest().tensors) in_b.emplace(t.name, &t);
+  auto wanted = [&](const TensorSpec& t) { return !options.role || t.role == *options.role; };
+  for (const TensorSpec& t : b.manifest().tensors) {
+    if (wanted(t)) in_b.emplace(t.name, &t);
+  }
   for (const TensorSpec& ta : a.manifest().tensors) {
+    if (!wanted(ta)) continue;
     TensorDiff d;
     d.name = ta.name;
     d.dtype_a = DTypeName(ta.dtype);

@@ -5,12 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "formats/checkpoint_reader.h"
+#include "formats/shard_source.h"
 
 namespace rs {
 
@@ -42,10 +44,14 @@ void to_json(nlohmann::json& j, const DiffReport& r);
 struct DiffOptions {
   int threads = 0;                                   // 0 = hardware concurrency
   std::int64_t window_bytes = std::int64_t{8} << 20;  // per side, per worker
+  // Compare only tensors of this role (on either side); others are left out of the report.
+  std::optional<TensorRole> role;
 };
 
-// Compares every tensor of `a` and `b`. Errors of reading (DataLoss: gaps, corrupt shards)
+// Compares every tensor of `a` and `b` (of options.role, when set). Errors of reading (DataLoss: gaps, corrupt shards)
 // pass through.
 Result<DiffReport> DiffCheckpoints(CheckpointReader& a, CheckpointReader& b, const DiffOptions& options);
+// The same for any sources (e.g. a PyTorch DCP directory, formats/dcp_source.h).
+Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOptions& options);
 
 }  // namespace rs

@@ -126,15 +126,12 @@ void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::
 // mapped block saves the copy into a staging buffer that pread would need; blocks are mapped
 // with MAP_POPULATE (one fault pass) and unmapped as soon as the copies are taken, so mapped
 // pages never exceed one staging block (plus a checksum block at either end) per job. When the
-// reader checks what it reads (format version 2), a mapping is widened to whole blocks of the
-// block table and each block is checked in the mapping before any copy is taken from it, after
-// the file as a whole (CheckpointReader::CheckFile).
+// source checks what it reads (RawExtent::check_block_bytes > 0: format version 2), a mapping
+// is widened to whole checksum blocks and each block is checked in the mapping before any copy
+// is taken from it; the source checked the file as a whole when it handed out the extent.
 class SourceMaps {
  public:
-  explicit SourceMaps(CheckpointReader& reader)
-      : reader_(reader), verify_(reader.checksums() == ChecksumPolicy::kVerify) {
-    RS_CHECK(!verify_ || reader.manifest().version >= 2);  // version 1 has no block checksums
-  }
+  explicit SourceMaps(ShardSource& source) : source_(source) {}
   ~SourceMaps() {
     for (const auto& [file, fd] : fds_) ::close(fd);
   }
@@ -166,59 +163,75 @@ class SourceMaps {
     const std::byte* data_ = nullptr;
   };
 
-  // Bytes [begin, begin + len) of shard `index`'s buffer (codec none only).
-  Result<Mapping> Map(std::size_t index, std::int64_t begin, std::int64_t len) {
-    const ShardEntry& e = reader_.manifest().shards[index];
-    RS_CHECK(e.codec == Codec::kNone && begin >= 0 && len > 0 && begin + len <= e.nbytes);
-    RS_ASSIGN_OR_RETURN(const ShardLocation* loc, reader_.FindShard(index));  // extents checked against the file
-    std::int64_t from = begin, to = begin + len;  // what is mapped, in shard bytes
-    if (verify_) {
-      if (Status st = reader_.CheckFile(e.file); !st.ok()) return st.WithContext("tensor '" + e.tensor + "'");
-      from = from / loc->block_bytes * loc->block_bytes;
-      to = std::min(e.nbytes, (to - 1) / loc->block_bytes * loc->block_bytes + loc->block_bytes);
+  // Whether shard `index`'s bytes lie uncompressed and contiguous in a file (cached).
+  Result<bool> Mappable(std::size_t index) {
+    {
+      std::lock_guard lock(mu_);
+      const auto it = extents_.find(index);
+      if (it != extents_.end()) return it->second.has_value();
     }
-    RS_ASSIGN_OR_RETURN(const int fd, Fd(e.file));
+    RS_ASSIGN_OR_RETURN(const std::optional<RawExtent> extent, source_.ShardExtent(index));  // checked against the file
+    std::lock_guard lock(mu_);
+    extents_[index] = extent;
+    return extent.has_value();
+  }
+
+  // Bytes [begin, begin + len) of shard `index`'s buffer (Mappable shards only).
+  Result<Mapping> Map(std::size_t index, std::int64_t begin, std::int64_t len) {
+    const ShardEntry& e = source_.manifest().shards[index];
+    RS_CHECK(begin >= 0 && len > 0 && begin + len <= e.nbytes);
+    RawExtent extent;
+    {
+      std::lock_guard lock(mu_);
+      RS_CHECK(extents_.count(index) != 0 && extents_[index].has_value());
+      extent = *extents_[index];
+    }
+    std::int64_t from = begin, to = begin + len;  // what is mapped, in shard bytes
+    const std::int64_t block = extent.check_block_bytes;
+    if (block > 0) {
+      from = from / block * block;
+      to = std::min(e.nbytes, (to - 1) / block * block + block);
+    }
+    RS_ASSIGN_OR_RETURN(const int fd, Fd(extent.path));
     static const std::int64_t page = ::sysconf(_SC_PAGESIZE);
-    const std::int64_t at = loc->offset + from;
+    const std::int64_t at = extent.offset + from;
     const std::int64_t aligned = at - at % page;
     const auto span = static_cast<std::size_t>(at - aligned + (to - from));
     void* base = ::mmap(nullptr, span, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(aligned));
-    if (base == MAP_FAILED) return IoError(reader_.DescribeShard(index) + ": mmap failed: " + std::strerror(errno));
+    if (base == MAP_FAILED) return IoError(source_.DescribeShard(index) + ": mmap failed: " + std::strerror(errno));
     Mapping m(base, span, static_cast<const std::byte*>(base) + (at - aligned) + (begin - from));
-    if (verify_) {
+    if (block > 0) {
       const std::byte* first = static_cast<const std::byte*>(base) + (at - aligned);
-      for (std::int64_t b = from; b < to; b += loc->block_bytes) {
-        const std::int64_t n = std::min(loc->block_bytes, e.nbytes - b);
-        RS_RETURN_IF_ERROR(CheckBlock(*loc, b / loc->block_bytes,
-                                      std::span<const std::byte>(first + (b - from), static_cast<std::size_t>(n)),
-                                      reader_.DescribeShard(index)));
+      for (std::int64_t b = from; b < to; b += block) {
+        const std::int64_t n = std::min(block, e.nbytes - b);
+        RS_RETURN_IF_ERROR(source_.CheckMappedBlock(
+            index, b / block, std::span<const std::byte>(first + (b - from), static_cast<std::size_t>(n))));
       }
     }
     return m;
   }
 
  private:
-  Result<int> Fd(const std::string& file) {
+  Result<int> Fd(const std::string& path) {
     std::lock_guard lock(mu_);
-    const auto it = fds_.find(file);
+    const auto it = fds_.find(path);
     if (it != fds_.end()) return it->second;
-    const std::string path = reader_.dir() + "/" + file;
-    // Never a FIFO or a device, even if the name changed since LocateShard checked it.
+    // Never a FIFO or a device, even if the name changed since the extent was checked.
     Result<int> fd = OpenRegularFile(path);
     if (!fd.ok()) return fd.status().code() == ErrorCode::kFailedPrecondition ? DataLoss(fd.status().message()) : fd.status();
-    fds_.emplace(file, *fd);
+    fds_.emplace(path, *fd);
     return *fd;
   }
 
-  CheckpointReader& reader_;
-  bool verify_;
+  ShardSource& source_;
   std::mutex mu_;
   std::map<std::string, int> fds_;
+  std::map<std::size_t, std::optional<RawExtent>> extents_;
 };
 
 // Fills items `window` of one target shard's buffer (`out` holds just the window) from its
 // transfers.
-Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointReader& source, SourceMaps* maps,
+Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, ShardSource& source, SourceMaps* maps,
                   ItemRange window, std::span<std::byte> out, std::span<std::byte> staging, std::int64_t& bytes_read) {
   const Manifest& m = source.manifest();
   const TensorSpec& dst_spec = plan.tensors[ts.tensor];
@@ -240,7 +253,10 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
     std::int64_t w1 = 0;  // source items [w0, w1) currently in the staging block
     const std::byte* block = staging.data();  // where those items are: staging, or a mapping
     SourceMaps::Mapping mapping;
-    const bool mapped = maps != nullptr && se.codec == Codec::kNone;
+    bool mapped = false;
+    if (maps != nullptr) {
+      RS_ASSIGN_OR_RETURN(mapped, maps->Mappable(t.source));
+    }
     Status st;
     copies.clear();
     AppendCopies(dst_spec.shape, se.piece, ts.piece, t, window, copies);
@@ -285,7 +301,7 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, CheckpointRead
 }
 
 // Streams one target shard into the writer, window by window.
-Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, CheckpointReader& source,
+Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, ShardSource& source,
               SourceMaps* maps, CheckpointWriter& writer, Scheduler& sched, Buffer& buffer,
               std::span<std::byte> staging, std::int64_t& bytes_read) {
   const TensorSpec& t = plan.tensors[ts.tensor];
@@ -314,6 +330,12 @@ Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, Ch
 }  // namespace
 
 Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& source, CheckpointWriter& writer,
+                                 const ExecuteOptions& options) {
+  CheckpointSource wrapped(source);
+  return ExecutePlan(plan, wrapped, writer, options);
+}
+
+Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, CheckpointWriter& writer,
                                  const ExecuteOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   const Manifest& m = source.manifest();
@@ -444,8 +466,9 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
   ExecuteOptions eo;
   eo.threads = options.threads;
   eo.progress = options.progress;
-  // Checked gathers from memory maps need block checksums: version 2, or no checks at all.
-  eo.map_sources = !options.verify_reads || reader->manifest().version >= 2;
+  // The source hands out mappable extents only where it can check them (version 2 block
+  // checksums) or is not asked to check (ShardSource::ShardExtent).
+  eo.map_sources = true;
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, *reader, *writer, eo));
   writer->SetLayout(target.layout.ToJson());
   writer->SetMetadata(ConvertedMetadata(reader->manifest(), plan));

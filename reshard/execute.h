@@ -21,6 +21,7 @@
 
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
+#include "formats/shard_source.h"
 #include "reshard/plan.h"
 
 namespace rs {
@@ -33,8 +34,9 @@ struct ExecuteOptions {
   // Called after each job with (bytes written so far, bytes this process writes in all).
   std::function<void(std::int64_t, std::int64_t)> progress;
   // Gather strided reads of uncompressed sources from read-only memory maps instead of a
-  // staging copy. With a reader that checks what it reads, only for format version 2 (each
-  // mapped block is checked in the mapping; a version-1 shard can only be checked whole).
+  // staging copy, for the shards whose source hands out an extent (ShardSource::ShardExtent:
+  // one that checks what it reads does so only where each mapped block can be checked in the
+  // mapping - format version 2; a version-1 shard can only be checked whole).
   bool map_sources = false;
 };
 
@@ -50,6 +52,9 @@ struct ExecuteStats {
 // and writing through `writer`, which the caller created, declared the plan's tensors on, and
 // commits afterwards. The first error stops all workers and is returned (IoError / DataLoss
 // from reading or writing); nothing is committed here.
+Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, CheckpointWriter& writer,
+                                 const ExecuteOptions& options);
+// The same for one of our checkpoints.
 Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& source, CheckpointWriter& writer,
                                  const ExecuteOptions& options);
 

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/arith.h"
 #include "core/check.h"
 
 namespace rs {
@@ -29,7 +30,6 @@ Result<std::int64_t> ParseInt(const std::string& s, const std::string& where) {
   return v;
 }
 
-std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 Status ValidateAlignBytes(std::int64_t v, const std::string& where) {
   if (v < 1 || v > (std::int64_t{1} << 20) || (v & (v - 1)) != 0) {
@@ -229,6 +229,23 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
       for (const std::string& axis : sharding[dim]) degree *= mesh.AxisSize(axis);
       const auto fused = FusedDim(spec.components, 0, degree);
       if (!fused.ok()) return fused.status().WithContext(where + " under layout " + layout.ToString());
+    }
+    if (spec.vocab_size > 0 && !spec.shape.empty()) {
+      // LocalMap pads dim 0 to a multiple of (its degree x vocab_multiple), i.e. by less than
+      // that product, the degree at most the box form's: the padded shape must still have an
+      // int64 item count.
+      std::int64_t degree = 1;
+      const auto sharding = m.box_layout_.ShardingAxes(spec);
+      for (const std::string& axis : sharding[0]) degree *= mesh.AxisSize(axis);
+      const auto multiple = CheckedMul(degree, layout.options.vocab_multiple);
+      const auto bound = multiple ? CheckedAdd(spec.shape[0], *multiple) : std::nullopt;
+      Shape padded = spec.shape;
+      if (bound) padded[0] = *bound;
+      if (!bound || !CheckedNumel(padded).ok()) {
+        return InvalidArgument(where + ": padding its vocabulary dim to a multiple of " + std::to_string(degree) +
+                               " x vocab_multiple " + std::to_string(layout.options.vocab_multiple) +
+                               " overflows int64 (layout " + layout.ToString() + ")");
+      }
     }
     m.placement_specs_.push_back(std::move(spec));
     m.param_index_.push_back(param);

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/arith.h"
 #include "core/check.h"
 #include "reshard/source_index.h"
 
@@ -16,7 +17,6 @@ namespace rs {
 
 namespace {
 
-std::int64_t CeilDiv(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 std::string Bytes(std::int64_t b) {
   char buf[64];

@@ -8,6 +8,9 @@ BUILD_DIR=${1:-build}
 
 PACKAGES=(build-essential cmake pkg-config libhdf5-dev libzstd-dev libxxhash-dev libcli11-dev
           nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev libopenblas-dev)
+# The fuzzers (fuzz/run.sh): clang, its sanitizer and libFuzzer runtimes (libclang_rt.fuzzer,
+# .asan, .ubsan: libclang-rt-14-dev) and llvm-symbolizer (llvm-14) for readable stacks.
+PACKAGES+=(clang-14 libclang-rt-14-dev llvm-14)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

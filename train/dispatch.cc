@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/arith.h"
 #include "core/check.h"
 
 namespace rs::train {
@@ -105,7 +106,7 @@ DispatchPlan PlanDispatch(const std::int32_t* experts, std::int64_t n, std::int6
   p.padded_offsets.assign(e + 1, 0);
   std::int64_t pad = 0;
   for (std::size_t i = 0; i < e; ++i) {
-    p.padded_counts[i] = (p.counts[i] + a - 1) / a * a;
+    p.padded_counts[i] = RoundUp(p.counts[i], a);
     p.pad_offsets[i] = pad;
     pad += p.padded_counts[i] - p.counts[i];
     p.offsets[i + 1] = p.offsets[i] + p.counts[i];
@@ -286,7 +287,7 @@ ExchangeLayout PlanExchange(std::span<const std::int64_t> counts, std::int64_t s
       sorted += counts[i];
     }
     const std::int64_t rows = l.expert_rows[static_cast<std::size_t>(e)];
-    const std::int64_t padded = alignment > 1 ? (rows + alignment - 1) / alignment * alignment : rows;
+    const std::int64_t padded = alignment > 1 ? RoundUp(rows, alignment) : rows;
     l.padded_rows[static_cast<std::size_t>(e)] = padded;
     l.total_padded += padded;
   }

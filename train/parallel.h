@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/arith.h"
+
 namespace rs::train {
 
 // Calls f(chunk_index, begin, end) for the chunks [i·chunk, min(n, (i+1)·chunk)) of [0, n),
@@ -16,7 +18,7 @@ namespace rs::train {
 template <typename F>
 void ParallelChunks(std::int64_t n, std::int64_t chunk, F&& f) {
   if (n <= 0) return;
-  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  const std::int64_t chunks = CeilDiv(n, chunk);
   const auto hw = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
   const std::int64_t threads = std::min<std::int64_t>({hw, chunks, 16});
   auto work = [&](std::int64_t tid) {

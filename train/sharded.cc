@@ -185,13 +185,13 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   const auto& all = s->map_->tensors();
   for (std::size_t i = 0; i < params.size(); ++i) {
     RS_CHECK(all[i].name == params[i].name);
-    // Training computes with tp-sharded dims only; every other axis that cuts a parameter would
-    // need its own collectives.
+    // The compute tensors are cut by tp (experts also by ep and etp, checked below); fsdp and
+    // ep-as-cp boxes are gathered before use. Any other cut would need its own collectives.
     const auto axes = layout.layout.ShardingAxes(params[i]);
     for (std::size_t d = 0; d < axes.size(); ++d) {
       for (const std::string& a : axes[d]) {
-        if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis || a == kEtpAxis) continue;
-        if (a == kEpAxis) continue;  // experts in blocks (checked below), or ep-as-cp boxes
+        if (mesh.AxisSize(a) <= 1 || a == kTpAxis || a == kFsdpAxis || a == kEpAxis) continue;
+        if (a == kEtpAxis && params[i].expert) continue;
         return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name + "' is sharded over axis '" +
                              a + "' under rules '" + layout.layout.rules().name +
                              "'; the training core shards parameters over tp, fsdp and ep only");
@@ -221,14 +221,19 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   // Experts: this rank's block starts at the first logical expert of its expert tensors. The
   // expert dim may be cut over ep (rows exchanged by all-to-all) or over tp (EP over tp: the tp
   // ranks share their tokens), not over both or anything else.
+  // The rules as the physical map applies them to experts: exp_<label> rules, and with etp > 1
+  // exp_mlp -> etp unless the rules say otherwise.
+  RuleSet expert_rules = layout.layout.rules();
+  if (mesh.AxisSize(kEtpAxis) > 1 && expert_rules.rules.count("exp_mlp") == 0) expert_rules.rules["exp_mlp"] = {kEtpAxis};
+  const Layout expert_layout(mesh, expert_rules, layout.layout.pp_split());
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (!params[i].expert) continue;
-    TensorSpec relabelled = params[i];  // as the physical map places it (exp_<label> rules)
+    TensorSpec relabelled = params[i];  // as the physical map places it
     for (std::string& label : relabelled.axes) {
-      if (!label.empty() && layout.layout.rules().rules.count("exp_" + label) != 0) label = "exp_" + label;
+      if (!label.empty() && expert_rules.rules.count("exp_" + label) != 0) label = "exp_" + label;
     }
     std::vector<std::string> cut;
-    const auto axes = layout.layout.ShardingAxes(relabelled);
+    const auto axes = expert_layout.ShardingAxes(relabelled);
     for (const std::string& a : axes[0]) {
       if (mesh.AxisSize(a) > 1) cut.push_back(a);
     }
@@ -238,6 +243,25 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
                            "over one of them");
     }
     s->experts_over_ep_ = cut.size() == 1 && cut[0] == kEpAxis;
+    // The experts' ffn dims: cut over etp alone when etp > 1 (the routed outputs are summed over
+    // etp), else over tp or not at all (summed over tp).
+    const std::int64_t etp = mesh.AxisSize(kEtpAxis);
+    for (std::size_t d = 1; d < axes.size(); ++d) {
+      std::vector<std::string> ffn;
+      for (const std::string& a : axes[d]) {
+        if (mesh.AxisSize(a) > 1 && a != kFsdpAxis && a != kEpAxis) ffn.push_back(a);
+      }
+      const bool embed = params[i].axes[d] == "embed";
+      const bool ok = etp > 1 ? ffn == std::vector<std::string>{kEtpAxis} || (embed && ffn.empty())
+                              : ffn.empty() || ffn == std::vector<std::string>{kTpAxis};
+      if (!ok) {
+        std::string cut_text = ffn.empty() ? "not cut" : "cut over";
+        for (const std::string& a : ffn) cut_text += " " + a;
+        return Unimplemented("train: dim " + std::to_string(d) + " of '" + params[i].name + "' is " + cut_text +
+                             " under rules '" + layout.layout.rules().name + "' with etp=" + std::to_string(etp) +
+                             "; the training core cuts an expert's ffn over etp alone (etp > 1) or tp alone");
+      }
+    }
     const auto& segs = s->tensors_[i].local.dims()[0].segments;
     RS_CHECK(!segs.empty() && segs[0].local_begin == 0);
     s->expert_offset_ = segs[0].logical_begin;

@@ -60,6 +60,7 @@ struct StepReport {
   std::int64_t tokens = 0;  // of the global batch
   double seconds = 0;       // wall time of the step
   double comm_seconds = 0;  // of which in gradient/parameter collectives outside the model
+  // (comm.seconds: in every collective, those inside forward/backward included)
   dist::CommStats comm;     // bytes this rank received during the step
 };
 

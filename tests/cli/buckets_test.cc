@@ -41,7 +41,9 @@ TEST(BucketsCliTest, CompareCoversBothGranularitiesAndReportsTheLargestBucket) {
   for (const auto& p : j["policies"]) {
     EXPECT_GT(p["largest_bucket_bytes"].get<std::int64_t>(), 0);
     EXPECT_EQ(p["merged_buckets"].get<std::int64_t>(), 0);
-    if (p["granularity"] == "element") EXPECT_LT(p["padding_fraction"].get<double>(), 0.001);
+    if (p["granularity"] == "element") {
+      EXPECT_LT(p["padding_fraction"].get<double>(), 0.001);
+    }
   }
   // Merging units is reported with its cost.
   const auto m = RunCli("buckets --model mixtral-8x7b --dp 64 --granularity matrix --merge-units --summary");

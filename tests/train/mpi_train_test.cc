@@ -86,6 +86,24 @@ class MpiTrainTest : public ::testing::Test {
                         << R"("router": ")" << router << R"("})";
     return path;
   }
+  // Resumes `ckpt` (saved after step 5 of tiny-moe) at each layout ("" = one process) up to
+  // step 10: the losses must continue `ref`, the uninterrupted run's 10 losses.
+  void ExpectResumesContinue(const std::string& ckpt, const std::vector<std::string>& layouts,
+                             const std::vector<double>& ref) {
+    ASSERT_EQ(ref.size(), 10u);
+    for (const std::string& layout : layouts) {
+      const std::string log = tmp_.path().string() + "/resumed.jsonl";
+      std::filesystem::remove(log);
+      const std::string args = "train --resume " + ckpt + " --steps 10 --threads 1 --log " + log;
+      const CommandResult r = layout.empty() ? RunCli(args) : RunMpi(Ranks(layout), args + " --layout " + layout);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      const std::vector<double> got = Losses(log);
+      ASSERT_EQ(got.size(), 5u);
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
+      }
+    }
+  }
   std::vector<double> Train(const std::string& layout, const std::string& args, const std::string& tag) {
     const std::string log = tmp_.path().string() + "/" + tag + ".jsonl";
     const CommandResult r = layout.empty() ? RunCli("train " + args + " --threads 1 --log " + log)
@@ -160,19 +178,7 @@ TEST_F(MpiTrainTest, SaveAtOneLayoutResumeAtAnother) {
   r = RunCli("diff " + one + "/step-00000005 " + ckpt + " --tolerance 1e-5");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   // Resume at other layouts and process counts, straight from the tp=2,fsdp=2 checkpoint.
-  for (const std::string& layout : {std::string("dp=2"), std::string("tp=4"), std::string()}) {
-    const std::string log = tmp_.path().string() + "/resumed.jsonl";
-    std::filesystem::remove(log);
-    r = layout.empty() ? RunCli("train --resume " + ckpt + " --steps 10 --threads 1 --log " + log)
-                       : RunMpi(Ranks(layout), "train --resume " + ckpt + " --steps 10 --threads 1 --layout " + layout +
-                                                   " --log " + log);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::vector<double> got = Losses(log);
-    ASSERT_EQ(got.size(), 5u);
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
-    }
-  }
+  ExpectResumesContinue(ckpt, {"dp=2", "tp=4", ""}, ref);
 }
 
 // Box-form FSDP beyond the built-in rules: an uneven cut (64 columns over 3 ranks), and a rule
@@ -319,18 +325,7 @@ TEST_F(MpiTrainTest, EpAsCpLossesMatchOneProcess) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string ckpt = run + "/step-00000005";
   EXPECT_EQ(RunCli("verify " + ckpt).exit_code, 0);
-  for (const std::string& layout : {std::string("ep=4"), std::string()}) {
-    const std::string log = tmp_.path().string() + "/resumed.jsonl";
-    std::filesystem::remove(log);
-    r = layout.empty() ? RunCli("train --resume " + ckpt + " --steps 10 --threads 1 --log " + log)
-                       : RunMpi(4, "train --resume " + ckpt + " --steps 10 --threads 1 --layout " + layout + " --log " + log);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::vector<double> got = Losses(log);
-    ASSERT_EQ(got.size(), 5u);
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
-    }
-  }
+  ExpectResumesContinue(ckpt, {"ep=4", ""}, ref);
 }
 
 // One step at ep=2,fsdp=2: gradients (through exp_avg) and master weights of every parameter
@@ -351,18 +346,7 @@ TEST_F(MpiTrainTest, ExpertParallelGradientsSaveAndResume) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string ckpt = run + "/step-00000005";
   EXPECT_EQ(RunCli("verify " + ckpt).exit_code, 0);
-  for (const std::string& layout : {std::string("ep=2,fsdp=2"), std::string()}) {
-    const std::string log = tmp_.path().string() + "/resumed.jsonl";
-    std::filesystem::remove(log);
-    r = layout.empty() ? RunCli("train --resume " + ckpt + " --steps 10 --threads 1 --log " + log)
-                       : RunMpi(4, "train --resume " + ckpt + " --steps 10 --threads 1 --layout " + layout + " --log " + log);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::vector<double> got = Losses(log);
-    ASSERT_EQ(got.size(), 5u);
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      EXPECT_LE(std::abs(got[i] - ref[5 + i]) / ref[5 + i], 1e-4) << "step " << 6 + i << " at " << layout;
-    }
-  }
+  ExpectResumesContinue(ckpt, {"ep=2,fsdp=2", ""}, ref);
 }
 
 TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
@@ -382,6 +366,9 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2 --rules ep-as-cp --seq-len 63");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("context-parallel"), std::string::npos) << r.output;
+  r = RunMpi(2, "train --model tiny-moe --steps 1 --layout etp=2 --rules ep-over-tp");  // experts whole, etp idle
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("over etp alone"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout cp=2");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("'cp' axis"), std::string::npos) << r.output;

@@ -1,0 +1,29 @@
+// Opening the source of `inspect`, `plan`, `convert` and `diff`: one of our checkpoints
+// (manifest.json) or a PyTorch Distributed Checkpoint directory (.metadata, formats/DCP.md).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/status.h"
+#include "formats/checkpoint_reader.h"
+#include "formats/shard_source.h"
+
+namespace rs::cli {
+
+// True when `dir` is read as a PyTorch DCP directory: it has `.metadata` and no manifest.json.
+bool IsDcpSource(const std::string& dir);
+
+struct SourceArgs {
+  std::string model;  // --model PRESET|FILE.json: how a DCP source is placed in a layout
+  int threads = 0;
+  ChecksumPolicy checksums = ChecksumPolicy::kSkip;  // ours: shard checksums; DCP: CRC-32 of each record
+  bool need_model = false;  // plan / convert: a DCP source without --model is a usage error
+};
+
+// Errors of CheckpointReader::Open or DcpSource::Open; InvalidArgument when --model is given
+// for one of our checkpoints (its manifest already places every tensor) or missing where
+// needed.
+Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const SourceArgs& args);
+
+}  // namespace rs::cli

@@ -1,0 +1,27 @@
+// Small durable-file helpers shared by every writer (checkpoints, safetensors files, the Hugging
+// Face export directory): fsync a path, rename without replacing, unique suffixes for staging
+// names.
+#pragma once
+
+#include <string>
+
+#include "core/status.h"
+
+namespace rs {
+
+// fsyncs a file, or a directory when `directory` (IoError naming the path).
+Status FsyncPath(const std::string& path, bool directory);
+// Renames `from` to `to` without replacing an existing `to` (renameat2 RENAME_NOREPLACE; on
+// file systems without it: check, then rename). AlreadyExists if `to` exists; IoError
+// otherwise. Does not fsync.
+Status RenameNoReplace(const std::string& from, const std::string& to);
+// fsyncs the directory that holds `path` ("." for a bare name).
+Status FsyncParentDir(const std::string& path);
+// "<pid>-<16 random hex digits>": for staging names like "<dir>.tmp-<suffix>".
+std::string UniqueSuffix();
+// Creates `path` (AlreadyExists if it exists), writes `text`, fsyncs and closes it.
+Status WriteNewFileDurably(const std::string& path, const std::string& text);
+// True if anything (even a dangling symlink) exists at `path`.
+bool PathExists(const std::string& path);
+
+}  // namespace rs

@@ -1,0 +1,101 @@
+// libFuzzer target: the model-description parsers. The input, when it is JSON, is read as a
+// model config (ModelConfigFromJson with both dtype spellings: `--model FILE.json` and a
+// checkpoint's metadata) and as a parameter list of the bucket planner (FsdpParamsFromJson:
+// `buckets --model FILE.json`). What parses is used as the commands use it: the parameter
+// count, the tensor list, placement under a flat FSDP layout (placement.h), bucket plans.
+//
+// Properties: no crash, no sanitizer report, no uncaught exception, no hang; errors are
+// InvalidArgument (or NotFound); a config's to_json reads back to the same JSON; the parameter
+// count equals the items of the tensor list; bucket plans pass CheckBucketPlan.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "core/fsdp_buckets.h"
+#include "core/fsdp_presets.h"
+#include "core/model.h"
+#include "fuzz/placement.h"
+#include "reshard/physical_layout.h"
+
+namespace {
+
+using namespace rs;
+
+// Tensor lists and plans are built for configs up to these sizes (the parsers bound larger
+// ones by the machine's memory, which is not what a fuzzer should allocate).
+constexpr std::int64_t kMaxBuiltParams = std::int64_t{1} << 22;
+constexpr std::int64_t kMaxBuiltLayers = 8;
+constexpr std::size_t kMaxPlannedParams = 64;
+
+void CheckModel(const ModelConfig& c) {
+  const Status valid = c.Validate();
+  RS_CHECK_MSG(valid.ok(), valid.ToString());
+  nlohmann::json back;
+  to_json(back, c);
+  Result<ModelConfig> again = ModelConfigFromJson(back, DTypeSpelling::kCanonical);
+  RS_CHECK_MSG(again.ok(), again.status().ToString());
+  // to_json leaves out the gated-delta-net fields when no layer uses them, so the JSON (not
+  // the struct) is what must survive a round trip.
+  nlohmann::json back_again;
+  to_json(back_again, *again);
+  RS_CHECK_MSG(back_again == back, "model config changed in a JSON round trip: " << back.dump());
+  Result<std::int64_t> count = ModelParameterCount(c);
+  RS_CHECK_MSG(count.ok(), count.status().ToString());
+  if (*count > kMaxBuiltParams || c.n_layers > kMaxBuiltLayers) return;
+  std::int64_t items = 0;
+  for (const TensorSpec& t : ModelParameters(c)) items += t.numel();
+  RS_CHECK_MSG(items == *count, "ModelParameterCount " << *count << ", the tensors hold " << items);
+  const std::vector<TensorSpec> tensors = ModelCheckpointTensors(c, {"exp_avg"});
+  static const RuleSet megatron = *BuiltinRuleSet("megatron");
+  for (const char* layout : {"tp=2,ep=2,fsdp=2,fsdp_form=flat", "pp=2,tp=2,vocab_multiple=8"}) {
+    Result<PhysicalLayout> p = PhysicalLayout::Parse(layout, megatron);
+    RS_CHECK(p.ok());
+    fuzz::CheckPlacement(*p, tensors);
+  }
+}
+
+void CheckParams(const std::vector<FsdpParam>& params) {
+  if (params.size() > kMaxPlannedParams) return;
+  for (const BucketPolicy policy : {BucketPolicy::kLcm, BucketPolicy::kSplit, BucketPolicy::kBest}) {
+    for (const ShardGranularity g : {ShardGranularity::kElement, ShardGranularity::kMatrix}) {
+      PlanOptions o;
+      o.dp = 4;
+      o.policy = policy;
+      o.granularity = g;
+      o.merge_units = policy == BucketPolicy::kBest;
+      Result<BucketPlan> plan = PlanBuckets(params, o);
+      if (!plan.ok()) {
+        fuzz::CheckError(plan.status(), "PlanBuckets");
+        continue;
+      }
+      const Status s = CheckBucketPlan(*plan);
+      RS_CHECK_MSG(s.ok(), s.ToString());
+      (void)plan->ToString();
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const nlohmann::json j = nlohmann::json::parse(data, data + size, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return 0;
+  for (const DTypeSpelling spelling : {DTypeSpelling::kAliases, DTypeSpelling::kCanonical}) {
+    Result<ModelConfig> c = ModelConfigFromJson(j, spelling);
+    if (c.ok()) {
+      CheckModel(*c);
+    } else {
+      fuzz::CheckError(c.status(), "ModelConfigFromJson");
+    }
+  }
+  Result<std::vector<FsdpParam>> params = FsdpParamsFromJson(j);
+  if (params.ok()) {
+    CheckParams(*params);
+  } else {
+    fuzz::CheckError(params.status(), "FsdpParamsFromJson");
+  }
+  return 0;
+}

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets of fuzz/ with clang (AddressSanitizer + UndefinedBehaviorSanitizer)
+# in build-fuzz/, then runs each for SECONDS (default 60) on its seed corpus, one after another.
+# Exits 1 if any target crashed, failed a check, threw, leaked, hung (-timeout) or allocated too
+# much (-rss_limit_mb / -malloc_limit_mb), after printing the reproducer's path and the command
+# that replays it. New inputs go to build-fuzz/fuzz-out/<target>/corpus, never into the repo.
+#
+# Usage: fuzz/run.sh [SECONDS] [TARGET...]      (targets: fuzz_manifest fuzz_checkpoint
+#        fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model; default all)
+# Environment: BUILD_DIR (build-fuzz), JOBS (2), FUZZ_ARGS (extra libFuzzer flags),
+# HDF5_FAILURES=fail (also fail on failures inside libhdf5, which are reported, not failing,
+# by default: see below and fuzz/hdf5/README.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_EACH=${1:-60}
+[ $# -gt 0 ] && shift
+BUILD=${BUILD_DIR:-build-fuzz}
+JOBS=${JOBS:-2}
+ALL=(fuzz_manifest fuzz_checkpoint fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model)
+TARGETS=("$@")
+[ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL[@]}")
+
+CC=$(command -v clang-14 || command -v clang || true)
+CXX=$(command -v clang++-14 || command -v clang++ || true)
+if [ -z "$CC" ] || [ -z "$CXX" ]; then
+  echo "fuzz: clang is not installed (scripts/setup.sh installs clang-14 and libclang-rt-14-dev)" >&2
+  exit 2
+fi
+if ! ls "$("$CXX" --print-runtime-dir 2>/dev/null)"/libclang_rt.fuzzer*.a >/dev/null 2>&1; then
+  echo "fuzz: $CXX has no libFuzzer runtime (libclang_rt.fuzzer; Debian: libclang-rt-14-dev, which" \
+       "scripts/setup.sh installs)" >&2
+  exit 2
+fi
+LAUNCHER=()
+command -v ccache >/dev/null 2>&1 && LAUNCHER=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+
+start=$(date +%s)
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER="$CC" -DCMAKE_CXX_COMPILER="$CXX" \
+  "${LAUNCHER[@]}" -DRS_FUZZ=ON -DRS_BUILD_TESTS=OFF -DRS_ENABLE_CUDA=OFF >/dev/null
+cmake --build "$BUILD" -j "$JOBS" --target fuzzers
+echo "fuzz: built in $(( $(date +%s) - start )) s" >&2
+
+# llvm-symbolizer turns sanitizer stacks into file:line.
+for s in llvm-symbolizer-14 llvm-symbolizer; do
+  if command -v "$s" >/dev/null 2>&1; then export ASAN_SYMBOLIZER_PATH=$(command -v "$s"); break; fi
+done
+export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:allocator_may_return_null=0}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# Leaks inside HDF5 on corrupt files are the library's (see the file).
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/fuzz/lsan.supp:print_suppressions=0}
+
+corpus_of() {
+  case "$1" in
+    fuzz_shard_file|fuzz_shard_file_inplace) echo shard_file ;;
+    *) echo "${1#fuzz_}" ;;
+  esac
+}
+dict_of() {
+  case "$1" in
+    fuzz_manifest|fuzz_checkpoint) echo manifest ;;
+    fuzz_layout) echo layout ;;
+    fuzz_model) echo model ;;
+    *) echo "" ;;
+  esac
+}
+
+# Whether the failure reported in a libFuzzer log happened inside HDF5: the first stack frame
+# that is HDF5's or ours decides ("hdf5", "ours", or "" when the log has no stack).
+where_failed() {
+  awk '/^ +#[0-9]+ 0x/ { if ($0 ~ /libhdf5/) { r = "hdf5"; exit } if ($0 ~ /rs::|LLVMFuzzerTestOneInput/) { r = "ours"; exit } }
+       END { print r }' "$1"
+}
+
+failed=0
+summary=()
+hdf5_reports=()
+for t in "${TARGETS[@]}"; do
+  bin="$BUILD/fuzz/$t"
+  [ -x "$bin" ] || { echo "fuzz: no target $t" >&2; exit 2; }
+  out="$BUILD/fuzz-out/$t"
+  rm -rf "$out/artifacts" "$out/hdf5" "$out"/log*  # reproducers and logs of an earlier run
+  mkdir -p "$out/corpus" "$out/artifacts"
+  seeds="fuzz/corpus/$(corpus_of "$t")"
+  args=(-timeout=10 -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$out/artifacts/")
+  asan=$ASAN_OPTIONS
+  case "$t" in
+    fuzz_shard_file*)
+      # HDF5 1.10 mallocs sizes read from corrupt metadata before it checks them against the
+      # file (H5C_protect), then fails the read and frees the buffer untouched: with a malloc
+      # limit the fuzzer would stop at the first such size. So here the malloc limit is off,
+      # impossible C mallocs return NULL as in production (HDF5 reports an error), C++
+      # allocations still abort, and -rss_limit_mb bounds the memory actually used. The
+      # harness bounds what our reader allocates (datasets of at most 16 MiB).
+      args+=(-max_len=16384 -malloc_limit_mb=1048576)
+      asan="$asan:allocator_may_return_null=1" ;;
+    *) args+=(-max_len=65536 -malloc_limit_mb=1024) ;;
+  esac
+  d=$(dict_of "$t")
+  if [ -n "$d" ]; then
+    cat fuzz/dict/json.dict "fuzz/dict/$d.dict" > "$out/dict"
+    args+=(-dict="$out/dict")
+  fi
+  # shellcheck disable=SC2086
+  args+=(${FUZZ_ARGS:-})
+  echo "fuzz: $t for ${SECONDS_EACH} s (seeds $seeds)" >&2
+  t0=$(date +%s)
+  deadline=$(( t0 + SECONDS_EACH ))
+  execs=0 runs=0 rc=0 cov="?" status=""
+  # libFuzzer stops at the first failure. A failure inside HDF5 (a crash, hang or runaway
+  # allocation of the library on a corrupt file: upstream bugs of HDF5 1.10, fuzz/hdf5/) is
+  # reported, its reproducer kept in $out/hdf5/, and fuzzing goes on for the time left;
+  # with HDF5_FAILURES=fail it fails the run like any other.
+  while :; do
+    left=$(( deadline - $(date +%s) ))
+    [ "$runs" -gt 0 ] && [ "$left" -le 0 ] && break
+    log="$out/log.$runs"
+    rc=0
+    # In a subshell whose stderr is dropped: bash's own "Aborted" line for a crashed target.
+    (ASAN_OPTIONS=$asan "$bin" "${args[@]}" -max_total_time=$(( left > 1 ? left : 1 )) "$out/corpus" "$seeds" \
+      >"$log" 2>&1; exit $?) 2>/dev/null || rc=$?
+    runs=$(( runs + 1 ))
+    n=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+    execs=$(( execs + ${n:-0} ))
+    c=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | cut -d' ' -f2)
+    [ -n "$c" ] && cov=$c
+    artifacts=$(find "$out/artifacts" -type f | sort)
+    [ "$rc" -eq 0 ] && [ -z "$artifacts" ] && break
+    if [ "$(where_failed "$log")" = hdf5 ] && [ "${HDF5_FAILURES:-report}" != fail ] && [ -n "$artifacts" ]; then
+      mkdir -p "$out/hdf5"
+      for a in $artifacts; do
+        mv "$a" "$out/hdf5/"
+        hdf5_reports+=("$t: $(grep -m1 -oE 'ERROR: [A-Za-z]+: [^(]*' "$log" | head -1) in HDF5: $out/hdf5/$(basename "$a") (log $log)")
+      done
+      continue
+    fi
+    status="FAILED (exit $rc)"
+    failed=1
+    echo "fuzz: $t FAILED (exit $rc); log: $log" >&2
+    grep -E '^(==[0-9]+==.*ERROR|SUMMARY|CHECK failed|.*runtime error)' "$log" | head -5 >&2 || true
+    for a in $artifacts; do
+      echo "fuzz: reproducer: $a" >&2
+      echo "fuzz:   replay:   $bin $a" >&2
+    done
+    break
+  done
+  secs=$(( $(date +%s) - t0 ))
+  line="$t: ${secs} s, $execs execs ($(( execs / (secs > 0 ? secs : 1) ))/s), coverage $cov edges"
+  [ "$runs" -gt 1 ] && line="$line, $runs runs"
+  [ -n "$status" ] && line="$line: $status"
+  summary+=("$line")
+done
+echo "fuzz: summary ($(( $(date +%s) - start )) s in all, build included)" >&2
+printf '  %s\n' "${summary[@]}" >&2
+if [ ${#hdf5_reports[@]} -gt 0 ]; then
+  echo "fuzz: failures inside HDF5 (upstream libhdf5 bugs on corrupt files; not failing the run, see fuzz/hdf5/README.md):" >&2
+  printf '  %s\n' "${hdf5_reports[@]}" >&2
+fi
+exit "$failed"

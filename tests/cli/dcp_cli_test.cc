@@ -1,0 +1,181 @@
+// `reshard verify / inspect / plan / convert / diff` on PyTorch DCP directories (the fixtures
+// of tests/fixtures/dcp, written by torch.distributed.checkpoint.save).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tests/cli/cli_test_util.h"
+
+namespace rs::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kFixtures = std::string(RS_SOURCE_DIR) + "/tests/fixtures/dcp";
+const std::string kModel = " --model " + kFixtures + "/model.json";
+
+bool Has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::string CopyBf16(const TempDir& tmp, const std::string& name, const std::string& variant) {
+  const std::string dst = tmp / name;
+  fs::create_directories(dst);
+  for (const auto& e : fs::directory_iterator(kFixtures + "/bf16_2d")) {
+    if (e.path().filename() != "expected.safetensors") fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
+  }
+  if (!variant.empty()) {
+    fs::copy_file(kFixtures + "/variants/" + variant + ".metadata", dst + "/.metadata", fs::copy_options::overwrite_existing);
+  }
+  return dst;
+}
+
+TEST(DcpCliTest, VerifyAndInspect) {
+  for (const char* name : {"adamw_f32", "bf16_2d"}) {
+    const CommandResult r = RunCli("verify " + kFixtures + "/" + name);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(Has(r.output, "PyTorch DCP keeps no checksums of its own")) << r.output;
+    EXPECT_TRUE(Has(r.output, "SOUND:")) << r.output;
+  }
+  const CommandResult j = RunCli("verify --json " + kFixtures + "/adamw_f32");
+  EXPECT_EQ(j.exit_code, 0);
+  EXPECT_TRUE(Has(j.output, "\"format\": \"pytorch-dcp\"")) << j.output;
+
+  const CommandResult i = RunCli("inspect " + kFixtures + "/adamw_f32");
+  EXPECT_EQ(i.exit_code, 0) << i.output;
+  EXPECT_TRUE(Has(i.output, "pytorch-dcp")) << i.output;
+  EXPECT_TRUE(Has(i.output, "layers.0.moe.experts.fc1.weight/exp_avg_sq")) << i.output;
+  EXPECT_TRUE(Has(i.output, "optimizer.step")) << i.output;
+  const CommandResult t = RunCli("inspect " + kFixtures + "/bf16_2d --tensor layers.0.attn.qkv.weight" + kModel);
+  EXPECT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_TRUE(Has(t.output, "fused   dim 0: query=8 key=4 value=4 rows")) << t.output;
+  EXPECT_TRUE(Has(t.output, "[8:16, 4:8]")) << t.output;
+  EXPECT_TRUE(Has(t.output, "__3_0.distcp")) << t.output;
+}
+
+TEST(DcpCliTest, PlanNeedsTheModel) {
+  const CommandResult no = RunCli("plan " + kFixtures + "/adamw_f32 --to tp=2");
+  EXPECT_EQ(no.exit_code, 2) << no.output;
+  EXPECT_TRUE(Has(no.output, "--model")) << no.output;
+  const CommandResult yes = RunCli("plan " + kFixtures + "/adamw_f32 --to tp=2,ep=2" + kModel);
+  EXPECT_EQ(yes.exit_code, 0) << yes.output;
+  EXPECT_TRUE(Has(yes.output, "read amplification")) << yes.output;
+  const CommandResult wrong = RunCli("plan " + kFixtures + "/adamw_f32 --to tp=2 --model tiny-moe");
+  EXPECT_EQ(wrong.exit_code, 1) << wrong.output;
+  EXPECT_TRUE(Has(wrong.output, "does not match the model 'tiny-moe'")) << wrong.output;
+  const CommandResult ours = RunCli("plan " + kFixtures + "/../dcp --to tp=2" + kModel);
+  EXPECT_NE(ours.exit_code, 0);
+}
+
+TEST(DcpCliTest, ConvertAtLayoutsAndDiff) {
+  TempDir tmp;
+  struct Case {
+    const char* fixture;
+    const char* layout;
+  };
+  for (const Case c : {Case{"adamw_f32", "tp=2,ep=2,fsdp=2"}, Case{"adamw_f32", "tp=1,fsdp=4,fsdp_form=flat"},
+                       Case{"bf16_2d", "tp=2,ep=4"}, Case{"bf16_2d", "pp=2,tp=1"}}) {
+    SCOPED_TRACE(std::string(c.fixture) + " -> " + c.layout);
+    const std::string src = kFixtures + "/" + c.fixture;
+    const std::string out = tmp / (std::string(c.fixture) + "_" + std::to_string(std::hash<std::string>{}(c.layout)));
+    const CommandResult conv = RunCli("convert " + src + " --to " + c.layout + kModel + " -o " + out + " --verify-source");
+    ASSERT_EQ(conv.exit_code, 0) << conv.output;
+    const CommandResult v = RunCli("verify " + out);
+    EXPECT_EQ(v.exit_code, 0) << v.output;
+    const CommandResult d = RunCli("diff " + src + " " + out);
+    EXPECT_EQ(d.exit_code, 0) << d.output;
+    EXPECT_TRUE(Has(d.output, "identical")) << d.output;
+    // The converted checkpoint records the model, so it converts further without --model.
+    const CommandResult again = RunCli("convert " + out + " --to tp=1 -o " + out + "_tp1");
+    EXPECT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_EQ(RunCli("diff " + out + "_tp1 " + src + kModel).exit_code, 0);
+  }
+  // Different contents: exit 1.
+  const CommandResult d = RunCli("diff " + kFixtures + "/adamw_f32 " + kFixtures + "/bf16_2d --role parameter");
+  EXPECT_EQ(d.exit_code, 1) << d.output;
+}
+
+TEST(DcpCliTest, DamagedSourcesNameFileAndKey) {
+  TempDir tmp;
+  const std::string missing = CopyBf16(tmp, "missing", "missing_item");
+  const CommandResult v = RunCli("verify " + missing);
+  EXPECT_EQ(v.exit_code, 1) << v.output;
+  const CommandResult c = RunCli("convert " + missing + " --to tp=2" + kModel + " -o " + (tmp / "out"));
+  EXPECT_EQ(c.exit_code, 1) << c.output;
+  EXPECT_TRUE(Has(c.output, "'layers.0.attn.qkv.weight' chunk at [8, 4] has no storage_data entry")) << c.output;
+  EXPECT_FALSE(fs::exists(tmp / "out"));
+
+  const std::string truncated = CopyBf16(tmp, "truncated", "");
+  fs::resize_file(truncated + "/__2_0.distcp", 3000);
+  const CommandResult t = RunCli("convert " + truncated + " --to tp=2" + kModel + " -o " + (tmp / "out2"));
+  EXPECT_EQ(t.exit_code, 1) << t.output;
+  EXPECT_TRUE(Has(t.output, "__2_0.distcp, item '")) << t.output;
+  EXPECT_TRUE(Has(t.output, "truncated data file")) << t.output;
+  EXPECT_FALSE(fs::exists(tmp / "out2"));
+
+  const CommandResult gap = RunCli("verify " + CopyBf16(tmp, "gap", "gap_overlap"));
+  EXPECT_EQ(gap.exit_code, 1);
+  EXPECT_TRUE(Has(gap.output, "gap: tensor 'embedding.weight' [16, 8]: 32 of 128 items are in no chunk")) << gap.output;
+  EXPECT_TRUE(Has(gap.output, "overlap: tensor 'embedding.weight'")) << gap.output;
+}
+
+TEST(DcpCliTest, HostileMetadataExecutesNothing) {
+  TempDir tmp;
+  const std::string dir = CopyBf16(tmp, "hostile", "");
+  const std::string marker = tmp / "pwned";
+  // pickle of os.system("touch <marker>") at protocol 2, as an attacker would write it.
+  const std::string cmd = "touch " + marker;
+  std::string p = "\x80\x02" "cos\nsystem\nX";
+  for (int i = 0; i < 4; ++i) p.push_back(static_cast<char>((cmd.size() >> (8 * i)) & 0xFF));
+  p += cmd + "\x85R.";
+  {
+    std::ofstream out(dir + "/.metadata", std::ios::binary | std::ios::trunc);
+    out << p;
+  }
+  for (const std::string& command : {"verify " + dir, "inspect " + dir, "plan " + dir + " --to tp=2" + kModel,
+                                     "convert " + dir + " --to tp=2" + kModel + " -o " + (tmp / "o"), "diff " + dir + " " + dir}) {
+    const CommandResult r = RunCli(command);
+    EXPECT_EQ(r.exit_code, 1) << command << "\n" << r.output;
+    EXPECT_TRUE(Has(r.output, "global 'os.system' is not on the allowlist")) << command << "\n" << r.output;
+    EXPECT_TRUE(Has(r.output, "/.metadata: pickle byte offset 2")) << r.output;
+  }
+  EXPECT_FALSE(fs::exists(marker));
+}
+
+TEST(DcpCliTest, MetadataLargerThanMemoryIsRefused) {
+  // 64 MiB of NONE opcodes would make 64M values (about 10 GiB of nodes): under ulimit -v the
+  // reader refuses before the table outgrows the limit, with exit 1 and a message.
+  TempDir tmp;
+  const std::string dir = tmp / "big";
+  fs::create_directories(dir);
+  {
+    std::ofstream out(dir + "/.metadata", std::ios::binary);
+    out << "\x80\x04";
+    const std::string block(1 << 20, 'N');
+    for (int i = 0; i < 64; ++i) out << block;
+    out << ".";
+  }
+  const CommandResult r = RunShell("ulimit -v 1000000; " + std::string(RS_CLI) + " verify " + dir);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(Has(r.output, "the pickle's values")) << r.output;
+  EXPECT_TRUE(Has(r.output, "more than this process may use")) << r.output;
+}
+
+TEST(DcpCliTest, FifoMetadataDoesNotBlock) {
+  TempDir tmp;
+  const std::string dir = tmp / "fifo";
+  fs::create_directories(dir);
+  ASSERT_EQ(RunShell("mkfifo " + dir + "/.metadata").exit_code, 0);
+  const CommandResult r = RunShell("timeout 20 " + std::string(RS_CLI) + " verify " + dir);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(Has(r.output, "FIFO")) << r.output;
+  const std::string data = CopyBf16(tmp, "fifo_data", "");
+  fs::remove(data + "/__1_0.distcp");
+  ASSERT_EQ(RunShell("mkfifo " + data + "/__1_0.distcp").exit_code, 0);
+  const CommandResult d = RunShell("timeout 20 " + std::string(RS_CLI) + " verify " + data);
+  EXPECT_EQ(d.exit_code, 1) << d.output;
+  EXPECT_TRUE(Has(d.output, "__1_0.distcp")) << d.output;
+}
+
+}  // namespace
+}  // namespace rs::testing

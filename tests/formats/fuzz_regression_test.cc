@@ -1,0 +1,85 @@
+// Regression tests for what the fuzzers of fuzz/ found (issue 15): each input that crashed a
+// fuzz target, reduced, with the error the code must give instead. The reproducers are also
+// in fuzz/corpus/<target>/regress_*, so the fuzzers replay them.
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "formats/checkpoint_writer.h"
+#include "formats/manifest.h"
+#include "formats/verify.h"
+#include "tests/formats/test_util.h"
+
+namespace rs {
+namespace {
+
+// fuzz_manifest, fuzz_checkpoint: a JSON number too large for a double made ParseManifest's
+// error path (the re-parse that finds the error's position) throw json::out_of_range (406),
+// which it did not catch: std::terminate instead of DataLoss.
+TEST(FuzzRegression, ManifestNumberOverflowIsDataLoss) {
+  for (const std::string text : {"1e999", "-1e400", R"({"format": "moe-reshard-checkpoint", "format_version": 1e999})",
+                                 "[9999999999999999999999999999999999e99999999999999999999]"}) {
+    SCOPED_TRACE(text);
+    const Result<Manifest> m = ParseManifest(text, "dir/manifest.json");
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), ErrorCode::kDataLoss) << m.status().ToString();
+    EXPECT_NE(m.status().message().find("dir/manifest.json"), std::string::npos) << m.status().message();
+    EXPECT_NE(m.status().message().find("malformed JSON"), std::string::npos) << m.status().message();
+    EXPECT_NE(m.status().message().find("number overflow"), std::string::npos) << m.status().message();
+  }
+}
+
+// fuzz_checkpoint: VerifyCheckpoint summed the nbytes of all shards (the total of its progress
+// callback) in plain int64; two shards of a 2^62-byte tensor overflowed it (undefined
+// behaviour, UBSan: verify.cc "signed integer overflow"), and the progress total went
+// negative. The shards' file does not exist, so nothing else is read of them. (Format version
+// 1: a version-2 manifest also lists every data file with its size, which a missing file
+// cannot match.)
+TEST(FuzzRegression, VerifyTotalOfHugeShardsDoesNotOverflow) {
+  testing::ScratchDir tmp;
+  const std::string dir = tmp / "ckpt";
+  const TensorSpec small = testing::Spec("w", DType::kF32, {4, 8});
+  {
+    WriterOptions o;
+    o.threads = 1;
+    o.format_version = 1;
+    auto w = CheckpointWriter::Create(dir, o);
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->AddTensor(small).ok());
+    const Piece p{Box::Full(small.shape), std::nullopt};
+    ASSERT_TRUE((*w)->WriteShard(0, "w", p, testing::TensorBytes(small, 1)).ok());
+    ASSERT_TRUE((*w)->Commit().ok());
+  }
+  auto m = ReadManifest(dir);
+  ASSERT_TRUE(m.ok());
+  TensorSpec big = testing::Spec("big", DType::kF64, {std::int64_t{1} << 59});
+  m->tensors.push_back(big);
+  ShardEntry s = m->shards[0];
+  s.tensor = "big";
+  s.file = "missing.h5";
+  s.piece = Piece{Box::Full(big.shape), std::nullopt};
+  s.nbytes = big.nbytes();  // 2^62
+  s.dataset = "big-0";
+  m->shards.push_back(s);
+  s.dataset = "big-1";
+  m->shards.push_back(s);
+  std::ofstream(dir + "/manifest.json", std::ios::trunc) << ManifestToJson(*m).dump(1);
+
+  VerifyOptions o;
+  o.threads = 1;
+  std::int64_t last_total = 0;
+  o.progress = [&](std::int64_t done, std::int64_t total) {
+    EXPECT_GE(done, 0);
+    EXPECT_GE(total, done);
+    last_total = total;
+  };
+  const VerifyReport rep = VerifyCheckpoint(dir, o);
+  EXPECT_GT(last_total, 0);  // the small shard was checked
+  EXPECT_EQ(rep.Count(FindingKind::kMissingFile), 1) << rep.ToText();
+  EXPECT_EQ(rep.Count(FindingKind::kOverlap), 1) << rep.ToText();
+}
+
+}  // namespace
+}  // namespace rs

@@ -1,0 +1,132 @@
+// The Hugging Face name table and config.json mapping (reshard/hf.h), without files: where each
+// HF tensor sits in our tensors, that the table tiles every parameter, and config round trips.
+#include "reshard/hf.h"
+
+#include <map>
+
+#include <gtest/gtest.h>
+
+namespace rs {
+namespace {
+
+std::map<std::string, HfTensor> ByName(const std::vector<HfTensor>& v) {
+  std::map<std::string, HfTensor> m;
+  for (const HfTensor& h : v) m.emplace(h.hf_name, h);
+  return m;
+}
+
+TEST(HfMap, MixtralRowsOfTinyMoe) {
+  const ModelConfig c;  // tiny-moe: d 64, 4 q heads and 2 kv heads of 16, 4 experts of width 64
+  auto map = HfTensorMap(ModelParameters(c));
+  ASSERT_TRUE(map.ok()) << map.status().ToString();
+  EXPECT_EQ(map->size(), 41u);
+  const auto m = ByName(*map);
+  const std::string l = "model.layers.1.";
+  const HfTensor& q = m.at(l + "self_attn.q_proj.weight");
+  EXPECT_EQ(q.tensor, "layers.1.attn.qkv.weight");
+  EXPECT_EQ(q.hf_shape, (Shape{64, 64}));
+  EXPECT_EQ(q.flat_begin, 0);
+  EXPECT_EQ(m.at(l + "self_attn.k_proj.weight").flat_begin, 64 * 64);
+  EXPECT_EQ(m.at(l + "self_attn.k_proj.weight").hf_shape, (Shape{32, 64}));
+  EXPECT_EQ(m.at(l + "self_attn.v_proj.weight").flat_begin, (64 + 32) * 64);
+  // Expert e of fc1 [E, 2f, d]: w1 = its gate rows [0, f), w3 = its up rows [f, 2f).
+  const HfTensor& w1 = m.at(l + "block_sparse_moe.experts.1.w1.weight");
+  const HfTensor& w3 = m.at(l + "block_sparse_moe.experts.1.w3.weight");
+  EXPECT_EQ(w1.tensor, "layers.1.moe.experts.fc1.weight");
+  EXPECT_EQ(w1.flat_begin, 1 * 128 * 64);
+  EXPECT_EQ(w3.flat_begin, 1 * 128 * 64 + 64 * 64);
+  EXPECT_EQ(w3.hf_shape, (Shape{64, 64}));
+  const HfTensor& w2 = m.at(l + "block_sparse_moe.experts.2.w2.weight");
+  EXPECT_EQ(w2.tensor, "layers.1.moe.experts.fc2.weight");
+  EXPECT_EQ(w2.flat_begin, 2 * 64 * 64);
+  EXPECT_EQ(m.at("lm_head.weight").tensor, "output.weight");
+  EXPECT_EQ(m.at("model.norm.weight").tensor, "final_norm.weight");
+}
+
+TEST(HfMap, OtherNamings) {
+  const ModelConfig c;
+  auto fused = HfTensorMap(ModelParameters(c), [](std::int64_t layer) {
+    return layer == 0 ? HfMoeNaming::kMlpFused : HfMoeNaming::kMlpPerExpert;
+  });
+  ASSERT_TRUE(fused.ok()) << fused.status().ToString();
+  const auto m = ByName(*fused);
+  EXPECT_EQ(m.at("model.layers.0.mlp.experts.gate_up_proj").hf_shape, (Shape{4, 128, 64}));
+  EXPECT_EQ(m.at("model.layers.0.mlp.experts.down_proj").hf_shape, (Shape{4, 64, 64}));
+  EXPECT_EQ(m.at("model.layers.1.mlp.experts.3.up_proj.weight").flat_begin, 3 * 128 * 64 + 64 * 64);
+  EXPECT_EQ(m.at("model.layers.1.mlp.gate.weight").tensor, "layers.1.moe.router.weight");
+  EXPECT_EQ(m.count("model.layers.0.block_sparse_moe.gate.weight"), 0u);
+}
+
+TEST(HfMap, RefusesWhatMixtralLacks) {
+  ModelConfig c;
+  c.shared_ffn = 32;
+  auto map = HfTensorMap(ModelParameters(c));
+  ASSERT_FALSE(map.ok());
+  EXPECT_NE(map.status().message().find("layers.0.moe.shared.fc1.weight"), std::string::npos);
+  c.first_dense_layers = 1;
+  c.router = RouterKind::kSinkhorn;
+  const Status s = CheckMixtralExpressible(c);
+  EXPECT_EQ(s.code(), ErrorCode::kFailedPrecondition);
+  for (const char* what : {"router 'sinkhorn'", "a shared expert", "dense first layers"}) {
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
+  }
+  EXPECT_TRUE(CheckMixtralExpressible(ModelConfig{}).ok());
+}
+
+TEST(HfMap, ConfigRoundTrips) {
+  for (const char* preset : {"tiny-moe", "small-moe"}) {
+    auto c = ModelPreset(preset);
+    ASSERT_TRUE(c.ok());
+    c->z_loss_coef = 0.25;
+    auto j = MixtralConfigJson(*c, DType::kBF16);
+    ASSERT_TRUE(j.ok());
+    EXPECT_EQ((*j)["torch_dtype"], "bfloat16");
+    auto back = ParseHfConfig(*j, "config.json");
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->arch, HfArch::kMixtral);
+    EXPECT_EQ(back->torch_dtype, DType::kBF16);
+    back->config.param_dtype = c->param_dtype;  // chosen by import from the files
+    EXPECT_EQ(back->config, *c) << preset;
+  }
+}
+
+TEST(HfMap, ParsesMixtralConfigs) {
+  // A transformers v5 style config: theta in rope_parameters, no head_dim.
+  const nlohmann::json v5 = {{"model_type", "mixtral"},     {"vocab_size", 1000},         {"hidden_size", 128},
+                             {"num_hidden_layers", 2},      {"num_attention_heads", 8},   {"num_key_value_heads", 2},
+                             {"num_local_experts", 8},      {"num_experts_per_tok", 2},   {"intermediate_size", 256},
+                             {"max_position_embeddings", 4096}, {"sliding_window", 4096},
+                             {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5e5}}},
+                             {"dtype", "bfloat16"}};
+  auto m = ParseHfConfig(v5, "v5");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->config.head_dim, 16);
+  EXPECT_EQ(m->config.rope_theta, 5e5);
+  EXPECT_EQ(m->config.norm_eps, 1e-5);  // Mixtral's default
+  EXPECT_EQ(m->config.router, RouterKind::kTopKSoftmaxAfter);
+  EXPECT_EQ(m->torch_dtype, DType::kBF16);
+  nlohmann::json bad = v5;
+  bad["sliding_window"] = 1024;
+  bad["rope_parameters"]["rope_type"] = "llama3";
+  bad["partial_rotary_factor"] = 0.5;
+  const Status s = ParseHfConfig(bad, "bad").status();
+  EXPECT_EQ(s.code(), ErrorCode::kFailedPrecondition);
+  for (const char* what : {"sliding_window 1024", "rope_parameters of type 'llama3'", "partial_rotary_factor"}) {
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
+  }
+  nlohmann::json missing = v5;
+  missing.erase("num_local_experts");
+  EXPECT_EQ(ParseHfConfig(missing, "m").status().code(), ErrorCode::kInvalidArgument);
+  // Qwen-MoE configs name what our model lacks.
+  nlohmann::json qwen = v5;
+  qwen["model_type"] = "qwen3_moe";
+  qwen.erase("num_local_experts");
+  qwen["num_experts"] = 8;
+  qwen["moe_intermediate_size"] = 64;
+  qwen["head_dim"] = 16;
+  const Status q = ParseHfConfig(qwen, "q").status();
+  EXPECT_NE(q.message().find("q_norm / k_norm"), std::string::npos) << q.message();
+}
+
+}  // namespace
+}  // namespace rs
