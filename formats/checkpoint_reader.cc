@@ -7,7 +7,7 @@
 #include "core/dtype.h"
 #include "core/memory.h"
 #include "formats/codec.h"
-#include "formats/thread_pool.h"
+#include "core/thread_pool.h"
 
 namespace rs {
 namespace {

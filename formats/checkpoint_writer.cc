@@ -16,7 +16,7 @@
 #include "formats/checkpoint_reader.h"
 #include "formats/durable_file.h"
 #include "formats/shard_file.h"
-#include "formats/thread_pool.h"
+#include "core/thread_pool.h"
 
 namespace rs {
 namespace fs = std::filesystem;

@@ -8,9 +8,9 @@
 #include <optional>
 #include <set>
 #include <sstream>
-#include <thread>
 
 #include "core/memory.h"
+#include "core/thread_pool.h"
 #include "formats/dcp.h"
 #include "formats/dcp_source.h"
 #include "formats/manifest.h"
@@ -209,15 +209,7 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
       }
     }
   };
-  const auto hw = std::max(1U, std::thread::hardware_concurrency());
-  const std::size_t workers = std::clamp<std::size_t>(options.threads > 0 ? static_cast<std::size_t>(options.threads) : hw, 1,
-                                                      std::max<std::size_t>(1, items.size()));
-  {
-    std::vector<std::thread> threads;
-    for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(worker);
-    worker();
-    for (auto& t : threads) t.join();
-  }
+  RunWorkers(WorkerCount(options.threads, items.size()), [&](std::size_t) { worker(); });
   for (std::size_t i = 0; i < items.size(); ++i) {
     report.counts.checked_bytes += checked[i];
     if (found[i]) report.findings.push_back(std::move(*found[i]));

@@ -20,7 +20,7 @@
 
 #include "core/status.h"
 #include "formats/codec.h"
-#include "formats/thread_pool.h"
+#include "core/thread_pool.h"
 
 namespace rs {
 

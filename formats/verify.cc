@@ -17,7 +17,7 @@
 #include "core/text.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/shard_file.h"
-#include "formats/thread_pool.h"
+#include "core/thread_pool.h"
 
 namespace rs {
 namespace {

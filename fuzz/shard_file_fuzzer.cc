@@ -23,7 +23,7 @@
 #include "formats/codec.h"
 #include "formats/hdf5_util.h"
 #include "formats/shard_file.h"
-#include "formats/thread_pool.h"
+#include "core/thread_pool.h"
 #include "fuzz/fuzz_util.h"
 
 namespace {

@@ -7,12 +7,12 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "core/thread_pool.h"
 
 namespace rs {
 
@@ -194,13 +194,7 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
       d.max_rel_diff = std::max(d.max_rel_diff, max_rel);
     }
   };
-  const auto hw = std::max(1U, std::thread::hardware_concurrency());
-  const std::size_t workers = std::min<std::size_t>(options.threads > 0 ? static_cast<std::size_t>(options.threads) : hw,
-                                                    std::max<std::size_t>(1, work.size()));
-  std::vector<std::thread> threads;
-  for (std::size_t t = 1; t < workers; ++t) threads.emplace_back(worker);
-  worker();
-  for (auto& t : threads) t.join();
+  RunWorkers(WorkerCount(options.threads, work.size()), [&](std::size_t) { worker(); });
   RS_RETURN_IF_ERROR(first_error);
   return report;
 }

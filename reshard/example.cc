@@ -3,11 +3,11 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "core/thread_pool.h"
 #include "formats/checkpoint_writer.h"
 #include "reshard/example.h"
 #include "reshard/shard_map.h"
@@ -35,8 +35,6 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   // writer serializes the HDF5 calls and compresses on its own pool. Each rank file begins its
   // shards in the order of `shards` (a worker waits for its turn after generating), so the
   // files are the same whatever the number of threads (CheckpointWriter: reproducible files).
-  const unsigned hw = std::max(1U, std::thread::hardware_concurrency());
-  const auto workers = static_cast<unsigned>(options.threads > 0 ? static_cast<unsigned>(options.threads) : hw);
   std::vector<std::size_t> file_seq(shards.size());
   {
     std::map<std::int64_t, std::size_t> per_file;
@@ -55,7 +53,7 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
     next = shards.size();  // stop handing out work
     turn.notify_all();
   };
-  auto work = [&] {
+  auto work = [&](std::size_t) {
     std::vector<std::byte> buf;
     for (std::size_t i = next++; i < shards.size(); i = next++) {
       const PlacedShard& s = shards[i];
@@ -81,10 +79,7 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
       }
     }
   };
-  std::vector<std::thread> pool;
-  for (unsigned w = 1; w < std::min<std::size_t>(workers, shards.size()); ++w) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
+  RunWorkers(WorkerCount(options.threads, shards.size()), work);
   RS_RETURN_IF_ERROR(first_error);
 
   writer->SetLayout(options.layout.ToJson());

@@ -13,7 +13,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -22,6 +21,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/file.h"
+#include "core/thread_pool.h"
 #include "formats/verify.h"
 
 namespace rs {
@@ -390,13 +390,7 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, C
       }
     }
   };
-  const std::int64_t hw = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::thread::hardware_concurrency()));
-  const auto workers = static_cast<std::size_t>(
-      std::clamp<std::int64_t>(options.threads > 0 ? options.threads : hw, 1, std::max<std::int64_t>(1, static_cast<std::int64_t>(jobs.size()))));
-  std::vector<std::thread> threads;
-  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(worker);
-  worker();
-  for (auto& t : threads) t.join();
+  RunWorkers(WorkerCount(options.threads, jobs.size()), [&](std::size_t) { worker(); });
   RS_RETURN_IF_ERROR(sched.error());
 
   ExecuteStats stats;

@@ -5,12 +5,12 @@
 #include <cstdio>
 #include <map>
 #include <sstream>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
 #include "core/arith.h"
 #include "core/check.h"
+#include "core/thread_pool.h"
 #include "reshard/source_index.h"
 
 namespace rs {
@@ -37,10 +37,7 @@ constexpr double kDenseFraction = 0.5;
 constexpr std::int64_t kSmallCopyBytes = 4 << 10;
 constexpr std::int64_t kSmallExtentBytes = 16 << 10;
 
-std::int64_t ThreadCount(int threads) {
-  if (threads > 0) return threads;
-  return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::thread::hardware_concurrency()));
-}
+std::int64_t ThreadCount(int threads) { return static_cast<std::int64_t>(WorkerCount(threads)); }
 
 }  // namespace
 

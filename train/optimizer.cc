@@ -6,7 +6,7 @@
 #include <numbers>
 
 #include "core/check.h"
-#include "train/parallel.h"
+#include "core/thread_pool.h"
 
 namespace rs::train {
 

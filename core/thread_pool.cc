@@ -1,4 +1,4 @@
-#include "formats/thread_pool.h"
+#include "core/thread_pool.h"
 
 #include <algorithm>
 #include <chrono>
@@ -79,6 +79,28 @@ void TaskGroup::Wait() {
     std::unique_lock<std::mutex> lock(state_->mu);
     state_->cv.wait_for(lock, std::chrono::milliseconds(2), [this] { return state_->pending == 0; });
   }
+}
+
+std::size_t WorkerCount(int threads, std::size_t max_useful) {
+  const std::size_t want = threads > 0 ? static_cast<std::size_t>(threads) : std::max(1u, std::thread::hardware_concurrency());
+  return std::clamp<std::size_t>(want, 1, std::max<std::size_t>(1, max_useful));
+}
+
+void RunWorkers(std::size_t workers, const std::function<void(std::size_t)>& work) {
+  if (workers <= 1) {
+    work(0);
+    return;
+  }
+  ThreadPool pool(workers - 1);
+  TaskGroup group(&pool);
+  for (std::size_t w = 1; w < workers; ++w) group.Run([&work, w] { work(w); });
+  work(0);
+  group.Wait();
+}
+
+ThreadPool& SharedPool() {
+  static ThreadPool pool(0);
+  return pool;
 }
 
 }  // namespace rs
