@@ -90,10 +90,10 @@ std::string Arg(int argc, char** argv, const std::string& name, const std::strin
 struct Row {
   std::string what;
   double seconds = 0;
-  double bytes = 0;       // logical bytes moved
-  double baseline = 0;    // GiB/s of the baseline it is compared with (0 = none)
+  double bytes = 0;     // logical bytes moved
+  double baseline = 0;  // GiB/s of the baseline it is compared with (0 = none)
   std::string note;
-  double cpu = 0;         // CPU seconds (user + system, all threads), least of the runs; 0 = not ours
+  double cpu = 0;  // CPU seconds (user + system, all threads), least of the runs; 0 = not ours
 };
 
 // User + system CPU seconds of this process so far, all threads.
@@ -142,9 +142,10 @@ int main(int argc, char** argv) {
   }
   const std::int64_t tensor_bytes = rows * cols * 2;
   const double logical = static_cast<double>(tensor_bytes * num_tensors);
-  std::printf("checkpoint: %lld tensors [%lld, %lld] bf16 over %lld ranks = %.2f GiB; threads %d; format version %lld\n",
-              static_cast<long long>(num_tensors), static_cast<long long>(rows), static_cast<long long>(cols),
-              static_cast<long long>(ranks), logical / kGiB, threads, static_cast<long long>(format_version));
+  std::printf(
+      "checkpoint: %lld tensors [%lld, %lld] bf16 over %lld ranks = %.2f GiB; threads %d; format version %lld\n",
+      static_cast<long long>(num_tensors), static_cast<long long>(rows), static_cast<long long>(cols),
+      static_cast<long long>(ranks), logical / kGiB, threads, static_cast<long long>(format_version));
 
   std::vector<std::uint16_t> table(4096);
   {
@@ -292,12 +293,12 @@ int main(int argc, char** argv) {
       if (failed) return std::fprintf(stderr, "reading %s in windows failed\n", dir.c_str()), 1;
       char cache_note[96] = "";
       if (policy == rs::ChecksumPolicy::kVerify && format_version >= 2) {
-        std::snprintf(cache_note, sizeof(cache_note), "edge blocks: %lld cached, %lld read", static_cast<long long>(hits),
-                      static_cast<long long>(misses));
+        std::snprintf(cache_note, sizeof(cache_note), "edge blocks: %lld cached, %lld read",
+                      static_cast<long long>(hits), static_cast<long long>(misses));
       }
-      rows_out.push_back({std::string("read windows ") + codec +
-                              (policy == rs::ChecksumPolicy::kVerify ? " +checksums" : ""),
-                          read_s, logical, cat_rate, cache_note, last_cpu});
+      rows_out.push_back(
+          {std::string("read windows ") + codec + (policy == rs::ChecksumPolicy::kVerify ? " +checksums" : ""), read_s,
+           logical, cat_rate, cache_note, last_cpu});
     }
     bool sound = true;
     const double verify_s = best([&] {
@@ -322,7 +323,8 @@ int main(int argc, char** argv) {
     if (r.cpu > 0) std::snprintf(cpu, sizeof(cpu), "%.2f", r.cpu);
     std::printf("%-34s %9.2f %9.2f %12s %8s  %s\n", r.what.c_str(), r.seconds, rate, ratio, cpu, r.note.c_str());
   }
-  std::printf("(GiB/s of logical, uncompressed bytes; write baseline: cp -r + fsync; read / verify baseline: cat;\n"
-              " CPU s: user + system seconds of the least CPU-hungry run)\n");
+  std::printf(
+      "(GiB/s of logical, uncompressed bytes; write baseline: cp -r + fsync; read / verify baseline: cat;\n"
+      " CPU s: user + system seconds of the least CPU-hungry run)\n");
   return 0;
 }

@@ -136,12 +136,18 @@ int main(int argc, char** argv) {
   std::string cli = (fs::path(argv[0]).parent_path() / ".." / "cli" / "reshard").string();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a.rfind("--size-gib=", 0) == 0) size_gib = std::atof(a.c_str() + 11);
-    else if (a.rfind("--dir=", 0) == 0) base = a.substr(6);
-    else if (a.rfind("--threads=", 0) == 0) threads = a.substr(10);
-    else if (a.rfind("--budget=", 0) == 0) budget = a.substr(9);
-    else if (a.rfind("--cli=", 0) == 0) cli = a.substr(6);
-    else if (a.rfind("--format-version=", 0) == 0) g_format_version = std::atoll(a.c_str() + 17);
+    if (a.rfind("--size-gib=", 0) == 0)
+      size_gib = std::atof(a.c_str() + 11);
+    else if (a.rfind("--dir=", 0) == 0)
+      base = a.substr(6);
+    else if (a.rfind("--threads=", 0) == 0)
+      threads = a.substr(10);
+    else if (a.rfind("--budget=", 0) == 0)
+      budget = a.substr(9);
+    else if (a.rfind("--cli=", 0) == 0)
+      cli = a.substr(6);
+    else if (a.rfind("--format-version=", 0) == 0)
+      g_format_version = std::atoll(a.c_str() + 17);
     else {
       std::fprintf(stderr, "unknown argument %s (see the top of bench/convert.cc)\n", a.c_str());
       return 2;
@@ -163,7 +169,8 @@ int main(int argc, char** argv) {
     const char* label;
   };
   std::vector<std::pair<std::string, Run>> runs;
-  for (const Target& t : {Target{"tp=2,ep=8,fsdp=2", "convert -> tp=2,ep=8,fsdp=2"}, Target{"tp=1", "convert -> tp=1 (unsharded)"}}) {
+  for (const Target& t :
+       {Target{"tp=2,ep=8,fsdp=2", "convert -> tp=2,ep=8,fsdp=2"}, Target{"tp=1", "convert -> tp=1 (unsharded)"}}) {
     for (const bool verify : {true, false}) {
       const std::string dst = root + "/dst";
       TimeShell("sync");
@@ -191,7 +198,8 @@ int main(int argc, char** argv) {
     }
     const std::string dst = root + "/dst";
     TimeShell("sync");
-    const Run r = RunChild({cli, "convert", dir, "--to", "tp=1", "-o", dst, "--threads", threads, "--memory-budget", budget});
+    const Run r =
+        RunChild({cli, "convert", dir, "--to", "tp=1", "-o", dst, "--threads", threads, "--memory-budget", budget});
     std::printf("  %.2f GiB checkpoint: peak RSS %.0f MiB, %.2f s\n", static_cast<double>(DirBytes(dir)) / kGiB,
                 r.max_rss_mib, r.seconds);
     fs::remove_all(dst);

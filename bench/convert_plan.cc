@@ -42,11 +42,16 @@ int main(int argc, char** argv) {
   std::string to_form = "flat";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a.rfind("--layers=", 0) == 0) layers = std::atoi(a.c_str() + 9);
-    else if (a.rfind("--from=", 0) == 0) from = a.substr(7);
-    else if (a.rfind("--to=", 0) == 0) to = a.substr(5);
-    else if (a.rfind("--from-form=", 0) == 0) from_form = a.substr(12);
-    else if (a.rfind("--to-form=", 0) == 0) to_form = a.substr(10);
+    if (a.rfind("--layers=", 0) == 0)
+      layers = std::atoi(a.c_str() + 9);
+    else if (a.rfind("--from=", 0) == 0)
+      from = a.substr(7);
+    else if (a.rfind("--to=", 0) == 0)
+      to = a.substr(5);
+    else if (a.rfind("--from-form=", 0) == 0)
+      from_form = a.substr(12);
+    else if (a.rfind("--to-form=", 0) == 0)
+      to_form = a.substr(10);
     else {
       std::fprintf(stderr, "unknown argument %s (see the top of bench/convert_plan.cc)\n", a.c_str());
       return 2;

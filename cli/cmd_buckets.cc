@@ -161,60 +161,58 @@ nlohmann::json TotalsJson(const BucketPlan& p) {
 
 void PrintTotals(const BucketPlan& p) {
   Print("%-6s %-8s %6zu buckets  padding %12s (%9s)  all-gather/rank/step %12s  largest bucket %12s\n",
-              std::string(BucketPolicyName(p.options.policy)).c_str(),
-              std::string(ShardGranularityName(p.options.granularity)).c_str(), p.buckets.size(),
-              HumanBytes(p.padding_bytes()).c_str(), Pct(p.padding_fraction()).c_str(),
-              HumanBytes(p.allgather_bytes_per_rank()).c_str(), HumanBytes(p.largest_bucket_bytes()).c_str());
+        std::string(BucketPolicyName(p.options.policy)).c_str(),
+        std::string(ShardGranularityName(p.options.granularity)).c_str(), p.buckets.size(),
+        HumanBytes(p.padding_bytes()).c_str(), Pct(p.padding_fraction()).c_str(),
+        HumanBytes(p.allgather_bytes_per_rank()).c_str(), HumanBytes(p.largest_bucket_bytes()).c_str());
 }
 
 // What merging units cost and bought: the same plan with one bucket per unit, side by side.
 void PrintMergeCost(const BucketPlan& merged, const BucketPlan& apart) {
   Print("merging units: %zu of %zu buckets hold several units; padding %s -> %s, largest bucket %s -> %s\n",
-              merged.merged_buckets(), merged.buckets.size(), Pct(apart.padding_fraction()).c_str(),
-              Pct(merged.padding_fraction()).c_str(), HumanBytes(apart.largest_bucket_bytes()).c_str(),
-              HumanBytes(merged.largest_bucket_bytes()).c_str());
+        merged.merged_buckets(), merged.buckets.size(), Pct(apart.padding_fraction()).c_str(),
+        Pct(merged.padding_fraction()).c_str(), HumanBytes(apart.largest_bucket_bytes()).c_str(),
+        HumanBytes(merged.largest_bucket_bytes()).c_str());
 }
 
 void PrintPlan(const BucketsArgs& a, const BucketPlan& p) {
   Print("model %s, %zu parameters, %s; dp %lld, policy %s, granularity %s%s\n", a.model.c_str(), p.params.size(),
-              HumanBytes(p.param_bytes()).c_str(), static_cast<long long>(p.options.dp),
-              std::string(BucketPolicyName(p.options.policy)).c_str(),
-              std::string(ShardGranularityName(p.options.granularity)).c_str(),
-              p.options.merge_units ? ", units merged" : "");
+        HumanBytes(p.param_bytes()).c_str(), static_cast<long long>(p.options.dp),
+        std::string(BucketPolicyName(p.options.policy)).c_str(),
+        std::string(ShardGranularityName(p.options.granularity)).c_str(),
+        p.options.merge_units ? ", units merged" : "");
   if (!a.summary) {
-    Print("\n%6s  %-12s %-10s %7s %14s %12s %12s %9s\n", "bucket", "kind", "units", "members", "csf", "size",
-                "padding", "pad %");
+    Print("\n%6s  %-12s %-10s %7s %14s %12s %12s %9s\n", "bucket", "kind", "units", "members", "csf", "size", "padding",
+          "pad %");
     for (std::size_t i = 0; i < p.buckets.size(); ++i) {
       const Bucket& b = p.buckets[i];
       const std::string kind =
           std::string(DTypeName(b.dtype)) + (b.expert ? " expert" : " shared") + (b.requires_grad ? "" : " frozen");
       Print("%6zu  %-12s %-10s %7zu %14lld %12s %12s %9s\n", i, kind.c_str(), UnitsText(b.units).c_str(),
-                  b.members.size(), static_cast<long long>(b.csf), HumanBytes(b.size_bytes()).c_str(),
-                  HumanBytes(b.padding_bytes()).c_str(), Pct(b.padding_fraction()).c_str());
+            b.members.size(), static_cast<long long>(b.csf), HumanBytes(b.size_bytes()).c_str(),
+            HumanBytes(b.padding_bytes()).c_str(), Pct(b.padding_fraction()).c_str());
       for (const auto& m : b.members) {
         Print("          %14lld  %s %s\n", static_cast<long long>(m.offset), p.params[m.param].name.c_str(),
-                    ShapeToString(p.params[m.param].shape).c_str());
+              ShapeToString(p.params[m.param].shape).c_str());
       }
     }
     Print("\n");
   }
   Print("parameters %s, buckets %s, padding %s = %s of the buckets\n", HumanBytes(p.param_bytes()).c_str(),
-              HumanBytes(p.total_bytes()).c_str(), HumanBytes(p.padding_bytes()).c_str(),
-              Pct(p.padding_fraction()).c_str());
+        HumanBytes(p.total_bytes()).c_str(), HumanBytes(p.padding_bytes()).c_str(), Pct(p.padding_fraction()).c_str());
   Print("all-gather per step: %s received per rank, %s over the group; largest bucket %s\n",
-              HumanBytes(p.allgather_bytes_per_rank()).c_str(),
-              HumanBytes(p.allgather_bytes_per_rank() * p.options.dp).c_str(),
-              HumanBytes(p.largest_bucket_bytes()).c_str());
+        HumanBytes(p.allgather_bytes_per_rank()).c_str(),
+        HumanBytes(p.allgather_bytes_per_rank() * p.options.dp).c_str(), HumanBytes(p.largest_bucket_bytes()).c_str());
 }
 
 void PrintRank(const BucketPlan& p, std::int64_t rank) {
   Print("\nrank %lld holds (parameter: flat item range, bucket, offset in the rank's shard):\n",
-              static_cast<long long>(rank));
+        static_cast<long long>(rank));
   for (const RankSlice& s : p.RankSlices(rank)) {
     const Bucket& b = p.buckets[s.bucket];
     Print("  %s: [%lld, %lld) bucket %zu @%lld\n", p.params[s.param].name.c_str(),
-                static_cast<long long>(s.items.begin), static_cast<long long>(s.items.end), s.bucket,
-                static_cast<long long>(s.bucket_offset - rank * b.shard_items));
+          static_cast<long long>(s.items.begin), static_cast<long long>(s.items.end), s.bucket,
+          static_cast<long long>(s.bucket_offset - rank * b.shard_items));
   }
 }
 
@@ -257,7 +255,7 @@ void RunBuckets(const BucketsArgs& a) {
     nlohmann::json all = nlohmann::json::array();
     if (!a.json) {
       Print("%s dp %lld ep %lld%s\n", a.model.c_str(), static_cast<long long>(a.dp), static_cast<long long>(a.ep),
-                  a.merge_units ? ", units merged" : ", one bucket per unit");
+            a.merge_units ? ", units merged" : ", one bucket per unit");
     }
     for (const auto g : {ShardGranularity::kMatrix, ShardGranularity::kElement}) {
       for (const auto p : {BucketPolicy::kLcm, BucketPolicy::kSplit, BucketPolicy::kBest}) {

@@ -104,16 +104,15 @@ Result<ExecuteStats> WriteShare(Setup& s, CheckpointWriter& writer, const std::v
 
 void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, double seconds, std::int64_t processes) {
   const RankCost total = s.plan.Total();
-  for (const std::string& c : s.plan.converted) PrintErr( "dtype conversion: %s\n", c.c_str());
+  for (const std::string& c : s.plan.converted) PrintErr("dtype conversion: %s\n", c.c_str());
   PrintErr(
-               "converted %s -> %s (%s): %lld shards, %s written in %.2f s (%.1f MiB/s), %s read "
-               "(amplification %.3f), peak buffer %s of budget %s, %lld process%s\n",
-               a.src.c_str(), a.out.c_str(), s.plan.target.ToString().c_str(), static_cast<long long>(total.shards),
-               HumanBytes(total.bytes_written).c_str(), seconds,
-               seconds > 0 ? static_cast<double>(total.bytes_written) / 1048576.0 / seconds : 0.0,
-               HumanBytes(total.bytes_read).c_str(), s.plan.ReadAmplification(), HumanBytes(stats.peak_reserved).c_str(),
-               HumanBytes(s.plan.options.memory_budget).c_str(), static_cast<long long>(processes),
-               processes == 1 ? "" : "es");
+      "converted %s -> %s (%s): %lld shards, %s written in %.2f s (%.1f MiB/s), %s read "
+      "(amplification %.3f), peak buffer %s of budget %s, %lld process%s\n",
+      a.src.c_str(), a.out.c_str(), s.plan.target.ToString().c_str(), static_cast<long long>(total.shards),
+      HumanBytes(total.bytes_written).c_str(), seconds,
+      seconds > 0 ? static_cast<double>(total.bytes_written) / 1048576.0 / seconds : 0.0,
+      HumanBytes(total.bytes_read).c_str(), s.plan.ReadAmplification(), HumanBytes(stats.peak_reserved).c_str(),
+      HumanBytes(s.plan.options.memory_budget).c_str(), static_cast<long long>(processes), processes == 1 ? "" : "es");
 }
 
 void RunConvert(const ConvertArgs& a) {
@@ -128,9 +127,10 @@ void RunConvert(const ConvertArgs& a) {
   const bool dcp = IsDcpSource(a.src);
   const std::int64_t version = setup->source->manifest().version;
   if (world.rank() == 0 && !dcp && version < 2 && !a.no_verify && !a.verify_source) {
-    PrintErr("note: %s is format version %lld: its checksums cover whole shards, so a shard read only in part is "
-             "read once more in full to check it (format version 2 checks every block as it is read)\n",
-             a.src.c_str(), static_cast<long long>(version));
+    PrintErr(
+        "note: %s is format version %lld: its checksums cover whole shards, so a shard read only in part is "
+        "read once more in full to check it (format version 2 checks every block as it is read)\n",
+        a.src.c_str(), static_cast<long long>(version));
   }
   if (a.verify_source) {
     // Up front, by one process: every byte of every source file, as `reshard verify` checks it.
@@ -146,8 +146,8 @@ void RunConvert(const ConvertArgs& a) {
     }
     if (!world.AllOk(sound.ok())) Fail("convert", sound.ok() ? DataLoss(a.src + ": the source is not sound") : sound);
   }
-  const std::vector<std::int64_t> owner = world.active() ? AssignRanks(setup->plan, world.size())
-                                                         : std::vector<std::int64_t>{};
+  const std::vector<std::int64_t> owner =
+      world.active() ? AssignRanks(setup->plan, world.size()) : std::vector<std::int64_t>{};
   ExecuteStats stats;
   const Status st = dist::WriteCheckpointTogether(world.comm(), a.out, setup->writer, [&](CheckpointWriter& writer) {
     auto s = WriteShare(*setup, writer, owner, world.rank(), /*show_progress=*/world.rank() == 0);
@@ -170,22 +170,28 @@ void RegisterConvert(CLI::App& app) {
       ->required();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
-  cmd->add_option("--memory-budget", a->memory_budget, "Bytes of shard buffers in flight, e.g. 256MiB")->capture_default_str();
-  cmd->add_option("--max-shard-size", a->max_shard_size, "Store larger target pieces as several shards (default: one shard per piece)");
+  cmd->add_option("--memory-budget", a->memory_budget, "Bytes of shard buffers in flight, e.g. 256MiB")
+      ->capture_default_str();
+  cmd->add_option("--max-shard-size", a->max_shard_size,
+                  "Store larger target pieces as several shards (default: one shard per piece)");
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--codec", a->codec, "Target codec: none, zstd or zstd:LEVEL")->capture_default_str();
-  cmd->add_option("--param-dtype", a->param_dtype, "Convert parameters (not optimizer states) to this dtype, e.g. bf16");
+  cmd->add_option("--param-dtype", a->param_dtype,
+                  "Convert parameters (not optimizer states) to this dtype, e.g. bf16");
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of the target layout");
-  cmd->add_flag("--verify-source", a->verify_source,
-                "First verify the whole source as `reshard verify` does (every byte of every file); refuse it if unsound");
+  cmd->add_flag(
+      "--verify-source", a->verify_source,
+      "First verify the whole source as `reshard verify` does (every byte of every file); refuse it if unsound");
   cmd->add_flag("--no-verify", a->no_verify,
                 "Do not check source bytes against their checksums while reading (for a source verified just before; "
                 "saves the extra pass a format-version-1 source needs; DCP: the CRC-32 of each record)");
   cmd->get_option("--no-verify")->excludes("--verify-source");
-  cmd->add_option("--format-version", a->format_version, "Checkpoint format version to write: 2, or 1 for older readers")
+  cmd->add_option("--format-version", a->format_version,
+                  "Checkpoint format version to write: 2, or 1 for older readers")
       ->check(CLI::Range(1, 2))
       ->capture_default_str();
-  cmd->add_option("--block-size", a->block_size, "Checksum block of uncompressed shards (format version 2), default 256KiB");
+  cmd->add_option("--block-size", a->block_size,
+                  "Checksum block of uncompressed shards (format version 2), default 256KiB");
   cmd->add_option("--model", a->model,
                   "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");
   cmd->callback([a] { RunConvert(*a); });

@@ -1,5 +1,5 @@
-// `reshard diff A B [--json] [--tolerance T] [--role R]`: compares the logical content of two checkpoints whatever their
-// layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
+// `reshard diff A B [--json] [--tolerance T] [--role R]`: compares the logical content of two checkpoints whatever
+// their layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
 //
 // Both checkpoints must be sound: every byte compared is checked against its checksum as it is
 // read, and the rest of each checkpoint (structure, coverage, replicas, and for format version 2
@@ -7,7 +7,6 @@
 // reading the compared bytes twice. So diff never calls a checkpoint that verify rejects
 // identical to anything (unless --skip-checksums).
 #include <cstdio>
-
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -67,14 +66,16 @@ void RunDiff(const DiffArgs& args) {
   o.threads = args.threads;
   if (!args.role.empty()) {
     bool known = false;
-    for (TensorRole r : {TensorRole::kParameter, TensorRole::kOptimizerState, TensorRole::kScalar, TensorRole::kBuffer}) {
+    for (TensorRole r :
+         {TensorRole::kParameter, TensorRole::kOptimizerState, TensorRole::kScalar, TensorRole::kBuffer}) {
       if (TensorRoleName(r) == args.role) {
         o.role = r;
         known = true;
       }
     }
     if (!known) {
-      Fail("diff", InvalidArgument("--role '" + args.role + "': expected parameter, optimizer_state, scalar or buffer"));
+      Fail("diff",
+           InvalidArgument("--role '" + args.role + "': expected parameter, optimizer_state, scalar or buffer"));
     }
   }
   auto report = DiffCheckpoints(**a, **b, o);
@@ -110,11 +111,11 @@ void RegisterDiff(CLI::App& app) {
   cmd->add_option("--tolerance", a->tolerance,
                   "Values differing by at most this much (absolute) count as equal; exit 0 if all do")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--role", a->role,
-                  "Compare only tensors of this role: parameter, optimizer_state, scalar or buffer");
+  cmd->add_option("--role", a->role, "Compare only tensors of this role: parameter, optimizer_state, scalar or buffer");
   cmd->add_flag("--skip-checksums", a->skip_checksums,
                 "Compare only: do not check checksums or soundness (may call an unsound checkpoint identical)");
-  cmd->add_option("--model", a->model, "PyTorch DCP sides: the model (preset or JSON file), to name and check their tensors");
+  cmd->add_option("--model", a->model,
+                  "PyTorch DCP sides: the model (preset or JSON file), to name and check their tensors");
   cmd->callback([a] { RunDiff(*a); });
 }
 

@@ -46,8 +46,8 @@ void RunExample(const ExampleArgs& a) {
   }
   o.threads = a.threads;
   if (Status s = WriteExampleCheckpoint(o, a.out); !s.ok()) Fail("example", s);
-  PrintErr( "wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(),
-               layout->ToString().c_str(), static_cast<long long>(o.layout.num_ranks()));
+  PrintErr("wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(), layout->ToString().c_str(),
+           static_cast<long long>(o.layout.num_ranks()));
 }
 
 }  // namespace
@@ -63,10 +63,12 @@ void RegisterExample(CLI::App& app) {
   cmd->add_option("--seed", a->seed, "Values depend only on the model and this seed")->capture_default_str();
   cmd->add_option("--codec", a->codec, "none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of each shard");
-  cmd->add_option("--format-version", a->format_version, "Checkpoint format version to write: 2, or 1 for older readers")
+  cmd->add_option("--format-version", a->format_version,
+                  "Checkpoint format version to write: 2, or 1 for older readers")
       ->check(CLI::Range(1, 2))
       ->capture_default_str();
-  cmd->add_option("--block-size", a->block_size, "Checksum block of uncompressed shards (format version 2), default 256KiB");
+  cmd->add_option("--block-size", a->block_size,
+                  "Checksum block of uncompressed shards (format version 2), default 256KiB");
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
   cmd->callback([a] { RunExample(*a); });

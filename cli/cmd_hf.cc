@@ -5,7 +5,6 @@
 #include <cinttypes>
 #include <cstdio>
 #include <memory>
-
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -23,7 +22,8 @@ double Seconds(std::chrono::steady_clock::time_point start) {
 }
 
 Status CheckFormat(const std::string& format) {
-  if (format != "hf") return InvalidArgument("--format '" + format + "': only 'hf' (Hugging Face safetensors) is supported");
+  if (format != "hf")
+    return InvalidArgument("--format '" + format + "': only 'hf' (Hugging Face safetensors) is supported");
   return Status::Ok();
 }
 
@@ -53,11 +53,11 @@ void RunExport(const ExportArgs& a) {
   o.reader.checksums = a.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
   auto r = ExportHf(a.ckpt, a.out, o);
   if (!r.ok()) Fail("export", r.status());
-  std::fprintf(stderr,
-               "exported %s -> %s (Mixtral, %s): %" PRId64 " tensors in %" PRId64 " file%s, %s, peak buffer %s, %.2f s\n",
-               a.ckpt.c_str(), a.out.c_str(), std::string(DTypeName(r->dtype)).c_str(), r->tensors, r->files,
-               r->files == 1 ? "" : "s", HumanBytes(r->total_bytes).c_str(), HumanBytes(r->peak_buffer).c_str(),
-               Seconds(start));
+  std::fprintf(
+      stderr,
+      "exported %s -> %s (Mixtral, %s): %" PRId64 " tensors in %" PRId64 " file%s, %s, peak buffer %s, %.2f s\n",
+      a.ckpt.c_str(), a.out.c_str(), std::string(DTypeName(r->dtype)).c_str(), r->tensors, r->files,
+      r->files == 1 ? "" : "s", HumanBytes(r->total_bytes).c_str(), HumanBytes(r->peak_buffer).c_str(), Seconds(start));
 }
 
 struct ImportArgs {
@@ -130,10 +130,12 @@ void RunImport(const ImportArgs& a) {
 
 void RegisterExport(CLI::App& app) {
   auto a = std::make_shared<ExportArgs>();
-  auto* cmd = app.add_subcommand("export", "Export a checkpoint's parameters as a Hugging Face model (Mixtral, safetensors)");
+  auto* cmd =
+      app.add_subcommand("export", "Export a checkpoint's parameters as a Hugging Face model (Mixtral, safetensors)");
   cmd->add_option("ckpt", a->ckpt, "Source checkpoint directory (opened read-only)")->required();
   cmd->add_option("--format", a->format, "Output format: hf")->required();
-  cmd->add_option("-o,--output", a->out, "Output directory (must not exist; appears complete or not at all)")->required();
+  cmd->add_option("-o,--output", a->out, "Output directory (must not exist; appears complete or not at all)")
+      ->required();
   cmd->add_option("--max-shard-size", a->max_shard_size, "Start a new safetensors file before passing this size")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "Stored dtype: f32, bf16 or f16 (default: the parameters' dtype)");
@@ -147,10 +149,12 @@ void RegisterImport(CLI::App& app) {
   auto* cmd = app.add_subcommand("import", "Import a Hugging Face model (safetensors) as a checkpoint at any layout");
   cmd->add_option("dir", a->dir, "Hugging Face model directory (config.json and safetensors files)")->required();
   cmd->add_option("--format", a->format, "Input format: hf")->required();
-  cmd->add_option("--layout", a->layout, "Target layout, e.g. tp=2,ep=2 [,fsdp_form=flat][,vocab_multiple=N]")->required();
+  cmd->add_option("--layout", a->layout, "Target layout, e.g. tp=2,ep=2 [,fsdp_form=flat][,vocab_multiple=N]")
+      ->required();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
-  cmd->add_option("--memory-budget", a->memory_budget, "Bytes of buffers held at once, e.g. 256MiB")->capture_default_str();
+  cmd->add_option("--memory-budget", a->memory_budget, "Bytes of buffers held at once, e.g. 256MiB")
+      ->capture_default_str();
   cmd->add_option("--param-dtype", a->param_dtype, "Parameter dtype (default: the safetensors files' dtype)");
   cmd->add_option("--codec", a->codec, "Codec: none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_option("--data", a->data, "Data file recorded for `train --resume` (default: the training default corpus)");

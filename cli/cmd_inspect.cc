@@ -2,9 +2,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "cli/commands.h"
 #include "cli/source_args.h"
@@ -41,9 +40,14 @@ std::string PieceText(const Piece& p) {
 }
 
 nlohmann::json ShardJson(const ShardEntry& s) {
-  nlohmann::json j = {{"rank", s.rank},         {"offset", s.piece.box.offset}, {"shape", s.piece.box.shape},
-                      {"file", s.file},         {"dataset", s.dataset},         {"nbytes", s.nbytes},
-                      {"codec", CodecName(s.codec)}, {"replica", s.replica == ReplicaKind::kReplica}};
+  nlohmann::json j = {{"rank", s.rank},
+                      {"offset", s.piece.box.offset},
+                      {"shape", s.piece.box.shape},
+                      {"file", s.file},
+                      {"dataset", s.dataset},
+                      {"nbytes", s.nbytes},
+                      {"codec", CodecName(s.codec)},
+                      {"replica", s.replica == ReplicaKind::kReplica}};
   if (s.piece.range) j["range"] = {s.piece.range->begin, s.piece.range->end};
   return j;
 }
@@ -63,8 +67,8 @@ void InspectTensor(const Manifest& m, const std::string& name, bool json) {
     return;
   }
   Print("tensor  %s\ndtype   %s\nshape   %s\nrole    %s\naxes   ", t.name.c_str(),
-              std::string(DTypeName(t.dtype)).c_str(), ShapeToString(t.shape).c_str(),
-              std::string(TensorRoleName(t.role)).c_str());
+        std::string(DTypeName(t.dtype)).c_str(), ShapeToString(t.shape).c_str(),
+        std::string(TensorRoleName(t.role)).c_str());
   for (const auto& a : t.axes) Print(" %s", a.empty() ? "-" : a.c_str());
   Print("\n");
   if (!t.components.empty()) {
@@ -77,8 +81,8 @@ void InspectTensor(const Manifest& m, const std::string& name, bool json) {
   Print("\n%6s  %-8s  %-40s  %-18s  %s\n", "rank", "copy", "box", "file", "bytes");
   for (const auto* s : shards) {
     Print("%6lld  %-8s  %-40s  %-18s  %s\n", static_cast<long long>(s->rank),
-                s->replica == ReplicaKind::kMain ? "main" : "replica", PieceText(s->piece).c_str(), s->file.c_str(),
-                HumanBytes(s->nbytes).c_str());
+          s->replica == ReplicaKind::kMain ? "main" : "replica", PieceText(s->piece).c_str(), s->file.c_str(),
+          HumanBytes(s->nbytes).c_str());
   }
 }
 
@@ -149,17 +153,17 @@ void RunInspect(const InspectOptions& o) {
     return;
   }
   Print("checkpoint  %s\nformat      %s v%lld (producer: %s)\nlayout      %s\n", o.dir.c_str(), m.format.c_str(),
-              static_cast<long long>(m.version), m.producer.c_str(), LayoutText(m.layout).c_str());
+        static_cast<long long>(m.version), m.producer.c_str(), LayoutText(m.layout).c_str());
   if (m.metadata.contains("step")) Print("step        %s\n", JsonText(m.metadata["step"], -1).c_str());
   Print("tensors     %zu (%s logical)\nshards      %zu in %zu files (%s uncompressed, %s on disk, ratio %.2fx)\n\n",
-              m.tensors.size(), HumanBytes(logical_bytes).c_str(), m.shards.size(), files.size(),
-              HumanBytes(shard_bytes).c_str(), HumanBytes(disk_bytes).c_str(), ratio);
+        m.tensors.size(), HumanBytes(logical_bytes).c_str(), m.shards.size(), files.size(),
+        HumanBytes(shard_bytes).c_str(), HumanBytes(disk_bytes).c_str(), ratio);
   Print("%-52s %-7s %-18s %-16s %7s %11s\n", "tensor", "dtype", "shape", "role", "shards", "bytes");
   for (const auto& t : m.tensors) {
     const auto& st = stats[t.name];
     Print("%-52s %-7s %-18s %-16s %7lld %11s\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
-                ShapeToString(t.shape).c_str(), std::string(TensorRoleName(t.role)).c_str(),
-                static_cast<long long>(st.shards), HumanBytes(t.nbytes()).c_str());
+          ShapeToString(t.shape).c_str(), std::string(TensorRoleName(t.role)).c_str(),
+          static_cast<long long>(st.shards), HumanBytes(t.nbytes()).c_str());
   }
 }
 
@@ -171,7 +175,8 @@ void RegisterInspect(CLI::App& app) {
   cmd->add_option("dir", opts->dir, "Checkpoint directory (ours or PyTorch DCP)")->required();
   cmd->add_flag("--json", opts->json, "Machine-readable output");
   cmd->add_option("--tensor", opts->tensor, "Show which rank holds which box of this tensor");
-  cmd->add_option("--model", opts->model, "PyTorch DCP directories: the model (preset or JSON file), to check and place the tensors");
+  cmd->add_option("--model", opts->model,
+                  "PyTorch DCP directories: the model (preset or JSON file), to check and place the tensors");
   cmd->callback([opts] { RunInspect(*opts); });
 }
 

@@ -1,7 +1,6 @@
 // `reshard plan SRC --to LAYOUT [--json]`: what a conversion would read and write – per target
 // rank, read amplification, copy operations, peak buffer – without touching any data file.
 #include <cstdio>
-
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -68,7 +67,9 @@ void RunPlan(const PlanArgs& a) {
 void RegisterPlan(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   auto* cmd = app.add_subcommand("plan", "Show what converting a checkpoint to a layout would read and write");
-  cmd->add_option("src", a->src, "Source checkpoint directory, ours or PyTorch DCP (only its manifest / .metadata is read)")->required();
+  cmd->add_option("src", a->src,
+                  "Source checkpoint directory, ours or PyTorch DCP (only its manifest / .metadata is read)")
+      ->required();
   cmd->add_option("--to", a->to, "Target layout (as for convert)")->required();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
   cmd->add_option("--memory-budget", a->memory_budget, "As for convert")->capture_default_str();

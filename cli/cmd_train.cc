@@ -88,7 +88,7 @@ void RunTrain(TrainArgs& a) {
   // message and exit code; errors of one rank in the middle of collective work abort the run.
   auto fail_all = [&](const Status& s) { Fail("train", s); };
   auto fail_one = [&](const Status& s) {
-    PrintErr( "reshard train: rank %lld: %s\n", static_cast<long long>(world.rank()), s.ToString().c_str());
+    PrintErr("reshard train: rank %lld: %s\n", static_cast<long long>(world.rank()), s.ToString().c_str());
     world.Abort(1);
   };
   if (a.threads > 0) train::SetBlasThreads(a.threads);
@@ -119,7 +119,7 @@ void RunTrain(TrainArgs& a) {
     auto t = train::ResumeFromCheckpoint(*dir, data, parallel);
     if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
     trainer = std::move(*t);
-    if (lead) PrintErr( "resumed %s at step %" PRId64 "\n", dir->c_str(), trainer->step());
+    if (lead) PrintErr("resumed %s at step %" PRId64 "\n", dir->c_str(), trainer->step());
   } else {
     auto model = LoadModelArg(a.model);
     if (!model.ok()) fail_all(model.status());
@@ -133,12 +133,12 @@ void RunTrain(TrainArgs& a) {
   }
   const ModelConfig& mc = trainer->model_config();
   if (lead) {
-    PrintErr(
-                 "model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64 " tokens; data %s (%zu bytes); "
-                 "layout %s (%" PRId64 " rank%s)\n",
-                 mc.name.c_str(), trainer->num_parameters(), trainer->train_config().batch_size, trainer->seq_len(),
-                 trainer->corpus().path.c_str(), trainer->corpus().bytes.size(), layout->ToString().c_str(),
-                 world.size(), world.size() == 1 ? "" : "s");
+    PrintErr("model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64
+             " tokens; data %s (%zu bytes); "
+             "layout %s (%" PRId64 " rank%s)\n",
+             mc.name.c_str(), trainer->num_parameters(), trainer->train_config().batch_size, trainer->seq_len(),
+             trainer->corpus().path.c_str(), trainer->corpus().bytes.size(), layout->ToString().c_str(), world.size(),
+             world.size() == 1 ? "" : "s");
   }
 
   std::ofstream log;
@@ -150,7 +150,7 @@ void RunTrain(TrainArgs& a) {
   auto save = [&] {
     const std::string dir = StepDir(a.save, trainer->step());
     if (Status s = train::SaveCheckpoint(dir, *trainer, a.with_replicas); !s.ok()) fail_all(s);
-    if (lead) PrintErr( "saved %s\n", dir.c_str());
+    if (lead) PrintErr("saved %s\n", dir.c_str());
   };
 
   if (trainer->step() >= a.steps) {
@@ -158,8 +158,7 @@ void RunTrain(TrainArgs& a) {
     // the initialisation); a resumed run already has its checkpoint.
     if (a.resume.empty() && !a.save.empty()) save();
     if (lead) {
-      PrintErr( "at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(),
-                   a.steps);
+      PrintErr("at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(), a.steps);
     }
     return;
   }
@@ -177,8 +176,8 @@ void RunTrain(TrainArgs& a) {
     tokens += r.tokens;
     const double tps = static_cast<double>(r.tokens) / r.seconds;
     if (lead) {
-      Print("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s",
-                  r.step, r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
+      Print("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s", r.step,
+            r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
       if (world.active()) Print(" | comm %s", HumanBytes(r.comm.total()).c_str());
       Print("\n");
       std::fflush(stdout);
@@ -211,11 +210,11 @@ void RunTrain(TrainArgs& a) {
     if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) save();
   }
   if (lead) {
-    PrintErr(
-                 "steps %" PRId64 "..%" PRId64 " in %.2f s (%.0f tok/s, %.0f%% in collectives, %.0f%% in the "
-                 "gradient/parameter phases); final loss %.4f (ce %.4f)\n",
-                 first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds,
-                 100.0 * collective_seconds / seconds, 100.0 * comm_seconds / seconds, r.losses.total, r.losses.ce);
+    PrintErr("steps %" PRId64 "..%" PRId64
+             " in %.2f s (%.0f tok/s, %.0f%% in collectives, %.0f%% in the "
+             "gradient/parameter phases); final loss %.4f (ce %.4f)\n",
+             first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds,
+             100.0 * collective_seconds / seconds, 100.0 * comm_seconds / seconds, r.losses.total, r.losses.ce);
   }
 }
 
@@ -252,8 +251,8 @@ void RunEval(const EvalArgs& a) {
                              {"bits_per_byte", bits}});
   } else {
     Print("%s: mean cross-entropy %.6f nats/byte (%.4f bits/byte) over %" PRId64 " windows x %" PRId64
-                " tokens of %s\n",
-                a.checkpoint.c_str(), r->mean_ce, bits, r->windows, r->seq_len, a.data.c_str());
+          " tokens of %s\n",
+          a.checkpoint.c_str(), r->mean_ce, bits, r->windows, r->seq_len, a.data.c_str());
   }
 }
 
@@ -292,8 +291,9 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--resume", a->resume, "Continue from a checkpoint (or the latest in a --save directory)");
   cmd->add_option("--log", a->log, "JSON-lines log, one object per step");
   cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
-  cmd->add_option("--layout", a->layout,
-                  "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form=flat (default) or box")
+  cmd->add_option(
+         "--layout", a->layout,
+         "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form=flat (default) or box")
       ->capture_default_str();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");

@@ -29,8 +29,10 @@ void RunVerify(const VerifyArgs& a) {
     PrintJson(j);
   } else {
     if (dcp) {
-      Print("note: PyTorch DCP keeps no checksums of its own; verify checked the CRC-32 that each torch.save archive "
-            "records for its storage bytes%s\n", a.skip_checksums ? " (skipped: --skip-checksums)" : "");
+      Print(
+          "note: PyTorch DCP keeps no checksums of its own; verify checked the CRC-32 that each torch.save archive "
+          "records for its storage bytes%s\n",
+          a.skip_checksums ? " (skipped: --skip-checksums)" : "");
     }
     Print("%s", report.ToText().c_str());
   }

@@ -1,7 +1,6 @@
 // The `reshard` program: trains, converts, verifies and inspects MoE checkpoints.
-#include <cstdio>
-
 #include <CLI/CLI.hpp>
+#include <cstdio>
 
 #include "cli/commands.h"
 

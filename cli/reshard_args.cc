@@ -21,15 +21,23 @@ Result<std::int64_t> ParseByteSize(const std::string& text) {
   if (end != number.c_str() + number.size()) return bad();
   std::string unit = text.substr(i);
   for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (unit.ends_with("IB")) unit = unit.substr(0, unit.size() - 2);
-  else if (unit.size() == 2 && unit.back() == 'B') unit = unit.substr(0, 1);
+  if (unit.ends_with("IB"))
+    unit = unit.substr(0, unit.size() - 2);
+  else if (unit.size() == 2 && unit.back() == 'B')
+    unit = unit.substr(0, 1);
   double scale = 1;
-  if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "K") scale = 1024.0;
-  else if (unit == "M") scale = 1048576.0;
-  else if (unit == "G") scale = 1073741824.0;
-  else if (unit == "T") scale = 1099511627776.0;
-  else return bad();
+  if (unit.empty() || unit == "B")
+    scale = 1;
+  else if (unit == "K")
+    scale = 1024.0;
+  else if (unit == "M")
+    scale = 1048576.0;
+  else if (unit == "G")
+    scale = 1073741824.0;
+  else if (unit == "T")
+    scale = 1099511627776.0;
+  else
+    return bad();
   const double bytes = std::floor(value * scale);
   if (!(bytes >= 1) || bytes > 4.6e18) return bad();
   return static_cast<std::int64_t>(bytes);

@@ -21,8 +21,9 @@ Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const So
     if (!args.model.empty()) {
       RS_ASSIGN_OR_RETURN(o.model, LoadModelArg(args.model));
     } else if (args.need_model) {
-      return InvalidArgument(dir + " is a PyTorch DCP checkpoint: --model PRESET|FILE.json is needed to place its tensors in "
-                                   "a layout (the model whose tensor names and shapes it holds)");
+      return InvalidArgument(dir +
+                             " is a PyTorch DCP checkpoint: --model PRESET|FILE.json is needed to place its tensors in "
+                             "a layout (the model whose tensor names and shapes it holds)");
     }
     RS_ASSIGN_OR_RETURN(auto s, DcpSource::Open(dir, o));
     return std::unique_ptr<ShardSource>(std::move(s));

@@ -18,7 +18,7 @@ struct SourceArgs {
   std::string model;  // --model PRESET|FILE.json: how a DCP source is placed in a layout
   int threads = 0;
   ChecksumPolicy checksums = ChecksumPolicy::kSkip;  // ours: shard checksums; DCP: CRC-32 of each record
-  bool need_model = false;  // plan / convert: a DCP source without --model is a usage error
+  bool need_model = false;                           // plan / convert: a DCP source without --model is a usage error
 };
 
 // Errors of CheckpointReader::Open or DcpSource::Open; InvalidArgument when --model is given

@@ -5,7 +5,6 @@
 #include <cstdarg>
 #include <cstdio>
 #include <filesystem>
-
 #include <nlohmann/json.hpp>
 
 #include "core/text.h"
@@ -16,13 +15,20 @@ namespace {
 
 const char* HintFor(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kInvalidArgument: return "check the command line (--help lists the options)";
-    case ErrorCode::kNotFound: return "check the path or name";
-    case ErrorCode::kAlreadyExists: return "choose a new output directory; existing checkpoints are never overwritten";
-    case ErrorCode::kDataLoss: return "the checkpoint is damaged; run `reshard verify` for a full report";
-    case ErrorCode::kVersionMismatch: return "use a build of reshard that reads this format version";
-    case ErrorCode::kIoError: return "check permissions and free disk space";
-    default: return nullptr;
+    case ErrorCode::kInvalidArgument:
+      return "check the command line (--help lists the options)";
+    case ErrorCode::kNotFound:
+      return "check the path or name";
+    case ErrorCode::kAlreadyExists:
+      return "choose a new output directory; existing checkpoints are never overwritten";
+    case ErrorCode::kDataLoss:
+      return "the checkpoint is damaged; run `reshard verify` for a full report";
+    case ErrorCode::kVersionMismatch:
+      return "use a build of reshard that reads this format version";
+    case ErrorCode::kIoError:
+      return "check permissions and free disk space";
+    default:
+      return nullptr;
   }
 }
 
@@ -121,8 +127,11 @@ Result<RuleSet> LoadRulesArg(const std::string& arg) {
 }
 
 Progress::Progress(std::string label, std::int64_t total)
-    : label_(std::move(label)), total_(total), enabled_(isatty(STDERR_FILENO) == 1),
-      start_(std::chrono::steady_clock::now()), last_(start_) {}
+    : label_(std::move(label)),
+      total_(total),
+      enabled_(isatty(STDERR_FILENO) == 1),
+      start_(std::chrono::steady_clock::now()),
+      last_(start_) {}
 
 Progress::~Progress() {
   if (drawn_) std::fprintf(stderr, "\n");

@@ -4,11 +4,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/commands.h"
-#include <nlohmann/json.hpp>
-
 #include "core/layout.h"
 #include "core/model.h"
 #include "core/status.h"

@@ -6,8 +6,7 @@
 namespace rs::detail {
 
 void CheckFailed(const char* expr, const char* file, int line, const std::string& msg) {
-  std::fprintf(stderr, "CHECK failed: %s at %s:%d%s%s\n", expr, file, line, msg.empty() ? "" : ": ",
-               msg.c_str());
+  std::fprintf(stderr, "CHECK failed: %s at %s:%d%s%s\n", expr, file, line, msg.empty() ? "" : ": ", msg.c_str());
   std::fflush(stderr);
   std::abort();
 }

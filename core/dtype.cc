@@ -11,36 +11,60 @@ namespace rs {
 
 std::size_t DTypeSize(DType t) {
   switch (t) {
-    case DType::kF64: return 8;
-    case DType::kF32: return 4;
-    case DType::kF16: return 2;
-    case DType::kBF16: return 2;
-    case DType::kF8E4M3: return 1;
-    case DType::kF8E5M2: return 1;
-    case DType::kI8: return 1;
-    case DType::kI16: return 2;
-    case DType::kI32: return 4;
-    case DType::kI64: return 8;
-    case DType::kU8: return 1;
-    case DType::kBool: return 1;
+    case DType::kF64:
+      return 8;
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+      return 2;
+    case DType::kBF16:
+      return 2;
+    case DType::kF8E4M3:
+      return 1;
+    case DType::kF8E5M2:
+      return 1;
+    case DType::kI8:
+      return 1;
+    case DType::kI16:
+      return 2;
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
+    case DType::kU8:
+      return 1;
+    case DType::kBool:
+      return 1;
   }
   RS_CHECK_MSG(false, "bad DType " << static_cast<int>(t));
 }
 
 std::string_view DTypeName(DType t) {
   switch (t) {
-    case DType::kF64: return "f64";
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    case DType::kF8E4M3: return "f8_e4m3";
-    case DType::kF8E5M2: return "f8_e5m2";
-    case DType::kI8: return "i8";
-    case DType::kI16: return "i16";
-    case DType::kI32: return "i32";
-    case DType::kI64: return "i64";
-    case DType::kU8: return "u8";
-    case DType::kBool: return "bool";
+    case DType::kF64:
+      return "f64";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF8E4M3:
+      return "f8_e4m3";
+    case DType::kF8E5M2:
+      return "f8_e5m2";
+    case DType::kI8:
+      return "i8";
+    case DType::kI16:
+      return "i16";
+    case DType::kI32:
+      return "i32";
+    case DType::kI64:
+      return "i64";
+    case DType::kU8:
+      return "u8";
+    case DType::kBool:
+      return "bool";
   }
   RS_CHECK_MSG(false, "bad DType " << static_cast<int>(t));
 }
@@ -65,15 +89,19 @@ std::optional<DType> ParseDType(std::string_view name) {
     DType type;
   };
   static constexpr Alias kAliases[] = {
-      {"float64", DType::kF64},        {"double", DType::kF64},         {"fp64", DType::kF64},
-      {"float32", DType::kF32},        {"float", DType::kF32},          {"fp32", DType::kF32},
-      {"float16", DType::kF16},        {"half", DType::kF16},           {"fp16", DType::kF16},
-      {"bfloat16", DType::kBF16},      {"fp8_e4m3", DType::kF8E4M3},    {"f8e4m3", DType::kF8E4M3},
+      {"float64", DType::kF64},        {"double", DType::kF64},
+      {"fp64", DType::kF64},           {"float32", DType::kF32},
+      {"float", DType::kF32},          {"fp32", DType::kF32},
+      {"float16", DType::kF16},        {"half", DType::kF16},
+      {"fp16", DType::kF16},           {"bfloat16", DType::kBF16},
+      {"fp8_e4m3", DType::kF8E4M3},    {"f8e4m3", DType::kF8E4M3},
       {"e4m3", DType::kF8E4M3},        {"float8_e4m3fn", DType::kF8E4M3},
-      {"float8_e4m3", DType::kF8E4M3}, {"fp8_e5m2", DType::kF8E5M2},    {"f8e5m2", DType::kF8E5M2},
-      {"e5m2", DType::kF8E5M2},        {"float8_e5m2", DType::kF8E5M2}, {"int8", DType::kI8},
-      {"int16", DType::kI16},          {"int32", DType::kI32},          {"int64", DType::kI64},
-      {"uint8", DType::kU8},           {"boolean", DType::kBool},
+      {"float8_e4m3", DType::kF8E4M3}, {"fp8_e5m2", DType::kF8E5M2},
+      {"f8e5m2", DType::kF8E5M2},      {"e5m2", DType::kF8E5M2},
+      {"float8_e5m2", DType::kF8E5M2}, {"int8", DType::kI8},
+      {"int16", DType::kI16},          {"int32", DType::kI32},
+      {"int64", DType::kI64},          {"uint8", DType::kU8},
+      {"boolean", DType::kBool},
   };
   for (const Alias& a : kAliases) {
     if (s == a.name) return a.type;
@@ -88,8 +116,10 @@ bool IsFloating(DType t) {
     case DType::kF16:
     case DType::kBF16:
     case DType::kF8E4M3:
-    case DType::kF8E5M2: return true;
-    default: return false;
+    case DType::kF8E5M2:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -270,23 +300,34 @@ void StoreAt(void* p, std::size_t i, T v) {
 
 float LoadAsF32(DType t, const void* src, std::size_t i) {
   switch (t) {
-    case DType::kF32: return LoadAt<float>(src, i);
-    case DType::kF16: return F16ToF32(LoadAt<std::uint16_t>(src, i));
-    case DType::kBF16: return BF16ToF32(LoadAt<std::uint16_t>(src, i));
-    case DType::kF8E4M3: return F8E4M3ToF32(LoadAt<std::uint8_t>(src, i));
-    case DType::kF8E5M2: return F8E5M2ToF32(LoadAt<std::uint8_t>(src, i));
-    default: break;
+    case DType::kF32:
+      return LoadAt<float>(src, i);
+    case DType::kF16:
+      return F16ToF32(LoadAt<std::uint16_t>(src, i));
+    case DType::kBF16:
+      return BF16ToF32(LoadAt<std::uint16_t>(src, i));
+    case DType::kF8E4M3:
+      return F8E4M3ToF32(LoadAt<std::uint8_t>(src, i));
+    case DType::kF8E5M2:
+      return F8E5M2ToF32(LoadAt<std::uint8_t>(src, i));
+    default:
+      break;
   }
   RS_CHECK_MSG(false, "not a float32-or-narrower type: " << DTypeName(t));
 }
 
 const SmallFloat* NarrowFormat(DType t) {
   switch (t) {
-    case DType::kF16: return &kF16Format;
-    case DType::kBF16: return &kBF16Format;
-    case DType::kF8E4M3: return &kE4M3Format;
-    case DType::kF8E5M2: return &kE5M2Format;
-    default: return nullptr;
+    case DType::kF16:
+      return &kF16Format;
+    case DType::kBF16:
+      return &kBF16Format;
+    case DType::kF8E4M3:
+      return &kE4M3Format;
+    case DType::kF8E5M2:
+      return &kE5M2Format;
+    default:
+      return nullptr;
   }
 }
 
@@ -338,7 +379,8 @@ void ConvertFloats(DType from, const void* src, DType to, void* dst, std::size_t
     case DType::kF8E5M2:
       for (std::size_t i = 0; i < n; ++i) StoreAt<std::uint8_t>(dst, i, F32ToF8E5M2(LoadAsF32(from, src, i)));
       return;
-    default: break;
+    default:
+      break;
   }
   RS_CHECK_MSG(false, "unreachable: " << DTypeName(to));
 }

@@ -26,9 +26,9 @@ enum class DType : std::uint8_t {
   kBool,
 };
 
-inline constexpr DType kAllDTypes[] = {DType::kF64, DType::kF32,    DType::kF16,    DType::kBF16,
-                                       DType::kF8E4M3, DType::kF8E5M2, DType::kI8,     DType::kI16,
-                                       DType::kI32, DType::kI64,    DType::kU8,     DType::kBool};
+inline constexpr DType kAllDTypes[] = {DType::kF64,    DType::kF32,    DType::kF16, DType::kBF16,
+                                       DType::kF8E4M3, DType::kF8E5M2, DType::kI8,  DType::kI16,
+                                       DType::kI32,    DType::kI64,    DType::kU8,  DType::kBool};
 
 // Bytes per element.
 std::size_t DTypeSize(DType t);

@@ -17,7 +17,6 @@
 namespace rs::fsdp_internal {
 namespace {
 
-
 std::int64_t SumItems(const std::vector<Item>& items) {
   std::int64_t n = 0;
   for (const auto& it : items) n += it.numel;

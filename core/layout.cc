@@ -2,9 +2,8 @@
 
 #include <algorithm>
 #include <charconv>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/check.h"
 
@@ -17,8 +16,8 @@ constexpr const char* kPipelineAxis = "pp";
 RuleSet Megatron() {
   RuleSet r;
   r.name = "megatron";
-  r.rules = {{"vocab", {"tp"}}, {"heads", {"tp"}}, {"kv_heads", {"tp"}}, {"mlp", {"tp"}},
-             {"exp", {"ep"}},   {"embed", {"fsdp"}}};
+  r.rules = {{"vocab", {"tp"}}, {"heads", {"tp"}}, {"kv_heads", {"tp"}},
+             {"mlp", {"tp"}},   {"exp", {"ep"}},   {"embed", {"fsdp"}}};
   return r;
 }
 
@@ -131,8 +130,8 @@ Result<Layout> Layout::Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t
   if (!pp_split.empty()) {
     const std::int64_t stages = mesh.AxisSize(kPipelineAxis);
     if (static_cast<std::int64_t>(pp_split.size()) != stages) {
-      return InvalidArgument("pp_split has " + std::to_string(pp_split.size()) + " entries for pp=" +
-                             std::to_string(stages));
+      return InvalidArgument("pp_split has " + std::to_string(pp_split.size()) +
+                             " entries for pp=" + std::to_string(stages));
     }
     std::int64_t total = 0;
     for (std::int64_t n : pp_split) {
@@ -191,7 +190,8 @@ nlohmann::json Layout::ToJson() const {
 Result<Layout> Layout::FromJson(const nlohmann::json& j) {
   if (!j.is_object()) return InvalidArgument("layout: expected a JSON object");
   for (const auto& [key, value] : j.items()) {
-    if (key != "mesh" && key != "rules" && key != "pp_split") return InvalidArgument("layout: unknown field '" + key + "'");
+    if (key != "mesh" && key != "rules" && key != "pp_split")
+      return InvalidArgument("layout: unknown field '" + key + "'");
   }
   if (!j.contains("mesh") || !j["mesh"].is_array()) return InvalidArgument("layout.mesh: expected an array");
   std::vector<MeshAxis> axes;
@@ -243,10 +243,9 @@ Status Layout::ValidatePipeline(std::int64_t num_layers) const {
   std::int64_t total = 0;
   for (std::int64_t n : pp_split_) total += n;  // Create bounded the sum
   if (static_cast<std::int64_t>(pp_split_.size()) != mesh_.AxisSize(kPipelineAxis) || total != num_layers) {
-    return InvalidArgument("pp_split of layout " + ToString() + " assigns " + std::to_string(total) +
-                           " layers to " + std::to_string(pp_split_.size()) + " stages; the model has " +
-                           std::to_string(num_layers) + " layers and pp=" +
-                           std::to_string(mesh_.AxisSize(kPipelineAxis)));
+    return InvalidArgument("pp_split of layout " + ToString() + " assigns " + std::to_string(total) + " layers to " +
+                           std::to_string(pp_split_.size()) + " stages; the model has " + std::to_string(num_layers) +
+                           " layers and pp=" + std::to_string(mesh_.AxisSize(kPipelineAxis)));
   }
   return Status::Ok();
 }
@@ -296,10 +295,14 @@ namespace {
 bool OnStage(const Layout& layout, const PipelinePlace& place, std::int64_t stage, std::int64_t num_layers) {
   const std::int64_t stages = layout.mesh().AxisSize(kPipelineAxis);
   switch (place.layer) {
-    case PipelinePlace::kAll: return true;
-    case PipelinePlace::kPre: return stage == 0;
-    case PipelinePlace::kPost: return stage == stages - 1;
-    default: break;
+    case PipelinePlace::kAll:
+      return true;
+    case PipelinePlace::kPre:
+      return stage == 0;
+    case PipelinePlace::kPost:
+      return stage == stages - 1;
+    default:
+      break;
   }
   RS_CHECK_MSG(place.layer >= 0, "bad pipeline place " << place.layer);
   return layout.StageOfLayer(place.layer, num_layers) == stage;

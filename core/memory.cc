@@ -18,8 +18,7 @@ std::int64_t MemoryLimitBytes() {
   }
   for (const int resource : {RLIMIT_AS, RLIMIT_DATA}) {
     rlimit rl{};
-    if (::getrlimit(resource, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
-        rl.rlim_cur < static_cast<rlim_t>(limit)) {
+    if (::getrlimit(resource, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < static_cast<rlim_t>(limit)) {
       limit = static_cast<std::int64_t>(rl.rlim_cur);
     }
   }

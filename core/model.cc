@@ -8,11 +8,16 @@ namespace rs {
 
 std::string_view RouterKindName(RouterKind k) {
   switch (k) {
-    case RouterKind::kTopKSoftmaxAfter: return "topk";
-    case RouterKind::kSoftmaxBefore: return "softmax_topk";
-    case RouterKind::kSigmoidBias: return "sigmoid_bias";
-    case RouterKind::kGroupLimited: return "group_limited";
-    case RouterKind::kSinkhorn: return "sinkhorn";
+    case RouterKind::kTopKSoftmaxAfter:
+      return "topk";
+    case RouterKind::kSoftmaxBefore:
+      return "softmax_topk";
+    case RouterKind::kSigmoidBias:
+      return "sigmoid_bias";
+    case RouterKind::kGroupLimited:
+      return "group_limited";
+    case RouterKind::kSinkhorn:
+      return "sinkhorn";
   }
   return "unknown";
 }
@@ -85,9 +90,9 @@ Status ModelConfig::Validate() const {
     return InvalidArgument("model '" + name + "': field '" + field + "' " + why);
   };
   constexpr std::int64_t kMaxDim = std::int64_t{1} << 24;
-  const std::pair<const char*, std::int64_t> positive[] = {
-      {"vocab_size", vocab_size}, {"d_model", d_model}, {"n_heads", n_heads},
-      {"n_kv_heads", n_kv_heads}, {"head_dim", head_dim}, {"max_seq_len", max_seq_len}};
+  const std::pair<const char*, std::int64_t> positive[] = {{"vocab_size", vocab_size}, {"d_model", d_model},
+                                                           {"n_heads", n_heads},       {"n_kv_heads", n_kv_heads},
+                                                           {"head_dim", head_dim},     {"max_seq_len", max_seq_len}};
   for (const auto& [field, v] : positive) {
     if (v < 1 || v > kMaxDim) return bad(field, "must be in [1, 2^24], got " + std::to_string(v));
   }
@@ -97,10 +102,12 @@ Status ModelConfig::Validate() const {
   }
   if (n_heads % n_kv_heads != 0) return bad("n_kv_heads", "must divide n_heads");
   if (head_dim % 2 != 0) return bad("head_dim", "must be even (rotary embedding rotates pairs)");
-  if (first_dense_layers < 0 || first_dense_layers > n_layers) return bad("first_dense_layers", "must be in [0, n_layers]");
+  if (first_dense_layers < 0 || first_dense_layers > n_layers)
+    return bad("first_dense_layers", "must be in [0, n_layers]");
   if (n_experts < 0 || n_experts > kMaxDim) return bad("n_experts", "must be >= 0");
   const bool any_dense = n_experts == 0 || first_dense_layers > 0;
-  if (any_dense && (dense_ffn < 1 || dense_ffn > kMaxDim)) return bad("dense_ffn", "must be >= 1 when a layer is dense");
+  if (any_dense && (dense_ffn < 1 || dense_ffn > kMaxDim))
+    return bad("dense_ffn", "must be >= 1 when a layer is dense");
   if (n_experts > 0 && first_dense_layers < n_layers) {
     if (top_k < 1 || top_k > n_experts) return bad("top_k", "must be in [1, n_experts]");
     if (moe_ffn < 1 || moe_ffn > kMaxDim) return bad("moe_ffn", "must be >= 1");
@@ -204,20 +211,52 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
     if (!j["preset"].is_string()) return InvalidArgument("model: field 'preset' must be a string");
     RS_ASSIGN_OR_RETURN(c, ModelPreset(j["preset"].get<std::string>()));
   }
-  std::int64_t* ints[] = {&c.vocab_size, &c.d_model, &c.n_layers, &c.n_heads, &c.n_kv_heads, &c.head_dim,
-                          &c.dense_ffn, &c.first_dense_layers, &c.n_experts, &c.top_k, &c.moe_ffn,
-                          &c.shared_ffn, &c.max_seq_len, &c.router_groups, &c.router_groups_kept,
-                          &c.full_attn_interval, &c.gdn_key_heads, &c.gdn_value_heads, &c.gdn_key_dim,
-                          &c.gdn_value_dim, &c.gdn_conv_kernel};
-  const char* int_names[] = {"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                             "dense_ffn", "first_dense_layers", "n_experts", "top_k", "moe_ffn",
-                             "shared_ffn", "max_seq_len", "router_groups", "router_groups_kept",
-                             "full_attn_interval", "gdn_key_heads", "gdn_value_heads", "gdn_key_dim",
-                             "gdn_value_dim", "gdn_conv_kernel"};
-  double* reals[] = {&c.rope_theta, &c.norm_eps, &c.router_scale, &c.bias_update_rate, &c.aux_loss_coef,
-                     &c.z_loss_coef};
-  const char* real_names[] = {"rope_theta", "norm_eps", "router_scale", "bias_update_rate", "aux_loss_coef",
-                              "z_loss_coef"};
+  std::int64_t* ints[] = {&c.vocab_size,
+                          &c.d_model,
+                          &c.n_layers,
+                          &c.n_heads,
+                          &c.n_kv_heads,
+                          &c.head_dim,
+                          &c.dense_ffn,
+                          &c.first_dense_layers,
+                          &c.n_experts,
+                          &c.top_k,
+                          &c.moe_ffn,
+                          &c.shared_ffn,
+                          &c.max_seq_len,
+                          &c.router_groups,
+                          &c.router_groups_kept,
+                          &c.full_attn_interval,
+                          &c.gdn_key_heads,
+                          &c.gdn_value_heads,
+                          &c.gdn_key_dim,
+                          &c.gdn_value_dim,
+                          &c.gdn_conv_kernel};
+  const char* int_names[] = {"vocab_size",
+                             "d_model",
+                             "n_layers",
+                             "n_heads",
+                             "n_kv_heads",
+                             "head_dim",
+                             "dense_ffn",
+                             "first_dense_layers",
+                             "n_experts",
+                             "top_k",
+                             "moe_ffn",
+                             "shared_ffn",
+                             "max_seq_len",
+                             "router_groups",
+                             "router_groups_kept",
+                             "full_attn_interval",
+                             "gdn_key_heads",
+                             "gdn_value_heads",
+                             "gdn_key_dim",
+                             "gdn_value_dim",
+                             "gdn_conv_kernel"};
+  double* reals[] = {&c.rope_theta,       &c.norm_eps,      &c.router_scale,
+                     &c.bias_update_rate, &c.aux_loss_coef, &c.z_loss_coef};
+  const char* real_names[] = {"rope_theta",       "norm_eps",      "router_scale",
+                              "bias_update_rate", "aux_loss_coef", "z_loss_coef"};
   for (const auto& [key, value] : j.items()) {
     bool known = key == "preset";
     for (std::size_t i = 0; i < std::size(int_names); ++i) {
@@ -312,8 +351,10 @@ std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
     if (c.IsGdnLayer(i)) {
       AddGatedDeltaNet(c, l, i, out);
     } else {
-      auto qkv = Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, d}, {"heads", "embed"}, i);
-      qkv.components = ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
+      auto qkv =
+          Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, d}, {"heads", "embed"}, i);
+      qkv.components =
+          ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
       out.push_back(qkv);
       out.push_back(Param(l + "attn.out.weight", p, {d, c.n_heads * c.head_dim}, {"embed", "heads"}, i));
     }

@@ -3,10 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/dtype.h"
 #include "core/status.h"
@@ -15,11 +14,11 @@
 namespace rs {
 
 enum class RouterKind : std::uint8_t {
-  kTopKSoftmaxAfter,   // "topk" (default): top-k on logits, softmax over the k chosen
-  kSoftmaxBefore,      // "softmax_topk": softmax over E, then top-k, no renormalising
-  kSigmoidBias,        // "sigmoid_bias": aux-loss-free expert bias
-  kGroupLimited,       // "group_limited": keep the best groups, then top-k
-  kSinkhorn,           // "sinkhorn"
+  kTopKSoftmaxAfter,  // "topk" (default): top-k on logits, softmax over the k chosen
+  kSoftmaxBefore,     // "softmax_topk": softmax over E, then top-k, no renormalising
+  kSigmoidBias,       // "sigmoid_bias": aux-loss-free expert bias
+  kGroupLimited,      // "group_limited": keep the best groups, then top-k
+  kSinkhorn,          // "sinkhorn"
 };
 std::string_view RouterKindName(RouterKind k);
 Result<RouterKind> ParseRouterKind(std::string_view name);
@@ -32,16 +31,16 @@ struct ModelConfig {
   std::int64_t n_heads = 4;
   std::int64_t n_kv_heads = 2;
   std::int64_t head_dim = 16;
-  std::int64_t dense_ffn = 128;        // ffn width of dense layers
-  std::int64_t first_dense_layers = 0; // the first K layers use a dense MLP (DeepSeek style)
-  std::int64_t n_experts = 4;          // 0: every layer is dense
+  std::int64_t dense_ffn = 128;         // ffn width of dense layers
+  std::int64_t first_dense_layers = 0;  // the first K layers use a dense MLP (DeepSeek style)
+  std::int64_t n_experts = 4;           // 0: every layer is dense
   std::int64_t top_k = 2;
-  std::int64_t moe_ffn = 64;           // ffn width of each routed expert
-  std::int64_t shared_ffn = 0;         // ffn width of the shared expert; 0 = none
+  std::int64_t moe_ffn = 64;    // ffn width of each routed expert
+  std::int64_t shared_ffn = 0;  // ffn width of the shared expert; 0 = none
   std::int64_t max_seq_len = 64;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
-  DType param_dtype = DType::kF32;     // storage dtype of parameters in checkpoints
+  DType param_dtype = DType::kF32;  // storage dtype of parameters in checkpoints
   // Router.
   RouterKind router = RouterKind::kTopKSoftmaxAfter;
   std::int64_t router_groups = 1;       // group_limited: number of expert groups
@@ -54,11 +53,11 @@ struct ModelConfig {
   // layer i uses full attention when (i + 1) % k == 0 and a gated-delta-net otherwise;
   // 0 (the default) means full attention everywhere.
   std::int64_t full_attn_interval = 0;
-  std::int64_t gdn_key_heads = 2;       // nk
-  std::int64_t gdn_value_heads = 4;     // nv
-  std::int64_t gdn_key_dim = 16;        // dk
-  std::int64_t gdn_value_dim = 16;      // dv
-  std::int64_t gdn_conv_kernel = 4;     // K, the causal conv1d width
+  std::int64_t gdn_key_heads = 2;    // nk
+  std::int64_t gdn_value_heads = 4;  // nv
+  std::int64_t gdn_key_dim = 16;     // dk
+  std::int64_t gdn_value_dim = 16;   // dv
+  std::int64_t gdn_conv_kernel = 4;  // K, the causal conv1d width
 
   bool IsGdnLayer(std::int64_t layer) const { return full_attn_interval > 0 && (layer + 1) % full_attn_interval != 0; }
 

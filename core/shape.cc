@@ -126,9 +126,9 @@ namespace {
 void CheckPiece(const Shape& global, const Piece& piece) {
   RS_CHECK_MSG(piece.box.Within(global), "box " << piece.box << " not within " << ShapeToString(global));
   if (piece.range) {
-    RS_CHECK_MSG(piece.range->begin >= 0 && piece.range->begin <= piece.range->end &&
-                     piece.range->end <= piece.box.numel(),
-                 "range " << *piece.range << " not within box " << piece.box);
+    RS_CHECK_MSG(
+        piece.range->begin >= 0 && piece.range->begin <= piece.range->end && piece.range->end <= piece.box.numel(),
+        "range " << *piece.range << " not within box " << piece.box);
   }
 }
 

@@ -4,18 +4,30 @@ namespace rs {
 
 std::string_view ErrorCodeName(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return "Ok";
-    case ErrorCode::kInvalidArgument: return "InvalidArgument";
-    case ErrorCode::kNotFound: return "NotFound";
-    case ErrorCode::kAlreadyExists: return "AlreadyExists";
-    case ErrorCode::kFailedPrecondition: return "FailedPrecondition";
-    case ErrorCode::kOutOfRange: return "OutOfRange";
-    case ErrorCode::kDataLoss: return "DataLoss";
-    case ErrorCode::kVersionMismatch: return "VersionMismatch";
-    case ErrorCode::kIoError: return "IoError";
-    case ErrorCode::kUnimplemented: return "Unimplemented";
-    case ErrorCode::kInternal: return "Internal";
-    case ErrorCode::kUnavailable: return "Unavailable";
+    case ErrorCode::kOk:
+      return "Ok";
+    case ErrorCode::kInvalidArgument:
+      return "InvalidArgument";
+    case ErrorCode::kNotFound:
+      return "NotFound";
+    case ErrorCode::kAlreadyExists:
+      return "AlreadyExists";
+    case ErrorCode::kFailedPrecondition:
+      return "FailedPrecondition";
+    case ErrorCode::kOutOfRange:
+      return "OutOfRange";
+    case ErrorCode::kDataLoss:
+      return "DataLoss";
+    case ErrorCode::kVersionMismatch:
+      return "VersionMismatch";
+    case ErrorCode::kIoError:
+      return "IoError";
+    case ErrorCode::kUnimplemented:
+      return "Unimplemented";
+    case ErrorCode::kInternal:
+      return "Internal";
+    case ErrorCode::kUnavailable:
+      return "Unavailable";
   }
   return "Unknown";
 }

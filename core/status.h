@@ -24,7 +24,7 @@ enum class ErrorCode : std::uint8_t {
   kIoError,             // the operating system refused (open, read, write, rename, fsync)
   kUnimplemented,
   kInternal,
-  kUnavailable,         // a peer process or the transport between processes failed
+  kUnavailable,  // a peer process or the transport between processes failed
 };
 
 std::string_view ErrorCodeName(ErrorCode code);
@@ -64,8 +64,8 @@ inline Status Unavailable(std::string m) { return {ErrorCode::kUnavailable, std:
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}            // NOLINT(google-explicit-constructor)
-  Result(Status status) : v_(std::move(status)) {}     // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
+  Result(Status status) : v_(std::move(status)) {}  // NOLINT(google-explicit-constructor)
 
   bool ok() const { return std::holds_alternative<T>(v_); }
   const Status& status() const {

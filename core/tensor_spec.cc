@@ -6,10 +6,14 @@ namespace rs {
 
 std::string_view TensorRoleName(TensorRole r) {
   switch (r) {
-    case TensorRole::kParameter: return "parameter";
-    case TensorRole::kOptimizerState: return "optimizer_state";
-    case TensorRole::kScalar: return "scalar";
-    case TensorRole::kBuffer: return "buffer";
+    case TensorRole::kParameter:
+      return "parameter";
+    case TensorRole::kOptimizerState:
+      return "optimizer_state";
+    case TensorRole::kScalar:
+      return "scalar";
+    case TensorRole::kBuffer:
+      return "buffer";
   }
   return "unknown";
 }
@@ -20,9 +24,7 @@ std::int64_t ComponentTable::total_units() const {
   return n;
 }
 
-std::string OptimizerStateName(const std::string& param, const std::string& state) {
-  return param + "/" + state;
-}
+std::string OptimizerStateName(const std::string& param, const std::string& state) { return param + "/" + state; }
 
 Status CheckOptimizerStateName(const TensorSpec& t) {
   if (t.role != TensorRole::kOptimizerState) return Status::Ok();
@@ -40,10 +42,14 @@ namespace {
 
 nlohmann::json PlaceToJson(const PipelinePlace& p) {
   switch (p.layer) {
-    case PipelinePlace::kPre: return "pre";
-    case PipelinePlace::kPost: return "post";
-    case PipelinePlace::kAll: return "all";
-    default: return p.layer;
+    case PipelinePlace::kPre:
+      return "pre";
+    case PipelinePlace::kPost:
+      return "post";
+    case PipelinePlace::kAll:
+      return "all";
+    default:
+      return p.layer;
   }
 }
 
@@ -83,12 +89,8 @@ class FieldReader {
 }  // namespace
 
 void to_json(nlohmann::json& j, const TensorSpec& t) {
-  j = nlohmann::json{{"name", t.name},
-                     {"dtype", DTypeName(t.dtype)},
-                     {"shape", t.shape},
-                     {"axes", t.axes},
-                     {"role", TensorRoleName(t.role)},
-                     {"place", PlaceToJson(t.place)},
+  j = nlohmann::json{{"name", t.name},    {"dtype", DTypeName(t.dtype)},    {"shape", t.shape},
+                     {"axes", t.axes},    {"role", TensorRoleName(t.role)}, {"place", PlaceToJson(t.place)},
                      {"expert", t.expert}};
   if (t.role == TensorRole::kOptimizerState) {
     j["param"] = t.param;
@@ -156,10 +158,14 @@ Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j) {
     const auto& p = j["place"];
     if (p.is_string()) {
       const auto s = p.get<std::string>();
-      if (s == "pre") t.place.layer = PipelinePlace::kPre;
-      else if (s == "post") t.place.layer = PipelinePlace::kPost;
-      else if (s == "all") t.place.layer = PipelinePlace::kAll;
-      else return f.Error("place", "must be a layer index or one of pre, post, all");
+      if (s == "pre")
+        t.place.layer = PipelinePlace::kPre;
+      else if (s == "post")
+        t.place.layer = PipelinePlace::kPost;
+      else if (s == "all")
+        t.place.layer = PipelinePlace::kAll;
+      else
+        return f.Error("place", "must be a layer index or one of pre, post, all");
     } else {
       RS_ASSIGN_OR_RETURN(t.place.layer, f.Int(p, "place"));
       if (t.place.layer < 0) return f.Error("place", "layer index must be >= 0");

@@ -4,10 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/dtype.h"
 #include "core/shape.h"
@@ -57,12 +56,12 @@ struct TensorSpec {
   Shape shape;
   std::vector<std::string> axes;  // one logical axis name per dim ("" = never sharded)
   TensorRole role = TensorRole::kParameter;
-  std::string param;              // kOptimizerState: the parameter it belongs to
-  std::string state;              // kOptimizerState: the state name ("exp_avg", "master", ...)
-  ComponentTable components;      // empty unless fused
+  std::string param;          // kOptimizerState: the parameter it belongs to
+  std::string state;          // kOptimizerState: the state name ("exp_avg", "master", ...)
+  ComponentTable components;  // empty unless fused
   PipelinePlace place;
-  bool expert = false;            // routed-expert weight (or a state of one)
-  std::int64_t vocab_size = 0;    // >0 for vocab-parallel tensors: the true (unpadded) vocab
+  bool expert = false;          // routed-expert weight (or a state of one)
+  std::int64_t vocab_size = 0;  // >0 for vocab-parallel tensors: the true (unpadded) vocab
 
   std::int64_t numel() const { return Numel(shape); }
   std::int64_t nbytes() const { return numel() * static_cast<std::int64_t>(DTypeSize(dtype)); }

@@ -82,7 +82,8 @@ void TaskGroup::Wait() {
 }
 
 std::size_t WorkerCount(int threads, std::size_t max_useful) {
-  const std::size_t want = threads > 0 ? static_cast<std::size_t>(threads) : std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t want =
+      threads > 0 ? static_cast<std::size_t>(threads) : std::max(1u, std::thread::hardware_concurrency());
   return std::clamp<std::size_t>(want, 1, std::max<std::size_t>(1, max_useful));
 }
 

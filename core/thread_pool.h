@@ -93,8 +93,8 @@ void ParallelChunks(std::int64_t n, std::int64_t chunk, F&& f, std::size_t max_t
   if (n <= 0) return;
   const std::int64_t chunks = CeilDiv(n, chunk);
   ThreadPool& pool = SharedPool();
-  const auto threads = static_cast<std::int64_t>(
-      std::min<std::size_t>({pool.size() + 1, static_cast<std::size_t>(chunks), std::max<std::size_t>(1, max_threads)}));
+  const auto threads = static_cast<std::int64_t>(std::min<std::size_t>(
+      {pool.size() + 1, static_cast<std::size_t>(chunks), std::max<std::size_t>(1, max_threads)}));
   auto work = [&](std::int64_t tid) {
     for (std::int64_t c = tid; c < chunks; c += threads) f(c, c * chunk, std::min(n, (c + 1) * chunk));
   };

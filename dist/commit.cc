@@ -27,8 +27,8 @@ Status WriteCheckpointTogether(Communicator& world, const std::string& dir, cons
   RS_ASSIGN_OR_RETURN(const std::int64_t failed, FirstFailedRank(world, mine.ok()));
   Status published = Status::Ok();
   if (world.rank() == 0) {
-    published = failed < 0 ? CheckpointWriter::CommitStaged(dir, txn, world.size())
-                           : CheckpointWriter::AbortStaged(dir, txn);
+    published =
+        failed < 0 ? CheckpointWriter::CommitStaged(dir, txn, world.size()) : CheckpointWriter::AbortStaged(dir, txn);
   }
   RS_ASSIGN_OR_RETURN(const std::int64_t publish_failed, FirstFailedRank(world, published.ok()));
   if (!mine.ok()) return mine;

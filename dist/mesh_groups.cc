@@ -13,9 +13,9 @@ Result<std::unique_ptr<Communicator>> MeshGroup(Communicator& world, const Mesh&
   const auto it = std::find(members.begin(), members.end(), world.rank());
   RS_CHECK(it != members.end());
   // The group's first rank identifies it: every member computes the same color.
-  return world.Split(/*color=*/members.front(), /*key=*/it - members.begin(),
-                     name + " group of rank " + std::to_string(world.rank()) + " (" + std::to_string(members.size()) +
-                         " ranks)");
+  return world.Split(
+      /*color=*/members.front(), /*key=*/it - members.begin(),
+      name + " group of rank " + std::to_string(world.rank()) + " (" + std::to_string(members.size()) + " ranks)");
 }
 
 }  // namespace rs::dist

@@ -60,7 +60,9 @@ class MpiCommunicator final : public Communicator {
     if (owned_) MPI_Comm_free(&comm_);
   }
 
-  Status AllReduce(std::span<float> data, ReduceOp op) override { return Reduce(data.data(), data.size(), MPI_FLOAT, 4, op); }
+  Status AllReduce(std::span<float> data, ReduceOp op) override {
+    return Reduce(data.data(), data.size(), MPI_FLOAT, 4, op);
+  }
   Status AllReduce(std::span<double> data, ReduceOp op) override {
     return Reduce(data.data(), data.size(), MPI_DOUBLE, 8, op);
   }
@@ -94,9 +96,9 @@ class MpiCommunicator final : public Communicator {
     const Timed timed(stats_);
     RS_CHECK(send.size() == recv.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(CountFits(send.size(), "reduce-scatter", name()));
-    RS_RETURN_IF_ERROR(Check(MPI_Reduce_scatter_block(send.data(), recv.data(), static_cast<int>(recv.size()),
-                                                      MPI_FLOAT, MPI_SUM, comm_),
-                             "reduce-scatter"));
+    RS_RETURN_IF_ERROR(Check(
+        MPI_Reduce_scatter_block(send.data(), recv.data(), static_cast<int>(recv.size()), MPI_FLOAT, MPI_SUM, comm_),
+        "reduce-scatter"));
     stats_.reduce_scatter_bytes += static_cast<std::int64_t>(recv.size() * 4) * (size() - 1);
     return Status::Ok();
   }
@@ -130,9 +132,8 @@ class MpiCommunicator final : public Communicator {
   Status Broadcast(std::span<std::byte> data, std::int64_t root) override {
     const Timed timed(stats_);
     RS_RETURN_IF_ERROR(CountFits(data.size(), "broadcast", name()));
-    RS_RETURN_IF_ERROR(
-        Check(MPI_Bcast(data.data(), static_cast<int>(data.size()), MPI_BYTE, static_cast<int>(root), comm_),
-              "broadcast"));
+    RS_RETURN_IF_ERROR(Check(
+        MPI_Bcast(data.data(), static_cast<int>(data.size()), MPI_BYTE, static_cast<int>(root), comm_), "broadcast"));
     if (rank() != root) stats_.broadcast_bytes += static_cast<std::int64_t>(data.size());
     return Status::Ok();
   }
@@ -162,15 +163,16 @@ class MpiCommunicator final : public Communicator {
     char text[MPI_MAX_ERROR_STRING] = {};
     int len = 0;
     MPI_Error_string(code, text, &len);
-    return Unavailable(std::string(op) + " on " + name() + " failed: " + std::string(text, static_cast<std::size_t>(len)));
+    return Unavailable(std::string(op) + " on " + name() +
+                       " failed: " + std::string(text, static_cast<std::size_t>(len)));
   }
 
   Status Reduce(void* data, std::size_t n, MPI_Datatype type, std::size_t esize, ReduceOp op) {
     const Timed timed(stats_);
     RS_RETURN_IF_ERROR(CountFits(n, "all-reduce", name()));
-    RS_RETURN_IF_ERROR(Check(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), type,
-                                           op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm_),
-                             "all-reduce"));
+    RS_RETURN_IF_ERROR(Check(
+        MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), type, op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm_),
+        "all-reduce"));
     stats_.allreduce_bytes += 2 * (size() - 1) * static_cast<std::int64_t>(n * esize) / size();
     return Status::Ok();
   }

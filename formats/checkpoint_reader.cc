@@ -6,8 +6,8 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/memory.h"
-#include "formats/codec.h"
 #include "core/thread_pool.h"
+#include "formats/codec.h"
 
 namespace rs {
 namespace {
@@ -39,8 +39,8 @@ Status CheckPiece(const std::string& dir, const TensorSpec& t, const Piece& piec
     inside = piece.box.offset[d] >= 0 && piece.box.shape[d] >= 0 && end && *end <= shape[d];
   }
   if (!inside) return OutOfRange(where + ": box " + BoxToString(piece.box) + " lies outside the tensor");
-  if (piece.range && (piece.range->begin < 0 || piece.range->begin > piece.range->end ||
-                      piece.range->end > Numel(piece.box.shape))) {
+  if (piece.range &&
+      (piece.range->begin < 0 || piece.range->begin > piece.range->end || piece.range->end > Numel(piece.box.shape))) {
     return OutOfRange(where + ": range lies outside the box " + BoxToString(piece.box));
   }
   return Status::Ok();
@@ -104,7 +104,8 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
   r->options_ = options;
   r->manifest_ = std::move(m);
   r->shards_of_.resize(r->manifest_.tensors.size());
-  for (std::size_t i = 0; i < r->manifest_.tensors.size(); ++i) r->tensor_index_.emplace(r->manifest_.tensors[i].name, i);
+  for (std::size_t i = 0; i < r->manifest_.tensors.size(); ++i)
+    r->tensor_index_.emplace(r->manifest_.tensors[i].name, i);
   for (std::size_t i = 0; i < r->manifest_.shards.size(); ++i) {
     r->shards_of_[r->tensor_index_.at(r->manifest_.shards[i].tensor)].push_back(i);
   }
@@ -268,9 +269,9 @@ Result<std::uint64_t> CheckpointReader::HashShard(std::size_t index) {
     f = files_.at(manifest_.shards[index].file).get();
   }
   Xxh3Stream hash;
-  RS_RETURN_IF_ERROR(f->Stream(*loc, pool_.get(), DescribeShard(index),
-                               [&hash](std::span<const std::byte> block) { hash.Update(block); },
-                               /*verify=*/loc->has_blocks()));
+  RS_RETURN_IF_ERROR(f->Stream(
+      *loc, pool_.get(), DescribeShard(index), [&hash](std::span<const std::byte> block) { hash.Update(block); },
+      /*verify=*/loc->has_blocks()));
   return hash.Digest();
 }
 
@@ -343,8 +344,8 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
     f->Prefetch(loc.offset, len);
     Xxh3Stream hash;
     for (std::int64_t pos = 0; pos < len; pos += kBlock) {
-      const std::span<std::byte> block = out.subspan(static_cast<std::size_t>(pos),
-                                                     static_cast<std::size_t>(std::min(kBlock, len - pos)));
+      const std::span<std::byte> block =
+          out.subspan(static_cast<std::size_t>(pos), static_cast<std::size_t>(std::min(kBlock, len - pos)));
       RS_RETURN_IF_ERROR(f->ReadAt(loc.offset + pos, block, DescribeShard(index)));
       hash.Update(block);
     }
@@ -414,8 +415,8 @@ Status CheckpointReader::ReadPiece(const std::string& tensor, const Piece& piece
                       " of the requested piece (" + std::to_string(iv.begin - pos) + " items)");
     }
     if (iv.begin < pos) {
-      return DataLoss(where + ": item " + LocalToCoords(shape, piece, iv.begin) + " is held by two main shards: " +
-                      DescribeShard(last_shard) + " and " + DescribeShard(iv.shard));
+      return DataLoss(where + ": item " + LocalToCoords(shape, piece, iv.begin) +
+                      " is held by two main shards: " + DescribeShard(last_shard) + " and " + DescribeShard(iv.shard));
     }
     pos = iv.end;
     last_shard = iv.shard;
@@ -435,8 +436,9 @@ Status CheckpointReader::ReadPiece(const std::string& tensor, const Piece& piece
     const bool whole = p.items == s.piece.numel();
     if (p.overlaps.size() == 1) {
       const Overlap& o = p.overlaps.front();
-      return ReadShardRange(p.shard, o.b_local * es,
-                            out.subspan(static_cast<std::size_t>(o.a_local * es), static_cast<std::size_t>(o.length * es)));
+      return ReadShardRange(
+          p.shard, o.b_local * es,
+          out.subspan(static_cast<std::size_t>(o.a_local * es), static_cast<std::size_t>(o.length * es)));
     }
     std::int64_t lo = p.overlaps.front().b_local, hi = lo;
     for (const Overlap& o : p.overlaps) {
@@ -447,16 +449,17 @@ Status CheckpointReader::ReadPiece(const std::string& tensor, const Piece& piece
     if (s.codec == Codec::kNone && !whole && (hi - lo) > 2 * p.items &&
         p.items * es / static_cast<std::int64_t>(p.overlaps.size()) >= (std::int64_t{64} << 10)) {
       for (const Overlap& o : p.overlaps) {
-        RS_RETURN_IF_ERROR(ReadShardRange(p.shard, o.b_local * es,
-                                          out.subspan(static_cast<std::size_t>(o.a_local * es),
-                                                      static_cast<std::size_t>(o.length * es))));
+        RS_RETURN_IF_ERROR(ReadShardRange(
+            p.shard, o.b_local * es,
+            out.subspan(static_cast<std::size_t>(o.a_local * es), static_cast<std::size_t>(o.length * es))));
       }
       return Status::Ok();
     }
     std::vector<std::byte> tmp(static_cast<std::size_t>((hi - lo) * es));
     RS_RETURN_IF_ERROR(ReadShardRange(p.shard, lo * es, tmp));
     for (const Overlap& o : p.overlaps) {
-      std::memcpy(out.data() + o.a_local * es, tmp.data() + (o.b_local - lo) * es, static_cast<std::size_t>(o.length * es));
+      std::memcpy(out.data() + o.a_local * es, tmp.data() + (o.b_local - lo) * es,
+                  static_cast<std::size_t>(o.length * es));
     }
     return Status::Ok();
   };
@@ -484,9 +487,9 @@ Result<std::vector<std::byte>> CheckpointReader::ReadPiece(const std::string& te
   // The shape comes from the manifest: refuse what cannot be allocated with a message rather
   // than std::bad_alloc (a piece of a sound checkpoint is also backed by its files; ReadPiece
   // checks that while reading).
-  RS_RETURN_IF_ERROR(CheckMemory(static_cast<std::int64_t>(bytes),
-                                 dir_ + ": tensor '" + tensor + "' " + ShapeToString(t->shape) + ", piece " +
-                                     BoxToString(piece.box)));
+  RS_RETURN_IF_ERROR(
+      CheckMemory(static_cast<std::int64_t>(bytes),
+                  dir_ + ": tensor '" + tensor + "' " + ShapeToString(t->shape) + ", piece " + BoxToString(piece.box)));
   std::vector<std::byte> out(bytes);
   RS_RETURN_IF_ERROR(ReadPiece(tensor, piece, out));
   return out;

@@ -13,10 +13,10 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "core/thread_pool.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/durable_file.h"
 #include "formats/shard_file.h"
-#include "core/thread_pool.h"
 
 namespace rs {
 namespace fs = std::filesystem;
@@ -30,9 +30,6 @@ std::string StripSlashes(std::string p) {
 }
 
 std::string StagingPath(const std::string& dir, const std::string& txn) { return dir + ".tmp-" + txn; }
-
-
-
 
 Status CheckTarget(const std::string& dir) {
   if (dir.empty()) return InvalidArgument("checkpoint directory is empty");
@@ -67,14 +64,13 @@ Status Publish(const std::string& staging, const std::string& dir, const Manifes
   return FsyncParentDir(dir);
 }
 
-
 Status CheckOptions(const WriterOptions& o) {
   if (o.format_version != 1 && o.format_version != 2) {
     return InvalidArgument("cannot write format version " + std::to_string(o.format_version) + " (1 or 2)");
   }
   if (o.format_version >= 2 && (o.block_bytes < kMinBlockBytes || o.block_bytes > kMaxBlockBytes)) {
-    return InvalidArgument("block size " + std::to_string(o.block_bytes) + " outside [" + std::to_string(kMinBlockBytes) +
-                           ", " + std::to_string(kMaxBlockBytes) + "]");
+    return InvalidArgument("block size " + std::to_string(o.block_bytes) + " outside [" +
+                           std::to_string(kMinBlockBytes) + ", " + std::to_string(kMaxBlockBytes) + "]");
   }
   if (o.chunk_bytes <= 0) return InvalidArgument("chunk size " + std::to_string(o.chunk_bytes) + " must be positive");
   return Status::Ok();
@@ -111,9 +107,8 @@ Status ValidatePiece(const TensorSpec& t, const Piece& p, std::size_t nbytes) {
   }
   const std::int64_t box_numel = Numel(p.box.shape);
   if (p.range && (p.range->begin < 0 || p.range->begin > p.range->end || p.range->end > box_numel)) {
-    return InvalidArgument(where + ": range [" + std::to_string(p.range->begin) + ", " +
-                           std::to_string(p.range->end) + ") lies outside the box's " + std::to_string(box_numel) +
-                           " items");
+    return InvalidArgument(where + ": range [" + std::to_string(p.range->begin) + ", " + std::to_string(p.range->end) +
+                           ") lies outside the box's " + std::to_string(box_numel) + " items");
   }
   const auto expect = static_cast<std::size_t>(p.numel()) * DTypeSize(t.dtype);
   if (nbytes != expect) {
@@ -234,7 +229,7 @@ Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
 }
 
 Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t rank, const std::string& tensor,
-                                                                 const Piece& piece, ReplicaKind replica) {
+                                                                const Piece& piece, ReplicaKind replica) {
   if (rank < 0) return InvalidArgument("negative rank " + std::to_string(rank));
   std::unique_ptr<ShardSink> sink(new ShardSink());
   sink->writer_ = this;
@@ -259,7 +254,9 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
     e.codec = e.nbytes == 0 ? Codec::kNone : options_.codec.codec;
     e.rank = rank;
     e.replica = replica;
-    nlohmann::json a = {{"tensor", tensor}, {"dtype", DTypeName(t.dtype)}, {"box_offset", piece.box.offset},
+    nlohmann::json a = {{"tensor", tensor},
+                        {"dtype", DTypeName(t.dtype)},
+                        {"box_offset", piece.box.offset},
                         {"box_shape", piece.box.shape}};
     if (piece.range) a["range"] = {piece.range->begin, piece.range->end};
     attribute = a.dump();
@@ -453,9 +450,10 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
       if (merged.FindFile(f.name) != nullptr) {
         return DataLoss(path + ": data file '" + f.name + "' is listed by two fragments");
       }
-      merged.files.insert(std::upper_bound(merged.files.begin(), merged.files.end(), f,
-                                           [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; }),
-                          std::move(f));
+      merged.files.insert(
+          std::upper_bound(merged.files.begin(), merged.files.end(), f,
+                           [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; }),
+          std::move(f));
     }
     if (!part.layout.is_null()) {
       if (merged.layout.is_null()) merged.layout = part.layout;

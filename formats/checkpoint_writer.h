@@ -16,11 +16,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <span>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/shape.h"
 #include "core/status.h"
@@ -60,8 +59,8 @@ class ShardSink {
 };
 
 struct WriterOptions {
-  CodecSpec codec;                              // for every shard (empty shards are stored raw)
-  int threads = 0;                              // compression workers; 0 = hardware concurrency
+  CodecSpec codec;  // for every shard (empty shards are stored raw)
+  int threads = 0;  // compression workers; 0 = hardware concurrency
   std::string producer = "moe-reshard";
   std::int64_t chunk_bytes = kDefaultChunkBytes;  // zstd chunk size (uncompressed)
   // The format version written: 2 (block tables, file accounting); 1 only to produce

@@ -1,10 +1,10 @@
 #include "formats/codec.h"
 
-#include <charconv>
-#include <cstdio>
-
 #include <xxhash.h>
 #include <zstd.h>
+
+#include <charconv>
+#include <cstdio>
 
 #include "core/check.h"
 

@@ -25,18 +25,40 @@ struct TorchDType {
   std::optional<DType> ours;
 };
 constexpr TorchDType kTorchDTypes[] = {
-    {"float32", DType::kF32},      {"float", DType::kF32},         {"float64", DType::kF64},
-    {"double", DType::kF64},       {"float16", DType::kF16},       {"half", DType::kF16},
-    {"bfloat16", DType::kBF16},    {"float8_e4m3fn", DType::kF8E4M3}, {"float8_e5m2", DType::kF8E5M2},
-    {"int64", DType::kI64},        {"long", DType::kI64},          {"int32", DType::kI32},
-    {"int", DType::kI32},          {"int16", DType::kI16},         {"short", DType::kI16},
-    {"int8", DType::kI8},          {"uint8", DType::kU8},          {"bool", DType::kBool},
+    {"float32", DType::kF32},
+    {"float", DType::kF32},
+    {"float64", DType::kF64},
+    {"double", DType::kF64},
+    {"float16", DType::kF16},
+    {"half", DType::kF16},
+    {"bfloat16", DType::kBF16},
+    {"float8_e4m3fn", DType::kF8E4M3},
+    {"float8_e5m2", DType::kF8E5M2},
+    {"int64", DType::kI64},
+    {"long", DType::kI64},
+    {"int32", DType::kI32},
+    {"int", DType::kI32},
+    {"int16", DType::kI16},
+    {"short", DType::kI16},
+    {"int8", DType::kI8},
+    {"uint8", DType::kU8},
+    {"bool", DType::kBool},
     // Dtypes PyTorch has and we do not: allowed as values so that the message can name them.
-    {"complex64", std::nullopt},   {"complex128", std::nullopt},   {"cfloat", std::nullopt},
-    {"cdouble", std::nullopt},     {"complex32", std::nullopt},    {"uint16", std::nullopt},
-    {"uint32", std::nullopt},      {"uint64", std::nullopt},       {"float8_e4m3fnuz", std::nullopt},
-    {"float8_e5m2fnuz", std::nullopt}, {"float8_e8m0fnu", std::nullopt}, {"float4_e2m1fn_x2", std::nullopt},
-    {"qint8", std::nullopt},       {"quint8", std::nullopt},       {"qint32", std::nullopt},
+    {"complex64", std::nullopt},
+    {"complex128", std::nullopt},
+    {"cfloat", std::nullopt},
+    {"cdouble", std::nullopt},
+    {"complex32", std::nullopt},
+    {"uint16", std::nullopt},
+    {"uint32", std::nullopt},
+    {"uint64", std::nullopt},
+    {"float8_e4m3fnuz", std::nullopt},
+    {"float8_e5m2fnuz", std::nullopt},
+    {"float8_e8m0fnu", std::nullopt},
+    {"float4_e2m1fn_x2", std::nullopt},
+    {"qint8", std::nullopt},
+    {"quint8", std::nullopt},
+    {"qint32", std::nullopt},
 };
 
 // Legacy typed storage classes (torch.save of dtypes that have one).
@@ -45,18 +67,18 @@ struct StorageClass {
   DType dtype;
 };
 constexpr StorageClass kStorageClasses[] = {
-    {"FloatStorage", DType::kF32}, {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},
-    {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64}, {"IntStorage", DType::kI32},
-    {"ShortStorage", DType::kI16}, {"CharStorage", DType::kI8}, {"ByteStorage", DType::kU8},
+    {"FloatStorage", DType::kF32},     {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},
+    {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64},   {"IntStorage", DType::kI32},
+    {"ShortStorage", DType::kI16},     {"CharStorage", DType::kI8},    {"ByteStorage", DType::kU8},
     {"BoolStorage", DType::kBool},
 };
 
 std::vector<PickleGlobal> MakeMetadataGlobals() {
   std::vector<PickleGlobal> g;
   for (std::string_view m : {kMeta, kShardMeta}) {
-    for (std::string_view n : {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                               "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-                               "MEM_FORMAT_ENCODING"}) {
+    for (std::string_view n :
+         {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+          "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING", "MEM_FORMAT_ENCODING"}) {
       g.push_back({m, n, true});
     }
   }
@@ -68,11 +90,12 @@ std::vector<PickleGlobal> MakeMetadataGlobals() {
   g.push_back({"builtins", "frozenset", true});
   // StorageMeta.checkpoint_id is the path the checkpoint was saved to.
   for (std::string_view m : {"pathlib", "pathlib._local"}) {
-    for (std::string_view n : {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}) g.push_back({m, n, true});
+    for (std::string_view n : {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"})
+      g.push_back({m, n, true});
   }
   for (const TorchDType& d : kTorchDTypes) g.push_back({"torch", d.name, false});
-  for (std::string_view n : {"strided", "sparse_coo", "sparse_csr", "contiguous_format", "channels_last",
-                             "preserve_format"}) {
+  for (std::string_view n :
+       {"strided", "sparse_coo", "sparse_csr", "contiguous_format", "channels_last", "preserve_format"}) {
     g.push_back({"torch", n, false});
   }
   return g;
@@ -123,8 +146,8 @@ class View {
 
   bool IsObject(std::size_t i, std::string_view name) const {
     const PickleNode& n = N(i);
-    return n.kind == PickleKind::kObject && n.s == name && (n.module == kMeta || n.module == kShardMeta ||
-                                                            n.module == "torch.distributed.checkpoint.filesystem");
+    return n.kind == PickleKind::kObject && n.s == name &&
+           (n.module == kMeta || n.module == kShardMeta || n.module == "torch.distributed.checkpoint.filesystem");
   }
   Status Expect(std::size_t i, std::string_view name, const std::string& where) const {
     if (!IsObject(i, name)) return Err(where, "expected a " + std::string(name) + " record, found a " + t_.Describe(i));
@@ -172,7 +195,8 @@ class View {
     std::size_t list = i;
     if (N(i).kind == PickleKind::kObject && N(i).module == "torch" && N(i).s == "Size") {
       const PickleNode& args = N(N(i).args);
-      if (args.items.size() != 1) return Err(where, "torch.Size with " + std::to_string(args.items.size()) + " arguments");
+      if (args.items.size() != 1)
+        return Err(where, "torch.Size with " + std::to_string(args.items.size()) + " arguments");
       list = args.items[0];
     }
     if (N(list).kind != PickleKind::kTuple && N(list).kind != PickleKind::kList) {
@@ -293,7 +317,8 @@ Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, const std
     RS_ASSIGN_OR_RETURN(auto dt, DTypeOfNode(tree, dtype_node, what + ": " + where + ".properties"));
     t.torch_dtype = dt.first;
     t.dtype = dt.second;
-    if (layout_node != kPickleNoNode) RS_RETURN_IF_ERROR(CheckLayout(tree, layout_node, what + ": " + where + ".properties"));
+    if (layout_node != kPickleNoNode)
+      RS_RETURN_IF_ERROR(CheckLayout(tree, layout_node, what + ": " + where + ".properties"));
     RS_ASSIGN_OR_RETURN(const std::size_t size, v.Need(e, "size", where));
     RS_ASSIGN_OR_RETURN(t.size, v.Dims(size, where + ".size"));
     const auto numel = CheckedNumel(t.size);
@@ -313,8 +338,8 @@ Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, const std
       RS_ASSIGN_OR_RETURN(ch.offsets, v.Dims(off, cw + ".offsets"));
       RS_ASSIGN_OR_RETURN(ch.sizes, v.Dims(siz, cw + ".sizes"));
       if (ch.offsets.size() != t.size.size() || ch.sizes.size() != t.size.size()) {
-        return v.Err(cw, "offsets " + DimsText(ch.offsets) + " / sizes " + DimsText(ch.sizes) + " do not have the rank of " +
-                             DimsText(t.size));
+        return v.Err(cw, "offsets " + DimsText(ch.offsets) + " / sizes " + DimsText(ch.sizes) +
+                             " do not have the rank of " + DimsText(t.size));
       }
       for (std::size_t d = 0; d < t.size.size(); ++d) {
         const auto end = CheckedAdd(ch.offsets[d], ch.sizes[d]);
@@ -331,7 +356,8 @@ Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, const std
   // storage_data: MetadataIndex -> _StorageInfo.
   RS_ASSIGN_OR_RETURN(const std::size_t sd, v.Need(root, "storage_data", "Metadata"));
   if (v.N(sd).kind != PickleKind::kDict) {
-    return v.Err("Metadata.storage_data", "is a " + tree.Describe(sd) + ", not a dict (not written by FileSystemWriter?)");
+    return v.Err("Metadata.storage_data",
+                 "is a " + tree.Describe(sd) + ", not a dict (not written by FileSystemWriter?)");
   }
   std::map<std::pair<std::string, Shape>, std::size_t> tensor_keys;
   const auto& sitems = v.N(sd).items;
@@ -457,7 +483,8 @@ Result<std::int64_t> DcpCheckpoint::FileSize(const std::string& file) {
   return f.size;
 }
 
-Status DcpCheckpoint::ReadAt(const std::string& file, std::int64_t offset, std::span<std::byte> out, const std::string& what) {
+Status DcpCheckpoint::ReadAt(const std::string& file, std::int64_t offset, std::span<std::byte> out,
+                             const std::string& what) {
   File f;
   {
     std::lock_guard lock(mu_);
@@ -518,13 +545,16 @@ Result<DcpChunkLocation> DcpCheckpoint::Locate(std::size_t ti, std::size_t ci) {
     return DataLoss(where + ": the item runs past the end of the file (" + std::to_string(file_size) +
                     " bytes): truncated data file");
   }
-  const ZipReadFn read = [&](std::int64_t off, std::span<std::byte> out) { return ReadAt(s.file, s.offset + off, out, where); };
+  const ZipReadFn read = [&](std::int64_t off, std::span<std::byte> out) {
+    return ReadAt(s.file, s.offset + off, out, where);
+  };
   if (s.length >= 4) {
     std::byte sig[4];
     RS_RETURN_IF_ERROR(read(0, sig));
     if (sig[0] != std::byte{'P'} || sig[1] != std::byte{'K'}) {
-      return Unimplemented(where + ": the item is not a torch.save archive (written with another serialization "
-                                   "format, e.g. SerializationFormat.SAFETENSORS?)");
+      return Unimplemented(where +
+                           ": the item is not a torch.save archive (written with another serialization "
+                           "format, e.g. SerializationFormat.SAFETENSORS?)");
     }
   }
   RS_ASSIGN_OR_RETURN(const StoredZip zip, StoredZip::Open(read, s.length, where));
@@ -567,11 +597,13 @@ Result<DcpChunkLocation> DcpCheckpoint::Locate(std::size_t ti, std::size_t ci) {
   const auto& args = tree.node(root.args).items;
   if (args.size() < (v3 ? 7U : 6U)) return bad(root.s + " with " + std::to_string(args.size()) + " arguments");
   const PickleNode& pid = tree.node(args[0]);
-  if (pid.kind != PickleKind::kPersistentId) return bad("the storage argument is a " + tree.Describe(args[0]) + ", not a persistent id");
+  if (pid.kind != PickleKind::kPersistentId)
+    return bad("the storage argument is a " + tree.Describe(args[0]) + ", not a persistent id");
   const auto& id = tree.node(pid.args).items;
-  if (tree.node(pid.args).kind != PickleKind::kTuple || id.size() != 5 || tree.node(id[0]).kind != PickleKind::kString ||
-      tree.node(id[0]).s != "storage" || tree.node(id[1]).kind != PickleKind::kGlobal ||
-      tree.node(id[2]).kind != PickleKind::kString || tree.node(id[4]).kind != PickleKind::kInt) {
+  if (tree.node(pid.args).kind != PickleKind::kTuple || id.size() != 5 ||
+      tree.node(id[0]).kind != PickleKind::kString || tree.node(id[0]).s != "storage" ||
+      tree.node(id[1]).kind != PickleKind::kGlobal || tree.node(id[2]).kind != PickleKind::kString ||
+      tree.node(id[4]).kind != PickleKind::kInt) {
     return bad("the persistent id is not ('storage', <storage class>, <key>, <location>, <numel>)");
   }
   const PickleNode& cls = tree.node(id[1]);
@@ -607,16 +639,18 @@ Result<DcpChunkLocation> DcpCheckpoint::Locate(std::size_t ti, std::size_t ci) {
   RS_ASSIGN_OR_RETURN(const Shape strides, v.Dims(args[3], "stride"));
   loc.strides = strides;
   if (loc.sizes != c.sizes) {
-    return bad("the tensor has size " + DimsText(loc.sizes) + ", but .metadata gives the chunk sizes " + DimsText(c.sizes));
+    return bad("the tensor has size " + DimsText(loc.sizes) + ", but .metadata gives the chunk sizes " +
+               DimsText(c.sizes));
   }
-  if (loc.strides.size() != loc.sizes.size()) return bad("stride " + DimsText(strides) + " does not have the rank of the size");
+  if (loc.strides.size() != loc.sizes.size())
+    return bad("stride " + DimsText(strides) + " does not have the rank of the size");
   const auto es = static_cast<std::int64_t>(DTypeSize(t.dtype));
   const ZipEntry* rec = zip.Find(prefix + "data/" + storage_key);
   if (rec == nullptr) return bad("no record 'data/" + storage_key + "' for the tensor's storage");
   const auto want = CheckedMul(storage_numel, untyped ? 1 : es);
   if (storage_numel < 0 || !want || rec->size != *want) {
-    return bad("storage record 'data/" + storage_key + "' holds " + std::to_string(rec->size) + " bytes, the pickle says " +
-               std::to_string(storage_numel) + (untyped ? " bytes" : " elements"));
+    return bad("storage record 'data/" + storage_key + "' holds " + std::to_string(rec->size) +
+               " bytes, the pickle says " + std::to_string(storage_numel) + (untyped ? " bytes" : " elements"));
   }
   // Every element the tensor addresses must lie inside the record.
   std::int64_t last = loc.element_offset;
@@ -647,15 +681,16 @@ Result<DcpChunkLocation> DcpCheckpoint::Locate(std::size_t ti, std::size_t ci) {
   return loc;
 }
 
-Status DcpCheckpoint::ReadChunk(std::size_t tensor, std::size_t chunk, std::int64_t byte_begin, std::span<std::byte> out) {
+Status DcpCheckpoint::ReadChunk(std::size_t tensor, std::size_t chunk, std::int64_t byte_begin,
+                                std::span<std::byte> out) {
   const DcpTensor& t = meta_.tensors[tensor];
   const DcpChunk& c = t.chunks[chunk];
   const auto es = static_cast<std::int64_t>(DTypeSize(t.dtype));
   const std::int64_t nbytes = Numel(c.sizes) * es;
   const auto len = static_cast<std::int64_t>(out.size());
   if (byte_begin < 0 || byte_begin > nbytes || len > nbytes - byte_begin) {
-    return OutOfRange(DescribeChunk(tensor, chunk) + ": bytes [" + std::to_string(byte_begin) + ", +" + std::to_string(len) +
-                      ") outside the chunk's " + std::to_string(nbytes));
+    return OutOfRange(DescribeChunk(tensor, chunk) + ": bytes [" + std::to_string(byte_begin) + ", +" +
+                      std::to_string(len) + ") outside the chunk's " + std::to_string(nbytes));
   }
   if (len == 0) return Status::Ok();
   RS_ASSIGN_OR_RETURN(const DcpChunkLocation loc, LocateChunk(tensor, chunk));
@@ -703,7 +738,8 @@ Result<std::int64_t> DcpCheckpoint::CheckChunkCrc(std::size_t tensor, std::size_
   std::vector<std::byte> buf(static_cast<std::size_t>(std::min(kBlock, std::max<std::int64_t>(1, loc.storage_bytes))));
   std::uint32_t crc = 0;
   for (std::int64_t pos = 0; pos < loc.storage_bytes; pos += kBlock) {
-    const std::span<std::byte> b = std::span(buf).first(static_cast<std::size_t>(std::min(kBlock, loc.storage_bytes - pos)));
+    const std::span<std::byte> b =
+        std::span(buf).first(static_cast<std::size_t>(std::min(kBlock, loc.storage_bytes - pos)));
     RS_RETURN_IF_ERROR(ReadAt(loc.file, loc.storage_offset + pos, b, where));
     crc = Crc32(b, crc);
   }
@@ -711,8 +747,8 @@ Result<std::int64_t> DcpCheckpoint::CheckChunkCrc(std::size_t tensor, std::size_
     char got[16], want[16];
     std::snprintf(got, sizeof got, "%08x", crc);
     std::snprintf(want, sizeof want, "%08x", loc.crc32);
-    return DataLoss(where + ": record '" + loc.record + "' has CRC-32 " + got + ", the archive's directory says " + want +
-                    " (corrupt data)");
+    return DataLoss(where + ": record '" + loc.record + "' has CRC-32 " + got + ", the archive's directory says " +
+                    want + " (corrupt data)");
   }
   return loc.storage_bytes;
 }
@@ -745,8 +781,9 @@ Result<PickleTree> DcpCheckpoint::ReadObject(const std::string& fqn, std::int64_
   PickleOptions po;
   po.globals = PlainGlobals();
   po.max_nodes = pkl->size + 16;
-  return Unpickle(std::span<const std::byte>(item).subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(pkl->size)),
-                  po, where + ", data.pkl");
+  return Unpickle(
+      std::span<const std::byte>(item).subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(pkl->size)), po,
+      where + ", data.pkl");
 }
 
 }  // namespace rs

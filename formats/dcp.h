@@ -13,13 +13,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
 #include "core/shape.h"
@@ -72,11 +71,11 @@ struct DcpStorage {
 };
 
 struct DcpMetadata {
-  std::vector<DcpTensor> tensors;   // TensorStorageMetadata entries, in .metadata order
-  std::vector<std::string> objects; // BytesStorageMetadata entries (torch.save'd Python values)
+  std::vector<DcpTensor> tensors;                     // TensorStorageMetadata entries, in .metadata order
+  std::vector<std::string> objects;                   // BytesStorageMetadata entries (torch.save'd Python values)
   std::map<std::string, std::size_t> object_storage;  // object FQN -> index into storage
   std::vector<DcpStorage> storage;
-  std::string version;      // Metadata.version ("1.0.0"); "" when absent (older PyTorch)
+  std::string version;          // Metadata.version ("1.0.0"); "" when absent (older PyTorch)
   nlohmann::json storage_meta;  // StorageMeta as JSON (informative), null when absent
 
   // "'<fqn>' chunk at [o0, o1]": how messages name a chunk.
@@ -95,17 +94,17 @@ Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, const std
 
 // Where one tensor chunk's elements are, from its torch.save archive.
 struct DcpChunkLocation {
-  std::string file;                 // relative path
-  std::int64_t item_offset = 0;     // the archive in the file
+  std::string file;              // relative path
+  std::int64_t item_offset = 0;  // the archive in the file
   std::int64_t item_length = 0;
   std::int64_t storage_offset = 0;  // file offset of the storage record's first byte
   std::int64_t storage_bytes = 0;   // the record's size
   std::int64_t element_offset = 0;  // the tensor's storage offset, in elements
   Shape sizes;
   std::vector<std::int64_t> strides;  // in elements
-  bool contiguous = true;           // row-major strides: the chunk is one run of bytes
-  std::uint32_t crc32 = 0;          // the zip's CRC-32 of the storage record
-  std::string record;               // the record's name in the archive ("archive/data/0")
+  bool contiguous = true;             // row-major strides: the chunk is one run of bytes
+  std::uint32_t crc32 = 0;            // the zip's CRC-32 of the storage record
+  std::string record;                 // the record's name in the archive ("archive/data/0")
 };
 
 class DcpCheckpoint {

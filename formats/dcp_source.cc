@@ -4,9 +4,8 @@
 #include <cmath>
 #include <cstring>
 #include <map>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "formats/manifest.h"
 
@@ -22,19 +21,42 @@ std::int64_t RankOfFile(const std::string& file) {
   if (!file.starts_with("__")) return 0;
   std::int64_t r = 0;
   std::size_t i = 2;
-  for (; i < file.size() && file[i] >= '0' && file[i] <= '9' && r < (std::int64_t{1} << 40); ++i) r = r * 10 + (file[i] - '0');
+  for (; i < file.size() && file[i] >= '0' && file[i] <= '9' && r < (std::int64_t{1} << 40); ++i)
+    r = r * 10 + (file[i] - '0');
   return i > 2 && i < file.size() && file[i] == '_' ? r : 0;
 }
 
 // A scalar's value as a double (any of our dtypes).
 double ScalarValue(DType t, const std::byte* p) {
   switch (t) {
-    case DType::kI64: { std::int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }
-    case DType::kI32: { std::int32_t v; std::memcpy(&v, p, 4); return v; }
-    case DType::kI16: { std::int16_t v; std::memcpy(&v, p, 2); return v; }
-    case DType::kI8: { std::int8_t v; std::memcpy(&v, p, 1); return v; }
-    case DType::kU8: case DType::kBool: return static_cast<double>(static_cast<unsigned char>(*p));
-    case DType::kF64: { double v; std::memcpy(&v, p, 8); return v; }
+    case DType::kI64: {
+      std::int64_t v;
+      std::memcpy(&v, p, 8);
+      return static_cast<double>(v);
+    }
+    case DType::kI32: {
+      std::int32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case DType::kI16: {
+      std::int16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }
+    case DType::kI8: {
+      std::int8_t v;
+      std::memcpy(&v, p, 1);
+      return v;
+    }
+    case DType::kU8:
+    case DType::kBool:
+      return static_cast<double>(static_cast<unsigned char>(*p));
+    case DType::kF64: {
+      double v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
     default: {
       float v = 0;
       ConvertFloats(t, p, DType::kF32, &v, 1);
@@ -86,16 +108,16 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
     const DcpName n = MapDcpName(t.fqn);
     if (n.step) {
       if (!t.size.empty() || t.chunks.size() != 1) {
-        return DataLoss(meta_path + ": optimizer step entry '" + t.fqn + "' is not a scalar (size " + ShapeToString(t.size) +
-                        ", " + std::to_string(t.chunks.size()) + " chunks)");
+        return DataLoss(meta_path + ": optimizer step entry '" + t.fqn + "' is not a scalar (size " +
+                        ShapeToString(t.size) + ", " + std::to_string(t.chunks.size()) + " chunks)");
       }
       s->step_tensors.push_back(t.fqn);
       continue;
     }
     const auto [it, fresh] = by_name.emplace(n.name, i);
     if (!fresh) {
-      return DataLoss(meta_path + ": keys '" + md.tensors[it->second].fqn + "' and '" + t.fqn + "' both map to the tensor '" +
-                      n.name + "'");
+      return DataLoss(meta_path + ": keys '" + md.tensors[it->second].fqn + "' and '" + t.fqn +
+                      "' both map to the tensor '" + n.name + "'");
     }
     if (n.role == TensorRole::kOptimizerState) states.insert(n.state);
     order.push_back(i);
@@ -108,7 +130,8 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   Manifest& m = s->manifest_;
   m.format = "pytorch-dcp";
   m.version = md.version.empty() ? 0 : std::atoi(md.version.c_str());
-  m.producer = "PyTorch Distributed Checkpoint" + (md.version.empty() ? std::string() : " (metadata version " + md.version + ")");
+  m.producer = "PyTorch Distributed Checkpoint" +
+               (md.version.empty() ? std::string() : " (metadata version " + md.version + ")");
   m.layout = nullptr;
   m.metadata = nlohmann::json::object();
   m.metadata["dcp"] = {{"version", md.version}, {"tensor_keys", md.tensors.size()}, {"bytes_keys", md.objects.size()}};
@@ -155,7 +178,8 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
       const DcpTensor& t = md.tensors[it->second];
       if (t.size != spec.shape) {
         wrong_names.insert(spec.name);
-        wrong.push_back(spec.name + " (" + t.fqn + " is " + ShapeToString(t.size) + ", the model's " + ShapeToString(spec.shape) + ")");
+        wrong.push_back(spec.name + " (" + t.fqn + " is " + ShapeToString(t.size) + ", the model's " +
+                        ShapeToString(spec.shape) + ")");
         continue;
       }
       spec.dtype = t.dtype;
@@ -165,17 +189,19 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
     }
     std::vector<std::string> unknown;
     for (std::size_t i : order) {
-      if (used.count(i) == 0 && wrong_names.count(MapDcpName(md.tensors[i].fqn).name) == 0) unknown.push_back(md.tensors[i].fqn);
+      if (used.count(i) == 0 && wrong_names.count(MapDcpName(md.tensors[i].fqn).name) == 0)
+        unknown.push_back(md.tensors[i].fqn);
     }
     std::string problems;
     if (!wrong.empty()) problems += "; shapes differ: " + Listed(wrong);
     if (!missing.empty()) problems += "; missing from the checkpoint: " + Listed(missing);
     if (!unknown.empty()) problems += "; not tensors of the model: " + Listed(unknown);
     if (!problems.empty()) {
-      return FailedPrecondition(dir + ": the DCP checkpoint does not match the model '" + cfg.name + "'" + problems +
-                                (megatron ? " (this is a Megatron-Core torch_dist checkpoint: its key names are not mapped to "
-                                            "ours yet, see formats/DCP.md section 4)"
-                                          : ""));
+      return FailedPrecondition(
+          dir + ": the DCP checkpoint does not match the model '" + cfg.name + "'" + problems +
+          (megatron ? " (this is a Megatron-Core torch_dist checkpoint: its key names are not mapped to "
+                      "ours yet, see formats/DCP.md section 4)"
+                    : ""));
     }
     m.metadata["model"] = cfg;
   } else {
@@ -259,8 +285,9 @@ Result<std::int64_t> DcpSource::Step() {
       value = v;
       first = key;
     } else if (*value != v) {
-      return DataLoss(dcp_->dir() + ": optimizer steps differ: '" + first + "' is " + std::to_string(static_cast<std::int64_t>(*value)) +
-                      ", '" + key + "' is " + std::to_string(static_cast<std::int64_t>(v)) + " (one optimizer.step cannot hold both)");
+      return DataLoss(dcp_->dir() + ": optimizer steps differ: '" + first + "' is " +
+                      std::to_string(static_cast<std::int64_t>(*value)) + ", '" + key + "' is " +
+                      std::to_string(static_cast<std::int64_t>(v)) + " (one optimizer.step cannot hold both)");
     }
     return Status::Ok();
   };
@@ -279,7 +306,8 @@ Result<std::int64_t> DcpSource::Step() {
     } else if (n.kind == PickleKind::kFloat) {
       RS_RETURN_IF_ERROR(take(n.f, fqn));
     } else {
-      return DataLoss(dcp_->dir() + ": optimizer step '" + fqn + "' is a " + tree.Describe(tree.root()) + ", not a number");
+      return DataLoss(dcp_->dir() + ": optimizer step '" + fqn + "' is a " + tree.Describe(tree.root()) +
+                      ", not a number");
     }
   }
   if (!value) return DataLoss(dcp_->dir() + ": no optimizer step entries");
@@ -324,7 +352,8 @@ Result<std::optional<RawExtent>> DcpSource::ShardExtent(std::size_t index) {
   RS_ASSIGN_OR_RETURN(const DcpChunkLocation loc, dcp_->LocateChunk(o.tensor, o.chunk));
   if (!loc.contiguous) return std::optional<RawExtent>();
   const auto es = static_cast<std::int64_t>(DTypeSize(dcp_->metadata().tensors[o.tensor].dtype));
-  return std::optional<RawExtent>(RawExtent{dcp_->dir() + "/" + loc.file, loc.storage_offset + loc.element_offset * es});
+  return std::optional<RawExtent>(
+      RawExtent{dcp_->dir() + "/" + loc.file, loc.storage_offset + loc.element_offset * es});
 }
 
 }  // namespace rs

@@ -69,7 +69,7 @@ class DcpSource final : public ShardSource {
   struct Origin {
     std::size_t tensor = 0;  // DCP tensor
     std::size_t chunk = 0;
-    bool step = false;       // the computed optimizer.step shard
+    bool step = false;  // the computed optimizer.step shard
   };
   std::unique_ptr<DcpCheckpoint> dcp_;
   DcpSourceOptions options_;

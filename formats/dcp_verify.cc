@@ -48,7 +48,8 @@ void CheckCoverage(const DcpCheckpoint& c, std::size_t ti, const VerifyOptions& 
   }
   const auto bytes = bound >= 0 ? CheckedMul(bound, static_cast<std::int64_t>(2 * sizeof(ChunkRun))) : std::nullopt;
   if (Status st = CheckMemory(bytes ? *bytes : -1, "tensor '" + t.fqn + "': checking its coverage"); !st.ok()) {
-    report.findings.push_back({FindingKind::kManifest, st.code(), t.fqn, meta, st.message() + "; coverage not checked"});
+    report.findings.push_back(
+        {FindingKind::kManifest, st.code(), t.fqn, meta, st.message() + "; coverage not checked"});
     return;
   }
   std::vector<ChunkRun> runs;
@@ -88,7 +89,8 @@ void CheckCoverage(const DcpCheckpoint& c, std::size_t ti, const VerifyOptions& 
   if (!gaps.empty()) {
     std::ostringstream os;
     os << "tensor '" << t.fqn << "' " << ShapeToString(t.size) << ": " << gap_items << " of " << numel
-       << " items are in no chunk (" << meta << "), in " << gaps.size() << " gap" << (gaps.size() == 1 ? "" : "s") << ": ";
+       << " items are in no chunk (" << meta << "), in " << gaps.size() << " gap" << (gaps.size() == 1 ? "" : "s")
+       << ": ";
     for (std::size_t i = 0; i < gaps.size() && i < kGapsListed; ++i) {
       os << (i ? "; " : "") << DescribeItems(t.size, gaps[i].begin, gaps[i].end);
     }
@@ -104,9 +106,8 @@ void CheckCoverage(const DcpCheckpoint& c, std::size_t ti, const VerifyOptions& 
     report.findings.push_back(
         {FindingKind::kOverlap, ErrorCode::kDataLoss, t.fqn, meta,
          "tensor '" + t.fqn + "' " + ShapeToString(t.size) + ": chunk " + std::to_string(pair.first) + " at " +
-             ShapeToString(t.chunks[pair.first].offsets) +
-             " (sizes " + ShapeToString(t.chunks[pair.first].sizes) + ") and chunk " + std::to_string(pair.second) + " at " +
-             ShapeToString(t.chunks[pair.second].offsets) +
+             ShapeToString(t.chunks[pair.first].offsets) + " (sizes " + ShapeToString(t.chunks[pair.first].sizes) +
+             ") and chunk " + std::to_string(pair.second) + " at " + ShapeToString(t.chunks[pair.second].offsets) +
              " (sizes " + ShapeToString(t.chunks[pair.second].sizes) + ") both hold " + std::to_string(ov.first) +
              " items, first " + DescribeItems(t.size, ov.second.begin, ov.second.end)});
   }
@@ -167,8 +168,9 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
     for (std::size_t k = 0; k < md.tensors[t].chunks.size(); ++k) {
       const DcpChunk& ch = md.tensors[t].chunks[k];
       if (ch.storage == static_cast<std::size_t>(-1)) {
-        report.findings.push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, md.tensors[t].fqn, meta,
-                                   meta + ": item " + md.ChunkKey(t, k) + " has no storage_data entry: its bytes are missing"});
+        report.findings.push_back(
+            {FindingKind::kBadFile, ErrorCode::kDataLoss, md.tensors[t].fqn, meta,
+             meta + ": item " + md.ChunkKey(t, k) + " has no storage_data entry: its bytes are missing"});
         continue;
       }
       if (bad_files.count(md.storage[ch.storage].file) != 0) continue;
@@ -182,7 +184,8 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
   std::mutex progress_mu;
   std::int64_t done_bytes = 0, total_bytes = 0;
   for (const Item& it : items) {
-    total_bytes += Numel(md.tensors[it.tensor].chunks[it.chunk].sizes) * static_cast<std::int64_t>(DTypeSize(md.tensors[it.tensor].dtype));
+    total_bytes += Numel(md.tensors[it.tensor].chunks[it.chunk].sizes) *
+                   static_cast<std::int64_t>(DTypeSize(md.tensors[it.tensor].dtype));
   }
   auto worker = [&] {
     for (std::size_t i = next++; i < items.size(); i = next++) {
@@ -190,15 +193,16 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
       const std::string& file = md.storage[md.tensors[it.tensor].chunks[it.chunk].storage].file;
       Result<DcpChunkLocation> loc = c.LocateChunk(it.tensor, it.chunk);
       if (!loc.ok()) {
-        found[i] = Finding{FindingKind::kBadFile, loc.status().code(), md.tensors[it.tensor].fqn, file, loc.status().message()};
+        found[i] = Finding{FindingKind::kBadFile, loc.status().code(), md.tensors[it.tensor].fqn, file,
+                           loc.status().message()};
         continue;
       }
       if (options.checksums == ChecksumCheck::kSkip) continue;
       Result<std::int64_t> n = c.CheckChunkCrc(it.tensor, it.chunk);
       if (!n.ok()) {
         const bool crc = n.status().message().find("CRC-32") != std::string::npos;
-        found[i] = Finding{crc ? FindingKind::kChecksum : FindingKind::kBadFile, n.status().code(), md.tensors[it.tensor].fqn,
-                           file, n.status().message()};
+        found[i] = Finding{crc ? FindingKind::kChecksum : FindingKind::kBadFile, n.status().code(),
+                           md.tensors[it.tensor].fqn, file, n.status().message()};
         continue;
       }
       checked[i] = *n;
@@ -228,8 +232,8 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
     Result<std::int64_t> size = c.FileSize(s.file);
     if (size.ok() && (s.offset > *size || s.length > *size - s.offset)) {
       report.findings.push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, fqn, s.file,
-                                 dir + "/" + s.file + ", item '" + fqn + "' (bytes [" + std::to_string(s.offset) + ", +" +
-                                     std::to_string(s.length) + ")): the item runs past the end of the file (" +
+                                 dir + "/" + s.file + ", item '" + fqn + "' (bytes [" + std::to_string(s.offset) +
+                                     ", +" + std::to_string(s.length) + ")): the item runs past the end of the file (" +
                                      std::to_string(*size) + " bytes): truncated data file"});
     }
   }
@@ -249,8 +253,9 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
                                      "', which the checkpoint does not hold"});
     } else if (it->second->size != t.size) {
       report.findings.push_back({FindingKind::kOptimizerState, ErrorCode::kDataLoss, t.fqn, meta,
-                                 "optimizer state '" + t.fqn + "' has shape " + ShapeToString(t.size) + ", its parameter '" +
-                                     it->second->fqn + "' has shape " + ShapeToString(it->second->size)});
+                                 "optimizer state '" + t.fqn + "' has shape " + ShapeToString(t.size) +
+                                     ", its parameter '" + it->second->fqn + "' has shape " +
+                                     ShapeToString(it->second->size)});
     }
   }
   opened->reset();
@@ -260,7 +265,8 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
   } else if ((*src)->manifest().TensorIndex("optimizer.step") >= 0) {
     Result<std::int64_t> step = (*src)->Step();
     if (!step.ok()) {
-      report.findings.push_back({FindingKind::kOptimizerState, step.status().code(), "optimizer.step", meta, step.status().message()});
+      report.findings.push_back(
+          {FindingKind::kOptimizerState, step.status().code(), "optimizer.step", meta, step.status().message()});
     }
   }
   return finish();

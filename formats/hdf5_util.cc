@@ -13,8 +13,8 @@ namespace {
 // The HDF5 side of the Zstandard filter (id 32015, same cd_values as hdf5plugin: cd[0] =
 // level). Our own reader and writer bypass it with direct chunk I/O; it is registered so that
 // HDF5 accepts datasets with this pipeline and so that plain H5Dread / H5Dwrite on them work.
-size_t ZstdFilter(unsigned int flags, size_t cd_nelmts, const unsigned int cd_values[], size_t nbytes,
-                  size_t* buf_size, void** buf) {
+size_t ZstdFilter(unsigned int flags, size_t cd_nelmts, const unsigned int cd_values[], size_t nbytes, size_t* buf_size,
+                  void** buf) {
   if ((flags & H5Z_FLAG_REVERSE) != 0) {
     // A chunk is exactly one frame (FORMAT.md §4.2), as in formats/codec.cc.
     if (ZSTD_findFrameCompressedSize(*buf, nbytes) != nbytes) return 0;
@@ -53,14 +53,11 @@ void InitOnce() {
   // HDF5's own stack printing would only spam stderr.
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
   static const H5Z_class2_t kZstdClass = {
-      H5Z_CLASS_T_VERS,
-      static_cast<H5Z_filter_t>(kZstdFilterId),
+      H5Z_CLASS_T_VERS,      static_cast<H5Z_filter_t>(kZstdFilterId),
       /*encoder_present=*/1,
-      /*decoder_present=*/1,
-      "Zstandard (moe-reshard built-in)",
+      /*decoder_present=*/1, "Zstandard (moe-reshard built-in)",
       /*can_apply=*/nullptr,
-      /*set_local=*/nullptr,
-      ZstdFilter,
+      /*set_local=*/nullptr, ZstdFilter,
   };
   H5Zregister(&kZstdClass);
 }

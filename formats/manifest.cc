@@ -45,7 +45,8 @@ Result<std::int64_t> GetInt(const json& obj, const char* key, const Ctx& ctx) {
     }
     return static_cast<std::int64_t>(it->get<std::uint64_t>());
   }
-  if (!it->is_number_integer()) return ctx.Bad("field '" + std::string(key) + "' must be an integer, got " + it->dump());
+  if (!it->is_number_integer())
+    return ctx.Bad("field '" + std::string(key) + "' must be an integer, got " + it->dump());
   return it->get<std::int64_t>();
 }
 
@@ -84,8 +85,9 @@ Result<Shape> GetDims(const json& obj, const char* key, const Ctx& ctx) {
 // Byte size of `numel` items of `dtype`, overflow-checked.
 Result<std::int64_t> BytesOf(std::int64_t numel, DType dtype, const Ctx& ctx, const std::string& field) {
   const auto bytes = CheckedMul(numel, static_cast<std::int64_t>(DTypeSize(dtype)));
-  if (!bytes) return ctx.Bad(field + ": " + std::to_string(numel) + " items of " + std::string(DTypeName(dtype)) +
-                             " overflow int64 bytes");
+  if (!bytes)
+    return ctx.Bad(field + ": " + std::to_string(numel) + " items of " + std::string(DTypeName(dtype)) +
+                   " overflow int64 bytes");
   return *bytes;
 }
 
@@ -201,13 +203,15 @@ Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view
     // manifest says where the data and the table are.
     if (s.nbytes == 0) {
       for (const char* f : {"block_table", "offset", "chunk_bytes"}) {
-        if (j.contains(f)) return ctx.Bad("field '" + std::string(f) + "' on a shard of nbytes = 0 (no data, no blocks)");
+        if (j.contains(f))
+          return ctx.Bad("field '" + std::string(f) + "' on a shard of nbytes = 0 (no data, no blocks)");
       }
     } else {
       const auto table = j.find("block_table");
       if (table == j.end() || !table->is_object()) {
-        return ctx.Bad("missing or non-object field 'block_table' (format version 2: the block checksums of a shard of " +
-                       std::to_string(s.nbytes) + " bytes)");
+        return ctx.Bad(
+            "missing or non-object field 'block_table' (format version 2: the block checksums of a shard of " +
+            std::to_string(s.nbytes) + " bytes)");
       }
       RS_ASSIGN_OR_RETURN(s.block_table, GetString(*table, "dataset", ctx));
       if (s.block_table.empty() || s.block_table == s.dataset) {
@@ -221,7 +225,8 @@ Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view
         RS_ASSIGN_OR_RETURN(s.data_offset, GetInt(j, "offset", ctx));
         if (s.data_offset < 0) return ctx.Bad("field 'offset' is negative");
       } else {
-        if (j.contains("offset")) return ctx.Bad("field 'offset' on a shard of codec zstd (its chunks are in the block table)");
+        if (j.contains("offset"))
+          return ctx.Bad("field 'offset' on a shard of codec zstd (its chunks are in the block table)");
         RS_ASSIGN_OR_RETURN(s.chunk_bytes, GetInt(j, "chunk_bytes", ctx));
         constexpr std::int64_t kMaxChunk = std::int64_t{1} << 30;
         if (s.chunk_bytes < 1 || s.chunk_bytes > std::min(s.nbytes, kMaxChunk)) {
@@ -380,7 +385,8 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
       RS_ASSIGN_OR_RETURN(DataFileEntry f, ParseFile((*files)[i], i, source));
       m.files.push_back(std::move(f));
     }
-    std::sort(m.files.begin(), m.files.end(), [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; });
+    std::sort(m.files.begin(), m.files.end(),
+              [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; });
     for (std::size_t i = 0; i < m.files.size(); ++i) {
       if (i > 0 && m.files[i].name == m.files[i - 1].name) {
         return ctx.Bad("field 'files' lists " + Quote(m.files[i].name) + " twice");
@@ -390,7 +396,8 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
       }
     }
     for (const std::string& f : named) {
-      if (m.FindFile(f) == nullptr) return ctx.Bad("field 'files' lacks data file " + Quote(f) + " (its size and checksum)");
+      if (m.FindFile(f) == nullptr)
+        return ctx.Bad("field 'files' lacks data file " + Quote(f) + " (its size and checksum)");
     }
   }
   if (const auto it = j.find("layout"); it != j.end()) m.layout = *it;

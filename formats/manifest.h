@@ -3,11 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/shape.h"
 #include "core/status.h"
@@ -17,8 +16,8 @@
 namespace rs {
 
 inline constexpr std::string_view kFormatName = "moe-reshard-checkpoint";
-inline constexpr std::int64_t kFormatVersion = 2;         // what this build writes
-inline constexpr std::int64_t kMinReadableVersion = 1;    // what this build reads
+inline constexpr std::int64_t kFormatVersion = 2;       // what this build writes
+inline constexpr std::int64_t kMinReadableVersion = 1;  // what this build reads
 inline constexpr std::int64_t kMaxReadableVersion = 2;
 // Version 2 (FORMAT.md §4.4): every shard of nbytes > 0 has a block table, one XXH3-64 per
 // `block_bytes` of an uncompressed shard or per stored zstd chunk, so that partial reads can be
@@ -37,15 +36,15 @@ enum class ReplicaKind : std::uint8_t { kMain, kReplica };
 
 struct ShardEntry {
   std::string tensor;
-  Piece piece;               // box in the global tensor + optional flat range inside it
-  std::string file;          // relative to the checkpoint directory
-  std::string dataset;       // HDF5 dataset path inside `file`
-  std::int64_t nbytes = 0;   // uncompressed bytes = piece.numel() * dtype size
+  Piece piece;              // box in the global tensor + optional flat range inside it
+  std::string file;         // relative to the checkpoint directory
+  std::string dataset;      // HDF5 dataset path inside `file`
+  std::int64_t nbytes = 0;  // uncompressed bytes = piece.numel() * dtype size
   Codec codec = Codec::kNone;
   // Version 1: XXH3-64 of the uncompressed bytes. Version 2: XXH3-64 of the shard's block
   // table (FORMAT.md §4.4), which holds one XXH3-64 per block of the stored bytes.
   std::uint64_t checksum = 0;
-  std::int64_t rank = 0;     // the rank that wrote it
+  std::int64_t rank = 0;  // the rank that wrote it
   ReplicaKind replica = ReplicaKind::kMain;
   // Version 2, nbytes > 0 (FORMAT.md §3.2, §4.4): where the data and the block table lie in
   // `file`, so that reading and checking need nothing from the file's HDF5 metadata.
@@ -72,9 +71,9 @@ struct Manifest {
   std::string producer;
   std::vector<TensorSpec> tensors;
   std::vector<ShardEntry> shards;
-  std::int64_t block_bytes = kDefaultBlockBytes;  // version 2: block size of uncompressed shards
-  std::vector<DataFileEntry> files;               // version 2: one per data file, sorted by name
-  nlohmann::json layout;                             // opaque (Layout::ToJson); null if absent
+  std::int64_t block_bytes = kDefaultBlockBytes;       // version 2: block size of uncompressed shards
+  std::vector<DataFileEntry> files;                    // version 2: one per data file, sorted by name
+  nlohmann::json layout;                               // opaque (Layout::ToJson); null if absent
   nlohmann::json metadata = nlohmann::json::object();  // free: step, model config, ...
 
   // Index of the tensor named `name` in `tensors`, or -1. Linear; callers that look up many

@@ -2,9 +2,8 @@
 
 #include <bit>
 #include <cstring>
-#include <unordered_map>
-
 #include <nlohmann/json.hpp>
+#include <unordered_map>
 
 #include "core/memory.h"
 
@@ -14,19 +13,74 @@ namespace {
 // Pickle opcodes (Python's Lib/pickle.py). Only those interpreted, or refused by name, are
 // listed; any other byte is an unknown opcode.
 enum Op : unsigned char {
-  kMark = '(', kStop = '.', kPop = '0', kPopMark = '1', kDup = '2', kFloat = 'F', kInt = 'I',
-  kBinInt = 'J', kBinInt1 = 'K', kLong = 'L', kBinInt2 = 'M', kNone = 'N', kPersId = 'P',
-  kBinPersId = 'Q', kReduce = 'R', kString = 'S', kBinString = 'T', kShortBinString = 'U',
-  kUnicode = 'V', kBinUnicode = 'X', kAppend = 'a', kBuild = 'b', kGlobal = 'c', kDict = 'd',
-  kEmptyDict = '}', kAppends = 'e', kGet = 'g', kBinGet = 'h', kInst = 'i', kLongBinGet = 'j',
-  kList = 'l', kEmptyList = ']', kObj = 'o', kPut = 'p', kBinPut = 'q', kLongBinPut = 'r',
-  kSetItem = 's', kTuple = 't', kEmptyTuple = ')', kSetItems = 'u', kBinFloat = 'G',
-  kBinBytes = 'B', kShortBinBytes = 'C',
-  kProto = 0x80, kNewObj = 0x81, kExt1 = 0x82, kExt2 = 0x83, kExt4 = 0x84, kTuple1 = 0x85,
-  kTuple2 = 0x86, kTuple3 = 0x87, kNewTrue = 0x88, kNewFalse = 0x89, kLong1 = 0x8a, kLong4 = 0x8b,
-  kShortBinUnicode = 0x8c, kBinUnicode8 = 0x8d, kBinBytes8 = 0x8e, kEmptySet = 0x8f,
-  kAddItems = 0x90, kFrozenSet = 0x91, kNewObjEx = 0x92, kStackGlobal = 0x93, kMemoize = 0x94,
-  kFrame = 0x95, kByteArray8 = 0x96, kNextBuffer = 0x97, kReadonlyBuffer = 0x98,
+  kMark = '(',
+  kStop = '.',
+  kPop = '0',
+  kPopMark = '1',
+  kDup = '2',
+  kFloat = 'F',
+  kInt = 'I',
+  kBinInt = 'J',
+  kBinInt1 = 'K',
+  kLong = 'L',
+  kBinInt2 = 'M',
+  kNone = 'N',
+  kPersId = 'P',
+  kBinPersId = 'Q',
+  kReduce = 'R',
+  kString = 'S',
+  kBinString = 'T',
+  kShortBinString = 'U',
+  kUnicode = 'V',
+  kBinUnicode = 'X',
+  kAppend = 'a',
+  kBuild = 'b',
+  kGlobal = 'c',
+  kDict = 'd',
+  kEmptyDict = '}',
+  kAppends = 'e',
+  kGet = 'g',
+  kBinGet = 'h',
+  kInst = 'i',
+  kLongBinGet = 'j',
+  kList = 'l',
+  kEmptyList = ']',
+  kObj = 'o',
+  kPut = 'p',
+  kBinPut = 'q',
+  kLongBinPut = 'r',
+  kSetItem = 's',
+  kTuple = 't',
+  kEmptyTuple = ')',
+  kSetItems = 'u',
+  kBinFloat = 'G',
+  kBinBytes = 'B',
+  kShortBinBytes = 'C',
+  kProto = 0x80,
+  kNewObj = 0x81,
+  kExt1 = 0x82,
+  kExt2 = 0x83,
+  kExt4 = 0x84,
+  kTuple1 = 0x85,
+  kTuple2 = 0x86,
+  kTuple3 = 0x87,
+  kNewTrue = 0x88,
+  kNewFalse = 0x89,
+  kLong1 = 0x8a,
+  kLong4 = 0x8b,
+  kShortBinUnicode = 0x8c,
+  kBinUnicode8 = 0x8d,
+  kBinBytes8 = 0x8e,
+  kEmptySet = 0x8f,
+  kAddItems = 0x90,
+  kFrozenSet = 0x91,
+  kNewObjEx = 0x92,
+  kStackGlobal = 0x93,
+  kMemoize = 0x94,
+  kFrame = 0x95,
+  kByteArray8 = 0x96,
+  kNextBuffer = 0x97,
+  kReadonlyBuffer = 0x98,
 };
 
 // Longest module or name a GLOBAL line may have (Python identifiers of real modules are far
@@ -35,7 +89,8 @@ constexpr std::size_t kMaxGlobalLine = 1024;
 
 class Machine {
  public:
-  Machine(std::span<const std::byte> data, const PickleOptions& o, const std::string& what, std::vector<PickleNode>& nodes)
+  Machine(std::span<const std::byte> data, const PickleOptions& o, const std::string& what,
+          std::vector<PickleNode>& nodes)
       : data_(data), o_(o), what_(what), nodes_(nodes) {}
 
   Result<std::size_t> Run() {
@@ -61,8 +116,10 @@ class Machine {
   }
   static std::string OpName(unsigned char op) {
     char buf[16];
-    if (op >= 0x20 && op < 0x7f) std::snprintf(buf, sizeof buf, "'%c'", op);
-    else std::snprintf(buf, sizeof buf, "0x%02x", op);
+    if (op >= 0x20 && op < 0x7f)
+      std::snprintf(buf, sizeof buf, "'%c'", op);
+    else
+      std::snprintf(buf, sizeof buf, "0x%02x", op);
     return buf;
   }
 
@@ -76,7 +133,8 @@ class Machine {
   }
   std::uint64_t ReadLE(std::size_t n) {
     std::uint64_t v = 0;
-    for (std::size_t k = 0; k < n; ++k) v |= static_cast<std::uint64_t>(static_cast<unsigned char>(data_[pos_ + k])) << (8 * k);
+    for (std::size_t k = 0; k < n; ++k)
+      v |= static_cast<std::uint64_t>(static_cast<unsigned char>(data_[pos_ + k])) << (8 * k);
     pos_ += n;
     return v;
   }
@@ -105,7 +163,8 @@ class Machine {
   // Counted generously: a growing vector briefly holds its old and new buffers, and the
   // process has other uses for its address space.
   Status Budget(std::size_t nodes, std::size_t memo, std::size_t stack) const {
-    const auto bytes = static_cast<std::int64_t>(2 * (3 * nodes * sizeof(PickleNode) + memo * 64 + 3 * stack * sizeof(std::size_t)));
+    const auto bytes =
+        static_cast<std::int64_t>(2 * (3 * nodes * sizeof(PickleNode) + memo * 64 + 3 * stack * sizeof(std::size_t)));
     Status st = CheckMemory(bytes, what_ + ": the pickle's values");
     if (!st.ok()) return Status(st.code(), st.message() + " (at pickle byte offset " + std::to_string(op_at_) + ")");
     return Status::Ok();
@@ -196,11 +255,13 @@ class Machine {
     const std::string name = N(callable).s;
     const std::vector<std::size_t> a = N(args).items;
     if ((module == "collections" && name == "OrderedDict") || (module == "builtins" && name == "dict")) {
-      if (!a.empty() || kwargs != kPickleNoNode) return Err(module + "." + name + " called with arguments (expected none)");
+      if (!a.empty() || kwargs != kPickleNoNode)
+        return Err(module + "." + name + " called with arguments (expected none)");
       return Push(PickleKind::kDict);
     }
     if (module == "builtins" && (name == "set" || name == "frozenset")) {
-      if (a.size() > 1 || kwargs != kPickleNoNode) return Err(module + "." + name + " called with more than one argument");
+      if (a.size() > 1 || kwargs != kPickleNoNode)
+        return Err(module + "." + name + " called with more than one argument");
       std::size_t n = 0;
       std::vector<std::size_t> items;
       if (a.size() == 1) {
@@ -275,9 +336,11 @@ class Machine {
   }
   Status AddTo(std::size_t target, PickleKind want, const std::vector<std::size_t>& items, const char* opname) {
     if (N(target).kind != want) {
-      return Err(std::string(opname) + " on a " + Describe(target) + " (expected a " + std::string(PickleKindName(want)) + ")");
+      return Err(std::string(opname) + " on a " + Describe(target) + " (expected a " +
+                 std::string(PickleKindName(want)) + ")");
     }
-    if (want == PickleKind::kDict && items.size() % 2 != 0) return Err(std::string(opname) + " with an odd number of items");
+    if (want == PickleKind::kDict && items.size() % 2 != 0)
+      return Err(std::string(opname) + " with an odd number of items");
     auto& dst = N(target).items;
     dst.insert(dst.end(), items.begin(), items.end());
     return Status::Ok();
@@ -300,7 +363,8 @@ class Machine {
       case kFrame: {
         RS_RETURN_IF_ERROR(Need(8));
         const std::uint64_t len = ReadLE(8);
-        if (len > data_.size() - pos_) return Err("FRAME of " + std::to_string(len) + " bytes runs past the end of the input");
+        if (len > data_.size() - pos_)
+          return Err("FRAME of " + std::to_string(len) + " bytes runs past the end of the input");
         return Status::Ok();
       }
       case kStop: {
@@ -329,7 +393,8 @@ class Machine {
         stack_.push_back(top);
         return Status::Ok();
       }
-      case kNone: return Push(PickleKind::kNone);
+      case kNone:
+        return Push(PickleKind::kNone);
       case kNewTrue:
       case kNewFalse: {
         std::size_t n = 0;
@@ -387,26 +452,33 @@ class Machine {
       case kByteArray8:
         RS_RETURN_IF_ERROR(Need(8));
         return PushString(PickleKind::kBytes, ReadLE(8));
-      case kEmptyTuple: return Container(PickleKind::kTuple, {});
-      case kTuple1: return TupleN(1);
-      case kTuple2: return TupleN(2);
-      case kTuple3: return TupleN(3);
+      case kEmptyTuple:
+        return Container(PickleKind::kTuple, {});
+      case kTuple1:
+        return TupleN(1);
+      case kTuple2:
+        return TupleN(2);
+      case kTuple3:
+        return TupleN(3);
       case kTuple: {
         RS_ASSIGN_OR_RETURN(auto items, PopMark());
         return Container(PickleKind::kTuple, std::move(items));
       }
-      case kEmptyList: return Container(PickleKind::kList, {});
+      case kEmptyList:
+        return Container(PickleKind::kList, {});
       case kList: {
         RS_ASSIGN_OR_RETURN(auto items, PopMark());
         return Container(PickleKind::kList, std::move(items));
       }
-      case kEmptyDict: return Container(PickleKind::kDict, {});
+      case kEmptyDict:
+        return Container(PickleKind::kDict, {});
       case kDict: {
         RS_ASSIGN_OR_RETURN(auto items, PopMark());
         if (items.size() % 2 != 0) return Err("DICT with an odd number of items");
         return Container(PickleKind::kDict, std::move(items));
       }
-      case kEmptySet: return Container(PickleKind::kSet, {});
+      case kEmptySet:
+        return Container(PickleKind::kSet, {});
       case kFrozenSet: {
         RS_ASSIGN_OR_RETURN(auto items, PopMark());
         return Container(PickleKind::kSet, std::move(items));
@@ -478,13 +550,15 @@ class Machine {
         RS_ASSIGN_OR_RETURN(const std::size_t kwargs, Pop());
         RS_ASSIGN_OR_RETURN(const std::size_t args, Pop());
         RS_ASSIGN_OR_RETURN(const std::size_t cls, Pop());
-        if (N(kwargs).kind != PickleKind::kDict) return Err("NEWOBJ_EX with a " + Describe(kwargs) + " for keyword arguments");
+        if (N(kwargs).kind != PickleKind::kDict)
+          return Err("NEWOBJ_EX with a " + Describe(kwargs) + " for keyword arguments");
         return Call(cls, args, kwargs, "NEWOBJ_EX");
       }
       case kBuild: {
         RS_ASSIGN_OR_RETURN(const std::size_t state, Pop());
         RS_ASSIGN_OR_RETURN(const std::size_t obj, Top());
-        if (N(obj).kind != PickleKind::kObject) return Err("BUILD on a " + Describe(obj) + " (expected an object record)");
+        if (N(obj).kind != PickleKind::kObject)
+          return Err("BUILD on a " + Describe(obj) + " (expected an object record)");
         N(obj).state = state;
         return Status::Ok();
       }
@@ -496,14 +570,18 @@ class Machine {
         N(n).args = id;
         return Status::Ok();
       }
-      case kPersId: return Err("text persistent id (PERSID) is not supported (refused)");
+      case kPersId:
+        return Err("text persistent id (PERSID) is not supported (refused)");
       case kExt1:
       case kExt2:
-      case kExt4: return Err("extension registry opcode " + OpName(op) + " (EXT1/EXT2/EXT4) is not supported (refused)");
+      case kExt4:
+        return Err("extension registry opcode " + OpName(op) + " (EXT1/EXT2/EXT4) is not supported (refused)");
       case kNextBuffer:
-      case kReadonlyBuffer: return Err("out-of-band buffer opcode " + OpName(op) + " is not supported (refused)");
+      case kReadonlyBuffer:
+        return Err("out-of-band buffer opcode " + OpName(op) + " is not supported (refused)");
       case kInst:
-      case kObj: return Err("protocol-0/1 object opcode " + OpName(op) + " (INST/OBJ) is not supported (refused)");
+      case kObj:
+        return Err("protocol-0/1 object opcode " + OpName(op) + " (INST/OBJ) is not supported (refused)");
       case kInt:
       case kLong:
       case kFloat:
@@ -512,7 +590,8 @@ class Machine {
       case kGet:
       case kPut:
         return Err("protocol-0 text opcode " + OpName(op) + " is not supported (this reader takes protocols 2 to 5)");
-      default: return Err("unknown opcode " + OpName(op));
+      default:
+        return Err("unknown opcode " + OpName(op));
     }
   }
 
@@ -529,8 +608,10 @@ class Machine {
   std::size_t result_ = kPickleNoNode;
 };
 
-Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, std::int64_t& budget, nlohmann::json& out) {
-  if (depth > max_depth) return InvalidArgument("value nested deeper than " + std::to_string(max_depth) + " levels (or cyclic)");
+Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, std::int64_t& budget,
+                 nlohmann::json& out) {
+  if (depth > max_depth)
+    return InvalidArgument("value nested deeper than " + std::to_string(max_depth) + " levels (or cyclic)");
   if (--budget < 0) return InvalidArgument("value has too many parts to show");
   const PickleNode& n = t.node(i);
   auto list = [&](const std::vector<std::size_t>& items, nlohmann::json& dst) -> Status {
@@ -543,18 +624,32 @@ Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, s
     return Status::Ok();
   };
   switch (n.kind) {
-    case PickleKind::kNone: out = nullptr; return Status::Ok();
-    case PickleKind::kBool: out = n.b; return Status::Ok();
-    case PickleKind::kInt: out = n.i; return Status::Ok();
-    case PickleKind::kFloat: out = n.f; return Status::Ok();
-    case PickleKind::kString: out = n.s; return Status::Ok();
-    case PickleKind::kBytes: out = {{"bytes", n.s.size()}}; return Status::Ok();
+    case PickleKind::kNone:
+      out = nullptr;
+      return Status::Ok();
+    case PickleKind::kBool:
+      out = n.b;
+      return Status::Ok();
+    case PickleKind::kInt:
+      out = n.i;
+      return Status::Ok();
+    case PickleKind::kFloat:
+      out = n.f;
+      return Status::Ok();
+    case PickleKind::kString:
+      out = n.s;
+      return Status::Ok();
+    case PickleKind::kBytes:
+      out = {{"bytes", n.s.size()}};
+      return Status::Ok();
     case PickleKind::kTuple:
     case PickleKind::kList:
-    case PickleKind::kSet: return list(n.items, out);
+    case PickleKind::kSet:
+      return list(n.items, out);
     case PickleKind::kDict: {
       bool string_keys = true;
-      for (std::size_t k = 0; k < n.items.size(); k += 2) string_keys = string_keys && t.node(n.items[k]).kind == PickleKind::kString;
+      for (std::size_t k = 0; k < n.items.size(); k += 2)
+        string_keys = string_keys && t.node(n.items[k]).kind == PickleKind::kString;
       if (!string_keys) {
         out = nlohmann::json::array();
         for (std::size_t k = 0; k + 1 < n.items.size(); k += 2) {
@@ -573,12 +668,16 @@ Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, s
       }
       return Status::Ok();
     }
-    case PickleKind::kGlobal: out = n.module + "." + n.s; return Status::Ok();
+    case PickleKind::kGlobal:
+      out = n.module + "." + n.s;
+      return Status::Ok();
     case PickleKind::kObject: {
       out = {{"class", n.module + "." + n.s}};
       if (n.args != kPickleNoNode) RS_RETURN_IF_ERROR(ToJsonRec(t, n.args, depth + 1, max_depth, budget, out["args"]));
-      if (n.kwargs != kPickleNoNode) RS_RETURN_IF_ERROR(ToJsonRec(t, n.kwargs, depth + 1, max_depth, budget, out["kwargs"]));
-      if (n.state != kPickleNoNode) RS_RETURN_IF_ERROR(ToJsonRec(t, n.state, depth + 1, max_depth, budget, out["state"]));
+      if (n.kwargs != kPickleNoNode)
+        RS_RETURN_IF_ERROR(ToJsonRec(t, n.kwargs, depth + 1, max_depth, budget, out["kwargs"]));
+      if (n.state != kPickleNoNode)
+        RS_RETURN_IF_ERROR(ToJsonRec(t, n.state, depth + 1, max_depth, budget, out["state"]));
       return Status::Ok();
     }
     case PickleKind::kPersistentId: {
@@ -595,19 +694,32 @@ Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, s
 
 std::string_view PickleKindName(PickleKind k) {
   switch (k) {
-    case PickleKind::kNone: return "none";
-    case PickleKind::kBool: return "bool";
-    case PickleKind::kInt: return "int";
-    case PickleKind::kFloat: return "float";
-    case PickleKind::kString: return "str";
-    case PickleKind::kBytes: return "bytes";
-    case PickleKind::kTuple: return "tuple";
-    case PickleKind::kList: return "list";
-    case PickleKind::kDict: return "dict";
-    case PickleKind::kSet: return "set";
-    case PickleKind::kGlobal: return "global";
-    case PickleKind::kObject: return "object";
-    case PickleKind::kPersistentId: return "persistent id";
+    case PickleKind::kNone:
+      return "none";
+    case PickleKind::kBool:
+      return "bool";
+    case PickleKind::kInt:
+      return "int";
+    case PickleKind::kFloat:
+      return "float";
+    case PickleKind::kString:
+      return "str";
+    case PickleKind::kBytes:
+      return "bytes";
+    case PickleKind::kTuple:
+      return "tuple";
+    case PickleKind::kList:
+      return "list";
+    case PickleKind::kDict:
+      return "dict";
+    case PickleKind::kSet:
+      return "set";
+    case PickleKind::kGlobal:
+      return "global";
+    case PickleKind::kObject:
+      return "object";
+    case PickleKind::kPersistentId:
+      return "persistent id";
   }
   return "?";
 }

@@ -21,12 +21,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/status.h"
 
@@ -35,16 +34,16 @@ namespace rs {
 enum class PickleKind : std::uint8_t {
   kNone,
   kBool,
-  kInt,     // fits int64 (LONG1 / LONG4 of up to 8 bytes)
+  kInt,  // fits int64 (LONG1 / LONG4 of up to 8 bytes)
   kFloat,
   kString,  // unicode (UTF-8 bytes as given; not validated)
   kBytes,   // bytes, bytearray, and protocol-2 "binstring"
   kTuple,
   kList,
-  kDict,    // dict and collections.OrderedDict; items in insertion order
-  kSet,     // set and frozenset
-  kGlobal,  // a class or function named by GLOBAL / STACK_GLOBAL: `module`, `name`
-  kObject,  // the result of calling a global: `cls` (a kGlobal node), `args`, `state`
+  kDict,          // dict and collections.OrderedDict; items in insertion order
+  kSet,           // set and frozenset
+  kGlobal,        // a class or function named by GLOBAL / STACK_GLOBAL: `module`, `name`
+  kObject,        // the result of calling a global: `cls` (a kGlobal node), `args`, `state`
   kPersistentId,  // BINPERSID / PERSID (only when allowed): `args` is the id value
 };
 std::string_view PickleKindName(PickleKind k);  // "none", "int", "tuple", ...
@@ -56,14 +55,14 @@ struct PickleNode {
   bool b = false;
   std::int64_t i = 0;
   double f = 0;
-  std::string s;                   // kString, kBytes; kGlobal: the name; kObject: the class name
-  std::string module;              // kGlobal, kObject: the class's module
-  std::vector<std::size_t> items;  // kTuple, kList, kSet: elements; kDict: key, value, key, ...
-  std::size_t cls = kPickleNoNode;    // kObject: the kGlobal node
-  std::size_t args = kPickleNoNode;   // kObject: the argument tuple; kPersistentId: the id
-  std::size_t kwargs = kPickleNoNode; // kObject from NEWOBJ_EX: the keyword dict
-  std::size_t state = kPickleNoNode;  // kObject: the BUILD state, if any
-  std::int64_t offset = 0;            // input offset of the opcode that made it, for messages
+  std::string s;                       // kString, kBytes; kGlobal: the name; kObject: the class name
+  std::string module;                  // kGlobal, kObject: the class's module
+  std::vector<std::size_t> items;      // kTuple, kList, kSet: elements; kDict: key, value, key, ...
+  std::size_t cls = kPickleNoNode;     // kObject: the kGlobal node
+  std::size_t args = kPickleNoNode;    // kObject: the argument tuple; kPersistentId: the id
+  std::size_t kwargs = kPickleNoNode;  // kObject from NEWOBJ_EX: the keyword dict
+  std::size_t state = kPickleNoNode;   // kObject: the BUILD state, if any
+  std::int64_t offset = 0;             // input offset of the opcode that made it, for messages
 };
 
 // One global the reader accepts. `callable`: REDUCE / NEWOBJ may apply it (making a kObject

@@ -9,10 +9,9 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <tuple>
-
-#include <nlohmann/json.hpp>
 
 #include "formats/durable_file.h"
 
@@ -28,13 +27,11 @@ struct StDType {
 
 // Every dtype of the safetensors specification (as of safetensors 0.6).
 constexpr StDType kStDTypes[] = {
-    {"BOOL", DType::kBool},       {"U8", DType::kU8},           {"I8", DType::kI8},
-    {"F8_E5M2", DType::kF8E5M2},  {"F8_E4M3", DType::kF8E4M3},  {"I16", DType::kI16},
-    {"F16", DType::kF16},         {"BF16", DType::kBF16},       {"I32", DType::kI32},
-    {"F32", DType::kF32},         {"F64", DType::kF64},         {"I64", DType::kI64},
-    {"U16", std::nullopt},        {"U32", std::nullopt},        {"U64", std::nullopt},
-    {"F8_E8M0", std::nullopt},    {"F4", std::nullopt},         {"F6_E2M3", std::nullopt},
-    {"F6_E3M2", std::nullopt},    {"C64", std::nullopt},
+    {"BOOL", DType::kBool},      {"U8", DType::kU8},        {"I8", DType::kI8},        {"F8_E5M2", DType::kF8E5M2},
+    {"F8_E4M3", DType::kF8E4M3}, {"I16", DType::kI16},      {"F16", DType::kF16},      {"BF16", DType::kBF16},
+    {"I32", DType::kI32},        {"F32", DType::kF32},      {"F64", DType::kF64},      {"I64", DType::kI64},
+    {"U16", std::nullopt},       {"U32", std::nullopt},     {"U64", std::nullopt},     {"F8_E8M0", std::nullopt},
+    {"F4", std::nullopt},        {"F6_E2M3", std::nullopt}, {"F6_E3M2", std::nullopt}, {"C64", std::nullopt},
 };
 
 const StDType* FindStDType(std::string_view name) {
@@ -135,8 +132,8 @@ Result<std::vector<SafetensorsTensor>> ParseSafetensorsHeader(std::string_view h
     const StDType* st = FindStDType(dtype);
     if (st == nullptr) return DataLoss(where + " has unknown dtype '" + dtype + "'");
     if (!st->ours) {
-      return Unimplemented(where + " has dtype " + dtype + ", which this build does not support (supported: " +
-                           SupportedList() + ")");
+      return Unimplemented(where + " has dtype " + dtype +
+                           ", which this build does not support (supported: " + SupportedList() + ")");
     }
     SafetensorsTensor t;
     t.name = name;
@@ -185,8 +182,8 @@ Result<std::vector<SafetensorsTensor>> ParseSafetensorsHeader(std::string_view h
     prev = &t;
   }
   if (expect != data_bytes) {
-    return DataLoss(what + ": the tensors' data ends at byte " + std::to_string(expect) + " of the data section, but it holds " +
-                    std::to_string(data_bytes) + " bytes" +
+    return DataLoss(what + ": the tensors' data ends at byte " + std::to_string(expect) +
+                    " of the data section, but it holds " + std::to_string(data_bytes) + " bytes" +
                     (expect > data_bytes ? " (truncated file?)" : " (trailing bytes)"));
   }
   return out;
@@ -292,7 +289,8 @@ Result<std::string> SafetensorsWriter::Header(const std::vector<SafetensorsEntry
     const auto numel = CheckedNumel(t.shape);
     const auto nbytes = numel.ok() ? CheckedMul(*numel, static_cast<std::int64_t>(DTypeSize(t.dtype))) : std::nullopt;
     const auto end = nbytes ? CheckedAdd(offset, *nbytes) : std::nullopt;
-    if (!end) return InvalidArgument("safetensors: tensor '" + t.name + "' shape " + ShapeToString(t.shape) + " is invalid");
+    if (!end)
+      return InvalidArgument("safetensors: tensor '" + t.name + "' shape " + ShapeToString(t.shape) + " is invalid");
     j[t.name] = {{"dtype", SafetensorsDTypeName(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, *end}}};
     offset = *end;
   }
@@ -304,9 +302,9 @@ Result<std::string> SafetensorsWriter::Header(const std::vector<SafetensorsEntry
   return text;
 }
 
-Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(const std::string& path,
-                                                                     std::vector<SafetensorsEntry> tensors,
-                                                                     const std::map<std::string, std::string>& metadata) {
+Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
+    const std::string& path, std::vector<SafetensorsEntry> tensors,
+    const std::map<std::string, std::string>& metadata) {
   RS_ASSIGN_OR_RETURN(const std::string header, Header(tensors, metadata));
   if (PathExists(path)) return AlreadyExists(path + " exists; not replaced");
   auto w = std::unique_ptr<SafetensorsWriter>(new SafetensorsWriter());

@@ -69,7 +69,8 @@ constexpr std::int64_t kMaxWindowBytes = std::int64_t{256} << 20;
 
 std::size_t Window(const ThreadPool* pool, std::int64_t chunk_bytes) {
   const std::size_t wanted = pool == nullptr ? 1 : 2 * pool->size() + 1;
-  const auto fits = static_cast<std::size_t>(std::max<std::int64_t>(1, kMaxWindowBytes / std::max<std::int64_t>(chunk_bytes, 1)));
+  const auto fits =
+      static_cast<std::size_t>(std::max<std::int64_t>(1, kMaxWindowBytes / std::max<std::int64_t>(chunk_bytes, 1)));
   return std::min(wanted, fits);
 }
 
@@ -338,16 +339,15 @@ Status ShardFileWriter::CreateDataset(const DatasetSpec& spec, std::int64_t chun
     // and the bytes can go in with parallel pwrite outside the HDF5 lock (see Append).
     H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
   }
-  h5::Handle dset(H5Dcreate2(file_id_, spec.name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(),
-                             h5::kDefault),
-                  H5Dclose);
+  h5::Handle dset(
+      H5Dcreate2(file_id_, spec.name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(), h5::kDefault),
+      H5Dclose);
   if (!dset.valid()) return IoError(what + ": cannot create dataset");
   if (!spec.attribute.empty()) {
     h5::Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
     H5Tset_size(type.get(), spec.attribute.size());
     h5::Handle aspace(H5Screate(H5S_SCALAR), H5Sclose);
-    h5::Handle attr(H5Acreate2(dset.get(), "rs_shard", type.get(), aspace.get(), h5::kDefault, h5::kDefault),
-                    H5Aclose);
+    h5::Handle attr(H5Acreate2(dset.get(), "rs_shard", type.get(), aspace.get(), h5::kDefault, h5::kDefault), H5Aclose);
     if (!attr.valid() || H5Awrite(attr.get(), type.get(), spec.attribute.data()) < 0) {
       return IoError(what + ": cannot write attribute rs_shard");
     }
@@ -370,9 +370,9 @@ Status ShardFileWriter::CreateDataset(const DatasetSpec& spec, std::int64_t chun
     H5Pset_obj_track_times(tdcpl.get(), 0);
     H5Pset_layout(tdcpl.get(), H5D_CONTIGUOUS);
     H5Pset_alloc_time(tdcpl.get(), H5D_ALLOC_TIME_EARLY);
-    h5::Handle table(H5Dcreate2(file_id_, spec.table.c_str(), H5T_STD_U8LE, tspace.get(), h5::kDefault, tdcpl.get(),
-                                h5::kDefault),
-                     H5Dclose);
+    h5::Handle table(
+        H5Dcreate2(file_id_, spec.table.c_str(), H5T_STD_U8LE, tspace.get(), h5::kDefault, tdcpl.get(), h5::kDefault),
+        H5Dclose);
     if (!table.valid()) return IoError(what + ": cannot create the block table dataset '" + spec.table + "'");
     const haddr_t taddr = H5Dget_offset(table.get());
     if (taddr == HADDR_UNDEF) return IoError(what + ": HDF5 did not allocate the block table's storage");
@@ -448,8 +448,7 @@ void DatasetWriter::HashBlocks(std::span<const std::byte> bytes) {
 
 Result<std::uint64_t> DatasetWriter::WriteTable() {
   if (spec_.table.empty()) return std::uint64_t{0};
-  RS_CHECK_MSG(static_cast<std::int64_t>(table_.size()) ==
-                   BlockCount(spec_.nbytes, zstd_ ? chunk_ : spec_.block_bytes),
+  RS_CHECK_MSG(static_cast<std::int64_t>(table_.size()) == BlockCount(spec_.nbytes, zstd_ ? chunk_ : spec_.block_bytes),
                what_ << ": " << table_.size() << " block checksums");
   const std::vector<std::byte> bytes = EncodeBlockTable(zstd_ ? Codec::kZstd : Codec::kNone, table_);
   RS_RETURN_IF_ERROR(file_->WriteAt(table_offset_, bytes, nullptr, what_ + ", block table '" + spec_.table + "'"));
@@ -636,9 +635,12 @@ Result<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std::string
   Result<int> fd = OpenRegularFile(path, &size);
   if (!fd.ok()) {
     switch (fd.status().code()) {
-      case ErrorCode::kNotFound: return NotFound(path + ": data file is missing");
-      case ErrorCode::kFailedPrecondition: return DataLoss(fd.status().message());  // a FIFO, a directory...
-      default: return fd.status();
+      case ErrorCode::kNotFound:
+        return NotFound(path + ": data file is missing");
+      case ErrorCode::kFailedPrecondition:
+        return DataLoss(fd.status().message());  // a FIFO, a directory...
+      default:
+        return fd.status();
     }
   }
   std::unique_ptr<ShardFileReader> r(new ShardFileReader());
@@ -702,8 +704,8 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
     return DataLoss(what + ": dataset is not one-dimensional");
   }
   if (dims[0] != static_cast<hsize_t>(nbytes)) {
-    return DataLoss(what + ": dataset holds " + std::to_string(dims[0]) + " bytes, expected nbytes = " +
-                    std::to_string(nbytes));
+    return DataLoss(what + ": dataset holds " + std::to_string(dims[0]) +
+                    " bytes, expected nbytes = " + std::to_string(nbytes));
   }
   if (nbytes == 0) return loc;
   h5::Handle dcpl(H5Dget_create_plist(dset.get()), H5Pclose);
@@ -764,7 +766,8 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
   if (indexed != static_cast<hsize_t>(num_chunks)) {
     return DataLoss(what + ": the file's chunk index lists " + std::to_string(indexed) + " chunks, " +
                     std::to_string(nbytes) + " bytes in chunks of " + std::to_string(loc.chunk_bytes) + " need " +
-                    std::to_string(num_chunks) + (indexed < static_cast<hsize_t>(num_chunks) ? " (chunks are missing)" : ""));
+                    std::to_string(num_chunks) +
+                    (indexed < static_cast<hsize_t>(num_chunks) ? " (chunks are missing)" : ""));
   }
   const auto max_stored = static_cast<std::int64_t>(ZSTD_compressBound(static_cast<std::size_t>(loc.chunk_bytes)));
   loc.chunks.resize(static_cast<std::size_t>(num_chunks));
@@ -773,8 +776,8 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
     unsigned int mask = 0;
     haddr_t addr = HADDR_UNDEF;
     hsize_t size = 0;
-    const std::string chunk_what = what + ", chunk " + std::to_string(i) + " (uncompressed bytes " +
-                                   std::to_string(i * loc.chunk_bytes) + "..)";
+    const std::string chunk_what =
+        what + ", chunk " + std::to_string(i) + " (uncompressed bytes " + std::to_string(i * loc.chunk_bytes) + "..)";
     if (H5Dget_chunk_info_by_coord(dset.get(), coord, &mask, &addr, &size) < 0 || addr == HADDR_UNDEF) {
       return DataLoss(chunk_what + ": chunk is missing");
     }
@@ -790,9 +793,8 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
                          ? CheckedAdd(static_cast<std::int64_t>(addr), c.size)
                          : std::nullopt;
     if (!end || *end > file_size_) {
-      return DataLoss(chunk_what + ": stored at offset " + std::to_string(addr) + ", length " +
-                      std::to_string(c.size) + ", past the end of the file (" + std::to_string(file_size_) +
-                      " bytes)");
+      return DataLoss(chunk_what + ": stored at offset " + std::to_string(addr) + ", length " + std::to_string(c.size) +
+                      ", past the end of the file (" + std::to_string(file_size_) + " bytes)");
     }
     c.offset = static_cast<std::int64_t>(addr);
   }
@@ -834,11 +836,13 @@ std::string BlockWhat(const ShardLocation& loc, std::int64_t i, const std::strin
   const std::int64_t e = std::min(loc.nbytes, b + loc.block_bytes);
   if (loc.codec == Codec::kNone) {
     return what + ": block " + std::to_string(i) + " (bytes [" + std::to_string(b) + ", " + std::to_string(e) +
-           ") of the shard, at file offset " + std::to_string(loc.offset + b) + ", length " + std::to_string(e - b) + ")";
+           ") of the shard, at file offset " + std::to_string(loc.offset + b) + ", length " + std::to_string(e - b) +
+           ")";
   }
   const ShardLocation::Chunk& c = loc.chunks[static_cast<std::size_t>(i)];
   return what + ": chunk " + std::to_string(i) + " (bytes [" + std::to_string(b) + ", " + std::to_string(e) +
-         ") of the shard, stored at file offset " + std::to_string(c.offset) + ", length " + std::to_string(c.size) + ")";
+         ") of the shard, stored at file offset " + std::to_string(c.offset) + ", length " + std::to_string(c.size) +
+         ")";
 }
 
 Status BlockMismatch(const ShardLocation& loc, std::int64_t i, std::uint64_t got, const std::string& what) {
@@ -854,8 +858,8 @@ Status ShardFileReader::ReadChunk(const ShardLocation& loc, std::size_t index, s
   RS_CHECK(static_cast<std::int64_t>(chunk_out.size()) == loc.chunk_bytes);
   RS_CHECK(!verify || loc.has_blocks());
   const ShardLocation::Chunk& c = loc.chunks[index];
-  const std::string chunk_what = what + ", chunk " + std::to_string(index) + " at offset " +
-                                 std::to_string(c.offset) + ", length " + std::to_string(c.size);
+  const std::string chunk_what = what + ", chunk " + std::to_string(index) + " at offset " + std::to_string(c.offset) +
+                                 ", length " + std::to_string(c.size);
   if (c.raw) {
     RS_RETURN_IF_ERROR(ReadAt(c.offset, chunk_out, chunk_what));
     if (verify) {
@@ -931,8 +935,9 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
       buf->bytes = std::make_unique_for_overwrite<std::byte[]>(n);
       buf->size = buf->capacity = n;
     }
-    const Status st = loc.codec == Codec::kNone ? ReadBlock(loc, i, buf->span(), what)
-                                                : ReadChunk(loc, static_cast<std::size_t>(i), buf->span(), what, verify);
+    const Status st = loc.codec == Codec::kNone
+                          ? ReadBlock(loc, i, buf->span(), what)
+                          : ReadChunk(loc, static_cast<std::size_t>(i), buf->span(), what, verify);
     if (!st.ok()) {
       std::lock_guard<std::mutex> lock(mu);
       if (first_error.ok()) first_error = st;
@@ -977,9 +982,7 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
     // whole are read straight into `out`, several per pread, then checked; the blocks at its
     // ends come whole from the cache or the file.
     constexpr std::int64_t kRunBytes = std::int64_t{8} << 20;
-    auto covered = [&](std::int64_t i) {
-      return i * bs >= begin && std::min(loc.nbytes, (i + 1) * bs) <= end;
-    };
+    auto covered = [&](std::int64_t i) { return i * bs >= begin && std::min(loc.nbytes, (i + 1) * bs) <= end; };
     for (std::int64_t i = first; i <= last && first_error.ok();) {
       if (!covered(i)) {
         one(i++);
@@ -988,12 +991,15 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
       std::int64_t j = i + 1;
       while (j <= last && covered(j) && (j + 1 - i) * bs <= kRunBytes) ++j;
       const std::int64_t from = i * bs, to = std::min(loc.nbytes, j * bs);
-      const std::span<std::byte> dst = out.subspan(static_cast<std::size_t>(from - begin), static_cast<std::size_t>(to - from));
+      const std::span<std::byte> dst =
+          out.subspan(static_cast<std::size_t>(from - begin), static_cast<std::size_t>(to - from));
       Status s = ReadAt(loc.offset + from, dst, what);
       for (std::int64_t k = i; s.ok() && k < j; ++k) {
         const std::int64_t b = k * bs;
-        s = CheckBlock(loc, k, dst.subspan(static_cast<std::size_t>(b - from), static_cast<std::size_t>(std::min(bs, loc.nbytes - b))),
-                       what);
+        s = CheckBlock(
+            loc, k,
+            dst.subspan(static_cast<std::size_t>(b - from), static_cast<std::size_t>(std::min(bs, loc.nbytes - b))),
+            what);
       }
       if (!s.ok()) first_error = s;
       i = j;
@@ -1018,7 +1024,8 @@ Status ShardFileReader::Stream(const ShardLocation& loc, ThreadPool* pool, const
   if (loc.codec == Codec::kNone) {
     // Verifying: whole blocks of the table, at least kStreamBlock bytes per read (each block is
     // checked before it reaches the sink).
-    const std::int64_t step = verify ? (kStreamBlock + loc.block_bytes - 1) / loc.block_bytes * loc.block_bytes : kStreamBlock;
+    const std::int64_t step =
+        verify ? (kStreamBlock + loc.block_bytes - 1) / loc.block_bytes * loc.block_bytes : kStreamBlock;
     std::vector<std::byte> block(static_cast<std::size_t>(std::min(step, loc.nbytes)));
     std::int64_t advised = 0;
     for (std::int64_t pos = 0; pos < loc.nbytes; pos += step) {
@@ -1157,8 +1164,8 @@ Result<std::optional<std::string>> ShardFileReader::ReadStringAttribute(const st
   h5::Handle a(H5Aopen(dset.get(), attr.c_str(), h5::kDefault), H5Aclose);
   h5::Handle type(a.valid() ? H5Aget_type(a.get()) : -1, H5Tclose);
   h5::Handle space(a.valid() ? H5Aget_space(a.get()) : -1, H5Sclose);
-  if (!type.valid() || !space.valid() || H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) != 0 ||
-      H5Sget_simple_extent_type(space.get()) != H5S_SCALAR) {
+  if (!type.valid() || !space.valid() || H5Tget_class(type.get()) != H5T_STRING ||
+      H5Tis_variable_str(type.get()) != 0 || H5Sget_simple_extent_type(space.get()) != H5S_SCALAR) {
     return DataLoss(what + ": attribute '" + attr + "' is not a fixed-length string");
   }
   const std::size_t size = H5Tget_size(type.get());
@@ -1185,7 +1192,8 @@ Result<ShardFileReader::Outside> ShardFileReader::HashOutside(std::vector<Extent
     const auto end = CheckedAdd(e.offset, e.length);
     if (e.offset < 0 || e.length < 0 || !end || *end > file_size_) {
       return DataLoss(path_ + ": " + e.owner + ": data at offset " + std::to_string(e.offset) + ", length " +
-                      std::to_string(e.length) + " passes the end of the file (" + std::to_string(file_size_) + " bytes)");
+                      std::to_string(e.length) + " passes the end of the file (" + std::to_string(file_size_) +
+                      " bytes)");
     }
     if (e.length == 0) continue;
     if (last != nullptr && e.offset < covered) {

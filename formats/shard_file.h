@@ -19,16 +19,16 @@
 #include <vector>
 
 #include "core/status.h"
-#include "formats/codec.h"
 #include "core/thread_pool.h"
+#include "formats/codec.h"
 
 namespace rs {
 
 // Where a shard's bytes lie in its file, validated against the file's size.
 struct ShardLocation {
   Codec codec = Codec::kNone;
-  std::int64_t nbytes = 0;  // uncompressed
-  std::int64_t offset = 0;  // codec none: file offset of the first byte
+  std::int64_t nbytes = 0;       // uncompressed
+  std::int64_t offset = 0;       // codec none: file offset of the first byte
   std::int64_t chunk_bytes = 0;  // codec zstd: uncompressed bytes per chunk (edge chunk padded)
   struct Chunk {
     std::int64_t offset = 0;  // file offset of the stored chunk
@@ -79,11 +79,11 @@ std::vector<std::byte> EncodeBlockTable(Codec codec, const std::vector<BlockEntr
 struct TableRef {
   Codec codec = Codec::kNone;
   std::int64_t nbytes = 0;
-  std::int64_t data_offset = 0;   // codec none
-  std::int64_t chunk_bytes = 0;   // codec zstd
-  std::int64_t block_bytes = 0;   // codec none: the manifest's block_bytes
+  std::int64_t data_offset = 0;  // codec none
+  std::int64_t chunk_bytes = 0;  // codec zstd
+  std::int64_t block_bytes = 0;  // codec none: the manifest's block_bytes
   std::int64_t table_offset = 0;
-  std::uint64_t checksum = 0;     // of the table
+  std::uint64_t checksum = 0;  // of the table
 };
 
 // Verified, uncompressed blocks kept for reads that need part of a block again (the next
@@ -163,7 +163,7 @@ class DatasetWriter {
   // InvalidArgument past the dataset's size; IoError from the file system or HDF5.
   Status Append(std::span<const std::byte> bytes);
   struct Written {
-    std::int64_t stored_bytes = 0;     // bytes stored in the file (compressed size)
+    std::int64_t stored_bytes = 0;  // bytes stored in the file (compressed size)
     // When there is a block table: its XXH3-64 and where the table and (codec none) the data
     // are in the file, and (zstd) the chunk size.
     std::uint64_t table_checksum = 0;
@@ -190,7 +190,7 @@ class DatasetWriter {
   Status WriteOldest();
   Status Create();  // zstd: creates the dataset, its attribute and its table (in turn)
   void HashBlocks(std::span<const std::byte> bytes);  // codec none: the block table
-  Result<std::uint64_t> WriteTable();  // writes the block table; returns its checksum
+  Result<std::uint64_t> WriteTable();                 // writes the block table; returns its checksum
 
   ShardFileWriter* file_ = nullptr;
   DatasetSpec spec_;
@@ -206,7 +206,7 @@ class DatasetWriter {
   bool zstd_ = false;
   std::int64_t chunk_ = 0;
   ThreadPool* pool_ = nullptr;
-  std::int64_t dset_ = -1;  // zstd: the open dataset (hid_t), for direct chunk writes
+  std::int64_t dset_ = -1;          // zstd: the open dataset (hid_t), for direct chunk writes
   std::vector<std::byte> partial_;  // zstd: the chunk being filled
   std::int64_t next_chunk_ = 0;
   std::deque<Pending> pending_;
@@ -221,7 +221,6 @@ class ShardFileWriter {
   // Creates `path` (which must not exist: IoError otherwise).
   static Result<std::unique_ptr<ShardFileWriter>> Create(const std::string& path);
   ~ShardFileWriter();  // closes without fsync if Close() was not called
-
 
   // Creates dataset `spec.name` of `spec.nbytes` bytes, whose bytes then arrive through
   // DatasetWriter::Append. zstd chunks are compressed on `pool` (if non-null) while earlier
@@ -282,7 +281,8 @@ class ShardFileReader {
   // (FORMAT.md §4.3): chunk size <= nbytes, as many chunks as the file can hold and as HDF5's
   // chunk index lists. DataLoss naming `what` (file, dataset, tensor) otherwise, or if HDF5
   // cannot open the file (truncated or not an HDF5 file).
-  Result<ShardLocation> Locate(const std::string& name, Codec codec, std::int64_t nbytes, const std::string& what) const;
+  Result<ShardLocation> Locate(const std::string& name, Codec codec, std::int64_t nbytes,
+                               const std::string& what) const;
 
   // Whether HDF5 can open the file at all (DataLoss naming the file if not).
   Status CheckHdf5() const;
@@ -335,8 +335,8 @@ class ShardFileReader {
   ShardFileReader() = default;
   // Reads chunk `index` into `chunk_out`; with `verify`, checks the stored bytes against the
   // block table before decompressing them.
-  Status ReadChunk(const ShardLocation& loc, std::size_t index, std::span<std::byte> chunk_out,
-                   const std::string& what, bool verify = false) const;
+  Status ReadChunk(const ShardLocation& loc, std::size_t index, std::span<std::byte> chunk_out, const std::string& what,
+                   bool verify = false) const;
   // Reads block `index` of a codec-none shard into `out` (exactly the block) and checks it.
   Status ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
                    const std::string& what) const;

@@ -21,8 +21,8 @@ Status ShardSource::ReadPiece(const std::string& tensor, const Piece& piece, std
   if (ti < 0) return NotFound(dir() + ": checkpoint has no tensor '" + tensor + "'");
   const TensorSpec& t = m.tensors[static_cast<std::size_t>(ti)];
   const std::string where = dir() + ": tensor '" + tensor + "' " + ShapeToString(t.shape);
-  if (!piece.box.Within(t.shape) ||
-      (piece.range && (piece.range->begin < 0 || piece.range->begin > piece.range->end || piece.range->end > piece.box.numel()))) {
+  if (!piece.box.Within(t.shape) || (piece.range && (piece.range->begin < 0 || piece.range->begin > piece.range->end ||
+                                                     piece.range->end > piece.box.numel()))) {
     return OutOfRange(where + ": piece " + BoxToString(piece.box) + " lies outside the tensor");
   }
   const auto es = static_cast<std::int64_t>(DTypeSize(t.dtype));
@@ -51,7 +51,9 @@ Status ShardSource::ReadPiece(const std::string& tensor, const Piece& piece, std
       return DataLoss(where + ": no stored piece holds items [" + std::to_string(pos) + ", " + std::to_string(p.begin) +
                       ") of the requested piece");
     }
-    if (p.begin < pos) return DataLoss(where + ": an item of the requested piece is held by two stored pieces: " + DescribeShard(p.shard));
+    if (p.begin < pos)
+      return DataLoss(where +
+                      ": an item of the requested piece is held by two stored pieces: " + DescribeShard(p.shard));
     pos = p.end;
   }
   if (pos < numel) {
@@ -59,15 +61,16 @@ Status ShardSource::ReadPiece(const std::string& tensor, const Piece& piece, std
                     ") of the requested piece");
   }
   for (const Part& p : parts) {
-    RS_RETURN_IF_ERROR(ReadShardRange(p.shard, p.src * es,
-                                      out.subspan(static_cast<std::size_t>(p.begin * es),
-                                                  static_cast<std::size_t>((p.end - p.begin) * es))));
+    RS_RETURN_IF_ERROR(ReadShardRange(
+        p.shard, p.src * es,
+        out.subspan(static_cast<std::size_t>(p.begin * es), static_cast<std::size_t>((p.end - p.begin) * es))));
   }
   return Status::Ok();
 }
 
 CheckpointSource::CheckpointSource(CheckpointReader& reader) : reader_(reader) {}
-CheckpointSource::CheckpointSource(std::unique_ptr<CheckpointReader> reader) : owned_(std::move(reader)), reader_(*owned_) {}
+CheckpointSource::CheckpointSource(std::unique_ptr<CheckpointReader> reader)
+    : owned_(std::move(reader)), reader_(*owned_) {}
 CheckpointSource::~CheckpointSource() = default;
 
 const std::string& CheckpointSource::dir() const { return reader_.dir(); }

@@ -24,8 +24,8 @@ std::uint64_t Le(std::span<const std::byte> b, std::size_t at, std::size_t n) {
 }
 
 // Bounded read into a fresh buffer.
-Result<std::vector<std::byte>> ReadRange(const ZipReadFn& read, std::int64_t length, std::int64_t offset, std::int64_t n,
-                                         const std::string& what, const std::string& field) {
+Result<std::vector<std::byte>> ReadRange(const ZipReadFn& read, std::int64_t length, std::int64_t offset,
+                                         std::int64_t n, const std::string& what, const std::string& field) {
   if (offset < 0 || n < 0 || offset > length || n > length - offset) {
     return DataLoss(what + ": " + field + " at archive offset " + std::to_string(offset) + " (+" + std::to_string(n) +
                     " bytes) lies outside the archive of " + std::to_string(length) + " bytes");
@@ -74,7 +74,9 @@ Result<StoredZip> StoredZip::Open(const ZipReadFn& read, std::int64_t length, co
       break;
     }
   }
-  if (eocd < 0) return DataLoss(what + ": no zip end-of-central-directory record at the end (truncated, or not a torch.save archive)");
+  if (eocd < 0)
+    return DataLoss(what +
+                    ": no zip end-of-central-directory record at the end (truncated, or not a torch.save archive)");
   const auto e = static_cast<std::size_t>(eocd);
   const std::int64_t eocd_at = length - tail_len + eocd;
   std::uint64_t disk = Le(tail, e + 4, 2);
@@ -89,16 +91,18 @@ Result<StoredZip> StoredZip::Open(const ZipReadFn& read, std::int64_t length, co
     if (eocd_at < kLocatorBytes) return DataLoss(what + ": ZIP64 archive without room for its end-record locator");
     RS_ASSIGN_OR_RETURN(const std::vector<std::byte> loc,
                         ReadRange(read, length, eocd_at - kLocatorBytes, kLocatorBytes, what, "ZIP64 locator"));
-    if (Le(loc, 0, 4) != kZip64LocatorSig) return DataLoss(what + ": saturated end record but no ZIP64 locator before it");
+    if (Le(loc, 0, 4) != kZip64LocatorSig)
+      return DataLoss(what + ": saturated end record but no ZIP64 locator before it");
     const std::uint64_t rec = Le(loc, 8, 8);
     if (Le(loc, 4, 4) != 0 || Le(loc, 16, 4) > 1) return DataLoss(what + ": multi-disk ZIP64 archive");
     if (rec > static_cast<std::uint64_t>(eocd_at - kLocatorBytes) ||
         static_cast<std::int64_t>(rec) + kZip64EocdBytes > eocd_at - kLocatorBytes) {
       return DataLoss(what + ": ZIP64 end record offset " + std::to_string(rec) + " is outside the archive");
     }
-    RS_ASSIGN_OR_RETURN(const std::vector<std::byte> z64,
-                        ReadRange(read, length, static_cast<std::int64_t>(rec), kZip64EocdBytes, what, "ZIP64 end record"));
-    if (Le(z64, 0, 4) != kZip64EocdSig) return DataLoss(what + ": no ZIP64 end record at offset " + std::to_string(rec));
+    RS_ASSIGN_OR_RETURN(const std::vector<std::byte> z64, ReadRange(read, length, static_cast<std::int64_t>(rec),
+                                                                    kZip64EocdBytes, what, "ZIP64 end record"));
+    if (Le(z64, 0, 4) != kZip64EocdSig)
+      return DataLoss(what + ": no ZIP64 end record at offset " + std::to_string(rec));
     disk = Le(z64, 16, 4);
     cd_disk = Le(z64, 20, 4);
     entries_disk = Le(z64, 24, 8);
@@ -121,12 +125,14 @@ Result<StoredZip> StoredZip::Open(const ZipReadFn& read, std::int64_t length, co
                     std::to_string(cd_size) + " bytes");
   }
   z.cd_offset_ = static_cast<std::int64_t>(cd_offset);
-  RS_ASSIGN_OR_RETURN(const std::vector<std::byte> cd,
-                      ReadRange(read, length, z.cd_offset_, static_cast<std::int64_t>(cd_size), what, "central directory"));
+  RS_ASSIGN_OR_RETURN(
+      const std::vector<std::byte> cd,
+      ReadRange(read, length, z.cd_offset_, static_cast<std::int64_t>(cd_size), what, "central directory"));
   std::size_t p = 0;
   for (std::uint64_t i = 0; i < entries; ++i) {
     const std::string where = what + ": central directory entry " + std::to_string(i);
-    if (cd.size() - p < kCentralBytes || Le(cd, p, 4) != kCentralSig) return DataLoss(where + ": bad signature or truncated");
+    if (cd.size() - p < kCentralBytes || Le(cd, p, 4) != kCentralSig)
+      return DataLoss(where + ": bad signature or truncated");
     ZipEntry en;
     en.flags = static_cast<std::uint16_t>(Le(cd, p + 8, 2));
     en.method = static_cast<std::uint16_t>(Le(cd, p + 10, 2));
@@ -137,7 +143,8 @@ Result<StoredZip> StoredZip::Open(const ZipReadFn& read, std::int64_t length, co
     const std::size_t extra_len = Le(cd, p + 30, 2);
     const std::size_t comment_len = Le(cd, p + 32, 2);
     std::uint64_t local = Le(cd, p + 42, 4);
-    if (cd.size() - p - kCentralBytes < name_len + extra_len + comment_len) return DataLoss(where + ": runs past the directory");
+    if (cd.size() - p - kCentralBytes < name_len + extra_len + comment_len)
+      return DataLoss(where + ": runs past the directory");
     en.name.assign(reinterpret_cast<const char*>(cd.data()) + p + kCentralBytes, name_len);
     // ZIP64 extended information: the saturated fields, in order.
     std::size_t x = p + kCentralBytes + name_len;
@@ -194,7 +201,8 @@ Result<std::int64_t> StoredZip::DataOffset(const ZipReadFn& read, const ZipEntry
   }
   RS_ASSIGN_OR_RETURN(const std::vector<std::byte> h,
                       ReadRange(read, length_, entry.local_header, kLocalBytes, where, "local header"));
-  if (Le(h, 0, 4) != kLocalSig) return DataLoss(where + ": no local header at archive offset " + std::to_string(entry.local_header));
+  if (Le(h, 0, 4) != kLocalSig)
+    return DataLoss(where + ": no local header at archive offset " + std::to_string(entry.local_header));
   const std::int64_t name_len = static_cast<std::int64_t>(Le(h, 26, 2));
   const std::int64_t extra_len = static_cast<std::int64_t>(Le(h, 28, 2));
   RS_ASSIGN_OR_RETURN(const std::vector<std::byte> name,

@@ -15,9 +15,9 @@
 #include "core/memory.h"
 #include "core/shape.h"
 #include "core/text.h"
+#include "core/thread_pool.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/shard_file.h"
-#include "core/thread_pool.h"
 
 namespace rs {
 namespace {
@@ -63,11 +63,10 @@ std::string Join(const std::set<std::string>& names, std::size_t max) {
 // most `budget` bytes. Returns the index (relative) of the first differing item, or -1.
 // Read errors count as differences (the shard's own finding explains them).
 Result<std::int64_t> FirstDifference(CheckpointReader& r, std::size_t a, std::int64_t a_local, std::size_t b,
-                                     std::int64_t b_local, std::int64_t items, std::int64_t es,
-                                     std::int64_t* budget) {
+                                     std::int64_t b_local, std::int64_t items, std::int64_t es, std::int64_t* budget) {
   const std::int64_t block_items = std::max<std::int64_t>(1, (std::int64_t{4} << 20) / es);
   std::vector<std::byte> x, y;
-  for (std::int64_t done = 0; done < items && *budget > 0; done += block_items) {
+  for (std::int64_t done = 0; done<items&& * budget> 0; done += block_items) {
     const std::int64_t n = std::min({block_items, items - done, std::max<std::int64_t>(1, *budget / es)});
     x.resize(static_cast<std::size_t>(n * es));
     y.resize(x.size());
@@ -132,8 +131,9 @@ void CheckCoverage(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
     if (s.replica == ReplicaKind::kMain) max_runs = CheckedAdd(max_runs, RunsUpperBound(t.shape, s.piece)).value_or(-1);
     if (max_runs < 0) break;
   }
-  if (Status st = CheckRuns(max_runs, sizeof(MainRun), "tensor '" + t.name + "' " + ShapeToString(t.shape) +
-                                                           ": checking its coverage (main replicas)");
+  if (Status st =
+          CheckRuns(max_runs, sizeof(MainRun),
+                    "tensor '" + t.name + "' " + ShapeToString(t.shape) + ": checking its coverage (main replicas)");
       !st.ok()) {
     out.Add(FindingKind::kManifest, st.code(), t.name, manifest_path, st.message() + "; coverage not checked");
     return;
@@ -148,9 +148,8 @@ void CheckCoverage(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
   }
   // Sorting the runs and sweeping once finds every gap and overlap in O(runs log runs),
   // however large the tensor.
-  std::sort(runs.begin(), runs.end(), [](const MainRun& a, const MainRun& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end > b.end;
-  });
+  std::sort(runs.begin(), runs.end(),
+            [](const MainRun& a, const MainRun& b) { return a.begin != b.begin ? a.begin < b.begin : a.end > b.end; });
   std::vector<ItemRange> gaps;
   std::int64_t gap_items = 0;
   std::map<std::pair<std::size_t, std::size_t>, OverlapAgg> overlaps;
@@ -204,9 +203,8 @@ void CheckCoverage(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
   for (const auto& [pair, agg] : overlaps) {
     std::ostringstream os;
     os << "tensor '" << t.name << "' " << ShapeToString(t.shape) << ": main replicas " << r.DescribeShard(pair.first)
-       << " and " << r.DescribeShard(pair.second) << " both hold " << agg.items << " items (" << agg.runs
-       << " run" << (agg.runs == 1 ? "" : "s") << "), first " << DescribeItems(t.shape, agg.first_begin, agg.first_end)
-       << "; ";
+       << " and " << r.DescribeShard(pair.second) << " both hold " << agg.items << " items (" << agg.runs << " run"
+       << (agg.runs == 1 ? "" : "s") << "), first " << DescribeItems(t.shape, agg.first_begin, agg.first_end) << "; ";
     if (agg.read_error) {
       os << "their bytes could not be compared";
     } else if (agg.differ_at) {
@@ -222,16 +220,15 @@ void CheckReplicas(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
   const Manifest& m = r.manifest();
   const auto es = static_cast<std::int64_t>(DTypeSize(t.dtype));
   std::vector<std::size_t> mains;
-  std::map<Piece, std::size_t, bool (*)(const Piece&, const Piece&)> exact(
-      [](const Piece& a, const Piece& b) {
-        if (a.box.offset != b.box.offset) return a.box.offset < b.box.offset;
-        if (a.box.shape != b.box.shape) return a.box.shape < b.box.shape;
-        const auto key = [](const Piece& p) {
-          return p.range ? std::pair<std::int64_t, std::int64_t>{p.range->begin, p.range->end}
-                         : std::pair<std::int64_t, std::int64_t>{-1, -1};
-        };
-        return key(a) < key(b);
-      });
+  std::map<Piece, std::size_t, bool (*)(const Piece&, const Piece&)> exact([](const Piece& a, const Piece& b) {
+    if (a.box.offset != b.box.offset) return a.box.offset < b.box.offset;
+    if (a.box.shape != b.box.shape) return a.box.shape < b.box.shape;
+    const auto key = [](const Piece& p) {
+      return p.range ? std::pair<std::int64_t, std::int64_t>{p.range->begin, p.range->end}
+                     : std::pair<std::int64_t, std::int64_t>{-1, -1};
+    };
+    return key(a) < key(b);
+  });
   for (const std::size_t idx : r.ShardsOf(t.name)) {
     if (m.shards[idx].replica == ReplicaKind::kMain) {
       mains.push_back(idx);
@@ -298,8 +295,8 @@ void CheckOptimizerStates(const Manifest& m, const std::string& manifest_path, F
                   std::string(TensorRoleName(param.role)) + ", not a parameter");
     } else if (param.shape != t.shape) {
       out.Add(FindingKind::kOptimizerState, ErrorCode::kDataLoss, t.name, manifest_path,
-              "optimizer state '" + t.name + "' has shape " + ShapeToString(t.shape) + ", its parameter '" +
-                  t.param + "' has shape " + ShapeToString(param.shape));
+              "optimizer state '" + t.name + "' has shape " + ShapeToString(t.shape) + ", its parameter '" + t.param +
+                  "' has shape " + ShapeToString(param.shape));
     }
   }
 }
@@ -307,7 +304,9 @@ void CheckOptimizerStates(const Manifest& m, const std::string& manifest_path, F
 // The informative attribute a writer of this project stores with a shard's dataset
 // (FORMAT.md §4): what the manifest says about the shard.
 nlohmann::json ExpectedAttribute(const ShardEntry& s, const TensorSpec& t) {
-  nlohmann::json a = {{"tensor", s.tensor}, {"dtype", DTypeName(t.dtype)}, {"box_offset", s.piece.box.offset},
+  nlohmann::json a = {{"tensor", s.tensor},
+                      {"dtype", DTypeName(t.dtype)},
+                      {"box_offset", s.piece.box.offset},
                       {"box_shape", s.piece.box.shape}};
   if (s.piece.range) a["range"] = {s.piece.range->begin, s.piece.range->end};
   return a;
@@ -324,17 +323,28 @@ bool IsChecksumError(const Status& s) {
 
 std::string_view FindingKindName(FindingKind k) {
   switch (k) {
-    case FindingKind::kManifest: return "manifest";
-    case FindingKind::kVersion: return "version";
-    case FindingKind::kMissingFile: return "missing_file";
-    case FindingKind::kBadFile: return "bad_file";
-    case FindingKind::kChecksum: return "checksum";
-    case FindingKind::kGap: return "gap";
-    case FindingKind::kOverlap: return "overlap";
-    case FindingKind::kReplicaMismatch: return "replica_mismatch";
-    case FindingKind::kOptimizerState: return "optimizer_state";
-    case FindingKind::kFileBytes: return "file_bytes";
-    case FindingKind::kAttribute: return "attribute";
+    case FindingKind::kManifest:
+      return "manifest";
+    case FindingKind::kVersion:
+      return "version";
+    case FindingKind::kMissingFile:
+      return "missing_file";
+    case FindingKind::kBadFile:
+      return "bad_file";
+    case FindingKind::kChecksum:
+      return "checksum";
+    case FindingKind::kGap:
+      return "gap";
+    case FindingKind::kOverlap:
+      return "overlap";
+    case FindingKind::kReplicaMismatch:
+      return "replica_mismatch";
+    case FindingKind::kOptimizerState:
+      return "optimizer_state";
+    case FindingKind::kFileBytes:
+      return "file_bytes";
+    case FindingKind::kAttribute:
+      return "attribute";
   }
   return "unknown";
 }
@@ -348,9 +358,12 @@ nlohmann::json VerifyReport::ToJson() const {
   j["dir"] = dir;
   j["sound"] = sound();
   j["format_version"] = counts.format_version;
-  j["counts"] = {{"tensors", counts.tensors},           {"shards", counts.shards},
-                 {"replicas", counts.replicas},         {"files", counts.files},
-                 {"checked_bytes", counts.checked_bytes}, {"stored_bytes", counts.stored_bytes},
+  j["counts"] = {{"tensors", counts.tensors},
+                 {"shards", counts.shards},
+                 {"replicas", counts.replicas},
+                 {"files", counts.files},
+                 {"checked_bytes", counts.checked_bytes},
+                 {"stored_bytes", counts.stored_bytes},
                  {"outside_bytes", counts.outside_bytes}};
   nlohmann::json by_kind = nlohmann::json::object();
   nlohmann::json list = nlohmann::json::array();
@@ -531,8 +544,9 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
           const std::string diff = hdf5.ok() ? CompareLocations(*hdf5, *located[i]) : "";
           if (!hdf5.ok() || !diff.empty()) {
             shard_findings[i].push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, s.tensor, s.file,
-                                         hdf5.ok() ? what + ": the file's HDF5 metadata and the manifest disagree: " + diff
-                                                   : hdf5.status().message()});
+                                         hdf5.ok()
+                                             ? what + ": the file's HDF5 metadata and the manifest disagree: " + diff
+                                             : hdf5.status().message()});
             dataset_ok = hdf5.ok();
           }
         }
@@ -540,15 +554,15 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
           Result<std::optional<std::string>> attr = (*f)->ReadStringAttribute(s.dataset, "rs_shard", what);
           const TensorSpec& t = m.tensors[static_cast<std::size_t>(m.TensorIndex(s.tensor))];
           if (!attr.ok()) {
-            shard_findings[i].push_back({FindingKind::kAttribute, attr.status().code(), s.tensor, s.file,
-                                         attr.status().message()});
+            shard_findings[i].push_back(
+                {FindingKind::kAttribute, attr.status().code(), s.tensor, s.file, attr.status().message()});
           } else if (attr->has_value()) {
             const nlohmann::json got = nlohmann::json::parse(**attr, nullptr, /*allow_exceptions=*/false);
             const nlohmann::json want = ExpectedAttribute(s, t);
             if (got != want) {
-              shard_findings[i].push_back({FindingKind::kAttribute, ErrorCode::kDataLoss, s.tensor, s.file,
-                                           what + ": attribute 'rs_shard' is " + SafeText(**attr) +
-                                               ", the manifest says " + want.dump()});
+              shard_findings[i].push_back(
+                  {FindingKind::kAttribute, ErrorCode::kDataLoss, s.tensor, s.file,
+                   what + ": attribute 'rs_shard' is " + SafeText(**attr) + ", the manifest says " + want.dump()});
             }
           }
         }

@@ -12,11 +12,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 
@@ -55,9 +54,9 @@ struct VerifyCounts {
   std::int64_t shards = 0;
   std::int64_t replicas = 0;
   std::int64_t files = 0;
-  std::int64_t checked_bytes = 0;  // uncompressed bytes whose checksum was computed
-  std::int64_t stored_bytes = 0;   // bytes in data files (compressed)
-  std::int64_t outside_bytes = 0;  // version 2: bytes outside the shards' data, checksummed
+  std::int64_t checked_bytes = 0;   // uncompressed bytes whose checksum was computed
+  std::int64_t stored_bytes = 0;    // bytes in data files (compressed)
+  std::int64_t outside_bytes = 0;   // version 2: bytes outside the shards' data, checksummed
   std::int64_t format_version = 0;  // of the manifest (0 if it could not be read)
 };
 

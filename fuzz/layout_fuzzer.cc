@@ -9,9 +9,8 @@
 // InvalidArgument (or NotFound); round trips are exact; main pieces cover every tensor.
 #include <cstddef>
 #include <cstdint>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "core/check.h"
 #include "core/layout.h"

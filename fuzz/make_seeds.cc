@@ -6,10 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/fsdp_presets.h"
 #include "core/layout.h"
@@ -71,12 +70,18 @@ int main(int argc, char** argv) {
   const std::vector<Edit> bad = {
       {"unknown_version", [](json& j) { j["format_version"] = 99; }},
       {"negative_dim", [](json& j) { j["tensors"][2]["shape"][0] = -32; }},
-      {"overflowing_dims", [](json& j) { j["tensors"][0]["shape"] = {std::int64_t{1} << 40, std::int64_t{1} << 40}; }},
+      {"overflowing_dims",
+       [](json& j) {
+         j["tensors"][0]["shape"] = {std::int64_t{1} << 40, std::int64_t{1} << 40};
+       }},
       {"dim_beyond_int64", [](json& j) { j["tensors"][0]["shape"][0] = 18446744073709551615ULL; }},
       {"negative_box_offset", [](json& j) { j["shards"][1]["box"]["offset"][0] = -8; }},
       {"box_outside_tensor", [](json& j) { j["shards"][1]["box"]["offset"][0] = 9; }},
       {"overflowing_box", [](json& j) { j["shards"][1]["box"]["offset"][0] = INT64_MAX - 2; }},
-      {"range_outside_box", [](json& j) { j["shards"][6]["range"] = {{"begin", 0}, {"end", 100000}}; }},
+      {"range_outside_box",
+       [](json& j) {
+         j["shards"][6]["range"] = {{"begin", 0}, {"end", 100000}};
+       }},
       {"nbytes_mismatch", [](json& j) { j["shards"][4]["nbytes"] = 257; }},
       {"huge_nbytes", [](json& j) { j["shards"][4]["nbytes"] = INT64_MAX; }},
       {"bad_checksum_text", [](json& j) { j["shards"][4]["checksum"] = "crc32:1234"; }},
@@ -103,7 +108,11 @@ int main(int argc, char** argv) {
       {"overlap", [](json& j) { j["shards"][2]["replica"] = false; }},
       {"replica_elsewhere", [](json& j) { j["shards"][2]["box"]["offset"][0] = 8; }},
       {"swapped_datasets", [](json& j) { std::swap(j["shards"][4]["dataset"], j["shards"][5]["dataset"]); }},
-      {"wrong_codec", [](json& j) { j["shards"][4]["codec"] = "none"; j["shards"][0]["codec"] = "zstd"; }},
+      {"wrong_codec",
+       [](json& j) {
+         j["shards"][4]["codec"] = "none";
+         j["shards"][0]["codec"] = "zstd";
+       }},
       {"wrong_checksum", [](json& j) { j["shards"][6]["checksum"] = "xxh3-64:0123456789abcdef"; }},
       {"other_file", [](json& j) { j["shards"][0]["file"] = "rank-00002.h5"; }},
       {"moved_range",
@@ -112,7 +121,12 @@ int main(int argc, char** argv) {
          j["shards"][7]["range"] = {{"begin", 50}, {"end", 206}};
        }},
       {"missing_file", [](json& j) { j["shards"][3]["file"] = "rank-00009.h5"; }},
-      {"state_shape", [](json& j) { j["tensors"][3]["shape"] = {32, 4}; j["shards"].erase(7); j["shards"].erase(6); }},
+      {"state_shape",
+       [](json& j) {
+         j["tensors"][3]["shape"] = {32, 4};
+         j["shards"].erase(7);
+         j["shards"].erase(6);
+       }},
   };
   for (const Edit& e : unsound) {
     json j = valid;
@@ -220,16 +234,19 @@ int main(int argc, char** argv) {
     json list = json::array();
     for (std::size_t i = 0; i < 16 && i < params->size(); ++i) {
       const rs::FsdpParam& p = (*params)[i];
-      list.push_back({{"name", p.name}, {"shape", p.shape}, {"dtype", rs::DTypeName(p.dtype)},
-                      {"expert", p.expert}, {"requires_grad", p.requires_grad}, {"unit", p.unit}});
+      list.push_back({{"name", p.name},
+                      {"shape", p.shape},
+                      {"dtype", rs::DTypeName(p.dtype)},
+                      {"expert", p.expert},
+                      {"requires_grad", p.requires_grad},
+                      {"unit", p.unit}});
     }
     Write(out / "model" / "params_qwen3.json", json{{"params", list}}.dump(1));
     Write(out / "model" / "params_bare.json", list.dump());
   }
   Write(out / "model" / "params_bad_dim.json", R"({"params": [{"name": "w", "shape": [-1, 4]}]})");
-  Write(out / "model" / "params_big.json",
-        R"([{"name": "a", "shape": [4611686018427387904]},)"
-        R"( {"name": "b", "shape": [3, 5, 7], "dtype": "f8_e4m3", "unit": -1}])");
+  Write(out / "model" / "params_big.json", R"([{"name": "a", "shape": [4611686018427387904]},)"
+                                           R"( {"name": "b", "shape": [3, 5, 7], "dtype": "f8_e4m3", "unit": -1}])");
   fs::remove_all(scratch);
   return 0;
 }

@@ -8,9 +8,8 @@
 // VersionMismatch; a manifest that parses round-trips through ManifestToJson.
 #include <cstddef>
 #include <cstdint>
-#include <string_view>
-
 #include <nlohmann/json.hpp>
+#include <string_view>
 
 #include "core/check.h"
 #include "core/layout.h"

@@ -9,9 +9,8 @@
 // count equals the items of the tensor list; bucket plans pass CheckBucketPlan.
 #include <cstddef>
 #include <cstdint>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "core/check.h"
 #include "core/fsdp_buckets.h"

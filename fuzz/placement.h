@@ -39,8 +39,8 @@ inline void CheckPlacement(const PhysicalLayout& layout, const std::vector<Tenso
   }
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     RS_CHECK_MSG(covered[i] == tensors[i].numel(), "layout " << layout.ToString() << ": main pieces of '"
-                                                              << tensors[i].name << "' hold " << covered[i]
-                                                              << " items, the tensor has " << tensors[i].numel());
+                                                             << tensors[i].name << "' hold " << covered[i]
+                                                             << " items, the tensor has " << tensors[i].numel());
   }
   if (layout.options.fsdp == FsdpForm::kFlat) {
     for (std::int64_t rank = 0; rank < map->num_ranks(); ++rank) {

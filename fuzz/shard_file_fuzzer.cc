@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/thread_pool.h"
 #include "formats/codec.h"
 #include "formats/hdf5_util.h"
 #include "formats/shard_file.h"
-#include "core/thread_pool.h"
 #include "fuzz/fuzz_util.h"
 
 namespace {
@@ -48,8 +48,8 @@ std::vector<Dataset> ListDatasets(const std::string& path) {
   if (H5Gget_info(file.get(), &info) < 0) return out;
   for (hsize_t i = 0; i < info.nlinks && out.size() < kMaxDatasets; ++i) {
     char name[64] = {};
-    const ssize_t len = H5Lget_name_by_idx(file.get(), ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name,
-                                           rs::h5::kDefault);
+    const ssize_t len =
+        H5Lget_name_by_idx(file.get(), ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, rs::h5::kDefault);
     if (len <= 0 || static_cast<std::size_t>(len) >= sizeof name) continue;
     rs::h5::Handle dset(H5Dopen2(file.get(), name, rs::h5::kDefault), H5Dclose);
     if (!dset.valid()) continue;
@@ -147,16 +147,19 @@ extern "C" std::size_t LLVMFuzzerCustomMutator(std::uint8_t* data, std::size_t s
   std::minstd_rand rng(seed);
   auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
   if (pick(32) == 0 && size > 1) return 1 + pick(size - 1);
-  static const std::uint64_t kInteresting[] = {0,          1,          2,          4,          8,
-                                               0x7f,       0x80,       0xff,       0x100,      0xffff,
-                                               0x10000,    0x7fffffff, 0x80000000, 0xffffffff, 0x100000000,
-                                               1u << 20,   1u << 30,   ~0ull,      ~0ull >> 1, 32015};
+  static const std::uint64_t kInteresting[] = {
+      0,       1,          2,          4,          8,           0x7f,     0x80,     0xff,  0x100,      0xffff,
+      0x10000, 0x7fffffff, 0x80000000, 0xffffffff, 0x100000000, 1u << 20, 1u << 30, ~0ull, ~0ull >> 1, 32015};
   const std::size_t edits = 1 + pick(4);
   for (std::size_t e = 0; e < edits; ++e) {
     const std::size_t pos = pick(size);
     switch (pick(5)) {
-      case 0: data[pos] = static_cast<std::uint8_t>(data[pos] ^ (1u << pick(8))); break;
-      case 1: data[pos] = static_cast<std::uint8_t>(rng()); break;
+      case 0:
+        data[pos] = static_cast<std::uint8_t>(data[pos] ^ (1u << pick(8)));
+        break;
+      case 1:
+        data[pos] = static_cast<std::uint8_t>(rng());
+        break;
       case 2: {
         const std::size_t width = std::size_t{1} << pick(4);  // 1, 2, 4 or 8 bytes
         std::uint64_t v = kInteresting[pick(std::size(kInteresting))];

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
@@ -22,18 +21,50 @@ namespace {
 double ValueAt(DType t, const std::byte* p, std::int64_t i) {
   const std::byte* x = p + static_cast<std::size_t>(i) * DTypeSize(t);
   switch (t) {
-    case DType::kF64: { double v; std::memcpy(&v, x, 8); return v; }
-    case DType::kF32: { float v; std::memcpy(&v, x, 4); return static_cast<double>(v); }
-    case DType::kF16: case DType::kBF16: case DType::kF8E4M3: case DType::kF8E5M2: {
+    case DType::kF64: {
+      double v;
+      std::memcpy(&v, x, 8);
+      return v;
+    }
+    case DType::kF32: {
+      float v;
+      std::memcpy(&v, x, 4);
+      return static_cast<double>(v);
+    }
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: {
       float v;
       ConvertFloats(t, x, DType::kF32, &v, 1);
       return static_cast<double>(v);
     }
-    case DType::kI64: { std::int64_t v; std::memcpy(&v, x, 8); return static_cast<double>(v); }
-    case DType::kI32: { std::int32_t v; std::memcpy(&v, x, 4); return static_cast<double>(v); }
-    case DType::kI16: { std::int16_t v; std::memcpy(&v, x, 2); return static_cast<double>(v); }
-    case DType::kI8: { std::int8_t v; std::memcpy(&v, x, 1); return static_cast<double>(v); }
-    case DType::kU8: case DType::kBool: { std::uint8_t v; std::memcpy(&v, x, 1); return static_cast<double>(v); }
+    case DType::kI64: {
+      std::int64_t v;
+      std::memcpy(&v, x, 8);
+      return static_cast<double>(v);
+    }
+    case DType::kI32: {
+      std::int32_t v;
+      std::memcpy(&v, x, 4);
+      return static_cast<double>(v);
+    }
+    case DType::kI16: {
+      std::int16_t v;
+      std::memcpy(&v, x, 2);
+      return static_cast<double>(v);
+    }
+    case DType::kI8: {
+      std::int8_t v;
+      std::memcpy(&v, x, 1);
+      return static_cast<double>(v);
+    }
+    case DType::kU8:
+    case DType::kBool: {
+      std::uint8_t v;
+      std::memcpy(&v, x, 1);
+      return static_cast<double>(v);
+    }
   }
   return 0;
 }
@@ -47,17 +78,23 @@ struct Work {
 
 std::string_view TensorDiffKindName(TensorDiffKind k) {
   switch (k) {
-    case TensorDiffKind::kIdentical: return "identical";
-    case TensorDiffKind::kDifferent: return "different";
-    case TensorDiffKind::kShapeMismatch: return "shape_mismatch";
-    case TensorDiffKind::kOnlyInA: return "only_in_a";
-    case TensorDiffKind::kOnlyInB: return "only_in_b";
+    case TensorDiffKind::kIdentical:
+      return "identical";
+    case TensorDiffKind::kDifferent:
+      return "different";
+    case TensorDiffKind::kShapeMismatch:
+      return "shape_mismatch";
+    case TensorDiffKind::kOnlyInA:
+      return "only_in_a";
+    case TensorDiffKind::kOnlyInB:
+      return "only_in_b";
   }
   return "unknown";
 }
 
 bool DiffReport::identical() const {
-  return std::all_of(tensors.begin(), tensors.end(), [](const TensorDiff& t) { return t.kind == TensorDiffKind::kIdentical; });
+  return std::all_of(tensors.begin(), tensors.end(),
+                     [](const TensorDiff& t) { return t.kind == TensorDiffKind::kIdentical; });
 }
 
 std::string DiffReport::ToString() const {
@@ -175,10 +212,11 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
       for (std::int64_t k = 0; k < w.window.size(); ++k) {
         const double x = ValueAt(ta.dtype, ba.data(), k);
         const double y = ValueAt(tb.dtype, bb.data(), k);
-        const bool same = ta.dtype == tb.dtype
-                              ? std::memcmp(ba.data() + static_cast<std::size_t>(k) * DTypeSize(ta.dtype),
-                                            bb.data() + static_cast<std::size_t>(k) * DTypeSize(tb.dtype), DTypeSize(ta.dtype)) == 0
-                              : (x == y || (std::isnan(x) && std::isnan(y)));
+        const bool same =
+            ta.dtype == tb.dtype
+                ? std::memcmp(ba.data() + static_cast<std::size_t>(k) * DTypeSize(ta.dtype),
+                              bb.data() + static_cast<std::size_t>(k) * DTypeSize(tb.dtype), DTypeSize(ta.dtype)) == 0
+                : (x == y || (std::isnan(x) && std::isnan(y)));
         if (same) continue;
         ++differing;
         const double abs = std::fabs(x - y);

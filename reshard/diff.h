@@ -5,11 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "formats/checkpoint_reader.h"
 #include "formats/shard_source.h"
@@ -42,7 +41,7 @@ struct DiffReport {
 void to_json(nlohmann::json& j, const DiffReport& r);
 
 struct DiffOptions {
-  int threads = 0;                                   // 0 = hardware concurrency
+  int threads = 0;                                    // 0 = hardware concurrency
   std::int64_t window_bytes = std::int64_t{8} << 20;  // per side, per worker
   // Compare only tensors of this role (on either side); others are left out of the report.
   std::optional<TensorRole> role;

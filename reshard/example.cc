@@ -1,15 +1,15 @@
+#include "reshard/example.h"
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
-#include <vector>
-
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "core/thread_pool.h"
 #include "formats/checkpoint_writer.h"
-#include "reshard/example.h"
 #include "reshard/shard_map.h"
 
 namespace rs {
@@ -19,8 +19,10 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   const std::vector<TensorSpec> tensors = ModelCheckpointTensors(options.model, AdamStateNames());
   const PhysicalLayout physical{options.layout, options.physical};
   auto map = PhysicalMap::Create(physical, tensors);
-  if (!map.ok()) return map.status().WithContext("layout " + physical.ToString() + " for model '" + options.model.name + "'");
-  const std::vector<PlacedShard> shards = map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
+  if (!map.ok())
+    return map.status().WithContext("layout " + physical.ToString() + " for model '" + options.model.name + "'");
+  const std::vector<PlacedShard> shards =
+      map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
 
   WriterOptions wo;
   wo.codec = options.codec;

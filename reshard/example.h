@@ -36,7 +36,7 @@ struct ExampleOptions {
   bool with_replicas = false;  // also write the replicas that data parallelism keeps
   int threads = 0;             // 0 = hardware concurrency
   std::string producer = "reshard example";
-  std::int64_t format_version = kFormatVersion;  // 1: for readers that predate version 2
+  std::int64_t format_version = kFormatVersion;   // 1: for readers that predate version 2
   std::int64_t block_bytes = kDefaultBlockBytes;  // version 2: checksum block size
 };
 

@@ -57,13 +57,18 @@ void FillExamplePiece(const TensorSpec& t, const Piece& piece, std::uint64_t see
     for (std::int64_t i = 0; i < run.length; ++i, dst += esize) {
       const double v = ExampleValue(t, seed, run.global_begin + i);
       switch (t.dtype) {
-        case DType::kF64: std::memcpy(dst, &v, 8); break;
+        case DType::kF64:
+          std::memcpy(dst, &v, 8);
+          break;
         case DType::kF32: {
           const auto f = static_cast<float>(v);
           std::memcpy(dst, &f, 4);
           break;
         }
-        case DType::kF16: case DType::kBF16: case DType::kF8E4M3: case DType::kF8E5M2: {
+        case DType::kF16:
+        case DType::kBF16:
+        case DType::kF8E4M3:
+        case DType::kF8E5M2: {
           const auto f = static_cast<float>(v);
           ConvertFloats(DType::kF32, &f, t.dtype, dst, 1);
           break;
@@ -83,7 +88,9 @@ void FillExamplePiece(const TensorSpec& t, const Piece& piece, std::uint64_t see
           std::memcpy(dst, &x, 2);
           break;
         }
-        case DType::kI8: case DType::kU8: case DType::kBool: {
+        case DType::kI8:
+        case DType::kU8:
+        case DType::kBool: {
           const auto x = static_cast<std::uint8_t>(static_cast<std::int64_t>(v) & 0xff);
           std::memcpy(dst, &x, 1);
           break;

@@ -5,18 +5,17 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -30,10 +29,10 @@ namespace {
 
 // One target shard to produce.
 struct Job {
-  std::size_t target = 0;       // index into plan.targets
-  std::int64_t reserve = 0;     // bytes held while it runs
+  std::size_t target = 0;    // index into plan.targets
+  std::int64_t reserve = 0;  // bytes held while it runs
   bool staging = false;
-  std::size_t file_seq = 0;     // position among the jobs of its rank file
+  std::size_t file_seq = 0;  // position among the jobs of its rank file
 };
 
 // Shared state of one execution: the budget (granted in job order), the per-file write turns
@@ -218,7 +217,8 @@ class SourceMaps {
     if (it != fds_.end()) return it->second;
     // Never a FIFO or a device, even if the name changed since the extent was checked.
     Result<int> fd = OpenRegularFile(path);
-    if (!fd.ok()) return fd.status().code() == ErrorCode::kFailedPrecondition ? DataLoss(fd.status().message()) : fd.status();
+    if (!fd.ok())
+      return fd.status().code() == ErrorCode::kFailedPrecondition ? DataLoss(fd.status().message()) : fd.status();
     fds_.emplace(path, *fd);
     return *fd;
   }
@@ -250,7 +250,7 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, ShardSource& s
     if (t.dst_end <= window.begin || t.dst_begin >= window.end) continue;
     const ShardEntry& se = m.shards[t.source];
     std::int64_t w0 = 0;
-    std::int64_t w1 = 0;  // source items [w0, w1) currently in the staging block
+    std::int64_t w1 = 0;                      // source items [w0, w1) currently in the staging block
     const std::byte* block = staging.data();  // where those items are: staging, or a mapping
     SourceMaps::Mapping mapping;
     bool mapped = false;
@@ -301,9 +301,9 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, ShardSource& s
 }
 
 // Streams one target shard into the writer, window by window.
-Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, ShardSource& source,
-              SourceMaps* maps, CheckpointWriter& writer, Scheduler& sched, Buffer& buffer,
-              std::span<std::byte> staging, std::int64_t& bytes_read) {
+Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, ShardSource& source, SourceMaps* maps,
+              CheckpointWriter& writer, Scheduler& sched, Buffer& buffer, std::span<std::byte> staging,
+              std::int64_t& bytes_read) {
   const TensorSpec& t = plan.tensors[ts.tensor];
   const auto des = static_cast<std::int64_t>(DTypeSize(t.dtype));
   // Dataset names follow the order of BeginShard, so each file begins its shards in job order.

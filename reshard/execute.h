@@ -42,9 +42,9 @@ struct ExecuteOptions {
 
 struct ExecuteStats {
   std::int64_t shards = 0;
-  std::int64_t bytes_written = 0;     // uncompressed target bytes
-  std::int64_t bytes_read = 0;        // uncompressed source bytes requested
-  std::int64_t peak_reserved = 0;     // largest sum of reservations held at once
+  std::int64_t bytes_written = 0;  // uncompressed target bytes
+  std::int64_t bytes_read = 0;     // uncompressed source bytes requested
+  std::int64_t peak_reserved = 0;  // largest sum of reservations held at once
   double seconds = 0;
 };
 

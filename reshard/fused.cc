@@ -40,8 +40,7 @@ Result<DimMap> FusedDim(const ComponentTable& table, std::int64_t index, std::in
     }
     if (comp.size % degree != 0) {
       return InvalidArgument("fused component '" + comp.name + "' has " + std::to_string(comp.size) +
-                             " units, not divisible by the sharding degree " + std::to_string(degree) +
-                             " of its dim");
+                             " units, not divisible by the sharding degree " + std::to_string(degree) + " of its dim");
     }
     const std::int64_t per = comp.size / degree;
     if (per > 0) {
@@ -138,8 +137,11 @@ SliceMap LocalTensorMap::MapSlice(std::optional<ItemRange> range, bool with_segm
     const std::int64_t lo = BoxItemsBefore(local_shape_, b.local, r.begin);
     const std::int64_t hi = BoxItemsBefore(local_shape_, b.local, r.end);
     if (lo >= hi) continue;
-    Found f{BoxLocalToGlobal(local_shape_, b.local, lo) - r.begin, CanonicalPiece(Piece{b.logical, ItemRange{lo, hi}}),
-            b.component, b.replica, {}};
+    Found f{BoxLocalToGlobal(local_shape_, b.local, lo) - r.begin,
+            CanonicalPiece(Piece{b.logical, ItemRange{lo, hi}}),
+            b.component,
+            b.replica,
+            {}};
     if (with_segments) f.runs = PieceToRuns(local_shape_, Piece{b.local, ItemRange{lo, hi}});
     found.push_back(std::move(f));
   }
@@ -151,7 +153,8 @@ SliceMap LocalTensorMap::MapSlice(std::optional<ItemRange> range, bool with_segm
     out.piece_components.push_back(found[i].component);
     out.piece_replicas.push_back(found[i].replica);
     // The canonical piece holds the same items in the same order, so offsets carry over.
-    for (const Run& run : found[i].runs) out.segments.push_back({run.global_begin - r.begin, run.length, i, run.local_begin});
+    for (const Run& run : found[i].runs)
+      out.segments.push_back({run.global_begin - r.begin, run.length, i, run.local_begin});
   }
   std::sort(out.segments.begin(), out.segments.end(),
             [](const BufferSegment& a, const BufferSegment& b) { return a.buffer_begin < b.buffer_begin; });
@@ -161,7 +164,8 @@ SliceMap LocalTensorMap::MapSlice(std::optional<ItemRange> range, bool with_segm
 std::vector<std::vector<std::byte>> LocalToPieces(const SliceMap& map, std::span<const std::byte> buffer,
                                                   std::size_t esize) {
   std::vector<std::vector<std::byte>> out(map.pieces.size());
-  for (std::size_t k = 0; k < map.pieces.size(); ++k) out[k].resize(static_cast<std::size_t>(map.pieces[k].numel()) * esize);
+  for (std::size_t k = 0; k < map.pieces.size(); ++k)
+    out[k].resize(static_cast<std::size_t>(map.pieces[k].numel()) * esize);
   for (const BufferSegment& s : map.segments) {
     const auto len = static_cast<std::size_t>(s.length) * esize;
     const auto src = static_cast<std::size_t>(s.buffer_begin) * esize;

@@ -33,7 +33,7 @@ struct DimSegment {
   std::int64_t local_begin = 0;
   std::int64_t logical_begin = 0;
   std::int64_t length = 0;
-  int component = -1;  // index into the tensor's component table; -1 on a plain dim
+  int component = -1;    // index into the tensor's component table; -1 on a plain dim
   bool replica = false;  // a copy of a stretch that another shard holds as its main copy
   friend bool operator==(const DimSegment&, const DimSegment&) = default;
 };

@@ -46,7 +46,8 @@ constexpr HfRow kRows[] = {
     {"layers.{L}.attn.out.weight", "", false, RowUse::kAlways, "model.layers.{L}.self_attn.o_proj.weight"},
     {"layers.{L}.mlp_norm.weight", "", false, RowUse::kAlways, "model.layers.{L}.post_attention_layernorm.weight"},
     // Mixtral (transformers 4.x names, what Mixtral checkpoints on the Hub hold).
-    {"layers.{L}.moe.router.weight", "", false, RowUse::kBlockSparseMoe, "model.layers.{L}.block_sparse_moe.gate.weight"},
+    {"layers.{L}.moe.router.weight", "", false, RowUse::kBlockSparseMoe,
+     "model.layers.{L}.block_sparse_moe.gate.weight"},
     {"layers.{L}.moe.experts.fc1.weight", "gate", true, RowUse::kBlockSparseMoe,
      "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight"},
     {"layers.{L}.moe.experts.fc1.weight", "up", true, RowUse::kBlockSparseMoe,
@@ -72,9 +73,12 @@ constexpr HfRow kRows[] = {
 
 RowUse UseOf(HfMoeNaming n) {
   switch (n) {
-    case HfMoeNaming::kBlockSparseMoe: return RowUse::kBlockSparseMoe;
-    case HfMoeNaming::kMlpPerExpert: return RowUse::kMlpPerExpert;
-    case HfMoeNaming::kMlpFused: return RowUse::kMlpFused;
+    case HfMoeNaming::kBlockSparseMoe:
+      return RowUse::kBlockSparseMoe;
+    case HfMoeNaming::kMlpPerExpert:
+      return RowUse::kMlpPerExpert;
+    case HfMoeNaming::kMlpFused:
+      return RowUse::kMlpFused;
   }
   return RowUse::kBlockSparseMoe;
 }
@@ -82,7 +86,8 @@ RowUse UseOf(HfMoeNaming n) {
 std::string Substitute(std::string_view pattern, std::int64_t layer, std::int64_t expert) {
   std::string s(pattern);
   for (const auto& [key, v] : {std::pair<std::string, std::int64_t>{"{L}", layer}, {"{E}", expert}}) {
-    for (std::size_t p = s.find(key); p != std::string::npos; p = s.find(key)) s.replace(p, key.size(), std::to_string(v));
+    for (std::size_t p = s.find(key); p != std::string::npos; p = s.find(key))
+      s.replace(p, key.size(), std::to_string(v));
   }
   return s;
 }
@@ -108,10 +113,12 @@ Result<std::vector<HfTensor>> ExpandRow(const HfRow& row, const TensorSpec& t) {
       }
       units += c.size;
     }
-    if (!found) return Internal("name table: tensor '" + t.name + "' has no component '" + std::string(row.component) + "'");
+    if (!found)
+      return Internal("name table: tensor '" + t.name + "' has no component '" + std::string(row.component) + "'");
   } else {
     dim = row.per_expert ? 1 : 0;
-    if (!t.shape.empty() && static_cast<std::size_t>(dim) < t.shape.size()) rows = t.shape[static_cast<std::size_t>(dim)];
+    if (!t.shape.empty() && static_cast<std::size_t>(dim) < t.shape.size())
+      rows = t.shape[static_cast<std::size_t>(dim)];
   }
   const int first = row.per_expert ? 1 : 0;
   if (row.per_expert && (t.shape.size() < 2 || dim < 1)) {
@@ -119,7 +126,8 @@ Result<std::vector<HfTensor>> ExpandRow(const HfRow& row, const TensorSpec& t) {
   }
   // The part must be contiguous: every dim between the expert index and the cut dim is 1.
   for (int d = first; d < dim; ++d) {
-    if (t.shape[static_cast<std::size_t>(d)] != 1) return Internal("name table: part of '" + t.name + "' is not contiguous");
+    if (t.shape[static_cast<std::size_t>(d)] != 1)
+      return Internal("name table: part of '" + t.name + "' is not contiguous");
   }
   Shape hf_shape(t.shape.begin() + first, t.shape.end());
   if (!hf_shape.empty()) hf_shape[static_cast<std::size_t>(dim - first)] = rows;
@@ -129,7 +137,8 @@ Result<std::vector<HfTensor>> ExpandRow(const HfRow& row, const TensorSpec& t) {
     h.hf_name = Substitute(row.hf, layer, e);
     h.hf_shape = hf_shape;
     h.tensor = t.name;
-    h.flat_begin = (row.per_expert ? e * stride[0] : 0) + (t.shape.empty() ? 0 : row_begin * stride[static_cast<std::size_t>(dim)]);
+    h.flat_begin = (row.per_expert ? e * stride[0] : 0) +
+                   (t.shape.empty() ? 0 : row_begin * stride[static_cast<std::size_t>(dim)]);
     out.push_back(std::move(h));
   }
   return out;
@@ -137,11 +146,16 @@ Result<std::vector<HfTensor>> ExpandRow(const HfRow& row, const TensorSpec& t) {
 
 std::string TorchDTypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "float32";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
-    case DType::kF64: return "float64";
-    default: return "";
+    case DType::kF32:
+      return "float32";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    case DType::kF64:
+      return "float64";
+    default:
+      return "";
   }
 }
 
@@ -212,18 +226,24 @@ class StagingGuard {
 
 std::string_view HfArchName(HfArch a) {
   switch (a) {
-    case HfArch::kMixtral: return "mixtral";
-    case HfArch::kQwen2Moe: return "qwen2_moe";
-    case HfArch::kQwen3Moe: return "qwen3_moe";
+    case HfArch::kMixtral:
+      return "mixtral";
+    case HfArch::kQwen2Moe:
+      return "qwen2_moe";
+    case HfArch::kQwen3Moe:
+      return "qwen3_moe";
   }
   return "unknown";
 }
 
 std::string_view HfMoeNamingName(HfMoeNaming n) {
   switch (n) {
-    case HfMoeNaming::kBlockSparseMoe: return "block_sparse_moe.experts.E.{w1,w3,w2}";
-    case HfMoeNaming::kMlpPerExpert: return "mlp.experts.E.{gate,up,down}_proj";
-    case HfMoeNaming::kMlpFused: return "mlp.experts.{gate_up_proj,down_proj}";
+    case HfMoeNaming::kBlockSparseMoe:
+      return "block_sparse_moe.experts.E.{w1,w3,w2}";
+    case HfMoeNaming::kMlpPerExpert:
+      return "mlp.experts.E.{gate,up,down}_proj";
+    case HfMoeNaming::kMlpFused:
+      return "mlp.experts.{gate_up_proj,down_proj}";
   }
   return "unknown";
 }
@@ -247,14 +267,17 @@ Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params,
                                 " has no counterpart in the Hugging Face name table");
     }
     // The table must tile the tensor exactly (a self-check of the rows above).
-    std::sort(mine.begin(), mine.end(), [](const HfTensor& a, const HfTensor& b) { return a.flat_begin < b.flat_begin; });
+    std::sort(mine.begin(), mine.end(),
+              [](const HfTensor& a, const HfTensor& b) { return a.flat_begin < b.flat_begin; });
     std::int64_t next = 0;
     for (const HfTensor& h : mine) {
-      if (h.flat_begin != next) return Internal("name table does not tile tensor '" + t.name + "' at item " + std::to_string(next));
+      if (h.flat_begin != next)
+        return Internal("name table does not tile tensor '" + t.name + "' at item " + std::to_string(next));
       next += h.numel();
     }
-    if (next != t.numel()) return Internal("name table covers " + std::to_string(next) + " of the " +
-                                           std::to_string(t.numel()) + " items of '" + t.name + "'");
+    if (next != t.numel())
+      return Internal("name table covers " + std::to_string(next) + " of the " + std::to_string(t.numel()) +
+                      " items of '" + t.name + "'");
     out.insert(out.end(), mine.begin(), mine.end());
   }
   return out;
@@ -266,16 +289,27 @@ Status CheckMixtralExpressible(const ModelConfig& c) {
   if (c.n_experts > 0 && c.router != RouterKind::kTopKSoftmaxAfter) {
     std::string why = "router '" + std::string(RouterKindName(c.router)) + "'";
     switch (c.router) {
-      case RouterKind::kSoftmaxBefore: why += " (softmax over all experts, top-k, not renormalised)"; break;
-      case RouterKind::kSigmoidBias: why += " (sigmoid scores with a per-expert selection bias)"; break;
-      case RouterKind::kGroupLimited: why += " (group-limited selection)"; break;
-      case RouterKind::kSinkhorn: why += " (Sinkhorn-balanced selection)"; break;
-      default: break;
+      case RouterKind::kSoftmaxBefore:
+        why += " (softmax over all experts, top-k, not renormalised)";
+        break;
+      case RouterKind::kSigmoidBias:
+        why += " (sigmoid scores with a per-expert selection bias)";
+        break;
+      case RouterKind::kGroupLimited:
+        why += " (group-limited selection)";
+        break;
+      case RouterKind::kSinkhorn:
+        why += " (Sinkhorn-balanced selection)";
+        break;
+      default:
+        break;
     }
-    diffs.push_back(why + ": Mixtral takes the softmax over all experts, keeps the top k and renormalises them, "
-                          "which is our 'topk' router only");
+    diffs.push_back(why +
+                    ": Mixtral takes the softmax over all experts, keeps the top k and renormalises them, "
+                    "which is our 'topk' router only");
   }
-  if (c.shared_ffn > 0) diffs.push_back("a shared expert (shared_ffn = " + std::to_string(c.shared_ffn) + "): Mixtral has none");
+  if (c.shared_ffn > 0)
+    diffs.push_back("a shared expert (shared_ffn = " + std::to_string(c.shared_ffn) + "): Mixtral has none");
   if (c.first_dense_layers > 0) {
     diffs.push_back("dense first layers (first_dense_layers = " + std::to_string(c.first_dense_layers) +
                     "): every Mixtral layer is MoE");
@@ -370,8 +404,8 @@ Result<HfModel> ParseHfConfig(const nlohmann::json& j, const std::string& what) 
   const ConfigFields f(j, what);
   HfModel m;
   RS_ASSIGN_OR_RETURN(std::string model_type, f.String("model_type", ""));
-  if (model_type.empty() && j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
-      j["architectures"][0].is_string()) {
+  if (model_type.empty() && j.contains("architectures") && j["architectures"].is_array() &&
+      !j["architectures"].empty() && j["architectures"][0].is_string()) {
     const std::string a = j["architectures"][0].get<std::string>();
     if (a == "MixtralForCausalLM") model_type = "mixtral";
     if (a == "Qwen2MoeForCausalLM") model_type = "qwen2_moe";
@@ -430,7 +464,8 @@ Result<HfModel> ParseHfConfig(const nlohmann::json& j, const std::string& what) 
     }
   }
   RS_ASSIGN_OR_RETURN(const double partial_rotary, f.Real("partial_rotary_factor", 1.0));
-  if (partial_rotary != 1.0) diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");
+  if (partial_rotary != 1.0)
+    diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");
 
   RS_ASSIGN_OR_RETURN(const std::string act, f.String("hidden_act", "silu"));
   if (act != "silu" && act != "swish") diffs.push_back("hidden_act '" + act + "' (our experts are SwiGLU with silu)");
@@ -449,7 +484,8 @@ Result<HfModel> ParseHfConfig(const nlohmann::json& j, const std::string& what) 
   }
   if (!mixtral) {
     RS_ASSIGN_OR_RETURN(const std::int64_t step, f.Int("decoder_sparse_step", 1));
-    if (step != 1) diffs.push_back("decoder_sparse_step " + std::to_string(step) + " (dense layers between MoE layers)");
+    if (step != 1)
+      diffs.push_back("decoder_sparse_step " + std::to_string(step) + " (dense layers between MoE layers)");
     if (f.Has("mlp_only_layers") && (!f["mlp_only_layers"].is_array() || !f["mlp_only_layers"].empty())) {
       diffs.push_back("mlp_only_layers " + f["mlp_only_layers"].dump() + " (dense layers)");
     }
@@ -460,13 +496,15 @@ Result<HfModel> ParseHfConfig(const nlohmann::json& j, const std::string& what) 
   if (m.arch == HfArch::kQwen2Moe) {
     RS_ASSIGN_OR_RETURN(const std::int64_t shared, f.Int("shared_expert_intermediate_size", 5632));
     if (shared > 0) {
-      diffs.push_back("a shared expert with a sigmoid gate (shared_expert_intermediate_size " + std::to_string(shared) + ")");
+      diffs.push_back("a shared expert with a sigmoid gate (shared_expert_intermediate_size " + std::to_string(shared) +
+                      ")");
     }
     diffs.push_back("q/k/v projection biases (Qwen2-MoE attention always has them; ours has none)");
   }
   if (m.arch == HfArch::kQwen3Moe) {
-    diffs.push_back("per-head RMSNorm of queries and keys (q_norm / k_norm; Qwen3-MoE attention always applies them, "
-                    "ours does not)");
+    diffs.push_back(
+        "per-head RMSNorm of queries and keys (q_norm / k_norm; Qwen3-MoE attention always applies them, "
+        "ours does not)");
   }
   if (f.Has("torch_dtype") || f.Has("dtype")) {
     RS_ASSIGN_OR_RETURN(const std::string t, f.String(f.Has("torch_dtype") ? "torch_dtype" : "dtype", ""));
@@ -609,7 +647,8 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
           ConvertFloats(spec->dtype, src.data(), dtype, conv.data(), static_cast<std::size_t>(n));
           bytes = conv;
         }
-        result.peak_buffer = std::max<std::int64_t>(result.peak_buffer, static_cast<std::int64_t>(src.size() + conv.size()));
+        result.peak_buffer =
+            std::max<std::int64_t>(result.peak_buffer, static_cast<std::int64_t>(src.size() + conv.size()));
         RS_RETURN_IF_ERROR(writer->Append(bytes));
       }
       weight_map[h.hf_name] = file_name(k);
@@ -706,8 +745,8 @@ Status FillItems(const TensorSource& s, const TensorSpec& t, std::int64_t g, std
     return Status::Ok();
   }
   while (n > 0) {
-    auto it = std::upper_bound(s.parts.begin(), s.parts.end(), g,
-                               [](std::int64_t x, const auto& p) { return x < p.first; });
+    auto it =
+        std::upper_bound(s.parts.begin(), s.parts.end(), g, [](std::int64_t x, const auto& p) { return x < p.first; });
     RS_CHECK(it != s.parts.begin());
     --it;
     const HfSource& src = it->second;
@@ -728,7 +767,8 @@ std::string LeftoverReason(const std::string& name) {
     return "per-head query/key RMSNorm (Qwen3 style): our attention has none";
   }
   if (name.find("shared_expert") != std::string::npos) return "a shared expert: our Mixtral-style model has none";
-  if (name.find("e_score_correction_bias") != std::string::npos) return "a router score-correction bias (DeepSeek-V3 style)";
+  if (name.find("e_score_correction_bias") != std::string::npos)
+    return "a router score-correction bias (DeepSeek-V3 style)";
   if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) return "a bias: our projections have none";
   if (name.find("weight_scale") != std::string::npos || name.find("scale_inv") != std::string::npos) {
     return "a quantization scale (quantized checkpoints are not read)";
@@ -864,8 +904,10 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
 
   const std::vector<TensorSpec> tensors = ModelCheckpointTensors(config, AdamStateNames());
   auto map = PhysicalMap::Create(options.layout, tensors);
-  if (!map.ok()) return map.status().WithContext("layout " + options.layout.ToString() + " for model '" + config.name + "'");
-  const std::vector<PlacedShard> shards = map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
+  if (!map.ok())
+    return map.status().WithContext("layout " + options.layout.ToString() + " for model '" + config.name + "'");
+  const std::vector<PlacedShard> shards =
+      map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
 
   // Sources of every tensor: parameters and master weights from the HF tensors, moments zero.
   std::map<std::string, std::vector<std::pair<std::int64_t, HfSource>>> parts_of;
@@ -873,8 +915,7 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   std::vector<TensorSource> sources(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
-    const std::string& param =
-        t.role == TensorRole::kOptimizerState && t.state == "master" ? t.param : t.name;
+    const std::string& param = t.role == TensorRole::kOptimizerState && t.state == "master" ? t.param : t.name;
     const auto it = parts_of.find(param);
     if (it != parts_of.end() && (t.role == TensorRole::kParameter || t.role == TensorRole::kOptimizerState)) {
       sources[i].kind = TensorSource::Kind::kHf;
@@ -886,7 +927,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
 
   // Memory: one block of HF bytes, one window of the shard being written.
   const std::int64_t budget = std::max<std::int64_t>(options.memory_budget, 64);
-  const std::int64_t block = std::max<std::int64_t>(8, std::min<std::int64_t>(std::int64_t{4} << 20, budget / 4) / 8 * 8);
+  const std::int64_t block =
+      std::max<std::int64_t>(8, std::min<std::int64_t>(std::int64_t{4} << 20, budget / 4) / 8 * 8);
   const std::int64_t window = std::max<std::int64_t>(8, std::min<std::int64_t>(std::int64_t{64} << 20, budget - block));
 
   WriterOptions wo;
@@ -918,12 +960,14 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
         g += n;
         left -= n;
         if (pos == window_items) {
-          RS_RETURN_IF_ERROR(sink->Append(std::span<const std::byte>(buf.data(), static_cast<std::size_t>(pos * esize))));
+          RS_RETURN_IF_ERROR(
+              sink->Append(std::span<const std::byte>(buf.data(), static_cast<std::size_t>(pos * esize))));
           pos = 0;
         }
       }
     }
-    if (pos > 0) RS_RETURN_IF_ERROR(sink->Append(std::span<const std::byte>(buf.data(), static_cast<std::size_t>(pos * esize))));
+    if (pos > 0)
+      RS_RETURN_IF_ERROR(sink->Append(std::span<const std::byte>(buf.data(), static_cast<std::size_t>(pos * esize))));
     RS_RETURN_IF_ERROR(sink->Finish());
     result.bytes_written += s.piece.numel() * esize;
     ++result.shards;

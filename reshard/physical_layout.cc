@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <charconv>
-
 #include <nlohmann/json.hpp>
 
 #include "core/arith.h"
@@ -26,10 +25,10 @@ Result<std::int64_t> ParseInt(const std::string& s, const std::string& where) {
   std::int64_t v = 0;
   const char* end = s.data() + s.size();
   const auto [ptr, ec] = std::from_chars(s.data(), end, v);
-  if (s.empty() || ec != std::errc() || ptr != end || v < 0) return InvalidArgument(where + ": expected an integer >= 0");
+  if (s.empty() || ec != std::errc() || ptr != end || v < 0)
+    return InvalidArgument(where + ": expected an integer >= 0");
   return v;
 }
-
 
 Status ValidateAlignBytes(std::int64_t v, const std::string& where) {
   if (v < 1 || v > (std::int64_t{1} << 20) || (v & (v - 1)) != 0) {
@@ -56,9 +55,12 @@ Result<PhysicalLayout> PhysicalLayout::Parse(const std::string& text, const Rule
     const std::string value = eq == std::string::npos ? "" : Trim(std::string_view(token).substr(eq + 1));
     const std::string where = "layout '" + text + "': token '" + token + "'";
     if (key == "fsdp_form") {
-      if (value == "box") o.fsdp = FsdpForm::kBox;
-      else if (value == "flat") o.fsdp = FsdpForm::kFlat;
-      else return InvalidArgument(where + ": fsdp_form must be box or flat");
+      if (value == "box")
+        o.fsdp = FsdpForm::kBox;
+      else if (value == "flat")
+        o.fsdp = FsdpForm::kFlat;
+      else
+        return InvalidArgument(where + ": fsdp_form must be box or flat");
     } else if (key == "vocab_multiple") {
       RS_ASSIGN_OR_RETURN(o.vocab_multiple, ParseInt(value, where));
       if (o.vocab_multiple < 1) return InvalidArgument(where + ": vocab_multiple must be >= 1");
@@ -117,9 +119,12 @@ Result<PhysicalLayout> PhysicalLayout::FromJson(const nlohmann::json& j) {
   RS_ASSIGN_OR_RETURN(p.layout, Layout::FromJson(j["layout"]));
   if (j.contains("fsdp_form")) {
     const auto& f = j["fsdp_form"];
-    if (f == "flat") p.options.fsdp = FsdpForm::kFlat;
-    else if (f == "box") p.options.fsdp = FsdpForm::kBox;
-    else return InvalidArgument("physical layout.fsdp_form: expected \"box\" or \"flat\"");
+    if (f == "flat")
+      p.options.fsdp = FsdpForm::kFlat;
+    else if (f == "box")
+      p.options.fsdp = FsdpForm::kBox;
+    else
+      return InvalidArgument("physical layout.fsdp_form: expected \"box\" or \"flat\"");
   }
   if (j.contains("bucket_policy")) {
     if (!j["bucket_policy"].is_string()) return InvalidArgument("physical layout.bucket_policy: expected a string");
@@ -148,8 +153,8 @@ Result<PhysicalLayout> PhysicalLayout::FromJson(const nlohmann::json& j) {
     p.options.bucket_align_bytes = j["bucket_align_bytes"].get<std::int64_t>();
     RS_RETURN_IF_ERROR(ValidateAlignBytes(p.options.bucket_align_bytes, "physical layout"));
   }
-  for (const auto& [key, field] :
-       {std::pair{"bucket_limit_bytes", &p.options.bucket_limit_bytes}, std::pair{"vocab_multiple", &p.options.vocab_multiple}}) {
+  for (const auto& [key, field] : {std::pair{"bucket_limit_bytes", &p.options.bucket_limit_bytes},
+                                   std::pair{"vocab_multiple", &p.options.vocab_multiple}}) {
     if (!j.contains(key)) continue;
     if (!j[key].is_number_integer() || j[key].get<std::int64_t>() < 0) {
       return InvalidArgument(std::string("physical layout.") + key + ": expected an integer >= 0");
@@ -212,7 +217,8 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
     std::size_t param = i;
     if (spec.role == TensorRole::kOptimizerState) {
       const auto it = by_name.find(spec.param);
-      if (it == by_name.end()) return InvalidArgument(where + ": optimizer state of unknown parameter '" + spec.param + "'");
+      if (it == by_name.end())
+        return InvalidArgument(where + ": optimizer state of unknown parameter '" + spec.param + "'");
       if (m.tensors_[it->second].shape != spec.shape) {
         return InvalidArgument(where + ": shaped " + ShapeToString(spec.shape) + " unlike its parameter " +
                                ShapeToString(m.tensors_[it->second].shape));
@@ -306,15 +312,19 @@ bool PhysicalMap::FlatSharded(std::size_t tensor) const {
 bool PhysicalMap::OnStage(const TensorSpec& t, std::int64_t stage) const {
   const std::int64_t stages = layout_.layout.mesh().AxisSize(kPipelineAxis);
   switch (t.place.layer) {
-    case PipelinePlace::kAll: return true;
-    case PipelinePlace::kPre: return stage == 0;
-    case PipelinePlace::kPost: return stage == stages - 1;
-    default: return layout_.layout.StageOfLayer(t.place.layer, num_layers_) == stage;
+    case PipelinePlace::kAll:
+      return true;
+    case PipelinePlace::kPre:
+      return stage == 0;
+    case PipelinePlace::kPost:
+      return stage == stages - 1;
+    default:
+      return layout_.layout.StageOfLayer(t.place.layer, num_layers_) == stage;
   }
 }
 
 std::optional<LocalTensorMap> PhysicalMap::LocalMap(std::size_t tensor, std::int64_t rank,
-                                                     const Layout& rules_layout) const {
+                                                    const Layout& rules_layout) const {
   const TensorSpec& t = PlacementSpec(tensor);
   const Mesh& mesh = rules_layout.mesh();
   const std::vector<std::int64_t> coords = mesh.RankToCoords(rank);
@@ -368,8 +378,9 @@ std::optional<Placement> PhysicalMap::Place(std::size_t tensor, std::int64_t ran
   const auto& slices = group.slices[it->second];
   const auto fsdp_axis = layout_.layout.mesh().AxisIndex(kFsdpAxis);
   const std::int64_t f = fsdp_axis ? layout_.layout.mesh().RankToCoords(rank)[*fsdp_axis] : 0;
-  const auto hit = std::lower_bound(slices.begin(), slices.end(), f,
-                                    [](const std::pair<std::int64_t, ItemRange>& s, std::int64_t r) { return s.first < r; });
+  const auto hit =
+      std::lower_bound(slices.begin(), slices.end(), f,
+                       [](const std::pair<std::int64_t, ItemRange>& s, std::int64_t r) { return s.first < r; });
   if (hit == slices.end() || hit->first != f) return std::nullopt;  // this fsdp rank holds none of it
   p.slice = hit->second;
   p.replica = rules_layout.IsMainReplica(PlacementSpec(tensor), zero) ? ReplicaKind::kMain : ReplicaKind::kReplica;

@@ -25,11 +25,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/fsdp_buckets.h"
 #include "core/layout.h"
@@ -122,7 +121,7 @@ class PhysicalMap {
  private:
   struct FlatGroup {
     BucketPlan plan;
-    std::map<std::size_t, std::size_t> param_of_tensor;  // tensor index -> plan param index
+    std::map<std::size_t, std::size_t> param_of_tensor;                   // tensor index -> plan param index
     std::vector<std::vector<std::pair<std::int64_t, ItemRange>>> slices;  // per plan param: (fsdp rank, range)
   };
   PhysicalMap() = default;
@@ -134,8 +133,8 @@ class PhysicalMap {
   bool FlatSharded(std::size_t tensor) const;
 
   PhysicalLayout layout_;
-  Layout box_layout_;   // rules as used for boxes (exp_mlp added for etp)
-  Layout flat_layout_;  // flat form: the same without the fsdp axis in any rule
+  Layout box_layout_;      // rules as used for boxes (exp_mlp added for etp)
+  Layout flat_layout_;     // flat form: the same without the fsdp axis in any rule
   Layout compute_layout_;  // LocalTensor: flat_layout_ without ep outside expert dims
   std::vector<TensorSpec> tensors_;
   std::vector<TensorSpec> placement_specs_;

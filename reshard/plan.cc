@@ -4,9 +4,8 @@
 #include <climits>
 #include <cstdio>
 #include <map>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/arith.h"
 #include "core/check.h"
@@ -17,14 +16,17 @@ namespace rs {
 
 namespace {
 
-
 std::string Bytes(std::int64_t b) {
   char buf[64];
   const double x = static_cast<double>(b);
-  if (b >= (std::int64_t{1} << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", x / 1073741824.0);
-  else if (b >= (std::int64_t{1} << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", x / 1048576.0);
-  else if (b >= 1024) std::snprintf(buf, sizeof buf, "%.2f KiB", x / 1024.0);
-  else std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  if (b >= (std::int64_t{1} << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", x / 1073741824.0);
+  else if (b >= (std::int64_t{1} << 20))
+    std::snprintf(buf, sizeof buf, "%.2f MiB", x / 1048576.0);
+  else if (b >= 1024)
+    std::snprintf(buf, sizeof buf, "%.2f KiB", x / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
   return buf;
 }
 
@@ -52,8 +54,8 @@ std::int64_t CopyBlockItems(const Box& box, const Box& source_box, const Box& ta
   return n;
 }
 
-void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
-                 ItemRange dst_window, const std::function<void(const Copy&)>& f) {
+void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t, ItemRange dst_window,
+                 const std::function<void(const Copy&)>& f) {
   std::vector<Copy> copies;
   AppendCopies(global, source, target, t, dst_window, copies);
   for (const Copy& c : copies) f(c);
@@ -76,8 +78,10 @@ void AppendCopies(const Shape& global, const Piece& source, const Piece& target,
     while (pos < hi) {
       const std::int64_t mid = pos + (hi - pos) / 2;
       const std::int64_t g = BoxLocalToGlobal(global, box, mid);
-      if (BoxItemsBefore(global, target.box, g) - dst_first < dst_window.begin) pos = mid + 1;
-      else hi = mid;
+      if (BoxItemsBefore(global, target.box, g) - dst_first < dst_window.begin)
+        pos = mid + 1;
+      else
+        hi = mid;
     }
   }
   // Blocks are the sub-boxes over dims [k, rank) (see CopyBlockItems), contiguous in both
@@ -162,7 +166,8 @@ std::int64_t ReshardPlan::PeakBufferBytes() const {
 
 Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& target, const ReshardOptions& options) {
   if (options.param_dtype && !IsFloating(*options.param_dtype)) {
-    return InvalidArgument("--param-dtype must be a floating type, got " + std::string(DTypeName(*options.param_dtype)));
+    return InvalidArgument("--param-dtype must be a floating type, got " +
+                           std::string(DTypeName(*options.param_dtype)));
   }
   if (options.staging_bytes < 4096 || options.window_bytes < 4096 ||
       (options.max_shard_bytes != 0 && options.max_shard_bytes < 4096)) {
@@ -181,7 +186,8 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
   plan.options.window_bytes = window;
   for (std::size_t i = 0; i < source.tensors.size(); ++i) {
     TensorSpec t = source.tensors[i];
-    if (options.param_dtype && t.role == TensorRole::kParameter && IsFloating(t.dtype) && t.dtype != *options.param_dtype) {
+    if (options.param_dtype && t.role == TensorRole::kParameter && IsFloating(t.dtype) &&
+        t.dtype != *options.param_dtype) {
       plan.converted.push_back(t.name + ": " + std::string(DTypeName(t.dtype)) + " -> " +
                                std::string(DTypeName(*options.param_dtype)));
       t.dtype = *options.param_dtype;
@@ -202,7 +208,8 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
       const ShardEntry& e = source.shards[s];
       if (e.replica != ReplicaKind::kMain) continue;
       const auto it = by_name.find(e.tensor);
-      if (it == by_name.end()) return DataLoss("source shard " + std::to_string(s) + " names unknown tensor '" + e.tensor + "'");
+      if (it == by_name.end())
+        return DataLoss("source shard " + std::to_string(s) + " names unknown tensor '" + e.tensor + "'");
       shard_ids[it->second].push_back(s);
       pieces[it->second].push_back(e.piece);
     }
@@ -226,9 +233,11 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
     for (std::int64_t part = 0; part < parts; ++part) {
       Piece piece = placed.piece;
       if (parts > 1) {
-        piece = CanonicalPiece(Piece{placed.piece.box, ItemRange{base + part * per, base + std::min(n, (part + 1) * per)}});
+        piece =
+            CanonicalPiece(Piece{placed.piece.box, ItemRange{base + part * per, base + std::min(n, (part + 1) * per)}});
       }
-      TargetShard ts{placed.tensor, placed.rank, piece, placed.replica, piece.numel() * esize, plan.transfers.size(), 0};
+      TargetShard ts{placed.tensor,         placed.rank,           piece, placed.replica,
+                     piece.numel() * esize, plan.transfers.size(), 0};
       RankCost& cost = plan.ranks[static_cast<std::size_t>(placed.rank)];
       std::int64_t covered = 0;
       const PieceIndex& idx = index[placed.tensor];
@@ -253,7 +262,8 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
         tr.dst_end = BoxItemsBefore(t.shape, piece.box, BoxLocalToGlobal(t.shape, o.box, c1 - 1)) - dst_first + 1;
         const std::int64_t extent_bytes = (tr.src_end - tr.src_begin) * src_esize;
         const bool small_copies = tr.items * src_esize < kSmallCopyBytes * tr.runs;
-        tr.dense = source.shards[tr.source].codec != Codec::kNone || tr.runs == 1 || extent_bytes <= kSmallExtentBytes ||
+        tr.dense = source.shards[tr.source].codec != Codec::kNone || tr.runs == 1 ||
+                   extent_bytes <= kSmallExtentBytes ||
                    (small_copies &&
                     static_cast<double>(tr.items) >= kDenseFraction * static_cast<double>(tr.src_end - tr.src_begin));
         tr.read_bytes = tr.dense ? extent_bytes : tr.items * src_esize;
@@ -291,13 +301,13 @@ std::string ReshardPlan::Summary() const {
      << "bytes read: " << Bytes(t.bytes_read) << " (" << t.bytes_read << "), needed " << Bytes(t.bytes_needed)
      << ", read amplification " << amp << "\n"
      << "largest shard: " << Bytes(LargestShardBytes()) << "; largest job buffer: " << Bytes(LargestJobBytes())
-     << "; peak buffer: " << Bytes(PeakBufferBytes())
-     << " (memory budget " << Bytes(options.memory_budget) << ")\n";
+     << "; peak buffer: " << Bytes(PeakBufferBytes()) << " (memory budget " << Bytes(options.memory_budget) << ")\n";
   for (const std::string& c : converted) os << "dtype conversion: " << c << "\n";
   os << "rank  shards  written  read  copies\n";
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankCost& c = ranks[r];
-    os << r << "  " << c.shards << "  " << Bytes(c.bytes_written) << "  " << Bytes(c.bytes_read) << "  " << c.copies << "\n";
+    os << r << "  " << c.shards << "  " << Bytes(c.bytes_written) << "  " << Bytes(c.bytes_read) << "  " << c.copies
+       << "\n";
   }
   return os.str();
 }
@@ -311,9 +321,10 @@ std::string ReshardPlan::Detail() const {
       const Transfer& t = transfers[i];
       const auto es = static_cast<std::int64_t>(DTypeSize(source_dtypes[s.tensor]));
       const auto ds = static_cast<std::int64_t>(DTypeSize(tensors[s.tensor].dtype));
-      os << "  <- source shard " << t.source << " bytes [" << t.src_begin * es << ", " << t.src_end * es << ") -> bytes ["
-         << t.dst_begin * ds << ", " << t.dst_end * ds << "): box " << t.box << " within items " << t.window << ", "
-         << t.items << " items in " << t.runs << " copies" << (t.dense ? ", read whole" : "") << "\n";
+      os << "  <- source shard " << t.source << " bytes [" << t.src_begin * es << ", " << t.src_end * es
+         << ") -> bytes [" << t.dst_begin * ds << ", " << t.dst_end * ds << "): box " << t.box << " within items "
+         << t.window << ", " << t.items << " items in " << t.runs << " copies" << (t.dense ? ", read whole" : "")
+         << "\n";
     }
   }
   return os.str();

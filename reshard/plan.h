@@ -13,11 +13,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/dtype.h"
 #include "core/tensor_spec.h"
@@ -27,15 +26,15 @@
 namespace rs {
 
 struct ReshardOptions {
-  std::optional<DType> param_dtype;    // convert floating parameters (not states) to this dtype
-  bool with_replicas = false;          // also write the replicas the target layout keeps
-  std::int64_t max_shard_bytes = 0;    // 0: one shard per target piece
+  std::optional<DType> param_dtype;                    // convert floating parameters (not states) to this dtype
+  bool with_replicas = false;                          // also write the replicas the target layout keeps
+  std::int64_t max_shard_bytes = 0;                    // 0: one shard per target piece
   std::int64_t memory_budget = std::int64_t{1} << 30;  // bytes in flight during execution
   std::int64_t staging_bytes = std::int64_t{4} << 20;  // per job, for gathering strided reads
   // A job's target buffer: at most this much of its shard at a time (shrunk by PlanReshard to
   // fit the budget with the staging block).
   std::int64_t window_bytes = std::int64_t{64} << 20;
-  int threads = 0;                                     // executor workers; 0 = hardware concurrency
+  int threads = 0;  // executor workers; 0 = hardware concurrency
 };
 
 // Items of one source shard that one target shard needs: the items of `box` inside the
@@ -79,13 +78,13 @@ struct RankCost {
 struct ReshardPlan {
   PhysicalLayout target;
   ReshardOptions options;
-  std::vector<TensorSpec> tensors;          // target specs: source specs with dtype conversion applied
-  std::vector<std::size_t> source_tensor;   // per target tensor: index into the source manifest's tensors
-  std::vector<DType> source_dtypes;         // per target tensor: its dtype in the source
-  std::vector<TargetShard> targets;         // by rank, then tensor, then piece
+  std::vector<TensorSpec> tensors;         // target specs: source specs with dtype conversion applied
+  std::vector<std::size_t> source_tensor;  // per target tensor: index into the source manifest's tensors
+  std::vector<DType> source_dtypes;        // per target tensor: its dtype in the source
+  std::vector<TargetShard> targets;        // by rank, then tensor, then piece
   std::vector<Transfer> transfers;
-  std::vector<RankCost> ranks;              // per target rank
-  std::vector<std::string> converted;       // tensors whose dtype changes, "name: f32 -> bf16"
+  std::vector<RankCost> ranks;         // per target rank
+  std::vector<std::string> converted;  // tensors whose dtype changes, "name: f32 -> bf16"
 
   RankCost Total() const;
   double ReadAmplification() const;  // bytes_read / bytes_needed (1 when nothing is read)
@@ -115,8 +114,8 @@ struct Copy {
 // Calls `f` for every copy of `t` between `source` and `target` (pieces of a tensor of shape
 // `global`) that lands in `dst_window` (items of the target buffer), clipped to it, in order.
 // O(rank · log n) to find the first, then O(rank) per copy.
-void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
-                 ItemRange dst_window, const std::function<void(const Copy&)>& f);
+void ForEachCopy(const Shape& global, const Piece& source, const Piece& target, const Transfer& t, ItemRange dst_window,
+                 const std::function<void(const Copy&)>& f);
 // The same copies appended to `out` (no call per copy, for the executor's inner loop).
 void AppendCopies(const Shape& global, const Piece& source, const Piece& target, const Transfer& t,
                   ItemRange dst_window, std::vector<Copy>& out);

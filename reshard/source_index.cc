@@ -26,7 +26,8 @@ PieceOverlap OverlapOf(const Shape& global, const Piece& a, const Piece& b) {
   return o;
 }
 
-PieceIndex::PieceIndex(Shape global, std::vector<Piece> pieces) : global_(std::move(global)), pieces_(std::move(pieces)) {
+PieceIndex::PieceIndex(Shape global, std::vector<Piece> pieces)
+    : global_(std::move(global)), pieces_(std::move(pieces)) {
   dims_.resize(global_.size() + 1);
   for (std::size_t d = 0; d < dims_.size(); ++d) {
     DimIndex& di = dims_[d];
@@ -36,7 +37,8 @@ PieceIndex::PieceIndex(Shape global, std::vector<Piece> pieces) : global_(std::m
     }
     std::vector<ItemRange> iv(pieces_.size());
     for (std::size_t i : order) iv[i] = DimInterval(pieces_[i], d);
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return iv[a].begin < iv[b].begin; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return iv[a].begin < iv[b].begin; });
     for (std::size_t i : order) {
       di.begins.push_back(iv[i].begin);
       di.ends.push_back(iv[i].end);
@@ -64,14 +66,15 @@ void PieceIndex::DimIndex::Build() {
 std::size_t PieceIndex::DimIndex::Count(std::int64_t lo, std::int64_t hi) const {
   // Intervals with begin < hi, minus those among them that end at or before lo (every such
   // interval begins before lo < hi, so it is among them).
-  const auto starts_before = static_cast<std::size_t>(std::lower_bound(begins.begin(), begins.end(), hi) - begins.begin());
+  const auto starts_before =
+      static_cast<std::size_t>(std::lower_bound(begins.begin(), begins.end(), hi) - begins.begin());
   const auto ends_before =
       static_cast<std::size_t>(std::upper_bound(sorted_ends.begin(), sorted_ends.end(), lo) - sorted_ends.begin());
   return starts_before - std::min(starts_before, ends_before);
 }
 
-void PieceIndex::DimIndex::CollectNode(std::size_t node, std::size_t l, std::size_t r, std::size_t limit, std::int64_t lo,
-                                       std::vector<std::size_t>& out) const {
+void PieceIndex::DimIndex::CollectNode(std::size_t node, std::size_t l, std::size_t r, std::size_t limit,
+                                       std::int64_t lo, std::vector<std::size_t>& out) const {
   if (l >= limit || tree[node] <= lo) return;
   if (r - l == 1) {
     out.push_back(ids[l]);

@@ -11,6 +11,8 @@ PACKAGES=(build-essential cmake pkg-config libhdf5-dev libzstd-dev libxxhash-dev
 # The fuzzers (fuzz/run.sh): clang, its sanitizer and libFuzzer runtimes (libclang_rt.fuzzer,
 # .asan, .ubsan: libclang-rt-14-dev) and llvm-symbolizer (llvm-14) for readable stacks.
 PACKAGES+=(clang-14 libclang-rt-14-dev llvm-14)
+# The format check of CI (scripts/format.sh --check).
+PACKAGES+=(clang-format-14)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

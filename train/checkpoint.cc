@@ -1,7 +1,5 @@
 #include "train/checkpoint.h"
 
-#include "dist/commit.h"
-
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -13,6 +11,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/layout.h"
+#include "dist/commit.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
 
@@ -48,14 +47,14 @@ Status ReadFloats(CheckpointReader& r, const std::string& name, const Shape& exp
 // of ModelParameters(config) must be in the manifest with that shape and a floating dtype.
 Status CheckModelAgainstManifest(const ModelConfig& c, const Manifest& m, const std::string& dir) {
   const std::string model = "checkpoint '" + dir + "': the model config (metadata 'model' or --model: '" + c.name +
-                            "', vocab_size " + std::to_string(c.vocab_size) + ", d_model " +
-                            std::to_string(c.d_model) + ", n_layers " + std::to_string(c.n_layers) + ", n_experts " +
-                            std::to_string(c.n_experts) + ")";
+                            "', vocab_size " + std::to_string(c.vocab_size) + ", d_model " + std::to_string(c.d_model) +
+                            ", n_layers " + std::to_string(c.n_layers) + ", n_experts " + std::to_string(c.n_experts) +
+                            ")";
   const auto tensors = static_cast<std::int64_t>(m.tensors.size());
   if (c.n_layers > (tensors - 3) / 4) {
     return DataLoss(model + " has field 'n_layers' = " + std::to_string(c.n_layers) + ", but the manifest's " +
-                    std::to_string(tensors) + " tensors hold at most " + std::to_string(std::max<std::int64_t>(0, (tensors - 3) / 4)) +
-                    " layers");
+                    std::to_string(tensors) + " tensors hold at most " +
+                    std::to_string(std::max<std::int64_t>(0, (tensors - 3) / 4)) + " layers");
   }
   std::unordered_map<std::string_view, const TensorSpec*> by_name;
   for (const TensorSpec& t : m.tensors) by_name.emplace(t.name, &t);

@@ -372,7 +372,7 @@ Buffer<T> ExchangeFromExperts(DispatchMode mode, const T* padded, std::int64_t d
   template void CombineForward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, const T*, T*);            \
   template Buffer<T> CombineBackward<T>(DispatchMode, const T*, const T*, std::int64_t, const DispatchPlan&, const T*, \
                                         T*);                                                                           \
-  template void DispatchBackward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, T*);                  \
+  template void DispatchBackward<T>(DispatchMode, const T*, std::int64_t, const DispatchPlan&, T*);                    \
   template Buffer<T> ExchangeToExperts<T>(DispatchMode, const T*, std::int64_t, const ExchangeLayout&);                \
   template Buffer<T> ExchangeFromExperts<T>(DispatchMode, const T*, std::int64_t, const ExchangeLayout&);
 RS_INSTANTIATE(float)

@@ -42,8 +42,7 @@ Status CheckTrainable(const ModelConfig& config) {
   return Status::Ok();
 }
 
-Status CheckModelMemory(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool training,
-                        std::int64_t ranks) {
+Status CheckModelMemory(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool training, std::int64_t ranks) {
   RS_ASSIGN_OR_RETURN(const std::int64_t params, ModelParameterCount(c));
   std::int64_t attention_layers = 0;
   for (std::int64_t i = 0; i < c.n_layers; ++i) attention_layers += c.IsGdnLayer(i) ? 0 : 1;
@@ -59,13 +58,13 @@ Status CheckModelMemory(const ModelConfig& c, std::int64_t rows, std::int64_t se
   }
   std::int64_t bytes = 0;
   overflow = overflow || __builtin_mul_overflow(floats / std::max<std::int64_t>(ranks, 1), 4, &bytes);
-  return CheckMemory(overflow ? -1 : bytes,
-                     "model '" + c.name + "' (" + std::to_string(params) + " parameters: vocab_size " +
-                         std::to_string(c.vocab_size) + ", d_model " + std::to_string(c.d_model) + ", n_layers " +
-                         std::to_string(c.n_layers) + ", n_experts " + std::to_string(c.n_experts) + ", moe_ffn " +
-                         std::to_string(c.moe_ffn) + (rows > 0 ? ", " + std::to_string(rows) + " x " +
-                                                                     std::to_string(seq) + " tokens" : std::string()) +
-                         (training ? ", training" : "") + ")");
+  return CheckMemory(
+      overflow ? -1 : bytes,
+      "model '" + c.name + "' (" + std::to_string(params) + " parameters: vocab_size " + std::to_string(c.vocab_size) +
+          ", d_model " + std::to_string(c.d_model) + ", n_layers " + std::to_string(c.n_layers) + ", n_experts " +
+          std::to_string(c.n_experts) + ", moe_ffn " + std::to_string(c.moe_ffn) +
+          (rows > 0 ? ", " + std::to_string(rows) + " x " + std::to_string(seq) + " tokens" : std::string()) +
+          (training ? ", training" : "") + ")");
 }
 
 // Vocab-parallel cross-entropy (MODEL.md §4) over this rank's logits [n, vl], whose column j
@@ -104,7 +103,8 @@ double VocabParallelCrossEntropy(const T* logits, const std::int32_t* targets, s
     if (dlogits == nullptr) continue;
     const T* li = logits + i * vl;
     T* di = dlogits + i * vl;
-    for (std::int64_t j = 0; j < valid; ++j) di[j] = static_cast<T>(std::exp(static_cast<double>(li[j]) - lse) * inv_rows);
+    for (std::int64_t j = 0; j < valid; ++j)
+      di[j] = static_cast<T>(std::exp(static_cast<double>(li[j]) - lse) * inv_rows);
     std::fill(di + valid, di + vl, T(0));
     const std::int64_t t = targets[i] - off;
     if (t >= 0 && t < valid) di[t] -= static_cast<T>(inv_rows);
@@ -113,8 +113,8 @@ double VocabParallelCrossEntropy(const T* logits, const std::int32_t* targets, s
 }
 
 template <typename T>
-Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& dispatch, std::vector<TensorSpec> local_specs,
-                            ModelParallel* par)
+Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& dispatch,
+                            std::vector<TensorSpec> local_specs, ModelParallel* par)
     : c_(config),
       dispatch_(dispatch),
       par_(par != nullptr ? par : &SingleProcess()),
@@ -194,8 +194,8 @@ template <typename T>
 void Transformer<T>::Initialize(std::uint64_t seed, double init_std) {
   RS_CHECK_MSG(specs_ == ModelParameters(c_), "Initialize needs whole tensors; a sharded model is filled by pieces");
   for (std::size_t i = 0; i < specs_.size(); ++i) {
-    InitialPiece<T>(specs_[i], Piece{Box::Full(specs_[i].shape), std::nullopt}, InitOptions{seed, init_std, c_.n_layers},
-                    std::span<T>(P(i), static_cast<std::size_t>(numel(i))));
+    InitialPiece<T>(specs_[i], Piece{Box::Full(specs_[i].shape), std::nullopt},
+                    InitOptions{seed, init_std, c_.n_layers}, std::span<T>(P(i), static_cast<std::size_t>(numel(i))));
   }
 }
 

@@ -47,7 +47,8 @@ Buffer<T> MoeLayer<T>::ToExperts(const T* rows, bool plan_counts) {
       }
     }
     layout_ = PlanExchange(counts, p, el, dispatch_.alignment);
-    for (std::int64_t s = 0; s < p; ++s) recv_counts_[static_cast<std::size_t>(s)] = layout_.source_rows[static_cast<std::size_t>(s)] * d;
+    for (std::int64_t s = 0; s < p; ++s)
+      recv_counts_[static_cast<std::size_t>(s)] = layout_.source_rows[static_cast<std::size_t>(s)] * d;
   }
   const T* group = rows + group_begin_ * d;
   if (p == 1) return ExchangeToExperts(dispatch_.mode, group, d, layout_);

@@ -2,8 +2,6 @@
 // experts -> weighted combine, plus an optional shared expert applied to every token.
 #pragma once
 
-#include "train/model_parallel.h"
-
 #include <cstdint>
 #include <memory>
 
@@ -11,6 +9,7 @@
 #include "train/buffer.h"
 #include "train/dispatch.h"
 #include "train/experts.h"
+#include "train/model_parallel.h"
 #include "train/router.h"
 
 namespace rs::train {

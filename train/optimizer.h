@@ -3,9 +3,8 @@
 // how many steps this invocation will run), so a run resumed at step s continues exactly.
 #pragma once
 
-#include <functional>
-
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <vector>

@@ -5,13 +5,12 @@
 // included). Selection is piecewise constant: no gradient flows through which expert is chosen.
 #pragma once
 
-#include "train/model_parallel.h"
-
 #include <cstdint>
 #include <span>
 #include <vector>
 
 #include "core/model.h"
+#include "train/model_parallel.h"
 
 namespace rs::train {
 
@@ -63,11 +62,11 @@ class Router {
   ModelParallel* par_;
   std::int64_t n_ = 0;
   std::int64_t global_n_ = 0;  // rows of the whole batch
-  std::vector<T> softmax_;  // [n, E] softmax of the logits (aux loss, z-loss, gates)
-  std::vector<T> sigmoid_;  // [n, E] sigmoid of the logits (sigmoid_bias; sinkhorn k = 1)
-  std::vector<T> lse_;      // [n] logsumexp of each row (z-loss)
-  std::vector<double> f_;   // [E] fraction of assignments per expert (aux loss)
-  Routing<T> last_;         // experts and probs of the last Forward
+  std::vector<T> softmax_;     // [n, E] softmax of the logits (aux loss, z-loss, gates)
+  std::vector<T> sigmoid_;     // [n, E] sigmoid of the logits (sigmoid_bias; sinkhorn k = 1)
+  std::vector<T> lse_;         // [n] logsumexp of each row (z-loss)
+  std::vector<double> f_;      // [E] fraction of assignments per expert (aux loss)
+  Routing<T> last_;            // experts and probs of the last Forward
 };
 
 // Sinkhorn balancing of C = exp(logits − max): returns the balanced matrix [n, E] whose rows

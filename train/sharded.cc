@@ -128,13 +128,14 @@ void ProcessGroups::ResetStats() {
 }
 
 Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& model, const PhysicalLayout& layout,
-                                                            std::int64_t rank, const OptimizerConfig& optimizer) {
+                                                           std::int64_t rank, const OptimizerConfig& optimizer) {
   const Mesh& mesh = layout.layout.mesh();
   for (const char* axis : {"pp", "cp"}) {
     if (mesh.AxisSize(axis) > 1) {
-      return Unimplemented(std::string("train: the '") + axis + "' axis of layout " + layout.ToString() +
-                           " is not supported by the training core yet (tp, fsdp, ep, etp and dp are); checkpoints of such "
-                           "layouts can still be written by `reshard convert`");
+      return Unimplemented(
+          std::string("train: the '") + axis + "' axis of layout " + layout.ToString() +
+          " is not supported by the training core yet (tp, fsdp, ep, etp and dp are); checkpoints of such "
+          "layouts can still be written by `reshard convert`");
     }
   }
   const std::int64_t fsdp = mesh.AxisSize(kFsdpAxis);
@@ -158,12 +159,12 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   const std::int64_t ep = mesh.AxisSize(kEpAxis);
   const std::vector<TensorSpec> specs = ModelParameters(model);
   const bool cp_by_ep = ep > 1 && std::any_of(specs.begin(), specs.end(), [&](const TensorSpec& t) {
-    if (t.expert || t.role != TensorRole::kParameter) return false;
-    for (const auto& axes : layout.layout.ShardingAxes(t)) {
-      if (std::find(axes.begin(), axes.end(), kEpAxis) != axes.end()) return true;
-    }
-    return false;
-  });
+                          if (t.expert || t.role != TensorRole::kParameter) return false;
+                          for (const auto& axes : layout.layout.ShardingAxes(t)) {
+                            if (std::find(axes.begin(), axes.end(), kEpAxis) != axes.end()) return true;
+                          }
+                          return false;
+                        });
   // The ranks with other rows of the batch, row-major over (dp, fsdp, ep) as the data group;
   // under cp the ep ranks share rows and split their positions instead.
   const std::int64_t row_ep = cp_by_ep ? 1 : ep;
@@ -224,7 +225,8 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   // The rules as the physical map applies them to experts: exp_<label> rules, and with etp > 1
   // exp_mlp -> etp unless the rules say otherwise.
   RuleSet expert_rules = layout.layout.rules();
-  if (mesh.AxisSize(kEtpAxis) > 1 && expert_rules.rules.count("exp_mlp") == 0) expert_rules.rules["exp_mlp"] = {kEtpAxis};
+  if (mesh.AxisSize(kEtpAxis) > 1 && expert_rules.rules.count("exp_mlp") == 0)
+    expert_rules.rules["exp_mlp"] = {kEtpAxis};
   const Layout expert_layout(mesh, expert_rules, layout.layout.pp_split());
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (!params[i].expert) continue;
@@ -238,8 +240,11 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       if (mesh.AxisSize(a) > 1) cut.push_back(a);
     }
     if (cut.size() > 1 || (cut.size() == 1 && cut[0] != kEpAxis && cut[0] != kTpAxis)) {
-      return Unimplemented("train: the expert dim of '" + params[i].name + "' is cut over more than ep or tp alone "
-                           "under rules '" + layout.layout.rules().name + "'; the training core exchanges tokens "
+      return Unimplemented("train: the expert dim of '" + params[i].name +
+                           "' is cut over more than ep or tp alone "
+                           "under rules '" +
+                           layout.layout.rules().name +
+                           "'; the training core exchanges tokens "
                            "over one of them");
     }
     s->experts_over_ep_ = cut.size() == 1 && cut[0] == kEpAxis;
@@ -301,9 +306,9 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
         const std::int64_t lo = std::max(m.offset, mine.begin), hi = std::min(m.end(), mine.end);
         if (lo >= hi) continue;
         Tensor& t = s->tensors_[s->plan_tensor_[m.param]];
-        RS_CHECK_MSG(t.placement && t.placement->slice &&
-                         *t.placement->slice == (ItemRange{lo - m.offset, hi - m.offset}),
-                     "bucket plan and physical map disagree on " << s->plan_->params[m.param].name);
+        RS_CHECK_MSG(
+            t.placement && t.placement->slice && *t.placement->slice == (ItemRange{lo - m.offset, hi - m.offset}),
+            "bucket plan and physical map disagree on " << s->plan_->params[m.param].name);
         t.owned = owned + (lo - mine.begin);
       }
       s->shards_.push_back({b, owned});
@@ -360,7 +365,8 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       if (params[i].role != TensorRole::kParameter || (params[i].expert && s->experts_over_ep_) || t.owned < 0) {
         continue;
       }
-      if (t.box_group >= 0 && s->box_groups_[static_cast<std::size_t>(t.box_group)].axes.size() > 1) continue;  // summed over (fsdp, ep)
+      if (t.box_group >= 0 && s->box_groups_[static_cast<std::size_t>(t.box_group)].axes.size() > 1)
+        continue;  // summed over (fsdp, ep)
       const std::int64_t n = t.placement->buffer_numel();
       if (!s->ep_shared_.empty() && s->ep_shared_.back().end == t.owned) {
         s->ep_shared_.back().end += n;
@@ -486,8 +492,9 @@ void ShardedState::Initialize(Transformer<float>& model, std::uint64_t seed, dou
       InitialPiece<float>(spec, m.pieces[k], io, values[k]);
       pieces.push_back(std::as_bytes(std::span<const float>(values[k])));
     }
-    PiecesToLocal(m, pieces, Bytes(model.params().subspan(static_cast<std::size_t>(model.offset(i)),
-                                                           static_cast<std::size_t>(model.numel(i)))),
+    PiecesToLocal(m, pieces,
+                  Bytes(model.params().subspan(static_cast<std::size_t>(model.offset(i)),
+                                               static_cast<std::size_t>(model.numel(i)))),
                   sizeof(float));
     if (t.owned < 0) continue;
     CopyRuns(t.self, model.params().subspan(static_cast<std::size_t>(model.offset(i))),
@@ -502,9 +509,8 @@ Status ReadPlacement(CheckpointReader& reader, const std::string& name, const Sh
                      std::span<float> out) {
   RS_ASSIGN_OR_RETURN(const TensorSpec* spec, reader.FindTensor(name));
   if (spec->shape != shape) {
-    return DataLoss("checkpoint '" + reader.dir() + "': tensor '" + name + "' has shape " +
-                    ShapeToString(spec->shape) + ", the model expects " + ShapeToString(shape) +
-                    " (a checkpoint of another model?)");
+    return DataLoss("checkpoint '" + reader.dir() + "': tensor '" + name + "' has shape " + ShapeToString(spec->shape) +
+                    ", the model expects " + ShapeToString(shape) + " (a checkpoint of another model?)");
   }
   if (!IsFloating(spec->dtype)) {
     return DataLoss("checkpoint '" + reader.dir() + "': tensor '" + name + "' has non-floating dtype " +
@@ -530,21 +536,20 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model) {
     const Tensor& t = tensors_[i];
     const TensorSpec& spec = map_->tensors()[t.ckpt];
     if (spec.role != TensorRole::kParameter) {  // buffers: the whole compute tensor
-      RS_RETURN_IF_ERROR(ReadPlacement(reader, spec.name, spec.shape, ComputePlacement(i),
-                                       model.params().subspan(static_cast<std::size_t>(model.offset(i)),
-                                                              static_cast<std::size_t>(model.numel(i)))));
+      RS_RETURN_IF_ERROR(ReadPlacement(
+          reader, spec.name, spec.shape, ComputePlacement(i),
+          model.params().subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)))));
       continue;
     }
     if (t.owned < 0) continue;
     const auto n = static_cast<std::size_t>(t.placement->buffer_numel());
     const auto off = static_cast<std::size_t>(t.owned);
     // Training continues from the fp32 master weights, never from the (maybe rounded) params.
-    const std::pair<const char*, std::span<float>> states[] = {{"master", master()},
-                                                               {"exp_avg", opt_->exp_avg()},
-                                                               {"exp_avg_sq", opt_->exp_avg_sq()}};
+    const std::pair<const char*, std::span<float>> states[] = {
+        {"master", master()}, {"exp_avg", opt_->exp_avg()}, {"exp_avg_sq", opt_->exp_avg_sq()}};
     for (const auto& [state, owned] : states) {
-      RS_RETURN_IF_ERROR(ReadPlacement(reader, OptimizerStateName(spec.name, state), spec.shape, *t.placement,
-                                       owned.subspan(off, n)));
+      RS_RETURN_IF_ERROR(
+          ReadPlacement(reader, OptimizerStateName(spec.name, state), spec.shape, *t.placement, owned.subspan(off, n)));
     }
   }
   return Status::Ok();
@@ -605,9 +610,10 @@ Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>&
     for (const BucketShard& sh : shards_) {
       const Bucket& b = plan_->buckets[sh.bucket];
       full.resize(static_cast<std::size_t>(b.size_items()));
-      RS_RETURN_IF_ERROR(groups.fsdp->AllGather(std::span<const float>(master_).subspan(
-                                                    static_cast<std::size_t>(sh.base), static_cast<std::size_t>(b.shard_items)),
-                                                full));
+      RS_RETURN_IF_ERROR(
+          groups.fsdp->AllGather(std::span<const float>(master_).subspan(static_cast<std::size_t>(sh.base),
+                                                                         static_cast<std::size_t>(b.shard_items)),
+                                 full));
       for (const BucketMember& m : b.members) {
         const std::size_t t = plan_tensor_[m.param];
         std::copy_n(full.begin() + m.offset, m.numel, params.begin() + model.offset(t));
@@ -649,8 +655,8 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
     for (std::size_t i = 0; i < local_specs_.size(); ++i) {
       if (!EndsWith(local_specs_[i].name, "attn.qkv.weight")) continue;
       const std::string out = local_specs_[i].name.substr(0, local_specs_[i].name.size() - 10) + "out.weight";
-      const auto o = std::find_if(local_specs_.begin(), local_specs_.end(),
-                                  [&](const TensorSpec& s) { return s.name == out; });
+      const auto o =
+          std::find_if(local_specs_.begin(), local_specs_.end(), [&](const TensorSpec& s) { return s.name == out; });
       RS_CHECK(o != local_specs_.end());
       const std::int64_t d = config_.d_model, q_rows = o->shape[1];
       auto kv = grads.subspan(static_cast<std::size_t>(model.offset(i) + q_rows * d),
@@ -667,7 +673,8 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
         std::copy_n(grads.begin() + model.offset(plan_tensor_[m.param]), m.numel, full.begin() + m.offset);
       }
       RS_RETURN_IF_ERROR(groups.fsdp->ReduceScatter(
-          full, std::span<float>(grad_).subspan(static_cast<std::size_t>(sh.base), static_cast<std::size_t>(b.shard_items))));
+          full,
+          std::span<float>(grad_).subspan(static_cast<std::size_t>(sh.base), static_cast<std::size_t>(b.shard_items))));
     }
   } else {
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
@@ -684,7 +691,8 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
         for (std::size_t i = 0; i < tensors_.size(); ++i) {
           if (peer.base[i] < 0) continue;
           CopyRuns(peer.runs[i], grads.subspan(static_cast<std::size_t>(model.offset(i))),
-                   std::span<float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])), /*to_compute=*/false);
+                   std::span<float>(full).subspan(q * n + static_cast<std::size_t>(peer.base[i])),
+                   /*to_compute=*/false);
         }
       }
       RS_RETURN_IF_ERROR(groups.box[gi]->ReduceScatter(full, mine));
@@ -709,7 +717,8 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
 
 Result<UpdateInfo> ShardedState::Update(ProcessGroups& groups, std::int64_t step) {
   return opt_->Update(master_, grad_, step, [&](double sq) -> Result<double> {
-    if (groups.world != nullptr) RS_RETURN_IF_ERROR(groups.world->AllReduce(std::span<double>(&sq, 1), dist::ReduceOp::kSum));
+    if (groups.world != nullptr)
+      RS_RETURN_IF_ERROR(groups.world->AllReduce(std::span<double>(&sq, 1), dist::ReduceOp::kSum));
     return sq;
   });
 }

@@ -142,10 +142,10 @@ class ShardedState {
   // per group and step.
   struct BoxGroup {
     std::vector<std::string> axes;
-    std::int64_t begin = 0, end = 0;  // this rank's segment of the owned vectors
+    std::int64_t begin = 0, end = 0;   // this rank's segment of the owned vectors
     std::int64_t index = 0, size = 1;  // this rank's index in the group, the group's size
-    std::int64_t items = 0;           // the largest segment in the group
-    std::vector<BoxPeer> peers;       // by group index
+    std::int64_t items = 0;            // the largest segment in the group
+    std::vector<BoxPeer> peers;        // by group index
   };
   struct BucketShard {
     std::size_t bucket = 0;
@@ -164,15 +164,15 @@ class ShardedState {
   std::int64_t vocab_offset_ = 0;
   std::int64_t expert_offset_ = 0;
   bool experts_over_ep_ = false;
-  std::vector<ItemRange> ep_shared_;  // owned ranges of parameters replicated over ep (summed over it)
+  std::vector<ItemRange> ep_shared_;         // owned ranges of parameters replicated over ep (summed over it)
   std::int64_t cp_index_ = 0, cp_size_ = 1;  // context parallel (ep under ep-as-cp): sequence parts
   std::int64_t data_index_ = 0, data_size_ = 1;
   std::int64_t fsdp_index_ = 0, fsdp_size_ = 1;
-  std::int64_t kv_replication_ = 1;  // tp ranks that hold each kv head
+  std::int64_t kv_replication_ = 1;   // tp ranks that hold each kv head
   const BucketPlan* plan_ = nullptr;  // with fsdp > 1
   std::vector<BucketShard> shards_;
   std::vector<std::size_t> plan_tensor_;  // per plan param: model tensor index
-  std::vector<BoxGroup> box_groups_;  // box form, groups of more than one rank
+  std::vector<BoxGroup> box_groups_;      // box form, groups of more than one rank
   std::vector<float> master_, grad_;
   std::unique_ptr<AdamW> opt_;
   ModelConfig config_;

@@ -1,10 +1,10 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "core/layout.h"
-#include <nlohmann/json.hpp>
 
 namespace rs::train {
 
@@ -109,8 +109,13 @@ Trainer::Trainer(const ModelConfig& model, const TrainConfig& train, Corpus corp
       seq_(train.seq_len > 0 ? train.seq_len : model.max_seq_len),
       state_(std::move(state)),
       groups_(std::move(groups)),
-      par_{groups_.tp.get(), groups_.data.get(), 0, state_->vocab_offset(), Status::Ok(),
-           state_->experts_over_ep() ? groups_.ep.get() : nullptr, state_->expert_offset(),
+      par_{groups_.tp.get(),
+           groups_.data.get(),
+           0,
+           state_->vocab_offset(),
+           Status::Ok(),
+           state_->experts_over_ep() ? groups_.ep.get() : nullptr,
+           state_->expert_offset(),
            state_->cp_size() > 1 ? groups_.ep.get() : nullptr,
            groups_.etp->size() > 1 ? groups_.etp.get() : nullptr},
       model_(model, train.dispatch, state_->local_specs(), &par_) {}

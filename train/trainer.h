@@ -61,7 +61,7 @@ struct StepReport {
   double seconds = 0;       // wall time of the step
   double comm_seconds = 0;  // of which in gradient/parameter collectives outside the model
   // (comm.seconds: in every collective, those inside forward/backward included)
-  dist::CommStats comm;     // bytes this rank received during the step
+  dist::CommStats comm;  // bytes this rank received during the step
 };
 
 class Trainer {

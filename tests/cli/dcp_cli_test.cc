@@ -22,10 +22,12 @@ std::string CopyBf16(const TempDir& tmp, const std::string& name, const std::str
   const std::string dst = tmp / name;
   fs::create_directories(dst);
   for (const auto& e : fs::directory_iterator(kFixtures + "/bf16_2d")) {
-    if (e.path().filename() != "expected.safetensors") fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
+    if (e.path().filename() != "expected.safetensors")
+      fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
   }
   if (!variant.empty()) {
-    fs::copy_file(kFixtures + "/variants/" + variant + ".metadata", dst + "/.metadata", fs::copy_options::overwrite_existing);
+    fs::copy_file(kFixtures + "/variants/" + variant + ".metadata", dst + "/.metadata",
+                  fs::copy_options::overwrite_existing);
   }
   return dst;
 }
@@ -78,7 +80,8 @@ TEST(DcpCliTest, ConvertAtLayoutsAndDiff) {
     SCOPED_TRACE(std::string(c.fixture) + " -> " + c.layout);
     const std::string src = kFixtures + "/" + c.fixture;
     const std::string out = tmp / (std::string(c.fixture) + "_" + std::to_string(std::hash<std::string>{}(c.layout)));
-    const CommandResult conv = RunCli("convert " + src + " --to " + c.layout + kModel + " -o " + out + " --verify-source");
+    const CommandResult conv =
+        RunCli("convert " + src + " --to " + c.layout + kModel + " -o " + out + " --verify-source");
     ASSERT_EQ(conv.exit_code, 0) << conv.output;
     const CommandResult v = RunCli("verify " + out);
     EXPECT_EQ(v.exit_code, 0) << v.output;
@@ -125,15 +128,18 @@ TEST(DcpCliTest, HostileMetadataExecutesNothing) {
   const std::string marker = tmp / "pwned";
   // pickle of os.system("touch <marker>") at protocol 2, as an attacker would write it.
   const std::string cmd = "touch " + marker;
-  std::string p = "\x80\x02" "cos\nsystem\nX";
+  std::string p =
+      "\x80\x02"
+      "cos\nsystem\nX";
   for (int i = 0; i < 4; ++i) p.push_back(static_cast<char>((cmd.size() >> (8 * i)) & 0xFF));
   p += cmd + "\x85R.";
   {
     std::ofstream out(dir + "/.metadata", std::ios::binary | std::ios::trunc);
     out << p;
   }
-  for (const std::string& command : {"verify " + dir, "inspect " + dir, "plan " + dir + " --to tp=2" + kModel,
-                                     "convert " + dir + " --to tp=2" + kModel + " -o " + (tmp / "o"), "diff " + dir + " " + dir}) {
+  for (const std::string& command :
+       {"verify " + dir, "inspect " + dir, "plan " + dir + " --to tp=2" + kModel,
+        "convert " + dir + " --to tp=2" + kModel + " -o " + (tmp / "o"), "diff " + dir + " " + dir}) {
     const CommandResult r = RunCli(command);
     EXPECT_EQ(r.exit_code, 1) << command << "\n" << r.output;
     EXPECT_TRUE(Has(r.output, "global 'os.system' is not on the allowlist")) << command << "\n" << r.output;

@@ -1,15 +1,15 @@
 // `reshard example`, `verify` and `inspect` end to end: example values do not depend on the
 // layout, every example passes verify, and the commands' exit codes and outputs.
+#include "reshard/example.h"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
-
 #include <nlohmann/json.hpp>
 
 #include "cli_test_util.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/verify.h"
-#include "reshard/example.h"
 
 namespace rs {
 namespace {
@@ -153,7 +153,8 @@ TEST(CliTest, ExampleVerifyInspectExitCodes) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   j = nlohmann::json::parse(r.output, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.output;
-  EXPECT_EQ(j["num_tensors"].get<std::size_t>(), ModelCheckpointTensors(ModelPreset("tiny-moe").value(), AdamStateNames()).size());
+  EXPECT_EQ(j["num_tensors"].get<std::size_t>(),
+            ModelCheckpointTensors(ModelPreset("tiny-moe").value(), AdamStateNames()).size());
   EXPECT_GT(j["compression_ratio"].get<double>(), 0.0);
 
   r = RunCli("inspect " + ck + " --tensor layers.1.moe.experts.fc1.weight");

@@ -5,6 +5,9 @@
 // HF semantics) reproduces `reshard eval`; Qwen-style and fused expert names import too; what
 // Mixtral or our model cannot express is refused naming the difference; hostile safetensors
 // files are refused with a non-zero exit, never a crash.
+#include "reshard/hf.h"
+
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -16,17 +19,14 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
 #include "core/model.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/safetensors.h"
-#include "reshard/hf.h"
 #include "tests/cli/cli_test_util.h"
 #include "tests/formats/safetensors_corpus.h"
 
@@ -56,9 +56,7 @@ std::string Python() {
   return p != nullptr && *p != '\0' ? p : "python3";
 }
 
-bool HavePythonSafetensors() {
-  return RunShell(Python() + " -c 'import numpy, safetensors.numpy'").exit_code == 0;
-}
+bool HavePythonSafetensors() { return RunShell(Python() + " -c 'import numpy, safetensors.numpy'").exit_code == 0; }
 
 // An HF directory in memory: config.json and every tensor with its bytes.
 struct HfTensorBytes {
@@ -110,7 +108,9 @@ HfTensorBytes* Find(HfDir& h, const std::string& name) {
   return nullptr;
 }
 
-bool Contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+bool Contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
 
 // No staging or temporary directories left next to the outputs.
 bool NoLeftovers(const fs::path& dir) {
@@ -133,7 +133,8 @@ class HfTest : public ::testing::Test {
   }
 
   // Imports `dir` at `layout` to `out`, expecting success.
-  void Import(const std::string& dir, const std::string& layout, const std::string& out, const std::string& extra = "") {
+  void Import(const std::string& dir, const std::string& layout, const std::string& out,
+              const std::string& extra = "") {
     const CommandResult r = RunCli("import " + dir + " --format hf --layout " + layout + " -o " + out + " " + extra);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const CommandResult v = RunCli("verify " + out);
@@ -229,7 +230,9 @@ TEST_F(HfTest, RoundTripAtOtherLayoutsIsIdentical) {
   }
   // Exported again, the imported checkpoint gives byte-identical safetensors files.
   const std::string again = tmp_ / "hf-again";
-  ASSERT_EQ(RunCli("export " + (tmp_ / "imp-tp_2_ep_2") + " --format hf -o " + again + " --max-shard-size 200KiB").exit_code, 0);
+  ASSERT_EQ(
+      RunCli("export " + (tmp_ / "imp-tp_2_ep_2") + " --format hf -o " + again + " --max-shard-size 200KiB").exit_code,
+      0);
   for (const auto& e : fs::directory_iterator(hf_)) {
     EXPECT_EQ(Slurp(e.path().string()), Slurp(again + "/" + e.path().filename().string())) << e.path();
   }
@@ -265,8 +268,7 @@ TEST_F(HfTest, Bf16ExportAndImport) {
   EXPECT_EQ(d.exit_code, 0) << d.output;
   // Re-exported in its own dtype (bf16, the default), the bytes are the same.
   ASSERT_EQ(RunCli("export " + (tmp_ / "impb") + " --format hf -o " + (tmp_ / "hfb2")).exit_code, 0);
-  EXPECT_EQ(Slurp(hfb + "/model-00001-of-00001.safetensors"),
-            Slurp(tmp_ / "hfb2/model-00001-of-00001.safetensors"));
+  EXPECT_EQ(Slurp(hfb + "/model-00001-of-00001.safetensors"), Slurp(tmp_ / "hfb2/model-00001-of-00001.safetensors"));
 }
 
 // The files read by an independent reader: the PyPI safetensors package (numpy), names,
@@ -316,7 +318,8 @@ json.dump(listing, open(os.path.join(out, "listing.json"), "w"))
       EXPECT_EQ(listing[h.hf_name]["dtype"], std::string(SafetensorsDTypeName(dtype)));
       EXPECT_EQ(listing[h.hf_name]["shape"].get<Shape>(), h.hf_shape) << h.hf_name;
       const TensorSpec* spec = *(*original)->FindTensor(h.tensor);
-      auto bytes = (*original)->ReadPiece(h.tensor, Piece{Box::Full(spec->shape), ItemRange{h.flat_begin, h.flat_begin + h.numel()}});
+      auto bytes = (*original)->ReadPiece(
+          h.tensor, Piece{Box::Full(spec->shape), ItemRange{h.flat_begin, h.flat_begin + h.numel()}});
       ASSERT_TRUE(bytes.ok());
       std::vector<std::byte> expect(static_cast<std::size_t>(h.numel()) * DTypeSize(dtype));
       ConvertFloats(spec->dtype, bytes->data(), dtype, expect.data(), static_cast<std::size_t>(h.numel()));
@@ -345,9 +348,12 @@ TEST_F(HfTest, ImportsMlpStyleAndFusedExpertNames) {
   const std::int64_t experts = config["num_local_experts"], layers = config["num_hidden_layers"];
   HfDir per_expert{config, {}}, fused{config, {}};
   auto rename = [](std::string n) {
-    for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
-             {"block_sparse_moe.gate.", "mlp.gate."}, {"block_sparse_moe.experts.", "mlp.experts."},
-             {".w1.", ".gate_proj."}, {".w3.", ".up_proj."}, {".w2.", ".down_proj."}}) {
+    for (const auto& [from, to] :
+         std::vector<std::pair<std::string, std::string>>{{"block_sparse_moe.gate.", "mlp.gate."},
+                                                          {"block_sparse_moe.experts.", "mlp.experts."},
+                                                          {".w1.", ".gate_proj."},
+                                                          {".w3.", ".up_proj."},
+                                                          {".w2.", ".down_proj."}}) {
       if (const auto p = n.find(from); p != std::string::npos) n.replace(p, from.size(), to);
     }
     return n;
@@ -444,20 +450,27 @@ TEST_F(HfTest, ImportRefusesWhatOurModelCannotExpress) {
        "'model.layers.1.self_attn.q_proj.bias' (a bias"},
       {"shared_expert_gate",
        [](HfDir& h) {
-         h.tensors.push_back({"model.layers.0.mlp.shared_expert_gate.weight", DType::kF32, {1, 64}, std::vector<std::byte>(256)});
+         h.tensors.push_back(
+             {"model.layers.0.mlp.shared_expert_gate.weight", DType::kF32, {1, 64}, std::vector<std::byte>(256)});
        },
        "shared_expert_gate.weight' (a shared expert"},
       {"tied_embeddings", [](HfDir& h) { h.config["tie_word_embeddings"] = true; }, "tie_word_embeddings true"},
-      {"rope_scaling", [](HfDir& h) { h.config["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; },
+      {"rope_scaling",
+       [](HfDir& h) {
+         h.config["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+       },
        "rope_scaling of type 'yarn'"},
       {"sliding_window", [](HfDir& h) { h.config["sliding_window"] = 16; }, "sliding_window 16"},
       {"gelu", [](HfDir& h) { h.config["hidden_act"] = "gelu"; }, "hidden_act 'gelu'"},
       {"unknown_model_type", [](HfDir& h) { h.config["model_type"] = "llama"; }, "model_type 'llama'"},
       {"missing_tensor",
        [](HfDir& h) {
-         std::erase_if(h.tensors, [](const HfTensorBytes& t) { return t.name == "model.layers.1.block_sparse_moe.experts.2.w3.weight"; });
+         std::erase_if(h.tensors, [](const HfTensorBytes& t) {
+           return t.name == "model.layers.1.block_sparse_moe.experts.2.w3.weight";
+         });
        },
-       "'model.layers.1.block_sparse_moe.experts.2.w3.weight' [64, 64] (our 'layers.1.moe.experts.fc1.weight') is missing"},
+       "'model.layers.1.block_sparse_moe.experts.2.w3.weight' [64, 64] (our 'layers.1.moe.experts.fc1.weight') is "
+       "missing"},
       {"wrong_shape", [](HfDir& h) { h.config["intermediate_size"] = 32; }, "config.json implies [32, 64]"},
       {"integer_weights",
        [](HfDir& h) {
@@ -513,10 +526,10 @@ TEST_F(HfTest, ImportRefusesHostileSafetensors) {
   EXPECT_EQ(up.exit_code, 1) << up.output;
   EXPECT_TRUE(Contains(up.output, "not a relative file name")) << up.output;
   WriteText(tmp_ / "idx/model.safetensors.index.json", R"({"weight_map": {"nope.weight": "model.safetensors"}})");
-  const CommandResult lacks = RunCli("import " + (tmp_ / "idx") + " --format hf --layout tp=1 -o " + (tmp_ / "out-idx"));
+  const CommandResult lacks =
+      RunCli("import " + (tmp_ / "idx") + " --format hf --layout tp=1 -o " + (tmp_ / "out-idx"));
   EXPECT_EQ(lacks.exit_code, 1) << lacks.output;
-  EXPECT_TRUE(Contains(lacks.output, "is in model.safetensors but the weight_map does not list it"))
-      << lacks.output;
+  EXPECT_TRUE(Contains(lacks.output, "is in model.safetensors but the weight_map does not list it")) << lacks.output;
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 // tensor or field, bounded memory (`ulimit -v` of 4 GiB, so a huge allocation fails visibly
 // instead of swapping), output that is valid UTF-8 without terminal escapes (and valid JSON
 // for --json), a source checkpoint left byte-for-byte as it was, and no output checkpoint.
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zstd.h>
@@ -13,12 +14,10 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "core/text.h"
 #include "formats/codec.h"
@@ -101,48 +100,66 @@ std::vector<std::string> CheckpointsUnder(const std::string& dir) {
 }
 
 enum class Cmd { kVerify, kVerifyJson, kInspect, kInspectJson, kPlan, kConvert, kDiff, kEval, kResume };
-const std::vector<Cmd> kAllCmds = {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kInspect, Cmd::kInspectJson, Cmd::kPlan,
+const std::vector<Cmd> kAllCmds = {Cmd::kVerify,  Cmd::kVerifyJson, Cmd::kInspect, Cmd::kInspectJson, Cmd::kPlan,
                                    Cmd::kConvert, Cmd::kDiff,       Cmd::kEval,    Cmd::kResume};
 // Commands that read data files (not only the manifest).
-const std::vector<Cmd> kDataCmds = {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kConvert, Cmd::kDiff, Cmd::kEval,
-                                    Cmd::kResume};
+const std::vector<Cmd> kDataCmds = {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kConvert,
+                                    Cmd::kDiff,   Cmd::kEval,       Cmd::kResume};
 
 std::string CmdName(Cmd c) {
   switch (c) {
-    case Cmd::kVerify: return "verify";
-    case Cmd::kVerifyJson: return "verify --json";
-    case Cmd::kInspect: return "inspect";
-    case Cmd::kInspectJson: return "inspect --json";
-    case Cmd::kPlan: return "plan";
-    case Cmd::kConvert: return "convert";
-    case Cmd::kDiff: return "diff";
-    case Cmd::kEval: return "eval";
-    case Cmd::kResume: return "train --resume";
+    case Cmd::kVerify:
+      return "verify";
+    case Cmd::kVerifyJson:
+      return "verify --json";
+    case Cmd::kInspect:
+      return "inspect";
+    case Cmd::kInspectJson:
+      return "inspect --json";
+    case Cmd::kPlan:
+      return "plan";
+    case Cmd::kConvert:
+      return "convert";
+    case Cmd::kDiff:
+      return "diff";
+    case Cmd::kEval:
+      return "eval";
+    case Cmd::kResume:
+      return "train --resume";
   }
   return "?";
 }
 
 std::string CmdArgs(Cmd c, const std::string& dir, const std::string& other, const std::string& out) {
   switch (c) {
-    case Cmd::kVerify: return "verify " + dir + " --threads 2";
-    case Cmd::kVerifyJson: return "verify " + dir + " --json --threads 2";
-    case Cmd::kInspect: return "inspect " + dir;
-    case Cmd::kInspectJson: return "inspect " + dir + " --json";
-    case Cmd::kPlan: return "plan " + dir + " --to tp=2";
-    case Cmd::kConvert: return "convert " + dir + " --to tp=2 --threads 2 -o " + out + "/converted";
-    case Cmd::kDiff: return "diff " + dir + " " + other + " --threads 2";
-    case Cmd::kEval: return "eval " + dir + " --windows 1";
-    case Cmd::kResume: return "train --resume " + dir + " --steps 1 --save " + out + "/run";
+    case Cmd::kVerify:
+      return "verify " + dir + " --threads 2";
+    case Cmd::kVerifyJson:
+      return "verify " + dir + " --json --threads 2";
+    case Cmd::kInspect:
+      return "inspect " + dir;
+    case Cmd::kInspectJson:
+      return "inspect " + dir + " --json";
+    case Cmd::kPlan:
+      return "plan " + dir + " --to tp=2";
+    case Cmd::kConvert:
+      return "convert " + dir + " --to tp=2 --threads 2 -o " + out + "/converted";
+    case Cmd::kDiff:
+      return "diff " + dir + " " + other + " --threads 2";
+    case Cmd::kEval:
+      return "eval " + dir + " --windows 1";
+    case Cmd::kResume:
+      return "train --resume " + dir + " --steps 1 --save " + out + "/run";
   }
   return "";
 }
 
 struct Case {
   std::string name;
-  bool zstd = false;                          // start from the zstd copy of the checkpoint
+  bool zstd = false;  // start from the zstd copy of the checkpoint
   std::function<void(const std::string&)> damage;
-  std::vector<Cmd> failing;                   // must exit 1 or 2; the others may also exit 0
-  std::vector<std::string> needles;           // in the output of every failing command
+  std::vector<Cmd> failing;                                   // must exit 1 or 2; the others may also exit 0
+  std::vector<std::string> needles;                           // in the output of every failing command
   std::map<Cmd, std::vector<std::string>> more_needles = {};  // per command, in addition
   // Start from a copy written in format version 1, whose readers locate data through HDF5
   // (version 2 refuses a file whose HDF5 metadata changed before HDF5 reads it).
@@ -195,14 +212,16 @@ class HostileInput : public ::testing::Test {
       const bool must_fail = std::find(k.failing.begin(), k.failing.end(), c) != k.failing.end();
       // Never a signal (abort: 134, kill: 137), never a timeout (124).
       EXPECT_TRUE(r.exit_code == 1 || r.exit_code == 2 || (!must_fail && r.exit_code == 0))
-          << "exit code " << r.exit_code << ":\n" << r.output;
+          << "exit code " << r.exit_code << ":\n"
+          << r.output;
       ExpectSafeOutput(r.output, c);
       if (must_fail) {
         std::vector<std::string> needles = k.needles;
         if (const auto it = k.more_needles.find(c); it != k.more_needles.end()) {
           needles.insert(needles.end(), it->second.begin(), it->second.end());
         }
-        for (const std::string& n : needles) EXPECT_NE(r.output.find(n), std::string::npos) << "'" << n << "' not in:\n" << r.output;
+        for (const std::string& n : needles)
+          EXPECT_NE(r.output.find(n), std::string::npos) << "'" << n << "' not in:\n" << r.output;
         EXPECT_EQ(CheckpointsUnder(out), std::vector<std::string>{}) << r.output;
       }
       EXPECT_EQ(Snapshot(dir), before) << "the source checkpoint was modified";
@@ -243,7 +262,8 @@ std::string* HostileInput::zstd_v1_ = nullptr;
 // --- Class 1: text from files that is not UTF-8 or holds control characters ----------------
 
 TEST_F(HostileInput, InvalidUtf8InManifest) {
-  RunCase({"utf8", false,
+  RunCase({"utf8",
+           false,
            [](const std::string& dir) {
              // A flipped byte in a tensor name: the manifest is no longer UTF-8, so no longer JSON.
              std::string text = ReadText(dir + "/manifest.json");
@@ -260,7 +280,8 @@ TEST_F(HostileInput, ControlCharactersInNames) {
   // Valid JSON whose names hold an escape sequence, a C1 CSI and a newline; one shard of the
   // tensor is dropped so that the commands that check coverage fail and print the name.
   const std::string evil = "final_norm\x1b[2J\xc2\x9b\n.weight";
-  RunCase({"control", false,
+  RunCase({"control",
+           false,
            [&](const std::string& dir) {
              json m = ReadManifest(dir);
              std::map<std::string, std::string> renamed;  // the parameter and its optimizer states
@@ -307,7 +328,8 @@ void AddHugeChunkedDataset(const std::string& path) {
 
 TEST_F(HostileInput, HugeChunkedDataset) {
   const std::string tensor = "layers.0.attn_norm.weight";
-  RunCase({"huge-chunks", true,
+  RunCase({"huge-chunks",
+           true,
            [&](const std::string& dir) {
              AddHugeChunkedDataset(dir + "/huge.h5");
              json m = ReadManifest(dir);
@@ -328,7 +350,8 @@ TEST_F(HostileInput, HugeChunkedDataset) {
 TEST_F(HostileInput, ShapesThatCutIntoBillionsOfRuns) {
   // final_norm.weight and its states as [2^28, 2], each stored as the box [2^28, 1]: valid
   // numbers, but 2^28 contiguous runs per shard for a coverage check to keep in memory.
-  RunCase({"runs", false,
+  RunCase({"runs",
+           false,
            [](const std::string& d) {
              json m = ReadManifest(d);
              for (json& t : m["tensors"]) {
@@ -351,36 +374,44 @@ TEST_F(HostileInput, ShapesThatCutIntoBillionsOfRuns) {
 // --- Class 3: data files and manifests that are not regular files --------------------------
 
 TEST_F(HostileInput, DataFileIsAFifo) {
-  RunCase({"fifo", false,
+  RunCase({"fifo",
+           false,
            [](const std::string& dir) {
              fs::remove(dir + "/rank-00000.h5");
              ASSERT_EQ(::mkfifo((dir + "/rank-00000.h5").c_str(), 0644), 0);
            },
-           kDataCmds, {"rank-00000.h5", "FIFO", "tensor"}});
+           kDataCmds,
+           {"rank-00000.h5", "FIFO", "tensor"}});
 }
 
 TEST_F(HostileInput, ManifestIsAFifo) {
-  RunCase({"fifo-manifest", false,
+  RunCase({"fifo-manifest",
+           false,
            [](const std::string& dir) {
              fs::remove(dir + "/manifest.json");
              ASSERT_EQ(::mkfifo((dir + "/manifest.json").c_str(), 0644), 0);
            },
-           kAllCmds, {"manifest.json", "FIFO"}});
+           kAllCmds,
+           {"manifest.json", "FIFO"}});
 }
 
 TEST_F(HostileInput, DataFileIsADirectoryOrADevice) {
-  RunCase({"directory", false,
+  RunCase({"directory",
+           false,
            [](const std::string& dir) {
              fs::remove(dir + "/rank-00000.h5");
              fs::create_directory(dir + "/rank-00000.h5");
            },
-           kDataCmds, {"rank-00000.h5", "directory", "tensor"}});
-  RunCase({"device", false,
+           kDataCmds,
+           {"rank-00000.h5", "directory", "tensor"}});
+  RunCase({"device",
+           false,
            [](const std::string& dir) {
              fs::remove(dir + "/rank-00000.h5");
              fs::create_symlink("/dev/zero", dir + "/rank-00000.h5");
            },
-           kDataCmds, {"rank-00000.h5", "character device", "tensor"}});
+           kDataCmds,
+           {"rank-00000.h5", "character device", "tensor"}});
 }
 
 // --- Class 4: model configs in metadata that claim a huge model ----------------------------
@@ -393,27 +424,40 @@ void EditModel(const std::string& dir, const std::function<void(json&)>& edit) {
 
 TEST_F(HostileInput, HugeModelInMetadata) {
   const std::vector<Cmd> model_cmds = {Cmd::kEval, Cmd::kResume};
-  RunCase({"vocab", false, [](const std::string& d) { EditModel(d, [](json& c) { c["vocab_size"] = 1 << 24; }); },
-           model_cmds, {"vocab_size", "16777216", "embedding.weight"}});
-  RunCase({"d-model", false,
+  RunCase({"vocab",
+           false,
+           [](const std::string& d) { EditModel(d, [](json& c) { c["vocab_size"] = 1 << 24; }); },
+           model_cmds,
+           {"vocab_size", "16777216", "embedding.weight"}});
+  RunCase({"d-model",
+           false,
            [](const std::string& d) {
              EditModel(d, [](json& c) {
                c["d_model"] = 1 << 24;
                c["vocab_size"] = 1 << 24;
              });
            },
-           model_cmds, {"d_model", "16777216"}});
-  RunCase({"layers", false, [](const std::string& d) { EditModel(d, [](json& c) { c["n_layers"] = 1 << 16; }); },
-           model_cmds, {"n_layers", "65536"}});
-  RunCase({"experts", false,
-           [](const std::string& d) { EditModel(d, [](json& c) { c["n_experts"] = 1 << 24; }); }, model_cmds,
+           model_cmds,
+           {"d_model", "16777216"}});
+  RunCase({"layers",
+           false,
+           [](const std::string& d) { EditModel(d, [](json& c) { c["n_layers"] = 1 << 16; }); },
+           model_cmds,
+           {"n_layers", "65536"}});
+  RunCase({"experts",
+           false,
+           [](const std::string& d) { EditModel(d, [](json& c) { c["n_experts"] = 1 << 24; }); },
+           model_cmds,
            {"n_experts", "16777216", "moe.router.weight"}});
-  RunCase({"seq-len", false,
-           [](const std::string& d) { EditModel(d, [](json& c) { c["max_seq_len"] = 1 << 24; }); }, model_cmds,
+  RunCase({"seq-len",
+           false,
+           [](const std::string& d) { EditModel(d, [](json& c) { c["max_seq_len"] = 1 << 24; }); },
+           model_cmds,
            {"16777216"}});
   // Metadata and manifest agree on a model of 2^29 parameters (the manifest's shapes edited
   // to match): more than the 4 GiB this process may use, refused before allocating it.
-  RunCase({"consistent", false,
+  RunCase({"consistent",
+           false,
            [](const std::string& d) {
              json m = ReadManifest(d);
              m["metadata"]["model"]["vocab_size"] = 1 << 22;
@@ -426,7 +470,8 @@ TEST_F(HostileInput, HugeModelInMetadata) {
              }
              WriteManifest(d, m);
            },
-           {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kEval, Cmd::kResume}, {"4194304"},
+           {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kEval, Cmd::kResume},
+           {"4194304"},
            {{Cmd::kEval, {"memory"}}, {Cmd::kResume, {"memory"}}}});
 }
 
@@ -434,25 +479,29 @@ TEST_F(HostileInput, HugeModelInMetadata) {
 
 TEST_F(HostileInput, DTypeAliasesInManifest) {
   for (const char* alias : {"F32", "float32"}) {
-    RunCase({std::string("dtype-") + alias, false,
+    RunCase({std::string("dtype-") + alias,
+             false,
              [&](const std::string& d) {
                json m = ReadManifest(d);
                TensorEntry(m, "final_norm.weight")["dtype"] = alias;
                WriteManifest(d, m);
              },
-             kAllCmds, {"manifest.json", "final_norm.weight", "dtype", alias, "'f32'"}});
+             kAllCmds,
+             {"manifest.json", "final_norm.weight", "dtype", alias, "'f32'"}});
   }
 }
 
 TEST_F(HostileInput, OptimizerStateOfAnotherParameter) {
   // Same shape [64]: only the name rule can tell that the state is not the parameter's.
-  RunCase({"param", false,
+  RunCase({"param",
+           false,
            [](const std::string& d) {
              json m = ReadManifest(d);
              TensorEntry(m, "layers.0.attn_norm.weight/exp_avg")["param"] = "layers.0.mlp_norm.weight";
              WriteManifest(d, m);
            },
-           kAllCmds, {"manifest.json", "layers.0.attn_norm.weight/exp_avg", "param", "layers.0.mlp_norm.weight"}});
+           kAllCmds,
+           {"manifest.json", "layers.0.attn_norm.weight/exp_avg", "param", "layers.0.mlp_norm.weight"}});
 }
 
 // --- Class 7: a zstd chunk of two frames ---------------------------------------------------
@@ -480,7 +529,8 @@ void AppendEmptyFrame(const std::string& path, const std::string& dataset) {
 }
 
 TEST_F(HostileInput, ZstdChunkOfTwoFrames) {
-  RunCase({"two-frames", true,
+  RunCase({"two-frames",
+           true,
            [](const std::string& d) {
              // The parameter (what eval reads) and its master weights (what a resumed run reads).
              json m = ReadManifest(d);
@@ -489,16 +539,21 @@ TEST_F(HostileInput, ZstdChunkOfTwoFrames) {
                AppendEmptyFrame(d + "/" + s["file"].get<std::string>(), s["dataset"].get<std::string>());
              }
            },
-           kDataCmds, {"rank-00000.h5", "final_norm.weight", "frame"}, {}, /*version1=*/true});
+           kDataCmds,
+           {"rank-00000.h5", "final_norm.weight", "frame"},
+           {},
+           /*version1=*/true});
   // Version 2: HDF5 stored the longer chunks elsewhere, so the file is not the size the
   // manifest records; every command refuses it before HDF5 or the decoder see it.
-  RunCase({"two-frames-v2", true,
+  RunCase({"two-frames-v2",
+           true,
            [](const std::string& d) {
              json m = ReadManifest(d);
              const json& s = FirstShardOf(m, "final_norm.weight");
              AppendEmptyFrame(d + "/" + s["file"].get<std::string>(), s["dataset"].get<std::string>());
            },
-           kDataCmds, {"rank-00000.h5", "bytes, the manifest says", "(extended)"}});
+           kDataCmds,
+           {"rank-00000.h5", "bytes, the manifest says", "(extended)"}});
 }
 
 // The base checkpoints themselves pass every command (so the failures above are the damage's).

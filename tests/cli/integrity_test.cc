@@ -7,14 +7,14 @@
 //  - the committed format-version-1 fixture (tests/fixtures) is still verified, converted,
 //    diffed, evaluated and resumed;
 //  - `example` and `convert` write byte-identical files whatever --threads / --memory-budget.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "tests/cli/cli_test_util.h"
 
@@ -78,8 +78,8 @@ class Integrity : public ::testing::Test {
  protected:
   // A trained checkpoint (format version 2, codec none) of the fixture model.
   void SetUp() override {
-    const CommandResult t = RunCli("train --model " + kModel + " --data " + kData + " --steps 1 --threads 1 --save " +
-                                   (tmp_ / "run"));
+    const CommandResult t =
+        RunCli("train --model " + kModel + " --data " + kData + " --steps 1 --threads 1 --save " + (tmp_ / "run"));
     ASSERT_EQ(t.exit_code, 0) << t.output;
     ckpt_ = tmp_ / "run/step-00000001";
     ASSERT_EQ(ReadJson(ckpt_ + "/manifest.json")["format_version"], 2);
@@ -96,8 +96,8 @@ TEST_F(Integrity, FlippedDataByteIsReportedByEveryReader) {
   // One byte in the first block of the parameter (what eval reads) and of its optimizer states
   // (what a resumed run reads): each command names the file, the tensor and the block's range.
   const json m = ReadJson(ckpt_ + "/manifest.json");
-  for (const char* tensor : {"embedding.weight", "embedding.weight/master", "embedding.weight/exp_avg",
-                             "embedding.weight/exp_avg_sq"}) {
+  for (const char* tensor :
+       {"embedding.weight", "embedding.weight/master", "embedding.weight/exp_avg", "embedding.weight/exp_avg_sq"}) {
     const json s = ShardOf(m, tensor);
     ASSERT_EQ(s["codec"], "none");
     FlipByte(ckpt_ + "/" + s["file"].get<std::string>(), s["offset"].get<std::int64_t>() + 1000);
@@ -196,8 +196,8 @@ TEST(Version1Fixture, StillVerifiedConvertedDiffedEvaluatedAndResumed) {
   const auto nats = [](const std::string& s) { return s.substr(s.find("mean cross-entropy"), 40); };
   EXPECT_EQ(nats(e1.output), nats(e2.output));
 
-  const CommandResult t = RunCli("train --resume " + v1 + " --data " + kData + " --steps 4 --threads 1 --save " +
-                                 (tmp / "resumed"));
+  const CommandResult t =
+      RunCli("train --resume " + v1 + " --data " + kData + " --steps 4 --threads 1 --save " + (tmp / "resumed"));
   EXPECT_EQ(t.exit_code, 0) << t.output;
   EXPECT_EQ(ReadJson(tmp / "resumed/step-00000004/manifest.json")["format_version"], 2);
 

@@ -241,8 +241,7 @@ class NearestReference {
     const std::uint32_t sign = std::signbit(x) ? f_.sign_bit() : 0u;
     const double a = std::fabs(x);
     if (std::isinf(a)) return sign | values_.back().pattern;
-    auto it = std::lower_bound(values_.begin(), values_.end(), a,
-                               [](const Entry& e, double v) { return e.value < v; });
+    auto it = std::lower_bound(values_.begin(), values_.end(), a, [](const Entry& e, double v) { return e.value < v; });
     if (it == values_.end()) return sign | values_.back().pattern;
     if (it->value == a || it == values_.begin()) return sign | it->pattern;
     return sign | Pick(*(it - 1), *it, a);
@@ -389,8 +388,7 @@ TEST(DTypeTest, ConvertFloatsAgreesWithScalarConversions) {
                                     DType::kBF16, DType::kF8E4M3, DType::kF8E5M2};
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0.0f, 100.0f);
-  std::vector<float> values = {0.0f, -0.0f, 1.0f, -2.5f, 448.0f, 1e6f, 1e-6f,
-                               std::numeric_limits<float>::infinity()};
+  std::vector<float> values = {0.0f, -0.0f, 1.0f, -2.5f, 448.0f, 1e6f, 1e-6f, std::numeric_limits<float>::infinity()};
   for (int i = 0; i < 1000; ++i) values.push_back(normal(rng));
   const std::size_t n = values.size();
   for (DType from : types) {
@@ -407,13 +405,26 @@ TEST(DTypeTest, ConvertFloatsAgreesWithScalarConversions) {
         const auto x = static_cast<float>(src_values[i]);
         double want = 0;
         switch (to) {
-          case DType::kF64: want = src_values[i]; break;
-          case DType::kF32: want = static_cast<double>(x); break;
-          case DType::kF16: want = static_cast<double>(F16ToF32(F32ToF16(x))); break;
-          case DType::kBF16: want = static_cast<double>(BF16ToF32(F32ToBF16(x))); break;
-          case DType::kF8E4M3: want = static_cast<double>(F8E4M3ToF32(F32ToF8E4M3(x))); break;
-          case DType::kF8E5M2: want = static_cast<double>(F8E5M2ToF32(F32ToF8E5M2(x))); break;
-          default: FAIL();
+          case DType::kF64:
+            want = src_values[i];
+            break;
+          case DType::kF32:
+            want = static_cast<double>(x);
+            break;
+          case DType::kF16:
+            want = static_cast<double>(F16ToF32(F32ToF16(x)));
+            break;
+          case DType::kBF16:
+            want = static_cast<double>(BF16ToF32(F32ToBF16(x)));
+            break;
+          case DType::kF8E4M3:
+            want = static_cast<double>(F8E4M3ToF32(F32ToF8E4M3(x)));
+            break;
+          case DType::kF8E5M2:
+            want = static_cast<double>(F8E5M2ToF32(F32ToF8E5M2(x)));
+            break;
+          default:
+            FAIL();
         }
         ASSERT_TRUE(SameFloat(got[i], want))
             << DTypeName(from) << "->" << DTypeName(to) << " value " << src_values[i] << " got " << got[i];

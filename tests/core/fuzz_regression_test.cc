@@ -2,11 +2,11 @@
 // crashed a fuzz target or made it report undefined behaviour, reduced, with the error the
 // code must give instead. The reproducers are also in fuzz/corpus/<target>/regress_*, so the
 // fuzzers replay them.
-#include <cstdint>
-#include <string>
-
 #include <gtest/gtest.h>
+
+#include <cstdint>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "core/tensor_spec.h"
 
@@ -20,13 +20,12 @@ using json = nlohmann::json;
 // around to the fused dim was accepted: two parts of 2^63 - 1 rows and one of 18 "add up" to
 // 16 rows.
 TEST(FuzzRegression, ComponentSizesThatOverflowAreRefused) {
-  const json parts_wrap = json::array({{{"name", "a"}, {"size", INT64_MAX}},
-                                       {{"name", "b"}, {"size", INT64_MAX}},
-                                       {{"name", "c"}, {"size", 18}}});
+  const json parts_wrap = json::array(
+      {{{"name", "a"}, {"size", INT64_MAX}}, {{"name", "b"}, {"size", INT64_MAX}}, {{"name", "c"}, {"size", 18}}});
   const json parts_over = json::array({{{"name", "a"}, {"size", INT64_MAX}}, {{"name", "b"}, {"size", 1}}});
   for (const json& parts : {parts_wrap, parts_over}) {
-    const json j = {{"name", "qkv"},  {"dtype", "f32"},
-                    {"shape", {16, 4}}, {"axes", {"heads", "embed"}},
+    const json j = {{"name", "qkv"},       {"dtype", "f32"},
+                    {"shape", {16, 4}},    {"axes", {"heads", "embed"}},
                     {"role", "parameter"}, {"components", {{"dim", 0}, {"unit_rows", 1}, {"parts", parts}}}};
     const Result<TensorSpec> t = TensorSpecFromJson(j);
     ASSERT_FALSE(t.ok()) << parts.dump();

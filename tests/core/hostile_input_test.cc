@@ -2,6 +2,7 @@
 // non-regular files without blocking, strict manifest spellings, optimizer-state names, and
 // model configs whose sizes are checked before anything is built from them.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,10 +10,8 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <thread>
-
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "core/file.h"
 #include "core/memory.h"
@@ -34,8 +33,10 @@ TEST(SafeText, EscapesControlsAndInvalidUtf8) {
   EXPECT_EQ(SafeText("a\nb\tc", /*keep_newlines=*/true), "a\nb\tc");
   EXPECT_EQ(SafeText("a\rb\x7f"), "a\\x0Db\\x7F");
   EXPECT_EQ(SafeText("x\xc2\x9by"), "x\\u009By");  // C1 CSI
-  EXPECT_EQ(SafeText("\xff" "abc"), "\\xFFabc");
-  EXPECT_EQ(SafeText("\xc3"), "\\xC3");                   // truncated sequence
+  EXPECT_EQ(SafeText("\xff"
+                     "abc"),
+            "\\xFFabc");
+  EXPECT_EQ(SafeText("\xc3"), "\\xC3");                    // truncated sequence
   EXPECT_EQ(SafeText("\xc0\xaf"), "\\xC0\\xAF");           // overlong '/'
   EXPECT_EQ(SafeText("\xed\xa0\x80"), "\\xED\\xA0\\x80");  // surrogate
   EXPECT_EQ(SafeText(std::string("a\0b", 3)), "a\\x00b");
@@ -107,8 +108,8 @@ TEST(CheckMemory, RefusesWhatCannotBeAllocated) {
 }
 
 json StateEntry(const std::string& name, const std::string& param, const std::string& state) {
-  return {{"name", name}, {"dtype", "f32"},   {"shape", {64}}, {"axes", {"embed"}},
-          {"role", "optimizer_state"}, {"param", param}, {"state", state}};
+  return {{"name", name},   {"dtype", "f32"}, {"shape", {64}}, {"axes", {"embed"}}, {"role", "optimizer_state"},
+          {"param", param}, {"state", state}};
 }
 
 TEST(TensorSpecFromJson, OptimizerStateNameMustBeParamSlashState) {

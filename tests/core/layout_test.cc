@@ -6,12 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace rs {
 namespace {
@@ -73,7 +72,8 @@ TEST(LayoutTest, RuleSetJson) {
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(*back, Rules(name));
   }
-  auto custom = RuleSetFromJson(Json::parse(R"({"name": "x", "description": "d", "rules": {"embed": [], "mlp": ["tp", "etp"]}})"));
+  auto custom = RuleSetFromJson(
+      Json::parse(R"({"name": "x", "description": "d", "rules": {"embed": [], "mlp": ["tp", "etp"]}})"));
   ASSERT_TRUE(custom.ok()) << custom.status().ToString();
   EXPECT_TRUE(custom->rules.at("embed").empty());
   EXPECT_EQ(custom->rules.at("mlp"), (std::vector<std::string>{"tp", "etp"}));
@@ -311,10 +311,18 @@ TensorSpec RandomTensor(std::mt19937& rng, std::int64_t num_layers) {
     t.axes.push_back(kLabels[static_cast<std::size_t>(pick(0, static_cast<std::int64_t>(kLabels.size()) - 1))]);
   }
   switch (pick(0, 5)) {
-    case 0: t.place.layer = PipelinePlace::kAll; break;
-    case 1: t.place.layer = PipelinePlace::kPre; break;
-    case 2: t.place.layer = PipelinePlace::kPost; break;
-    default: t.place.layer = pick(0, num_layers - 1); break;
+    case 0:
+      t.place.layer = PipelinePlace::kAll;
+      break;
+    case 1:
+      t.place.layer = PipelinePlace::kPre;
+      break;
+    case 2:
+      t.place.layer = PipelinePlace::kPost;
+      break;
+    default:
+      t.place.layer = pick(0, num_layers - 1);
+      break;
   }
   t.expert = !t.axes.empty() && t.axes[0] == "exp";
   return t;

@@ -72,7 +72,7 @@ TEST(ShapeTest, BoxBasics) {
   EXPECT_FALSE(b.Within({4, 16, 1}));
   EXPECT_FALSE((Box{{-1, 0}, {1, 1}}.Within({4, 4})));
   EXPECT_FALSE((Box{{kMax, 0}, {kMax, 1}}.Within({4, 4})));  // no overflow in the check
-  EXPECT_TRUE((Box{{4, 0}, {0, 4}}.Within({4, 4})));        // empty box at the end
+  EXPECT_TRUE((Box{{4, 0}, {0, 4}}.Within({4, 4})));         // empty box at the end
   EXPECT_TRUE((Box{{2, 0}, {0, 4}}.empty()));
   EXPECT_EQ(Box::Full({3, 5}), (Box{{0, 0}, {3, 5}}));
   EXPECT_FALSE(Box::Full({}).empty());  // a scalar has one item
@@ -161,9 +161,18 @@ struct Random {
     for (std::size_t i = 0; i < g.size(); ++i) {
       // Favour full dims and single rows, which are the interesting cases for merging.
       switch (Uniform(0, 3)) {
-        case 0: b.offset[i] = 0; b.shape[i] = g[i]; break;
-        case 1: b.offset[i] = Uniform(0, g[i]); b.shape[i] = std::min<std::int64_t>(1, g[i] - b.offset[i]); break;
-        default: b.offset[i] = Uniform(0, g[i]); b.shape[i] = Uniform(0, g[i] - b.offset[i]); break;
+        case 0:
+          b.offset[i] = 0;
+          b.shape[i] = g[i];
+          break;
+        case 1:
+          b.offset[i] = Uniform(0, g[i]);
+          b.shape[i] = std::min<std::int64_t>(1, g[i] - b.offset[i]);
+          break;
+        default:
+          b.offset[i] = Uniform(0, g[i]);
+          b.shape[i] = Uniform(0, g[i] - b.offset[i]);
+          break;
       }
     }
     return b;

@@ -2,6 +2,8 @@
 // and ParallelChunks (every chunk once, results independent of the thread count).
 #include "core/thread_pool.h"
 
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <barrier>
 #include <cstdint>
@@ -11,8 +13,6 @@
 #include <set>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 namespace rs {
 namespace {

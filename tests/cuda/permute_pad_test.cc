@@ -87,7 +87,8 @@ TEST_P(PermutePadTest, MatchesCpuReference) {
     for (std::int64_t t = 0; t < T; ++t) {
       for (std::int64_t i = 0; i < d; ++i) {
         float want = 0.f;
-        for (std::int64_t j = 0; j < k; ++j) want += probs[static_cast<size_t>(t * k + j)] * x[static_cast<size_t>(t * d + i)];
+        for (std::int64_t j = 0; j < k; ++j)
+          want += probs[static_cast<size_t>(t * k + j)] * x[static_cast<size_t>(t * d + i)];
         ASSERT_NEAR(out[static_cast<size_t>(t * d + i)], want, 1e-5f * (1.f + std::abs(want)));
       }
     }

@@ -1,8 +1,8 @@
 // Round trips through CheckpointWriter / CheckpointReader and the commit protocol.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <thread>
-
-#include <gtest/gtest.h>
 
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
@@ -158,9 +158,9 @@ TEST(CheckpointWriter, RejectsBadShards) {
   EXPECT_EQ((*w)->WriteShard(0, "w", BoxPiece({0, 0}, {2, 4}), bytes).code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ((*w)->WriteShard(0, "w", Piece{Box{{0, 0}, {4, 4}}, ItemRange{3, 20}}, bytes).code(),
             ErrorCode::kInvalidArgument);
-  EXPECT_EQ(CheckpointWriter::Create(tmp / "c2", Options("none"))->get()->AddTensor(Spec("n", DType::kF32, {-1}))
-                .code(),
-            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(
+      CheckpointWriter::Create(tmp / "c2", Options("none"))->get()->AddTensor(Spec("n", DType::kF32, {-1})).code(),
+      ErrorCode::kInvalidArgument);
 }
 
 TEST(CommitProtocol, InterruptedWriteLeavesNoCheckpoint) {

@@ -2,6 +2,7 @@
 // then read with CheckpointReader and checked with VerifyCheckpoint. Every case asserts the
 // exact error kind and that the message names the file and the tensor.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,10 +14,7 @@
 #include <random>
 #include <thread>
 
-#include <gtest/gtest.h>
-
 #include "core/check.h"
-
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
 #include "formats/hdf5_util.h"
@@ -215,8 +213,8 @@ TEST_P(Corruption, OverlappingShardsWithDifferentBytes) {
   for (const Finding& f : rep.findings) {
     EXPECT_EQ(f.tensor, "attn.w");
     if (f.kind == FindingKind::kOverlap) {
-      ExpectNames(f.message, {"rank-00000.h5", "rank-00001.h5", "attn.w", "128 items", "[6, 0] .. [7, 63]",
-                              "different bytes"});
+      ExpectNames(f.message,
+                  {"rank-00000.h5", "rank-00001.h5", "attn.w", "128 items", "[6, 0] .. [7, 63]", "different bytes"});
     } else if (f.kind == FindingKind::kAttribute) {
       ExpectNames(f.message, {"rank-00001.h5", "attn.w", "rs_shard", "\"box_offset\":[8,0]", "\"box_offset\":[6,0]"});
     } else {
@@ -236,47 +234,47 @@ std::string LittleEndian(std::int64_t v, int n) {
 // file. Version 2 finds the data where the manifest and the block tables say, and refuses the
 // file because its metadata bytes changed.
 TEST_P(Corruption, OffsetPastEndOfFile) {
- for (const std::int64_t version : {1, 2}) {
-  SCOPED_TRACE("format version " + std::to_string(version));
-  Corpus c(GetParam(), version);
-  ShardLocation loc;
-  {
-    auto r = CheckpointReader::Open(c.dir);
-    ASSERT_TRUE(r.ok());
-    auto l = (*r)->LocateShard(2);  // mlp.w on rank 0
-    ASSERT_TRUE(l.ok());
-    loc = *l;
+  for (const std::int64_t version : {1, 2}) {
+    SCOPED_TRACE("format version " + std::to_string(version));
+    Corpus c(GetParam(), version);
+    ShardLocation loc;
+    {
+      auto r = CheckpointReader::Open(c.dir);
+      ASSERT_TRUE(r.ok());
+      auto l = (*r)->LocateShard(2);  // mlp.w on rank 0
+      ASSERT_TRUE(l.ok());
+      loc = *l;
+    }
+    auto bytes = ReadAll(c.File(0));
+    const std::string hay(bytes.begin(), bytes.end());
+    const std::int64_t bogus = static_cast<std::int64_t>(bytes.size()) - 16;
+    std::size_t at = std::string::npos;
+    if (loc.codec == Codec::kNone) {
+      // HDF5's contiguous layout message stores (address, size) as two little-endian u64.
+      at = hay.find(LittleEndian(loc.offset, 8) + LittleEndian(loc.nbytes, 8));
+    } else {
+      // A v1 chunk B-tree entry: key (u32 stored size, u32 filter mask, u64 chunk coordinate,
+      // u64 0) followed by the chunk's address. Point the first chunk past the end of the file.
+      const ShardLocation::Chunk& ch = loc.chunks[0];
+      at = hay.find(LittleEndian(ch.size, 4) + std::string(4, '\0') + std::string(16, '\0') +
+                    LittleEndian(ch.offset, 8));
+      if (at != std::string::npos) at += 24;
+    }
+    ASSERT_NE(at, std::string::npos);
+    const std::string patched = LittleEndian(bogus, 8);
+    std::copy(patched.begin(), patched.end(), bytes.begin() + static_cast<std::ptrdiff_t>(at));
+    WriteAll(c.File(0), bytes);
+    const Status s = ReadEverything(c.dir);
+    EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+    if (version == 1) {
+      ExpectNames(s.message(),
+                  {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus), "length", "end of the file"});
+      ExpectFinding(c.dir, FindingKind::kBadFile, {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus)});
+      continue;
+    }
+    ExpectNames(s.message(), {"rank-00000.h5", "outside the shards' data", "expected"});
+    ExpectFinding(c.dir, FindingKind::kFileBytes, {"rank-00000.h5", "attn.w", "mlp.w", "outside the shards' data"});
   }
-  auto bytes = ReadAll(c.File(0));
-  const std::string hay(bytes.begin(), bytes.end());
-  const std::int64_t bogus = static_cast<std::int64_t>(bytes.size()) - 16;
-  std::size_t at = std::string::npos;
-  if (loc.codec == Codec::kNone) {
-    // HDF5's contiguous layout message stores (address, size) as two little-endian u64.
-    at = hay.find(LittleEndian(loc.offset, 8) + LittleEndian(loc.nbytes, 8));
-  } else {
-    // A v1 chunk B-tree entry: key (u32 stored size, u32 filter mask, u64 chunk coordinate,
-    // u64 0) followed by the chunk's address. Point the first chunk past the end of the file.
-    const ShardLocation::Chunk& ch = loc.chunks[0];
-    at = hay.find(LittleEndian(ch.size, 4) + std::string(4, '\0') + std::string(16, '\0') +
-                  LittleEndian(ch.offset, 8));
-    if (at != std::string::npos) at += 24;
-  }
-  ASSERT_NE(at, std::string::npos);
-  const std::string patched = LittleEndian(bogus, 8);
-  std::copy(patched.begin(), patched.end(), bytes.begin() + static_cast<std::ptrdiff_t>(at));
-  WriteAll(c.File(0), bytes);
-  const Status s = ReadEverything(c.dir);
-  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
-  if (version == 1) {
-    ExpectNames(s.message(), {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus), "length",
-                              "end of the file"});
-    ExpectFinding(c.dir, FindingKind::kBadFile, {"rank-00000.h5", "mlp.w", "offset " + std::to_string(bogus)});
-    continue;
-  }
-  ExpectNames(s.message(), {"rank-00000.h5", "outside the shards' data", "expected"});
-  ExpectFinding(c.dir, FindingKind::kFileBytes, {"rank-00000.h5", "attn.w", "mlp.w", "outside the shards' data"});
- }
 }
 
 TEST_P(Corruption, DatasetMissingFromFile) {
@@ -312,45 +310,86 @@ struct ManifestCase {
 
 TEST(ManifestCorruption, Corpus) {
   const std::vector<ManifestCase> cases = {
-      {"unknown version", [](json& m) { m["format_version"] = 99; }, ErrorCode::kVersionMismatch,
+      {"unknown version",
+       [](json& m) { m["format_version"] = 99; },
+       ErrorCode::kVersionMismatch,
        {"manifest.json", "format version 99", "1 to 2"}},
-      {"negative dim", [](json& m) { m["tensors"][1]["shape"][0] = -32; }, ErrorCode::kDataLoss,
+      {"negative dim",
+       [](json& m) { m["tensors"][1]["shape"][0] = -32; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "shape", "negative"}},
       {"overflowing dims",
-       [](json& m) { m["tensors"][0]["shape"] = {std::int64_t{1} << 40, std::int64_t{1} << 40}; },
-       ErrorCode::kDataLoss, {"manifest.json", "attn.w", "overflow"}},
-      {"dim beyond int64", [](json& m) { m["tensors"][0]["shape"][0] = 18446744073709551615ULL; },
-       ErrorCode::kDataLoss, {"manifest.json", "attn.w", "int64"}},
-      {"negative box offset", [](json& m) { m["shards"][1]["box"]["offset"][0] = -8; }, ErrorCode::kDataLoss,
+       [](json& m) {
+         m["tensors"][0]["shape"] = {std::int64_t{1} << 40, std::int64_t{1} << 40};
+       },
+       ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "overflow"}},
+      {"dim beyond int64",
+       [](json& m) { m["tensors"][0]["shape"][0] = 18446744073709551615ULL; },
+       ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "int64"}},
+      {"negative box offset",
+       [](json& m) { m["shards"][1]["box"]["offset"][0] = -8; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "attn.w", "rank-00001.h5", "negative"}},
-      {"box outside tensor", [](json& m) { m["shards"][1]["box"]["offset"][0] = 9; }, ErrorCode::kDataLoss,
+      {"box outside tensor",
+       [](json& m) { m["shards"][1]["box"]["offset"][0] = 9; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "attn.w", "rank-00001.h5", "outside"}},
-      {"overflowing box", [](json& m) { m["shards"][1]["box"]["offset"][0] = INT64_MAX - 2; }, ErrorCode::kDataLoss,
+      {"overflowing box",
+       [](json& m) { m["shards"][1]["box"]["offset"][0] = INT64_MAX - 2; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "attn.w", "rank-00001.h5", "outside"}},
-      {"range outside box", [](json& m) { m["shards"][0]["range"] = {{"begin", 0}, {"end", 100000}}; },
-       ErrorCode::kDataLoss, {"manifest.json", "attn.w", "rank-00000.h5", "range"}},
-      {"nbytes mismatch", [](json& m) { m["shards"][2]["nbytes"] = 257; }, ErrorCode::kDataLoss,
+      {"range outside box",
+       [](json& m) {
+         m["shards"][0]["range"] = {{"begin", 0}, {"end", 100000}};
+       },
+       ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w", "rank-00000.h5", "range"}},
+      {"nbytes mismatch",
+       [](json& m) { m["shards"][2]["nbytes"] = 257; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "rank-00000.h5", "nbytes", "expected 256"}},
-      {"huge nbytes", [](json& m) { m["shards"][2]["nbytes"] = INT64_MAX; }, ErrorCode::kDataLoss,
+      {"huge nbytes",
+       [](json& m) { m["shards"][2]["nbytes"] = INT64_MAX; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "nbytes"}},
-      {"bad checksum text", [](json& m) { m["shards"][2]["checksum"] = "crc32:1234"; }, ErrorCode::kDataLoss,
+      {"bad checksum text",
+       [](json& m) { m["shards"][2]["checksum"] = "crc32:1234"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "checksum"}},
-      {"unknown codec", [](json& m) { m["shards"][2]["codec"] = "lz4"; }, ErrorCode::kDataLoss,
+      {"unknown codec",
+       [](json& m) { m["shards"][2]["codec"] = "lz4"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "lz4"}},
-      {"escaping file name", [](json& m) { m["shards"][2]["file"] = "../../etc/passwd"; }, ErrorCode::kDataLoss,
+      {"escaping file name",
+       [](json& m) { m["shards"][2]["file"] = "../../etc/passwd"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "relative path"}},
-      {"unknown tensor", [](json& m) { m["shards"][2]["tensor"] = "ghost"; }, ErrorCode::kDataLoss,
+      {"unknown tensor",
+       [](json& m) { m["shards"][2]["tensor"] = "ghost"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "ghost"}},
-      {"duplicate tensor", [](json& m) { m["tensors"].push_back(m["tensors"][0]); }, ErrorCode::kDataLoss,
+      {"duplicate tensor",
+       [](json& m) { m["tensors"].push_back(m["tensors"][0]); },
+       ErrorCode::kDataLoss,
        {"manifest.json", "attn.w", "duplicate"}},
-      {"wrong format", [](json& m) { m["format"] = "safetensors"; }, ErrorCode::kDataLoss,
+      {"wrong format",
+       [](json& m) { m["format"] = "safetensors"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "safetensors"}},
-      {"mistyped field", [](json& m) { m["shards"][3]["rank"] = "one"; }, ErrorCode::kDataLoss,
+      {"mistyped field",
+       [](json& m) { m["shards"][3]["rank"] = "one"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "rank-00001.h5", "rank"}},
       // FORMAT.md §5 names one spelling per dtype; aliases are for command lines only.
-      {"dtype alias F32", [](json& m) { m["tensors"][0]["dtype"] = "F32"; }, ErrorCode::kDataLoss,
+      {"dtype alias F32",
+       [](json& m) { m["tensors"][0]["dtype"] = "F32"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "attn.w", "dtype", "'F32'", "'f32'"}},
-      {"dtype alias bfloat16", [](json& m) { m["tensors"][1]["dtype"] = "bfloat16"; }, ErrorCode::kDataLoss,
+      {"dtype alias bfloat16",
+       [](json& m) { m["tensors"][1]["dtype"] = "bfloat16"; },
+       ErrorCode::kDataLoss,
        {"manifest.json", "mlp.w", "dtype", "'bfloat16'", "'bf16'"}},
       // An optimizer state must be named after the parameter its 'param' field names.
       {"state of another parameter",
@@ -362,7 +401,8 @@ TEST(ManifestCorruption, Corpus) {
          state["state"] = "exp_avg";
          m["tensors"].push_back(state);
        },
-       ErrorCode::kDataLoss, {"manifest.json", "attn.w/exp_avg", "param", "mlp.w"}},
+       ErrorCode::kDataLoss,
+       {"manifest.json", "attn.w/exp_avg", "param", "mlp.w"}},
   };
   for (const ManifestCase& mc : cases) {
     SCOPED_TRACE(mc.name);
@@ -473,40 +513,40 @@ TEST(HostileInput, ZstdChunkMustBeExactlyOneFrame) {
 }
 
 TEST(HostileInput, StoredChunkOfTwoFrames) {
- for (const std::int64_t version : {1, 2}) {
-  SCOPED_TRACE("format version " + std::to_string(version));
-  Corpus c("zstd:1", version);
-  const json m = c.Manifest();
-  const std::string dataset = m["shards"][0]["dataset"];  // attn.w on rank 0
-  {
-    // Chunk 0 plus an empty frame: it decodes to the same bytes (the checksum still matches).
-    auto lock = h5::Lock();
-    h5::Handle file(H5Fopen(c.File(0).c_str(), H5F_ACC_RDWR, h5::kDefault), H5Fclose);
-    h5::Handle dset(H5Dopen2(file.get(), dataset.c_str(), h5::kDefault), H5Dclose);
-    ASSERT_TRUE(dset.valid());
-    const hsize_t origin[1] = {0};
-    hsize_t size = 0;
-    ASSERT_GE(H5Dget_chunk_storage_size(dset.get(), origin, &size), 0);
-    std::vector<std::byte> chunk(size);
-    std::uint32_t mask = 0;
-    ASSERT_GE(H5Dread_chunk(dset.get(), h5::kDefault, origin, &mask, chunk.data()), 0);
-    ASSERT_EQ(mask, 0u);
-    const std::vector<std::byte> empty = ZstdCompress({}, 1);
-    chunk.insert(chunk.end(), empty.begin(), empty.end());
-    ASSERT_GE(H5Dwrite_chunk(dset.get(), h5::kDefault, mask, origin, chunk.size(), chunk.data()), 0);
+  for (const std::int64_t version : {1, 2}) {
+    SCOPED_TRACE("format version " + std::to_string(version));
+    Corpus c("zstd:1", version);
+    const json m = c.Manifest();
+    const std::string dataset = m["shards"][0]["dataset"];  // attn.w on rank 0
+    {
+      // Chunk 0 plus an empty frame: it decodes to the same bytes (the checksum still matches).
+      auto lock = h5::Lock();
+      h5::Handle file(H5Fopen(c.File(0).c_str(), H5F_ACC_RDWR, h5::kDefault), H5Fclose);
+      h5::Handle dset(H5Dopen2(file.get(), dataset.c_str(), h5::kDefault), H5Dclose);
+      ASSERT_TRUE(dset.valid());
+      const hsize_t origin[1] = {0};
+      hsize_t size = 0;
+      ASSERT_GE(H5Dget_chunk_storage_size(dset.get(), origin, &size), 0);
+      std::vector<std::byte> chunk(size);
+      std::uint32_t mask = 0;
+      ASSERT_GE(H5Dread_chunk(dset.get(), h5::kDefault, origin, &mask, chunk.data()), 0);
+      ASSERT_EQ(mask, 0u);
+      const std::vector<std::byte> empty = ZstdCompress({}, 1);
+      chunk.insert(chunk.end(), empty.begin(), empty.end());
+      ASSERT_GE(H5Dwrite_chunk(dset.get(), h5::kDefault, mask, origin, chunk.size(), chunk.data()), 0);
+    }
+    const Status s = ReadEverything(c.dir);
+    EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
+    if (version == 1) {
+      ExpectNames(s.message(), {"rank-00000.h5", "attn.w", "chunk 0", "frame"});
+      ExpectFinding(c.dir, FindingKind::kChecksum, {"rank-00000.h5", "attn.w", "frame"});
+      continue;
+    }
+    // Version 2: HDF5 stored the longer chunk elsewhere, so the file no longer has the size the
+    // manifest records: refused before any byte of it is decoded (or parsed by HDF5).
+    ExpectNames(s.message(), {"rank-00000.h5", "attn.w", "bytes, the manifest says", "(extended)"});
+    ExpectFinding(c.dir, FindingKind::kFileBytes, {"rank-00000.h5", "attn.w", "mlp.w", "(extended)"});
   }
-  const Status s = ReadEverything(c.dir);
-  EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << s.ToString();
-  if (version == 1) {
-    ExpectNames(s.message(), {"rank-00000.h5", "attn.w", "chunk 0", "frame"});
-    ExpectFinding(c.dir, FindingKind::kChecksum, {"rank-00000.h5", "attn.w", "frame"});
-    continue;
-  }
-  // Version 2: HDF5 stored the longer chunk elsewhere, so the file no longer has the size the
-  // manifest records: refused before any byte of it is decoded (or parsed by HDF5).
-  ExpectNames(s.message(), {"rank-00000.h5", "attn.w", "bytes, the manifest says", "(extended)"});
-  ExpectFinding(c.dir, FindingKind::kFileBytes, {"rank-00000.h5", "attn.w", "mlp.w", "(extended)"});
- }
 }
 
 // A chunked dataset of `nbytes` bytes in chunks of `chunk` bytes with no chunk stored.
@@ -591,9 +631,10 @@ TEST(Fuzz, RandomManifestEditsNeverCrash) {
   Corpus c("zstd:1");
   const json original = c.Manifest();
   std::mt19937_64 rng(7);
-  const std::vector<json> values = {json(-1), json(0), json(1), json(INT64_MAX), json(INT64_MIN),
-                                    json(18446744073709551615ULL), json(1e300), json("x"), json(nullptr),
-                                    json::array(), json::object(), json(true), json({1, 2, 3})};
+  const std::vector<json> values = {
+      json(-1),       json(0),   json(1),       json(INT64_MAX), json(INT64_MIN), json(18446744073709551615ULL),
+      json(1e300),    json("x"), json(nullptr), json::array(),   json::object(),  json(true),
+      json({1, 2, 3})};
   int opened = 0;
   for (int iter = 0; iter < 150; ++iter) {
     json m = original;

@@ -3,19 +3,19 @@
 // read value for value against the expected.safetensors the same script wrote; damaged
 // variants, truncated and missing data files, corrupt records and hostile pickles are refused
 // with messages naming the file and the key, without executing anything and without crashing.
+#include "formats/dcp.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "core/model.h"
-#include "formats/dcp.h"
 #include "formats/dcp_source.h"
 #include "formats/dcp_verify.h"
 #include "formats/pickle.h"
@@ -61,9 +61,12 @@ std::string CopyFixture(const ScratchDir& scratch, const std::string& name, cons
   const std::string dst = scratch / (name + variant);
   fs::create_directories(dst);
   for (const auto& e : fs::directory_iterator(kFixtures + "/" + name)) {
-    if (e.path().filename() != "expected.safetensors") fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
+    if (e.path().filename() != "expected.safetensors")
+      fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
   }
-  if (!variant.empty()) fs::copy_file(kFixtures + "/variants/" + variant + ".metadata", dst + "/.metadata", fs::copy_options::overwrite_existing);
+  if (!variant.empty())
+    fs::copy_file(kFixtures + "/variants/" + variant + ".metadata", dst + "/.metadata",
+                  fs::copy_options::overwrite_existing);
   return dst;
 }
 
@@ -203,7 +206,8 @@ TEST(DcpTest, ModelMismatchNamesTheTensors) {
   WriteFile(dir + "/metadata.json", R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})");
   auto mcore = DcpSource::Open(dir, o);
   ASSERT_FALSE(mcore.ok());
-  EXPECT_NE(mcore.status().message().find("Megatron-Core torch_dist checkpoint"), std::string::npos) << mcore.status().message();
+  EXPECT_NE(mcore.status().message().find("Megatron-Core torch_dist checkpoint"), std::string::npos)
+      << mcore.status().message();
 }
 
 TEST(DcpTest, FixturesVerifySound) {
@@ -232,7 +236,8 @@ TEST(DcpTest, VariantsAreFindings) {
     std::vector<std::byte> out(16 * 8 * 2);
     const Status st = (*src)->ReadPiece("layers.0.attn.qkv.weight", Piece{Box::Full({16, 8}), std::nullopt}, out);
     EXPECT_EQ(st.code(), ErrorCode::kDataLoss);
-    EXPECT_NE(st.message().find("'layers.0.attn.qkv.weight' chunk at [8, 4] has no storage_data entry"), std::string::npos)
+    EXPECT_NE(st.message().find("'layers.0.attn.qkv.weight' chunk at [8, 4] has no storage_data entry"),
+              std::string::npos)
         << st.message();
   }
   {
@@ -309,7 +314,8 @@ TEST(DcpTest, CorruptRecordFailsItsCrc) {
   auto src = DcpSource::Open(dir, o);
   ASSERT_TRUE(src.ok());
   std::vector<std::byte> out(16 * 8 * 2);
-  EXPECT_EQ((*src)->ReadPiece("output.weight", Piece{Box::Full({16, 8}), std::nullopt}, out).code(), ErrorCode::kDataLoss);
+  EXPECT_EQ((*src)->ReadPiece("output.weight", Piece{Box::Full({16, 8}), std::nullopt}, out).code(),
+            ErrorCode::kDataLoss);
   o.verify_crc = false;  // without the check the bytes are read as they are
   auto unchecked = DcpSource::Open(dir, o);
   EXPECT_TRUE((*unchecked)->ReadPiece("output.weight", Piece{Box::Full({16, 8}), std::nullopt}, out).ok());
@@ -336,7 +342,8 @@ TEST(DcpTest, DifferingStepsAreRefused) {
   ASSERT_TRUE(src.ok());
   auto step = (*src)->Step();
   ASSERT_FALSE(step.ok());
-  EXPECT_NE(step.status().message().find("'optim.state.output.weight.step' is 3"), std::string::npos) << step.status().message();
+  EXPECT_NE(step.status().message().find("'optim.state.output.weight.step' is 3"), std::string::npos)
+      << step.status().message();
   VerifyOptions skip;
   skip.checksums = ChecksumCheck::kSkip;
   const VerifyReport r = VerifyDcp(dir, skip);
@@ -381,12 +388,28 @@ TEST(PickleTest, PlainValues) {
 
 TEST(PickleTest, HostileGlobalsAndCalls) {
   // os.system through GLOBAL (protocol 2) and STACK_GLOBAL (protocol 4); builtins.eval.
-  ExpectRefused("\x80\x02" "cos\nsystem\nX\x04\x00\x00\x00true\x85R."s, "global 'os.system' is not on the allowlist");
-  ExpectRefused("\x80\x04\x8c\x08" "builtins\x8c\x04" "eval\x93.", "global 'builtins.eval'");
-  ExpectRefused("\x80\x02" "cposix\nsystem\n.", "posix.system");
+  ExpectRefused(
+      "\x80\x02"
+      "cos\nsystem\nX\x04\x00\x00\x00true\x85R."s,
+      "global 'os.system' is not on the allowlist");
+  ExpectRefused(
+      "\x80\x04\x8c\x08"
+      "builtins\x8c\x04"
+      "eval\x93.",
+      "global 'builtins.eval'");
+  ExpectRefused(
+      "\x80\x02"
+      "cposix\nsystem\n.",
+      "posix.system");
   // REDUCE of an allowlisted value that is not callable, and of things that are not globals.
-  ExpectRefused("\x80\x02" "ctorch\nfloat32\n)R.", "allowed only as a value");
-  ExpectRefused("\x80\x02X\x01\x00\x00\x00" "a)R."s, "REDUCE of a str");
+  ExpectRefused(
+      "\x80\x02"
+      "ctorch\nfloat32\n)R.",
+      "allowed only as a value");
+  ExpectRefused(
+      "\x80\x02X\x01\x00\x00\x00"
+      "a)R."s,
+      "REDUCE of a str");
   ExpectRefused("\x80\x02])\x81.", "NEWOBJ of a list");
   // BUILD on something that is not an object record; persistent ids; the extension registry.
   ExpectRefused("\x80\x02]}b.", "BUILD on a list");
@@ -402,7 +425,10 @@ TEST(PickleTest, HostileGlobalsAndCalls) {
 TEST(PickleTest, TruncatedAndOversized) {
   ExpectRefused("\x80\x02N", "ends without STOP");
   ExpectRefused("\x80\x02N.N", "1 bytes follow the STOP");
-  ExpectRefused("\x80\x02X\xff\xff\xff\xff" "ab.", "needs 4294967295 more bytes");
+  ExpectRefused(
+      "\x80\x02X\xff\xff\xff\xff"
+      "ab.",
+      "needs 4294967295 more bytes");
   ExpectRefused("\x80\x04\x8d" + Le(std::uint64_t{1} << 62, 8) + "ab.", "more bytes");
   ExpectRefused("\x80\x04\x95" + Le(std::uint64_t{1} << 40, 8) + "N.", "FRAME of");
   ExpectRefused("\x80\x02\x8b" + Le(std::uint64_t{1} << 31, 4) + ".", "does not fit 64 bits");
@@ -419,8 +445,14 @@ TEST(PickleTest, TruncatedAndOversized) {
 }
 
 TEST(PickleTest, StackMemoAndLimits) {
-  ExpectRefused("\x80\x02" "0.", "stack underflow");
-  ExpectRefused("\x80\x02" "e.", "no MARK");
+  ExpectRefused(
+      "\x80\x02"
+      "0.",
+      "stack underflow");
+  ExpectRefused(
+      "\x80\x02"
+      "e.",
+      "no MARK");
   ExpectRefused("\x80\x02h\x05.", "memo index 5 was never stored");
   ExpectRefused("\x80\x02j\xff\xff\xff\xff.", "memo index 4294967295");
   ExpectRefused("\x80\x02N(.", "stack underflow");  // STOP cannot pop across a MARK
@@ -449,7 +481,9 @@ TEST(PickleTest, DeepNestingAndCyclesAreBounded) {
   EXPECT_EQ(j.status().code(), ErrorCode::kInvalidArgument);
   EXPECT_FALSE(ParseDcpMetadata(Bytes(deep), "deep").ok());
   // A list that contains itself (memo), and a dict holding itself as a value.
-  auto cyc = Meta("\x80\x04]\x94h\x00" "a."s);
+  auto cyc = Meta(
+      "\x80\x04]\x94h\x00"
+      "a."s);
   ASSERT_TRUE(cyc.ok());
   EXPECT_FALSE(PickleToJson(*cyc, cyc->root()).ok());
   auto dict = Meta("\x80\x04}\x94X\x01\x00\x00\x00kh\x00s."s);
@@ -511,12 +545,13 @@ std::string MakeZip(const std::vector<std::pair<std::string, std::string>>& entr
     const auto offset = static_cast<std::uint32_t>(out.size());
     out += Le(0x04034b50, 4) + Le(20, 2) + Le(0, 2) + Le(method, 2) + Le(0, 4) + Le(crc, 4) + Le(data.size(), 4) +
            Le(data.size(), 4) + Le(name.size(), 2) + Le(0, 2) + name + data;
-    cd += Le(0x02014b50, 4) + Le(20, 2) + Le(20, 2) + Le(0, 2) + Le(method, 2) + Le(0, 4) + Le(crc, 4) + Le(data.size(), 4) +
-          Le(data.size(), 4) + Le(name.size(), 2) + Le(0, 2) + Le(0, 2) + Le(0, 2) + Le(0, 2) + Le(0, 4) + Le(offset, 4) + name;
+    cd += Le(0x02014b50, 4) + Le(20, 2) + Le(20, 2) + Le(0, 2) + Le(method, 2) + Le(0, 4) + Le(crc, 4) +
+          Le(data.size(), 4) + Le(data.size(), 4) + Le(name.size(), 2) + Le(0, 2) + Le(0, 2) + Le(0, 2) + Le(0, 2) +
+          Le(0, 4) + Le(offset, 4) + name;
   }
   const auto cd_offset = out.size();
-  out += cd + Le(0x06054b50, 4) + Le(0, 2) + Le(0, 2) + Le(entries.size(), 2) + Le(entries.size(), 2) + Le(cd.size(), 4) +
-         Le(cd_offset, 4) + Le(0, 2);
+  out += cd + Le(0x06054b50, 4) + Le(0, 2) + Le(0, 2) + Le(entries.size(), 2) + Le(entries.size(), 2) +
+         Le(cd.size(), 4) + Le(cd_offset, 4) + Le(0, 2);
   return out;
 }
 

@@ -1,11 +1,11 @@
 // Regression tests for what the fuzzers of fuzz/ found (issue 15): each input that crashed a
 // fuzz target, reduced, with the error the code must give instead. The reproducers are also
 // in fuzz/corpus/<target>/regress_*, so the fuzzers replay them.
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <fstream>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "formats/checkpoint_writer.h"
 #include "formats/manifest.h"

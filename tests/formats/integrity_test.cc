@@ -2,14 +2,14 @@
 // partial reads check at no extra I/O, and whole-file accounting, under which a changed byte
 // anywhere in a data file - HDF5 metadata, an attribute, a block table, data, the padding of a
 // raw zstd chunk - makes `verify` report the checkpoint NOT SOUND.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
-
-#include <gtest/gtest.h>
 
 #include "core/check.h"
 #include "formats/checkpoint_reader.h"
@@ -113,7 +113,8 @@ TEST_P(BlockChecks, PartialReadsCheckEveryBlockTheyTouch) {
   }
   // Any byte of the damaged block fails, naming file, tensor and the block's byte range, also
   // when the byte asked for is not the damaged one.
-  for (const auto& [b, n] : std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 1}, {4095, 2}, {5000, 120}, {0, 5120}}) {
+  for (const auto& [b, n] :
+       std::vector<std::pair<std::int64_t, std::int64_t>>{{4096, 1}, {4095, 2}, {5000, 120}, {0, 5120}}) {
     std::vector<std::byte> out(static_cast<std::size_t>(n));
     const Status s = (*r)->ReadShardRange(0, b, out);
     EXPECT_EQ(s.code(), ErrorCode::kDataLoss) << b;
@@ -189,11 +190,16 @@ INSTANTIATE_TEST_SUITE_P(Codecs, BlockChecks, ::testing::Values("none", "zstd:1"
 enum class ByteClass { kData, kPadding, kTable, kAttribute, kMetadata };
 const char* ClassName(ByteClass c) {
   switch (c) {
-    case ByteClass::kData: return "data";
-    case ByteClass::kPadding: return "padding";
-    case ByteClass::kTable: return "block table";
-    case ByteClass::kAttribute: return "attribute";
-    case ByteClass::kMetadata: return "HDF5 metadata";
+    case ByteClass::kData:
+      return "data";
+    case ByteClass::kPadding:
+      return "padding";
+    case ByteClass::kTable:
+      return "block table";
+    case ByteClass::kAttribute:
+      return "attribute";
+    case ByteClass::kMetadata:
+      return "HDF5 metadata";
   }
   return "?";
 }
@@ -220,13 +226,16 @@ std::vector<ByteClass> Classify(const Small& c, std::int64_t rank) {
     if (loc->codec == Codec::kZstd) {
       const ShardLocation::Chunk& last = loc->chunks.back();
       const std::int64_t valid = s.nbytes - (static_cast<std::int64_t>(loc->chunks.size()) - 1) * loc->chunk_bytes;
-      if (last.raw && valid < loc->chunk_bytes) mark(last.offset + valid, loc->chunk_bytes - valid, ByteClass::kPadding);
+      if (last.raw && valid < loc->chunk_bytes)
+        mark(last.offset + valid, loc->chunk_bytes - valid, ByteClass::kPadding);
     }
-    mark(s.block_table_offset, BlockEntryBytes(s.codec) * static_cast<std::int64_t>(loc->blocks.size()), ByteClass::kTable);
+    mark(s.block_table_offset, BlockEntryBytes(s.codec) * static_cast<std::int64_t>(loc->blocks.size()),
+         ByteClass::kTable);
   }
   // The attributes' JSON text (HDF5 stores a fixed-length string attribute's bytes as they are).
   const std::string hay(raw.begin(), raw.end());
-  for (std::size_t at = hay.find("{\"box_offset\""); at != std::string::npos; at = hay.find("{\"box_offset\"", at + 1)) {
+  for (std::size_t at = hay.find("{\"box_offset\""); at != std::string::npos;
+       at = hay.find("{\"box_offset\"", at + 1)) {
     const std::size_t end = hay.find('}', at);
     mark(static_cast<std::int64_t>(at), static_cast<std::int64_t>(end + 1 - at), ByteClass::kAttribute);
   }

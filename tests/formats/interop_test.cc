@@ -2,13 +2,13 @@
 // project writes (contiguous and zstd, filter 32015), and our reader reads a zstd dataset that
 // h5py wrote. Skipped when python3 lacks h5py or hdf5plugin (set RS_PYTHON to another
 // interpreter, e.g. a virtualenv's, to run it).
+#include <gtest/gtest.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-
-#include <gtest/gtest.h>
 
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"

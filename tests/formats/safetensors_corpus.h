@@ -12,10 +12,10 @@ namespace rs::testing {
 
 struct HostileSafetensors {
   std::string name;
-  std::string bytes;     // the whole file
-  ErrorCode code;        // what SafetensorsFile::Open returns
-  std::string message;   // a substring of the message
-  std::string tensor;    // the tensor the message names ("" if none)
+  std::string bytes;    // the whole file
+  ErrorCode code;       // what SafetensorsFile::Open returns
+  std::string message;  // a substring of the message
+  std::string tensor;   // the tensor the message names ("" if none)
 };
 
 // 8-byte little-endian length + text.
@@ -47,21 +47,20 @@ inline std::vector<HostileSafetensors> HostileSafetensorsCorpus() {
       {"header_not_object", SafetensorsImage("[1, 2, 3]", 0), kLoss, "does not start with '{'", ""},
       {"header_not_json", SafetensorsImage(R"({"a": {"dtype": )", 0), kLoss, "not valid JSON", ""},
       {"duplicate_tensor", SafetensorsImage("{" + a + "," + a + "}", 8), kLoss, "twice", ""},
-      {"overlapping_offsets", with_b(R"("b":{"dtype":"I64","shape":[1],"data_offsets":[4,12]})", 12), kLoss,
-       "overlaps", "b"},
-      {"gapped_offsets", with_b(R"("b":{"dtype":"I64","shape":[1],"data_offsets":[12,20]})", 20), kLoss,
-       "leaves a gap", "b"},
-      {"offsets_not_from_zero",
-       SafetensorsImage(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12), kLoss,
-       "leaves a gap", "a"},
-      {"wrong_byte_count", with_b(R"("b":{"dtype":"I64","shape":[2],"data_offsets":[8,16]})", 16), kLoss,
-       "needs 16", "b"},
+      {"overlapping_offsets", with_b(R"("b":{"dtype":"I64","shape":[1],"data_offsets":[4,12]})", 12), kLoss, "overlaps",
+       "b"},
+      {"gapped_offsets", with_b(R"("b":{"dtype":"I64","shape":[1],"data_offsets":[12,20]})", 20), kLoss, "leaves a gap",
+       "b"},
+      {"offsets_not_from_zero", SafetensorsImage(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+       kLoss, "leaves a gap", "a"},
+      {"wrong_byte_count", with_b(R"("b":{"dtype":"I64","shape":[2],"data_offsets":[8,16]})", 16), kLoss, "needs 16",
+       "b"},
       {"unknown_dtype", with_b(R"("b":{"dtype":"F7","shape":[1],"data_offsets":[8,16]})", 16), kLoss,
        "unknown dtype 'F7'", "b"},
       {"unsupported_dtype", with_b(R"("b":{"dtype":"U64","shape":[1],"data_offsets":[8,16]})", 16),
        ErrorCode::kUnimplemented, "U64", "b"},
-      {"negative_dim", with_b(R"("b":{"dtype":"I64","shape":[-1],"data_offsets":[8,16]})", 16), kLoss,
-       "integer >= 0", "b"},
+      {"negative_dim", with_b(R"("b":{"dtype":"I64","shape":[-1],"data_offsets":[8,16]})", 16), kLoss, "integer >= 0",
+       "b"},
       {"fractional_dim", with_b(R"("b":{"dtype":"I64","shape":[1.5],"data_offsets":[8,16]})", 16), kLoss,
        "integer >= 0", "b"},
       {"overflowing_shape",
@@ -69,9 +68,8 @@ inline std::vector<HostileSafetensors> HostileSafetensorsCorpus() {
        "overflows", "b"},
       {"reversed_offsets", with_b(R"("b":{"dtype":"I64","shape":[1],"data_offsets":[16,8]})", 16), kLoss,
        "begin <= end", "b"},
-      {"offset_past_int64",
-       with_b(R"("b":{"dtype":"I64","shape":[1],"data_offsets":[8,18446744073709551615]})", 16), kLoss,
-       "begin <= end", "b"},
+      {"offset_past_int64", with_b(R"("b":{"dtype":"I64","shape":[1],"data_offsets":[8,18446744073709551615]})", 16),
+       kLoss, "begin <= end", "b"},
       {"missing_shape", with_b(R"("b":{"dtype":"I64","data_offsets":[8,16]})", 16), kLoss, "lacks 'shape'", "b"},
       {"metadata_not_strings", SafetensorsImage(R"({"__metadata__":{"format":1},)" + a + "}", 8), kLoss,
        "'__metadata__' entry 'format'", ""},

@@ -4,14 +4,13 @@
 // refused with a named error; random corruption never crashes the reader.
 #include "formats/safetensors.h"
 
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "tests/formats/safetensors_corpus.h"
 #include "tests/formats/test_util.h"
@@ -47,8 +46,8 @@ TEST(Safetensors, RoundTrip) {
                                                  {"mask", DType::kBool, {3}}};
   std::vector<std::vector<std::byte>> data;
   for (std::size_t i = 0; i < entries.size(); ++i) {
-    data.push_back(Iota(static_cast<std::size_t>(Numel(entries[i].shape)) * DTypeSize(entries[i].dtype),
-                        static_cast<int>(i)));
+    data.push_back(
+        Iota(static_cast<std::size_t>(Numel(entries[i].shape)) * DTypeSize(entries[i].dtype), static_cast<int>(i)));
   }
   {
     auto w = SafetensorsWriter::Create(path, entries, {{"format", "pt"}});
@@ -176,8 +175,8 @@ TEST(Safetensors, RandomCorruptionNeverCrashes) {
   ScratchDir tmp;
   const std::string good = tmp / "good";
   {
-    auto w = SafetensorsWriter::Create(good, {{"a", DType::kF32, {2, 3}}, {"b", DType::kBF16, {5}}, {"c", DType::kI8, {3}}},
-                                       {{"format", "pt"}});
+    auto w = SafetensorsWriter::Create(
+        good, {{"a", DType::kF32, {2, 3}}, {"b", DType::kBF16, {5}}, {"c", DType::kI8, {3}}}, {{"format", "pt"}});
     ASSERT_TRUE(w.ok());
     ASSERT_TRUE((*w)->Append(Iota(24 + 10 + 3, 3)).ok());
     ASSERT_TRUE((*w)->Finish().ok());
@@ -192,10 +191,18 @@ TEST(Safetensors, RandomCorruptionNeverCrashes) {
     for (int e = 0; e < edits; ++e) {
       const std::size_t at = rng() % b.size();
       switch (rng() % 4) {
-        case 0: b[at] = static_cast<char>(rng() & 0xff); break;                     // flip a byte
-        case 1: b.resize(at); break;                                                 // truncate
-        case 2: b.insert(at, 1, static_cast<char>("0123456789,[]{}\":"[rng() % 17])); break;  // insert
-        default: b.erase(at, 1); break;                                              // delete
+        case 0:
+          b[at] = static_cast<char>(rng() & 0xff);
+          break;  // flip a byte
+        case 1:
+          b.resize(at);
+          break;  // truncate
+        case 2:
+          b.insert(at, 1, static_cast<char>("0123456789,[]{}\":"[rng() % 17]));
+          break;  // insert
+        default:
+          b.erase(at, 1);
+          break;  // delete
       }
       if (b.empty()) b.push_back('x');  // (not `b = "x"`: GCC 12 warns a false -Wrestrict there)
     }

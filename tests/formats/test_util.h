@@ -1,6 +1,7 @@
 // Helpers shared by the formats tests: scratch directories, tensor specs, deterministic bytes.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -9,8 +10,6 @@
 #include <span>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "core/dtype.h"
 #include "core/shape.h"
@@ -80,7 +79,9 @@ inline std::vector<std::byte> Cut(const TensorSpec& t, const std::vector<std::by
   return out;
 }
 
-inline Piece BoxPiece(Shape offset, Shape shape) { return Piece{Box{std::move(offset), std::move(shape)}, std::nullopt}; }
+inline Piece BoxPiece(Shape offset, Shape shape) {
+  return Piece{Box{std::move(offset), std::move(shape)}, std::nullopt};
+}
 
 }  // namespace rs::testing
 

@@ -1,13 +1,14 @@
 // VerifyCheckpoint beyond the corruption corpus: replicas, optimizer states, coverage at scale,
 // and the report's JSON form.
+#include "formats/verify.h"
+
+#include <gtest/gtest.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 
-#include <gtest/gtest.h>
-
 #include "formats/checkpoint_writer.h"
-#include "formats/verify.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {
@@ -104,7 +105,7 @@ TEST(Verify, CoverageSweepIsNotPerItem) {
     return s;
   };
   m.shards.push_back(shard({0, 0}, {1000, cols}, 0));
-  m.shards.push_back(shard({1000, 0}, {rows - 1000, cols / 2}, 1));          // columns 0..cols/2
+  m.shards.push_back(shard({1000, 0}, {rows - 1000, cols / 2}, 1));                 // columns 0..cols/2
   m.shards.push_back(shard({1000, cols / 2 + 8}, {rows - 1000, cols / 2 - 8}, 2));  // 8 columns missing
   {
     std::ofstream out(dir + "/manifest.json");

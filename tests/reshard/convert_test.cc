@@ -7,10 +7,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <tuple>
-
-#include <nlohmann/json.hpp>
 
 #include "formats/verify.h"
 #include "reshard/diff.h"
@@ -25,7 +24,8 @@ namespace {
 using testing::RunCli;
 using testing::TempDir;
 
-Status WriteExample(const ModelConfig& model, const PhysicalLayout& layout, const std::string& codec, const std::string& dir) {
+Status WriteExample(const ModelConfig& model, const PhysicalLayout& layout, const std::string& codec,
+                    const std::string& dir) {
   ExampleOptions o;
   o.model = model;
   o.layout = layout.layout;
@@ -91,8 +91,14 @@ TEST(ConvertTest, RandomRoundTripsMatchExamplesAndVerify) {
     SCOPED_TRACE(what);
     const std::string dir = tmp / std::to_string(iter);
     const std::string codec = done % 3 == 2 ? "zstd:1" : "none";
-    { const Status st_ = WriteExample(model, a, codec, dir + "-a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
-    { const Status st_ = WriteExample(model, b, "none", dir + "-b"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+    {
+      const Status st_ = WriteExample(model, a, codec, dir + "-a");
+      ASSERT_TRUE(st_.ok()) << st_.ToString();
+    }
+    {
+      const Status st_ = WriteExample(model, b, "none", dir + "-b");
+      ASSERT_TRUE(st_.ok()) << st_.ToString();
+    }
     auto ab = ConvertTo(dir + "-a", b, dir + "-ab", codec);
     ASSERT_TRUE(ab.ok()) << ab.status().ToString();
     auto aba = ConvertTo(dir + "-ab", a, dir + "-aba");
@@ -125,9 +131,18 @@ TEST(ConvertTest, EveryFeatureAtOnce) {
   const PhysicalLayout a = *PhysicalLayout::Parse("tp=4,ep=2,fsdp=2,fsdp_form=flat,pp=2,pp_split=1/3", rules);
   const PhysicalLayout b = *PhysicalLayout::Parse("tp=2,etp=2,ep=4,dp=2,vocab_multiple=16", rules);
   const PhysicalLayout one = *PhysicalLayout::Parse("", rules);
-  { const Status st_ = WriteExample(model, a, "zstd:3", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
-  { const Status st_ = WriteExample(model, b, "none", tmp / "b"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
-  { const Status st_ = WriteExample(model, one, "none", tmp / "one"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  {
+    const Status st_ = WriteExample(model, a, "zstd:3", tmp / "a");
+    ASSERT_TRUE(st_.ok()) << st_.ToString();
+  }
+  {
+    const Status st_ = WriteExample(model, b, "none", tmp / "b");
+    ASSERT_TRUE(st_.ok()) << st_.ToString();
+  }
+  {
+    const Status st_ = WriteExample(model, one, "none", tmp / "one");
+    ASSERT_TRUE(st_.ok()) << st_.ToString();
+  }
   ASSERT_TRUE(ConvertTo(tmp / "a", b, tmp / "ab", "zstd:1").ok());
   ASSERT_TRUE(ConvertTo(tmp / "a", one, tmp / "a1").ok());
   ASSERT_TRUE(ConvertTo(tmp / "ab", a, tmp / "aba").ok());
@@ -144,7 +159,10 @@ TEST(ConvertTest, SmallBudgetStreamsShardsInWindows) {
   TempDir tmp;
   ModelConfig model;
   const auto rules = *BuiltinRuleSet("megatron");
-  { const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2,ep=2", rules), "none", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  {
+    const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2,ep=2", rules), "none", tmp / "a");
+    ASSERT_TRUE(st_.ok()) << st_.ToString();
+  }
   ConvertOptions o;
   o.threads = 3;
   o.reshard.memory_budget = 64 << 10;  // 64 KiB: every job waits for the ones before it
@@ -168,7 +186,10 @@ TEST(ConvertTest, ParamDtypeIsRecordedAndStatesStayExact) {
   TempDir tmp;
   ModelConfig model;
   const auto rules = *BuiltinRuleSet("megatron");
-  { const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2", rules), "none", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  {
+    const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2", rules), "none", tmp / "a");
+    ASSERT_TRUE(st_.ok()) << st_.ToString();
+  }
   ConvertOptions o;
   o.threads = 2;
   o.reshard.param_dtype = DType::kBF16;
@@ -240,7 +261,10 @@ TEST(ConvertTest, RefusesExistingOutputAndBadLayouts) {
   TempDir tmp;
   ModelConfig model;
   const auto rules = *BuiltinRuleSet("megatron");
-  { const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2", rules), "none", tmp / "a"); ASSERT_TRUE(st_.ok()) << st_.ToString(); }
+  {
+    const Status st_ = WriteExample(model, *PhysicalLayout::Parse("tp=2", rules), "none", tmp / "a");
+    ASSERT_TRUE(st_.ok()) << st_.ToString();
+  }
   EXPECT_EQ(ConvertTo(tmp / "a", *PhysicalLayout::Parse("tp=1", rules), tmp / "a").status().code(),
             ErrorCode::kAlreadyExists);
   // tiny-moe has 2 kv heads: tp=3 cannot split them.

@@ -138,7 +138,8 @@ TEST(LocalTensorMapTest, RandomSlicesMatchItemReference) {
     table.unit_rows = std::uniform_int_distribution<std::int64_t>(1, 3)(rng);
     const int ncomp = std::uniform_int_distribution<int>(1, 6)(rng);
     for (int i = 0; i < ncomp; ++i) {
-      table.components.push_back({std::string("c").append(std::to_string(i)), degree * std::uniform_int_distribution<std::int64_t>(0, 2)(rng)});
+      table.components.push_back({std::string("c").append(std::to_string(i)),
+                                  degree * std::uniform_int_distribution<std::int64_t>(0, 2)(rng)});
     }
     if (table.total_units() == 0) table.components[0].size = degree;
     const std::size_t rank = std::uniform_int_distribution<std::size_t>(1, 3)(rng);
@@ -223,7 +224,8 @@ std::vector<double> FrameworkLocalTensor(const ComponentTable& t, std::int64_t c
     const std::int64_t rows = c.size * t.unit_rows / tp;
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t logical_row = comp_row + i * rows + r;
-      for (std::int64_t col = 0; col < cols; ++col) local.push_back(static_cast<double>(logical_row * cols + col) + 0.5);
+      for (std::int64_t col = 0; col < cols; ++col)
+        local.push_back(static_cast<double>(logical_row * cols + col) + 0.5);
     }
     comp_row += c.size * t.unit_rows;
   }
@@ -248,7 +250,8 @@ std::map<std::int64_t, double> Scatter(const Shape& logical, const SliceMap& m, 
 // Ours: the local tensor's shape comes from the parameter's global shape and tp; the slice is
 // a range in it.
 std::map<std::int64_t, double> GlobalCoordinateMapper(const ComponentTable& t, std::int64_t cols, std::int64_t i,
-                                                      std::int64_t tp, ItemRange slice, const std::vector<double>& buffer) {
+                                                      std::int64_t tp, ItemRange slice,
+                                                      const std::vector<double>& buffer) {
   const Shape logical{t.total_units() * t.unit_rows, cols};
   const LocalTensorMap map(logical, {*FusedDim(t, i, tp), PlainDim(0, cols, cols)});
   return Scatter(logical, map.MapSlice(slice, /*with_segments=*/true), buffer);
@@ -258,7 +261,8 @@ std::map<std::int64_t, double> GlobalCoordinateMapper(const ComponentTable& t, s
 // share is taken from the slice's numel (slice rows x component fraction) and the slice's
 // rows are split at those boundaries.
 std::map<std::int64_t, double> LocalNumelMapper(const ComponentTable& t, std::int64_t cols, std::int64_t i,
-                                                std::int64_t /*tp*/, ItemRange slice, const std::vector<double>& buffer) {
+                                                std::int64_t /*tp*/, ItemRange slice,
+                                                const std::vector<double>& buffer) {
   const std::int64_t slice_rows = slice.size() / cols;
   const std::int64_t total_rows = t.total_units() * t.unit_rows;
   const Shape logical{total_rows, cols};

@@ -1,9 +1,9 @@
 // Regression tests for what the fuzzers of fuzz/ found in the layout code (issue 15): each
 // input that crashed a fuzz target, reduced, with the error the code must give instead. The
 // reproducers are also in fuzz/corpus/<target>/regress_*, so the fuzzers replay them.
-#include <string>
-
 #include <gtest/gtest.h>
+
+#include <string>
 
 #include "core/layout.h"
 #include "core/model.h"
@@ -19,8 +19,7 @@ namespace {
 TEST(FuzzRegression, HugeVocabMultipleIsInvalidArgument) {
   const std::vector<TensorSpec> tensors = ModelCheckpointTensors(ModelConfig{}, {"exp_avg"});
   for (const std::string text : {"tp=2,vocab_multiple=4611686018427387904", "tp=2,vocab_multiple=9223372036854775807",
-                                 "tp=2,vocab_multiple=3000000000000000000",
-                                 "vocab_multiple=9223372036854775807",
+                                 "tp=2,vocab_multiple=3000000000000000000", "vocab_multiple=9223372036854775807",
                                  "tp=2,fsdp=2,fsdp_form=flat,vocab_multiple=3000000000000000000"}) {
     SCOPED_TRACE(text);
     const Result<PhysicalLayout> layout = PhysicalLayout::Parse(text, *BuiltinRuleSet("megatron"));

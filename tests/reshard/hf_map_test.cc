@@ -1,10 +1,10 @@
 // The Hugging Face name table and config.json mapping (reshard/hf.h), without files: where each
 // HF tensor sits in our tensors, that the table tiles every parameter, and config round trips.
-#include "reshard/hf.h"
+#include <gtest/gtest.h>
 
 #include <map>
 
-#include <gtest/gtest.h>
+#include "reshard/hf.h"
 
 namespace rs {
 namespace {
@@ -92,12 +92,14 @@ TEST(HfMap, ConfigRoundTrips) {
 
 TEST(HfMap, ParsesMixtralConfigs) {
   // A transformers v5 style config: theta in rope_parameters, no head_dim.
-  const nlohmann::json v5 = {{"model_type", "mixtral"},     {"vocab_size", 1000},         {"hidden_size", 128},
-                             {"num_hidden_layers", 2},      {"num_attention_heads", 8},   {"num_key_value_heads", 2},
-                             {"num_local_experts", 8},      {"num_experts_per_tok", 2},   {"intermediate_size", 256},
-                             {"max_position_embeddings", 4096}, {"sliding_window", 4096},
-                             {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5e5}}},
-                             {"dtype", "bfloat16"}};
+  const nlohmann::json v5 = {
+      {"model_type", "mixtral"},  {"vocab_size", 1000},
+      {"hidden_size", 128},       {"num_hidden_layers", 2},
+      {"num_attention_heads", 8}, {"num_key_value_heads", 2},
+      {"num_local_experts", 8},   {"num_experts_per_tok", 2},
+      {"intermediate_size", 256}, {"max_position_embeddings", 4096},
+      {"sliding_window", 4096},   {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5e5}}},
+      {"dtype", "bfloat16"}};
   auto m = ParseHfConfig(v5, "v5");
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   EXPECT_EQ(m->config.head_dim, 16);

@@ -22,7 +22,8 @@ PhysicalLayout ParseOrDie(const std::string& text, const std::string& rules = "m
   return *r;
 }
 
-PhysicalMap MapOrDie(const std::string& text, const std::vector<TensorSpec>& tensors, const std::string& rules = "megatron") {
+PhysicalMap MapOrDie(const std::string& text, const std::vector<TensorSpec>& tensors,
+                     const std::string& rules = "megatron") {
   auto m = PhysicalMap::Create(ParseOrDie(text, rules), tensors);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return std::move(m).value();
@@ -37,7 +38,8 @@ std::size_t IndexOf(const std::vector<TensorSpec>& tensors, const std::string& n
 }
 
 TEST(PhysicalLayoutTest, ParseAndJsonRoundTrip) {
-  const PhysicalLayout p = ParseOrDie("tp=2,fsdp=4,fsdp_form=flat,vocab_multiple=8,pp=2,pp_split=1/3,bucket_policy=split");
+  const PhysicalLayout p =
+      ParseOrDie("tp=2,fsdp=4,fsdp_form=flat,vocab_multiple=8,pp=2,pp_split=1/3,bucket_policy=split");
   EXPECT_EQ(p.layout.mesh().AxisSize("tp"), 2);
   EXPECT_EQ(p.options.fsdp, FsdpForm::kFlat);
   EXPECT_EQ(p.options.vocab_multiple, 8);
@@ -175,7 +177,8 @@ TEST(PhysicalLayoutTest, FlatFsdpSlicesComeFromTheBucketPlanAndStatesFollow) {
 void ExpectExactCover(const PhysicalMap& m, const std::string& what) {
   std::vector<std::vector<ItemRange>> runs(m.tensors().size());
   for (const PlacedShard& s : m.PlacePieces(Replicas::kMainOnly)) {
-    for (const rs::Run& r : PieceToRuns(m.tensors()[s.tensor].shape, s.piece)) runs[s.tensor].push_back({r.global_begin, r.global_end()});
+    for (const rs::Run& r : PieceToRuns(m.tensors()[s.tensor].shape, s.piece))
+      runs[s.tensor].push_back({r.global_begin, r.global_end()});
   }
   for (std::size_t t = 0; t < runs.size(); ++t) {
     auto& v = runs[t];
@@ -261,7 +264,8 @@ TEST(PhysicalLayoutTest, RandomLayoutsCoverEveryTensorOnceAndMapLikeTheReference
           const std::int64_t piece_item = seg.piece_begin + i;
           std::int64_t global = -1;
           for (const rs::Run& r : runs) {
-            if (piece_item >= r.local_begin && piece_item < r.local_begin + r.length) global = r.global_begin + piece_item - r.local_begin;
+            if (piece_item >= r.local_begin && piece_item < r.local_begin + r.length)
+              global = r.global_begin + piece_item - r.local_begin;
           }
           const auto ref = p.local.LocalToLogical(first + seg.buffer_begin + i);
           ASSERT_TRUE(ref.has_value()) << what;

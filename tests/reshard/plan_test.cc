@@ -121,7 +121,8 @@ void ExpectPlanMovesEveryItem(const Manifest& src, const ReshardPlan& plan, cons
     std::int64_t k = 0;
     for (const rs::Run& r : PieceToRuns(shape, ts.piece)) {
       for (std::int64_t i = 0; i < r.length; ++i, ++k) {
-        ASSERT_EQ(buf[static_cast<std::size_t>(k)], r.global_begin + i) << what << " tensor " << plan.tensors[ts.tensor].name;
+        ASSERT_EQ(buf[static_cast<std::size_t>(k)], r.global_begin + i)
+            << what << " tensor " << plan.tensors[ts.tensor].name;
       }
     }
   }
@@ -183,7 +184,8 @@ TEST(PlanTest, ParamDtypeConversionIsListed) {
   for (const auto& t : tensors) params += t.role == TensorRole::kParameter ? 1 : 0;
   EXPECT_EQ(static_cast<std::int64_t>(plan->converted.size()), params);
   for (const auto& t : plan->tensors) {
-    EXPECT_EQ(t.dtype, t.role == TensorRole::kParameter ? DType::kBF16 : (t.role == TensorRole::kScalar ? DType::kI64 : DType::kF32));
+    EXPECT_EQ(t.dtype, t.role == TensorRole::kParameter ? DType::kBF16
+                                                        : (t.role == TensorRole::kScalar ? DType::kI64 : DType::kF32));
   }
   EXPECT_NE(plan->Summary().find("dtype conversion"), std::string::npos);
 }

@@ -1,11 +1,10 @@
 // `reshard convert` as processes: the same conversion under mpirun -np 2 and -np 4 gives the
 // same output as one process (skipped when mpirun is missing), and conversions killed at
 // random moments leave nothing that looks like a checkpoint, after which a re-run succeeds.
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <filesystem>
@@ -24,7 +23,6 @@ using testing::RunCli;
 using testing::TempDir;
 
 bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
-
 
 // Everything a manifest says about the data, in a canonical order: which file and dataset
 // holds which piece, and its checksum. Producer and timing-dependent order are left out.

@@ -54,9 +54,11 @@ inline PhysicalLayout RandomPhysicalLayout(std::mt19937_64& rng, const ModelConf
     const std::int64_t fsdp = Pick(rng, {1, 2, 3, 4});
     const std::int64_t dp = Pick(rng, {1, 1, 2});
     if (tp * ep * etp * pp * fsdp * dp > max_ranks) continue;
-    const std::string rules_name = std::vector<std::string>{"megatron", "ep-as-cp", "ep-over-tp"}[static_cast<std::size_t>(Pick(rng, {0, 1, 2}))];
+    const std::string rules_name =
+        std::vector<std::string>{"megatron", "ep-as-cp", "ep-over-tp"}[static_cast<std::size_t>(Pick(rng, {0, 1, 2}))];
     std::string text;
-    for (const auto& [axis, size] : {std::pair{"tp", tp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"fsdp", fsdp}, {"dp", dp}}) {
+    for (const auto& [axis, size] :
+         {std::pair{"tp", tp}, {"ep", ep}, {"etp", etp}, {"pp", pp}, {"fsdp", fsdp}, {"dp", dp}}) {
       text.append(text.empty() ? "" : ",").append(axis).append("=").append(std::to_string(size));
     }
     if (Pick(rng, {0, 1}) == 1) {

@@ -233,7 +233,8 @@ TEST(ExchangeTest, EveryAssignmentArrivesOnceAtItsExpertsRank) {
           tokens[static_cast<std::size_t>(s)] = n;
           const auto values = RandomVector(static_cast<std::size_t>(n * d), 100 * seed + static_cast<std::uint64_t>(s));
           x[static_cast<std::size_t>(s)].assign(values.begin(), values.end());
-          const auto routing = n > 0 ? RandomRouting(n, k, e, seed * 7 + static_cast<std::uint64_t>(s)) : std::vector<std::int32_t>{};
+          const auto routing =
+              n > 0 ? RandomRouting(n, k, e, seed * 7 + static_cast<std::uint64_t>(s)) : std::vector<std::int32_t>{};
           plans.push_back(PlanDispatch(routing.data(), n, k, e, 0));
           routings.push_back(routing);
           rows.push_back(DispatchForward(DispatchMode::kFused, x[static_cast<std::size_t>(s)].data(), d, plans.back()));
@@ -262,18 +263,21 @@ TEST(ExchangeTest, EveryAssignmentArrivesOnceAtItsExpertsRank) {
             for (std::int64_t slot = 0; slot < pl.rows(); ++slot) {
               const std::int64_t ex = routings[static_cast<std::size_t>(s)][static_cast<std::size_t>(slot)];
               if (ex / el != q) continue;
-              const std::int64_t j = ex % el, within = pl.row_of_slot[static_cast<std::size_t>(slot)] - pl.offsets[static_cast<std::size_t>(ex)];
+              const std::int64_t j = ex % el, within = pl.row_of_slot[static_cast<std::size_t>(slot)] -
+                                                       pl.offsets[static_cast<std::size_t>(ex)];
               const std::int64_t at = l.padded_offsets[static_cast<std::size_t>(s * el + j)] + within;
               ++hit[static_cast<std::size_t>(at)];
               ++arrived;
               for (std::int64_t c = 0; c < d; ++c) {
-                ASSERT_EQ(fused[static_cast<std::size_t>(at * d + c)], x[static_cast<std::size_t>(s)][static_cast<std::size_t>((slot / k) * d + c)]);
+                ASSERT_EQ(fused[static_cast<std::size_t>(at * d + c)],
+                          x[static_cast<std::size_t>(s)][static_cast<std::size_t>((slot / k) * d + c)]);
               }
             }
           }
           std::int64_t start = 0;
           for (std::int64_t j = 0; j < el; ++j) {
-            const std::int64_t used = l.expert_rows[static_cast<std::size_t>(j)], padded = l.padded_rows[static_cast<std::size_t>(j)];
+            const std::int64_t used = l.expert_rows[static_cast<std::size_t>(j)],
+                               padded = l.padded_rows[static_cast<std::size_t>(j)];
             if (a > 1) {
               EXPECT_EQ(padded % a, 0);
             }
@@ -289,7 +293,8 @@ TEST(ExchangeTest, EveryAssignmentArrivesOnceAtItsExpertsRank) {
           Buffer<float> dirty = fused;
           start = 0;
           for (std::int64_t j = 0; j < el; ++j) {
-            for (std::int64_t r = start + l.expert_rows[static_cast<std::size_t>(j)]; r < start + l.padded_rows[static_cast<std::size_t>(j)]; ++r) {
+            for (std::int64_t r = start + l.expert_rows[static_cast<std::size_t>(j)];
+                 r < start + l.padded_rows[static_cast<std::size_t>(j)]; ++r) {
               std::fill_n(dirty.begin() + r * d, d, 1e30f);
             }
             start += l.padded_rows[static_cast<std::size_t>(j)];

@@ -2,11 +2,10 @@
 // the moment, every directory that looks like a checkpoint afterwards (has a manifest) is
 // complete and verifies, the checkpoints committed before the kill are byte-for-byte unchanged,
 // and `train --resume DIR` continues from the newest committed one.
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>
@@ -54,8 +53,8 @@ std::size_t Lines(const std::string& path) {
 // Runs `command` (a shell line) in the background, waits until `log` has `lines` lines (or
 // the command ended), sleeps `delay`, then runs `kill_command` and waits for the end.
 // Returns whether the command was still running when it was killed.
-bool RunAndKill(const std::string& command, const std::string& log, std::size_t lines,
-                std::chrono::milliseconds delay, const std::string& kill_command) {
+bool RunAndKill(const std::string& command, const std::string& log, std::size_t lines, std::chrono::milliseconds delay,
+                const std::string& kill_command) {
   const pid_t pid = fork();
   if (pid == 0) {
     execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
@@ -144,15 +143,13 @@ void KillDuringSaves(const std::string& launcher, const std::string& layout, con
   }
   ASSERT_FALSE(newest.empty());
   const std::int64_t step = std::stoll(newest.substr(5));
-  const CommandResult resumed = RunCli("train --threads 1 --resume " + save.string() + " --steps " +
-                                       std::to_string(step + 1));
+  const CommandResult resumed =
+      RunCli("train --threads 1 --resume " + save.string() + " --steps " + std::to_string(step + 1));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find(newest + " at step " + std::to_string(step)), std::string::npos) << resumed.output;
 }
 
-TEST(KillDuringSaveTest, OneProcess) {
-  KillDuringSaves("", "", "[r]eshard train.*", 6);
-}
+TEST(KillDuringSaveTest, OneProcess) { KillDuringSaves("", "", "[r]eshard train.*", 6); }
 
 TEST(KillDuringSaveTest, TwoRanks) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";

@@ -2,22 +2,20 @@
 // parity at every supported layout, gradients assembled from the ranks' checkpoints, save at
 // one layout / verify / diff / resume at another, bad inputs and a killed rank. Skipped when
 // mpirun is missing.
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tests/cli/cli_test_util.h"
 
@@ -106,9 +104,9 @@ class MpiTrainTest : public ::testing::Test {
   }
   std::vector<double> Train(const std::string& layout, const std::string& args, const std::string& tag) {
     const std::string log = tmp_.path().string() + "/" + tag + ".jsonl";
-    const CommandResult r = layout.empty() ? RunCli("train " + args + " --threads 1 --log " + log)
-                                           : RunMpi(Ranks(layout), "train " + args + " --threads 1 --layout " +
-                                                                       layout + " --log " + log);
+    const CommandResult r =
+        layout.empty() ? RunCli("train " + args + " --threads 1 --log " + log)
+                       : RunMpi(Ranks(layout), "train " + args + " --threads 1 --layout " + layout + " --log " + log);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return Losses(log);
   }
@@ -122,11 +120,19 @@ TEST_F(MpiTrainTest, LossesMatchOneProcessAtEveryLayout) {
     std::string args, layout;
   };
   const std::vector<Case> cases = {
-      {tiny, "tp=2"},      {tiny, "fsdp=2"},           {tiny, "fsdp=2,bucket_policy=lcm"},
-      {tiny, "dp=2"},      {tiny, "tp=2,fsdp=2"},      {tiny, "tp=4"},  // kv heads replicated (2 kv heads)
-      {shared, "tp=2"},    {shared, "dp=2,fsdp=2"},    {bias, "tp=2,fsdp=2"},
+      {tiny, "tp=2"},
+      {tiny, "fsdp=2"},
+      {tiny, "fsdp=2,bucket_policy=lcm"},
+      {tiny, "dp=2"},
+      {tiny, "tp=2,fsdp=2"},
+      {tiny, "tp=4"},  // kv heads replicated (2 kv heads)
+      {shared, "tp=2"},
+      {shared, "dp=2,fsdp=2"},
+      {bias, "tp=2,fsdp=2"},
       // Box-form FSDP: every parameter's `embed` dim cut over fsdp.
-      {tiny, "fsdp=2,fsdp_form=box"}, {tiny, "tp=2,fsdp=2,fsdp_form=box"}, {shared, "dp=2,fsdp=2,fsdp_form=box"},
+      {tiny, "fsdp=2,fsdp_form=box"},
+      {tiny, "tp=2,fsdp=2,fsdp_form=box"},
+      {shared, "dp=2,fsdp=2,fsdp_form=box"},
   };
   double worst_first = 0, worst = 0;
   for (const auto& [args, layout] : cases) {
@@ -224,8 +230,8 @@ TEST_F(MpiTrainTest, FsdpBytesEqualTheBucketPlan) {
         Case{"fsdp=4,bucket_policy=lcm,bucket_granularity=matrix", "--dp 4 --policy lcm --granularity matrix"}}) {
     const std::string log = tmp_.path().string() + "/bytes.jsonl";
     std::filesystem::remove(log);
-    const CommandResult t = RunMpi(Ranks(layout), "train --model tiny-moe --steps 1 --threads 1 --layout " + layout +
-                                                      " --log " + log);
+    const CommandResult t =
+        RunMpi(Ranks(layout), "train --model tiny-moe --steps 1 --threads 1 --layout " + layout + " --log " + log);
     ASSERT_EQ(t.exit_code, 0) << t.output;
     const CommandResult b = RunCli("buckets --model tiny-moe --json --summary " + buckets);
     ASSERT_EQ(b.exit_code, 0) << b.output;
@@ -312,16 +318,20 @@ TEST_F(MpiTrainTest, EpAsCpLossesMatchOneProcess) {
   // One step's gradients (through exp_avg) and master weights equal one process's.
   const std::string one = tmp_.path().string() + "/one", many = tmp_.path().string() + "/many";
   ASSERT_EQ(RunCli("train --model tiny-moe --steps 1 --threads 1 --save " + one).exit_code, 0);
-  CommandResult g = RunMpi(4, "train --model tiny-moe --steps 1 --threads 1 --rules ep-as-cp --layout "
-                              "ep=2,fsdp=2,fsdp_form=box --save " + many);
+  CommandResult g = RunMpi(4,
+                           "train --model tiny-moe --steps 1 --threads 1 --rules ep-as-cp --layout "
+                           "ep=2,fsdp=2,fsdp_form=box --save " +
+                               many);
   ASSERT_EQ(g.exit_code, 0) << g.output;
   g = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-6");
   EXPECT_EQ(g.exit_code, 0) << g.output;
 
   const std::vector<double> ref = Train("", "--model tiny-moe --steps 10", "ref10");
   const std::string run = tmp_.path().string() + "/cp";
-  CommandResult r = RunMpi(4, "train --model tiny-moe --steps 5 --threads 1 --rules ep-as-cp --layout "
-                              "ep=2,fsdp=2,fsdp_form=box --save " + run);
+  CommandResult r = RunMpi(4,
+                           "train --model tiny-moe --steps 5 --threads 1 --rules ep-as-cp --layout "
+                           "ep=2,fsdp=2,fsdp_form=box --save " +
+                               run);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string ckpt = run + "/step-00000005";
   EXPECT_EQ(RunCli("verify " + ckpt).exit_code, 0);
@@ -388,7 +398,8 @@ TEST_F(MpiTrainTest, KilledRankEndsTheRunWithoutACheckpoint) {
   const std::string marker = tmp_.path().string() + "/marker.jsonl";
   const std::string cmd = "mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(RS_CLI) +
                           " train --model tiny-moe --steps 100000 --threads 1 --layout fsdp=2 --save-every 100000 "
-                          "--save " + save + " --log " + marker + " > /dev/null 2>&1";
+                          "--save " +
+                          save + " --log " + marker + " > /dev/null 2>&1";
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {

@@ -6,8 +6,8 @@
 
 #include "core/check.h"
 
-#define RS_CUDA_CHECK(call)                                                          \
-  do {                                                                               \
-    const cudaError_t rs_cuda_err_ = (call);                                         \
+#define RS_CUDA_CHECK(call)                                                                       \
+  do {                                                                                            \
+    const cudaError_t rs_cuda_err_ = (call);                                                      \
     RS_CHECK_MSG(rs_cuda_err_ == cudaSuccess, #call << ": " << cudaGetErrorString(rs_cuda_err_)); \
   } while (0)

@@ -1,8 +1,7 @@
-#include "train/cuda/permute_pad.h"
-
 #include <cuda_runtime.h>
 
 #include "train/cuda/cuda_check.h"
+#include "train/cuda/permute_pad.h"
 
 namespace rs::cuda {
 namespace {
@@ -71,11 +70,11 @@ bool DeviceAvailable(std::string* why) {
   return true;
 }
 
-void PermutePadDevice(const float* x, std::int64_t d, const std::int32_t* owner, std::int64_t padded_rows,
-                      float* out, void* stream) {
+void PermutePadDevice(const float* x, std::int64_t d, const std::int32_t* owner, std::int64_t padded_rows, float* out,
+                      void* stream) {
   if (padded_rows == 0) return;
-  PermutePadKernel<<<static_cast<unsigned>(padded_rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      x, d, owner, out);
+  PermutePadKernel<<<static_cast<unsigned>(padded_rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, d, owner,
+                                                                                                           out);
   RS_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -19,8 +19,8 @@ bool DeviceAvailable(std::string* why);
 
 // owner[r] for r in [0, padded_rows): the token whose row lands in padded row r, or -1 for a
 // padding row. x: [num_tokens, d]; out: [padded_rows, d].
-void PermutePadDevice(const float* x, std::int64_t d, const std::int32_t* owner, std::int64_t padded_rows,
-                      float* out, void* stream);
+void PermutePadDevice(const float* x, std::int64_t d, const std::int32_t* owner, std::int64_t padded_rows, float* out,
+                      void* stream);
 // rows[t*k + j]: padded row of token t's j-th choice; probs: [num_tokens, k] or null (weight
 // 1). y: [padded_rows, d]; out: [num_tokens, d].
 void UnpermuteUnpadDevice(const float* y, std::int64_t d, const std::int32_t* rows, const float* probs,
