@@ -60,11 +60,4 @@ Result<int> OpenRegularFile(const std::string& path, std::int64_t* size) {
   return fd;
 }
 
-Result<std::int64_t> CheckRegularFile(const std::string& path) {
-  std::int64_t size = 0;
-  RS_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &size));
-  ::close(fd);
-  return size;
-}
-
 }  // namespace rs

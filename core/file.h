@@ -22,7 +22,4 @@ std::string FileKindName(unsigned mode);
 // `size` (if not null) gets the file's size.
 Result<int> OpenRegularFile(const std::string& path, std::int64_t* size = nullptr);
 
-// OpenRegularFile, then closes the descriptor: only the checks (and the size).
-Result<std::int64_t> CheckRegularFile(const std::string& path);
-
 }  // namespace rs

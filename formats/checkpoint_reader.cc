@@ -298,15 +298,6 @@ void CheckpointReader::RecordHash(std::size_t index, std::uint64_t h) {
   verified_[index] = 1;
 }
 
-Status CheckpointReader::EnsureVerified(std::size_t index) {
-  if (options_.checksums == ChecksumPolicy::kSkip) return Status::Ok();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (verified_[index] != 0) return Status::Ok();
-  }
-  return VerifyShard(index);
-}
-
 Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_begin, std::span<std::byte> out) {
   RS_CHECK(index < manifest_.shards.size());
   const ShardEntry& s = manifest_.shards[index];

@@ -113,7 +113,6 @@ class CheckpointReader {
   Result<const ShardLocation*> Located(std::size_t index);
   // Version 2: the location from the manifest and the block table, without CheckFile.
   Result<const ShardLocation*> LocatedFromTable(std::size_t index);
-  Status EnsureVerified(std::size_t index);
   Status VerifyBytes(std::size_t index, const ShardLocation& loc, std::span<const std::byte> bytes);
   // Compares a computed hash with the manifest; marks the shard verified.
   Status CheckHash(std::size_t index, const ShardLocation& loc, std::uint64_t h);

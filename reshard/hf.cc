@@ -236,18 +236,6 @@ std::string_view HfArchName(HfArch a) {
   return "unknown";
 }
 
-std::string_view HfMoeNamingName(HfMoeNaming n) {
-  switch (n) {
-    case HfMoeNaming::kBlockSparseMoe:
-      return "block_sparse_moe.experts.E.{w1,w3,w2}";
-    case HfMoeNaming::kMlpPerExpert:
-      return "mlp.experts.E.{gate,up,down}_proj";
-    case HfMoeNaming::kMlpFused:
-      return "mlp.experts.{gate_up_proj,down_proj}";
-  }
-  return "unknown";
-}
-
 Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params,
                                           const std::function<HfMoeNaming(std::int64_t layer)>& naming) {
   std::vector<HfTensor> out;

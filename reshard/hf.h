@@ -46,7 +46,6 @@ enum class HfMoeNaming : std::uint8_t {
   kMlpFused,        // transformers v5 style: mlp.gate, mlp.experts.gate_up_proj [E, 2I, H],
                     // mlp.experts.down_proj [E, H, I]
 };
-std::string_view HfMoeNamingName(HfMoeNaming n);
 
 // One HF tensor: items [flat_begin, flat_begin + numel) of our logical tensor `tensor`, in the
 // same row-major order (no transposition or permutation is ever needed: see MODEL.md §12).

@@ -83,10 +83,10 @@ TEST(OpenRegularFile, RefusesFifosDirectoriesAndDevicesWithoutBlocking) {
 
   const std::string dir = TempPath("dir");
   fs::create_directories(dir);
-  EXPECT_NE(CheckRegularFile(dir).status().message().find("directory"), std::string::npos);
+  EXPECT_NE(OpenRegularFile(dir).status().message().find("directory"), std::string::npos);
   fs::remove(dir);
-  EXPECT_NE(CheckRegularFile("/dev/null").status().message().find("character device"), std::string::npos);
-  EXPECT_EQ(CheckRegularFile(TempPath("missing")).status().code(), ErrorCode::kNotFound);
+  EXPECT_NE(OpenRegularFile("/dev/null").status().message().find("character device"), std::string::npos);
+  EXPECT_EQ(OpenRegularFile(TempPath("missing")).status().code(), ErrorCode::kNotFound);
 
   const std::string file = TempPath("file");
   { std::ofstream(file) << "12345"; }
