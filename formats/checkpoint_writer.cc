@@ -1,6 +1,7 @@
 #include "formats/checkpoint_writer.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -31,6 +32,36 @@ std::string StripSlashes(std::string p) {
 
 std::string StagingPath(const std::string& dir, const std::string& txn) { return dir + ".tmp-" + txn; }
 
+// Opens `staging`'s lock file (creating it when `create`) and flocks it with `op`; the
+// descriptor, or -1 when it cannot be opened or locked.
+int OpenStagingLock(const std::string& staging, bool create, int op) {
+  const std::string path = staging + "/" + std::string(kStagingLockName);
+  const int fd = ::open(path.c_str(), (create ? O_CREAT | O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return -1;
+  if (::flock(fd, op) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Seconds since `path` was last modified (lstat), or -1.
+double IdleSeconds(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return -1;
+  const auto mtime =
+      std::chrono::system_clock::time_point(std::chrono::seconds(st.st_mtim.tv_sec)) +
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::nanoseconds(st.st_mtim.tv_nsec));
+  return std::chrono::duration<double>(std::chrono::system_clock::now() - mtime).count();
+}
+
+// Removes the remaining staging directories of the parent of `dir` (RemoveStaleStaging).
+void CleanParent(const std::string& dir) {
+  std::string parent = fs::path(dir).parent_path().string();
+  if (parent.empty()) parent = ".";
+  RemoveStaleStaging(parent);
+}
+
 Status CheckTarget(const std::string& dir) {
   if (dir.empty()) return InvalidArgument("checkpoint directory is empty");
   if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
@@ -40,6 +71,14 @@ Status CheckTarget(const std::string& dir) {
     fs::create_directories(parent, ec);
     if (ec) return IoError(parent.string() + ": cannot create directory: " + ec.message());
   }
+  return Status::Ok();
+}
+
+// Drops the staging lock file before the directory becomes the checkpoint (the lock itself is
+// held on the open descriptor until the writer goes away).
+Status UnlinkStagingLock(const std::string& staging) {
+  const std::string path = staging + "/" + std::string(kStagingLockName);
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) return IoError(Errno(path + ": unlink"));
   return Status::Ok();
 }
 
@@ -53,6 +92,7 @@ Status Publish(const std::string& staging, const std::string& dir, const Manifes
   if (Result<Manifest> check = ManifestFromJson(j, path); !check.ok()) {
     return Internal("refusing to publish an invalid manifest: " + check.status().message());
   }
+  RS_RETURN_IF_ERROR(UnlinkStagingLock(staging));
   RS_RETURN_IF_ERROR(WriteNewFileDurably(path, j.dump(1)));
   RS_RETURN_IF_ERROR(FsyncPath(staging, /*directory=*/true));
   // RENAME_NOREPLACE closes the race between our existence check and the rename: plain
@@ -139,6 +179,8 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(const std::st
     w->done_ = true;  // nothing of ours to clean up
     return IoError(Errno(w->staging_ + ": mkdir"));
   }
+  RS_RETURN_IF_ERROR(w->LockStaging());
+  CleanParent(dir);
   w->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
   return w;
 }
@@ -163,14 +205,44 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::CreateStaged(const s
     w->done_ = true;
     return IoError(Errno(w->staging_ + ": mkdir"));
   }
+  RS_RETURN_IF_ERROR(w->LockStaging());
+  if (fragment_id == 0) CleanParent(dir);
   w->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
   return w;
+}
+
+Status CheckpointWriter::LockStaging() {
+  lock_fd_ = OpenStagingLock(staging_, /*create=*/true, LOCK_SH);
+  if (lock_fd_ < 0) return IoError(Errno(staging_ + "/" + std::string(kStagingLockName) + ": cannot create and lock"));
+  return Status::Ok();
+}
+
+std::vector<std::string> RemoveStaleStaging(const std::string& parent, std::chrono::seconds min_idle) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(parent, ec)) {
+    const std::string path = entry.path().string();
+    if (entry.path().filename().string().find(".tmp-") == std::string::npos) continue;
+    std::error_code type_ec;
+    if (!fs::is_directory(fs::symlink_status(entry.path(), type_ec))) continue;
+    const std::string lock = path + "/" + std::string(kStagingLockName);
+    const double idle = std::min(IdleSeconds(path), IdleSeconds(lock));  // -1 without a lock file
+    if (idle < static_cast<double>(min_idle.count())) continue;
+    const int fd = OpenStagingLock(path, /*create=*/false, LOCK_EX | LOCK_NB);
+    if (fd < 0) continue;  // held by a writer (or gone)
+    std::error_code rm_ec;
+    fs::remove_all(entry.path(), rm_ec);
+    ::close(fd);
+    if (!rm_ec) removed.push_back(path);
+  }
+  return removed;
 }
 
 CheckpointWriter::~CheckpointWriter() {
   std::vector<std::string> own_files;
   for (const auto& [rank, f] : files_) own_files.push_back(staging_ + "/" + RankFileName(rank));
   files_.clear();  // closes the HDF5 files before they are removed
+  if (lock_fd_ >= 0) ::close(lock_fd_);
   if (done_) return;
   std::error_code ec;
   if (!staged_) {
@@ -414,6 +486,14 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
   const std::string dir = StripSlashes(dir_in);
   const std::string staging = StagingPath(dir, txn);
   if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
+  // Held while merging and publishing, whether or not this process's own writer is still alive.
+  const int lock_fd = OpenStagingLock(staging, /*create=*/false, LOCK_SH);
+  struct CloseLock {
+    int fd;
+    ~CloseLock() {
+      if (fd >= 0) ::close(fd);
+    }
+  } close_lock{lock_fd};
   std::vector<std::string> fragments;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(staging, ec)) {

@@ -10,8 +10,15 @@
 //   w->SetLayout(layout.ToJson());                      w->CommitFragment();
 //   w->Commit();                                      then one process, after a barrier:
 //                                                       CheckpointWriter::CommitStaged(dir, txn, P);
+//
+// Interrupted writes (a crash, kill -9) leave their staging directory behind. Each writer holds
+// a shared flock(2) on "<staging>/.staging-lock" while it writes; creating a writer removes the
+// staging directories of its parent directory that nobody holds any more and that have been
+// idle for kStaleStagingIdle (RemoveStaleStaging), so repeated interrupted saves do not fill
+// the disk.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -19,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/shape.h"
@@ -28,6 +36,19 @@
 #include "formats/manifest.h"
 
 namespace rs {
+
+// Name of the lock file in a staging directory (removed before the directory is published).
+inline constexpr std::string_view kStagingLockName = ".staging-lock";
+// How long a staging directory must have been left alone before another writer removes it.
+inline constexpr std::chrono::seconds kStaleStagingIdle{600};
+
+// Removes the staging directories ("<name>.tmp-<id>") in `parent` that interrupted writes left:
+// those with a staging lock that no process holds (flock LOCK_EX | LOCK_NB succeeds), whose
+// directory and lock file were last modified at least `min_idle` ago. Directories without our
+// lock file (anything not written by this writer) are never touched. Returns the paths
+// removed; errors while removing are skipped (another process may be removing them too).
+std::vector<std::string> RemoveStaleStaging(const std::string& parent,
+                                            std::chrono::seconds min_idle = kStaleStagingIdle);
 
 class CheckpointWriter;
 class DatasetWriter;
@@ -132,8 +153,13 @@ class CheckpointWriter {
   Status CloseFiles();
   Manifest BuildManifest() const;
 
+  // Opens (creating it) the staging lock and takes a shared flock on it, held until the writer
+  // is destroyed.
+  Status LockStaging();
+
   std::string dir_;
   std::string staging_;
+  int lock_fd_ = -1;  // the staging lock (see the file comment)
   bool staged_ = false;
   std::int64_t fragment_id_ = 0;
   WriterOptions options_;

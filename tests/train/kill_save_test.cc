@@ -2,14 +2,17 @@
 // the moment, every directory that looks like a checkpoint afterwards (has a manifest) is
 // complete and verifies, the checkpoints committed before the kill are byte-for-byte unchanged,
 // and `train --resume DIR` continues from the newest committed one.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -17,6 +20,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "core/hash.h"
 #include "tests/cli/cli_test_util.h"
@@ -103,8 +107,14 @@ void ExpectOnlySoundCheckpoints(const fs::path& save, int* committed) {
   }
 }
 
+// Makes `path` look last modified an hour ago.
+void Age(const fs::path& path) {
+  const struct timespec old[2] = {{::time(nullptr) - 3600, 0}, {::time(nullptr) - 3600, 0}};
+  EXPECT_EQ(::utimensat(AT_FDCWD, path.c_str(), old, AT_SYMLINK_NOFOLLOW), 0) << path;
+}
+
 void KillDuringSaves(const std::string& launcher, const std::string& layout, const std::string& kill_pattern,
-                     int trials) {
+                     int trials, bool check_cleanup) {
   TempDir tmp;
   const fs::path save = tmp.path() / "run";
   const std::string train = std::string(RS_CLI) + " train --threads 1" + layout;
@@ -143,17 +153,41 @@ void KillDuringSaves(const std::string& launcher, const std::string& layout, con
   }
   ASSERT_FALSE(newest.empty());
   const std::int64_t step = std::stoll(newest.substr(5));
-  const CommandResult resumed =
-      RunCli("train --threads 1 --resume " + save.string() + " --steps " + std::to_string(step + 1));
+  // The killed saves left staging directories; once they have been idle long enough
+  // (kStaleStagingIdle, simulated by ageing them), the next save removes every one that
+  // carries our staging lock (a process killed between mkdir and creating the lock leaves one
+  // without, which is not ours to judge).
+  // Besides whatever the kills left: one left by a writer that died (its lock file, unheld),
+  // and a directory of someone else's that merely looks like staging.
+  fs::create_directories(save / "step-999999.tmp-dead");
+  std::ofstream(save / "step-999999.tmp-dead" / ".staging-lock").flush();
+  std::ofstream(save / "step-999999.tmp-dead" / "rank-00000.h5") << "partial";
+  fs::create_directories(save / "not-ours.tmp-1");
+  std::vector<fs::path> locked;
+  for (const auto& e : fs::directory_iterator(save)) {
+    if (e.path().filename().string().find(".tmp-") == std::string::npos) continue;
+    if (fs::exists(e.path() / ".staging-lock")) {
+      Age(e.path() / ".staging-lock");
+      locked.push_back(e.path());
+    }
+    Age(e.path());
+  }
+  const CommandResult resumed = RunCli("train --threads 1 --resume " + save.string() + " --steps " +
+                                       std::to_string(step + 1) + (check_cleanup ? " --save " + save.string() : ""));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find(newest + " at step " + std::to_string(step)), std::string::npos) << resumed.output;
+  if (check_cleanup) {
+    for (const fs::path& p : locked) EXPECT_FALSE(fs::exists(p)) << p << " was not removed";
+    EXPECT_TRUE(fs::exists(save / "not-ours.tmp-1")) << "a directory without our staging lock was removed";
+  }
 }
 
-TEST(KillDuringSaveTest, OneProcess) { KillDuringSaves("", "", "[r]eshard train.*", 6); }
+TEST(KillDuringSaveTest, OneProcess) { KillDuringSaves("", "", "[r]eshard train.*", 6, /*check_cleanup=*/true); }
 
 TEST(KillDuringSaveTest, TwoRanks) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
-  KillDuringSaves("mpirun --oversubscribe --allow-run-as-root -np 2 ", " --layout fsdp=2", "[r]eshard train.*", 4);
+  KillDuringSaves("mpirun --oversubscribe --allow-run-as-root -np 2 ", " --layout fsdp=2", "[r]eshard train.*", 4,
+                  /*check_cleanup=*/false);
 }
 
 }  // namespace
