@@ -2,14 +2,13 @@
 // staging lock while it writes; RemoveStaleStaging removes only unheld, idle staging
 // directories that carry our lock, and creating a writer does so in its parent directory.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "formats/checkpoint_writer.h"
 #include "tests/formats/test_util.h"
