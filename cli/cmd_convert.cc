@@ -37,8 +37,7 @@ struct ConvertArgs {
   bool with_replicas = false;
   bool verify_source = false;
   bool no_verify = false;
-  std::int64_t format_version = kFormatVersion;
-  std::string block_size;
+  FormatArgs format;
   std::string model;
 };
 
@@ -74,10 +73,8 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
   s.writer.producer = "reshard convert";
-  s.writer.format_version = a.format_version;
-  if (!a.block_size.empty()) {
-    RS_ASSIGN_OR_RETURN(s.writer.block_bytes, ParseByteSize(a.block_size));
-  }
+  s.writer.format_version = a.format.version;
+  RS_ASSIGN_OR_RETURN(s.writer.block_bytes, BlockBytesArg(a.format));
   return s;
 }
 
@@ -186,12 +183,7 @@ void RegisterConvert(CLI::App& app) {
                 "Do not check source bytes against their checksums while reading (for a source verified just before; "
                 "saves the extra pass a format-version-1 source needs; DCP: the CRC-32 of each record)");
   cmd->get_option("--no-verify")->excludes("--verify-source");
-  cmd->add_option("--format-version", a->format_version,
-                  "Checkpoint format version to write: 2, or 1 for older readers")
-      ->check(CLI::Range(1, 2))
-      ->capture_default_str();
-  cmd->add_option("--block-size", a->block_size,
-                  "Checksum block of uncompressed shards (format version 2), default 256KiB");
+  AddFormatOptions(cmd, &a->format);
   cmd->add_option("--model", a->model,
                   "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");
   cmd->callback([a] { RunConvert(*a); });

@@ -16,8 +16,7 @@ struct ExampleArgs {
   std::uint64_t seed = 0;
   std::string codec = "none";
   bool with_replicas = false;
-  std::int64_t format_version = kFormatVersion;
-  std::string block_size;
+  FormatArgs format;
   int threads = 0;
   std::string out;
 };
@@ -38,12 +37,10 @@ void RunExample(const ExampleArgs& a) {
   o.codec = *codec;
   o.seed = a.seed;
   o.with_replicas = a.with_replicas;
-  o.format_version = a.format_version;
-  if (!a.block_size.empty()) {
-    auto b = ParseByteSize(a.block_size);
-    if (!b.ok()) Fail("example", b.status().WithContext("--block-size"));
-    o.block_bytes = *b;
-  }
+  o.format_version = a.format.version;
+  auto block = BlockBytesArg(a.format);
+  if (!block.ok()) Fail("example", block.status());
+  o.block_bytes = *block;
   o.threads = a.threads;
   if (Status s = WriteExampleCheckpoint(o, a.out); !s.ok()) Fail("example", s);
   PrintErr("wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(), layout->ToString().c_str(),
@@ -63,12 +60,7 @@ void RegisterExample(CLI::App& app) {
   cmd->add_option("--seed", a->seed, "Values depend only on the model and this seed")->capture_default_str();
   cmd->add_option("--codec", a->codec, "none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of each shard");
-  cmd->add_option("--format-version", a->format_version,
-                  "Checkpoint format version to write: 2, or 1 for older readers")
-      ->check(CLI::Range(1, 2))
-      ->capture_default_str();
-  cmd->add_option("--block-size", a->block_size,
-                  "Checksum block of uncompressed shards (format version 2), default 256KiB");
+  AddFormatOptions(cmd, &a->format);
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
   cmd->callback([a] { RunExample(*a); });

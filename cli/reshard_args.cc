@@ -8,6 +8,21 @@
 
 namespace rs::cli {
 
+void AddFormatOptions(CLI::App* cmd, FormatArgs* args) {
+  cmd->add_option("--format-version", args->version, "Checkpoint format version to write: 2, or 1 for older readers")
+      ->check(CLI::Range(1, 2))
+      ->capture_default_str();
+  cmd->add_option("--block-size", args->block_size,
+                  "Checksum block of uncompressed shards (format version 2), default 256KiB");
+}
+
+Result<std::int64_t> BlockBytesArg(const FormatArgs& args) {
+  if (args.block_size.empty()) return kDefaultBlockBytes;
+  Result<std::int64_t> b = ParseByteSize(args.block_size);
+  if (!b.ok()) return b.status().WithContext("--block-size");
+  return b;
+}
+
 Result<std::int64_t> ParseByteSize(const std::string& text) {
   const auto bad = [&] {
     return InvalidArgument("size '" + text + "': expected a number with an optional unit (B, KiB, MiB, GiB, TiB)");

@@ -1,6 +1,7 @@
-// Arguments shared by `reshard convert` and `reshard plan`.
+// Arguments shared by `reshard convert`, `reshard plan` and `reshard example`.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
 
@@ -17,5 +18,14 @@ Result<std::int64_t> ParseByteSize(const std::string& text);
 // The target of a conversion: --to LAYOUT with --rules NAME|FILE; when --rules is empty, the
 // source checkpoint's own rule set (if it records one), else megatron.
 Result<PhysicalLayout> TargetLayoutArg(const std::string& to, const std::string& rules, const Manifest& source);
+
+// --format-version and --block-size of the commands that write checkpoints.
+struct FormatArgs {
+  std::int64_t version = kFormatVersion;
+  std::string block_size;  // empty: the default block size
+};
+void AddFormatOptions(CLI::App* cmd, FormatArgs* args);
+// The checksum block size in bytes: --block-size parsed, or kDefaultBlockBytes.
+Result<std::int64_t> BlockBytesArg(const FormatArgs& args);
 
 }  // namespace rs::cli

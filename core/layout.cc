@@ -250,6 +250,22 @@ Status Layout::ValidatePipeline(std::int64_t num_layers) const {
   return Status::Ok();
 }
 
+bool Layout::OnStage(const PipelinePlace& place, std::int64_t stage, std::int64_t num_layers) const {
+  const std::int64_t stages = mesh().AxisSize(kPipelineAxis);
+  switch (place.layer) {
+    case PipelinePlace::kAll:
+      return true;
+    case PipelinePlace::kPre:
+      return stage == 0;
+    case PipelinePlace::kPost:
+      return stage == stages - 1;
+    default:
+      break;
+  }
+  RS_CHECK_MSG(place.layer >= 0, "bad pipeline place " << place.layer);
+  return StageOfLayer(place.layer, num_layers) == stage;
+}
+
 std::int64_t Layout::StageOfLayer(std::int64_t layer, std::int64_t num_layers) const {
   RS_CHECK_MSG(layer >= 0 && layer < num_layers, "layer " << layer << " of " << num_layers);
   const Status valid = ValidatePipeline(num_layers);
@@ -289,31 +305,10 @@ std::vector<std::vector<std::string>> Layout::ShardingAxes(const TensorSpec& t) 
   return out;
 }
 
-namespace {
-
-// Whether a rank at pipeline stage `stage` holds tensors placed at `place` at all.
-bool OnStage(const Layout& layout, const PipelinePlace& place, std::int64_t stage, std::int64_t num_layers) {
-  const std::int64_t stages = layout.mesh().AxisSize(kPipelineAxis);
-  switch (place.layer) {
-    case PipelinePlace::kAll:
-      return true;
-    case PipelinePlace::kPre:
-      return stage == 0;
-    case PipelinePlace::kPost:
-      return stage == stages - 1;
-    default:
-      break;
-  }
-  RS_CHECK_MSG(place.layer >= 0, "bad pipeline place " << place.layer);
-  return layout.StageOfLayer(place.layer, num_layers) == stage;
-}
-
-}  // namespace
-
 std::optional<Box> Layout::BoxOf(const TensorSpec& t, std::int64_t rank, std::int64_t num_layers) const {
   const std::vector<std::int64_t> coords = mesh_.RankToCoords(rank);
   const std::optional<std::size_t> pp = mesh_.AxisIndex(kPipelineAxis);
-  if (!OnStage(*this, t.place, pp ? coords[*pp] : 0, num_layers)) return std::nullopt;
+  if (!OnStage(t.place, pp ? coords[*pp] : 0, num_layers)) return std::nullopt;
   const std::vector<std::vector<std::string>> sharding = ShardingAxes(t);
   // A tensor without items keeps one box, its full (empty) shape, at part 0 of every dim, so
   // that it still has exactly one main shard to record.

@@ -81,6 +81,9 @@ class Layout {
   // Pipeline stage of a decoder layer out of `num_layers` (even contiguous split unless an
   // explicit split was given; uneven: the first num_layers % pp stages take one extra layer).
   std::int64_t StageOfLayer(std::int64_t layer, std::int64_t num_layers) const;
+  // Whether ranks at pipeline stage `stage` hold tensors placed at `place` at all (kPre: the
+  // first stage, kPost: the last, a layer: its stage, kAll: every stage).
+  bool OnStage(const PipelinePlace& place, std::int64_t stage, std::int64_t num_layers) const;
   // For each dim of `t`, the mesh axes that shard it under these rules.
   std::vector<std::vector<std::string>> ShardingAxes(const TensorSpec& t) const;
   // The box of `t` that `rank` holds, or nullopt when the rank holds none of it (another

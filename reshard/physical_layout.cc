@@ -309,27 +309,13 @@ bool PhysicalMap::FlatSharded(std::size_t tensor) const {
   return tensors_[param_index_[tensor]].role == TensorRole::kParameter;
 }
 
-bool PhysicalMap::OnStage(const TensorSpec& t, std::int64_t stage) const {
-  const std::int64_t stages = layout_.layout.mesh().AxisSize(kPipelineAxis);
-  switch (t.place.layer) {
-    case PipelinePlace::kAll:
-      return true;
-    case PipelinePlace::kPre:
-      return stage == 0;
-    case PipelinePlace::kPost:
-      return stage == stages - 1;
-    default:
-      return layout_.layout.StageOfLayer(t.place.layer, num_layers_) == stage;
-  }
-}
-
 std::optional<LocalTensorMap> PhysicalMap::LocalMap(std::size_t tensor, std::int64_t rank,
                                                     const Layout& rules_layout) const {
   const TensorSpec& t = PlacementSpec(tensor);
   const Mesh& mesh = rules_layout.mesh();
   const std::vector<std::int64_t> coords = mesh.RankToCoords(rank);
   const auto pp = mesh.AxisIndex(kPipelineAxis);
-  if (!OnStage(t, pp ? coords[*pp] : 0)) return std::nullopt;
+  if (!layout_.layout.OnStage(t.place, pp ? coords[*pp] : 0, num_layers_)) return std::nullopt;
   const auto sharding = rules_layout.ShardingAxes(t);
   std::vector<DimMap> dims;
   for (std::size_t d = 0; d < t.shape.size(); ++d) {

@@ -127,7 +127,6 @@ class PhysicalMap {
   PhysicalMap() = default;
   // The spec used for placement (expert dims relabelled to their exp_ rule).
   const TensorSpec& PlacementSpec(std::size_t tensor) const { return placement_specs_[tensor]; }
-  bool OnStage(const TensorSpec& t, std::int64_t stage) const;
   std::optional<LocalTensorMap> LocalMap(std::size_t tensor, std::int64_t rank, const Layout& rules_layout) const;
   std::int64_t FsdpZeroRank(std::int64_t rank) const;
   bool FlatSharded(std::size_t tensor) const;

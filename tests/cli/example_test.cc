@@ -181,6 +181,12 @@ TEST(CliTest, ExampleVerifyInspectExitCodes) {
   EXPECT_EQ(RunCli("example --layout tp=x -o " + (tmp / "bad")).exit_code, 2);
   EXPECT_EQ(RunCli("example --layout zz=2 -o " + (tmp / "bad")).exit_code, 2);
   EXPECT_EQ(RunCli("example --model nonesuch -o " + (tmp / "bad")).exit_code, 1);
+  for (const std::string& cmd : {"example --block-size 3x -o " + (tmp / "bad"),
+                                 "convert " + ck + " --to tp=1 --block-size 1.5.0MiB -o " + (tmp / "bad")}) {
+    r = RunCli(cmd);
+    EXPECT_EQ(r.exit_code, 2) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("--block-size"), std::string::npos) << r.output;
+  }
 
   // Model and rule files: bad JSON and bad fields are usage errors that name the file.
   const auto write = [](const std::string& path, const std::string& text) { std::ofstream(path) << text; };

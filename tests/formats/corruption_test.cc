@@ -26,8 +26,11 @@ namespace {
 
 using testing::BoxPiece;
 using testing::Cut;
+using testing::ExpectNames;
+using testing::ReadAll;
 using testing::ScratchDir;
 using testing::Spec;
+using testing::WriteAll;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
@@ -70,15 +73,6 @@ struct Corpus {
   }
 };
 
-std::vector<char> ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-void WriteAll(const std::string& path, const std::vector<char>& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-
 // Reads every tensor; returns the first error.
 Status ReadEverything(const std::string& dir) {
   auto r = CheckpointReader::Open(dir);
@@ -88,10 +82,6 @@ Status ReadEverything(const std::string& dir) {
     if (!got.ok()) return got.status();
   }
   return Status::Ok();
-}
-
-void ExpectNames(const std::string& message, const std::vector<std::string>& needles) {
-  for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
 }
 
 // Asserts that verify finds exactly one finding of `kind` (and nothing else) naming `needles`.

@@ -23,21 +23,12 @@ namespace {
 
 using testing::BoxPiece;
 using testing::Cut;
+using testing::ExpectNames;
+using testing::ReadAll;
 using testing::ScratchDir;
 using testing::Spec;
+using testing::WriteAll;
 using json = nlohmann::json;
-
-std::vector<char> ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-void WriteAll(const std::string& path, const std::vector<char>& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-void ExpectNames(const std::string& message, const std::vector<std::string>& needles) {
-  for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
-}
 
 // "a" [40, 64] f32 (compressible) and "b" [4, 767] bf16 (random: zstd stores its chunks raw),
 // each split by rows over ranks 0 and 1. zstd chunks of 1024 bytes: b's shards (3068 bytes)

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <span>
 #include <string>
@@ -93,4 +95,19 @@ inline std::vector<std::byte> CompressibleBytes(const TensorSpec& t, std::uint64
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<std::byte>((i / 64) % 7 + (rng() % 2));
   return out;
 }
+// The bytes of a file, and writing them back (tests that damage files).
+inline std::vector<char> ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+inline void WriteAll(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Every needle appears in an error message (which must name file, tensor, field...).
+inline void ExpectNames(const std::string& message, const std::vector<std::string>& needles) {
+  for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
+}
+
 }  // namespace rs::testing
