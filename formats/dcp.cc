@@ -83,6 +83,10 @@ std::vector<PickleGlobal> MakeMetadataGlobals() {
     }
   }
   g.push_back({"torch.distributed.checkpoint.filesystem", "_StorageInfo", true});
+  // planner_data: Megatron-Core's torch_dist planner keeps the save plans there (records of
+  // what each rank wrote; read, never used).
+  for (std::string_view n : {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"})
+    g.push_back({"torch.distributed.checkpoint.planner", n, true});
   g.push_back({"torch", "Size", true});
   g.push_back({"torch.serialization", "_get_layout", true});
   g.push_back({"collections", "OrderedDict", true});
@@ -261,6 +265,13 @@ std::span<const PickleGlobal> DcpMetadataGlobals() {
 std::span<const PickleGlobal> TorchSaveGlobals() {
   static const std::vector<PickleGlobal> kGlobals = MakeTorchSaveGlobals();
   return kGlobals;
+}
+
+std::optional<DType> DTypeOfStorageClass(std::string_view name) {
+  for (const StorageClass& sc : kStorageClasses) {
+    if (sc.name == name) return sc.dtype;
+  }
+  return std::nullopt;
 }
 
 std::optional<DType> DTypeFromTorch(std::string_view name) {

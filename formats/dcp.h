@@ -41,6 +41,8 @@ std::span<const PickleGlobal> DcpMetadataGlobals();
 // The globals a torch.save data.pkl may name (tensor rebuild functions, storage classes,
 // torch dtypes, OrderedDict) plus plain containers.
 std::span<const PickleGlobal> TorchSaveGlobals();
+// The element type of a legacy torch storage class ("FloatStorage", ...); nullopt otherwise.
+std::optional<DType> DTypeOfStorageClass(std::string_view name);
 
 // A torch dtype global ("float32", "bfloat16", ...: the attribute of `torch`) as ours;
 // nullopt for dtypes we do not have (complex, quantized, uint16, ...).

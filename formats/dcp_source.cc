@@ -8,6 +8,7 @@
 #include <set>
 
 #include "formats/manifest.h"
+#include "formats/megatron.h"
 
 namespace rs {
 namespace {
@@ -74,8 +75,21 @@ std::string Listed(const std::vector<std::string>& names, std::size_t max = 6) {
 
 }  // namespace
 
-DcpName MapDcpName(const std::string& fqn) {
+DcpName MapDcpName(const std::string& fqn, bool megatron) {
   DcpName n;
+  if (megatron) {
+    // Names stay Megatron's; `optimizer.state.<state>.<model key>` -> `<model key>/<state>`.
+    n.name = fqn;
+    const std::size_t dot = fqn.find('.', 16);
+    if (!fqn.starts_with("optimizer.state.") || dot == std::string::npos) return n;
+    const MegatronKey k = MapMegatronKey(fqn);
+    if (k.state.empty()) return n;
+    n.role = TensorRole::kOptimizerState;
+    n.param = fqn.substr(dot + 1);
+    n.state = k.state;
+    n.name = OptimizerStateName(n.param, n.state);
+    return n;
+  }
   for (std::string_view prefix : {"optim.state.", "optimizer.state."}) {
     if (!fqn.starts_with(prefix)) continue;
     const std::string rest = fqn.substr(prefix.size());
@@ -92,6 +106,134 @@ DcpName MapDcpName(const std::string& fqn) {
   return n;
 }
 
+namespace {
+
+// A stored piece of one of our tensors: a box of a DCP chunk's row-major buffer starting at
+// `byte_offset` (the whole chunk, or a run of its rows).
+struct MappedPiece {
+  std::size_t tensor = 0;  // DCP tensor
+  std::size_t chunk = 0;
+  std::int64_t byte_offset = 0;
+  Box box;
+};
+
+// One of our tensors as the DCP keys give it.
+struct MappedTensor {
+  std::string fqn;  // the DCP key it comes from (for messages)
+  DcpName name;
+  DType dtype = DType::kF32;
+  Shape shape;
+  std::vector<MappedPiece> pieces;
+};
+
+struct Mapping {
+  std::map<std::string, MappedTensor> tensors;
+  std::vector<std::string> order;       // names in DCP order
+  std::vector<std::string> refused;     // Megatron keys we recognise but cannot express: "key (why)"
+  std::vector<std::string> unmapped;    // Megatron keys we do not know
+  std::vector<std::string> step_tensors;
+};
+
+// Adds `piece` (if any) to our tensor `n.name`, declaring the tensor the first time.
+Status AddMapped(Mapping& m, const std::string& meta_path, const std::string& fqn, DcpName n, DType dtype,
+                 const Shape& shape, std::optional<MappedPiece> piece) {
+  auto [it, fresh] = m.tensors.try_emplace(n.name);
+  MappedTensor& t = it->second;
+  if (fresh) {
+    t.fqn = fqn;
+    t.name = std::move(n);
+    t.dtype = dtype;
+    t.shape = shape;
+    m.order.push_back(t.name.name);
+  } else if (t.fqn != fqn) {
+    return DataLoss(meta_path + ": keys '" + t.fqn + "' and '" + fqn + "' both map to the tensor '" + t.name.name +
+                    "'");
+  }
+  if (piece) t.pieces.push_back(std::move(*piece));
+  return Status::Ok();
+}
+
+// Keys mapped by name (MapDcpName): each chunk is a piece as it is.
+// For a Megatron checkpoint (`megatron`), keys keep their names, optimizer states becoming
+// `<model key>/<state>`.
+Status MapPlain(const DcpMetadata& md, const std::string& meta_path, bool megatron, Mapping& m) {
+  for (std::size_t i = 0; i < md.tensors.size(); ++i) {
+    const DcpTensor& t = md.tensors[i];
+    DcpName n = MapDcpName(t.fqn, megatron);
+    if (n.step) {
+      if (!t.size.empty() || t.chunks.size() != 1) {
+        return DataLoss(meta_path + ": optimizer step entry '" + t.fqn + "' is not a scalar (size " +
+                        ShapeToString(t.size) + ", " + std::to_string(t.chunks.size()) + " chunks)");
+      }
+      m.step_tensors.push_back(t.fqn);
+      continue;
+    }
+    if (t.chunks.empty()) RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::nullopt));
+    for (std::size_t c = 0; c < t.chunks.size(); ++c) {
+      MappedPiece p{i, c, 0, Box{t.chunks[c].offsets, t.chunks[c].sizes}};
+      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::move(p)));
+    }
+  }
+  return Status::Ok();
+}
+
+// Megatron-Core torch_dist keys (formats/megatron.h): layer-stacked tensors are split into
+// their layers, QKV rows regrouped into ours.
+Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const ModelConfig& cfg, Mapping& m) {
+  for (std::size_t i = 0; i < md.tensors.size(); ++i) {
+    const DcpTensor& t = md.tensors[i];
+    const MegatronKey k = MapMegatronKey(t.fqn);
+    if (!k.mapped) {
+      (k.why.empty() ? m.unmapped : m.refused).push_back(k.why.empty() ? t.fqn : t.fqn + " (" + k.why + ")");
+      continue;
+    }
+    if (k.layer_axis && t.size.empty()) {
+      return DataLoss(meta_path + ": '" + t.fqn + "' is a scalar, but a layer-stacked key has a leading layer axis");
+    }
+    const Shape shape = k.layer_axis ? Shape(t.size.begin() + 1, t.size.end()) : t.size;
+    const std::int64_t qkv_rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim;
+    // Regroup only what has the model's QKV shape; anything else is reported as a shape
+    // mismatch by the model check.
+    const bool regroup = k.qkv && shape.size() == 2 && shape[0] == qkv_rows && cfg.n_heads % cfg.n_kv_heads == 0;
+    for (std::size_t c = 0; c < t.chunks.size(); ++c) {
+      const DcpChunk& ch = t.chunks[c];
+      Box box{ch.offsets, ch.sizes};
+      std::string param = k.param;
+      if (k.layer_axis) {
+        if (ch.sizes[0] != 1) {
+          return DataLoss(meta_path + ": chunk at " + ShapeToString(ch.offsets) + " of the layer-stacked key '" +
+                          t.fqn + "' spans " + std::to_string(ch.sizes[0]) +
+                          " layers (Megatron-Core writes one layer per chunk)");
+        }
+        param = "layers." + std::to_string(ch.offsets[0]) + "." + param;
+        box.offset.erase(box.offset.begin());
+        box.shape.erase(box.shape.begin());
+      }
+      DcpName n;
+      n.param = param;
+      n.state = k.state;
+      n.role = k.state.empty() ? TensorRole::kParameter : TensorRole::kOptimizerState;
+      n.name = k.state.empty() ? param : OptimizerStateName(param, k.state);
+      if (!regroup || box.shape[0] == 0) {
+        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{i, c, 0, box}));
+        continue;
+      }
+      const std::int64_t row_bytes = box.shape[1] * static_cast<std::int64_t>(DTypeSize(t.dtype));
+      for (const RowRun& r :
+           MegatronQkvRuns(box.offset[0], box.offset[0] + box.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)) {
+        Box part = box;
+        part.offset[0] = r.dst;
+        part.shape[0] = r.rows;
+        RS_RETURN_IF_ERROR(
+            AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{i, c, (r.src - box.offset[0]) * row_bytes, part}));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const DcpSourceOptions& options) {
   std::unique_ptr<DcpSource> s(new DcpSource());
   s->options_ = options;
@@ -99,33 +241,31 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   const DcpMetadata& md = s->dcp_->metadata();
   const std::string meta_path = s->dcp_->metadata_path();
 
-  // Map every tensor key; steps are gathered into one scalar.
-  std::map<std::string, std::size_t> by_name;  // our name -> DCP tensor
-  std::vector<std::size_t> order;              // DCP tensors that are not steps, in order
+  const bool megatron = IsMegatronTorchDist(dir);
+
+  // Map every tensor key; steps are gathered into one scalar. Megatron's names need the
+  // model (its head counts regroup the QKV rows); without one they stay DCP names.
+  Mapping mapping;
+  if (megatron && options.model) {
+    RS_RETURN_IF_ERROR(options.model->Validate());
+    RS_RETURN_IF_ERROR(MapMegatron(md, meta_path, *options.model, mapping));
+  } else {
+    RS_RETURN_IF_ERROR(MapPlain(md, meta_path, megatron, mapping));
+  }
+  s->step_tensors = mapping.step_tensors;
   std::set<std::string> states;
-  for (std::size_t i = 0; i < md.tensors.size(); ++i) {
-    const DcpTensor& t = md.tensors[i];
-    const DcpName n = MapDcpName(t.fqn);
-    if (n.step) {
-      if (!t.size.empty() || t.chunks.size() != 1) {
-        return DataLoss(meta_path + ": optimizer step entry '" + t.fqn + "' is not a scalar (size " +
-                        ShapeToString(t.size) + ", " + std::to_string(t.chunks.size()) + " chunks)");
-      }
-      s->step_tensors.push_back(t.fqn);
-      continue;
-    }
-    const auto [it, fresh] = by_name.emplace(n.name, i);
-    if (!fresh) {
-      return DataLoss(meta_path + ": keys '" + md.tensors[it->second].fqn + "' and '" + t.fqn +
-                      "' both map to the tensor '" + n.name + "'");
-    }
-    if (n.role == TensorRole::kOptimizerState) states.insert(n.state);
-    order.push_back(i);
+  for (const auto& [name, t] : mapping.tensors) {
+    if (t.name.role == TensorRole::kOptimizerState) states.insert(t.name.state);
   }
   for (const std::string& fqn : md.objects) {
     if (MapDcpName(fqn).step) s->step_objects.push_back(fqn);
   }
-  const bool has_step = !s->step_tensors.empty() || !s->step_objects.empty();
+  if (megatron) {
+    // Megatron keeps the step in common.pt, not in the DCP keys.
+    RS_ASSIGN_OR_RETURN(const std::optional<std::int64_t> step, ReadMegatronStep(dir));
+    if (step && !states.empty()) s->step_ = *step;
+  }
+  const bool has_step = !s->step_tensors.empty() || !s->step_objects.empty() || s->step_.has_value();
 
   Manifest& m = s->manifest_;
   m.format = "pytorch-dcp";
@@ -135,16 +275,8 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   m.layout = nullptr;
   m.metadata = nlohmann::json::object();
   m.metadata["dcp"] = {{"version", md.version}, {"tensor_keys", md.tensors.size()}, {"bytes_keys", md.objects.size()}};
-  // Megatron-Core's torch_dist backend writes DCP plus a metadata.json naming itself.
-  bool megatron = false;
-  if (Result<std::string> mj = ReadSmallFile(dir + "/metadata.json", std::int64_t{1} << 20); mj.ok()) {
-    const auto j = nlohmann::json::parse(*mj, nullptr, /*allow_exceptions=*/false);
-    megatron = j.is_object() && j.value("sharded_backend", nlohmann::json()).is_string() &&
-               j["sharded_backend"].get<std::string>() == "torch_dist";
-  }
   if (megatron) m.metadata["dcp"]["megatron_torch_dist"] = true;
-  std::vector<std::size_t> tensor_key;  // per manifest tensor: DCP tensor, or -1 for the step
-  constexpr auto kNoKey = static_cast<std::size_t>(-1);
+  std::vector<const MappedTensor*> tensor_of;  // per manifest tensor; nullptr for the step
 
   if (options.model) {
     const ModelConfig& cfg = *options.model;
@@ -158,66 +290,74 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
       if (std::find(state_list.begin(), state_list.end(), st) == state_list.end()) state_list.push_back(st);
     }
     std::vector<std::string> missing, wrong;
-    std::set<std::string> wrong_names;
-    std::set<std::size_t> used;
+    std::set<std::string> seen;
     for (TensorSpec spec : ModelCheckpointTensors(cfg, state_list)) {
       if (spec.name == kStepName) {
         if (!has_step) continue;
         spec.dtype = DType::kI64;
         m.tensors.push_back(spec);
-        tensor_key.push_back(kNoKey);
+        tensor_of.push_back(nullptr);
         continue;
       }
-      const auto it = by_name.find(spec.name);
-      if (it == by_name.end()) {
+      const auto it = mapping.tensors.find(spec.name);
+      if (it == mapping.tensors.end()) {
         // A state that this parameter lacks while others have it: the optimizer skipped the
         // parameter (no gradient yet) or the checkpoint lost it. Refused either way.
         missing.push_back(spec.name);
         continue;
       }
-      const DcpTensor& t = md.tensors[it->second];
-      if (t.size != spec.shape) {
-        wrong_names.insert(spec.name);
-        wrong.push_back(spec.name + " (" + t.fqn + " is " + ShapeToString(t.size) + ", the model's " +
+      seen.insert(spec.name);
+      const MappedTensor& t = it->second;
+      if (t.shape != spec.shape) {
+        wrong.push_back(spec.name + " (" + t.fqn + " gives " + ShapeToString(t.shape) + ", the model's " +
                         ShapeToString(spec.shape) + ")");
         continue;
       }
       spec.dtype = t.dtype;
-      used.insert(it->second);
       m.tensors.push_back(spec);
-      tensor_key.push_back(it->second);
+      tensor_of.push_back(&t);
     }
     std::vector<std::string> unknown;
-    for (std::size_t i : order) {
-      if (used.count(i) == 0 && wrong_names.count(MapDcpName(md.tensors[i].fqn).name) == 0)
-        unknown.push_back(md.tensors[i].fqn);
+    for (const std::string& name : mapping.order) {
+      if (seen.count(name) == 0) {
+        const std::string& fqn = mapping.tensors.at(name).fqn;
+        unknown.push_back(fqn == name ? name : name + " (from " + fqn + ")");
+      }
     }
+    unknown.insert(unknown.end(), mapping.unmapped.begin(), mapping.unmapped.end());
     std::string problems;
     if (!wrong.empty()) problems += "; shapes differ: " + Listed(wrong);
     if (!missing.empty()) problems += "; missing from the checkpoint: " + Listed(missing);
     if (!unknown.empty()) problems += "; not tensors of the model: " + Listed(unknown);
+    if (!mapping.refused.empty()) problems += "; what our model cannot express: " + Listed(mapping.refused);
+    if (megatron) {
+      bool flat_optimizer = false;
+      for (const std::string& fqn : md.objects) flat_optimizer |= fqn.starts_with("optimizer.distributed.");
+      if (flat_optimizer && states.empty()) {
+        problems +=
+            "; the optimizer state is in the distributed optimizer's dp_reshardable format (flat buffers per "
+            "data-parallel rank, no per-parameter coordinates): save it in the fully_reshardable format to "
+            "convert it";
+      }
+    }
     if (!problems.empty()) {
-      return FailedPrecondition(
-          dir + ": the DCP checkpoint does not match the model '" + cfg.name + "'" + problems +
-          (megatron ? " (this is a Megatron-Core torch_dist checkpoint: its key names are not mapped to "
-                      "ours yet, see formats/DCP.md section 4)"
-                    : ""));
+      return FailedPrecondition(dir + ": the " + (megatron ? "Megatron-Core torch_dist" : "DCP") +
+                                " checkpoint does not match the model '" + cfg.name + "'" + problems);
     }
     m.metadata["model"] = cfg;
   } else {
-    for (std::size_t i : order) {
-      const DcpTensor& t = md.tensors[i];
-      const DcpName n = MapDcpName(t.fqn);
+    for (const std::string& name : mapping.order) {
+      const MappedTensor& t = mapping.tensors.at(name);
       TensorSpec spec;
-      spec.name = n.name;
+      spec.name = name;
       spec.dtype = t.dtype;
-      spec.shape = t.size;
-      spec.axes.assign(t.size.size(), "");
-      spec.role = n.role;
-      spec.param = n.param;
-      spec.state = n.state;
+      spec.shape = t.shape;
+      spec.axes.assign(t.shape.size(), "");
+      spec.role = t.name.role;
+      spec.param = t.name.param;
+      spec.state = t.name.state;
       m.tensors.push_back(spec);
-      tensor_key.push_back(i);
+      tensor_of.push_back(&t);
     }
     if (has_step) {
       TensorSpec spec;
@@ -225,13 +365,14 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
       spec.dtype = DType::kI64;
       spec.role = TensorRole::kScalar;
       m.tensors.push_back(spec);
-      tensor_key.push_back(kNoKey);
+      tensor_of.push_back(nullptr);
     }
   }
 
   for (std::size_t k = 0; k < m.tensors.size(); ++k) {
     const TensorSpec& spec = m.tensors[k];
-    if (tensor_key[k] == kNoKey) {
+    const MappedTensor* t = tensor_of[k];
+    if (t == nullptr) {
       s->keys_.emplace_back();
       ShardEntry e;
       e.tensor = spec.name;
@@ -240,23 +381,23 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
       e.dataset = "optim.state.*.step";
       e.nbytes = 8;
       m.shards.push_back(e);
-      s->origin_.push_back({0, 0, true});
+      s->origin_.push_back({0, 0, 0, true});
       continue;
     }
-    const DcpTensor& t = md.tensors[tensor_key[k]];
-    s->keys_.push_back(t.fqn);
-    for (std::size_t c = 0; c < t.chunks.size(); ++c) {
-      const DcpChunk& ch = t.chunks[c];
+    s->keys_.push_back(t->fqn);
+    for (const MappedPiece& p : t->pieces) {
+      const DcpChunk& ch = md.tensors[p.tensor].chunks[p.chunk];
       ShardEntry e;
       e.tensor = spec.name;
-      e.piece = Piece{Box{ch.offsets, ch.sizes}, std::nullopt};
+      e.piece = Piece{p.box, std::nullopt};
       const bool stored = ch.storage != static_cast<std::size_t>(-1);
       e.file = stored ? md.storage[ch.storage].file : std::string(kDcpMetadataFileName);
-      e.dataset = t.fqn + "@" + ShapeToString(ch.offsets);
-      e.nbytes = Numel(ch.sizes) * static_cast<std::int64_t>(DTypeSize(t.dtype));
+      e.dataset = md.tensors[p.tensor].fqn + "@" + ShapeToString(ch.offsets);
+      if (p.byte_offset != 0 || p.box.shape != ch.sizes) e.dataset += "+" + std::to_string(p.byte_offset);
+      e.nbytes = p.box.numel() * static_cast<std::int64_t>(DTypeSize(t->dtype));
       e.rank = stored ? RankOfFile(e.file) : 0;
       m.shards.push_back(e);
-      s->origin_.push_back({tensor_key[k], c, false});
+      s->origin_.push_back({p.tensor, p.chunk, p.byte_offset, false});
     }
   }
   s->crc_checked_.assign(m.shards.size(), 0);
@@ -343,7 +484,7 @@ Status DcpSource::ReadShardRange(std::size_t index, std::int64_t byte_begin, std
       crc_checked_[index] = 1;
     }
   }
-  return dcp_->ReadChunk(o.tensor, o.chunk, byte_begin, out);
+  return dcp_->ReadChunk(o.tensor, o.chunk, o.byte_offset + byte_begin, out);
 }
 
 Result<std::optional<RawExtent>> DcpSource::ShardExtent(std::size_t index) {
@@ -353,7 +494,7 @@ Result<std::optional<RawExtent>> DcpSource::ShardExtent(std::size_t index) {
   if (!loc.contiguous) return std::optional<RawExtent>();
   const auto es = static_cast<std::int64_t>(DTypeSize(dcp_->metadata().tensors[o.tensor].dtype));
   return std::optional<RawExtent>(
-      RawExtent{dcp_->dir() + "/" + loc.file, loc.storage_offset + loc.element_offset * es});
+      RawExtent{dcp_->dir() + "/" + loc.file, loc.storage_offset + loc.element_offset * es + o.byte_offset});
 }
 
 }  // namespace rs

@@ -37,7 +37,10 @@ struct DcpName {
   std::string state;  // kOptimizerState ("step" for a step entry)
   bool step = false;  // a per-parameter optimizer step
 };
-DcpName MapDcpName(const std::string& fqn);
+// `megatron`: the key of a Megatron-Core torch_dist checkpoint read without a model: names
+// stay Megatron's, optimizer states `optimizer.state.<state>.<key>` become `<key>/<state>`
+// (formats/megatron.h maps them to ours when the model is known).
+DcpName MapDcpName(const std::string& fqn, bool megatron = false);
 
 struct DcpSourceOptions {
   std::optional<ModelConfig> model;
@@ -69,6 +72,7 @@ class DcpSource final : public ShardSource {
   struct Origin {
     std::size_t tensor = 0;  // DCP tensor
     std::size_t chunk = 0;
+    std::int64_t byte_offset = 0;  // where the shard starts in the chunk's row-major buffer
     bool step = false;  // the computed optimizer.step shard
   };
   std::unique_ptr<DcpCheckpoint> dcp_;

@@ -11,6 +11,7 @@
 
 #include "core/memory.h"
 #include "core/thread_pool.h"
+#include "formats/megatron.h"
 #include "formats/dcp.h"
 #include "formats/dcp_source.h"
 #include "formats/manifest.h"
@@ -241,10 +242,11 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
   for (std::size_t t = 0; t < md.tensors.size(); ++t) CheckCoverage(c, t, options, report);
 
   // Optimizer states against their parameters (by our name mapping), and the steps.
+  const bool megatron = IsMegatronTorchDist(dir);
   std::map<std::string, const DcpTensor*> by_name;
-  for (const DcpTensor& t : md.tensors) by_name.emplace(MapDcpName(t.fqn).name, &t);
+  for (const DcpTensor& t : md.tensors) by_name.emplace(MapDcpName(t.fqn, megatron).name, &t);
   for (const DcpTensor& t : md.tensors) {
-    const DcpName n = MapDcpName(t.fqn);
+    const DcpName n = MapDcpName(t.fqn, megatron);
     if (n.role != TensorRole::kOptimizerState) continue;
     const auto it = by_name.find(n.param);
     if (it == by_name.end()) {

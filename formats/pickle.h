@@ -77,6 +77,10 @@ struct PickleGlobal {
 struct PickleOptions {
   std::span<const PickleGlobal> globals;  // the allowlist
   bool allow_persistent_ids = false;      // BINPERSID / PERSID (torch.save's storages)
+  // Accept every global, allowlisted or not, as an inert name that calls only record (for
+  // files whose contents we search but do not validate, such as Megatron's common.pt, whose
+  // `args` hold classes of Megatron and argparse). Nothing is executed either way.
+  bool inert_unknown_globals = false;
   std::int64_t max_nodes = std::int64_t{1} << 24;
 };
 

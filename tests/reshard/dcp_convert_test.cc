@@ -1,10 +1,15 @@
-// Converting PyTorch DCP directories (tests/fixtures/dcp) with the planner and executor, through
-// DcpSource: the written checkpoint is sound and holds, tensor for tensor, the values that the
-// fixture script wrote to expected.safetensors.
+// Converting PyTorch DCP directories (tests/fixtures/dcp) and Megatron-Core torch_dist
+// directories (tests/fixtures/megatron) with the planner and executor, through DcpSource: the
+// written checkpoint is sound and holds, tensor for tensor, the values that the fixture scripts
+// wrote to expected.safetensors (for Megatron: what Megatron-Core's own load at tensor and
+// expert parallel 1 returned, renamed to ours).
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,19 +28,22 @@ namespace {
 using testing::TempDir;
 
 const std::string kFixtures = std::string(RS_SOURCE_DIR) + "/tests/fixtures/dcp";
+const std::string kMegatron = std::string(RS_SOURCE_DIR) + "/tests/fixtures/megatron";
 
-ModelConfig FixtureModel() {
-  std::ifstream in(kFixtures + "/model.json");
+ModelConfig ModelFile(const std::string& path) {
+  std::ifstream in(path);
   return *ModelConfigFromJson(nlohmann::json::parse(in));
 }
 
-// Plans and executes `fixture` -> `layout` into `dst` (sources memory-mapped, or read with CRC checks).
+// Plans and executes `fixture` -> `layout` into `dst` (sources memory-mapped, or read with CRC
+// checks). `fixture` is a directory; the model is its model.json, or the one beside it.
 void ConvertDcp(const std::string& fixture, const std::string& layout, const std::string& dst, std::int64_t budget,
                 bool map_sources) {
   DcpSourceOptions so;
-  so.model = FixtureModel();
+  so.model = ModelFile(std::filesystem::exists(fixture + "/model.json") ? fixture + "/model.json"
+                                                                        : fixture + "/../model.json");
   so.verify_crc = !map_sources;
-  auto src = DcpSource::Open(kFixtures + "/" + fixture, so);
+  auto src = DcpSource::Open(fixture, so);
   ASSERT_TRUE(src.ok()) << src.status().ToString();
   auto target = PhysicalLayout::Parse(layout, *BuiltinRuleSet("megatron"));
   ASSERT_TRUE(target.ok()) << target.status().ToString();
@@ -62,14 +70,24 @@ void ConvertDcp(const std::string& fixture, const std::string& layout, const std
   ASSERT_TRUE((*writer)->Commit().ok());
 }
 
-void ExpectExpected(const std::string& fixture, const std::string& dst) {
+// `dst` holds exactly expected.safetensors' tensors (and `optimizer.step` = `step` when given).
+void ExpectExpected(const std::string& fixture, const std::string& dst, const std::string& model_name,
+                    std::optional<std::int64_t> step = std::nullopt) {
   const VerifyReport report = VerifyCheckpoint(dst);
   EXPECT_TRUE(report.sound()) << report.ToText();
   auto reader = CheckpointReader::Open(dst);
   ASSERT_TRUE(reader.ok());
-  auto expected = SafetensorsFile::Open(kFixtures + "/" + fixture + "/expected.safetensors");
+  auto expected = SafetensorsFile::Open(fixture + "/expected.safetensors");
   ASSERT_TRUE(expected.ok());
-  EXPECT_EQ((*reader)->manifest().tensors.size(), (*expected)->tensors().size());
+  EXPECT_EQ((*reader)->manifest().tensors.size(), (*expected)->tensors().size() + (step ? 1 : 0));
+  if (step) {
+    auto got = (*reader)->ReadTensor("optimizer.step");
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_EQ(got->size(), 8u);
+    std::int64_t v = 0;
+    std::memcpy(&v, got->data(), 8);
+    EXPECT_EQ(v, *step);
+  }
   for (const SafetensorsTensor& t : (*expected)->tensors()) {
     SCOPED_TRACE(t.name);
     std::vector<std::byte> want(static_cast<std::size_t>(t.nbytes()));
@@ -78,7 +96,7 @@ void ExpectExpected(const std::string& fixture, const std::string& dst) {
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     EXPECT_TRUE(*got == want);
   }
-  EXPECT_EQ((*reader)->manifest().metadata["model"]["name"], "dcp-fixture");
+  EXPECT_EQ((*reader)->manifest().metadata["model"]["name"], model_name);
 }
 
 TEST(DcpConvertTest, AdamWAtSeveralLayouts) {
@@ -87,8 +105,8 @@ TEST(DcpConvertTest, AdamWAtSeveralLayouts) {
   for (const char* layout : {"tp=1", "tp=2,ep=2,fsdp=2", "tp=2,ep=4", "fsdp=4,fsdp_form=flat", "etp=2,ep=2,tp=2"}) {
     SCOPED_TRACE(layout);
     const std::string dst = tmp / ("out" + std::to_string(n++));
-    ConvertDcp("adamw_f32", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
-    ExpectExpected("adamw_f32", dst);
+    ConvertDcp(kFixtures + "/adamw_f32", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
+    ExpectExpected(kFixtures + "/adamw_f32", dst, "dcp-fixture");
   }
 }
 
@@ -98,8 +116,36 @@ TEST(DcpConvertTest, Bf16BoxesAtSeveralLayouts) {
   for (const char* layout : {"tp=1", "tp=2,fsdp=2", "pp=2,ep=2", "tp=4,fsdp=2,fsdp_form=flat"}) {
     SCOPED_TRACE(layout);
     const std::string dst = tmp / ("out" + std::to_string(n++));
-    ConvertDcp("bf16_2d", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
-    ExpectExpected("bf16_2d", dst);
+    ConvertDcp(kFixtures + "/bf16_2d", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
+    ExpectExpected(kFixtures + "/bf16_2d", dst, "dcp-fixture");
+  }
+}
+
+// Megatron-Core torch_dist, saved at tp=2, ep=2: layer-stacked keys, grouped QKV rows, split
+// SwiGLU halves, global expert axis, the non-distributed optimizer's states and
+// common.pt's common_step.
+TEST(MegatronConvertTest, LayerStackedF32AtSeveralLayouts) {
+  TempDir tmp;
+  int n = 0;
+  for (const char* layout : {"tp=1", "tp=2,ep=2", "tp=4,fsdp=2", "ep=4,etp=2,tp=2", "pp=2,fsdp=2,fsdp_form=flat"}) {
+    SCOPED_TRACE(layout);
+    const std::string dst = tmp / ("out" + std::to_string(n++));
+    ConvertDcp(kMegatron + "/homogeneous_f32", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
+    ExpectExpected(kMegatron + "/homogeneous_f32", dst, "megatron-homogeneous_f32", 2);
+  }
+}
+
+// Per-layer keys (a dense layer then an MoE layer with a shared expert and a sigmoid router
+// with expert bias), bf16 parameters, the distributed optimizer's fully_reshardable states
+// (`param` = our master) and the step of its param groups.
+TEST(MegatronConvertTest, PerLayerBf16DistributedOptimizerAtSeveralLayouts) {
+  TempDir tmp;
+  int n = 0;
+  for (const char* layout : {"tp=1", "tp=2,ep=4", "fsdp=4", "tp=2,pp=2,ep=2"}) {
+    SCOPED_TRACE(layout);
+    const std::string dst = tmp / ("out" + std::to_string(n++));
+    ConvertDcp(kMegatron + "/hetero_bf16", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
+    ExpectExpected(kMegatron + "/hetero_bf16", dst, "megatron-hetero_bf16", 2);
   }
 }
 

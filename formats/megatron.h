@@ -1,0 +1,74 @@
+// Megatron-Core `torch_dist` checkpoints (formats/DCP.md §4.2): the names Megatron-Core's
+// GPTModel gives its sharded tensors, mapped to our logical tensors (core/model.h).
+//
+// A torch_dist directory is a PyTorch DCP directory plus `metadata.json` (`"sharded_backend":
+// "torch_dist"`) and `common.pt` (what is not sharded: iteration, optimizer hyper-parameters
+// and step). Its DCP keys are Megatron's `ShardedTensor.key`s:
+//
+//  - layer-stacked keys `decoder.layers.<name>` hold every layer of a homogeneous model in one
+//    tensor with a leading layer axis (each layer's chunks are one slice of it); per-layer keys
+//    `decoder.layers.<i>.<name>` (no layer axis) are written when the layers differ (dense and
+//    MoE layers mixed, `moe_layer_freq`) or with `singleton_local_shards`;
+//  - routed experts are one tensor with a global expert axis (`mlp.experts.experts.
+//    linear_fc1.weight` [E, 2F, d] per layer), whatever the expert parallelism;
+//  - SwiGLU fc1 weights are stored TP-independent as [gate; up] — the same rows as ours;
+//  - the fused QKV weight keeps Megatron's row order, per query group g: the group's nq/ng
+//    query heads, then its key head, then its value head. Ours is all query heads, all key
+//    heads, all value heads, so its rows are regrouped (MegatronQkvRuns);
+//  - optimizer states are `optimizer.state.<state>.<model key>`: `exp_avg`, `exp_avg_sq`, and
+//    the fp32 master weights as `fp32_param` (non-distributed optimizers) or `param` (the
+//    distributed optimizer's fully_reshardable / fully_sharded_model_space formats), which
+//    become our `master`.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace rs {
+
+struct MegatronKey {
+  bool mapped = false;  // false: not a tensor of a model we can express (see `why`)
+  std::string why;      // when !mapped and the key is recognised: what our model lacks
+  // Our parameter name; for layer-stacked keys it lacks the "layers.<i>." prefix, which the
+  // chunk's position on the layer axis gives.
+  std::string param;
+  bool layer_axis = false;  // the first dim is the layer index
+  std::string state;        // "" for a parameter or buffer, else our state name
+  bool qkv = false;         // rows in Megatron's grouped QKV order
+};
+
+// True when `dir/metadata.json` names the torch_dist sharded backend.
+bool IsMegatronTorchDist(const std::string& dir);
+
+// Maps a DCP key of a torch_dist checkpoint (without any `model.` prefix; optimizer states
+// with theirs).
+MegatronKey MapMegatronKey(const std::string& fqn);
+
+// A run of consecutive rows of Megatron's fused QKV weight that stays consecutive in ours.
+struct RowRun {
+  std::int64_t src = 0;  // first row in Megatron's order
+  std::int64_t dst = 0;  // first row in ours
+  std::int64_t rows = 0;
+};
+
+// The runs that cover rows [begin, end) of a QKV weight with `n_heads` query heads in
+// `n_groups` groups of `head_dim` rows per head, in Megatron's row order, in increasing
+// `src`. The caller checks that n_heads % n_groups == 0 and that end <= (n_heads + 2 *
+// n_groups) * head_dim.
+std::vector<RowRun> MegatronQkvRuns(std::int64_t begin, std::int64_t end, std::int64_t n_heads, std::int64_t n_groups,
+                                    std::int64_t head_dim);
+
+// The optimizer step that `<dir>/common.pt` records: `optimizer.optimizer.state.common_step`
+// (non-distributed optimizers) or the `step` of `optimizer.optimizer.param_groups` (the
+// distributed optimizer; every group must agree), an integer or a one-element tensor. nullopt
+// when there is no common.pt or it records neither. common.pt is a torch.save archive whose
+// pickle is read as inert records (formats/pickle.h, `inert_unknown_globals`: Megatron-LM
+// stores its argparse `args` there); DataLoss naming the file and the field when it is not
+// an archive we can read or the step is not a count.
+Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir);
+
+}  // namespace rs
