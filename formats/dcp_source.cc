@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/model.h"
 #include "formats/manifest.h"
 #include "formats/megatron.h"
 
@@ -124,6 +125,7 @@ struct MappedTensor {
   DType dtype = DType::kF32;
   Shape shape;
   std::vector<MappedPiece> pieces;
+  std::map<std::string, std::string> slots;  // part ("" = whole, "_w", "query", "e3", "e3_w" ...) -> key
 };
 
 struct Mapping {
@@ -134,9 +136,11 @@ struct Mapping {
   std::vector<std::string> step_tensors;
 };
 
-// Adds `piece` (if any) to our tensor `n.name`, declaring the tensor the first time.
+// Adds `piece` (if any) to our tensor `n.name`, declaring the tensor the first time. A tensor
+// comes from one key, or from several that each hold a part of it (`slot`: the part, "" for
+// the whole); two keys for the same part are an error.
 Status AddMapped(Mapping& m, const std::string& meta_path, const std::string& fqn, DcpName n, DType dtype,
-                 const Shape& shape, std::optional<MappedPiece> piece) {
+                 const Shape& shape, std::optional<MappedPiece> piece, const std::string& slot = "") {
   auto [it, fresh] = m.tensors.try_emplace(n.name);
   MappedTensor& t = it->second;
   if (fresh) {
@@ -145,9 +149,21 @@ Status AddMapped(Mapping& m, const std::string& meta_path, const std::string& fq
     t.dtype = dtype;
     t.shape = shape;
     m.order.push_back(t.name.name);
-  } else if (t.fqn != fqn) {
-    return DataLoss(meta_path + ": keys '" + t.fqn + "' and '" + fqn + "' both map to the tensor '" + t.name.name +
-                    "'");
+  }
+  const auto [slot_it, new_slot] = t.slots.emplace(slot, fqn);
+  if (!new_slot && slot_it->second != fqn) {
+    return DataLoss(meta_path + ": keys '" + slot_it->second + "' and '" + fqn + "' both map to " +
+                    (slot.empty() ? "" : "the part " + slot + " of ") + "the tensor '" + t.name.name + "'");
+  }
+  if (t.slots.size() > 1 && t.slots.count("") != 0) {
+    return DataLoss(meta_path + ": keys '" + t.slots.at("") + "' (the whole tensor) and '" +
+                    (slot.empty() ? t.slots.rbegin()->second : fqn) + "' (a part) both map to the tensor '" +
+                    t.name.name + "'");
+  }
+  if (!fresh && t.dtype != dtype) {
+    return DataLoss(meta_path + ": keys '" + t.fqn + "' and '" + fqn + "', parts of the tensor '" + t.name.name +
+                    "', differ in dtype (" + std::string(DTypeName(t.dtype)) + " and " +
+                    std::string(DTypeName(dtype)) + ")");
   }
   if (piece) t.pieces.push_back(std::move(*piece));
   return Status::Ok();
@@ -178,8 +194,11 @@ Status MapPlain(const DcpMetadata& md, const std::string& meta_path, bool megatr
 }
 
 // Megatron-Core torch_dist keys (formats/megatron.h): layer-stacked tensors are split into
-// their layers, QKV rows regrouped into ours.
+// their layers, QKV rows regrouped into ours, parts (split SwiGLU halves, gated-delta-net
+// projections, per-expert keys) placed in the tensor of ours they belong to.
 Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const ModelConfig& cfg, Mapping& m) {
+  std::map<std::string, Shape> model_shapes;  // our parameters, for keys that hold parts
+  for (const TensorSpec& spec : ModelParameters(cfg)) model_shapes.emplace(spec.name, spec.shape);
   for (std::size_t i = 0; i < md.tensors.size(); ++i) {
     const DcpTensor& t = md.tensors[i];
     const MegatronKey k = MapMegatronKey(t.fqn);
@@ -191,6 +210,7 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
       return DataLoss(meta_path + ": '" + t.fqn + "' is a scalar, but a layer-stacked key has a leading layer axis");
     }
     const Shape shape = k.layer_axis ? Shape(t.size.begin() + 1, t.size.end()) : t.size;
+    const bool part = k.section != MegatronSection::kWhole || k.expert >= 0;
     const std::int64_t qkv_rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim;
     // Regroup only what has the model's QKV shape; anything else is reported as a shape
     // mismatch by the model check.
@@ -214,6 +234,38 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
       n.state = k.state;
       n.role = k.state.empty() ? TensorRole::kParameter : TensorRole::kOptimizerState;
       n.name = k.state.empty() ? param : OptimizerStateName(param, k.state);
+      if (part) {
+        // The part's place in our tensor, whose shape the model gives.
+        const auto ours = model_shapes.find(param);
+        if (ours == model_shapes.end()) {
+          m.unmapped.push_back(t.fqn + " (a part of '" + param + "', which the model does not have)");
+          break;
+        }
+        Shape want = ours->second;
+        RS_ASSIGN_OR_RETURN(const SectionRows rows, MegatronSectionRows(k.section, param, want, cfg));
+        want[rows.dim] = rows.end - rows.begin;
+        if (k.expert >= 0) {
+          if (k.expert >= want[0]) {
+            return FailedPrecondition(meta_path + ": '" + t.fqn + "' is expert " + std::to_string(k.expert) +
+                                      " of '" + param + "', which has " + std::to_string(want[0]) + " experts");
+          }
+          want.erase(want.begin());
+        }
+        if (shape != want) {
+          return FailedPrecondition(meta_path + ": '" + t.fqn + "' is " + ShapeToString(shape) + ", but its part of '" +
+                                    param + "' is " + ShapeToString(want) + " in the model");
+        }
+        if (k.expert >= 0) {
+          box.offset.insert(box.offset.begin(), k.expert);
+          box.shape.insert(box.shape.begin(), 1);
+        }
+        box.offset[rows.dim] += rows.begin;
+        const std::string slot = (k.expert >= 0 ? "e" + std::to_string(k.expert) : std::string()) +
+                                 (k.section == MegatronSection::kWhole ? "" : std::string(SectionLabel(k.section)));
+        RS_RETURN_IF_ERROR(
+            AddMapped(m, meta_path, t.fqn, n, t.dtype, ours->second, MappedPiece{i, c, 0, box}, slot));
+        continue;
+      }
       if (!regroup || box.shape[0] == 0) {
         RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{i, c, 0, box}));
         continue;
@@ -221,12 +273,25 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
       const std::int64_t row_bytes = box.shape[1] * static_cast<std::int64_t>(DTypeSize(t.dtype));
       for (const RowRun& r :
            MegatronQkvRuns(box.offset[0], box.offset[0] + box.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)) {
-        Box part = box;
-        part.offset[0] = r.dst;
-        part.shape[0] = r.rows;
-        RS_RETURN_IF_ERROR(
-            AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{i, c, (r.src - box.offset[0]) * row_bytes, part}));
+        Box part_box = box;
+        part_box.offset[0] = r.dst;
+        part_box.shape[0] = r.rows;
+        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
+                                     MappedPiece{i, c, (r.src - box.offset[0]) * row_bytes, part_box}));
       }
+    }
+  }
+  // A tensor assembled from parts must have all of them.
+  for (auto& [name, t] : m.tensors) {
+    if (t.slots.count("") != 0) continue;
+    std::int64_t held = 0;
+    for (const MappedPiece& p : t.pieces) held += p.box.numel();
+    if (held < Numel(t.shape)) {
+      std::string parts;
+      for (const auto& [slot, fqn] : t.slots) parts += (parts.empty() ? "'" : ", '") + fqn + "'";
+      return FailedPrecondition(meta_path + ": the keys that hold parts of '" + name + "' (" + parts + ") cover " +
+                                std::to_string(held) + " of its " + std::to_string(Numel(t.shape)) +
+                                " items: a part is missing");
     }
   }
   return Status::Ok();

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include "core/dtype.h"
+#include "core/model.h"
 #include "formats/dcp.h"
 #include "formats/manifest.h"
 #include "formats/pickle.h"
@@ -39,7 +40,43 @@ constexpr NameRule kLayerRules[] = {
     {"mlp.experts.experts.linear_fc2.weight", "moe.experts.fc2.weight"},
     {"mlp.shared_experts.linear_fc1.weight", "moe.shared.fc1.weight"},
     {"mlp.shared_experts.linear_fc2.weight", "moe.shared.fc2.weight"},
+    // Gated-delta-net layers (a GatedDeltaNet as self_attention; its input norm is fused into
+    // in_proj with the TE spec).
+    {"self_attention.in_proj.layer_norm_weight", "attn_norm.weight"},
+    {"self_attention.dt_bias", "gdn.dt_bias"},
+    {"self_attention.A_log", "gdn.A_log"},
+    {"self_attention.out_norm.weight", "gdn.norm.weight"},
+    {"self_attention.out_proj.weight", "gdn.out.weight"},
 };
+
+// Keys split into parts: "<prefix><part>" -> our tensor.
+struct SplitRule {
+  std::string_view megatron;  // up to the part
+  std::string_view ours;
+};
+constexpr SplitRule kSplitRules[] = {
+    {"mlp.linear_fc1.weight", "mlp.fc1.weight"},                          // _w / _v
+    {"mlp.shared_experts.linear_fc1.weight", "moe.shared.fc1.weight"},    // _w / _v
+    {"self_attention.in_proj.weight.", "gdn.in_proj.weight"},             // query ... alpha
+    {"self_attention.conv1d.weight.", "gdn.conv1d.weight"},               // query, key, value
+};
+
+struct SectionName {
+  std::string_view name;
+  MegatronSection section;
+};
+constexpr SectionName kSectionNames[] = {
+    {"_w", MegatronSection::kGate},       {"_v", MegatronSection::kUp},      {"query", MegatronSection::kQuery},
+    {"key", MegatronSection::kKey},       {"value", MegatronSection::kValue}, {"z", MegatronSection::kZ},
+    {"beta", MegatronSection::kBeta},     {"alpha", MegatronSection::kAlpha},
+};
+
+std::optional<MegatronSection> ParseSection(std::string_view name) {
+  for (const SectionName& n : kSectionNames) {
+    if (n.name == name) return n.section;
+  }
+  return std::nullopt;
+}
 
 constexpr NameRule kModelRules[] = {
     {"embedding.word_embeddings.weight", "embedding.weight"},
@@ -57,6 +94,7 @@ constexpr NameRule kRefused[] = {
     {"linear_kv_down_proj", "multi-latent attention"},
     {"position_embeddings", "learned position embeddings (ours are rotary)"},
     {"mtp.", "multi-token prediction layers"},
+    {"conv1d.bias", "a bias of the gated-delta-net convolution (conv_bias)"},
 };
 
 std::string_view StateName(std::string_view megatron) {
@@ -95,7 +133,12 @@ MegatronKey MapMegatronKey(const std::string& fqn) {
       return k;
     }
   }
-  if (rest.ends_with(".bias") || rest.ends_with("layer_norm_bias")) {
+  // Biases of linear layers and norms: `.bias`, split or per-expert ones (`.bias_w`, `.bias3`).
+  const std::size_t bias = rest.find(".bias");
+  if ((bias != std::string_view::npos &&
+       (bias + 5 == rest.size() || rest[bias + 5] == '_' || rest[bias + 5] == '.' ||
+        (rest[bias + 5] >= '0' && rest[bias + 5] <= '9'))) ||
+      rest.ends_with("layer_norm_bias")) {
     k.why = "biases (add_bias_linear / add_qkv_bias, LayerNorm)";
     return k;
   }
@@ -118,6 +161,30 @@ MegatronKey MapMegatronKey(const std::string& fqn) {
   } else {
     k.layer_axis = true;
   }
+  // Per-expert keys (singleton_local_shards): mlp.experts.experts.<e>.linear_fc<1|2>.weight…
+  constexpr std::string_view kExperts = "mlp.experts.experts.";
+  if (rest.starts_with(kExperts)) {
+    std::string_view e = rest.substr(kExperts.size());
+    std::size_t n = 0;
+    std::int64_t expert = 0;
+    while (n < e.size() && n < 9 && e[n] >= '0' && e[n] <= '9') expert = expert * 10 + (e[n++] - '0');
+    if (n > 0 && n < e.size() && e[n] == '.') {
+      e.remove_prefix(n + 1);
+      k.expert = expert;
+      if (e == "linear_fc2.weight") {
+        k.param = prefix + "moe.experts.fc2.weight";
+      } else if (e == "linear_fc1.weight") {
+        k.param = prefix + "moe.experts.fc1.weight";
+      } else if (e == "linear_fc1.weight_w" || e == "linear_fc1.weight_v") {
+        k.param = prefix + "moe.experts.fc1.weight";
+        k.section = e.back() == 'w' ? MegatronSection::kGate : MegatronSection::kUp;
+      } else {
+        return k;
+      }
+      k.mapped = true;
+      return k;
+    }
+  }
   for (const NameRule& r : kLayerRules) {
     if (rest == r.megatron) {
       k.mapped = true;
@@ -126,10 +193,57 @@ MegatronKey MapMegatronKey(const std::string& fqn) {
       return k;
     }
   }
-  if (rest.starts_with("mlp.experts.experts.") && rest.size() > 20 && rest[20] >= '0' && rest[20] <= '9') {
-    k.why = "per-expert keys (singleton_local_shards), which are not mapped yet";
+  for (const SplitRule& r : kSplitRules) {
+    if (!rest.starts_with(r.megatron)) continue;
+    const std::optional<MegatronSection> section = ParseSection(rest.substr(r.megatron.size()));
+    if (!section) continue;
+    // _w / _v only after fc1 weights, the named parts only after the gated-delta-net ones.
+    const bool swiglu = *section == MegatronSection::kGate || *section == MegatronSection::kUp;
+    if (swiglu != r.megatron.ends_with("weight")) continue;
+    k.mapped = true;
+    k.param = prefix + std::string(r.ours);
+    k.section = *section;
+    return k;
   }
   return k;
+}
+
+Result<SectionRows> MegatronSectionRows(MegatronSection section, const std::string& param, const Shape& shape,
+                                        const ModelConfig& cfg) {
+  const auto bad = [&] {
+    return InvalidArgument("tensor '" + param + "' has no part '" + std::string(SectionLabel(section)) + "'");
+  };
+  if (shape.empty()) return bad();
+  if (section == MegatronSection::kWhole) return SectionRows{0, 0, shape[0]};
+  if (section == MegatronSection::kGate || section == MegatronSection::kUp) {
+    if (!param.ends_with("fc1.weight") || shape.size() < 2) return bad();
+    const std::size_t dim = shape.size() - 2;
+    const std::int64_t f = shape[dim] / 2;
+    return section == MegatronSection::kGate ? SectionRows{dim, 0, f} : SectionRows{dim, f, 2 * f};
+  }
+  const std::int64_t qk = cfg.gdn_key_heads * cfg.gdn_key_dim;
+  const std::int64_t v = cfg.gdn_value_heads * cfg.gdn_value_dim;
+  const std::int64_t nv = cfg.gdn_value_heads;
+  std::vector<std::int64_t> sizes;  // the parts in order, query first
+  if (param.ends_with("gdn.in_proj.weight")) {
+    sizes = {qk, qk, v, v, nv, nv};
+  } else if (param.ends_with("gdn.conv1d.weight")) {
+    sizes = {qk, qk, v};
+  } else {
+    return bad();
+  }
+  const auto index = static_cast<std::size_t>(section) - static_cast<std::size_t>(MegatronSection::kQuery);
+  if (index >= sizes.size()) return bad();
+  std::int64_t begin = 0;
+  for (std::size_t i = 0; i < index; ++i) begin += sizes[i];
+  return SectionRows{0, begin, begin + sizes[index]};
+}
+
+std::string_view SectionLabel(MegatronSection section) {
+  for (const SectionName& n : kSectionNames) {
+    if (n.section == section) return n.name;
+  }
+  return "whole";
 }
 
 std::vector<RowRun> MegatronQkvRuns(std::int64_t begin, std::int64_t end, std::int64_t n_heads, std::int64_t n_groups,

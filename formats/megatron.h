@@ -11,7 +11,12 @@
 //    MoE layers mixed, `moe_layer_freq`) or with `singleton_local_shards`;
 //  - routed experts are one tensor with a global expert axis (`mlp.experts.experts.
 //    linear_fc1.weight` [E, 2F, d] per layer), whatever the expert parallelism;
-//  - SwiGLU fc1 weights are stored TP-independent as [gate; up] — the same rows as ours;
+//  - SwiGLU fc1 weights are stored TP-independent as [gate; up] — the same rows as ours — or,
+//    with `singleton_local_shards`, as two keys `<fc1>.weight_w` (gate) and `_v` (up), and
+//    each routed expert under a key of its own (`mlp.experts.experts.<e>.linear_fc1.weight_w`);
+//  - gated-delta-net layers (`self_attention.` of a GatedDeltaNet) split their fused in_proj
+//    and conv1d weights into one key per part (query, key, value, z, beta, alpha), each
+//    TP-independent; ours are those parts stacked in the same order;
 //  - the fused QKV weight keeps Megatron's row order, per query group g: the group's nq/ng
 //    query heads, then its key head, then its value head. Ours is all query heads, all key
 //    heads, all value heads, so its rows are regrouped (MegatronQkvRuns);
@@ -27,8 +32,25 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/tensor_spec.h"
 
 namespace rs {
+
+// Parts of a fused tensor of ours that Megatron-Core keeps under keys of their own: the
+// split SwiGLU halves of `singleton_local_shards` (`<fc1>.weight_w` / `_v`) and the
+// gated-delta-net projections (`in_proj.weight.<query|key|value|z|beta|alpha>`,
+// `conv1d.weight.<query|key|value>`).
+enum class MegatronSection : std::uint8_t {
+  kWhole,  // the key holds the whole tensor
+  kGate,   // _w: rows [0, f) of fc1
+  kUp,     // _v: rows [f, 2f) of fc1
+  kQuery,
+  kKey,
+  kValue,
+  kZ,
+  kBeta,
+  kAlpha,
+};
 
 struct MegatronKey {
   bool mapped = false;  // false: not a tensor of a model we can express (see `why`)
@@ -39,7 +61,26 @@ struct MegatronKey {
   bool layer_axis = false;  // the first dim is the layer index
   std::string state;        // "" for a parameter or buffer, else our state name
   bool qkv = false;         // rows in Megatron's grouped QKV order
+  MegatronSection section = MegatronSection::kWhole;
+  // A per-expert key (`mlp.experts.experts.<e>.…`, singleton_local_shards): the global expert
+  // index, which is the first dim of our tensor and absent from Megatron's; -1 otherwise.
+  std::int64_t expert = -1;
 };
+
+struct ModelConfig;
+
+// Rows [begin, end) of dim `dim` of our tensor `param` (its layer prefix and spec already
+// known: `shape`) that `section` covers; InvalidArgument for a section the tensor does not
+// have. kWhole covers the whole dim.
+struct SectionRows {
+  std::size_t dim = 0;
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+// "_w", "_v", "query", ... as in the keys; "whole" for kWhole.
+std::string_view SectionLabel(MegatronSection section);
+Result<SectionRows> MegatronSectionRows(MegatronSection section, const std::string& param, const Shape& shape,
+                                        const ModelConfig& cfg);
 
 // True when `dir/metadata.json` names the torch_dist sharded backend.
 bool IsMegatronTorchDist(const std::string& dir);

@@ -149,5 +149,19 @@ TEST(MegatronConvertTest, PerLayerBf16DistributedOptimizerAtSeveralLayouts) {
   }
 }
 
+// A gated-delta-net layer and an attention layer, both MoE with a shared expert, saved with
+// singleton_local_shards: one key per routed expert, SwiGLU halves under `_w` / `_v` keys, the
+// GDN in_proj and conv1d split into query/key/value/z/beta/alpha keys, fp32_param masters.
+TEST(MegatronConvertTest, GatedDeltaNetSingletonShardsAtSeveralLayouts) {
+  TempDir tmp;
+  int n = 0;
+  for (const char* layout : {"tp=1", "tp=2,ep=2", "ep=4,fsdp=2", "tp=4,pp=2"}) {
+    SCOPED_TRACE(layout);
+    const std::string dst = tmp / ("out" + std::to_string(n++));
+    ConvertDcp(kMegatron + "/gdn_singleton_f32", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
+    ExpectExpected(kMegatron + "/gdn_singleton_f32", dst, "megatron-gdn_singleton_f32", 2);
+  }
+}
+
 }  // namespace
 }  // namespace rs
