@@ -287,11 +287,27 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
     std::int64_t held = 0;
     for (const MappedPiece& p : t.pieces) held += p.box.numel();
     if (held < Numel(t.shape)) {
-      std::string parts;
-      for (const auto& [slot, fqn] : t.slots) parts += (parts.empty() ? "'" : ", '") + fqn + "'";
-      return FailedPrecondition(meta_path + ": the keys that hold parts of '" + name + "' (" + parts + ") cover " +
-                                std::to_string(held) + " of its " + std::to_string(Numel(t.shape)) +
-                                " items: a part is missing");
+      // Name what is missing: the parts this tensor has (experts, sections) less those found.
+      const bool per_expert = t.slots.begin()->first.starts_with("e");
+      std::vector<std::string> sections = {""};
+      if (t.name.param.ends_with("gdn.in_proj.weight")) {
+        sections = {"query", "key", "value", "z", "beta", "alpha"};
+      } else if (t.name.param.ends_with("gdn.conv1d.weight")) {
+        sections = {"query", "key", "value"};
+      } else if (t.slots.begin()->first.ends_with("_w") || t.slots.begin()->first.ends_with("_v")) {
+        sections = {"_w", "_v"};
+      }
+      std::vector<std::string> missing;
+      for (std::int64_t e = 0; e < (per_expert ? t.shape[0] : 1); ++e) {
+        for (const std::string& sec : sections) {
+          const std::string slot = (per_expert ? "e" + std::to_string(e) : std::string()) + sec;
+          if (t.slots.count(slot) == 0) missing.push_back(per_expert ? "expert " + std::to_string(e) + sec : sec);
+        }
+      }
+      return FailedPrecondition(meta_path + ": the keys that hold parts of '" + name + "' (the first: '" +
+                                t.slots.begin()->second + "') cover " + std::to_string(held) + " of its " +
+                                std::to_string(Numel(t.shape)) + " items; missing: " +
+                                (missing.empty() ? std::string("items inside a part") : Listed(missing)));
     }
   }
   return Status::Ok();

@@ -183,5 +183,39 @@ TEST(DcpCliTest, FifoMetadataDoesNotBlock) {
   EXPECT_TRUE(Has(d.output, "__1_0.distcp")) << d.output;
 }
 
+// Megatron-Core torch_dist directories (tests/fixtures/megatron): verify, inspect, convert at a
+// layout, verify the result and diff it against the source by our names.
+TEST(MegatronCliTest, VerifyConvertDiff) {
+  TempDir tmp;
+  const std::string root = std::string(RS_SOURCE_DIR) + "/tests/fixtures/megatron";
+  for (const char* name : {"homogeneous_f32", "hetero_bf16", "gdn_singleton_f32"}) {
+    SCOPED_TRACE(name);
+    const std::string src = root + "/" + name;
+    const std::string model = " --model " + src + "/model.json";
+    const CommandResult v = RunCli("verify " + src);
+    EXPECT_EQ(v.exit_code, 0) << v.output;
+    const CommandResult i = RunCli("inspect " + src + model);
+    EXPECT_EQ(i.exit_code, 0) << i.output;
+    EXPECT_TRUE(Has(i.output, "layers.1.moe.experts.fc1.weight/exp_avg_sq")) << i.output;
+    const CommandResult no_model = RunCli("convert " + src + " --to tp=2 -o " + (tmp / name) + "_x");
+    EXPECT_EQ(no_model.exit_code, 2) << no_model.output;
+    EXPECT_TRUE(Has(no_model.output, "--model")) << no_model.output;
+    const std::string out = tmp / name;
+    const CommandResult c = RunCli("convert " + src + " --to tp=2,ep=2,fsdp=2" + model + " -o " + out);
+    ASSERT_EQ(c.exit_code, 0) << c.output;
+    EXPECT_EQ(RunCli("verify " + out).exit_code, 0);
+    const CommandResult d = RunCli("diff " + out + " " + src + model);
+    EXPECT_EQ(d.exit_code, 0) << d.output;
+    EXPECT_TRUE(Has(d.output, "identical")) << d.output;
+  }
+  // The wrong model: refused, naming the checkpoint kind and the differences.
+  const CommandResult wrong =
+      RunCli("convert " + root + "/homogeneous_f32 --to tp=2 --model tiny-moe -o " + (tmp / "wrong"));
+  EXPECT_EQ(wrong.exit_code, 1) << wrong.output;
+  EXPECT_TRUE(Has(wrong.output, "the Megatron-Core torch_dist checkpoint does not match the model 'tiny-moe'"))
+      << wrong.output;
+  EXPECT_FALSE(fs::exists(tmp / "wrong"));
+}
+
 }  // namespace
 }  // namespace rs::testing
