@@ -417,8 +417,8 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
       if (flat_optimizer && states.empty()) {
         problems +=
             "; the optimizer state is in the distributed optimizer's dp_reshardable format (flat buffers per "
-            "data-parallel rank, no per-parameter coordinates): save it in the fully_reshardable format to "
-            "convert it";
+            "data-parallel rank, no per-parameter coordinates): save it in the fully_sharded_model_space or "
+            "fully_reshardable format to convert it";
       }
     }
     if (!problems.empty()) {
