@@ -130,9 +130,9 @@ struct MappedTensor {
 
 struct Mapping {
   std::map<std::string, MappedTensor> tensors;
-  std::vector<std::string> order;       // names in DCP order
-  std::vector<std::string> refused;     // Megatron keys we recognise but cannot express: "key (why)"
-  std::vector<std::string> unmapped;    // Megatron keys we do not know
+  std::vector<std::string> order;     // names in DCP order
+  std::vector<std::string> refused;   // Megatron keys we recognise but cannot express: "key (why)"
+  std::vector<std::string> unmapped;  // Megatron keys we do not know
   std::vector<std::string> step_tensors;
 };
 
@@ -162,8 +162,8 @@ Status AddMapped(Mapping& m, const std::string& meta_path, const std::string& fq
   }
   if (!fresh && t.dtype != dtype) {
     return DataLoss(meta_path + ": keys '" + t.fqn + "' and '" + fqn + "', parts of the tensor '" + t.name.name +
-                    "', differ in dtype (" + std::string(DTypeName(t.dtype)) + " and " +
-                    std::string(DTypeName(dtype)) + ")");
+                    "', differ in dtype (" + std::string(DTypeName(t.dtype)) + " and " + std::string(DTypeName(dtype)) +
+                    ")");
   }
   if (piece) t.pieces.push_back(std::move(*piece));
   return Status::Ok();
@@ -246,8 +246,8 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
         want[rows.dim] = rows.end - rows.begin;
         if (k.expert >= 0) {
           if (k.expert >= want[0]) {
-            return FailedPrecondition(meta_path + ": '" + t.fqn + "' is expert " + std::to_string(k.expert) +
-                                      " of '" + param + "', which has " + std::to_string(want[0]) + " experts");
+            return FailedPrecondition(meta_path + ": '" + t.fqn + "' is expert " + std::to_string(k.expert) + " of '" +
+                                      param + "', which has " + std::to_string(want[0]) + " experts");
           }
           want.erase(want.begin());
         }
@@ -262,8 +262,7 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
         box.offset[rows.dim] += rows.begin;
         const std::string slot = (k.expert >= 0 ? "e" + std::to_string(k.expert) : std::string()) +
                                  (k.section == MegatronSection::kWhole ? "" : std::string(SectionLabel(k.section)));
-        RS_RETURN_IF_ERROR(
-            AddMapped(m, meta_path, t.fqn, n, t.dtype, ours->second, MappedPiece{i, c, 0, box}, slot));
+        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours->second, MappedPiece{i, c, 0, box}, slot));
         continue;
       }
       if (!regroup || box.shape[0] == 0) {
@@ -304,10 +303,10 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
           if (t.slots.count(slot) == 0) missing.push_back(per_expert ? "expert " + std::to_string(e) + sec : sec);
         }
       }
-      return FailedPrecondition(meta_path + ": the keys that hold parts of '" + name + "' (the first: '" +
-                                t.slots.begin()->second + "') cover " + std::to_string(held) + " of its " +
-                                std::to_string(Numel(t.shape)) + " items; missing: " +
-                                (missing.empty() ? std::string("items inside a part") : Listed(missing)));
+      return FailedPrecondition(
+          meta_path + ": the keys that hold parts of '" + name + "' (the first: '" + t.slots.begin()->second +
+          "') cover " + std::to_string(held) + " of its " + std::to_string(Numel(t.shape)) +
+          " items; missing: " + (missing.empty() ? std::string("items inside a part") : Listed(missing)));
     }
   }
   return Status::Ok();

@@ -73,7 +73,7 @@ class DcpSource final : public ShardSource {
     std::size_t tensor = 0;  // DCP tensor
     std::size_t chunk = 0;
     std::int64_t byte_offset = 0;  // where the shard starts in the chunk's row-major buffer
-    bool step = false;  // the computed optimizer.step shard
+    bool step = false;             // the computed optimizer.step shard
   };
   std::unique_ptr<DcpCheckpoint> dcp_;
   DcpSourceOptions options_;

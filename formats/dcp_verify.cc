@@ -11,10 +11,10 @@
 
 #include "core/memory.h"
 #include "core/thread_pool.h"
-#include "formats/megatron.h"
 #include "formats/dcp.h"
 #include "formats/dcp_source.h"
 #include "formats/manifest.h"
+#include "formats/megatron.h"
 
 namespace rs {
 namespace {

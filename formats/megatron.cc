@@ -1,11 +1,12 @@
 #include "formats/megatron.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
-#include <nlohmann/json.hpp>
 #include <cmath>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <string_view>
-#include <sys/stat.h>
 
 #include "core/dtype.h"
 #include "core/model.h"
@@ -55,10 +56,10 @@ struct SplitRule {
   std::string_view ours;
 };
 constexpr SplitRule kSplitRules[] = {
-    {"mlp.linear_fc1.weight", "mlp.fc1.weight"},                          // _w / _v
-    {"mlp.shared_experts.linear_fc1.weight", "moe.shared.fc1.weight"},    // _w / _v
-    {"self_attention.in_proj.weight.", "gdn.in_proj.weight"},             // query ... alpha
-    {"self_attention.conv1d.weight.", "gdn.conv1d.weight"},               // query, key, value
+    {"mlp.linear_fc1.weight", "mlp.fc1.weight"},                        // _w / _v
+    {"mlp.shared_experts.linear_fc1.weight", "moe.shared.fc1.weight"},  // _w / _v
+    {"self_attention.in_proj.weight.", "gdn.in_proj.weight"},           // query ... alpha
+    {"self_attention.conv1d.weight.", "gdn.conv1d.weight"},             // query, key, value
 };
 
 struct SectionName {
@@ -66,9 +67,9 @@ struct SectionName {
   MegatronSection section;
 };
 constexpr SectionName kSectionNames[] = {
-    {"_w", MegatronSection::kGate},       {"_v", MegatronSection::kUp},      {"query", MegatronSection::kQuery},
-    {"key", MegatronSection::kKey},       {"value", MegatronSection::kValue}, {"z", MegatronSection::kZ},
-    {"beta", MegatronSection::kBeta},     {"alpha", MegatronSection::kAlpha},
+    {"_w", MegatronSection::kGate},   {"_v", MegatronSection::kUp},       {"query", MegatronSection::kQuery},
+    {"key", MegatronSection::kKey},   {"value", MegatronSection::kValue}, {"z", MegatronSection::kZ},
+    {"beta", MegatronSection::kBeta}, {"alpha", MegatronSection::kAlpha},
 };
 
 std::optional<MegatronSection> ParseSection(std::string_view name) {
@@ -121,7 +122,8 @@ MegatronKey MapMegatronKey(const std::string& fqn) {
     if (dot == std::string_view::npos) return k;
     k.state = StateName(rest.substr(0, dot));
     if (k.state.empty()) {
-      k.why = "optimizer state '" + std::string(rest.substr(0, dot)) + "' (only fp32_param / param, exp_avg and "
+      k.why = "optimizer state '" + std::string(rest.substr(0, dot)) +
+              "' (only fp32_param / param, exp_avg and "
               "exp_avg_sq are mapped)";
       return k;
     }
@@ -135,9 +137,8 @@ MegatronKey MapMegatronKey(const std::string& fqn) {
   }
   // Biases of linear layers and norms: `.bias`, split or per-expert ones (`.bias_w`, `.bias3`).
   const std::size_t bias = rest.find(".bias");
-  if ((bias != std::string_view::npos &&
-       (bias + 5 == rest.size() || rest[bias + 5] == '_' || rest[bias + 5] == '.' ||
-        (rest[bias + 5] >= '0' && rest[bias + 5] <= '9'))) ||
+  if ((bias != std::string_view::npos && (bias + 5 == rest.size() || rest[bias + 5] == '_' || rest[bias + 5] == '.' ||
+                                          (rest[bias + 5] >= '0' && rest[bias + 5] <= '9'))) ||
       rest.ends_with("layer_norm_bias")) {
     k.why = "biases (add_bias_linear / add_qkv_bias, LayerNorm)";
     return k;
@@ -317,9 +318,9 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
   po.allow_persistent_ids = true;
   po.inert_unknown_globals = true;
   po.max_nodes = pkl->size + 16;
-  RS_ASSIGN_OR_RETURN(const PickleTree tree, Unpickle(data.subspan(static_cast<std::size_t>(at),
-                                                                   static_cast<std::size_t>(pkl->size)),
-                                                      po, path + ", data.pkl"));
+  RS_ASSIGN_OR_RETURN(const PickleTree tree,
+                      Unpickle(data.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(pkl->size)), po,
+                               path + ", data.pkl"));
 
   // A count: an integer, an integral float, or a one-element tensor of either.
   const auto count = [&](std::size_t node, const std::string& field) -> Result<std::int64_t> {
@@ -336,17 +337,20 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
           tree.node(args[1]).kind != PickleKind::kInt)
         return bad("is a tensor record we cannot read");
       const auto& id = tree.node(tree.node(args[0]).args).items;
-      if (id.size() != 5 || tree.node(id[1]).kind != PickleKind::kGlobal || tree.node(id[2]).kind != PickleKind::kString)
+      if (id.size() != 5 || tree.node(id[1]).kind != PickleKind::kGlobal ||
+          tree.node(id[2]).kind != PickleKind::kString)
         return bad("is a tensor whose storage id we cannot read");
       const std::optional<DType> dt = DTypeOfStorageClass(tree.node(id[1]).s);
       if (!dt) return bad("is a tensor of storage class '" + tree.node(id[1]).s + "'");
       for (std::size_t d : tree.node(args[2]).items) {
-        if (tree.node(d).kind != PickleKind::kInt || tree.node(d).i != 1) return bad("is a tensor of more than one element");
+        if (tree.node(d).kind != PickleKind::kInt || tree.node(d).i != 1)
+          return bad("is a tensor of more than one element");
       }
       const ZipEntry* rec = zip.Find(prefix + "data/" + tree.node(id[2]).s);
       const auto es = static_cast<std::int64_t>(DTypeSize(*dt));
       const std::int64_t off = tree.node(args[1]).i;
-      if (rec == nullptr || off < 0 || off >= rec->size / es) return bad("is a tensor whose storage record is missing or short");
+      if (rec == nullptr || off < 0 || off >= rec->size / es)
+        return bad("is a tensor whose storage record is missing or short");
       RS_ASSIGN_OR_RETURN(const std::int64_t rec_at, zip.DataOffset(read, *rec));
       std::byte raw[8] = {};
       RS_RETURN_IF_ERROR(read(rec_at + off * es, std::span(raw).first(static_cast<std::size_t>(es))));
@@ -370,7 +374,8 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
     } else {
       return bad("is a " + tree.Describe(node) + ", not a number");
     }
-    if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e15) return bad("is " + std::to_string(v) + ", not a count");
+    if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e15)
+      return bad("is " + std::to_string(v) + ", not a count");
     return static_cast<std::int64_t>(v);
   };
 

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "core/model.h"
+#include "formats/dcp.h"
 #include "formats/dcp_source.h"
 #include "formats/pickle.h"
-#include "formats/dcp.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {
@@ -40,7 +40,8 @@ ModelConfig FixtureModel(const std::string& fixture) {
 std::string CopyFixture(const std::string& fixture, const std::string& dst, const std::string& variant = "") {
   fs::create_directories(dst);
   for (const auto& e : fs::directory_iterator(kMegatron + "/" + fixture)) {
-    if (e.path().filename() != "expected.safetensors") fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
+    if (e.path().filename() != "expected.safetensors")
+      fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
   }
   if (!variant.empty()) {
     fs::copy_file(kMegatron + "/variants/" + variant + ".metadata", dst + "/.metadata",
@@ -228,8 +229,11 @@ TEST(MegatronPickleTest, InertGlobalsExecuteNothing) {
   // refused without; an allowlisted value is still not callable.
   ScratchDir tmp;
   const std::string marker = tmp.path() + "/ran";
-  const std::string p = std::string("\x80\x02" "cos\nsystem\nX") + static_cast<char>(6 + marker.size()) +
-                        std::string("\x00\x00\x00", 3) + "touch " + marker + "\x85R.";
+  const std::string p = std::string(
+                            "\x80\x02"
+                            "cos\nsystem\nX") +
+                        static_cast<char>(6 + marker.size()) + std::string("\x00\x00\x00", 3) + "touch " + marker +
+                        "\x85R.";
   PickleOptions o;
   o.globals = TorchSaveGlobals();
   EXPECT_FALSE(Unpickle(std::as_bytes(std::span(p)), o, "x.pkl").ok());
@@ -239,7 +243,9 @@ TEST(MegatronPickleTest, InertGlobalsExecuteNothing) {
   EXPECT_EQ(t->node(t->root()).kind, PickleKind::kObject);
   EXPECT_EQ(t->node(t->root()).module, "os");
   EXPECT_FALSE(fs::exists(marker));
-  const std::string value_call = "\x80\x02" "ctorch\nfloat32\n)R.";
+  const std::string value_call =
+      "\x80\x02"
+      "ctorch\nfloat32\n)R.";
   EXPECT_FALSE(Unpickle(std::as_bytes(std::span(value_call)), o, "x.pkl").ok());
 }
 
