@@ -31,7 +31,7 @@ cp_sync() { cp -r "$1" "$2" && sync; }
 export -f cp_sync
 
 echo "checkpoint: $(gib "$(size "$DIR/src")") at tp=2,ep=4 ($LAYERS layers, d_model 1024, 8 experts of 1024, vocab 32000)"
-read -r t_exp rss_exp < <(timed "$CLI" export "$DIR/src" --format hf -o "$DIR/hf")
+read -r t_exp rss_exp < <(timed "$CLI" export "$DIR/src" --format hf --memory-budget 256MiB -o "$DIR/hf")
 read -r t_cp1 _ < <(timed bash -c "cp_sync '$DIR/hf' '$DIR/hf-copy'")
 read -r t_imp rss_imp < <(timed "$CLI" import "$DIR/hf" --format hf --layout tp=2,ep=4 --memory-budget 256MiB \
   -o "$DIR/imp")
@@ -40,7 +40,7 @@ read -r t_cp2 _ < <(timed bash -c "cp_sync '$DIR/imp' '$DIR/imp-copy'")
 
 printf '\n%-46s %8s %10s %10s %10s\n' operation seconds written "vs cp -r" "peak RSS"
 printf '%-46s %8.2f %10s %10s %10s\n' "cp -r + sync of the HF directory" "$t_cp1" "$(gib "$(size "$DIR/hf")")" 1.00x -
-printf '%-46s %8.2f %10s %9.2fx %7d MiB\n' "export --format hf" "$t_exp" "$(gib "$(size "$DIR/hf")")" \
+printf '%-46s %8.2f %10s %9.2fx %7d MiB\n' "export --format hf (--memory-budget 256MiB)" "$t_exp" "$(gib "$(size "$DIR/hf")")" \
   "$(awk -v a="$t_cp1" -v b="$t_exp" 'BEGIN { print a / b }')" $((rss_exp / 1024))
 printf '%-46s %8.2f %10s %10s %10s\n' "cp -r + sync of the imported checkpoint" "$t_cp2" "$(gib "$(size "$DIR/imp")")" 1.00x -
 printf '%-46s %8.2f %10s %9.2fx %7d MiB\n' "import --format hf (--memory-budget 256MiB)" "$t_imp" \

@@ -33,6 +33,7 @@ struct ExportArgs {
   std::string out;
   std::string max_shard_size = "5GiB";
   std::string dtype;
+  std::string memory_budget = "128MiB";
   int threads = 0;
   bool skip_checksums = false;
 };
@@ -44,6 +45,9 @@ void RunExport(const ExportArgs& a) {
   auto max = ParseByteSize(a.max_shard_size);
   if (!max.ok()) Fail("export", max.status().WithContext("--max-shard-size"));
   o.max_shard_bytes = *max;
+  auto budget = ParseByteSize(a.memory_budget);
+  if (!budget.ok()) Fail("export", budget.status().WithContext("--memory-budget"));
+  o.memory_budget = *budget;
   if (!a.dtype.empty()) {
     const auto t = ParseDType(a.dtype);
     if (!t) Fail("export", InvalidArgument("--dtype: unknown dtype '" + a.dtype + "' (f32, bf16 or f16)"));
@@ -53,11 +57,13 @@ void RunExport(const ExportArgs& a) {
   o.reader.checksums = a.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
   auto r = ExportHf(a.ckpt, a.out, o);
   if (!r.ok()) Fail("export", r.status());
-  std::fprintf(
-      stderr,
-      "exported %s -> %s (Mixtral, %s): %" PRId64 " tensors in %" PRId64 " file%s, %s, peak buffer %s, %.2f s\n",
-      a.ckpt.c_str(), a.out.c_str(), std::string(DTypeName(r->dtype)).c_str(), r->tensors, r->files,
-      r->files == 1 ? "" : "s", HumanBytes(r->total_bytes).c_str(), HumanBytes(r->peak_buffer).c_str(), Seconds(start));
+  std::fprintf(stderr,
+               "exported %s -> %s (Mixtral, %s): %" PRId64 " tensors in %" PRId64
+               " file%s, %s, peak buffer %s of budget %s, "
+               "%.2f s\n",
+               a.ckpt.c_str(), a.out.c_str(), std::string(DTypeName(r->dtype)).c_str(), r->tensors, r->files,
+               r->files == 1 ? "" : "s", HumanBytes(r->total_bytes).c_str(), HumanBytes(r->peak_buffer).c_str(),
+               HumanBytes(o.memory_budget).c_str(), Seconds(start));
 }
 
 struct ImportArgs {
@@ -139,6 +145,9 @@ void RegisterExport(CLI::App& app) {
   cmd->add_option("--max-shard-size", a->max_shard_size, "Start a new safetensors file before passing this size")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "Stored dtype: f32, bf16 or f16 (default: the parameters' dtype)");
+  cmd->add_option("--memory-budget", a->memory_budget,
+                  "Bytes of tensor data held at once, e.g. 256MiB (tensors are read in pieces that fit)")
+      ->capture_default_str();
   cmd->add_option("--threads", a->threads, "Reader threads (0 = all cores)")->capture_default_str();
   cmd->add_flag("--skip-checksums", a->skip_checksums, "Do not verify the source shards' checksums");
   cmd->callback([a] { RunExport(*a); });

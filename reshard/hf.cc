@@ -524,6 +524,10 @@ Result<HfModel> ParseHfConfig(const nlohmann::json& j, const std::string& what) 
 // Export
 
 Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out, const HfExportOptions& options) {
+  if (options.memory_budget < kMinExportBudget) {
+    return InvalidArgument("memory budget " + std::to_string(options.memory_budget) + " bytes is below the minimum " +
+                           std::to_string(kMinExportBudget) + " (64 KiB)");
+  }
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(ckpt, options.reader));
   const nlohmann::json& meta = reader->manifest().metadata;
   if (!meta.is_object() || !meta.contains("model")) {
@@ -621,7 +625,9 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
       const HfTensor& h = hf[i];
       RS_ASSIGN_OR_RETURN(const TensorSpec* spec, reader->FindTensor(h.tensor));
       const auto src_size = static_cast<std::int64_t>(DTypeSize(spec->dtype));
-      const std::int64_t per = std::max<std::int64_t>(1, options.chunk_bytes / std::max(src_size, esize));
+      // Items per piece: the source buffer plus, when converting, the converted one.
+      const std::int64_t per =
+          std::max<std::int64_t>(1, options.memory_budget / (src_size + (spec->dtype != dtype ? esize : 0)));
       for (std::int64_t a = 0; a < h.numel(); a += per) {
         const std::int64_t n = std::min(per, h.numel() - a);
         src.resize(static_cast<std::size_t>(n * src_size));

@@ -84,10 +84,13 @@ struct HfModel {
 };
 Result<HfModel> ParseHfConfig(const nlohmann::json& config, const std::string& what);
 
+inline constexpr std::int64_t kMinExportBudget = std::int64_t{64} << 10;
 struct HfExportOptions {
   std::optional<DType> dtype;  // default: the parameters' stored dtype (f32, bf16 or f16)
   std::int64_t max_shard_bytes = std::int64_t{5} << 30;
-  std::int64_t chunk_bytes = std::int64_t{64} << 20;  // bytes of one tensor read at once
+  // Bytes of tensor data held at once (the read buffer and, when the dtype changes, the
+  // converted one): each tensor is read in pieces that fit. At least 64 KiB.
+  std::int64_t memory_budget = std::int64_t{128} << 20;
   ReaderOptions reader;
 };
 struct HfExportResult {
@@ -102,7 +105,7 @@ struct HfExportResult {
 // config.json, model-0000k-of-0000N.safetensors (tensors in our parameter order, a new file
 // when the next tensor would pass max_shard_bytes) and model.safetensors.index.json, staged in
 // "<out>.tmp-<id>" and renamed into place last (AlreadyExists if `out` exists; nothing at
-// `out` on failure). Streams one tensor at a time, in chunks of at most chunk_bytes.
+// `out` on failure). Streams one tensor at a time, in pieces whose buffers fit memory_budget.
 Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out, const HfExportOptions& options);
 
 struct HfImportOptions {

@@ -271,6 +271,26 @@ TEST_F(HfTest, Bf16ExportAndImport) {
   EXPECT_EQ(Slurp(hfb + "/model-00001-of-00001.safetensors"), Slurp(tmp_ / "hfb2/model-00001-of-00001.safetensors"));
 }
 
+// --memory-budget bounds the tensor data held at once (the read buffer plus the converted
+// one); the files are the same whatever the budget. Too small a budget is a usage error.
+TEST_F(HfTest, ExportStaysWithinItsMemoryBudget) {
+  const std::string small = tmp_ / "hf-small";
+  const CommandResult r = RunCli("export " + ckpt_ + " --format hf --dtype bf16 --memory-budget 64KiB -o " + small);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(Contains(r.output, "of budget 64.00 KiB")) << r.output;
+  // "peak buffer X KiB": the largest tensor of tiny-moe (f32 → bf16) is far larger than 64 KiB.
+  const std::size_t at = r.output.find("peak buffer ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_LE(std::stod(r.output.substr(at + 12)), 64.0) << r.output;
+  const std::string big = tmp_ / "hf-big";
+  ASSERT_EQ(RunCli("export " + ckpt_ + " --format hf --dtype bf16 -o " + big).exit_code, 0);
+  EXPECT_EQ(Slurp(small + "/model-00001-of-00001.safetensors"), Slurp(big + "/model-00001-of-00001.safetensors"));
+  const CommandResult tiny = RunCli("export " + ckpt_ + " --format hf --memory-budget 1KiB -o " + (tmp_ / "x"));
+  EXPECT_NE(tiny.exit_code, 0);
+  EXPECT_TRUE(Contains(tiny.output, "below the minimum")) << tiny.output;
+  EXPECT_FALSE(fs::exists(tmp_ / "x"));
+}
+
 // The files read by an independent reader: the PyPI safetensors package (numpy), names,
 // shapes, dtypes and bytes; and a NumPy Mixtral forward pass on them reproduces `reshard eval`.
 TEST_F(HfTest, PythonSafetensorsReadsTheExport) {
