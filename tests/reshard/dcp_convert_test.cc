@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -99,68 +100,54 @@ void ExpectExpected(const std::string& fixture, const std::string& dst, const st
   EXPECT_EQ((*reader)->manifest().metadata["model"]["name"], model_name);
 }
 
-TEST(DcpConvertTest, AdamWAtSeveralLayouts) {
+// Converts `fixture` to each layout (alternately memory-mapped and CRC-checked reads, 64 KiB
+// budget) and checks the result against its expected.safetensors.
+void ConvertAtLayouts(const std::string& fixture, std::initializer_list<const char*> layouts,
+                      const std::string& model_name, std::optional<std::int64_t> step = std::nullopt) {
   TempDir tmp;
   int n = 0;
-  for (const char* layout : {"tp=1", "tp=2,ep=2,fsdp=2", "tp=2,ep=4", "fsdp=4,fsdp_form=flat", "etp=2,ep=2,tp=2"}) {
+  for (const char* layout : layouts) {
     SCOPED_TRACE(layout);
     const std::string dst = tmp / ("out" + std::to_string(n++));
-    ConvertDcp(kFixtures + "/adamw_f32", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
-    ExpectExpected(kFixtures + "/adamw_f32", dst, "dcp-fixture");
+    ConvertDcp(fixture, layout, dst, std::int64_t{64} << 10, n % 2 == 0);
+    ExpectExpected(fixture, dst, model_name, step);
   }
 }
 
+TEST(DcpConvertTest, AdamWAtSeveralLayouts) {
+  ConvertAtLayouts(kFixtures + "/adamw_f32",
+                   {"tp=1", "tp=2,ep=2,fsdp=2", "tp=2,ep=4", "fsdp=4,fsdp_form=flat", "etp=2,ep=2,tp=2"},
+                   "dcp-fixture");
+}
+
 TEST(DcpConvertTest, Bf16BoxesAtSeveralLayouts) {
-  TempDir tmp;
-  int n = 0;
-  for (const char* layout : {"tp=1", "tp=2,fsdp=2", "pp=2,ep=2", "tp=4,fsdp=2,fsdp_form=flat"}) {
-    SCOPED_TRACE(layout);
-    const std::string dst = tmp / ("out" + std::to_string(n++));
-    ConvertDcp(kFixtures + "/bf16_2d", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
-    ExpectExpected(kFixtures + "/bf16_2d", dst, "dcp-fixture");
-  }
+  ConvertAtLayouts(kFixtures + "/bf16_2d", {"tp=1", "tp=2,fsdp=2", "pp=2,ep=2", "tp=4,fsdp=2,fsdp_form=flat"},
+                   "dcp-fixture");
 }
 
 // Megatron-Core torch_dist, saved at tp=2, ep=2: layer-stacked keys, grouped QKV rows, split
 // SwiGLU halves, global expert axis, the non-distributed optimizer's states and
 // common.pt's common_step.
 TEST(MegatronConvertTest, LayerStackedF32AtSeveralLayouts) {
-  TempDir tmp;
-  int n = 0;
-  for (const char* layout : {"tp=1", "tp=2,ep=2", "tp=4,fsdp=2", "ep=4,etp=2,tp=2", "pp=2,fsdp=2,fsdp_form=flat"}) {
-    SCOPED_TRACE(layout);
-    const std::string dst = tmp / ("out" + std::to_string(n++));
-    ConvertDcp(kMegatron + "/homogeneous_f32", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
-    ExpectExpected(kMegatron + "/homogeneous_f32", dst, "megatron-homogeneous_f32", 2);
-  }
+  ConvertAtLayouts(kMegatron + "/homogeneous_f32",
+                   {"tp=1", "tp=2,ep=2", "tp=4,fsdp=2", "ep=4,etp=2,tp=2", "pp=2,fsdp=2,fsdp_form=flat"},
+                   "megatron-homogeneous_f32", 2);
 }
 
 // Per-layer keys (a dense layer then an MoE layer with a shared expert and a sigmoid router
 // with expert bias), bf16 parameters, the distributed optimizer's fully_reshardable states
 // (`param` = our master) and the step of its param groups.
 TEST(MegatronConvertTest, PerLayerBf16DistributedOptimizerAtSeveralLayouts) {
-  TempDir tmp;
-  int n = 0;
-  for (const char* layout : {"tp=1", "tp=2,ep=4", "fsdp=4", "tp=2,pp=2,ep=2"}) {
-    SCOPED_TRACE(layout);
-    const std::string dst = tmp / ("out" + std::to_string(n++));
-    ConvertDcp(kMegatron + "/hetero_bf16", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
-    ExpectExpected(kMegatron + "/hetero_bf16", dst, "megatron-hetero_bf16", 2);
-  }
+  ConvertAtLayouts(kMegatron + "/hetero_bf16", {"tp=1", "tp=2,ep=4", "fsdp=4", "tp=2,pp=2,ep=2"},
+                   "megatron-hetero_bf16", 2);
 }
 
 // A gated-delta-net layer and an attention layer, both MoE with a shared expert, saved with
 // singleton_local_shards: one key per routed expert, SwiGLU halves under `_w` / `_v` keys, the
 // GDN in_proj and conv1d split into query/key/value/z/beta/alpha keys, fp32_param masters.
 TEST(MegatronConvertTest, GatedDeltaNetSingletonShardsAtSeveralLayouts) {
-  TempDir tmp;
-  int n = 0;
-  for (const char* layout : {"tp=1", "tp=2,ep=2", "ep=4,fsdp=2", "tp=4,pp=2"}) {
-    SCOPED_TRACE(layout);
-    const std::string dst = tmp / ("out" + std::to_string(n++));
-    ConvertDcp(kMegatron + "/gdn_singleton_f32", layout, dst, std::int64_t{64} << 10, n % 2 == 0);
-    ExpectExpected(kMegatron + "/gdn_singleton_f32", dst, "megatron-gdn_singleton_f32", 2);
-  }
+  ConvertAtLayouts(kMegatron + "/gdn_singleton_f32", {"tp=1", "tp=2,ep=2", "ep=4,fsdp=2", "tp=4,pp=2"},
+                   "megatron-gdn_singleton_f32", 2);
 }
 
 }  // namespace
