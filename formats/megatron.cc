@@ -367,7 +367,7 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
       } else if (*dt == DType::kF32) {
         float f = 0;
         std::memcpy(&f, raw, 4);
-        v = f;
+        v = static_cast<double>(f);
       } else {
         return bad("is a tensor of " + std::string(DTypeName(*dt)));
       }
