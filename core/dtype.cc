@@ -385,4 +385,55 @@ void ConvertFloats(DType from, const void* src, DType to, void* dst, std::size_t
   RS_CHECK_MSG(false, "unreachable: " << DTypeName(to));
 }
 
+double ElementAsDouble(DType t, const std::byte* p, std::int64_t i) {
+  const std::byte* x = p + static_cast<std::size_t>(i) * DTypeSize(t);
+  switch (t) {
+    case DType::kF64: {
+      double v;
+      std::memcpy(&v, x, 8);
+      return v;
+    }
+    case DType::kF32: {
+      float v;
+      std::memcpy(&v, x, 4);
+      return static_cast<double>(v);
+    }
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: {
+      float v;
+      ConvertFloats(t, x, DType::kF32, &v, 1);
+      return static_cast<double>(v);
+    }
+    case DType::kI64: {
+      std::int64_t v;
+      std::memcpy(&v, x, 8);
+      return static_cast<double>(v);
+    }
+    case DType::kI32: {
+      std::int32_t v;
+      std::memcpy(&v, x, 4);
+      return static_cast<double>(v);
+    }
+    case DType::kI16: {
+      std::int16_t v;
+      std::memcpy(&v, x, 2);
+      return static_cast<double>(v);
+    }
+    case DType::kI8: {
+      std::int8_t v;
+      std::memcpy(&v, x, 1);
+      return static_cast<double>(v);
+    }
+    case DType::kU8:
+    case DType::kBool: {
+      std::uint8_t v;
+      std::memcpy(&v, x, 1);
+      return static_cast<double>(v);
+    }
+  }
+  return 0;
+}
+
 }  // namespace rs

@@ -65,4 +65,8 @@ float F8E5M2ToF32(std::uint8_t v);
 // floating (RS_CHECK).
 void ConvertFloats(DType from, const void* src, DType to, void* dst, std::size_t n);
 
+// Element `i` of a little-endian buffer of dtype `t` (unaligned is fine), as a double: exact
+// for floats and for integers up to 2^53.
+double ElementAsDouble(DType t, const std::byte* p, std::int64_t i = 0);
+
 }  // namespace rs

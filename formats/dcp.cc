@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -265,6 +266,11 @@ std::span<const PickleGlobal> DcpMetadataGlobals() {
 std::span<const PickleGlobal> TorchSaveGlobals() {
   static const std::vector<PickleGlobal> kGlobals = MakeTorchSaveGlobals();
   return kGlobals;
+}
+
+std::optional<std::int64_t> StepCount(double v) {
+  if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e15) return std::nullopt;
+  return static_cast<std::int64_t>(v);
 }
 
 std::optional<DType> DTypeOfStorageClass(std::string_view name) {

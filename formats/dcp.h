@@ -44,6 +44,10 @@ std::span<const PickleGlobal> TorchSaveGlobals();
 // The element type of a legacy torch storage class ("FloatStorage", ...); nullopt otherwise.
 std::optional<DType> DTypeOfStorageClass(std::string_view name);
 
+// An optimizer step read as a number: the integer when `v` is finite, >= 0, integral and at
+// most 9e15 (exact in a double); nullopt otherwise.
+std::optional<std::int64_t> StepCount(double v);
+
 // A torch dtype global ("float32", "bfloat16", ...: the attribute of `torch`) as ours;
 // nullopt for dtypes we do not have (complex, quantized, uint16, ...).
 std::optional<DType> DTypeFromTorch(std::string_view name);

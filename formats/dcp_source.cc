@@ -1,7 +1,6 @@
 #include "formats/dcp_source.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -26,45 +25,6 @@ std::int64_t RankOfFile(const std::string& file) {
   for (; i < file.size() && file[i] >= '0' && file[i] <= '9' && r < (std::int64_t{1} << 40); ++i)
     r = r * 10 + (file[i] - '0');
   return i > 2 && i < file.size() && file[i] == '_' ? r : 0;
-}
-
-// A scalar's value as a double (any of our dtypes).
-double ScalarValue(DType t, const std::byte* p) {
-  switch (t) {
-    case DType::kI64: {
-      std::int64_t v;
-      std::memcpy(&v, p, 8);
-      return static_cast<double>(v);
-    }
-    case DType::kI32: {
-      std::int32_t v;
-      std::memcpy(&v, p, 4);
-      return v;
-    }
-    case DType::kI16: {
-      std::int16_t v;
-      std::memcpy(&v, p, 2);
-      return v;
-    }
-    case DType::kI8: {
-      std::int8_t v;
-      std::memcpy(&v, p, 1);
-      return v;
-    }
-    case DType::kU8:
-    case DType::kBool:
-      return static_cast<double>(static_cast<unsigned char>(*p));
-    case DType::kF64: {
-      double v;
-      std::memcpy(&v, p, 8);
-      return v;
-    }
-    default: {
-      float v = 0;
-      ConvertFloats(t, p, DType::kF32, &v, 1);
-      return static_cast<double>(v);
-    }
-  }
 }
 
 std::string Listed(const std::vector<std::string>& names, std::size_t max = 6) {
@@ -499,7 +459,7 @@ Result<std::int64_t> DcpSource::Step() {
   std::optional<double> value;
   std::string first;
   auto take = [&](double v, const std::string& key) -> Status {
-    if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e15) {
+    if (!StepCount(v)) {
       return DataLoss(dcp_->dir() + ": optimizer step '" + key + "' is " + std::to_string(v) + ", not a count");
     }
     if (!value) {
@@ -517,7 +477,7 @@ Result<std::int64_t> DcpSource::Step() {
     const DcpTensor& t = md.tensors[ti];
     std::byte buf[8] = {};
     RS_RETURN_IF_ERROR(dcp_->ReadChunk(ti, 0, 0, std::span(buf).first(DTypeSize(t.dtype))));
-    RS_RETURN_IF_ERROR(take(ScalarValue(t.dtype, buf), fqn));
+    RS_RETURN_IF_ERROR(take(ElementAsDouble(t.dtype, buf), fqn));
   }
   for (const std::string& fqn : step_objects) {
     RS_ASSIGN_OR_RETURN(const PickleTree tree, dcp_->ReadObject(fqn));

@@ -3,7 +3,6 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <string_view>
@@ -354,29 +353,13 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
       RS_ASSIGN_OR_RETURN(const std::int64_t rec_at, zip.DataOffset(read, *rec));
       std::byte raw[8] = {};
       RS_RETURN_IF_ERROR(read(rec_at + off * es, std::span(raw).first(static_cast<std::size_t>(es))));
-      if (*dt == DType::kI64) {
-        std::int64_t i = 0;
-        std::memcpy(&i, raw, 8);
-        v = static_cast<double>(i);
-      } else if (*dt == DType::kI32) {
-        std::int32_t i = 0;
-        std::memcpy(&i, raw, 4);
-        v = i;
-      } else if (*dt == DType::kF64) {
-        std::memcpy(&v, raw, 8);
-      } else if (*dt == DType::kF32) {
-        float f = 0;
-        std::memcpy(&f, raw, 4);
-        v = static_cast<double>(f);
-      } else {
-        return bad("is a tensor of " + std::string(DTypeName(*dt)));
-      }
+      v = ElementAsDouble(*dt, raw);
     } else {
       return bad("is a " + tree.Describe(node) + ", not a number");
     }
-    if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e15)
-      return bad("is " + std::to_string(v) + ", not a count");
-    return static_cast<std::int64_t>(v);
+    const std::optional<std::int64_t> step = StepCount(v);
+    if (!step) return bad("is " + std::to_string(v) + ", not a count");
+    return *step;
   };
 
   const std::size_t inner = DictGet(tree, DictGet(tree, tree.root(), "optimizer"), "optimizer");

@@ -17,58 +17,6 @@ namespace rs {
 
 namespace {
 
-// Item `i` of a little-endian buffer of dtype `t`, as a double.
-double ValueAt(DType t, const std::byte* p, std::int64_t i) {
-  const std::byte* x = p + static_cast<std::size_t>(i) * DTypeSize(t);
-  switch (t) {
-    case DType::kF64: {
-      double v;
-      std::memcpy(&v, x, 8);
-      return v;
-    }
-    case DType::kF32: {
-      float v;
-      std::memcpy(&v, x, 4);
-      return static_cast<double>(v);
-    }
-    case DType::kF16:
-    case DType::kBF16:
-    case DType::kF8E4M3:
-    case DType::kF8E5M2: {
-      float v;
-      ConvertFloats(t, x, DType::kF32, &v, 1);
-      return static_cast<double>(v);
-    }
-    case DType::kI64: {
-      std::int64_t v;
-      std::memcpy(&v, x, 8);
-      return static_cast<double>(v);
-    }
-    case DType::kI32: {
-      std::int32_t v;
-      std::memcpy(&v, x, 4);
-      return static_cast<double>(v);
-    }
-    case DType::kI16: {
-      std::int16_t v;
-      std::memcpy(&v, x, 2);
-      return static_cast<double>(v);
-    }
-    case DType::kI8: {
-      std::int8_t v;
-      std::memcpy(&v, x, 1);
-      return static_cast<double>(v);
-    }
-    case DType::kU8:
-    case DType::kBool: {
-      std::uint8_t v;
-      std::memcpy(&v, x, 1);
-      return static_cast<double>(v);
-    }
-  }
-  return 0;
-}
-
 struct Work {
   std::size_t diff = 0;  // index into report.tensors
   ItemRange window;
@@ -210,8 +158,8 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
       double max_abs = 0;
       double max_rel = 0;
       for (std::int64_t k = 0; k < w.window.size(); ++k) {
-        const double x = ValueAt(ta.dtype, ba.data(), k);
-        const double y = ValueAt(tb.dtype, bb.data(), k);
+        const double x = ElementAsDouble(ta.dtype, ba.data(), k);
+        const double y = ElementAsDouble(tb.dtype, bb.data(), k);
         const bool same =
             ta.dtype == tb.dtype
                 ? std::memcmp(ba.data() + static_cast<std::size_t>(k) * DTypeSize(ta.dtype),
