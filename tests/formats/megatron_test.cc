@@ -280,6 +280,60 @@ TEST(MegatronSourceTest, ModelMismatchesAreNamed) {
   auto missing = DcpSource::Open(dir, so);
   ASSERT_FALSE(missing.ok());
   ExpectNames(missing.status().message(), {"layers.0.gdn.in_proj.weight", "missing: 'alpha'"});
+  // The distributed optimizer's dp_reshardable flat buffers: refused, naming the formats to use.
+  const std::string flat = CopyFixture("homogeneous_f32", tmp.path() + "/flat", "dp_reshardable");
+  so.model = FixtureModel("homogeneous_f32");
+  auto dp = DcpSource::Open(flat, so);
+  ASSERT_FALSE(dp.ok());
+  EXPECT_EQ(dp.status().code(), ErrorCode::kFailedPrecondition);
+  ExpectNames(dp.status().message(), {"dp_reshardable format", "fully_sharded_model_space or fully_reshardable"});
+}
+
+// Damaged Megatron directories (make_variants.py): each is DataLoss naming the file and what is
+// wrong with the keys, the chunk or common.pt.
+TEST(MegatronSourceTest, DamagedDirectoriesAreNamed) {
+  struct Case {
+    const char* fixture;
+    const char* variant;  // variants/<variant> replaces .metadata or common.pt
+    std::vector<std::string> needles;
+  };
+  const Case cases[] = {
+      {"gdn_singleton_f32",
+       "two_keys_one_part.metadata",
+       {"optimizer.state.fp32_param.decoder.layers.0.self_attention.in_proj.weight.alpha",
+        "optimizer.state.param.decoder.layers.0.self_attention.in_proj.weight.alpha",
+        "both map to the part alpha of the tensor 'layers.0.gdn.in_proj.weight/master'"}},
+      {"gdn_singleton_f32",
+       "whole_and_part.metadata",
+       {"'decoder.layers.0.mlp.shared_experts.linear_fc1.weight' (the whole tensor)",
+        "'decoder.layers.0.mlp.shared_experts.linear_fc1.weight_w' (a part)", "'layers.0.moe.shared.fc1.weight'"}},
+      {"gdn_singleton_f32",
+       "part_dtype.metadata",
+       {"in_proj.weight.beta'", "parts of the tensor 'layers.0.gdn.in_proj.weight', differ in dtype (f32 and bf16)"}},
+      {"homogeneous_f32",
+       "two_layer_chunk.metadata",
+       {"chunk at [0, 0, 0] of the layer-stacked key 'decoder.layers.mlp.router.weight' spans 2 layers"}},
+      {"hetero_bf16",
+       "steps_differ.common.pt",
+       {"common.pt: the param groups' steps differ (2 and 3 at optimizer.optimizer.param_groups[1].step)"}},
+      {"hetero_bf16",
+       "step_string.common.pt",
+       {"common.pt: optimizer.optimizer.state.common_step is a str, not a number"}},
+  };
+  ScratchDir tmp;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.variant);
+    const std::string dir = CopyFixture(c.fixture, tmp.path() + "/" + c.variant);
+    const std::string variant = c.variant;
+    const std::string target = variant.ends_with(".common.pt") ? "/common.pt" : "/.metadata";
+    fs::copy_file(kMegatron + "/variants/" + variant, dir + target, fs::copy_options::overwrite_existing);
+    DcpSourceOptions so;
+    so.model = FixtureModel(c.fixture);
+    auto src = DcpSource::Open(dir, so);
+    ASSERT_FALSE(src.ok());
+    EXPECT_EQ(src.status().code(), ErrorCode::kDataLoss) << src.status().ToString();
+    ExpectNames(src.status().message(), c.needles);
+  }
 }
 
 TEST(MegatronSourceTest, WithoutAModelNamesStayMegatrons) {
