@@ -56,20 +56,6 @@ T* DeviceCopy(const T* host, std::int64_t n) {
 
 }  // namespace
 
-bool DeviceAvailable(std::string* why) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    if (why) *why = std::string("no usable CUDA device: ") + cudaGetErrorString(err);
-    return false;
-  }
-  if (count == 0) {
-    if (why) *why = "no CUDA device present";
-    return false;
-  }
-  return true;
-}
-
 void PermutePadDevice(const float* x, std::int64_t d, const std::int32_t* owner, std::int64_t padded_rows, float* out,
                       void* stream) {
   if (padded_rows == 0) return;

@@ -11,11 +11,9 @@
 #include <string>
 
 #include "core/status.h"
+#include "train/cuda/device.h"
 
 namespace rs::cuda {
-
-// True when a CUDA device is usable; otherwise `why` says what is missing.
-bool DeviceAvailable(std::string* why);
 
 // owner[r] for r in [0, padded_rows): the token whose row lands in padded row r, or -1 for a
 // padding row. x: [num_tokens, d]; out: [padded_rows, d].
