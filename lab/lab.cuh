@@ -46,8 +46,8 @@ class Args {
 struct DevicePeaks {
   std::string name;
   int sms = 0;
-  double hbm_bytes_per_s = 0;    // from the memory clock and bus width the device reports
-  double bf16_dense_flops = 0;   // nominal dense bf16 tensor-core peak of known parts, else 0
+  double hbm_bytes_per_s = 0;   // from the memory clock and bus width the device reports
+  double bf16_dense_flops = 0;  // nominal dense bf16 tensor-core peak of known parts, else 0
   std::size_t l2_bytes = 0;
 };
 
@@ -65,7 +65,8 @@ inline DevicePeaks QueryPeaks() {
   RS_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev));
   p.hbm_bytes_per_s = 2.0 * mem_khz * 1e3 * bus_bits / 8.0;  // double data rate
   // NVIDIA's datasheet figures, dense (no sparsity): H100 SXM and H200 989 TFLOP/s, H100 PCIe 756.
-  if (p.name.find("H100") != std::string::npos) p.bf16_dense_flops = p.name.find("PCIe") != std::string::npos ? 756e12 : 989e12;
+  if (p.name.find("H100") != std::string::npos)
+    p.bf16_dense_flops = p.name.find("PCIe") != std::string::npos ? 756e12 : 989e12;
   if (p.name.find("H200") != std::string::npos) p.bf16_dense_flops = 989e12;
   return p;
 }
@@ -112,7 +113,8 @@ double TimeMs(F&& f, int warmup = 3, int reps = 20, bool flush_l2 = true) {
 // One line per measured kernel: time, bytes moved (or FLOPs) and the share of the peak.
 inline void ReportBandwidth(const char* what, double ms, double bytes, const DevicePeaks& p) {
   const double rate = bytes / (ms * 1e-3);
-  std::printf("%-44s %9.3f ms  %8.1f GB/s  %5.1f %% of HBM peak\n", what, ms, rate / 1e9, 100.0 * rate / p.hbm_bytes_per_s);
+  std::printf("%-44s %9.3f ms  %8.1f GB/s  %5.1f %% of HBM peak\n", what, ms, rate / 1e9,
+              100.0 * rate / p.hbm_bytes_per_s);
 }
 inline void ReportFlops(const char* what, double ms, double flops, const DevicePeaks& p) {
   const double rate = flops / (ms * 1e-3);

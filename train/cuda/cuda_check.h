@@ -18,9 +18,9 @@ inline const char* ErrorString(cublasStatus_t s) { return cublasGetStatusString(
 }  // namespace rs::cuda::detail
 
 // RS_CUDA_CHECK(cudaMemcpyAsync(...)); RS_CUDA_CHECK(cublasGemmEx(...));
-#define RS_CUDA_CHECK(call)                                                        \
-  do {                                                                             \
-    const auto rs_cuda_status_ = (call);                                           \
-    RS_CHECK_MSG(::rs::cuda::detail::IsOk(rs_cuda_status_),                        \
+#define RS_CUDA_CHECK(call)                                                          \
+  do {                                                                               \
+    const auto rs_cuda_status_ = (call);                                             \
+    RS_CHECK_MSG(::rs::cuda::detail::IsOk(rs_cuda_status_),                          \
                  #call << ": " << ::rs::cuda::detail::ErrorString(rs_cuda_status_)); \
   } while (0)
