@@ -1,0 +1,83 @@
+// CUDA kernels for the MoE routers of train/router.h, forward and backward, with the same
+// semantics as the CPU Router<float> (the tests compare the two): top-k with softmax after
+// selection, softmax before selection, sigmoid with aux-loss-free expert bias, group-limited
+// and Sinkhorn; the load-balancing (aux) loss and the z-loss with their gradients; the
+// aux-loss-free bias update.
+//
+// Routers run in f32 (Megatron's router dtype): logits, gate weights and gradients are f32;
+// the batch statistics (per-expert probability sums, Σ lse², Sinkhorn's scalings) are
+// accumulated in f64, as on the CPU.
+//
+// Habits: no call allocates (the forward pass takes a workspace of RouterWorkspaceBytes
+// bytes), every call takes its stream and only enqueues work (no host round trip, Sinkhorn
+// included), and every result is deterministic: no floating-point atomics; each sum is taken in
+// a fixed order (per-block partials, then one reduction over the blocks in block order), and
+// that order depends on the shapes only, not on the device.
+//
+// Sinkhorn runs all its iterations in one cooperative kernel (grid-wide barriers between the
+// phases, a grid no larger than the blocks the device holds at once): every block computes the
+// same largest column change and leaves the loop at the same iteration, so nothing goes back to
+// the host and no launch is wasted after convergence.
+//
+// Single process for now: the statistics are over this call's n rows. The forward pass is built
+// so that a data-parallel caller can later all-reduce between its steps: (1) the routing kernel
+// writes per-block partial sums; (2) a reduction turns them into this rank's per-expert
+// assignment counts, per-expert probability sums and Σ lse² – the place for an all-reduce of
+// those 2E+1 numbers; (3) a one-block kernel forms the losses. Sinkhorn's iteration has the same
+// split: (A) row scalings and per-chunk column partials, (B) column sums over the chunks and the
+// new column scalings; with several ranks the column sums of (B) are the all-reduce, so (A) and
+// (B) would become separate launches around it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "train/router.h"
+
+namespace rs::cuda {
+
+// One warp holds a row of logits in registers, 32 · 8 of them at most.
+inline constexpr std::int64_t kRouterMaxExperts = 256;
+
+// Device arrays the forward pass writes (all caller-owned).
+struct RouterOutputs {
+  std::int32_t* experts = nullptr;  // [n, k] per token, by descending selection score, ties to the lower index
+  float* probs = nullptr;           // [n, k] gate weights
+  std::int64_t* loads = nullptr;    // [E] (token, slot) assignments per expert
+  float* aux_loss = nullptr;        // [1] coefficient included
+  float* z_loss = nullptr;          // [1] coefficient included
+  // [1] Sinkhorn only, may be null: row+column rescalings done (as SinkhornBalance reports).
+  std::int32_t* sinkhorn_iterations = nullptr;
+};
+
+// Bytes of device workspace RouterForward needs for n rows (a multiple of 256; the same for
+// the same arguments). The backward pass and the bias update need none.
+std::size_t RouterWorkspaceBytes(const train::RouterOptions& o, std::int64_t n);
+
+// logits: [n, E] f32; expert_bias: [E], required by sigmoid_bias, ignored otherwise.
+// Writes every array of `out` (n = 0: zero loads and losses). Aborts (RS_CHECK) on an invalid
+// configuration or a workspace smaller than RouterWorkspaceBytes(o, n). The workspace is scratch:
+// nothing in it is needed after the call.
+//
+// What the backward pass needs is kept by the caller, not saved here: the logits and the
+// outputs experts, probs and loads. The backward pass recomputes softmax, logsumexp and
+// sigmoid from the logits (one read of [n, E] instead of a write and a read of saved copies).
+void RouterForward(const train::RouterOptions& o, const float* logits, std::int64_t n, const float* expert_bias,
+                   const RouterOutputs& out, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+// dprobs: [n, k] gradient w.r.t. the gate weights of the forward pass that produced experts,
+// probs and loads from these logits with the same configuration. Overwrites dlogits [n, E]
+// with the full gradient: gate path + aux loss + z-loss, as Router<T>::Backward. An expert id
+// outside [0, E) traps the kernel (a programmer error; the next checked CUDA call reports it).
+void RouterBackward(const train::RouterOptions& o, const float* logits, std::int64_t n, const std::int32_t* experts,
+                    const float* probs, const std::int64_t* loads, const float* dprobs, float* dlogits,
+                    cudaStream_t stream);
+
+// The aux-loss-free bias update of train::UpdateExpertBias on the device:
+// bias_i += rate · sign(mean load − load_i), sign(0) = 0, computed in f64 as on the CPU.
+void UpdateExpertBiasDevice(float* bias, const std::int64_t* loads, std::int64_t num_experts, double rate,
+                            cudaStream_t stream);
+
+}  // namespace rs::cuda
