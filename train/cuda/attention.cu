@@ -1,0 +1,495 @@
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "train/cuda/attention.h"
+
+namespace rs::cuda {
+namespace {
+
+constexpr int kThreads = 256;      // elementwise kernels
+constexpr int kWarpsPerBlock = 8;  // row kernels: one warp per row
+
+__device__ __forceinline__ float ToF(float v) { return v; }
+__device__ __forceinline__ float ToF(bf16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T FromF(float v);
+template <>
+__device__ __forceinline__ float FromF<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ bf16 FromF<bf16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// The CPU's rotation, a' = a·c − b·s, b' = b·c + a·s, with every product and sum rounded
+// separately (no fused multiply-add), so f32 results equal train::ApplyRope's bit for bit.
+// `s` carries the direction's sign.
+__device__ __forceinline__ void Rotate(float& a, float& b, float c, float s) {
+  const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  const float rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  a = ra;
+  b = rb;
+}
+
+unsigned Blocks(std::int64_t n, std::int64_t per_block) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
+
+__global__ void RopeTableKernel(std::int64_t positions, std::int64_t head_dim, double theta, float* cos_out,
+                                float* sin_out) {
+  const std::int64_t half = head_dim / 2;
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= positions * half) return;
+  const std::int64_t p = idx / half, i = idx % half;
+  // The CPU's expression, in double, rounded once to f32.
+  const double inv_freq = pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+  const double angle = static_cast<double>(p) * inv_freq;
+  cos_out[idx] = static_cast<float>(cos(angle));
+  sin_out[idx] = static_cast<float>(sin(angle));
+}
+
+template <typename T>
+__global__ void ApplyRopeKernel(T* x, std::int64_t rows, std::int64_t seq, std::int64_t row_stride,
+                                std::int64_t n_heads, std::int64_t head_dim, const float* __restrict__ cos_t,
+                                const float* __restrict__ sin_t, float sign) {
+  const std::int64_t half = head_dim / 2;
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * n_heads * half) return;
+  const std::int64_t i = idx % half, h = idx / half % n_heads, r = idx / half / n_heads;
+  const std::int64_t t = (r % seq) * half + i;
+  T* p = x + r * row_stride + h * head_dim + i;
+  float a = ToF(p[0]), b = ToF(p[half]);
+  Rotate(a, b, cos_t[t], sign * sin_t[t]);
+  p[0] = FromF<T>(a);
+  p[half] = FromF<T>(b);
+}
+
+// raw [N, W] f32 (the QKV GEMM's output) → q, k (rotated) and v head-major in T. One thread
+// per pair (i, i + dh/2) of one head of one row; reads are coalesced along the row.
+template <typename T>
+__global__ void QkvToHeadsKernel(const float* __restrict__ raw, std::int64_t n, std::int64_t seq, std::int64_t nq,
+                                 std::int64_t nkv, std::int64_t dh, const float* __restrict__ cos_t,
+                                 const float* __restrict__ sin_t, T* __restrict__ q, T* __restrict__ k,
+                                 T* __restrict__ v) {
+  const std::int64_t half = dh / 2, heads = nq + 2 * nkv;
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * heads * half) return;
+  const std::int64_t i = idx % half, h = idx / half % heads, r = idx / half / heads;
+  const std::int64_t b = r / seq, pos = r % seq;
+  const float* src = raw + r * heads * dh + h * dh + i;
+  float x0 = src[0], x1 = src[half];
+  if (h < nq + nkv) Rotate(x0, x1, cos_t[pos * half + i], sin_t[pos * half + i]);
+  T* dst;
+  if (h < nq) {
+    dst = q + ((b * nq + h) * seq + pos) * dh;
+  } else if (h < nq + nkv) {
+    dst = k + ((b * nkv + h - nq) * seq + pos) * dh;
+  } else {
+    dst = v + ((b * nkv + h - nq - nkv) * seq + pos) * dh;
+  }
+  dst[i] = FromF<T>(x0);
+  dst[i + half] = FromF<T>(x1);
+}
+
+// The backward of QkvToHeads: dq, dk, dv head-major f32 → inverse RoPE → dqkv [N, W] in T.
+template <typename T>
+__global__ void HeadsToQkvKernel(const float* __restrict__ dq, const float* __restrict__ dk,
+                                 const float* __restrict__ dv, std::int64_t n, std::int64_t seq, std::int64_t nq,
+                                 std::int64_t nkv, std::int64_t dh, const float* __restrict__ cos_t,
+                                 const float* __restrict__ sin_t, T* __restrict__ dqkv) {
+  const std::int64_t half = dh / 2, heads = nq + 2 * nkv;
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * heads * half) return;
+  const std::int64_t i = idx % half, h = idx / half % heads, r = idx / half / heads;
+  const std::int64_t b = r / seq, pos = r % seq;
+  const float* src;
+  if (h < nq) {
+    src = dq + ((b * nq + h) * seq + pos) * dh;
+  } else if (h < nq + nkv) {
+    src = dk + ((b * nkv + h - nq) * seq + pos) * dh;
+  } else {
+    src = dv + ((b * nkv + h - nq - nkv) * seq + pos) * dh;
+  }
+  float x0 = src[i], x1 = src[i + half];
+  if (h < nq + nkv) Rotate(x0, x1, cos_t[pos * half + i], -sin_t[pos * half + i]);
+  T* dst = dqkv + r * heads * dh + h * dh + i;
+  dst[0] = FromF<T>(x0);
+  dst[half] = FromF<T>(x1);
+}
+
+// rows [N, H·dh] ↔ heads [batch, H, seq, dh], one thread per element in row order.
+template <typename T, bool kToRows>
+__global__ void RelayoutKernel(const T* __restrict__ in, std::int64_t n, std::int64_t seq, std::int64_t heads,
+                               std::int64_t dh, T* __restrict__ out) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * heads * dh) return;
+  const std::int64_t e = idx % dh, h = idx / dh % heads, r = idx / dh / heads;
+  const std::int64_t head_major = ((r / seq * heads + h) * seq + r % seq) * dh + e;
+  if constexpr (kToRows) {
+    out[idx] = in[head_major];
+  } else {
+    out[head_major] = in[idx];
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Causal softmax, one warp per row of [rows, seq] (row R is query position R % seq): one
+// online pass for the maximum and the sum of exponentials over j ≤ i, one pass that writes
+// P (zeros above the diagonal). For T = float `probs` may be `scores` (each element is read
+// before the same thread overwrites it), hence no __restrict__.
+template <typename T>
+__global__ void CausalSoftmaxKernel(const float* scores, std::int64_t rows, std::int64_t seq, T* probs) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const std::int64_t last = row % seq;
+  const float* s = scores + row * seq;
+  T* p = probs + row * seq;
+  float m = -INFINITY, l = 0.f;
+  for (std::int64_t j = lane; j <= last; j += 32) {
+    const float v = s[j];
+    if (v > m) {
+      l = l * expf(m - v) + 1.f;
+      m = v;
+    } else {
+      l += expf(v - m);
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    const float l2 = __shfl_xor_sync(0xffffffffu, l, off);
+    const float mm = fmaxf(m, m2);
+    // A lane that saw no element has m = −∞ and contributes nothing (and must not make a NaN).
+    l = (m == -INFINITY ? 0.f : l * expf(m - mm)) + (m2 == -INFINITY ? 0.f : l2 * expf(m2 - mm));
+    m = mm;
+  }
+  const float inv = 1.f / l;
+  for (std::int64_t j = lane; j < seq; j += 32) p[j] = FromF<T>(j <= last ? expf(s[j] - m) * inv : 0.f);
+}
+
+// dS = P ⊙ (dP − Σ_j P ⊙ dP) on j ≤ i, zero above the diagonal; one warp per row. For
+// T = float `ds` may be `dp`.
+template <typename T>
+__global__ void CausalSoftmaxBackwardKernel(const T* __restrict__ probs, const float* dp, std::int64_t rows,
+                                            std::int64_t seq, T* ds) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const std::int64_t last = row % seq;
+  const T* p = probs + row * seq;
+  const float* g = dp + row * seq;
+  T* out = ds + row * seq;
+  float dot = 0.f;
+  for (std::int64_t j = lane; j <= last; j += 32) dot = fmaf(ToF(p[j]), g[j], dot);
+  dot = WarpSum(dot);
+  for (std::int64_t j = lane; j < seq; j += 32) out[j] = FromF<T>(j <= last ? ToF(p[j]) * (g[j] - dot) : 0.f);
+}
+
+// --- cuBLAS ------------------------------------------------------------------------------
+
+template <typename T>
+constexpr cudaDataType_t kDataType = std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
+template <typename T>
+constexpr cublasComputeType_t kCompute = std::is_same_v<T, float> ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+
+enum class Trans { kNo, kYes };
+
+// One row-major operand of a (batched) product: pointer, leading dimension, batch stride.
+struct Mat {
+  const void* p;
+  std::int64_t ld;
+  std::int64_t stride;
+};
+
+// C[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C for each of `batch` products, all
+// row-major (train::Gemm's convention). cuBLAS is column-major, where a row-major matrix is
+// its transpose: so it computes Cᵀ = op(B)ᵀ · op(A)ᵀ with the operands swapped. A and B are
+// of T, C of `c_type` (T or f32).
+template <typename T>
+void RowGemm(cublasHandle_t h, Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, Mat a,
+             Mat b, float beta, void* c, cudaDataType_t c_type, std::int64_t ldc, std::int64_t stride_c,
+             std::int64_t batch) {
+  auto op = [](Trans t) { return t == Trans::kYes ? CUBLAS_OP_T : CUBLAS_OP_N; };
+  RS_CUDA_CHECK(cublasGemmStridedBatchedEx_64(h, op(tb), op(ta), n, m, k, &alpha, b.p, kDataType<T>, b.ld, b.stride,
+                                              a.p, kDataType<T>, a.ld, a.stride, &beta, c, c_type, ldc, stride_c, batch,
+                                              kCompute<T>, CUBLAS_GEMM_DEFAULT));
+}
+
+// The caller's handle runs on the caller's stream; it is only rebound when it is on another
+// stream, since cublasSetStream also resets a workspace set with cublasSetWorkspace.
+void BindHandle(cublasHandle_t handle, cudaStream_t stream) {
+  cudaStream_t current = nullptr;
+  RS_CUDA_CHECK(cublasGetStream(handle, &current));
+  if (current != stream) RS_CUDA_CHECK(cublasSetStream(handle, stream));
+  cublasPointerMode_t mode{};
+  RS_CUDA_CHECK(cublasGetPointerMode(handle, &mode));
+  RS_CHECK_MSG(mode == CUBLAS_POINTER_MODE_HOST, "the attention GEMMs pass alpha and beta on the host");
+}
+
+// --- Memory plan -------------------------------------------------------------------------
+
+struct Sizes {
+  std::int64_t n, nq, nkv, dh, w, c, group, probs;  // probs: elements of [batch, nq, seq, seq]
+};
+
+Sizes SizesOf(const AttentionShape& s, const AttentionDims& d) {
+  RS_CHECK(s.d_model > 0 && s.n_heads > 0 && s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0);
+  RS_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0);
+  RS_CHECK(d.batch > 0 && d.seq > 0);
+  const std::int64_t n = d.batch * d.seq;
+  return Sizes{n,
+               s.n_heads,
+               s.n_kv_heads,
+               s.head_dim,
+               (s.n_heads + 2 * s.n_kv_heads) * s.head_dim,
+               s.n_heads * s.head_dim,
+               s.n_heads / s.n_kv_heads,
+               d.batch * s.n_heads * d.seq * d.seq};
+}
+
+template <typename T>
+AttentionActivations<T> CarveActivations(const Sizes& z, WorkspaceCarver* c) {
+  AttentionActivations<T> a;
+  a.q = c->Take<T>(z.n * z.nq * z.dh);
+  a.k = c->Take<T>(z.n * z.nkv * z.dh);
+  a.v = c->Take<T>(z.n * z.nkv * z.dh);
+  a.probs = c->Take<T>(z.probs);
+  a.ctx = c->Take<T>(z.n * z.c);
+  return a;
+}
+
+// Forward scratch. With T = float the softmax runs in place on the probabilities, so the f32
+// scores need no buffer of their own.
+template <typename T>
+struct ForwardScratch {
+  float* raw = nullptr;     // [N, W]
+  float* scores = nullptr;  // [batch, nq, seq, seq]
+  T* ctx_heads = nullptr;   // [batch, nq, seq, dh]
+};
+template <typename T>
+ForwardScratch<T> CarveForward(const Sizes& z, WorkspaceCarver* c) {
+  ForwardScratch<T> f;
+  f.raw = c->Take<float>(z.n * z.w);
+  if constexpr (!std::is_same_v<T, float>) f.scores = c->Take<float>(z.probs);
+  f.ctx_heads = c->Take<T>(z.n * z.c);
+  return f;
+}
+
+template <typename T>
+struct BackwardScratch {
+  T* dctx = nullptr;        // [N, C]
+  T* dctx_heads = nullptr;  // [batch, nq, seq, dh]
+  float* dp = nullptr;      // [batch, nq, seq, seq]
+  T* ds = nullptr;          // [batch, nq, seq, seq]; dp itself when T = float
+  float* dq = nullptr;      // [batch, nq, seq, dh]
+  float* dk = nullptr;      // [batch, nkv, seq, dh]
+  float* dv = nullptr;      // [batch, nkv, seq, dh]
+  T* dqkv = nullptr;        // [N, W]
+};
+template <typename T>
+BackwardScratch<T> CarveBackward(const Sizes& z, WorkspaceCarver* c) {
+  BackwardScratch<T> b;
+  b.dctx = c->Take<T>(z.n * z.c);
+  b.dctx_heads = c->Take<T>(z.n * z.c);
+  b.dp = c->Take<float>(z.probs);
+  if constexpr (std::is_same_v<T, float>) {
+    b.ds = b.dp;
+  } else {
+    b.ds = c->Take<T>(z.probs);
+  }
+  b.dq = c->Take<float>(z.n * z.nq * z.dh);
+  b.dk = c->Take<float>(z.n * z.nkv * z.dh);
+  b.dv = c->Take<float>(z.n * z.nkv * z.dh);
+  b.dqkv = c->Take<T>(z.n * z.w);
+  return b;
+}
+
+void CheckRope(const RopeTable& rope, const AttentionShape& s, const AttentionDims& d) {
+  RS_CHECK_MSG(rope.head_dim == s.head_dim && rope.positions >= d.seq && rope.cos != nullptr,
+               "RoPE table of " << rope.positions << " positions, head_dim " << rope.head_dim << " does not cover seq "
+                                << d.seq << ", head_dim " << s.head_dim);
+}
+
+}  // namespace
+
+std::size_t RopeTableBytes(std::int64_t positions, std::int64_t head_dim) {
+  WorkspaceCarver c(nullptr);
+  c.Take<float>(positions * (head_dim / 2));
+  c.Take<float>(positions * (head_dim / 2));
+  return c.bytes();
+}
+
+RopeTable ComputeRopeTable(std::int64_t positions, std::int64_t head_dim, double theta, void* memory,
+                           std::size_t memory_bytes, cudaStream_t stream) {
+  RS_CHECK(positions > 0 && head_dim > 0 && head_dim % 2 == 0);
+  RS_CHECK_MSG(memory_bytes >= RopeTableBytes(positions, head_dim),
+               "RoPE table memory of " << memory_bytes << " bytes is too small");
+  WorkspaceCarver c(memory);
+  RopeTable t;
+  t.positions = positions;
+  t.head_dim = head_dim;
+  t.cos = c.Take<float>(positions * (head_dim / 2));
+  t.sin = c.Take<float>(positions * (head_dim / 2));
+  const std::int64_t n = positions * (head_dim / 2);
+  RopeTableKernel<<<Blocks(n, kThreads), kThreads, 0, stream>>>(positions, head_dim, theta, t.cos, t.sin);
+  RS_CUDA_CHECK(cudaGetLastError());
+  return t;
+}
+
+template <typename T>
+void ApplyRope(T* x, std::int64_t rows, std::int64_t seq, std::int64_t row_stride, std::int64_t n_heads,
+               const RopeTable& table, RopeDirection dir, cudaStream_t stream) {
+  RS_CHECK(seq > 0 && seq <= table.positions && n_heads * table.head_dim <= row_stride);
+  const std::int64_t n = rows * n_heads * (table.head_dim / 2);
+  if (n == 0) return;
+  ApplyRopeKernel<T><<<Blocks(n, kThreads), kThreads, 0, stream>>>(x, rows, seq, row_stride, n_heads, table.head_dim,
+                                                                   table.cos, table.sin,
+                                                                   dir == RopeDirection::kForward ? 1.f : -1.f);
+  RS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+AttentionBytes AttentionMemoryBytes(const AttentionShape& shape, const AttentionDims& dims) {
+  const Sizes z = SizesOf(shape, dims);
+  AttentionBytes b;
+  WorkspaceCarver act(nullptr), fwd(nullptr), bwd(nullptr);
+  CarveActivations<T>(z, &act);
+  CarveForward<T>(z, &fwd);
+  CarveBackward<T>(z, &bwd);
+  b.activations = act.bytes();
+  b.workspace = fwd.bytes() > bwd.bytes() ? fwd.bytes() : bwd.bytes();
+  return b;
+}
+
+template <typename T>
+AttentionActivations<T> CarveAttentionActivations(const AttentionShape& shape, const AttentionDims& dims,
+                                                  void* activations) {
+  WorkspaceCarver c(activations);
+  return CarveActivations<T>(SizesOf(shape, dims), &c);
+}
+
+template <typename T>
+void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
+                      const RopeTable& rope, const T* x, const T* wqkv, const T* wout, T* y, void* activations,
+                      std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  const Sizes z = SizesOf(shape, dims);
+  const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims);
+  RS_CHECK_MSG(activation_bytes >= need.activations && workspace_bytes >= need.workspace,
+               "attention memory too small: activations " << activation_bytes << " < " << need.activations
+                                                          << " or workspace " << workspace_bytes << " < "
+                                                          << need.workspace);
+  CheckRope(rope, shape, dims);
+  BindHandle(handle, stream);
+  WorkspaceCarver ac(activations), wc(workspace);
+  const AttentionActivations<T> a = CarveActivations<T>(z, &ac);
+  ForwardScratch<T> f = CarveForward<T>(z, &wc);
+  if constexpr (std::is_same_v<T, float>) f.scores = a.probs;
+  const std::int64_t seq = dims.seq, batch = dims.batch, d = shape.d_model;
+  const std::int64_t gs = z.group * seq;  // rows of one kv head's stacked query heads
+  const std::int64_t half = z.dh / 2;
+  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(z.dh)));
+  const std::int64_t pairs = z.n * (z.nq + 2 * z.nkv) * half;
+  const std::int64_t rows = batch * z.nq * seq;
+
+  // qkv = x · wqkvᵀ in f32, then RoPE and the head-major layout in one pass.
+  RowGemm<T>(handle, Trans::kNo, Trans::kYes, z.n, z.w, d, 1.f, {x, d, 0}, {wqkv, d, 0}, 0.f, f.raw, CUDA_R_32F, z.w, 0,
+             1);
+  QkvToHeadsKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(f.raw, z.n, seq, z.nq, z.nkv, z.dh, rope.cos,
+                                                                        rope.sin, a.q, a.k, a.v);
+  RS_CUDA_CHECK(cudaGetLastError());
+  // S_g = scale · Q_g · K_gᵀ for each (batch, kv head): Q_g is [group·seq, dh].
+  RowGemm<T>(handle, Trans::kNo, Trans::kYes, gs, seq, z.dh, scale, {a.q, z.dh, gs * z.dh}, {a.k, z.dh, seq * z.dh},
+             0.f, f.scores, CUDA_R_32F, seq, gs * seq, batch * z.nkv);
+  CausalSoftmaxKernel<T>
+      <<<Blocks(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(f.scores, rows, seq, a.probs);
+  RS_CUDA_CHECK(cudaGetLastError());
+  // ctx_g = P_g · V_g, then back to the row layout for the output projection.
+  RowGemm<T>(handle, Trans::kNo, Trans::kNo, gs, z.dh, seq, 1.f, {a.probs, seq, gs * seq}, {a.v, z.dh, seq * z.dh}, 0.f,
+             f.ctx_heads, kDataType<T>, z.dh, gs * z.dh, batch * z.nkv);
+  RelayoutKernel<T, /*kToRows=*/true>
+      <<<Blocks(z.n * z.c, kThreads), kThreads, 0, stream>>>(f.ctx_heads, z.n, seq, z.nq, z.dh, a.ctx);
+  RS_CUDA_CHECK(cudaGetLastError());
+  RowGemm<T>(handle, Trans::kNo, Trans::kYes, z.n, d, z.c, 1.f, {a.ctx, z.c, 0}, {wout, z.c, 0}, 0.f, y, kDataType<T>,
+             d, 0, 1);
+}
+
+template <typename T>
+void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
+                       const RopeTable& rope, const T* x, const T* wqkv, const T* wout, const void* activations,
+                       std::size_t activation_bytes, const T* dy, T* dx, float* dwqkv, float* dwout, void* workspace,
+                       std::size_t workspace_bytes, cudaStream_t stream) {
+  const Sizes z = SizesOf(shape, dims);
+  const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims);
+  RS_CHECK_MSG(activation_bytes >= need.activations && workspace_bytes >= need.workspace,
+               "attention memory too small: activations " << activation_bytes << " < " << need.activations
+                                                          << " or workspace " << workspace_bytes << " < "
+                                                          << need.workspace);
+  CheckRope(rope, shape, dims);
+  BindHandle(handle, stream);
+  // The saved activations are only read; the carver hands out non-const views of them.
+  WorkspaceCarver ac(const_cast<void*>(activations)), wc(workspace);
+  const AttentionActivations<T> a = CarveActivations<T>(z, &ac);
+  const BackwardScratch<T> g = CarveBackward<T>(z, &wc);
+  const std::int64_t seq = dims.seq, batch = dims.batch, d = shape.d_model;
+  const std::int64_t gs = z.group * seq;
+  const std::int64_t half = z.dh / 2;
+  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(z.dh)));
+  const std::int64_t pairs = z.n * (z.nq + 2 * z.nkv) * half;
+  const std::int64_t rows = batch * z.nq * seq;
+  const std::int64_t groups = batch * z.nkv;
+
+  // Output projection.
+  RowGemm<T>(handle, Trans::kNo, Trans::kNo, z.n, z.c, d, 1.f, {dy, d, 0}, {wout, z.c, 0}, 0.f, g.dctx, kDataType<T>,
+             z.c, 0, 1);
+  RowGemm<T>(handle, Trans::kYes, Trans::kNo, d, z.c, z.n, 1.f, {dy, d, 0}, {a.ctx, z.c, 0}, 1.f, dwout, CUDA_R_32F,
+             z.c, 0, 1);
+  RelayoutKernel<T, /*kToRows=*/false>
+      <<<Blocks(z.n * z.c, kThreads), kThreads, 0, stream>>>(g.dctx, z.n, seq, z.nq, z.dh, g.dctx_heads);
+  RS_CUDA_CHECK(cudaGetLastError());
+  // dP_g = dctx_g · V_gᵀ; dV_g = P_gᵀ · dctx_g sums the group's query heads in its inner
+  // dimension (group·seq).
+  RowGemm<T>(handle, Trans::kNo, Trans::kYes, gs, seq, z.dh, 1.f, {g.dctx_heads, z.dh, gs * z.dh},
+             {a.v, z.dh, seq * z.dh}, 0.f, g.dp, CUDA_R_32F, seq, gs * seq, groups);
+  RowGemm<T>(handle, Trans::kYes, Trans::kNo, seq, z.dh, gs, 1.f, {a.probs, seq, gs * seq},
+             {g.dctx_heads, z.dh, gs * z.dh}, 0.f, g.dv, CUDA_R_32F, z.dh, seq * z.dh, groups);
+  CausalSoftmaxBackwardKernel<T>
+      <<<Blocks(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(a.probs, g.dp, rows, seq, g.ds);
+  RS_CUDA_CHECK(cudaGetLastError());
+  // dQ_g = scale · dS_g · K_g; dK_g = scale · dS_gᵀ · Q_g (again summing the group).
+  RowGemm<T>(handle, Trans::kNo, Trans::kNo, gs, z.dh, seq, scale, {g.ds, seq, gs * seq}, {a.k, z.dh, seq * z.dh}, 0.f,
+             g.dq, CUDA_R_32F, z.dh, gs * z.dh, groups);
+  RowGemm<T>(handle, Trans::kYes, Trans::kNo, seq, z.dh, gs, scale, {g.ds, seq, gs * seq}, {a.q, z.dh, gs * z.dh}, 0.f,
+             g.dk, CUDA_R_32F, z.dh, seq * z.dh, groups);
+  HeadsToQkvKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(g.dq, g.dk, g.dv, z.n, seq, z.nq, z.nkv, z.dh,
+                                                                        rope.cos, rope.sin, g.dqkv);
+  RS_CUDA_CHECK(cudaGetLastError());
+  // Input projection.
+  RowGemm<T>(handle, Trans::kNo, Trans::kNo, z.n, d, z.w, 1.f, {g.dqkv, z.w, 0}, {wqkv, d, 0}, 0.f, dx, kDataType<T>, d,
+             0, 1);
+  RowGemm<T>(handle, Trans::kYes, Trans::kNo, z.w, d, z.n, 1.f, {g.dqkv, z.w, 0}, {x, d, 0}, 1.f, dwqkv, CUDA_R_32F, d,
+             0, 1);
+}
+
+#define RS_ATTENTION_INSTANTIATE(T)                                                                                  \
+  template void ApplyRope<T>(T*, std::int64_t, std::int64_t, std::int64_t, std::int64_t, const RopeTable&,           \
+                             RopeDirection, cudaStream_t);                                                           \
+  template AttentionBytes AttentionMemoryBytes<T>(const AttentionShape&, const AttentionDims&);                      \
+  template AttentionActivations<T> CarveAttentionActivations<T>(const AttentionShape&, const AttentionDims&, void*); \
+  template void AttentionForward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&,   \
+                                    const T*, const T*, const T*, T*, void*, std::size_t, void*, std::size_t,        \
+                                    cudaStream_t);                                                                   \
+  template void AttentionBackward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&,  \
+                                     const T*, const T*, const T*, const void*, std::size_t, const T*, T*, float*,   \
+                                     float*, void*, std::size_t, cudaStream_t);
+RS_ATTENTION_INSTANTIATE(float)
+RS_ATTENTION_INSTANTIATE(bf16)
+#undef RS_ATTENTION_INSTANTIATE
+
+}  // namespace rs::cuda

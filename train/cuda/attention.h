@@ -1,0 +1,138 @@
+// Causal grouped-query self-attention with rotary position embedding and a fused QKV projection
+// on the GPU, forward and backward (train/attention.h is the CPU twin and the reference;
+// train/MODEL.md §4 states the maths). Shapes, with N = batch·seq, W = (nq + 2·nkv)·dh and
+// C = nq·dh:
+//
+//   forward   qkv = x · wqkvᵀ                    [N, W]   f32 scratch
+//             q, k (rotated), v → head-major     [batch, heads, seq, dh]        saved
+//             S = q·kᵀ / sqrt(dh), causal        [batch, nq, seq, seq] f32      scratch
+//             P = softmax(S) (zero above diag.)  [batch, nq, seq, seq]          saved
+//             ctx = P · v → rows                 [N, C]                         saved
+//             y = ctx · woutᵀ                    [N, d]
+//   backward  dctx = dy · wout,  dwout += dyᵀ · ctx
+//             dP = dctx · vᵀ,    dv = Pᵀ · dctx,  dS = P ⊙ (dP − rowsum(P ⊙ dP))
+//             dq = dS · k / sqrt(dh),  dk = dSᵀ · q / sqrt(dh)
+//             dqkv = inverse RoPE of [dq | dk | dv] in row layout          [N, W]
+//             dx = dqkv · wqkv,  dwqkv += dqkvᵀ · x
+//
+// Design: cuBLAS strided-batched GEMMs for the four attention products plus small kernels of
+// our own (RoPE fused with the change to head-major layout, a causal softmax and its backward,
+// layout changes). Like the CPU, the probabilities are materialised, so memory is O(seq²) per
+// head: simple to get exactly right and to check against the CPU, and the seq of this project's
+// presets is at most a few thousand. The GEMMs compute the full seq × seq products (the upper
+// triangle is wasted work, masked by the softmax). A fused flash-style kernel (no P in memory,
+// causal blocks skipped) is the follow-up; this file is its reference.
+//
+// GQA without copies: q is stored head-major, so the nq/nkv query heads that share kv head g
+// are one contiguous [group·seq, dh] matrix. Each attention product is then one strided-batched
+// GEMM over (batch, kv head) pairs, and the gradients of k and v sum over the group's query
+// heads inside the GEMM's inner dimension.
+//
+// Precision. Element type T ∈ {float, bf16} for x, the weights, y, dy, dx and the saved
+// activations (q, k, v, P, ctx). Every GEMM accumulates in f32. The f32 path is true f32
+// (CUBLAS_COMPUTE_32F_PEDANTIC: never TF32, whatever the handle's math mode) so it can be
+// checked tightly against the CPU. Where elementwise maths follows a GEMM (RoPE, softmax and
+// its backward, the inverse RoPE) the GEMM writes f32 and the kernel rounds once to T. The
+// weight gradients dwqkv and dwout are always f32 arrays, accumulated onto (beta = 1). The RoPE
+// table is f32 (angles in double, as the CPU), whatever T is.
+//
+// Memory. Nothing here allocates: AttentionMemoryBytes gives the saved-activation bytes and the
+// scratch workspace bytes (one workspace serves forward and backward) for (shape, dims); the
+// caller passes that much device memory and the calls carve their arrays out of it. Every call
+// takes an explicit stream; the caller owns the cuBLAS handle (host pointer mode, the default),
+// which is bound to that stream.
+//
+// Context parallelism (the CPU's cp branch) is not implemented: AttentionDims has room for it
+// (a first position and a key count other than seq, the probabilities becoming
+// [batch, nq, seq, kv_seq] masked by global position), with the gather and reduce-scatter of
+// k and v around these calls.
+//
+// Preconditions (programmer errors, checked always): n_heads a multiple of n_kv_heads,
+// head_dim even, all sizes positive, seq ≤ the RoPE table's positions.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "train/cuda/device.h"
+
+namespace rs::cuda {
+
+// The same fields as train::AttentionShape (kept separate so the CUDA library does not depend
+// on the CPU training core and its communicator headers).
+struct AttentionShape {
+  std::int64_t d_model = 0;
+  std::int64_t n_heads = 0;     // query heads
+  std::int64_t n_kv_heads = 0;  // key/value heads; divides n_heads
+  std::int64_t head_dim = 0;    // even
+  double rope_theta = 10000.0;
+};
+
+// One call's rows: batch sequences of seq positions each, rows in (batch, position) order.
+struct AttentionDims {
+  std::int64_t batch = 0;
+  std::int64_t seq = 0;
+};
+
+enum class RopeDirection { kForward, kInverse };
+
+// cos/sin [positions, head_dim/2] f32 in caller memory: angle p · theta^(−2i/head_dim)
+// computed in double and rounded once to f32 (the CPU's table).
+struct RopeTable {
+  std::int64_t positions = 0;
+  std::int64_t head_dim = 0;
+  float* cos = nullptr;
+  float* sin = nullptr;
+};
+std::size_t RopeTableBytes(std::int64_t positions, std::int64_t head_dim);
+RopeTable ComputeRopeTable(std::int64_t positions, std::int64_t head_dim, double theta, void* memory,
+                           std::size_t memory_bytes, cudaStream_t stream);
+
+// In place on rows [rows, row_stride] of T: heads [0, n_heads) of head_dim values at the start
+// of each row are rotated for position r % seq (train::ApplyRope on every row). The attention
+// calls fuse this into their layout kernels; it is here for tests and for callers that keep
+// the row layout.
+template <typename T>
+void ApplyRope(T* x, std::int64_t rows, std::int64_t seq, std::int64_t row_stride, std::int64_t n_heads,
+               const RopeTable& table, RopeDirection dir, cudaStream_t stream);
+
+// The saved activations, carved from the caller's activation memory (q and k after RoPE).
+template <typename T>
+struct AttentionActivations {
+  T* q = nullptr;      // [batch, nq, seq, dh]
+  T* k = nullptr;      // [batch, nkv, seq, dh]
+  T* v = nullptr;      // [batch, nkv, seq, dh]
+  T* probs = nullptr;  // [batch, nq, seq, seq], zero above the diagonal
+  T* ctx = nullptr;    // [batch·seq, nq·dh]
+};
+
+struct AttentionBytes {
+  std::size_t activations = 0;  // kept from Forward to Backward
+  std::size_t workspace = 0;    // scratch, free again after each call
+};
+template <typename T>
+AttentionBytes AttentionMemoryBytes(const AttentionShape& shape, const AttentionDims& dims);
+
+// The views Forward writes and Backward reads, for callers (and tests) that inspect them.
+template <typename T>
+AttentionActivations<T> CarveAttentionActivations(const AttentionShape& shape, const AttentionDims& dims,
+                                                  void* activations);
+
+// x [N, d]; wqkv [W, d] with rows [q heads; k heads; v heads]; wout [d, C]. Writes y [N, d]
+// and the saved activations (keep them, x and the weights unchanged until Backward).
+template <typename T>
+void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
+                      const RopeTable& rope, const T* x, const T* wqkv, const T* wout, T* y, void* activations,
+                      std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+// dy [N, d]. Overwrites dx [N, d]; accumulates onto dwqkv [W, d] and dwout [d, C] (f32).
+template <typename T>
+void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
+                       const RopeTable& rope, const T* x, const T* wqkv, const T* wout, const void* activations,
+                       std::size_t activation_bytes, const T* dy, T* dx, float* dwqkv, float* dwout, void* workspace,
+                       std::size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace rs::cuda
