@@ -65,11 +65,12 @@ enum class ExpertSchedule {
   kLargestFirst,  // largest first, each to the stream with the least work so far (LPT)
 };
 
-// The fastest on an H100 (cuBLAS 13.1) for the model sizes of lab/grouped_gemm.cu: per-expert
-// GEMMs ran each product at 0.77-0.94 of a dense GEMM of the same FLOPs, the grouped API at about
-// 0.4 for the data products (its kernels for groups of differing m are far from the dense
-// ones). Eight streams gave the fastest backward block; round robin and largest-first were
-// within the run-to-run noise, so the simpler one is the default.
+// The fastest on an H100 (cuBLAS 13.1) for the model sizes of lab/grouped_gemm.cu, over three
+// runs: per-expert GEMMs ran the products at 0.8-0.97 of a dense GEMM of the same FLOPs (the
+// weakest, fc2's weight gradient, at 0.66-0.82), the grouped API at 0.35-0.45 for the data
+// products (its kernels for groups of differing m are far from the dense ones). Eight streams
+// gave the fastest backward block. Largest-first helped the small weight-gradient products and
+// hurt the forward ones, and the two tied on the whole block, so the simpler one is the default.
 constexpr GroupedGemmBackend kDefaultGroupedGemmBackend = GroupedGemmBackend::kPerExpertStreams;
 constexpr int kDefaultExpertStreams = 8;
 constexpr ExpertSchedule kDefaultExpertSchedule = ExpertSchedule::kRoundRobin;
