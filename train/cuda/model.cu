@@ -1,0 +1,515 @@
+// The CPU headers instantiate templates nvcc warns about spuriously (diagnostic 2810).
+#pragma nv_diag_suppress 2810
+
+#include <algorithm>
+#include <limits>
+
+#include "core/check.h"
+#include "train/cuda/attention.h"
+#include "train/cuda/dispatch.h"
+#include "train/cuda/grouped_gemm.h"
+#include "train/cuda/layers.h"
+#include "train/cuda/model.h"
+#include "train/cuda/router.h"
+#include "train/router.h"
+
+namespace rs::cuda {
+namespace {
+
+constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+constexpr unsigned kThreads = 256;
+
+unsigned Blocks(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+__device__ __forceinline__ float F(float v) { return v; }
+__device__ __forceinline__ float F(bf16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T To(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return __float2bfloat16_rn(v);
+  }
+}
+
+// a[i] += b[i] (the residual stream), f32 math, rounded once.
+template <typename T, typename U>
+__global__ void AddKernel(T* __restrict__ a, const U* __restrict__ b, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) a[i] = To<T>(F(a[i]) + F(b[i]));
+}
+
+template <typename T, typename U>
+__global__ void ConvertKernel(const T* __restrict__ in, U* __restrict__ out, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = To<U>(F(in[i]));
+}
+
+template <typename T, typename U>
+void Add(T* a, const U* b, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  AddKernel<T, U><<<Blocks(n), kThreads, 0, stream>>>(a, b, n);
+  RS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, typename U>
+void Convert(const T* in, U* out, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  ConvertKernel<T, U><<<Blocks(n), kThreads, 0, stream>>>(in, out, n);
+  RS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+cudaDataType_t DataType() {
+  return std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
+}
+// f32 products are true f32 (never TF32) so the f32 model can be checked against the CPU.
+template <typename T>
+cublasComputeType_t ComputeType() {
+  return std::is_same_v<T, float> ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+}
+
+// Row-major C [m, n] = op(A) [m, k] · op(B) [k, n] + beta · C: cuBLAS is column-major, so it
+// computes Cᵀ = op(B)ᵀ · op(A)ᵀ on the same buffers.
+void GemmRowMajor(cublasHandle_t h, bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const void* a,
+                  cudaDataType_t at, std::int64_t lda, const void* b, cudaDataType_t bt, std::int64_t ldb, float beta,
+                  void* c, cudaDataType_t ct, std::int64_t ldc, cublasComputeType_t compute) {
+  if (m == 0 || n == 0) return;
+  const float alpha = 1.f;
+  RS_CUDA_CHECK(cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+                             static_cast<int>(m), static_cast<int>(k), &alpha, b, bt, static_cast<int>(ldb), a, at,
+                             static_cast<int>(lda), &beta, c, ct, static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+template <typename T>
+struct GpuTransformer<T>::Layer {
+  std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
+  std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
+  std::size_t fc1 = kNone, fc2 = kNone;
+  bool moe = false;
+  std::int64_t ffn = 0, shared_ffn = 0;
+  // Activations kept from the forward to the backward pass.
+  T *h_in = nullptr, *xn1 = nullptr, *h_mid = nullptr, *xn2 = nullptr;
+  float *rstd1 = nullptr, *rstd2 = nullptr;
+  void* attn = nullptr;
+  std::size_t attn_bytes = 0;
+  // MoE: the router's f32 input and outputs, the routing plan, the expert buffers.
+  float *xr = nullptr, *logits = nullptr, *probs = nullptr, *aux = nullptr, *z = nullptr;
+  std::int32_t* experts = nullptr;
+  std::int64_t* loads = nullptr;
+  void* plan_ws = nullptr;
+  std::size_t plan_bytes = 0;
+  DevicePlan plan;
+  std::vector<std::int64_t> padded_rows;  // host copy of this step's per-expert padded counts
+  T *x_pad = nullptr, *he = nullptr, *ae = nullptr, *y_pad = nullptr;
+  T *hs = nullptr, *as = nullptr;  // shared expert
+  T *hd = nullptr, *ad = nullptr;  // dense MLP
+};
+
+template <typename T>
+struct GpuTransformer<T>::Scratch {
+  std::int32_t *tokens = nullptr, *targets = nullptr;
+  double* ce = nullptr;
+  T *h = nullptr, *tmp = nullptr, *tmp2 = nullptr, *dx = nullptr, *dh = nullptr, *x_final = nullptr;
+  float* rstd_final = nullptr;
+  T* logits = nullptr;  // [n, V]; the cross-entropy overwrites it with its gradient
+  T *pad_a = nullptr, *pad_b = nullptr, *unpadded = nullptr;
+  float *dprobs = nullptr, *dlogits_r = nullptr, *dxr = nullptr;
+  RopeTable rope;
+  void* rope_mem = nullptr;
+  std::size_t rope_bytes = 0;
+  void* ws = nullptr;  // one scratch workspace, sized for the largest call
+  std::size_t ws_bytes = 0;
+  std::unique_ptr<GroupedGemm> gemm;
+};
+
+template <typename T>
+GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch,
+                                  std::int64_t batch, std::int64_t seq, cudaStream_t stream)
+    : c_(config), dispatch_(dispatch), batch_(batch), seq_(seq), n_(batch * seq), stream_(stream) {
+  RS_CHECK(c_.Validate().ok());
+  RS_CHECK_MSG(train::CheckTrainable(c_).ok(), "the GPU model trains no gated-delta-net layers");
+  RS_CHECK(batch > 0 && seq > 0 && seq <= c_.max_seq_len);
+  if constexpr (!std::is_same_v<T, float>) {
+    RS_CHECK_MSG(c_.d_model % 8 == 0 && c_.moe_ffn % 8 == 0 && c_.dense_ffn % 8 == 0 && c_.shared_ffn % 8 == 0,
+                 "bf16 needs d_model and every ffn width to be multiples of 8");
+  }
+  specs_ = ModelParameters(c_);
+  for (const TensorSpec& s : specs_) {
+    offsets_.push_back(num_params_);
+    num_params_ += s.numel();
+  }
+  master_ = DeviceArray<float>(num_params_);
+  grads_ = DeviceArray<float>(num_params_);
+  if constexpr (!std::is_same_v<T, float>) {
+    // The compute copy starts every tensor on a 16-byte boundary (cuBLAS's bf16 kernels need
+    // it; the CPU offsets of the master vector do not give it after an odd-sized buffer).
+    std::int64_t at = 0;
+    for (const TensorSpec& s : specs_) {
+      compute_offsets_.push_back(at);
+      at += (s.numel() + 7) / 8 * 8;
+    }
+    compute_ = DeviceArray<bf16>(at);
+  }
+  RS_CUDA_CHECK(cublasCreate(&handle_));
+  RS_CUDA_CHECK(cublasSetStream(handle_, stream_));
+  embedding_ = Need("embedding.weight");
+  final_norm_ = Need("final_norm.weight");
+  output_ = Need("output.weight");
+  for (std::int64_t i = 0; i < c_.n_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    auto l = std::make_unique<Layer>();
+    l->attn_norm = Need(p + "attn_norm.weight");
+    l->qkv = Need(p + "attn.qkv.weight");
+    l->out = Need(p + "attn.out.weight");
+    l->mlp_norm = Need(p + "mlp_norm.weight");
+    l->moe = c_.IsMoeLayer(i);
+    if (l->moe) {
+      l->router = Need(p + "moe.router.weight");
+      if (c_.router == RouterKind::kSigmoidBias) l->bias = Need(p + "moe.router.expert_bias");
+      l->efc1 = Need(p + "moe.experts.fc1.weight");
+      l->efc2 = Need(p + "moe.experts.fc2.weight");
+      l->ffn = c_.moe_ffn;
+      if (c_.shared_ffn > 0) {
+        l->sfc1 = Need(p + "moe.shared.fc1.weight");
+        l->sfc2 = Need(p + "moe.shared.fc2.weight");
+        l->shared_ffn = c_.shared_ffn;
+      }
+    } else {
+      l->fc1 = Need(p + "mlp.fc1.weight");
+      l->fc2 = Need(p + "mlp.fc2.weight");
+      l->ffn = c_.dense_ffn;
+    }
+    layers_.push_back(std::move(l));
+  }
+  s_ = std::make_unique<Scratch>();
+  s_->gemm = std::make_unique<GroupedGemm>();
+  Plan(nullptr);  // sizes only
+  arena_ = DeviceArray<char>(static_cast<std::int64_t>(arena_bytes_));
+  Plan(arena_.get());
+  s_->rope = ComputeRopeTable(seq_, c_.head_dim, c_.rope_theta, s_->rope_mem, s_->rope_bytes, stream_);
+  ZeroGrads();
+}
+
+template <typename T>
+GpuTransformer<T>::~GpuTransformer() {
+  if (handle_ != nullptr) cublasDestroy(handle_);
+}
+
+template <typename T>
+std::size_t GpuTransformer<T>::Need(const std::string& name) const {
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    if (specs_[i].name == name) return i;
+  }
+  RS_CHECK_MSG(false, "ModelParameters() lacks " << name);
+  return kNone;
+}
+
+template <typename T>
+const T* GpuTransformer<T>::P(std::size_t i) const {
+  if constexpr (std::is_same_v<T, float>) {
+    return master_.get() + offsets_[i];
+  } else {
+    return compute_.get() + compute_offsets_[i];
+  }
+}
+
+// Carves the arena: every layer's saved activations, then the scratch shared by all layers and
+// one workspace as large as the largest call needs. Run once on a null base to size it.
+template <typename T>
+void GpuTransformer<T>::Plan(void* base) {
+  WorkspaceCarver w(base);
+  const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = c_.vocab_size;
+  const AttentionShape ashape{d, c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.rope_theta};
+  const AttentionDims dims{batch_, seq_};
+  const AttentionBytes abytes = AttentionMemoryBytes<T>(ashape, dims);
+  const std::int64_t maxp = e > 0 ? MaxPaddedRows(n, k, e, dispatch_.alignment) : 0;
+  std::size_t ws = abytes.workspace;
+  auto grow = [&ws](std::size_t b) { ws = std::max(ws, b); };
+  train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
+  for (auto& lp : layers_) {
+    Layer& l = *lp;
+    l.h_in = w.Take<T>(n * d);
+    l.xn1 = w.Take<T>(n * d);
+    l.h_mid = w.Take<T>(n * d);
+    l.xn2 = w.Take<T>(n * d);
+    l.rstd1 = w.Take<float>(n);
+    l.rstd2 = w.Take<float>(n);
+    l.attn_bytes = abytes.activations;
+    l.attn = w.Take<char>(static_cast<std::int64_t>(abytes.activations));
+    const std::int64_t one_group[] = {n};
+    if (l.moe) {
+      l.xr = std::is_same_v<T, float> ? reinterpret_cast<float*>(l.xn2) : w.Take<float>(n * d);
+      l.logits = w.Take<float>(n * e);
+      l.experts = w.Take<std::int32_t>(n * k);
+      l.probs = w.Take<float>(n * k);
+      l.loads = w.Take<std::int64_t>(e);
+      l.aux = w.Take<float>(1);
+      l.z = w.Take<float>(1);
+      l.plan_bytes = PlanWorkspaceBytes(n, k, e, dispatch_.alignment);
+      l.plan_ws = w.Take<char>(static_cast<std::int64_t>(l.plan_bytes));
+      l.x_pad = w.Take<T>(maxp * d);
+      l.he = w.Take<T>(maxp * 2 * l.ffn);
+      l.ae = w.Take<T>(maxp * l.ffn);
+      l.y_pad = w.Take<T>(maxp * d);
+      l.padded_rows.assign(static_cast<std::size_t>(e), 0);
+      std::vector<std::int64_t> bound(static_cast<std::size_t>(e), 0);
+      bound[0] = maxp;  // the workspaces depend on the total rows, bounded by maxp
+      const GroupedSwiGluShape experts{bound.data(), e, d, l.ffn};
+      grow(GroupedSwiGluForwardWorkspaceBytes<T>(experts));
+      grow(GroupedSwiGluBackwardWorkspaceBytes<T>(experts));
+      grow(RouterWorkspaceBytes(ropts, n));
+      if (l.shared_ffn > 0) {
+        l.hs = w.Take<T>(n * 2 * l.shared_ffn);
+        l.as = w.Take<T>(n * l.shared_ffn);
+        const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
+        grow(GroupedSwiGluForwardWorkspaceBytes<T>(shared));
+        grow(GroupedSwiGluBackwardWorkspaceBytes<T>(shared));
+      }
+    } else {
+      l.hd = w.Take<T>(n * 2 * l.ffn);
+      l.ad = w.Take<T>(n * l.ffn);
+      const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
+      grow(GroupedSwiGluForwardWorkspaceBytes<T>(dense));
+      grow(GroupedSwiGluBackwardWorkspaceBytes<T>(dense));
+    }
+  }
+  Scratch& s = *s_;
+  s.tokens = w.Take<std::int32_t>(n);
+  s.targets = w.Take<std::int32_t>(n);
+  s.ce = w.Take<double>(1);
+  s.h = w.Take<T>(n * d);
+  s.tmp = w.Take<T>(n * d);
+  s.tmp2 = w.Take<T>(n * d);
+  s.dx = w.Take<T>(n * d);
+  s.dh = w.Take<T>(n * d);
+  s.x_final = w.Take<T>(n * d);
+  s.rstd_final = w.Take<float>(n);
+  s.logits = w.Take<T>(n * v);
+  if (e > 0) {
+    s.pad_a = w.Take<T>(maxp * d);
+    s.pad_b = w.Take<T>(maxp * d);
+    if (dispatch_.mode == train::DispatchMode::kUnfused) s.unpadded = w.Take<T>(n * k * d);
+    s.dprobs = w.Take<float>(n * k);
+    s.dlogits_r = w.Take<float>(n * e);
+    s.dxr = w.Take<float>(n * d);
+  }
+  s.rope_bytes = RopeTableBytes(seq_, c_.head_dim);
+  s.rope_mem = w.Take<char>(static_cast<std::int64_t>(s.rope_bytes));
+  grow(CrossEntropyWorkspaceBytes(n));
+  grow(RmsNormBackwardWorkspaceBytes(n, d));
+  grow(EmbeddingBackwardWorkspaceBytes(n, v));
+  s.ws_bytes = ws;
+  s.ws = w.Take<char>(static_cast<std::int64_t>(ws));
+  arena_bytes_ = w.bytes();
+}
+
+template <typename T>
+void GpuTransformer<T>::UploadParams(std::span<const float> host) {
+  RS_CHECK(static_cast<std::int64_t>(host.size()) == num_params_);
+  RS_CUDA_CHECK(cudaMemcpyAsync(master_.get(), host.data(), master_.bytes(), cudaMemcpyHostToDevice, stream_));
+  SyncComputeParams();
+  RS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+template <typename T>
+void GpuTransformer<T>::DownloadParams(std::span<float> host) const {
+  RS_CHECK(static_cast<std::int64_t>(host.size()) == num_params_);
+  RS_CUDA_CHECK(cudaMemcpyAsync(host.data(), master_.get(), master_.bytes(), cudaMemcpyDeviceToHost, stream_));
+  RS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+template <typename T>
+void GpuTransformer<T>::DownloadGrads(std::span<float> host) const {
+  RS_CHECK(static_cast<std::int64_t>(host.size()) == num_params_);
+  RS_CUDA_CHECK(cudaMemcpyAsync(host.data(), grads_.get(), grads_.bytes(), cudaMemcpyDeviceToHost, stream_));
+  RS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+template <typename T>
+void GpuTransformer<T>::SyncComputeParams() {
+  if constexpr (!std::is_same_v<T, float>) {
+    for (std::size_t i = 0; i < specs_.size(); ++i) {
+      Convert(master_.get() + offsets_[i], compute_.get() + compute_offsets_[i], specs_[i].numel(), stream_);
+    }
+  }
+}
+
+template <typename T>
+void GpuTransformer<T>::ZeroGrads() {
+  RS_CUDA_CHECK(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_));
+}
+
+template <typename T>
+train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targets,
+                                     train::Transformer<float>::Pass pass) {
+  const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = c_.vocab_size;
+  const std::int64_t nd = n * d;
+  for (std::int64_t t = 0; t < n; ++t) {
+    RS_CHECK_MSG(inputs[t] >= 0 && inputs[t] < v, "token " << inputs[t] << " outside the vocabulary");
+    RS_CHECK_MSG(targets[t] >= 0 && targets[t] < v, "target " << targets[t] << " outside the vocabulary");
+  }
+  Scratch& s = *s_;
+  cudaStream_t st = stream_;
+  const auto tok_bytes = static_cast<std::size_t>(n) * sizeof(std::int32_t);
+  RS_CUDA_CHECK(cudaMemcpyAsync(s.tokens, inputs, tok_bytes, cudaMemcpyHostToDevice, st));
+  RS_CUDA_CHECK(cudaMemcpyAsync(s.targets, targets, tok_bytes, cudaMemcpyHostToDevice, st));
+  const AttentionShape ashape{d, c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.rope_theta};
+  const AttentionDims dims{batch_, seq_};
+  const train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
+  const bool fused = dispatch_.mode == train::DispatchMode::kFused;
+  const auto tbytes = static_cast<std::size_t>(nd) * sizeof(T);
+  const cudaDataType_t tt = DataType<T>();
+  const std::int64_t one_group[] = {n};
+
+  EmbeddingForward(s.tokens, n, P(embedding_), v, d, 0, s.h, st);
+  for (auto& lp : layers_) {
+    Layer& l = *lp;
+    RS_CUDA_CHECK(cudaMemcpyAsync(l.h_in, s.h, tbytes, cudaMemcpyDeviceToDevice, st));
+    RmsNormForward(s.h, P(l.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
+    AttentionForward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), s.tmp, l.attn, l.attn_bytes, s.ws,
+                     s.ws_bytes, st);
+    Add(s.h, s.tmp, nd, st);
+    RS_CUDA_CHECK(cudaMemcpyAsync(l.h_mid, s.h, tbytes, cudaMemcpyDeviceToDevice, st));
+    RmsNormForward(s.h, P(l.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
+    if (l.moe) {
+      if constexpr (!std::is_same_v<T, float>) Convert(l.xn2, l.xr, nd, st);
+      GemmRowMajor(handle_, false, true, n, e, d, l.xr, CUDA_R_32F, d, M(l.router), CUDA_R_32F, d, 0.f, l.logits,
+                   CUDA_R_32F, e, CUBLAS_COMPUTE_32F_PEDANTIC);
+      const RouterOutputs outs{l.experts, l.probs, l.loads, l.aux, l.z, nullptr};
+      RouterForward(ropts, l.logits, n, l.bias != kNone ? M(l.bias) : nullptr, outs, s.ws, s.ws_bytes, st);
+      l.plan = PlanRouting(l.experts, n, k, e, dispatch_.alignment, l.plan_ws, l.plan_bytes, st);
+      // The grouped GEMMs take their sizes on the host: the step's one wait per MoE layer.
+      std::vector<std::int32_t> po(static_cast<std::size_t>(e + 1));
+      RS_CUDA_CHECK(cudaMemcpyAsync(po.data(), l.plan.padded_offsets, po.size() * sizeof(std::int32_t),
+                                    cudaMemcpyDeviceToHost, st));
+      RS_CUDA_CHECK(cudaStreamSynchronize(st));
+      for (std::int64_t x = 0; x < e; ++x) {
+        l.padded_rows[static_cast<std::size_t>(x)] = po[static_cast<std::size_t>(x + 1)] - po[static_cast<std::size_t>(x)];
+      }
+      if (fused) {
+        PermutePad(l.xn2, d, l.plan, l.x_pad, nullptr, nullptr, st);
+      } else {
+        Permute(l.xn2, d, l.plan, s.unpadded, st);
+        Pad(s.unpadded, d, l.plan, l.x_pad, st);
+      }
+      const GroupedSwiGluShape shape{l.padded_rows.data(), e, d, l.ffn};
+      GroupedSwiGluForward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, l.y_pad, s.ws,
+                           s.ws_bytes, st);
+      if (fused) {
+        UnpermuteUnpad(l.y_pad, d, l.plan, l.probs, s.tmp, st);
+      } else {
+        Unpad(l.y_pad, d, l.plan, s.unpadded, st);
+        Unpermute(s.unpadded, d, l.plan, l.probs, s.tmp, st);
+      }
+      if (l.shared_ffn > 0) {
+        const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
+        GroupedSwiGluForward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.tmp2, s.ws,
+                             s.ws_bytes, st);
+        Add(s.tmp, s.tmp2, nd, st);
+      }
+    } else {
+      const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
+      GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.tmp, s.ws, s.ws_bytes,
+                           st);
+    }
+    Add(s.h, s.tmp, nd, st);
+  }
+  RmsNormForward(s.h, P(final_norm_), n, d, c_.norm_eps, s.x_final, s.rstd_final, st);
+  GemmRowMajor(handle_, false, true, n, v, d, s.x_final, tt, d, P(output_), tt, d, 0.f, s.logits, tt, v,
+               ComputeType<T>());
+  const bool backward = pass == train::Transformer<float>::Pass::kForwardBackward;
+  CrossEntropy(s.logits, s.targets, n, v, v, 1.0 / static_cast<double>(n), s.ce, backward ? s.logits : nullptr,
+               s.ws, s.ws_bytes, st);
+
+  train::Losses losses;
+  losses.loads.resize(layers_.size());
+  RS_CUDA_CHECK(cudaMemcpyAsync(&losses.ce, s.ce, sizeof(double), cudaMemcpyDeviceToHost, st));
+  std::vector<float> aux(layers_.size(), 0.f), z(layers_.size(), 0.f);
+  for (std::size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = *layers_[li];
+    if (!l.moe) continue;
+    losses.loads[li].resize(static_cast<std::size_t>(e));
+    RS_CUDA_CHECK(cudaMemcpyAsync(losses.loads[li].data(), l.loads, static_cast<std::size_t>(e) * sizeof(std::int64_t),
+                                  cudaMemcpyDeviceToHost, st));
+    RS_CUDA_CHECK(cudaMemcpyAsync(&aux[li], l.aux, sizeof(float), cudaMemcpyDeviceToHost, st));
+    RS_CUDA_CHECK(cudaMemcpyAsync(&z[li], l.z, sizeof(float), cudaMemcpyDeviceToHost, st));
+  }
+  RS_CUDA_CHECK(cudaStreamSynchronize(st));
+  for (std::size_t li = 0; li < layers_.size(); ++li) {
+    losses.aux += static_cast<double>(aux[li]);
+    losses.z += static_cast<double>(z[li]);
+  }
+  losses.total = losses.ce + losses.aux + losses.z;
+  if (!backward) return losses;
+
+  // Backward, in reverse; s.logits now holds d(loss)/d(logits).
+  GemmRowMajor(handle_, false, false, n, d, v, s.logits, tt, v, P(output_), tt, d, 0.f, s.dx, tt, d,
+               ComputeType<T>());
+  GemmRowMajor(handle_, true, false, v, d, n, s.logits, tt, v, s.x_final, tt, d, 1.f, G(output_), CUDA_R_32F, d,
+               ComputeType<T>());
+  RmsNormBackward(s.dx, s.h, P(final_norm_), s.rstd_final, n, d, s.dh, G(final_norm_), s.ws, s.ws_bytes, st);
+  for (std::size_t li = layers_.size(); li-- > 0;) {
+    Layer& l = *layers_[li];
+    if (l.moe) {
+      // Gradient of the weighted combine: per padded row, and the gate weights' gradient.
+      if (fused) {
+        UnpermuteUnpadBackward(s.dh, l.y_pad, d, l.plan, l.probs, s.pad_a, s.dprobs, st);
+      } else {
+        Unpad(l.y_pad, d, l.plan, s.unpadded, st);
+        UnpermuteBackward(s.dh, s.unpadded, d, l.plan, l.probs, s.unpadded, s.dprobs, st);
+        Pad(s.unpadded, d, l.plan, s.pad_a, st);
+      }
+      const GroupedSwiGluShape shape{l.padded_rows.data(), e, d, l.ffn};
+      GroupedSwiGluBackward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, s.pad_a, s.pad_b,
+                            G(l.efc1), G(l.efc2), s.ws, s.ws_bytes, st);
+      if (fused) {
+        PermutePadBackward(s.pad_b, d, l.plan, s.dx, nullptr, nullptr, st);
+      } else {
+        Unpad(s.pad_b, d, l.plan, s.unpadded, st);
+        Unpermute(s.unpadded, d, l.plan, nullptr, s.dx, st);
+      }
+      if (l.shared_ffn > 0) {
+        const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
+        GroupedSwiGluBackward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.dh, s.tmp2,
+                              G(l.sfc1), G(l.sfc2), s.ws, s.ws_bytes, st);
+        Add(s.dx, s.tmp2, nd, st);
+      }
+      RouterBackward(ropts, l.logits, n, l.experts, l.probs, l.loads, s.dprobs, s.dlogits_r, st);
+      GemmRowMajor(handle_, false, false, n, d, e, s.dlogits_r, CUDA_R_32F, e, M(l.router), CUDA_R_32F, d, 0.f, s.dxr,
+                   CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
+      Add(s.dx, s.dxr, nd, st);
+      GemmRowMajor(handle_, true, false, e, d, n, s.dlogits_r, CUDA_R_32F, e, l.xr, CUDA_R_32F, d, 1.f, G(l.router),
+                   CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
+    } else {
+      const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
+      GroupedSwiGluBackward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.dh, s.dx, G(l.fc1),
+                            G(l.fc2), s.ws, s.ws_bytes, st);
+    }
+    RmsNormBackward(s.dx, l.h_mid, P(l.mlp_norm), l.rstd2, n, d, s.tmp, G(l.mlp_norm), s.ws, s.ws_bytes, st);
+    Add(s.dh, s.tmp, nd, st);
+    AttentionBackward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), l.attn, l.attn_bytes, s.dh, s.dx,
+                      G(l.qkv), G(l.out), s.ws, s.ws_bytes, st);
+    RmsNormBackward(s.dx, l.h_in, P(l.attn_norm), l.rstd1, n, d, s.tmp, G(l.attn_norm), s.ws, s.ws_bytes, st);
+    Add(s.dh, s.tmp, nd, st);
+  }
+  EmbeddingBackward(s.tokens, n, s.dh, v, d, 0, G(embedding_), s.ws, s.ws_bytes, st);
+  RS_CUDA_CHECK(cudaStreamSynchronize(st));
+  return losses;
+}
+
+template <typename T>
+void GpuTransformer<T>::UpdateExpertBiases() {
+  for (auto& lp : layers_) {
+    if (lp->bias == kNone) continue;
+    UpdateExpertBiasDevice(M(lp->bias), lp->loads, c_.n_experts, c_.bias_update_rate, stream_);
+  }
+  SyncComputeParams();
+}
+
+template class GpuTransformer<float>;
+template class GpuTransformer<bf16>;
+
+}  // namespace rs::cuda

@@ -1,0 +1,103 @@
+// The MoE transformer of train/MODEL.md on one GPU: the forward and backward passes of
+// train::Transformer (train/model.h, the CPU twin and the reference) composed from the kernel
+// families of this directory – embedding, RMSNorm, attention, router, routing plan, fused
+// permute+pad / unpermute+unpad, grouped SwiGLU experts, cross-entropy.
+//
+// Parameters live in one flat f32 array on the device in ModelParameters() order with the CPU
+// model's offsets (the master weights), gradients in a second f32 array with the same offsets,
+// so the optimizer (train/cuda/optimizer.h) and checkpoints see the same vector as on the CPU.
+// T is the compute type: float (checked against the CPU) or bf16 (the matrix products and
+// activations in bf16 with f32 accumulation; the forward reads a bf16 copy of the master
+// weights that SyncComputeParams refreshes). Routers always run in f32 on the f32 master
+// router weights (Megatron's router dtype).
+//
+// Device memory is planned once, at construction, for a fixed batch × seq: one arena holds
+// every activation the backward pass needs and the largest scratch any call needs; a step
+// allocates nothing. One GPU, whole tensors (no tensor, expert or data parallelism here).
+// Per MoE layer the per-expert padded row counts go to the host once per step (cuBLAS takes
+// grouped GEMM sizes on the host), which is the step's only device→host wait besides the
+// losses at the end of the forward pass.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/model.h"
+#include "core/tensor_spec.h"
+#include "train/cuda/device.h"
+#include "train/model.h"
+#include "train/moe.h"
+
+namespace rs::cuda {
+
+template <typename T>
+class GpuTransformer {
+ public:
+  // RS_CHECKs that the config validates and is trainable (no gated-delta-net layers), and for
+  // bf16 that d_model and every ffn width are multiples of 8 (the grouped GEMMs' alignment).
+  GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
+                 std::int64_t seq, cudaStream_t stream = nullptr);
+  ~GpuTransformer();
+  GpuTransformer(const GpuTransformer&) = delete;
+  GpuTransformer& operator=(const GpuTransformer&) = delete;
+
+  const ModelConfig& config() const { return c_; }
+  const std::vector<TensorSpec>& specs() const { return specs_; }
+  std::int64_t num_params() const { return num_params_; }
+  std::int64_t offset(std::size_t i) const { return offsets_[i]; }
+  std::size_t arena_bytes() const { return arena_bytes_; }
+  cudaStream_t stream() const { return stream_; }
+
+  float* master() { return master_.get(); }  // device [num_params], f32
+  float* grads() { return grads_.get(); }    // device [num_params], f32
+
+  // Host <-> device copies of the whole vectors (ModelParameters order, CPU offsets).
+  void UploadParams(std::span<const float> host);
+  void DownloadParams(std::span<float> host) const;
+  void DownloadGrads(std::span<float> host) const;
+  // bf16: rounds the master weights into the compute copy (after every update). f32: nothing.
+  void SyncComputeParams();
+  void ZeroGrads();
+
+  // inputs, targets: host [batch, seq] token ids in [0, vocab) (RS_CHECK). Returns the losses
+  // (and per-layer loads); with kForwardBackward the gradients of `total` are ACCUMULATED into
+  // grads(). Waits for the device before returning.
+  train::Losses Run(const std::int32_t* inputs, const std::int32_t* targets,
+                    train::Transformer<float>::Pass pass);
+  // sigmoid_bias: b += u · sign(mean load − load) per MoE layer, from the last Run's loads
+  // (on the device).
+  void UpdateExpertBiases();
+
+ private:
+  struct Layer;
+  struct Scratch;
+  const T* P(std::size_t i) const;
+  float* M(std::size_t i) { return master_.get() + offsets_[i]; }
+  float* G(std::size_t i) { return grads_.get() + offsets_[i]; }
+  std::size_t Need(const std::string& name) const;
+  void Plan(void* base);
+
+  ModelConfig c_;
+  train::DispatchOptions dispatch_;
+  std::int64_t batch_, seq_, n_;
+  cudaStream_t stream_;
+  cublasHandle_t handle_ = nullptr;
+  std::vector<TensorSpec> specs_;
+  std::vector<std::int64_t> offsets_;
+  std::int64_t num_params_ = 0;
+  DeviceArray<float> master_, grads_;
+  DeviceArray<bf16> compute_;  // bf16 mode: the compute copy of master_
+  std::vector<std::int64_t> compute_offsets_;  // bf16 mode: tensor offsets in compute_
+  DeviceArray<char> arena_;
+  std::size_t arena_bytes_ = 0;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::unique_ptr<Scratch> s_;
+  std::size_t embedding_ = 0, final_norm_ = 0, output_ = 0;
+};
+
+}  // namespace rs::cuda
