@@ -114,11 +114,13 @@ __global__ void EmbeddingKeysKernel(const std::int32_t* __restrict__ tokens, std
 }
 
 constexpr int kEmbThreads = 128;
-constexpr int kEmbPrefetch = 4;  // dy rows loaded ahead of the in-order additions
+constexpr int kEmbBatch = 16;  // sorted positions examined (and dy rows loaded) per step of a run
 
 // Block (i, tile): if sorted position i starts a run of equal rows, add the run's dy rows into
-// that row's tile of columns, in token order. The loads of kEmbPrefetch rows are issued before
-// their additions so that a frequent token's long run is not one serial chain of loads.
+// that row's tile of columns, in token order. A frequent token makes one long run, which only
+// a few blocks walk: the walk is latency-bound, so each step reads kEmbBatch keys and token
+// indices at once, issues all their dy loads (kept as raw packs to spare registers), and only
+// then adds them in order. Runs are contiguous, so the first position with another key ends it.
 template <typename T, int U>
 __global__ void EmbeddingBackwardKernel(const std::int32_t* __restrict__ keys, const std::int32_t* __restrict__ order,
                                         std::int64_t n, const T* __restrict__ dy, std::int64_t rows, std::int64_t d,
@@ -128,23 +130,26 @@ __global__ void EmbeddingBackwardKernel(const std::int32_t* __restrict__ keys, c
   if (key >= rows || (i > 0 && keys[i - 1] == key)) return;
   const std::int64_t col = (static_cast<std::int64_t>(blockIdx.y) * kEmbThreads + threadIdx.x) * U;
   if (col >= d) return;
-  std::int64_t end = i + 1;
-  while (end < n && keys[end] == key) ++end;
   float acc[U];
   Load<float, U>(dtable + key * d + col, acc);
-  for (std::int64_t j = i; j < end; j += kEmbPrefetch) {
-    float v[kEmbPrefetch][U];
+  for (std::int64_t j = i;; j += kEmbBatch) {
+    std::int32_t token[kEmbBatch];
 #pragma unroll
-    for (int k = 0; k < kEmbPrefetch; ++k) {
-      if (j + k < end) Load<T, U>(dy + static_cast<std::int64_t>(order[j + k]) * d + col, v[k]);
+    for (int k = 0; k < kEmbBatch; ++k) token[k] = j + k < n && keys[j + k] == key ? order[j + k] : -1;
+    Pack<T, U> v[kEmbBatch];
+#pragma unroll
+    for (int k = 0; k < kEmbBatch; ++k) {
+      if (token[k] >= 0)
+        v[k] = *reinterpret_cast<const Pack<T, U>*>(dy + static_cast<std::int64_t>(token[k]) * d + col);
     }
 #pragma unroll
-    for (int k = 0; k < kEmbPrefetch; ++k) {
-      if (j + k < end) {
+    for (int k = 0; k < kEmbBatch; ++k) {
+      if (token[k] >= 0) {
 #pragma unroll
-        for (int e = 0; e < U; ++e) acc[e] = __fadd_rn(acc[e], v[k][e]);
+        for (int e = 0; e < U; ++e) acc[e] = __fadd_rn(acc[e], ToF(v[k].v[e]));
       }
     }
+    if (token[kEmbBatch - 1] < 0) break;
   }
   Store<float, U>(dtable + key * d + col, acc);
 }
@@ -327,6 +332,8 @@ __global__ void SwiGluBackwardKernel(const T* __restrict__ da, const T* __restri
 
 // ---- Cross-entropy ------------------------------------------------------------------------
 
+// 256 threads per row: 1024 (fewer rows in flight, hoping the gradient pass would re-read them
+// from L2) measured 1.7x slower on an H100 at n 16384, V 32000 (lab/layers.cu).
 constexpr int kCeThreads = 256;
 
 // Running (max, Σ exp(l − max)) of one thread, merged with another such pair.
