@@ -21,6 +21,9 @@
 #include "train/eval.h"
 #include "train/gemm.h"
 #include "train/trainer.h"
+#if RS_HAVE_CUDA
+#include "train/cuda/engine.h"
+#endif
 
 namespace rs::cli {
 namespace {
@@ -43,6 +46,8 @@ struct TrainArgs {
   std::string layout = "tp=1";
   std::string rules = "megatron";
   bool with_replicas = false;
+  std::string device = "cpu";
+  std::string precision = "f32";
   // Options that define the run; with --resume they come from the checkpoint instead.
   std::vector<CLI::Option*> run_defining;
 };
@@ -93,6 +98,9 @@ void RunTrain(TrainArgs& a) {
   };
   if (a.threads > 0) train::SetBlasThreads(a.threads);
   if (a.steps < 0) fail_all(InvalidArgument("--steps must be >= 0"));
+  if (a.device == "cpu" && a.precision != "f32") {
+    fail_all(InvalidArgument("--precision " + a.precision + " needs --device cuda (the CPU trains in f32)"));
+  }
   if (a.save_every < 0) fail_all(InvalidArgument("--save-every must be >= 0"));
   if (a.save_every > 0 && a.save.empty()) fail_all(InvalidArgument("--save-every needs --save DIR"));
   const std::optional<std::string> data = a.data.empty() ? std::nullopt : std::optional<std::string>(a.data);
@@ -131,7 +139,18 @@ void RunTrain(TrainArgs& a) {
     if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to start") : t.status());
     trainer = std::move(*t);
   }
+  if (a.device == "cuda") {
+#if RS_HAVE_CUDA
+    auto engine = cuda::MakeCudaEngine(a.precision == "bf16" ? cuda::Precision::kBf16 : cuda::Precision::kF32);
+    // No usable device is a usage error of this machine (exit 2), like an option it cannot honour.
+    if (!engine.ok()) fail_all(InvalidArgument(engine.status().message()));
+    if (Status s = trainer->SetEngine(std::move(*engine)); !s.ok()) fail_all(s);
+#else
+    fail_all(InvalidArgument("--device cuda: this reshard was built without CUDA (no nvcc at configure time)"));
+#endif
+  }
   const ModelConfig& mc = trainer->model_config();
+  if (lead && trainer->engine() != nullptr) PrintErr("device: %s\n", trainer->engine()->Describe().c_str());
   if (lead) {
     PrintErr("model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64
              " tokens; data %s (%zu bytes); "
@@ -215,6 +234,9 @@ void RunTrain(TrainArgs& a) {
              "gradient/parameter phases); final loss %.4f (ce %.4f)\n",
              first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds,
              100.0 * collective_seconds / seconds, 100.0 * comm_seconds / seconds, r.losses.total, r.losses.ce);
+    if (trainer->engine() != nullptr) {
+      if (const std::string summary = trainer->engine()->Summary(); !summary.empty()) PrintErr("%s\n", summary.c_str());
+    }
   }
 }
 
@@ -297,6 +319,13 @@ void RegisterTrain(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");
+  cmd->add_option("--device", a->device, "Where steps run: cpu, or cuda (one process on one GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--precision", a->precision,
+                  "cuda only: f32, or bf16 (bf16 products and activations, f32 master weights and moments)")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
   cmd->callback([a] { RunTrain(*a); });
 
   auto e = std::make_shared<EvalArgs>();

@@ -80,6 +80,7 @@ Status CheckModelAgainstManifest(const ModelConfig& c, const Manifest& m, const 
 }  // namespace
 
 Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas) {
+  RS_RETURN_IF_ERROR(trainer.SyncToHost());  // a run on a device: its state, not the stale host copy
   const ModelConfig& config = trainer.model_config();
   const ShardedState& state = trainer.state();
   const Corpus& corpus = trainer.corpus();

@@ -479,6 +479,12 @@ std::span<const float> ShardedState::Owned(std::span<const float> owned, std::si
   return owned.subspan(static_cast<std::size_t>(t.owned), static_cast<std::size_t>(t.placement->buffer_numel()));
 }
 
+std::span<float> ShardedState::Owned(std::span<float> owned, std::size_t i) const {
+  const Tensor& t = tensors_[i];
+  if (t.owned < 0) return {};
+  return owned.subspan(static_cast<std::size_t>(t.owned), static_cast<std::size_t>(t.placement->buffer_numel()));
+}
+
 void ShardedState::Initialize(Transformer<float>& model, std::uint64_t seed, double init_std) {
   const InitOptions io{seed, init_std, config_.n_layers};
   for (std::size_t i = 0; i < tensors_.size(); ++i) {

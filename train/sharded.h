@@ -120,6 +120,7 @@ class ShardedState {
   // The owned items of model tensor `i` (its placement's buffer), or an empty span for
   // buffers (not trained).
   std::span<const float> Owned(std::span<const float> owned, std::size_t i) const;
+  std::span<float> Owned(std::span<float> owned, std::size_t i) const;
 
  private:
   struct Tensor {

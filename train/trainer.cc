@@ -126,10 +126,41 @@ std::int64_t Trainer::num_parameters() const {
   return n;
 }
 
+Status Trainer::SetEngine(std::unique_ptr<StepEngine> engine) {
+  const PhysicalLayout& layout = state_->layout();
+  if (layout.layout.num_ranks() != 1 || groups_.world->size() != 1) {
+    return Unimplemented("train: " + engine->Describe() + " runs one process on one device; layout " +
+                         layout.ToString() + " has " + std::to_string(layout.layout.num_ranks()) +
+                         " ranks (multi-GPU training needs the NCCL communicator, not built yet)");
+  }
+  RS_RETURN_IF_ERROR(engine->Attach(*this));
+  engine_ = std::move(engine);
+  host_stale_ = false;
+  return Status::Ok();
+}
+
+Status Trainer::SyncToHost() {
+  if (engine_ == nullptr || !host_stale_) return Status::Ok();
+  RS_RETURN_IF_ERROR(engine_->SyncToHost(*this));
+  host_stale_ = false;
+  return Status::Ok();
+}
+
 Result<StepReport> Trainer::Step() {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  if (engine_ != nullptr) {
+    const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
+    host_stale_ = true;
+    auto r = engine_->Step(*this, b.inputs, b.targets, b.batch, b.seq, step_);
+    if (!r.ok()) return r.status().WithContext("step " + std::to_string(step_ + 1) + " on " + engine_->Describe());
+    ++step_;
+    r->step = step_;
+    r->tokens = b.batch * b.seq;
+    r->seconds = since(start);
+    return r;
+  }
   groups_.ResetStats();
   StepReport r;
   const std::string at = "step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) + ": ";

@@ -64,6 +64,27 @@ struct StepReport {
   dist::CommStats comm;  // bytes this rank received during the step
 };
 
+class Trainer;
+
+// Where the compute of a step can run instead of this process's CPU: a GPU (train/cuda/engine.h,
+// `train --device cuda`). The trainer's host state (ShardedState, model) stays the truth for
+// checkpoints and evaluation: Attach copies it to the engine once, SyncToHost copies the
+// engine's state back before a checkpoint is written or the host model is read.
+class StepEngine {
+ public:
+  virtual ~StepEngine() = default;
+  virtual std::string Describe() const = 0;  // e.g. "cuda bf16 (NVIDIA H100 80GB HBM3)"
+  virtual Status Attach(Trainer& trainer) = 0;
+  // Forward, backward, global norm, clip, AdamW at 0-based step `step` and the expert-bias
+  // update, on the engine's copy of the state. inputs/targets: [rows, seq] of the step.
+  virtual Result<StepReport> Step(Trainer& trainer, const std::vector<std::int32_t>& inputs,
+                                  const std::vector<std::int32_t>& targets, std::int64_t rows, std::int64_t seq,
+                                  std::int64_t step) = 0;
+  virtual Status SyncToHost(Trainer& trainer) = 0;
+  // What the engine measured over the steps run so far (one line; empty when nothing to say).
+  virtual std::string Summary() const { return {}; }
+};
+
 class Trainer {
  public:
   // A fresh run: parameters initialised from train.seed, optimizer state zero, step 0.
@@ -75,6 +96,13 @@ class Trainer {
 
   // One step; a failed collective or phase is returned (the state is then undefined).
   Result<StepReport> Step();
+
+  // Runs the steps on `engine` from now on (one process, one rank: Unimplemented for any other
+  // layout, naming it). The engine is attached to the current state at once.
+  Status SetEngine(std::unique_ptr<StepEngine> engine);
+  StepEngine* engine() const { return engine_.get(); }
+  // Brings the engine's state back to the host state (no-op without an engine).
+  Status SyncToHost();
 
   std::int64_t step() const { return step_; }
   void set_step(std::int64_t s) { step_ = s; }
@@ -103,6 +131,8 @@ class Trainer {
   ModelParallel par_;
   Transformer<float> model_;
   std::int64_t step_ = 0;
+  std::unique_ptr<StepEngine> engine_;
+  bool host_stale_ = false;  // the engine ran steps since the last SyncToHost
 };
 
 }  // namespace rs::train

@@ -78,7 +78,8 @@ Reference MakeReference(const Case& tc) {
   for (std::size_t i = 0; i < model.specs().size(); ++i) {
     if (model.specs()[i].name.find("expert_bias") == std::string::npos) continue;
     std::normal_distribution<float> dist(0.f, 0.05f);
-    for (std::int64_t j = 0; j < model.numel(i); ++j) model.params()[static_cast<std::size_t>(model.offset(i) + j)] = dist(rng);
+    for (std::int64_t j = 0; j < model.numel(i); ++j)
+      model.params()[static_cast<std::size_t>(model.offset(i) + j)] = dist(rng);
   }
   Reference r;
   std::uniform_int_distribution<std::int32_t> tok(0, static_cast<std::int32_t>(tc.config.vocab_size - 1));
@@ -145,11 +146,12 @@ TEST_P(GpuModelTest, Bf16StepTracksCpu) {
   const Case& tc = GetParam();
   const Reference r = MakeReference(tc);
   const PassResult gpu = RunGpu<bf16>(tc, r);
-  // bf16 activations and products: the loss within 1 %, each tensor's gradient within 10 % in
-  // relative L2 norm (a gradient computed from another model would be off by ~100 %).
+  // bf16 activations and products: the loss within 1 %; the gradient within 5 % in relative
+  // L2 norm over the whole vector and 25 % per tensor (a token whose bf16 router input picks
+  // another expert moves that expert's gradient; a wrong product is off by ~100 %).
   EXPECT_NEAR(gpu.losses.ce, r.cpu.losses.ce, 1e-2 * r.cpu.losses.ce);
   const std::vector<TensorSpec> specs = ModelParameters(tc.config);
-  double worst = 0;
+  double worst = 0, all_num = 0, all_den = 0;
   std::int64_t off = 0;
   for (const TensorSpec& s : specs) {
     double num = 0, den = 0;
@@ -160,10 +162,13 @@ TEST_P(GpuModelTest, Bf16StepTracksCpu) {
       den += static_cast<double>(r.cpu.grads[u]) * static_cast<double>(r.cpu.grads[u]);
     }
     off += s.numel();
+    all_num += num;
+    all_den += den;
     if (den == 0) continue;
     worst = std::max(worst, std::sqrt(num / den));
-    EXPECT_LE(std::sqrt(num / den), 0.1) << s.name;
+    EXPECT_LE(std::sqrt(num / den), 0.25) << s.name;
   }
+  EXPECT_LE(std::sqrt(all_num / all_den), 0.05);
   std::printf("[ %s bf16 ] ce %.6f vs f32 CPU %.6f, worst gradient relative L2 error %.2e\n", tc.name.c_str(),
               gpu.losses.ce, r.cpu.losses.ce, worst);
 }

@@ -126,8 +126,8 @@ struct GpuTransformer<T>::Scratch {
 };
 
 template <typename T>
-GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch,
-                                  std::int64_t batch, std::int64_t seq, cudaStream_t stream)
+GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
+                                  std::int64_t seq, cudaStream_t stream)
     : c_(config), dispatch_(dispatch), batch_(batch), seq_(seq), n_(batch * seq), stream_(stream) {
   RS_CHECK(c_.Validate().ok());
   RS_CHECK_MSG(train::CheckTrainable(c_).ok(), "the GPU model trains no gated-delta-net layers");
@@ -195,7 +195,48 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
 
 template <typename T>
 GpuTransformer<T>::~GpuTransformer() {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
   if (handle_ != nullptr) cublasDestroy(handle_);
+}
+
+template <typename T>
+void GpuTransformer<T>::EnableDispatchTiming(bool on) {
+  timing_ = on;
+  dispatch_ms_ = 0;
+  // Four regions per MoE layer and step: plan + permute, unpermute, their two backward passes.
+  while (events_.size() < 8 * layers_.size()) {
+    cudaEvent_t e;
+    RS_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+}
+
+template <typename T>
+void GpuTransformer<T>::Mark() {
+  if (!timing_) return;
+  RS_CHECK(events_used_ < events_.size());
+  RS_CUDA_CHECK(cudaEventRecord(events_[events_used_++], stream_));
+}
+
+template <typename T>
+double GpuTransformer<T>::StepFlops() const {
+  const double tokens = static_cast<double>(n_), d = static_cast<double>(c_.d_model);
+  const double attn_w = static_cast<double>((c_.n_heads + 2 * c_.n_kv_heads) * c_.head_dim) * d +
+                        d * static_cast<double>(c_.n_heads * c_.head_dim);
+  double weights = static_cast<double>(c_.vocab_size) * d;  // output projection
+  double scores = 0;
+  for (const auto& l : layers_) {
+    weights += attn_w;
+    scores += 12.0 * static_cast<double>(seq_ * c_.n_heads * c_.head_dim);
+    if (l->moe) {
+      weights += static_cast<double>(c_.n_experts) * d;                                  // router
+      weights += static_cast<double>(c_.top_k) * 3.0 * d * static_cast<double>(l->ffn);  // fc1 (2f) + fc2 (f)
+      weights += 3.0 * d * static_cast<double>(l->shared_ffn);
+    } else {
+      weights += 3.0 * d * static_cast<double>(l->ffn);
+    }
+  }
+  return tokens * (6.0 * weights + scores);
 }
 
 template <typename T>
@@ -364,6 +405,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const cudaDataType_t tt = DataType<T>();
   const std::int64_t one_group[] = {n};
 
+  events_used_ = 0;
   EmbeddingForward(s.tokens, n, P(embedding_), v, d, 0, s.h, st);
   for (auto& lp : layers_) {
     Layer& l = *lp;
@@ -380,6 +422,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
                    CUDA_R_32F, e, CUBLAS_COMPUTE_32F_PEDANTIC);
       const RouterOutputs outs{l.experts, l.probs, l.loads, l.aux, l.z, nullptr};
       RouterForward(ropts, l.logits, n, l.bias != kNone ? M(l.bias) : nullptr, outs, s.ws, s.ws_bytes, st);
+      Mark();
       l.plan = PlanRouting(l.experts, n, k, e, dispatch_.alignment, l.plan_ws, l.plan_bytes, st);
       // The grouped GEMMs take their sizes on the host: the step's one wait per MoE layer.
       std::vector<std::int32_t> po(static_cast<std::size_t>(e + 1));
@@ -387,7 +430,8 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
                                     cudaMemcpyDeviceToHost, st));
       RS_CUDA_CHECK(cudaStreamSynchronize(st));
       for (std::int64_t x = 0; x < e; ++x) {
-        l.padded_rows[static_cast<std::size_t>(x)] = po[static_cast<std::size_t>(x + 1)] - po[static_cast<std::size_t>(x)];
+        l.padded_rows[static_cast<std::size_t>(x)] =
+            po[static_cast<std::size_t>(x + 1)] - po[static_cast<std::size_t>(x)];
       }
       if (fused) {
         PermutePad(l.xn2, d, l.plan, l.x_pad, nullptr, nullptr, st);
@@ -395,15 +439,18 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         Permute(l.xn2, d, l.plan, s.unpadded, st);
         Pad(s.unpadded, d, l.plan, l.x_pad, st);
       }
+      Mark();
       const GroupedSwiGluShape shape{l.padded_rows.data(), e, d, l.ffn};
       GroupedSwiGluForward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, l.y_pad, s.ws,
                            s.ws_bytes, st);
+      Mark();
       if (fused) {
         UnpermuteUnpad(l.y_pad, d, l.plan, l.probs, s.tmp, st);
       } else {
         Unpad(l.y_pad, d, l.plan, s.unpadded, st);
         Unpermute(s.unpadded, d, l.plan, l.probs, s.tmp, st);
       }
+      Mark();
       if (l.shared_ffn > 0) {
         const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
         GroupedSwiGluForward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.tmp2, s.ws,
@@ -412,8 +459,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       }
     } else {
       const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
-      GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.tmp, s.ws, s.ws_bytes,
-                           st);
+      GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.tmp, s.ws, s.ws_bytes, st);
     }
     Add(s.h, s.tmp, nd, st);
   }
@@ -421,8 +467,8 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   GemmRowMajor(handle_, false, true, n, v, d, s.x_final, tt, d, P(output_), tt, d, 0.f, s.logits, tt, v,
                ComputeType<T>());
   const bool backward = pass == train::Transformer<float>::Pass::kForwardBackward;
-  CrossEntropy(s.logits, s.targets, n, v, v, 1.0 / static_cast<double>(n), s.ce, backward ? s.logits : nullptr,
-               s.ws, s.ws_bytes, st);
+  CrossEntropy(s.logits, s.targets, n, v, v, 1.0 / static_cast<double>(n), s.ce, backward ? s.logits : nullptr, s.ws,
+               s.ws_bytes, st);
 
   train::Losses losses;
   losses.loads.resize(layers_.size());
@@ -446,8 +492,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   if (!backward) return losses;
 
   // Backward, in reverse; s.logits now holds d(loss)/d(logits).
-  GemmRowMajor(handle_, false, false, n, d, v, s.logits, tt, v, P(output_), tt, d, 0.f, s.dx, tt, d,
-               ComputeType<T>());
+  GemmRowMajor(handle_, false, false, n, d, v, s.logits, tt, v, P(output_), tt, d, 0.f, s.dx, tt, d, ComputeType<T>());
   GemmRowMajor(handle_, true, false, v, d, n, s.logits, tt, v, s.x_final, tt, d, 1.f, G(output_), CUDA_R_32F, d,
                ComputeType<T>());
   RmsNormBackward(s.dx, s.h, P(final_norm_), s.rstd_final, n, d, s.dh, G(final_norm_), s.ws, s.ws_bytes, st);
@@ -455,22 +500,27 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     Layer& l = *layers_[li];
     if (l.moe) {
       // Gradient of the weighted combine: per padded row, and the gate weights' gradient.
+      Mark();
       if (fused) {
         UnpermuteUnpadBackward(s.dh, l.y_pad, d, l.plan, l.probs, s.pad_a, s.dprobs, st);
       } else {
         Unpad(l.y_pad, d, l.plan, s.unpadded, st);
-        UnpermuteBackward(s.dh, s.unpadded, d, l.plan, l.probs, s.unpadded, s.dprobs, st);
-        Pad(s.unpadded, d, l.plan, s.pad_a, st);
+        // s.pad_b holds the unpadded row gradients until the pad copy (it is free until the experts).
+        UnpermuteBackward(s.dh, s.unpadded, d, l.plan, l.probs, s.pad_b, s.dprobs, st);
+        Pad(s.pad_b, d, l.plan, s.pad_a, st);
       }
+      Mark();
       const GroupedSwiGluShape shape{l.padded_rows.data(), e, d, l.ffn};
       GroupedSwiGluBackward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, s.pad_a, s.pad_b,
                             G(l.efc1), G(l.efc2), s.ws, s.ws_bytes, st);
+      Mark();
       if (fused) {
         PermutePadBackward(s.pad_b, d, l.plan, s.dx, nullptr, nullptr, st);
       } else {
         Unpad(s.pad_b, d, l.plan, s.unpadded, st);
         Unpermute(s.unpadded, d, l.plan, nullptr, s.dx, st);
       }
+      Mark();
       if (l.shared_ffn > 0) {
         const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
         GroupedSwiGluBackward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.dh, s.tmp2,
@@ -497,6 +547,11 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   }
   EmbeddingBackward(s.tokens, n, s.dh, v, d, 0, G(embedding_), s.ws, s.ws_bytes, st);
   RS_CUDA_CHECK(cudaStreamSynchronize(st));
+  for (std::size_t i = 0; i + 1 < events_used_; i += 2) {
+    float ms = 0;
+    RS_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+    dispatch_ms_ += static_cast<double>(ms);
+  }
   return losses;
 }
 

@@ -67,11 +67,21 @@ class GpuTransformer {
   // inputs, targets: host [batch, seq] token ids in [0, vocab) (RS_CHECK). Returns the losses
   // (and per-layer loads); with kForwardBackward the gradients of `total` are ACCUMULATED into
   // grads(). Waits for the device before returning.
-  train::Losses Run(const std::int32_t* inputs, const std::int32_t* targets,
-                    train::Transformer<float>::Pass pass);
+  train::Losses Run(const std::int32_t* inputs, const std::int32_t* targets, train::Transformer<float>::Pass pass);
   // sigmoid_bias: b += u · sign(mean load − load) per MoE layer, from the last Run's loads
   // (on the device).
   void UpdateExpertBiases();
+
+  // With timing on, CUDA events bracket the MoE dispatch of every step (routing plan, the
+  // per-expert counts to the host, permute+pad, unpermute+unpad and their backward passes,
+  // fused or unfused) and dispatch_ms() sums them over the steps run since.
+  void EnableDispatchTiming(bool on);
+  double dispatch_ms() const { return dispatch_ms_; }
+  // Matrix-product FLOPs of one forward+backward pass of the planned batch: 6 per weight used per
+  // token (attention projections, router, the k chosen experts, shared expert, dense MLP, output)
+  // plus the attention scores and weighted values (12 · seq · heads · head_dim per token and
+  // layer, the full seq² products the kernels execute).
+  double StepFlops() const;
 
  private:
   struct Layer;
@@ -91,13 +101,18 @@ class GpuTransformer {
   std::vector<std::int64_t> offsets_;
   std::int64_t num_params_ = 0;
   DeviceArray<float> master_, grads_;
-  DeviceArray<bf16> compute_;  // bf16 mode: the compute copy of master_
+  DeviceArray<bf16> compute_;                  // bf16 mode: the compute copy of master_
   std::vector<std::int64_t> compute_offsets_;  // bf16 mode: tensor offsets in compute_
   DeviceArray<char> arena_;
   std::size_t arena_bytes_ = 0;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::unique_ptr<Scratch> s_;
   std::size_t embedding_ = 0, final_norm_ = 0, output_ = 0;
+  bool timing_ = false;
+  std::vector<cudaEvent_t> events_;  // pairs bracketing the dispatch regions of one step
+  std::size_t events_used_ = 0;
+  double dispatch_ms_ = 0;
+  void Mark();  // records the next event when timing
 };
 
 }  // namespace rs::cuda
