@@ -6,10 +6,11 @@
 # model FLOP/s and their share of the device's peak, the MoE dispatch's share of the step time
 # and the device memory in use.
 #
-# Usage: bench/train_gpu.sh BUILD_DIR [STEPS]
+# Usage: bench/train_gpu.sh BUILD_DIR [STEPS] [all|small]   (small: small-moe runs only)
 set -euo pipefail
 cli="$1/cli/reshard"
 steps="${2:-20}"
+which="${3:-all}"
 here="$(cd "$(dirname "$0")" && pwd)"
 run() {
   echo "== $*"
@@ -22,6 +23,7 @@ run --model small-moe --precision f32 --batch-size 16 --seq-len 256
 for dispatch in fused unfused; do
   run --model small-moe --precision bf16 --batch-size 16 --seq-len 256 --dispatch "$dispatch"
 done
+[ "$which" = small ] && exit 0
 for dispatch in fused unfused; do
   run --model "$here/models/moe-2b.json" --precision bf16 --batch-size 8 --seq-len 1024 --dispatch "$dispatch"
 done

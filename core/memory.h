@@ -10,8 +10,9 @@
 
 namespace rs {
 
-// The smallest of: physical memory, RLIMIT_AS and RLIMIT_DATA (`ulimit -v` / `-d`). An upper
-// bound on what one allocation of this process can get.
+// The smallest of: physical memory, and what RLIMIT_AS and RLIMIT_DATA (`ulimit -v` / `-d`)
+// leave after what the process already maps (/proc/self/statm). An upper bound on what one
+// allocation of this process can get.
 std::int64_t MemoryLimitBytes();
 
 // FailedPrecondition "<what> needs <bytes> bytes of memory, more than this process may use

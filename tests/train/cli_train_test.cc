@@ -140,6 +140,20 @@ TEST_F(CliTrainTest, UsageAndInputErrors) {
     f << R"({"preset": "tiny-moe", "full_attn_interval": 2})";
   }
   EXPECT_EQ(Run("train --steps 2 --model " + P("gdn.json")), 1);
+  // bf16 is a GPU precision; the CPU trains in f32.
+  EXPECT_EQ(Run("train --steps 1 --precision bf16"), 2);
+}
+
+// `--device cuda` on a machine without a usable GPU (or a build without CUDA): a clear error
+// naming the option, exit 2, nothing trained. Where a GPU is present the run succeeds and the
+// GPU tests (tests/cuda) cover it.
+TEST_F(CliTrainTest, DeviceCudaWithoutAGpuIsAUsageError) {
+  const int rc = Run("train --steps 1 --device cuda --save " + P("g"));
+  if (rc == 0) GTEST_SKIP() << "a CUDA device is present: tests/cuda cover --device cuda";
+  EXPECT_EQ(rc, 2);
+  const std::string err = Slurp(dir_ / "stderr.txt");
+  EXPECT_NE(err.find("--device cuda"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(P("g")));
 }
 
 }  // namespace
