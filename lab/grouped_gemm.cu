@@ -53,9 +53,12 @@ namespace {
 
 using cuda::bf16;
 using cuda::DeviceArray;
+using cuda::FromFloat;
+using cuda::FromFloats;
 using cuda::GroupedGemm;
 using cuda::GroupedGemmBackend;
 using cuda::GroupedSwiGluShape;
+using cuda::ToFloat;
 using cuda::WeightLayout;
 
 using cuda::ExpertSchedule;
@@ -76,25 +79,6 @@ const Version kVersions[] = {
     {6, "per-expert, 8 streams LPT", GroupedGemmBackend::kPerExpertStreams, 8, ExpertSchedule::kLargestFirst},
 };
 
-template <typename T>
-T FromFloat(float v);
-template <>
-float FromFloat<float>(float v) {
-  return v;
-}
-template <>
-bf16 FromFloat<bf16>(float v) {
-  return __float2bfloat16(v);
-}
-float ToFloat(float v) { return v; }
-float ToFloat(bf16 v) { return __bfloat162float(v); }
-
-template <typename T>
-std::vector<T> Convert(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = FromFloat<T>(v[i]);
-  return out;
-}
 template <typename T>
 std::vector<double> ToDouble(const std::vector<T>& v) {
   std::vector<double> out(v.size());
@@ -139,7 +123,7 @@ bool CheckSmall(const Version& v, cublasHandle_t handle) {
 
   const GroupedSwiGluShape shape{rows.data(), G, d, f};
   GroupedGemm gemm(v.backend, v.streams, v.schedule);
-  DeviceArray<T> dx_(Convert<T>(x)), dfc1w(Convert<T>(fc1)), dfc2w(Convert<T>(fc2)), ddy(Convert<T>(dy));
+  DeviceArray<T> dx_(FromFloats<T>(x)), dfc1w(FromFloats<T>(fc1)), dfc2w(FromFloats<T>(fc2)), ddy(FromFloats<T>(dy));
   DeviceArray<T> h(n * 2 * f), a(n * f), y(n * d), dx(n * d);
   DeviceArray<float> dfc1(dfc1_init), dfc2(dfc2_init);
   DeviceArray<char> fws(static_cast<std::int64_t>(cuda::GroupedSwiGluForwardWorkspaceBytes<T>(shape)));

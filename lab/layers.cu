@@ -56,6 +56,8 @@ namespace {
 
 using cuda::bf16;
 using cuda::DeviceArray;
+using cuda::ToFloat;
+using cuda::ToFloats;
 
 int failures = 0;
 
@@ -69,14 +71,6 @@ template <typename T>
 std::vector<T> ToT(const std::vector<float>& v) {
   std::vector<T> out(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) out[i] = static_cast<T>(v[i]);
-  return out;
-}
-__host__ __device__ float AsFloat(float v) { return v; }
-__host__ __device__ float AsFloat(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-std::vector<float> ToF(const std::vector<T>& v) {
-  std::vector<float> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = AsFloat(v[i]);
   return out;
 }
 
@@ -130,7 +124,7 @@ __global__ void EmbeddingBackwardV1(const std::int32_t* keys, const std::int32_t
     float v[4][U];
     for (int k = 0; k < 4; ++k) {
       if (j + k < end) {
-        for (int e = 0; e < U; ++e) v[k][e] = AsFloat(dy[std::int64_t(order[j + k]) * d + col + e]);
+        for (int e = 0; e < U; ++e) v[k][e] = ToFloat(dy[std::int64_t(order[j + k]) * d + col + e]);
       }
     }
     for (int k = 0; k < 4; ++k) {
@@ -191,7 +185,7 @@ void CheckLayers(std::mt19937& rng) {
     DeviceArray<char> ws(std::int64_t(cuda::EmbeddingBackwardWorkspaceBytes(n, rows)));
     cuda::EmbeddingForward(tok.get(), n, table_dev.get(), rows, d, 0, y.get(), nullptr);
     cuda::EmbeddingBackward(tok.get(), n, dy_dev.get(), rows, d, 0, dtable.get(), ws.get(), ws.bytes(), nullptr);
-    Check("embedding forward (n 2048, d 1024, Zipf tokens)", MaxErr(ToF(y.Download()), y_want), 0);
+    Check("embedding forward (n 2048, d 1024, Zipf tokens)", MaxErr(ToFloats(y.Download()), y_want), 0);
     Check("embedding backward (exact: token order)", MaxErr(dtable.Download(), dtable_want), 0);
     EmbeddingV1<T> v1(n, d, rows);
     dtable.Upload(dtable0);
@@ -209,12 +203,12 @@ void CheckLayers(std::mt19937& rng) {
     DeviceArray<float> rstd(n), dw(dw0);
     DeviceArray<char> ws(std::int64_t(cuda::RmsNormBackwardWorkspaceBytes(n, d)));
     cuda::RmsNormForward(x_dev.get(), w_dev.get(), n, d, 1e-5, y.get(), rstd.get(), nullptr);
-    Check("rmsnorm forward y (n 512, d 4096)", MaxErr(ToF(y.Download()), y_want), out_tol);
+    Check("rmsnorm forward y (n 512, d 4096)", MaxErr(ToFloats(y.Download()), y_want), out_tol);
     Check("rmsnorm forward rstd", MaxErr(rstd.Download(), r_want), 1e-5);
     rstd.Upload(r_want);
     cuda::RmsNormBackward(dy_dev.get(), x_dev.get(), w_dev.get(), rstd.get(), n, d, dx.get(), dw.get(), ws.get(),
                           ws.bytes(), nullptr);
-    Check("rmsnorm backward dx", MaxErr(ToF(dx.Download()), dx_want), out_tol);
+    Check("rmsnorm backward dx", MaxErr(ToFloats(dx.Download()), dx_want), out_tol);
     double added = 0;  // dw sums n terms: its error is relative to the size of what was added
     for (std::int64_t j = 0; j < d; ++j) added = std::max(added, double(std::abs(dw_want[j] - dw0[j])));
     Check("rmsnorm backward dw (relative to max |added|)", MaxErr(dw.Download(), dw_want, added), 1e-5);
@@ -228,8 +222,8 @@ void CheckLayers(std::mt19937& rng) {
     DeviceArray<T> h_dev(ToT<T>(h)), da_dev(ToT<T>(da)), a(n * f), dh(n * 2 * f);
     cuda::SwiGluForward(h_dev.get(), n, f, a.get(), nullptr);
     cuda::SwiGluBackward(da_dev.get(), h_dev.get(), n, f, dh.get(), nullptr);
-    Check("swiglu forward (n 256, f 1408)", MaxErr(ToF(a.Download()), a_want), out_tol);
-    Check("swiglu backward", MaxErr(ToF(dh.Download()), dh_want), out_tol);
+    Check("swiglu forward (n 256, f 1408)", MaxErr(ToFloats(a.Download()), a_want), out_tol);
+    Check("swiglu backward", MaxErr(ToFloats(dh.Download()), dh_want), out_tol);
   }
   {  // Cross-entropy: 31990 real ids in 32000 columns (10 padding columns, never winning)
     const std::int64_t n = 64, vocab = 31990, cols = 32000;
@@ -253,7 +247,8 @@ void CheckLayers(std::mt19937& rng) {
     const double loss_got = loss.Download()[0];
     std::snprintf(what, sizeof what, "cross-entropy loss (n 64, V 31990 in 32000): %.7f", loss_got);
     Check(what, std::abs(loss_got - loss_want) / std::max(1.0, loss_want), 1e-5);
-    Check("cross-entropy dlogits (relative to 1/n)", MaxErr(ToF(dl.Download()), want, 1.0 / n), kF32 ? 1e-5 : 1e-2);
+    Check("cross-entropy dlogits (relative to 1/n)", MaxErr(ToFloats(dl.Download()), want, 1.0 / n),
+          kF32 ? 1e-5 : 1e-2);
   }
 }
 

@@ -61,9 +61,6 @@ __global__ void UnpermuteUnpadV1(const T* y, std::int64_t d, const std::int32_t*
   }
 }
 
-float AsFloat(float v) { return v; }
-float AsFloat(bf16 v) { return __bfloat162float(v); }
-
 template <typename T>
 int Run(const Args& args) {
   const std::int64_t n = args.Int("T", 16384), d = args.Int("d", 4096), E = args.Int("E", 64), k = args.Int("k", 8);
@@ -135,9 +132,9 @@ int Run(const Args& args) {
       for (std::int64_t i = 0; i < d; ++i) {
         float acc = 0.f;
         for (std::int64_t j = 0; j < k; ++j) {
-          acc += probs[static_cast<std::size_t>(t * k + j)] * AsFloat(x[static_cast<std::size_t>(t * d + i)]);
+          acc += probs[static_cast<std::size_t>(t * k + j)] * cuda::ToFloat(x[static_cast<std::size_t>(t * d + i)]);
         }
-        const double err = std::abs(static_cast<double>(AsFloat(out[static_cast<std::size_t>(t * d + i)])) - acc);
+        const double err = std::abs(static_cast<double>(cuda::ToFloat(out[static_cast<std::size_t>(t * d + i)])) - acc);
         worst = std::max(worst, err / (1.0 + std::abs(static_cast<double>(acc))));
       }
     }

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "tests/cuda/cuda_test_util.h"
 #include "train/attention.h"
 
 namespace rs::cuda {
@@ -30,37 +31,6 @@ namespace {
 constexpr double kF32Tolerance = 1e-5;
 constexpr double kBf16Tolerance = 4e-2;
 
-template <typename T>
-T FromFloat(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __float2bfloat16_rn(v);
-  }
-}
-template <typename T>
-float ToFloat(T v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __bfloat162float(v);
-  }
-}
-
-// Random normals of standard deviation `scale`, already representable in T when `bf16_grid`.
-std::vector<float> RandomValues(std::int64_t n, float scale, bool bf16_grid, std::mt19937& rng) {
-  std::normal_distribution<float> dist(0.f, scale);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = bf16_grid ? __bfloat162float(__float2bfloat16_rn(dist(rng))) : dist(rng);
-  return v;
-}
-
-template <typename T>
-std::vector<T> ToT(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = FromFloat<T>(v[i]);
-  return out;
-}
 template <typename T>
 std::vector<double> ToDouble(const std::vector<T>& v) {
   std::vector<double> out(v.size());
@@ -123,14 +93,14 @@ void AttentionTest::RunCase(const Case& c, double tolerance) {
   constexpr bool kBf16 = !std::is_same_v<T, float>;
   std::mt19937 rng(static_cast<std::uint32_t>(c.batch * 1000003 + c.seq * 1009 + c.nq * 31 + c.dh));
   const std::int64_t n = c.batch * c.seq, w = (c.nq + 2 * c.nkv) * c.dh, ctx = c.nq * c.dh;
-  const std::vector<float> x = RandomValues(n * c.d, 1.f, kBf16, rng);
+  const std::vector<float> x = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
   const std::vector<float> wqkv =
-      RandomValues(w * c.d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d))), kBf16, rng);
+      testing::RandomValues(w * c.d, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d))));
   const std::vector<float> wout =
-      RandomValues(c.d * ctx, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx))), kBf16, rng);
-  const std::vector<float> dy = RandomValues(n * c.d, 1.f, kBf16, rng);
-  const std::vector<float> dwqkv0 = RandomValues(w * c.d, 1.f, false, rng);
-  const std::vector<float> dwout0 = RandomValues(c.d * ctx, 1.f, false, rng);
+      testing::RandomValues(c.d * ctx, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx))));
+  const std::vector<float> dy = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
+  const std::vector<float> dwqkv0 = testing::RandomValues(w * c.d, false, rng, 1.f);
+  const std::vector<float> dwout0 = testing::RandomValues(c.d * ctx, false, rng, 1.f);
 
   // Reference in float64 on the same (rounded) inputs.
   train::AttentionShape ref_shape;
@@ -156,7 +126,8 @@ void AttentionTest::RunCase(const Case& c, double tolerance) {
   DeviceArray<char> act(static_cast<std::int64_t>(bytes.activations)), ws(static_cast<std::int64_t>(bytes.workspace));
   act.Fill(0xFF);
   ws.Fill(0xFF);
-  DeviceArray<T> x_d(ToT<T>(x)), wqkv_d(ToT<T>(wqkv)), wout_d(ToT<T>(wout)), dy_d(ToT<T>(dy));
+  DeviceArray<T> x_d(FromFloats<T>(x)), wqkv_d(FromFloats<T>(wqkv)), wout_d(FromFloats<T>(wout)),
+      dy_d(FromFloats<T>(dy));
   DeviceArray<T> y_d(n * c.d), dx_d(n * c.d);
   y_d.Fill(0xFF);
   dx_d.Fill(0xFF);
@@ -201,9 +172,9 @@ TEST_F(AttentionTest, SavedProbabilitiesAreCausal) {
   const AttentionDims dims{2, 33};
   std::mt19937 rng(7);
   const std::int64_t n = dims.batch * dims.seq, w = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim;
-  DeviceArray<float> x(RandomValues(n * shape.d_model, 1.f, false, rng));
-  DeviceArray<float> wqkv(RandomValues(w * shape.d_model, 0.2f, false, rng));
-  DeviceArray<float> wout(RandomValues(shape.d_model * shape.n_heads * shape.head_dim, 0.2f, false, rng));
+  DeviceArray<float> x(testing::RandomValues(n * shape.d_model, false, rng, 1.f));
+  DeviceArray<float> wqkv(testing::RandomValues(w * shape.d_model, false, rng, 0.2f));
+  DeviceArray<float> wout(testing::RandomValues(shape.d_model * shape.n_heads * shape.head_dim, false, rng, 0.2f));
   DeviceArray<float> y(n * shape.d_model);
   const AttentionBytes bytes = AttentionMemoryBytes<float>(shape, dims);
   DeviceArray<char> table_mem(static_cast<std::int64_t>(RopeTableBytes(dims.seq, shape.head_dim)));
@@ -266,9 +237,9 @@ void CheckRope(cudaStream_t stream) {
   EXPECT_LE(table_err, 1.2e-7) << "more than one f32 ulp from the CPU's table";
 
   std::mt19937 rng(11);
-  const std::vector<float> x = RandomValues(rows * stride, 1.f, kBf16, rng);
+  const std::vector<float> x = testing::RandomValues(rows * stride, kBf16, rng, 1.f);
   for (const RopeDirection dir : {RopeDirection::kForward, RopeDirection::kInverse}) {
-    DeviceArray<T> xd(ToT<T>(x));
+    DeviceArray<T> xd(FromFloats<T>(x));
     ApplyRope<T>(xd.get(), rows, seq, stride, heads, table, dir, stream);
     RS_CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<T> got = xd.Download();
@@ -302,7 +273,7 @@ TEST_F(RopeTest, InverseUndoesForward) {
   DeviceArray<char> mem(static_cast<std::int64_t>(RopeTableBytes(seq, dh)));
   const RopeTable table = ComputeRopeTable(seq, dh, 1e4, mem.get(), mem.bytes(), stream_);
   std::mt19937 rng(3);
-  const std::vector<float> x = RandomValues(rows * heads * dh, 1.f, false, rng);
+  const std::vector<float> x = testing::RandomValues(rows * heads * dh, false, rng, 1.f);
   DeviceArray<float> xd(x);
   ApplyRope<float>(xd.get(), rows, seq, heads * dh, heads, table, RopeDirection::kForward, stream_);
   ApplyRope<float>(xd.get(), rows, seq, heads * dh, heads, table, RopeDirection::kInverse, stream_);

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "tests/cuda/cuda_test_util.h"
 #include "train/dispatch.h"
 
 namespace rs::cuda {
@@ -42,44 +43,6 @@ std::vector<std::int32_t> RandomExperts(const Shape& s, std::mt19937& rng) {
   return out;
 }
 
-template <typename T>
-T FromFloat(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __float2bfloat16_rn(v);
-  }
-}
-template <typename T>
-float ToFloat(T v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __bfloat162float(v);
-  }
-}
-
-// Random values already representable in T, so the f32 CPU reference sees the same inputs.
-std::vector<float> RandomValues(std::int64_t n, bool bf16_grid, std::mt19937& rng) {
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = bf16_grid ? __bfloat162float(__float2bfloat16_rn(dist(rng))) : dist(rng);
-  return v;
-}
-
-template <typename T>
-std::vector<T> ToDevice(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = FromFloat<T>(v[i]);
-  return out;
-}
-template <typename T>
-std::vector<float> ToHost(const std::vector<T>& v) {
-  std::vector<float> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = ToFloat(v[i]);
-  return out;
-}
-
 // Bit equality of the first `count` floats, reporting the first difference.
 void ExpectSameBits(const std::vector<float>& got, const std::vector<float>& want, std::size_t count,
                     const char* what) {
@@ -94,7 +57,7 @@ void ExpectSameBits(const std::vector<float>& got, const std::vector<float>& wan
 // The CPU reference result rounded to T, as the kernel rounds its f32 result once.
 template <typename T>
 std::vector<float> RoundedTo(const std::vector<float>& v) {
-  return ToHost(ToDevice<T>(v));
+  return ToFloats(FromFloats<T>(v));
 }
 
 class DispatchTest : public ::testing::TestWithParam<std::int64_t> {
@@ -156,10 +119,10 @@ void RunCase(const Shape& s, std::int64_t align, std::mt19937& rng) {
   const DevicePlan plan = PlanRouting(experts_dev.get(), s.n, s.k, s.experts, align, ws.get(), ws_bytes, nullptr);
   CheckPlan(plan, want);
 
-  const std::vector<float> x = RandomValues(s.n * d, kBf16, rng);
-  std::vector<float> probs = RandomValues(rows, false, rng);
+  const std::vector<float> x = testing::RandomValues(s.n * d, kBf16, rng);
+  std::vector<float> probs = testing::RandomValues(rows, false, rng);
   for (auto& p : probs) p = std::abs(p) + 0.1f;
-  const DeviceArray<T> x_dev(ToDevice<T>(x));
+  const DeviceArray<T> x_dev(FromFloats<T>(x));
   const DeviceArray<float> probs_dev(probs);
   const auto pd = static_cast<std::size_t>(padded * d);
 
@@ -172,7 +135,7 @@ void RunCase(const Shape& s, std::int64_t align, std::mt19937& rng) {
   PermutePad(x_dev.get(), d, plan, pad_dev.get(), probs_dev.get(), row_probs_dev.get(), nullptr);
   std::vector<float> pad_want(pd);
   train::PermutePad(x.data(), d, want, pad_want.data());
-  const std::vector<float> pad_got = ToHost(pad_dev.Download());
+  const std::vector<float> pad_got = ToFloats(pad_dev.Download());
   ExpectSameBits(pad_got, pad_want, pd, "permute+pad");
   for (std::size_t i = pd; i < pad_got.size(); ++i) ASSERT_TRUE(std::isnan(pad_got[i])) << "wrote past the rows";
   const std::vector<float> row_probs = row_probs_dev.Download();
@@ -191,29 +154,29 @@ void RunCase(const Shape& s, std::int64_t align, std::mt19937& rng) {
   // The unfused pair gives the same bytes.
   Permute(x_dev.get(), d, plan, unpadded_dev.get(), nullptr);
   Pad(unpadded_dev.get(), d, plan, pad2_dev.get(), nullptr);
-  ExpectSameBits(ToHost(pad2_dev.Download()), pad_got, pd, "permute, then pad");
+  ExpectSameBits(ToFloats(pad2_dev.Download()), pad_got, pd, "permute, then pad");
 
   // Unpermute + unpad with probabilities over random expert outputs y.
-  std::vector<float> y = RandomValues(maxp * d, kBf16, rng);
+  std::vector<float> y = testing::RandomValues(maxp * d, kBf16, rng);
   for (std::int64_t r = 0; r < padded; ++r) {
     if (want.token_of_padded_row[static_cast<std::size_t>(r)] < 0) {
       std::fill_n(y.begin() + r * d, d, 0.f);  // expert outputs of padding rows are zero
     }
   }
-  const DeviceArray<T> y_dev(ToDevice<T>(y));
+  const DeviceArray<T> y_dev(FromFloats<T>(y));
   DeviceArray<T> out_dev(s.n * d), out2_dev(s.n * d);
   UnpermuteUnpad(y_dev.get(), d, plan, probs_dev.get(), out_dev.get(), nullptr);
   std::vector<float> out_want(static_cast<std::size_t>(s.n * d));
   train::UnpadUnpermute(y.data(), d, want, probs.data(), out_want.data());
-  const std::vector<float> out_got = ToHost(out_dev.Download());
+  const std::vector<float> out_got = ToFloats(out_dev.Download());
   ExpectSameBits(out_got, RoundedTo<T>(out_want), out_want.size(), "unpermute+unpad");
   Unpad(y_dev.get(), d, plan, unpadded_dev.get(), nullptr);
   Unpermute(unpadded_dev.get(), d, plan, probs_dev.get(), out2_dev.get(), nullptr);
-  ExpectSameBits(ToHost(out2_dev.Download()), out_got, out_got.size(), "unpad, then unpermute");
+  ExpectSameBits(ToFloats(out2_dev.Download()), out_got, out_got.size(), "unpad, then unpermute");
 
   // Its backward: dy = p · grad on real rows, zero on padding rows; dprobs = <y[row], grad[t]>.
-  const std::vector<float> grad = RandomValues(s.n * d, kBf16, rng);
-  const DeviceArray<T> grad_dev(ToDevice<T>(grad));
+  const std::vector<float> grad = testing::RandomValues(s.n * d, kBf16, rng);
+  const DeviceArray<T> grad_dev(FromFloats<T>(grad));
   DeviceArray<T> dy_dev(maxp * d), dy2_dev(maxp * d), dy_unpadded_dev(rows * d);
   DeviceArray<float> dprobs_dev(rows), dprobs2_dev(rows);
   dy_dev.Fill(0xFF);
@@ -221,7 +184,7 @@ void RunCase(const Shape& s, std::int64_t align, std::mt19937& rng) {
                          nullptr);
   std::vector<float> dy_want(pd), dprobs_want(static_cast<std::size_t>(rows));
   train::UnpadUnpermuteBackward(grad.data(), y.data(), d, want, probs.data(), dy_want.data(), dprobs_want.data());
-  const std::vector<float> dy_got = ToHost(dy_dev.Download());
+  const std::vector<float> dy_got = ToFloats(dy_dev.Download());
   ExpectSameBits(dy_got, RoundedTo<T>(dy_want), pd, "unpermute+unpad backward dy");
   const std::vector<float> dprobs = dprobs_dev.Download();
   double worst = 0;
@@ -248,7 +211,7 @@ void RunCase(const Shape& s, std::int64_t align, std::mt19937& rng) {
   UnpermuteBackward(grad_dev.get(), unpadded_dev.get(), d, plan, probs_dev.get(), dy_unpadded_dev.get(),
                     dprobs2_dev.get(), nullptr);
   Pad(dy_unpadded_dev.get(), d, plan, dy2_dev.get(), nullptr);
-  ExpectSameBits(ToHost(dy2_dev.Download()), dy_got, pd, "unpermute backward, then pad");
+  ExpectSameBits(ToFloats(dy2_dev.Download()), dy_got, pd, "unpermute backward, then pad");
   ExpectSameBits(dprobs2_dev.Download(), dprobs, static_cast<std::size_t>(rows), "unfused dprobs");
 
   // Permute + pad backward: dx[t] = Σ_j dy[row(t, j)], dprobs gathered from the row gradients.
@@ -258,7 +221,7 @@ void RunCase(const Shape& s, std::int64_t align, std::mt19937& rng) {
   std::vector<float> dx_want(static_cast<std::size_t>(s.n * d));
   const std::vector<float> dy_rounded = RoundedTo<T>(dy_want);
   train::UnpadUnpermute(dy_rounded.data(), d, want, static_cast<const float*>(nullptr), dx_want.data());
-  ExpectSameBits(ToHost(dx_dev.Download()), RoundedTo<T>(dx_want), dx_want.size(), "permute+pad backward dx");
+  ExpectSameBits(ToFloats(dx_dev.Download()), RoundedTo<T>(dx_want), dx_want.size(), "permute+pad backward dx");
   const std::vector<float> dprobs3 = dprobs3_dev.Download();
   for (std::size_t slot = 0; slot < static_cast<std::size_t>(rows); ++slot) {
     ASSERT_EQ(dprobs3[slot], probs[slot]) << "row probabilities' gradient of slot " << slot;

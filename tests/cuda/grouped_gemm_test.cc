@@ -52,32 +52,6 @@ std::int64_t Sum(const std::vector<std::int64_t>& v) {
 
 std::size_t Sz(std::int64_t n) { return static_cast<std::size_t>(n); }
 
-template <typename T>
-T FromFloat(float v);
-template <>
-float FromFloat<float>(float v) {
-  return v;
-}
-template <>
-bf16 FromFloat<bf16>(float v) {
-  return __float2bfloat16(v);
-}
-float ToFloat(float v) { return v; }
-float ToFloat(bf16 v) { return __bfloat162float(v); }
-
-template <typename T>
-std::vector<T> ToDevice(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = FromFloat<T>(v[i]);
-  return out;
-}
-template <typename T>
-std::vector<float> ToHost(const std::vector<T>& v) {
-  std::vector<float> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = ToFloat(v[i]);
-  return out;
-}
-
 // Inputs already rounded to T, so the reference sees exactly what the GPU sees.
 struct Inputs {
   std::vector<float> x, fc1, fc2, dy, dfc1, dfc2;
@@ -159,7 +133,8 @@ Outputs RunDevice(const Case& c, const Inputs& in, GroupedGemmBackend backend, i
   cudaStream_t stream = nullptr;
   RS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
-  DeviceArray<T> x(ToDevice<T>(in.x)), fc1(ToDevice<T>(in.fc1)), fc2(ToDevice<T>(in.fc2)), dy(ToDevice<T>(in.dy));
+  DeviceArray<T> x(FromFloats<T>(in.x)), fc1(FromFloats<T>(in.fc1)), fc2(FromFloats<T>(in.fc2)),
+      dy(FromFloats<T>(in.dy));
   DeviceArray<T> h(n * 2 * f), a(n * f), y(n * d), dx(n * d);
   DeviceArray<float> dfc1(in.dfc1), dfc2(in.dfc2);
   for (auto* out : {&h, &a, &y, &dx}) out->Fill(0xFF);  // NaN: an unwritten element cannot pass
@@ -176,10 +151,10 @@ Outputs RunDevice(const Case& c, const Inputs& in, GroupedGemmBackend backend, i
   EXPECT_TRUE(bwd_ws.CanaryIntact()) << "backward wrote past its workspace";
 
   Outputs out;
-  out.h = ToHost(h.Download());
-  out.a = ToHost(a.Download());
-  out.y = ToHost(y.Download());
-  if (with_dx) out.dx = ToHost(dx.Download());
+  out.h = ToFloats(h.Download());
+  out.a = ToFloats(a.Download());
+  out.y = ToFloats(y.Download());
+  if (with_dx) out.dx = ToFloats(dx.Download());
   out.dfc1 = dfc1.Download();
   out.dfc2 = dfc2.Download();
   return out;

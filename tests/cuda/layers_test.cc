@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "tests/cuda/cuda_test_util.h"
 #include "train/layers.h"
 
 namespace rs::cuda {
@@ -36,42 +37,6 @@ constexpr bool kIsBf16 = !std::is_same_v<T, float>;
 template <typename T>
 const char* TypeName() {
   return kIsBf16<T> ? "bf16" : "f32";
-}
-
-float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-// Random normal values, already on the bf16 grid when the kernel under test reads bf16, so the
-// f32 CPU reference sees exactly the kernel's inputs.
-std::vector<float> RandomValues(std::int64_t n, bool bf16_grid, std::mt19937& rng, float scale = 1.f) {
-  std::normal_distribution<float> dist(0.f, scale);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = bf16_grid ? RoundBf16(dist(rng)) : dist(rng);
-  return v;
-}
-
-template <typename T>
-std::vector<T> ToDevice(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    if constexpr (kIsBf16<T>) {
-      out[i] = __float2bfloat16_rn(v[i]);
-    } else {
-      out[i] = v[i];
-    }
-  }
-  return out;
-}
-template <typename T>
-std::vector<float> ToHost(const std::vector<T>& v) {
-  std::vector<float> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    if constexpr (kIsBf16<T>) {
-      out[i] = __bfloat162float(v[i]);
-    } else {
-      out[i] = v[i];
-    }
-  }
-  return out;
 }
 
 // Worst |got − want| / max(floor, |want|) over the arrays, printed, and checked against tol.
@@ -142,9 +107,9 @@ void EmbeddingCaseRun(const EmbeddingCase& c, std::mt19937& rng) {
               static_cast<long long>(c.d), static_cast<long long>(c.rows), static_cast<long long>(c.offset));
   const std::int64_t d = c.d;
   const std::vector<std::int32_t> tokens = RandomTokens(c.n, c.vocab, rng);
-  const std::vector<float> table = RandomValues(c.rows * d, kIsBf16<T>, rng);
-  const std::vector<float> dy = RandomValues(c.n * d, kIsBf16<T>, rng);
-  const std::vector<float> dtable0 = RandomValues(c.rows * d, false, rng);  // the gradient accumulates
+  const std::vector<float> table = testing::RandomValues(c.rows * d, kIsBf16<T>, rng);
+  const std::vector<float> dy = testing::RandomValues(c.n * d, kIsBf16<T>, rng);
+  const std::vector<float> dtable0 = testing::RandomValues(c.rows * d, false, rng);  // the gradient accumulates
 
   // The CPU model's lookup and its backward, token by token.
   std::vector<float> y_want(static_cast<std::size_t>(c.n * d), 0.f), dtable_want = dtable0;
@@ -158,11 +123,11 @@ void EmbeddingCaseRun(const EmbeddingCase& c, std::mt19937& rng) {
   }
 
   const DeviceArray<std::int32_t> tokens_dev(tokens);
-  const DeviceArray<T> table_dev(ToDevice<T>(table)), dy_dev(ToDevice<T>(dy));
+  const DeviceArray<T> table_dev(FromFloats<T>(table)), dy_dev(FromFloats<T>(dy));
   DeviceArray<T> y_dev(c.n * d);
   y_dev.Fill(0xFF);
   EmbeddingForward(tokens_dev.get(), c.n, table_dev.get(), c.rows, d, c.offset, y_dev.get(), nullptr);
-  ExpectSameBits(ToHost(y_dev.Download()), y_want, "forward");
+  ExpectSameBits(ToFloats(y_dev.Download()), y_want, "forward");
 
   const std::size_t ws_bytes = EmbeddingBackwardWorkspaceBytes(c.n, c.rows);
   DeviceArray<char> ws(static_cast<std::int64_t>(ws_bytes));
@@ -191,24 +156,24 @@ void RmsNormCase(std::int64_t n, std::int64_t d, std::mt19937& rng) {
   std::printf(" rmsnorm %s n=%lld d=%lld\n", TypeName<T>(), static_cast<long long>(n), static_cast<long long>(d));
   constexpr double kEps = 1e-5;
   const auto nd = static_cast<std::size_t>(n * d);
-  const std::vector<float> x = RandomValues(n * d, kIsBf16<T>, rng, 2.f);
-  const std::vector<float> w = RandomValues(d, kIsBf16<T>, rng);
-  const std::vector<float> dy = RandomValues(n * d, kIsBf16<T>, rng);
-  const std::vector<float> dw0 = RandomValues(d, false, rng);
+  const std::vector<float> x = testing::RandomValues(n * d, kIsBf16<T>, rng, 2.f);
+  const std::vector<float> w = testing::RandomValues(d, kIsBf16<T>, rng);
+  const std::vector<float> dy = testing::RandomValues(n * d, kIsBf16<T>, rng);
+  const std::vector<float> dw0 = testing::RandomValues(d, false, rng);
 
   std::vector<float> y_want(nd), rstd_want(static_cast<std::size_t>(n));
   train::RmsNormForward<float>(x.data(), w.data(), n, d, kEps, y_want.data(), rstd_want.data());
   std::vector<float> dx_want(nd), dw_want = dw0;
   train::RmsNormBackward<float>(dy.data(), x.data(), w.data(), rstd_want.data(), n, d, dx_want.data(), dw_want.data());
 
-  const DeviceArray<T> x_dev(ToDevice<T>(x)), w_dev(ToDevice<T>(w)), dy_dev(ToDevice<T>(dy));
+  const DeviceArray<T> x_dev(FromFloats<T>(x)), w_dev(FromFloats<T>(w)), dy_dev(FromFloats<T>(dy));
   DeviceArray<T> y_dev(n * d), dx_dev(n * d);
   DeviceArray<float> rstd_dev(n), dw_dev(dw0);
   y_dev.Fill(0xFF);
   dx_dev.Fill(0xFF);
   RmsNormForward(x_dev.get(), w_dev.get(), n, d, kEps, y_dev.get(), rstd_dev.get(), nullptr);
   const double out_tol = kIsBf16<T> ? 1e-2 : 1e-5;
-  ExpectClose(ToHost(y_dev.Download()), y_want, out_tol, "forward y");
+  ExpectClose(ToFloats(y_dev.Download()), y_want, out_tol, "forward y");
   ExpectClose(rstd_dev.Download(), rstd_want, 1e-5, "forward rstd");
 
   // The backward reads the CPU's rstd, so it is checked on exactly the CPU's inputs.
@@ -218,7 +183,7 @@ void RmsNormCase(std::int64_t n, std::int64_t d, std::mt19937& rng) {
   ws.Fill(0x5A);
   RmsNormBackward(dy_dev.get(), x_dev.get(), w_dev.get(), rstd_dev.get(), n, d, dx_dev.get(), dw_dev.get(), ws.get(),
                   ws_bytes, nullptr);
-  ExpectClose(ToHost(dx_dev.Download()), dx_want, out_tol, "backward dx");
+  ExpectClose(ToFloats(dx_dev.Download()), dx_want, out_tol, "backward dx");
   const std::vector<float> dw_got = dw_dev.Download();
   // dw sums n terms: its error is relative to the size of what was added.
   double added = 0;
@@ -250,21 +215,21 @@ template <typename T>
 void SwiGluCase(std::int64_t n, std::int64_t f, std::mt19937& rng) {
   SCOPED_TRACE(::testing::Message() << "n=" << n << " f=" << f << " " << TypeName<T>());
   std::printf(" swiglu %s n=%lld f=%lld\n", TypeName<T>(), static_cast<long long>(n), static_cast<long long>(f));
-  const std::vector<float> h = RandomValues(n * 2 * f, kIsBf16<T>, rng, 3.f);
-  const std::vector<float> da = RandomValues(n * f, kIsBf16<T>, rng);
+  const std::vector<float> h = testing::RandomValues(n * 2 * f, kIsBf16<T>, rng, 3.f);
+  const std::vector<float> da = testing::RandomValues(n * f, kIsBf16<T>, rng);
   std::vector<float> a_want(static_cast<std::size_t>(n * f)), dh_want(h.size());
   train::SwiGluForward<float>(h.data(), n, f, a_want.data());
   train::SwiGluBackward<float>(da.data(), h.data(), n, f, dh_want.data());
 
-  const DeviceArray<T> h_dev(ToDevice<T>(h)), da_dev(ToDevice<T>(da));
+  const DeviceArray<T> h_dev(FromFloats<T>(h)), da_dev(FromFloats<T>(da));
   DeviceArray<T> a_dev(n * f), dh_dev(n * 2 * f);
   a_dev.Fill(0xFF);
   dh_dev.Fill(0xFF);
   SwiGluForward(h_dev.get(), n, f, a_dev.get(), nullptr);
   SwiGluBackward(da_dev.get(), h_dev.get(), n, f, dh_dev.get(), nullptr);
   const double tol = kIsBf16<T> ? 1e-2 : 1e-5;
-  ExpectClose(ToHost(a_dev.Download()), a_want, tol, "forward a");
-  ExpectClose(ToHost(dh_dev.Download()), dh_want, tol, "backward dh");
+  ExpectClose(ToFloats(a_dev.Download()), a_want, tol, "forward a");
+  ExpectClose(ToFloats(dh_dev.Download()), dh_want, tol, "backward dh");
 }
 
 TEST_F(CudaLayersTest, SwiGluMatchesCpu) {
@@ -290,7 +255,7 @@ void CrossEntropyCase(std::int64_t n, std::int64_t vocab, std::int64_t columns, 
               out == GradOutput::kNone      ? " (loss only)"
               : out == GradOutput::kInPlace ? " (in place)"
                                             : "");
-  std::vector<float> logits = RandomValues(n * columns, kIsBf16<T>, rng, 3.f);
+  std::vector<float> logits = testing::RandomValues(n * columns, kIsBf16<T>, rng, 3.f);
   // Padding columns hold the largest values of the row: excluded, they must never win.
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = vocab; j < columns; ++j) logits[static_cast<std::size_t>(i * columns + j)] = 40.f;
@@ -311,7 +276,7 @@ void CrossEntropyCase(std::int64_t n, std::int64_t vocab, std::int64_t columns, 
   }
 
   const double inv_rows = 1.0 / static_cast<double>(n);
-  DeviceArray<T> logits_dev(ToDevice<T>(logits)), dlogits_dev(out == GradOutput::kSeparate ? n * columns : 0);
+  DeviceArray<T> logits_dev(FromFloats<T>(logits)), dlogits_dev(out == GradOutput::kSeparate ? n * columns : 0);
   dlogits_dev.Fill(0xFF);
   const DeviceArray<std::int32_t> targets_dev(targets);
   DeviceArray<double> loss_dev(1);
@@ -325,10 +290,10 @@ void CrossEntropyCase(std::int64_t n, std::int64_t vocab, std::int64_t columns, 
   std::printf("  %-44s %.9f vs CPU %.9f, scaled error %.3g (tolerance 1e-5)\n", "loss", loss_got, loss_want, loss_err);
   EXPECT_LE(loss_err, 1e-5);
   if (out == GradOutput::kNone) {
-    ExpectSameBits(ToHost(logits_dev.Download()), ToHost(ToDevice<T>(logits)), "logits untouched");
+    ExpectSameBits(ToFloats(logits_dev.Download()), ToFloats(FromFloats<T>(logits)), "logits untouched");
     return;
   }
-  const std::vector<float> got = ToHost((out == GradOutput::kInPlace ? logits_dev : dlogits_dev).Download());
+  const std::vector<float> got = ToFloats((out == GradOutput::kInPlace ? logits_dev : dlogits_dev).Download());
   // Errors relative to inv_rows, the scale of every gradient entry.
   std::vector<float> got_scaled(got.size()), want_scaled(got.size());
   for (std::size_t i = 0; i < got.size(); ++i) {

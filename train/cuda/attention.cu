@@ -11,19 +11,6 @@ namespace {
 constexpr int kThreads = 256;      // elementwise kernels
 constexpr int kWarpsPerBlock = 8;  // row kernels: one warp per row
 
-__device__ __forceinline__ float ToF(float v) { return v; }
-__device__ __forceinline__ float ToF(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T FromF(float v);
-template <>
-__device__ __forceinline__ float FromF<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ bf16 FromF<bf16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
 // The CPU's rotation, a' = a·c − b·s, b' = b·c + a·s, with every product and sum rounded
 // separately (no fused multiply-add), so f32 results equal train::ApplyRope's bit for bit.
 // `s` carries the direction's sign.
@@ -61,10 +48,10 @@ __global__ void ApplyRopeKernel(T* x, std::int64_t rows, std::int64_t seq, std::
   const std::int64_t i = idx % half, h = idx / half % n_heads, r = idx / half / n_heads;
   const std::int64_t t = (r % seq) * half + i;
   T* p = x + r * row_stride + h * head_dim + i;
-  float a = ToF(p[0]), b = ToF(p[half]);
+  float a = ToFloat(p[0]), b = ToFloat(p[half]);
   Rotate(a, b, cos_t[t], sign * sin_t[t]);
-  p[0] = FromF<T>(a);
-  p[half] = FromF<T>(b);
+  p[0] = FromFloat<T>(a);
+  p[half] = FromFloat<T>(b);
 }
 
 // raw [N, W] f32 (the QKV GEMM's output) → q, k (rotated) and v head-major in T. One thread
@@ -90,8 +77,8 @@ __global__ void QkvToHeadsKernel(const float* __restrict__ raw, std::int64_t n, 
   } else {
     dst = v + ((b * nkv + h - nq - nkv) * seq + pos) * dh;
   }
-  dst[i] = FromF<T>(x0);
-  dst[i + half] = FromF<T>(x1);
+  dst[i] = FromFloat<T>(x0);
+  dst[i + half] = FromFloat<T>(x1);
 }
 
 // The backward of QkvToHeads: dq, dk, dv head-major f32 → inverse RoPE → dqkv [N, W] in T.
@@ -116,8 +103,8 @@ __global__ void HeadsToQkvKernel(const float* __restrict__ dq, const float* __re
   float x0 = src[i], x1 = src[i + half];
   if (h < nq + nkv) Rotate(x0, x1, cos_t[pos * half + i], -sin_t[pos * half + i]);
   T* dst = dqkv + r * heads * dh + h * dh + i;
-  dst[0] = FromF<T>(x0);
-  dst[half] = FromF<T>(x1);
+  dst[0] = FromFloat<T>(x0);
+  dst[half] = FromFloat<T>(x1);
 }
 
 // rows [N, H·dh] ↔ heads [batch, H, seq, dh], one thread per element in row order.
@@ -171,7 +158,7 @@ __global__ void CausalSoftmaxKernel(const float* scores, std::int64_t rows, std:
     m = mm;
   }
   const float inv = 1.f / l;
-  for (std::int64_t j = lane; j < seq; j += 32) p[j] = FromF<T>(j <= last ? expf(s[j] - m) * inv : 0.f);
+  for (std::int64_t j = lane; j < seq; j += 32) p[j] = FromFloat<T>(j <= last ? expf(s[j] - m) * inv : 0.f);
 }
 
 // dS = P ⊙ (dP − Σ_j P ⊙ dP) on j ≤ i, zero above the diagonal; one warp per row. For
@@ -187,9 +174,9 @@ __global__ void CausalSoftmaxBackwardKernel(const T* __restrict__ probs, const f
   const float* g = dp + row * seq;
   T* out = ds + row * seq;
   float dot = 0.f;
-  for (std::int64_t j = lane; j <= last; j += 32) dot = fmaf(ToF(p[j]), g[j], dot);
+  for (std::int64_t j = lane; j <= last; j += 32) dot = fmaf(ToFloat(p[j]), g[j], dot);
   dot = WarpSum(dot);
-  for (std::int64_t j = lane; j < seq; j += 32) out[j] = FromF<T>(j <= last ? ToF(p[j]) * (g[j] - dot) : 0.f);
+  for (std::int64_t j = lane; j < seq; j += 32) out[j] = FromFloat<T>(j <= last ? ToFloat(p[j]) * (g[j] - dot) : 0.f);
 }
 
 // --- cuBLAS ------------------------------------------------------------------------------

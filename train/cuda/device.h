@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "train/cuda/cuda_check.h"
@@ -19,6 +20,32 @@
 namespace rs::cuda {
 
 using bf16 = __nv_bfloat16;
+
+// Element conversions, in kernels and on the host: every kernel computes in f32 and rounds to
+// the element type once (bf16: to nearest, ties to even).
+__host__ __device__ __forceinline__ float ToFloat(float v) { return v; }
+__host__ __device__ __forceinline__ float ToFloat(bf16 v) { return __bfloat162float(v); }
+template <typename T>
+__host__ __device__ __forceinline__ T FromFloat(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return __float2bfloat16_rn(v);
+  }
+}
+// Host vectors between f32 and T (tests and labs).
+template <typename T>
+std::vector<T> FromFloats(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = FromFloat<T>(v[i]);
+  return out;
+}
+template <typename T>
+std::vector<float> ToFloats(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = ToFloat(v[i]);
+  return out;
+}
 
 // True when a CUDA device is usable; otherwise `why` says what is missing.
 bool DeviceAvailable(std::string* why);

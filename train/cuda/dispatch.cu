@@ -12,19 +12,6 @@ constexpr int kPlanChunk = 1024;   // routing plan: slots per block (one warp wa
 constexpr int kScanThreads = 1024;
 constexpr std::int64_t kMaxPlanExperts = 12288;  // per-expert counters in 48 KiB of shared memory
 
-__device__ __forceinline__ float ToF(float v) { return v; }
-__device__ __forceinline__ float ToF(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T FromF(float v);
-template <>
-__device__ __forceinline__ float FromF<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ bf16 FromF<bf16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
 // Rows move in units of U elements: 16-byte packs (4 floats, 8 bf16) when every row start is
 // 16-byte aligned, single elements otherwise.
 template <typename T, bool kVec>
@@ -38,9 +25,9 @@ __device__ __forceinline__ void LoadUnit(const T* p, float* f) {
     const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < Unit<T, kVec>::kElems; ++i) f[i] = ToF(e[i]);
+    for (int i = 0; i < Unit<T, kVec>::kElems; ++i) f[i] = ToFloat(e[i]);
   } else {
-    f[0] = ToF(p[0]);
+    f[0] = ToFloat(p[0]);
   }
 }
 
@@ -50,10 +37,10 @@ __device__ __forceinline__ void StoreUnit(T* p, const float* f) {
     uint4 raw;
     T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < Unit<T, kVec>::kElems; ++i) e[i] = FromF<T>(f[i]);
+    for (int i = 0; i < Unit<T, kVec>::kElems; ++i) e[i] = FromFloat<T>(f[i]);
     *reinterpret_cast<uint4*>(p) = raw;
   } else {
-    p[0] = FromF<T>(f[0]);
+    p[0] = FromFloat<T>(f[0]);
   }
 }
 
@@ -75,7 +62,7 @@ __device__ __forceinline__ void ZeroRow(T* dst, std::int64_t units, int lane) {
     uint4* o = reinterpret_cast<uint4*>(dst);
     for (std::int64_t u = lane; u < units; u += 32) o[u] = make_uint4(0, 0, 0, 0);
   } else {
-    for (std::int64_t u = lane; u < units; u += 32) dst[u] = FromF<T>(0.f);
+    for (std::int64_t u = lane; u < units; u += 32) dst[u] = FromFloat<T>(0.f);
   }
 }
 

@@ -139,19 +139,6 @@ struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
 
-__device__ __forceinline__ float ToFloat(float x) { return x; }
-__device__ __forceinline__ float ToFloat(bf16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ bf16 FromFloat<bf16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
 // Each thread handles V consecutive columns of one row: one 16-byte load of gate and one of up
 // when V = 16 / sizeof(T), so the pass runs at memory speed.
 template <typename T, int V>

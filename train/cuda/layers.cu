@@ -7,19 +7,6 @@
 namespace rs::cuda {
 namespace {
 
-__device__ __forceinline__ float ToF(float v) { return v; }
-__device__ __forceinline__ float ToF(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T FromF(float v);
-template <>
-__device__ __forceinline__ float FromF<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ bf16 FromF<bf16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
 // U consecutive elements moved as one unit: 16-byte accesses (two for 8 floats) when U > 1.
 template <typename T, int U>
 struct alignas(sizeof(T) * U < 16 ? sizeof(T) * U : 16) Pack {
@@ -30,14 +17,14 @@ template <typename T, int U>
 __device__ __forceinline__ void Load(const T* p, float (&f)[U]) {
   const Pack<T, U> pk = *reinterpret_cast<const Pack<T, U>*>(p);
 #pragma unroll
-  for (int i = 0; i < U; ++i) f[i] = ToF(pk.v[i]);
+  for (int i = 0; i < U; ++i) f[i] = ToFloat(pk.v[i]);
 }
 
 template <typename T, int U>
 __device__ __forceinline__ void Store(T* p, const float (&f)[U]) {
   Pack<T, U> pk;
 #pragma unroll
-  for (int i = 0; i < U; ++i) pk.v[i] = FromF<T>(f[i]);
+  for (int i = 0; i < U; ++i) pk.v[i] = FromFloat<T>(f[i]);
   *reinterpret_cast<Pack<T, U>*>(p) = pk;
 }
 
@@ -98,7 +85,7 @@ __global__ void EmbeddingForwardKernel(const std::int32_t* __restrict__ tokens, 
   P* dst = reinterpret_cast<P*>(y + t * d);
   P zero;
 #pragma unroll
-  for (int i = 0; i < U; ++i) zero.v[i] = FromF<T>(0.f);
+  for (int i = 0; i < U; ++i) zero.v[i] = FromFloat<T>(0.f);
   for (std::int64_t u = lane; u < d / U; u += 32) dst[u] = here ? src[u] : zero;
 }
 
@@ -146,7 +133,7 @@ __global__ void EmbeddingBackwardKernel(const std::int32_t* __restrict__ keys, c
     for (int k = 0; k < kEmbBatch; ++k) {
       if (token[k] >= 0) {
 #pragma unroll
-        for (int e = 0; e < U; ++e) acc[e] = __fadd_rn(acc[e], ToF(v[k].v[e]));
+        for (int e = 0; e < U; ++e) acc[e] = __fadd_rn(acc[e], ToFloat(v[k].v[e]));
       }
     }
     if (token[kEmbBatch - 1] < 0) break;
@@ -364,7 +351,7 @@ __global__ void CrossEntropyKernel(const T* logits, const std::int32_t* __restri
   const T* li = logits + row * columns;
   const std::int64_t target = targets[row];
   float target_logit = 0.f;
-  if (threadIdx.x == 0 && target >= 0 && target < valid) target_logit = ToF(li[target]);
+  if (threadIdx.x == 0 && target >= 0 && target < valid) target_logit = ToFloat(li[target]);
   float m = -INFINITY, s = 0.f;
   const std::int64_t full = valid / U;  // units wholly inside the real columns
   for (std::int64_t u = threadIdx.x; u < full; u += blockDim.x) {
@@ -373,7 +360,7 @@ __global__ void CrossEntropyKernel(const T* logits, const std::int32_t* __restri
 #pragma unroll
     for (int e = 0; e < U; ++e) OnlineAdd(v[e], m, s);
   }
-  for (std::int64_t j = full * U + threadIdx.x; j < valid; j += blockDim.x) OnlineAdd(ToF(li[j]), m, s);
+  for (std::int64_t j = full * U + threadIdx.x; j < valid; j += blockDim.x) OnlineAdd(ToFloat(li[j]), m, s);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, off), s2 = __shfl_xor_sync(0xffffffffu, s, off);

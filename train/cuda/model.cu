@@ -21,28 +21,17 @@ constexpr unsigned kThreads = 256;
 
 unsigned Blocks(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
-__device__ __forceinline__ float F(float v) { return v; }
-__device__ __forceinline__ float F(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T To(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __float2bfloat16_rn(v);
-  }
-}
-
 // a[i] += b[i] (the residual stream), f32 math, rounded once.
 template <typename T, typename U>
 __global__ void AddKernel(T* __restrict__ a, const U* __restrict__ b, std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) a[i] = To<T>(F(a[i]) + F(b[i]));
+  if (i < n) a[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
 }
 
 template <typename T, typename U>
 __global__ void ConvertKernel(const T* __restrict__ in, U* __restrict__ out, std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = To<U>(F(in[i]));
+  if (i < n) out[i] = FromFloat<U>(ToFloat(in[i]));
 }
 
 template <typename T, typename U>
