@@ -209,17 +209,6 @@ void RowGemm(cublasHandle_t h, Trans ta, Trans tb, std::int64_t m, std::int64_t 
                                               kCompute<T>, CUBLAS_GEMM_DEFAULT));
 }
 
-// The caller's handle runs on the caller's stream; it is only rebound when it is on another
-// stream, since cublasSetStream also resets a workspace set with cublasSetWorkspace.
-void BindHandle(cublasHandle_t handle, cudaStream_t stream) {
-  cudaStream_t current = nullptr;
-  RS_CUDA_CHECK(cublasGetStream(handle, &current));
-  if (current != stream) RS_CUDA_CHECK(cublasSetStream(handle, stream));
-  cublasPointerMode_t mode{};
-  RS_CUDA_CHECK(cublasGetPointerMode(handle, &mode));
-  RS_CHECK_MSG(mode == CUBLAS_POINTER_MODE_HOST, "the attention GEMMs pass alpha and beta on the host");
-}
-
 // --- Memory plan -------------------------------------------------------------------------
 
 struct Sizes {
@@ -373,7 +362,7 @@ void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const 
                                                           << " or workspace " << workspace_bytes << " < "
                                                           << need.workspace);
   CheckRope(rope, shape, dims);
-  BindHandle(handle, stream);
+  BindCublasHandle(handle, stream);
   WorkspaceCarver ac(activations), wc(workspace);
   const AttentionActivations<T> a = CarveActivations<T>(z, &ac);
   ForwardScratch<T> f = CarveForward<T>(z, &wc);
@@ -419,7 +408,7 @@ void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const
                                                           << " or workspace " << workspace_bytes << " < "
                                                           << need.workspace);
   CheckRope(rope, shape, dims);
-  BindHandle(handle, stream);
+  BindCublasHandle(handle, stream);
   // The saved activations are only read; the carver hands out non-const views of them.
   WorkspaceCarver ac(const_cast<void*>(activations)), wc(workspace);
   const AttentionActivations<T> a = CarveActivations<T>(z, &ac);

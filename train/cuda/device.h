@@ -50,6 +50,11 @@ std::vector<float> ToFloats(const std::vector<T>& v) {
 // True when a CUDA device is usable; otherwise `why` says what is missing.
 bool DeviceAvailable(std::string* why);
 
+// Puts the caller's cuBLAS handle on `stream` – only when it is on another one, since
+// cublasSetStream also drops a workspace set with cublasSetWorkspace – and checks that it is in
+// host pointer mode (the kernels here pass alpha and beta on the host).
+void BindCublasHandle(cublasHandle_t handle, cudaStream_t stream);
+
 class WorkspaceCarver {
  public:
   static constexpr std::size_t kAlign = 256;

@@ -101,17 +101,6 @@ void RunOne(cublasHandle_t handle, const Gemm& g, GroupedGemm::Types types, floa
                                 &beta, g.c, types.c, g.ldc, types.compute, CUBLAS_GEMM_DEFAULT));
 }
 
-// The caller's handle runs the grouped call on the caller's stream; it is only rebound when it
-// is on another stream, since cublasSetStream also resets a workspace set with cublasSetWorkspace.
-void BindHandle(cublasHandle_t handle, cudaStream_t stream) {
-  cudaStream_t current = nullptr;
-  RS_CUDA_CHECK(cublasGetStream(handle, &current));
-  if (current != stream) RS_CUDA_CHECK(cublasSetStream(handle, stream));
-  cublasPointerMode_t mode{};
-  RS_CUDA_CHECK(cublasGetPointerMode(handle, &mode));
-  RS_CHECK_MSG(mode == CUBLAS_POINTER_MODE_HOST, "the grouped GEMMs pass alpha and beta on the host");
-}
-
 // The grouped call reads its A/B/C pointers from device arrays. They are written by a kernel
 // whose parameters carry the pointers (up to kPointerChunk per launch), which keeps the call
 // asynchronous and free of pageable host→device copies.
@@ -377,7 +366,7 @@ void GroupedGemm::RunGrouped(cublasHandle_t handle, const std::vector<Gemm>& gem
   group_size_.assign(gemms.size(), 1);
   alpha_.assign(gemms.size(), 1.f);
   beta_.assign(gemms.size(), beta);
-  BindHandle(handle, stream);
+  BindCublasHandle(handle, stream);
   RS_CUDA_CHECK(cublasGemmGroupedBatchedEx_64(
       handle, ta_.data(), tb_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(), a, types.ab, lda_.data(), b,
       types.ab, ldb_.data(), beta_.data(), c, types.c, ldc_.data(), count, group_size_.data(), types.compute));
