@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "lab/lab.cuh"
+#include "train/cuda/grouped_gemm.h"
 #include "train/cuda/layers.h"
 #include "train/cuda/optimizer.h"
 #include "train/layers.h"
@@ -65,13 +66,6 @@ void Check(const char* what, double err, double tol) {
   const bool ok = err <= tol;
   std::printf("  %-52s worst error %.3g (tolerance %.1g)%s\n", what, err, tol, ok ? "" : "  MISMATCH");
   if (!ok) ++failures;
-}
-
-template <typename T>
-std::vector<T> ToT(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = static_cast<T>(v[i]);
-  return out;
 }
 
 // Random normal values on T's grid, so that the f32 CPU reference reads the kernel's inputs.
@@ -180,7 +174,7 @@ void CheckLayers(std::mt19937& rng) {
       for (std::int64_t j = 0; j < d; ++j) dtable_want[tokens[t] * d + j] += dy[t * d + j];
     }
     DeviceArray<std::int32_t> tok(tokens);
-    DeviceArray<T> table_dev(ToT<T>(table)), dy_dev(ToT<T>(dy)), y(n * d);
+    DeviceArray<T> table_dev(cuda::FromFloats<T>(table)), dy_dev(cuda::FromFloats<T>(dy)), y(n * d);
     DeviceArray<float> dtable(dtable0);
     DeviceArray<char> ws(std::int64_t(cuda::EmbeddingBackwardWorkspaceBytes(n, rows)));
     cuda::EmbeddingForward(tok.get(), n, table_dev.get(), rows, d, 0, y.get(), nullptr);
@@ -199,7 +193,8 @@ void CheckLayers(std::mt19937& rng) {
     std::vector<float> y_want(n * d), r_want(n), dx_want(n * d), dw_want = dw0;
     train::RmsNormForward<float>(x.data(), w.data(), n, d, 1e-5, y_want.data(), r_want.data());
     train::RmsNormBackward<float>(dy.data(), x.data(), w.data(), r_want.data(), n, d, dx_want.data(), dw_want.data());
-    DeviceArray<T> x_dev(ToT<T>(x)), w_dev(ToT<T>(w)), dy_dev(ToT<T>(dy)), y(n * d), dx(n * d);
+    DeviceArray<T> x_dev(cuda::FromFloats<T>(x)), w_dev(cuda::FromFloats<T>(w)), dy_dev(cuda::FromFloats<T>(dy)),
+        y(n * d), dx(n * d);
     DeviceArray<float> rstd(n), dw(dw0);
     DeviceArray<char> ws(std::int64_t(cuda::RmsNormBackwardWorkspaceBytes(n, d)));
     cuda::RmsNormForward(x_dev.get(), w_dev.get(), n, d, 1e-5, y.get(), rstd.get(), nullptr);
@@ -219,9 +214,9 @@ void CheckLayers(std::mt19937& rng) {
     std::vector<float> a_want(n * f), dh_want(n * 2 * f);
     train::SwiGluForward<float>(h.data(), n, f, a_want.data());
     train::SwiGluBackward<float>(da.data(), h.data(), n, f, dh_want.data());
-    DeviceArray<T> h_dev(ToT<T>(h)), da_dev(ToT<T>(da)), a(n * f), dh(n * 2 * f);
-    cuda::SwiGluForward(h_dev.get(), n, f, a.get(), nullptr);
-    cuda::SwiGluBackward(da_dev.get(), h_dev.get(), n, f, dh.get(), nullptr);
+    DeviceArray<T> h_dev(cuda::FromFloats<T>(h)), da_dev(cuda::FromFloats<T>(da)), a(n * f), dh(n * 2 * f);
+    cuda::SwiGluForwardDevice(h_dev.get(), n, f, a.get(), nullptr);
+    cuda::SwiGluBackwardDevice(da_dev.get(), h_dev.get(), n, f, dh.get(), nullptr);
     Check("swiglu forward (n 256, f 1408)", MaxErr(ToFloats(a.Download()), a_want), out_tol);
     Check("swiglu backward", MaxErr(ToFloats(dh.Download()), dh_want), out_tol);
   }
@@ -238,7 +233,7 @@ void CheckLayers(std::mt19937& rng) {
     }
     const double loss_want = train::CrossEntropy<float>(real.data(), targets.data(), n, vocab, dreal.data());
     for (std::int64_t i = 0; i < n; ++i) std::copy_n(dreal.begin() + i * vocab, vocab, want.begin() + i * cols);
-    DeviceArray<T> l_dev(ToT<T>(logits)), dl(n * cols);
+    DeviceArray<T> l_dev(cuda::FromFloats<T>(logits)), dl(n * cols);
     DeviceArray<std::int32_t> t_dev(targets);
     DeviceArray<double> loss(1);
     DeviceArray<char> ws(std::int64_t(cuda::CrossEntropyWorkspaceBytes(n)));
@@ -366,9 +361,9 @@ void TimeLayers(const Args& args, const DevicePeaks& peaks, std::mt19937& rng) {
   {
     DeviceArray<T> h = RandomDevice<T>(n * 2 * f, 6.f, 6), a(n * f), da = RandomDevice<T>(n * f, 2.f, 7);
     DeviceArray<T> dh(n * 2 * f);
-    double ms = TimeMs([&] { cuda::SwiGluForward(h.get(), n, f, a.get(), nullptr); });
+    double ms = TimeMs([&] { cuda::SwiGluForwardDevice(h.get(), n, f, a.get(), nullptr); });
     ReportBandwidth("swiglu forward", ms, 3.0 * n * f * t, peaks);
-    ms = TimeMs([&] { cuda::SwiGluBackward(da.get(), h.get(), n, f, dh.get(), nullptr); });
+    ms = TimeMs([&] { cuda::SwiGluBackwardDevice(da.get(), h.get(), n, f, dh.get(), nullptr); });
     ReportBandwidth("swiglu backward", ms, 5.0 * n * f * t, peaks);
   }
   {

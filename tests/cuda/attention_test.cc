@@ -103,12 +103,7 @@ void AttentionTest::RunCase(const Case& c, double tolerance) {
   const std::vector<float> dwout0 = testing::RandomValues(c.d * ctx, false, rng, 1.f);
 
   // Reference in float64 on the same (rounded) inputs.
-  train::AttentionShape ref_shape;
-  ref_shape.d_model = c.d;
-  ref_shape.n_heads = c.nq;
-  ref_shape.n_kv_heads = c.nkv;
-  ref_shape.head_dim = c.dh;
-  train::Attention<double> ref(ref_shape);
+  train::Attention<double> ref(AttentionShape{c.d, c.nq, c.nkv, c.dh, 10000.0});
   const auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
   const std::vector<double> xd = to_double(x), wqkvd = to_double(wqkv), woutd = to_double(wout), dyd = to_double(dy);
   std::vector<double> y_ref(static_cast<std::size_t>(n * c.d)), dx_ref(y_ref.size());
@@ -246,9 +241,8 @@ void CheckRope(cudaStream_t stream) {
     std::vector<float> want = x;
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t pos = r % seq;
-      train::ApplyRope<float>(
-          want.data() + r * stride, heads, dh, cos_t.data() + pos * half, sin_t.data() + pos * half,
-          dir == RopeDirection::kForward ? train::RopeDirection::kForward : train::RopeDirection::kInverse);
+      train::ApplyRope<float>(want.data() + r * stride, heads, dh, cos_t.data() + pos * half, sin_t.data() + pos * half,
+                              dir);
     }
     double worst = 0;
     for (std::size_t i = 0; i < want.size(); ++i) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "tests/cuda/cuda_test_util.h"
+#include "train/cuda/grouped_gemm.h"
 #include "train/layers.h"
 
 namespace rs::cuda {
@@ -225,8 +226,8 @@ void SwiGluCase(std::int64_t n, std::int64_t f, std::mt19937& rng) {
   DeviceArray<T> a_dev(n * f), dh_dev(n * 2 * f);
   a_dev.Fill(0xFF);
   dh_dev.Fill(0xFF);
-  SwiGluForward(h_dev.get(), n, f, a_dev.get(), nullptr);
-  SwiGluBackward(da_dev.get(), h_dev.get(), n, f, dh_dev.get(), nullptr);
+  SwiGluForwardDevice(h_dev.get(), n, f, a_dev.get(), nullptr);
+  SwiGluBackwardDevice(da_dev.get(), h_dev.get(), n, f, dh_dev.get(), nullptr);
   const double tol = kIsBf16<T> ? 1e-2 : 1e-5;
   ExpectClose(ToFloats(a_dev.Download()), a_want, tol, "forward a");
   ExpectClose(ToFloats(dh_dev.Download()), dh_want, tol, "backward dh");

@@ -57,27 +57,20 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "train/attention.h"
 #include "train/cuda/device.h"
 
 namespace rs::cuda {
 
-// The same fields as train::AttentionShape (kept separate so the CUDA library does not depend
-// on the CPU training core and its communicator headers).
-struct AttentionShape {
-  std::int64_t d_model = 0;
-  std::int64_t n_heads = 0;     // query heads
-  std::int64_t n_kv_heads = 0;  // key/value heads; divides n_heads
-  std::int64_t head_dim = 0;    // even
-  double rope_theta = 10000.0;
-};
+// The shape and the RoPE direction are the CPU attention's (train/attention.h).
+using train::AttentionShape;
+using train::RopeDirection;
 
 // One call's rows: batch sequences of seq positions each, rows in (batch, position) order.
 struct AttentionDims {
   std::int64_t batch = 0;
   std::int64_t seq = 0;
 };
-
-enum class RopeDirection { kForward, kInverse };
 
 // cos/sin [positions, head_dim/2] f32 in caller memory: angle p · theta^(−2i/head_dim)
 // computed in double and rounded once to f32 (the CPU's table).

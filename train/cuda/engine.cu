@@ -1,6 +1,3 @@
-// The CPU headers instantiate templates nvcc warns about spuriously (diagnostic 2810).
-#pragma nv_diag_suppress 2810
-
 #include <chrono>
 #include <cstdio>
 #include <string>

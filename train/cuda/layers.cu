@@ -269,54 +269,6 @@ std::int64_t RowsPerGroup(std::int64_t n) {
   return groups > 0 ? (n + groups - 1) / groups : 1;
 }
 
-// ---- SwiGLU -------------------------------------------------------------------------------
-
-constexpr int kEltThreads = 256;
-constexpr std::int64_t kEltMaxBlocks = 8192;  // grid-stride beyond this
-
-unsigned EltBlocks(std::int64_t work) {
-  const std::int64_t b = (work + kEltThreads - 1) / kEltThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : b < kEltMaxBlocks ? b : kEltMaxBlocks);
-}
-
-template <typename T, int U>
-__global__ void SwiGluForwardKernel(const T* __restrict__ h, std::int64_t n, std::int64_t f, T* __restrict__ a) {
-  const std::int64_t per_row = f / U, total = n * per_row;
-  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
-    const std::int64_t r = i / per_row, c = (i - r * per_row) * U;
-    float g[U], up[U], out[U];
-    Load<T, U>(h + r * 2 * f + c, g);
-    Load<T, U>(h + r * 2 * f + f + c, up);
-#pragma unroll
-    for (int e = 0; e < U; ++e) out[e] = g[e] / (1.f + expf(-g[e])) * up[e];
-    Store<T, U>(a + r * f + c, out);
-  }
-}
-
-template <typename T, int U>
-__global__ void SwiGluBackwardKernel(const T* __restrict__ da, const T* __restrict__ h, std::int64_t n, std::int64_t f,
-                                     T* __restrict__ dh) {
-  const std::int64_t per_row = f / U, total = n * per_row;
-  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
-    const std::int64_t r = i / per_row, c = (i - r * per_row) * U;
-    float g[U], up[U], d[U], dgate[U], dup[U];
-    Load<T, U>(h + r * 2 * f + c, g);
-    Load<T, U>(h + r * 2 * f + f + c, up);
-    Load<T, U>(da + r * f + c, d);
-#pragma unroll
-    for (int e = 0; e < U; ++e) {
-      const float s = 1.f / (1.f + expf(-g[e]));
-      dup[e] = d[e] * (g[e] * s);
-      // silu'(g) = σ(g) · (1 + g · (1 − σ(g)))
-      dgate[e] = d[e] * up[e] * s * (1.f + g[e] * (1.f - s));
-    }
-    Store<T, U>(dh + r * 2 * f + c, dgate);
-    Store<T, U>(dh + r * 2 * f + f + c, dup);
-  }
-}
-
 // ---- Cross-entropy ------------------------------------------------------------------------
 
 // 256 threads per row: 1024 (fewer rows in flight, hoping the gradient pass would re-read them
@@ -510,32 +462,6 @@ void RmsNormBackward(const T* dy, const T* x, const T* w, const float* rstd, std
   RS_CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- SwiGLU -------------------------------------------------------------------------------
-
-template <typename T>
-void SwiGluForward(const T* h, std::int64_t n, std::int64_t f, T* a, cudaStream_t stream) {
-  RS_CHECK(n >= 0 && f > 0);
-  if (n == 0) return;
-  if (RowsVectorizable<T>(f, h, a)) {
-    SwiGluForwardKernel<T, kVec<T>><<<EltBlocks(n * f / kVec<T>), kEltThreads, 0, stream>>>(h, n, f, a);
-  } else {
-    SwiGluForwardKernel<T, 1><<<EltBlocks(n * f), kEltThreads, 0, stream>>>(h, n, f, a);
-  }
-  RS_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void SwiGluBackward(const T* da, const T* h, std::int64_t n, std::int64_t f, T* dh, cudaStream_t stream) {
-  RS_CHECK(n >= 0 && f > 0);
-  if (n == 0) return;
-  if (RowsVectorizable<T>(f, da, h, dh)) {
-    SwiGluBackwardKernel<T, kVec<T>><<<EltBlocks(n * f / kVec<T>), kEltThreads, 0, stream>>>(da, h, n, f, dh);
-  } else {
-    SwiGluBackwardKernel<T, 1><<<EltBlocks(n * f), kEltThreads, 0, stream>>>(da, h, n, f, dh);
-  }
-  RS_CUDA_CHECK(cudaGetLastError());
-}
-
 // ---- Cross-entropy ------------------------------------------------------------------------
 
 std::size_t CrossEntropyWorkspaceBytes(std::int64_t n) {
@@ -577,8 +503,6 @@ void CrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n, 
   template void RmsNormForward<T>(const T*, const T*, std::int64_t, std::int64_t, double, T*, float*, cudaStream_t);   \
   template void RmsNormBackward<T>(const T*, const T*, const T*, const float*, std::int64_t, std::int64_t, T*, float*, \
                                    void*, std::size_t, cudaStream_t);                                                  \
-  template void SwiGluForward<T>(const T*, std::int64_t, std::int64_t, T*, cudaStream_t);                              \
-  template void SwiGluBackward<T>(const T*, const T*, std::int64_t, std::int64_t, T*, cudaStream_t);                   \
   template void CrossEntropy<T>(const T*, const std::int32_t*, std::int64_t, std::int64_t, std::int64_t, double,       \
                                 double*, T*, void*, std::size_t, cudaStream_t);
 RS_INSTANTIATE(float)

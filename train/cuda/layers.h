@@ -1,6 +1,7 @@
-// The decoder's row-wise pieces on the GPU, forward and backward: the token embedding, RMSNorm,
-// the dense SwiGLU activation and the vocabulary cross-entropy. The CPU twins and references
-// are train/layers.h (RMSNorm, SwiGLU, CrossEntropy) and the embedding and vocab-parallel
+// The decoder's row-wise pieces on the GPU, forward and backward: the token embedding, RMSNorm
+// and the vocabulary cross-entropy (the SwiGLU activation is grouped_gemm.h's, for dense layers
+// and experts alike). The CPU twins and references
+// are train/layers.h (RMSNorm, CrossEntropy) and the embedding and vocab-parallel
 // cross-entropy code of train/model.cc; the optimizer lives in train/cuda/optimizer.h.
 //
 // Element types: T = float or bf16 for activations and for the parameters the forward reads
@@ -58,14 +59,6 @@ std::size_t RmsNormBackwardWorkspaceBytes(std::int64_t n, std::int64_t d);
 template <typename T>
 void RmsNormBackward(const T* dy, const T* x, const T* w, const float* rstd, std::int64_t n, std::int64_t d, T* dx,
                      float* dw, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
-
-// --- SwiGLU (dense layers) -----------------------------------------------------------------
-// a [n, f] = silu(gate) ⊙ up over rows of h = [gate | up] ([n, 2f]).
-template <typename T>
-void SwiGluForward(const T* h, std::int64_t n, std::int64_t f, T* a, cudaStream_t stream);
-// dh [n, 2f] (overwritten) = [da ⊙ up ⊙ silu'(gate) | da ⊙ silu(gate)] from da [n, f].
-template <typename T>
-void SwiGluBackward(const T* da, const T* h, std::int64_t n, std::int64_t f, T* dh, cudaStream_t stream);
 
 // --- Cross-entropy over the vocabulary -----------------------------------------------------
 std::size_t CrossEntropyWorkspaceBytes(std::int64_t n);

@@ -1,6 +1,3 @@
-// The CPU headers instantiate templates nvcc warns about spuriously (diagnostic 2810).
-#pragma nv_diag_suppress 2810
-
 #include <algorithm>
 #include <limits>
 
@@ -21,11 +18,11 @@ constexpr unsigned kThreads = 256;
 
 unsigned Blocks(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
-// a[i] += b[i] (the residual stream), f32 math, rounded once.
+// out[i] = a[i] + b[i] (the residual stream; out may be a), f32 math, rounded once.
 template <typename T, typename U>
-__global__ void AddKernel(T* __restrict__ a, const U* __restrict__ b, std::int64_t n) {
+__global__ void AddKernel(T* out, const T* a, const U* __restrict__ b, std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) a[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
+  if (i < n) out[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
 }
 
 template <typename T, typename U>
@@ -35,10 +32,14 @@ __global__ void ConvertKernel(const T* __restrict__ in, U* __restrict__ out, std
 }
 
 template <typename T, typename U>
-void Add(T* a, const U* b, std::int64_t n, cudaStream_t stream) {
+void Add(T* out, const T* a, const U* b, std::int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  AddKernel<T, U><<<Blocks(n), kThreads, 0, stream>>>(a, b, n);
+  AddKernel<T, U><<<Blocks(n), kThreads, 0, stream>>>(out, a, b, n);
   RS_CUDA_CHECK(cudaGetLastError());
+}
+template <typename T, typename U>
+void Add(T* a, const U* b, std::int64_t n, cudaStream_t stream) {
+  Add(a, a, b, n, stream);
 }
 
 template <typename T, typename U>
@@ -91,7 +92,8 @@ struct GpuTransformer<T>::Layer {
   void* plan_ws = nullptr;
   std::size_t plan_bytes = 0;
   DevicePlan plan;
-  std::vector<std::int64_t> padded_rows;  // host copy of this step's per-expert padded counts
+  std::vector<std::int32_t> padded_offsets;  // host copy of the plan's [E+1] padded offsets
+  std::vector<std::int64_t> padded_rows;     // this step's per-expert padded counts, from them
   T *x_pad = nullptr, *he = nullptr, *ae = nullptr, *y_pad = nullptr;
   T *hs = nullptr, *as = nullptr;  // shared expert
   T *hd = nullptr, *ad = nullptr;  // dense MLP
@@ -285,6 +287,7 @@ void GpuTransformer<T>::Plan(void* base) {
       l.ae = w.Take<T>(maxp * l.ffn);
       l.y_pad = w.Take<T>(maxp * d);
       l.padded_rows.assign(static_cast<std::size_t>(e), 0);
+      l.padded_offsets.assign(static_cast<std::size_t>(e + 1), 0);
       std::vector<std::int64_t> bound(static_cast<std::size_t>(e), 0);
       bound[0] = maxp;  // the workspaces depend on the total rows, bounded by maxp
       const GroupedSwiGluShape experts{bound.data(), e, d, l.ffn};
@@ -390,21 +393,21 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const AttentionDims dims{batch_, seq_};
   const train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
   const bool fused = dispatch_.mode == train::DispatchMode::kFused;
-  const auto tbytes = static_cast<std::size_t>(nd) * sizeof(T);
   const cudaDataType_t tt = DataType<T>();
   const std::int64_t one_group[] = {n};
 
   events_used_ = 0;
-  EmbeddingForward(s.tokens, n, P(embedding_), v, d, 0, s.h, st);
-  for (auto& lp : layers_) {
-    Layer& l = *lp;
-    RS_CUDA_CHECK(cudaMemcpyAsync(l.h_in, s.h, tbytes, cudaMemcpyDeviceToDevice, st));
-    RmsNormForward(s.h, P(l.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
+  // The residual stream lives in the layers' saved inputs: layer i reads h_in, writes h_mid and
+  // then layer i+1's h_in (the last layer: s.h, the final norm's input), so nothing is copied.
+  EmbeddingForward(s.tokens, n, P(embedding_), v, d, 0, layers_[0]->h_in, st);
+  for (std::size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = *layers_[li];
+    T* h_out = li + 1 < layers_.size() ? layers_[li + 1]->h_in : s.h;
+    RmsNormForward(l.h_in, P(l.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
     AttentionForward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), s.tmp, l.attn, l.attn_bytes, s.ws,
                      s.ws_bytes, st);
-    Add(s.h, s.tmp, nd, st);
-    RS_CUDA_CHECK(cudaMemcpyAsync(l.h_mid, s.h, tbytes, cudaMemcpyDeviceToDevice, st));
-    RmsNormForward(s.h, P(l.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
+    Add(l.h_mid, l.h_in, s.tmp, nd, st);
+    RmsNormForward(l.h_mid, P(l.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
     if (l.moe) {
       if constexpr (!std::is_same_v<T, float>) Convert(l.xn2, l.xr, nd, st);
       GemmRowMajor(handle_, false, true, n, e, d, l.xr, CUDA_R_32F, d, M(l.router), CUDA_R_32F, d, 0.f, l.logits,
@@ -414,7 +417,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       Mark();
       l.plan = PlanRouting(l.experts, n, k, e, dispatch_.alignment, l.plan_ws, l.plan_bytes, st);
       // The grouped GEMMs take their sizes on the host: the step's one wait per MoE layer.
-      std::vector<std::int32_t> po(static_cast<std::size_t>(e + 1));
+      std::vector<std::int32_t>& po = l.padded_offsets;
       RS_CUDA_CHECK(cudaMemcpyAsync(po.data(), l.plan.padded_offsets, po.size() * sizeof(std::int32_t),
                                     cudaMemcpyDeviceToHost, st));
       RS_CUDA_CHECK(cudaStreamSynchronize(st));
@@ -450,7 +453,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
       GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.tmp, s.ws, s.ws_bytes, st);
     }
-    Add(s.h, s.tmp, nd, st);
+    Add(h_out, l.h_mid, s.tmp, nd, st);
   }
   RmsNormForward(s.h, P(final_norm_), n, d, c_.norm_eps, s.x_final, s.rstd_final, st);
   GemmRowMajor(handle_, false, true, n, v, d, s.x_final, tt, d, P(output_), tt, d, 0.f, s.logits, tt, v,

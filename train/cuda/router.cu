@@ -1,8 +1,3 @@
-// nvcc's front end misreads the communicator's Status assignments in train/model_parallel.h
-// (included through train/router.h) as discarded [[nodiscard]] results (warning 2810; the host
-// compiler builds that header cleanly). It reports them where the templates are instantiated,
-// at the end of the file, so the suppression stays on.
-#pragma nv_diag_suppress 2810
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
