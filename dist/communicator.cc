@@ -1,6 +1,10 @@
 #include "dist/communicator.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <functional>
+#include <vector>
 
 #include "core/check.h"
 
@@ -82,6 +86,22 @@ Result<std::int64_t> FirstFailedRank(Communicator& comm, bool ok) {
   std::int64_t v = ok ? -comm.size() : -comm.rank();
   RS_RETURN_IF_ERROR(comm.AllReduce(std::span<std::int64_t>(&v, 1), ReduceOp::kMax));
   return v == -comm.size() ? -1 : -v;
+}
+
+Result<HostRanks> RanksOnThisHost(Communicator& comm) {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0) return Internal("gethostname failed");
+  // The same binary on every rank: std::hash agrees between them.
+  const auto mine = static_cast<std::int64_t>(std::hash<std::string>{}(name));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
+  RS_RETURN_IF_ERROR(comm.AllGather(std::span<const std::int64_t>(&mine, 1), all));
+  HostRanks r{0, 0};
+  for (std::int64_t q = 0; q < comm.size(); ++q) {
+    if (all[static_cast<std::size_t>(q)] != mine) continue;
+    if (q < comm.rank()) ++r.local_rank;
+    ++r.local_size;
+  }
+  return r;
 }
 
 }  // namespace rs::dist

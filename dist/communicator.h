@@ -13,6 +13,7 @@
 //   broadcast of n bytes:                n (0 on the root)
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -79,6 +80,19 @@ class Communicator {
   std::string name_;
 };
 
+// Adds the wall time of its scope to a CommStats (every implementation times its collectives).
+class CommTimer {
+ public:
+  explicit CommTimer(CommStats& stats) : stats_(stats), start_(std::chrono::steady_clock::now()) {}
+  ~CommTimer() { stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+
+ private:
+  CommStats& stats_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 // A group of one rank: collectives are copies (AllToAllV, AllGather) or no-ops.
 std::unique_ptr<Communicator> MakeSelfCommunicator(std::string name = "self");
 
@@ -88,6 +102,13 @@ namespace rs::dist {
 
 // Root's string on every rank (collective).
 Result<std::string> BroadcastString(Communicator& comm, const std::string& value, std::int64_t root = 0);
+// This rank's place among the ranks of `comm` that run on the same host (by host name;
+// collective): local_rank in [0, local_size). What picks a process's GPU.
+struct HostRanks {
+  std::int64_t local_rank = 0;
+  std::int64_t local_size = 1;
+};
+Result<HostRanks> RanksOnThisHost(Communicator& comm);
 // The lowest rank whose `ok` is false, or -1 when every rank's is true (collective). Failures
 // of the collective itself come back as the status.
 Result<std::int64_t> FirstFailedRank(Communicator& comm, bool ok);

@@ -36,19 +36,6 @@ Status CountFits(std::size_t n, const char* op, const std::string& group) {
   return Status::Ok();
 }
 
-// Adds the wall time of its scope to a CommStats.
-class Timed {
- public:
-  explicit Timed(CommStats& stats) : stats_(stats), start_(std::chrono::steady_clock::now()) {}
-  ~Timed() { stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
-  Timed(const Timed&) = delete;
-  Timed& operator=(const Timed&) = delete;
-
- private:
-  CommStats& stats_;
-  std::chrono::steady_clock::time_point start_;
-};
-
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, bool owned, std::string name)
@@ -71,7 +58,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status AllGather(std::span<const float> send, std::span<float> recv) override {
-    const Timed timed(stats_);
+    const CommTimer timed(stats_);
     RS_CHECK(recv.size() == send.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(CountFits(recv.size(), "all-gather", name()));
     RS_RETURN_IF_ERROR(Check(MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_FLOAT, recv.data(),
@@ -82,7 +69,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status AllGather(std::span<const std::int64_t> send, std::span<std::int64_t> recv) override {
-    const Timed timed(stats_);
+    const CommTimer timed(stats_);
     RS_CHECK(recv.size() == send.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(CountFits(recv.size(), "all-gather", name()));
     RS_RETURN_IF_ERROR(Check(MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_INT64_T, recv.data(),
@@ -93,7 +80,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status ReduceScatter(std::span<const float> send, std::span<float> recv) override {
-    const Timed timed(stats_);
+    const CommTimer timed(stats_);
     RS_CHECK(send.size() == recv.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(CountFits(send.size(), "reduce-scatter", name()));
     RS_RETURN_IF_ERROR(Check(
@@ -105,7 +92,7 @@ class MpiCommunicator final : public Communicator {
 
   Status AllToAllV(std::span<const float> send, std::span<const std::int64_t> send_counts, std::span<float> recv,
                    std::span<const std::int64_t> recv_counts) override {
-    const Timed timed(stats_);
+    const CommTimer timed(stats_);
     const auto p = static_cast<std::size_t>(size());
     RS_CHECK(send_counts.size() == p && recv_counts.size() == p);
     std::vector<int> sc(p), sd(p), rc(p), rd(p);
@@ -130,7 +117,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status Broadcast(std::span<std::byte> data, std::int64_t root) override {
-    const Timed timed(stats_);
+    const CommTimer timed(stats_);
     RS_RETURN_IF_ERROR(CountFits(data.size(), "broadcast", name()));
     RS_RETURN_IF_ERROR(Check(
         MPI_Bcast(data.data(), static_cast<int>(data.size()), MPI_BYTE, static_cast<int>(root), comm_), "broadcast"));
@@ -168,7 +155,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status Reduce(void* data, std::size_t n, MPI_Datatype type, std::size_t esize, ReduceOp op) {
-    const Timed timed(stats_);
+    const CommTimer timed(stats_);
     RS_RETURN_IF_ERROR(CountFits(n, "all-reduce", name()));
     RS_RETURN_IF_ERROR(Check(
         MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), type, op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm_),
