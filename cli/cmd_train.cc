@@ -48,6 +48,8 @@ struct TrainArgs {
   bool with_replicas = false;
   std::string device = "cpu";
   std::string precision = "f32";
+  std::string device_comm = "nccl";
+  const CLI::Option* device_comm_option = nullptr;
   // Options that define the run; with --resume they come from the checkpoint instead.
   std::vector<CLI::Option*> run_defining;
 };
@@ -101,6 +103,9 @@ void RunTrain(TrainArgs& a) {
   if (a.device == "cpu" && a.precision != "f32") {
     fail_all(InvalidArgument("--precision " + a.precision + " needs --device cuda (the CPU trains in f32)"));
   }
+  if (a.device == "cpu" && a.device_comm_option->count() > 0) {
+    fail_all(InvalidArgument("--device-comm needs --device cuda (the CPU's collectives are MPI's)"));
+  }
   if (a.save_every < 0) fail_all(InvalidArgument("--save-every must be >= 0"));
   if (a.save_every > 0 && a.save.empty()) fail_all(InvalidArgument("--save-every needs --save DIR"));
   const std::optional<std::string> data = a.data.empty() ? std::nullopt : std::optional<std::string>(a.data);
@@ -141,10 +146,18 @@ void RunTrain(TrainArgs& a) {
   }
   if (a.device == "cuda") {
 #if RS_HAVE_CUDA
-    auto engine = cuda::MakeCudaEngine(a.precision == "bf16" ? cuda::Precision::kBf16 : cuda::Precision::kF32);
+    auto engine =
+        cuda::MakeCudaEngine(a.precision == "bf16" ? cuda::Precision::kBf16 : cuda::Precision::kF32, &world.comm(),
+                             a.device_comm == "host" ? cuda::DeviceComm::kHost : cuda::DeviceComm::kNccl);
     // No usable device is a usage error of this machine (exit 2), like an option it cannot honour.
-    if (!engine.ok()) fail_all(InvalidArgument(engine.status().message()));
-    if (Status s = trainer->SetEngine(std::move(*engine)); !s.ok()) fail_all(s);
+    // Every rank learns whether every rank has one before any waits in a collective.
+    if (!world.AllOk(engine.ok())) {
+      fail_all(InvalidArgument(engine.ok() ? "--device cuda: another rank has no usable CUDA device"
+                                           : engine.status().message()));
+    }
+    const Status attached = trainer->SetEngine(std::move(*engine));
+    if (!world.AllOk(attached.ok()))
+      fail_all(attached.ok() ? FailedPrecondition("another rank failed to attach its GPU") : attached);
 #else
     fail_all(InvalidArgument("--device cuda: this reshard was built without CUDA (no nvcc at configure time)"));
 #endif
@@ -319,13 +332,19 @@ void RegisterTrain(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");
-  cmd->add_option("--device", a->device, "Where steps run: cpu, or cuda (one process on one GPU)")
+  cmd->add_option("--device", a->device, "Where steps run: cpu, or cuda (one GPU per rank; dp and fsdp layouts)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--precision", a->precision,
                   "cuda only: f32, or bf16 (bf16 products and activations, f32 master weights and moments)")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
+  a->device_comm_option =
+      cmd->add_option("--device-comm", a->device_comm,
+                      "cuda with several ranks: nccl (one GPU per rank), or host (collectives staged through host "
+                      "memory and MPI; ranks may share a GPU)")
+          ->check(CLI::IsMember({"nccl", "host"}))
+          ->capture_default_str();
   cmd->callback([a] { RunTrain(*a); });
 
   auto e = std::make_shared<EvalArgs>();

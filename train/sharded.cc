@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "core/check.h"
@@ -483,6 +484,42 @@ std::span<float> ShardedState::Owned(std::span<float> owned, std::size_t i) cons
   const Tensor& t = tensors_[i];
   if (t.owned < 0) return {};
   return owned.subspan(static_cast<std::size_t>(t.owned), static_cast<std::size_t>(t.placement->buffer_numel()));
+}
+
+bool ShardedState::WholeModelOnEveryRank() const {
+  if (cp_size_ != 1 || experts_over_ep_) return false;
+  const std::vector<TensorSpec> whole = ModelParameters(config_);
+  for (std::size_t i = 0; i < whole.size(); ++i) {
+    if (whole[i].shape != local_specs_[i].shape) return false;
+  }
+  return true;
+}
+
+Status ShardedState::GatherWhole(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
+                                 std::span<float> whole) const {
+  RS_CHECK(WholeModelOnEveryRank() && whole.size() == model.params().size());
+  // Every item of a trainable tensor is owned by at least one rank (the main replica) and every
+  // owner holds the same value, so the maximum over the ranks of (owned value, or -inf) is it.
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (!model.trainable(i)) continue;
+    auto dst = whole.subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)));
+    std::fill(dst.begin(), dst.end(), -std::numeric_limits<float>::infinity());
+    if (tensors_[i].owned < 0) continue;
+    CopyRuns(tensors_[i].self, owned.subspan(static_cast<std::size_t>(tensors_[i].owned)), dst, /*to_compute=*/true);
+  }
+  if (groups.world == nullptr || groups.world->size() == 1) return Status::Ok();
+  // Buffers ride along: they are equal on every rank, and max(x, x) = x.
+  return groups.world->AllReduce(whole, dist::ReduceOp::kMax);
+}
+
+void ShardedState::ScatterWhole(std::span<const float> whole, const Transformer<float>& model,
+                                std::span<float> owned) const {
+  RS_CHECK(WholeModelOnEveryRank() && whole.size() == model.params().size());
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (!model.trainable(i) || tensors_[i].owned < 0) continue;
+    CopyRuns(tensors_[i].self, whole.subspan(static_cast<std::size_t>(model.offset(i))),
+             owned.subspan(static_cast<std::size_t>(tensors_[i].owned)), /*to_compute=*/false);
+  }
 }
 
 void ShardedState::Initialize(Transformer<float>& model, std::uint64_t seed, double init_std) {

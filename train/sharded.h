@@ -114,6 +114,19 @@ class ShardedState {
   Status ReduceGradients(ProcessGroups& groups, Transformer<float>& model);
   Result<UpdateInfo> Update(ProcessGroups& groups, std::int64_t step);
 
+  // Whether every rank computes with the whole model (no tensor, expert, expert-tensor or
+  // context parallelism: only dp and fsdp cut the run), so that the world is one data group.
+  bool WholeModelOnEveryRank() const;
+  // For engines that keep the whole model's trainable state on every rank (train/cuda/engine.h;
+  // WholeModelOnEveryRank() must hold): `owned` is one owned vector (master(), exp_avg or
+  // exp_avg_sq), `whole` a vector laid out like the model's parameters. GatherWhole writes every
+  // trainable item of `whole` from the rank that owns it (collective over groups.world; the
+  // items of buffers must be equal on every rank and stay as they are); ScatterWhole copies
+  // this rank's owned items back.
+  Status GatherWhole(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
+                     std::span<float> whole) const;
+  void ScatterWhole(std::span<const float> whole, const Transformer<float>& model, std::span<float> owned) const;
+
   std::span<float> master() { return master_; }
   std::span<float> grads() { return grad_; }
   AdamW& optimizer() { return *opt_; }

@@ -127,12 +127,7 @@ std::int64_t Trainer::num_parameters() const {
 }
 
 Status Trainer::SetEngine(std::unique_ptr<StepEngine> engine) {
-  const PhysicalLayout& layout = state_->layout();
-  if (layout.layout.num_ranks() != 1 || groups_.world->size() != 1) {
-    return Unimplemented("train: " + engine->Describe() + " runs one process on one device; layout " +
-                         layout.ToString() + " has " + std::to_string(layout.layout.num_ranks()) +
-                         " ranks (multi-GPU training needs the NCCL communicator, not built yet)");
-  }
+  // The engine decides which layouts it runs (Unimplemented naming the layout otherwise).
   RS_RETURN_IF_ERROR(engine->Attach(*this));
   engine_ = std::move(engine);
   host_stale_ = false;
@@ -150,11 +145,23 @@ Result<StepReport> Trainer::Step() {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
+  // This rank's rows, and under context parallelism its part of their positions.
+  const std::int64_t rows = b.batch / state_->data_size();
+  const std::int64_t seq = b.seq / state_->cp_size(), pos = state_->cp_index() * seq;
+  std::vector<std::int32_t> inputs, targets;
+  for (std::int64_t row = state_->data_index() * rows; row < (state_->data_index() + 1) * rows; ++row) {
+    const auto from = static_cast<std::ptrdiff_t>(row * b.seq + pos);
+    inputs.insert(inputs.end(), b.inputs.begin() + from, b.inputs.begin() + from + seq);
+    targets.insert(targets.end(), b.targets.begin() + from, b.targets.begin() + from + seq);
+  }
   if (engine_ != nullptr) {
-    const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
     host_stale_ = true;
-    auto r = engine_->Step(*this, b.inputs, b.targets, b.batch, b.seq, step_);
-    if (!r.ok()) return r.status().WithContext("step " + std::to_string(step_ + 1) + " on " + engine_->Describe());
+    auto r = engine_->Step(*this, inputs, targets, rows, seq, step_);
+    if (!r.ok()) {
+      return r.status().WithContext("step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) +
+                                    " on " + engine_->Describe());
+    }
     ++step_;
     r->step = step_;
     r->tokens = b.batch * b.seq;
@@ -169,16 +176,6 @@ Result<StepReport> Trainer::Step() {
   if (Status s = state_->GatherParameters(groups_, model_); !s.ok()) return s.WithContext(at + "gather parameters");
   r.comm_seconds += since(t0);
   // Phase 2: forward and backward on this rank's rows of the global batch.
-  const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
-  // This rank's rows, and under context parallelism its part of their positions.
-  const std::int64_t rows = b.batch / state_->data_size();
-  const std::int64_t seq = b.seq / state_->cp_size(), pos = state_->cp_index() * seq;
-  std::vector<std::int32_t> inputs, targets;
-  for (std::int64_t row = state_->data_index() * rows; row < (state_->data_index() + 1) * rows; ++row) {
-    const auto from = static_cast<std::ptrdiff_t>(row * b.seq + pos);
-    inputs.insert(inputs.end(), b.inputs.begin() + from, b.inputs.begin() + from + seq);
-    targets.insert(targets.end(), b.targets.begin() + from, b.targets.begin() + from + seq);
-  }
   model_.ZeroGrads();
   par_.global_rows = b.batch * b.seq;
   par_.status = Status::Ok();

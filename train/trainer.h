@@ -76,7 +76,8 @@ class StepEngine {
   virtual std::string Describe() const = 0;  // e.g. "cuda bf16 (NVIDIA H100 80GB HBM3)"
   virtual Status Attach(Trainer& trainer) = 0;
   // Forward, backward, global norm, clip, AdamW at 0-based step `step` and the expert-bias
-  // update, on the engine's copy of the state. inputs/targets: [rows, seq] of the step.
+  // update, on the engine's copy of the state. inputs/targets: [rows, seq], this rank's part of
+  // the step's batch (the CPU path's rows; the whole batch with one rank).
   virtual Result<StepReport> Step(Trainer& trainer, const std::vector<std::int32_t>& inputs,
                                   const std::vector<std::int32_t>& targets, std::int64_t rows, std::int64_t seq,
                                   std::int64_t step) = 0;
@@ -97,8 +98,9 @@ class Trainer {
   // One step; a failed collective or phase is returned (the state is then undefined).
   Result<StepReport> Step();
 
-  // Runs the steps on `engine` from now on (one process, one rank: Unimplemented for any other
-  // layout, naming it). The engine is attached to the current state at once.
+  // Runs the steps on `engine` from now on; the engine is attached to the current state at once
+  // and refuses (Unimplemented, naming it) a layout it cannot run. Collective when the engine's
+  // Attach is (a multi-rank engine).
   Status SetEngine(std::unique_ptr<StepEngine> engine);
   StepEngine* engine() const { return engine_.get(); }
   // Brings the engine's state back to the host state (no-op without an engine).

@@ -105,7 +105,8 @@ TEST(TrainerEngineTest, AnEngineFailureNamesTheStepAndTheEngine) {
   e.fail = true;
   auto r = t->Step();
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().ToString().find("step 1 on recording engine"), std::string::npos) << r.status().ToString();
+  EXPECT_NE(r.status().ToString().find("step 1 on rank 0 on recording engine"), std::string::npos)
+      << r.status().ToString();
   EXPECT_NE(r.status().ToString().find("the device went away"), std::string::npos);
   EXPECT_EQ(t->step(), 0);
 }

@@ -1,11 +1,10 @@
-#include "train/cuda/communicator.h"
-
 #include <algorithm>
 #include <climits>
 #include <thread>
 #include <vector>
 
 #include "core/check.h"
+#include "train/cuda/communicator.h"
 #include "train/cuda/cuda_check.h"
 
 #if RS_HAVE_NCCL
@@ -80,7 +79,8 @@ class HostStagedCommunicator final : public Communicator {
   }
 
   Status ReduceScatter(std::span<const float> send, std::span<float> recv) override {
-    return Staged(send, recv, [&](std::span<const float> hs, std::span<float> hr) { return host_.ReduceScatter(hs, hr); });
+    return Staged(send, recv,
+                  [&](std::span<const float> hs, std::span<float> hr) { return host_.ReduceScatter(hs, hr); });
   }
 
   Status AllToAllV(std::span<const float> send, std::span<const std::int64_t> send_counts, std::span<float> recv,
@@ -212,9 +212,9 @@ class NcclCommunicator final : public Communicator {
     const CommTimer timed(stats_);
     RS_CHECK(send.size() == recv.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(Usable("reduce-scatter"));
-    RS_RETURN_IF_ERROR(Complete(
-        ncclReduceScatter(send.data(), recv.data(), recv.size(), ncclFloat32, ncclSum, comm_, stream_),
-        "reduce-scatter"));
+    RS_RETURN_IF_ERROR(
+        Complete(ncclReduceScatter(send.data(), recv.data(), recv.size(), ncclFloat32, ncclSum, comm_, stream_),
+                 "reduce-scatter"));
     stats_.reduce_scatter_bytes += static_cast<std::int64_t>(recv.size_bytes()) * (size() - 1);
     return Status::Ok();
   }
@@ -240,7 +240,8 @@ class NcclCommunicator final : public Communicator {
         }
       } else {
         if (sc > 0) r = ncclSend(send.data() + so, sc, ncclFloat32, static_cast<int>(q), comm_, stream_);
-        if (rc > 0 && r == ncclSuccess) r = ncclRecv(recv.data() + ro, rc, ncclFloat32, static_cast<int>(q), comm_, stream_);
+        if (rc > 0 && r == ncclSuccess)
+          r = ncclRecv(recv.data() + ro, rc, ncclFloat32, static_cast<int>(q), comm_, stream_);
         received += static_cast<std::int64_t>(rc * sizeof(float));
       }
       so += static_cast<std::int64_t>(sc);
@@ -303,16 +304,17 @@ class NcclCommunicator final : public Communicator {
     const CommTimer timed(stats_);
     RS_CHECK(recv.size() == send.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(Usable("all-gather"));
-    RS_RETURN_IF_ERROR(Complete(ncclAllGather(send.data(), recv.data(), send.size(),
-                                              NcclType(const_cast<T*>(send.data())), comm_, stream_),
-                                "all-gather"));
+    RS_RETURN_IF_ERROR(Complete(
+        ncclAllGather(send.data(), recv.data(), send.size(), NcclType(const_cast<T*>(send.data())), comm_, stream_),
+        "all-gather"));
     stats_.allgather_bytes += static_cast<std::int64_t>(send.size_bytes()) * (size() - 1);
     return Status::Ok();
   }
 
   Status Usable(const char* op) const {
     if (!broken_) return Status::Ok();
-    return Unavailable(std::string(op) + " on " + name() + ": the NCCL communicator was aborted after an earlier failure");
+    return Unavailable(std::string(op) + " on " + name() +
+                       ": the NCCL communicator was aborted after an earlier failure");
   }
 
   // After a call was issued: waits until NCCL has enqueued it and (wait_stream) the stream has
@@ -372,8 +374,8 @@ Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communica
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t comm = nullptr;
-  const ncclResult_t r = ncclCommInitRankConfig(&comm, static_cast<int>(host.size()), id,
-                                                static_cast<int>(host.rank()), &config);
+  const ncclResult_t r =
+      ncclCommInitRankConfig(&comm, static_cast<int>(host.size()), id, static_cast<int>(host.rank()), &config);
   if (r != ncclSuccess && r != ncclInProgress) {
     return Unavailable("NCCL init of " + name + " (rank " + std::to_string(host.rank()) + " of " +
                        std::to_string(host.size()) + "): " + ncclGetErrorString(r) + " (" + ncclGetLastError(comm) +

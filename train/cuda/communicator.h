@@ -42,9 +42,9 @@ bool HaveNccl();
 
 // Collective over `host` (the same group's host communicator, which must outlive nothing: it is
 // used only during this call). `timeout`: how long any one collective may wait for its peers.
-Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communicator& host, cudaStream_t stream,
-                                                                 std::string name,
-                                                                 std::chrono::seconds timeout = std::chrono::seconds(600));
+Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(
+    dist::Communicator& host, cudaStream_t stream, std::string name,
+    std::chrono::seconds timeout = std::chrono::seconds(600));
 
 // `host` must outlive the result (it carries every collective). Not collective.
 std::unique_ptr<dist::Communicator> MakeHostStagedCommunicator(dist::Communicator& host, cudaStream_t stream);

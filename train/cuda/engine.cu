@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "train/cuda/communicator.h"
 #include "train/cuda/engine.h"
 #include "train/cuda/model.h"
 #include "train/cuda/optimizer.h"
@@ -13,7 +14,7 @@ namespace {
 template <typename T>
 class CudaEngine final : public train::StepEngine {
  public:
-  explicit CudaEngine(std::string device) : device_(std::move(device)) {}
+  CudaEngine(std::string device, DeviceComm comm) : device_(std::move(device)), comm_kind_(comm) {}
 
   std::string Describe() const override {
     return std::string("cuda ") + (std::is_same_v<T, float> ? "f32" : "bf16") + " (" + device_ + ")";
@@ -23,29 +24,44 @@ class CudaEngine final : public train::StepEngine {
     const ModelConfig& c = t.model_config();
     train::Transformer<float>& host = t.model();
     train::ShardedState& state = t.state();
-    model_ =
-        std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, t.train_config().batch_size, t.seq_len());
+    train::ProcessGroups& groups = t.groups();
+    const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
+    if (!state.WholeModelOnEveryRank()) {
+      return Unimplemented("train: " + Describe() + " trains the whole model on every rank (layouts of dp and fsdp); " +
+                           "layout " + state.layout().ToString() +
+                           " cuts it with tensor, expert or context parallelism, which the GPU path does not "
+                           "have yet (the CPU path trains it)");
+    }
+    if (ranks > 1 && c.router == RouterKind::kSinkhorn) {
+      return Unimplemented("train: " + Describe() + " runs the Sinkhorn router on one GPU only (" +
+                           std::to_string(ranks) + " ranks asked for); the CPU path trains it on several");
+    }
+    RS_CHECK(state.data_size() == ranks && t.train_config().batch_size % ranks == 0);
+    rows_ = t.train_config().batch_size / ranks;
+    model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len());
+    if (ranks > 1) {
+      const std::string name = "data group of " + std::to_string(ranks) + " ranks (" + DeviceCommName(comm_kind_) + ")";
+      if (comm_kind_ == DeviceComm::kNccl) {
+        RS_ASSIGN_OR_RETURN(comm_, MakeNcclCommunicator(*groups.world, model_->stream(), name));
+      } else {
+        comm_ = MakeHostStagedCommunicator(*groups.world, model_->stream());
+      }
+      model_->SetDataParallel(comm_.get(), t.train_config().batch_size * t.seq_len());
+    }
+    // Whole-model vectors on every rank: buffers from the host model, trainable items from
+    // their owners' master weights and moments (one process owns them all).
     const std::int64_t p = model_->num_params();
-    // Model order: trainable tensors from the owned master weights and moments (one process owns
-    // every item, in the tensor's own order), buffers from the host model.
-    std::vector<float> params(static_cast<std::size_t>(p)), m(params.size(), 0.f), v(params.size(), 0.f);
+    std::vector<float> params(host.params().begin(), host.params().end()), m(params.size(), 0.f), v(params.size(), 0.f);
+    RS_CHECK(static_cast<std::int64_t>(params.size()) == p);
+    RS_RETURN_IF_ERROR(state.GatherWhole(groups, state.master(), host, params));
+    RS_RETURN_IF_ERROR(state.GatherWhole(groups, state.optimizer().exp_avg(), host, m));
+    RS_RETURN_IF_ERROR(state.GatherWhole(groups, state.optimizer().exp_avg_sq(), host, v));
     std::vector<train::ParamSegment> segments;
     for (std::size_t i = 0; i < model_->specs().size(); ++i) {
-      const std::int64_t off = model_->offset(i), numel = model_->specs()[i].numel();
-      RS_CHECK(off == host.offset(i) && numel == host.numel(i));
-      if (!host.trainable(i)) {
-        std::copy_n(host.params().begin() + off, numel, params.begin() + off);
-        continue;
-      }
-      const std::span<const float> master = state.Owned(std::span<const float>(state.master()), i);
-      RS_CHECK_MSG(static_cast<std::int64_t>(master.size()) == numel, "one process owns every item");
-      std::copy(master.begin(), master.end(), params.begin() + off);
-      const std::span<const float> ma = state.Owned(std::span<const float>(state.optimizer().exp_avg()), i);
-      const std::span<const float> va = state.Owned(std::span<const float>(state.optimizer().exp_avg_sq()), i);
-      std::copy(ma.begin(), ma.end(), m.begin() + off);
-      std::copy(va.begin(), va.end(), v.begin() + off);
-      segments.push_back({off, numel, /*trainable=*/true, /*decay=*/model_->specs()[i].shape.size() >= 2,
-                          /*counts_in_norm=*/true});
+      RS_CHECK(model_->offset(i) == host.offset(i) && model_->specs()[i].numel() == host.numel(i));
+      if (!host.trainable(i)) continue;
+      segments.push_back({model_->offset(i), host.numel(i), /*trainable=*/true,
+                          /*decay=*/model_->specs()[i].shape.size() >= 2, /*counts_in_norm=*/true});
     }
     model_->UploadParams(params);
     model_->EnableDispatchTiming(true);
@@ -63,14 +79,26 @@ class CudaEngine final : public train::StepEngine {
   Result<train::StepReport> Step(train::Trainer& t, const std::vector<std::int32_t>& inputs,
                                  const std::vector<std::int32_t>& targets, std::int64_t rows, std::int64_t seq,
                                  std::int64_t step) override {
-    RS_CHECK(rows == t.train_config().batch_size && seq == t.seq_len());
+    RS_CHECK(rows == rows_ && seq == t.seq_len());
     const train::OptimizerConfig& oc = t.train_config().optimizer;
     cudaStream_t st = model_->stream();
     train::StepReport r;
     const auto start = std::chrono::steady_clock::now();
+    if (comm_ != nullptr) comm_->ResetStats();
     model_->ZeroGrads();
     r.losses = model_->Run(inputs.data(), targets.data(), train::Transformer<float>::Pass::kForwardBackward);
+    RS_RETURN_IF_ERROR(model_->TakeCommStatus().WithContext("forward/backward"));
     const std::int64_t p = model_->num_params();
+    if (comm_ != nullptr) {
+      // Each rank's gradients are its rows' share of the batch's: their sum is the gradient.
+      // Every rank then runs the same update on the same numbers (the optimizer state is
+      // replicated on the devices; checkpoints hold each rank's owned part).
+      const double before = comm_->stats().seconds;
+      RS_RETURN_IF_ERROR(
+          comm_->AllReduce(std::span<float>(model_->grads(), static_cast<std::size_t>(p)), dist::ReduceOp::kSum)
+              .WithContext("gradient all-reduce"));
+      r.comm_seconds = comm_->stats().seconds - before;
+    }
     GlobalGradNorm(model_->grads(), kinds_.get(), p, oc.clip_norm, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
     const double lr = train::LearningRate(oc, step);
     AdamWUpdate(model_->master(), model_->grads(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), p,
@@ -82,6 +110,7 @@ class CudaEngine final : public train::StepEngine {
     r.update.lr = lr;
     r.update.grad_norm = norm.grad_norm;
     r.update.clip_scale = norm.clip_scale;
+    if (comm_ != nullptr) r.comm = comm_->stats();
     // The first step loads cuBLAS's kernels and warms the caches: it is left out of Summary.
     if (++steps_ == 1) {
       model_->EnableDispatchTiming(true);  // restarts the dispatch sum
@@ -117,13 +146,9 @@ class CudaEngine final : public train::StepEngine {
     model_->DownloadParams(params);
     const std::vector<float> m = exp_avg_.Download(), v = exp_avg_sq_.Download();
     std::copy(params.begin(), params.end(), host.params().begin());
-    for (std::size_t i = 0; i < model_->specs().size(); ++i) {
-      if (!host.trainable(i)) continue;
-      const std::int64_t off = model_->offset(i), numel = model_->specs()[i].numel();
-      std::copy_n(params.begin() + off, numel, state.Owned(state.master(), i).begin());
-      std::copy_n(m.begin() + off, numel, state.Owned(state.optimizer().exp_avg(), i).begin());
-      std::copy_n(v.begin() + off, numel, state.Owned(state.optimizer().exp_avg_sq(), i).begin());
-    }
+    state.ScatterWhole(params, host, state.master());
+    state.ScatterWhole(m, host, state.optimizer().exp_avg());
+    state.ScatterWhole(v, host, state.optimizer().exp_avg_sq());
     return Status::Ok();
   }
 
@@ -137,9 +162,12 @@ class CudaEngine final : public train::StepEngine {
   }
 
   std::string device_;
+  DeviceComm comm_kind_;
+  std::int64_t rows_ = 0;  // this rank's rows of the batch
   double seconds_ = 0;
   std::int64_t steps_ = 0;
   std::unique_ptr<GpuTransformer<T>> model_;
+  std::unique_ptr<dist::Communicator> comm_;  // over device memory, with more than one rank
   DeviceArray<float> exp_avg_, exp_avg_sq_;
   DeviceArray<std::uint8_t> kinds_;
   DeviceArray<DeviceGradNorm> norm_;
@@ -151,15 +179,25 @@ class CudaEngine final : public train::StepEngine {
 
 const char* PrecisionName(Precision p) { return p == Precision::kF32 ? "f32" : "bf16"; }
 
-Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision) {
+Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision, dist::Communicator* world,
+                                                          DeviceComm comm) {
+  int dev = 0;
+  const bool ranks = world != nullptr && world->size() > 1;
+  if (ranks) {  // first, on every rank: it is collective
+    auto selected = SelectDevice(*world, comm);
+    if (!selected.ok()) return selected.status().WithContext("train --device cuda");
+    dev = *selected;
+  }
   std::string why;
   if (!DeviceAvailable(&why)) return FailedPrecondition("train --device cuda: " + why);
-  int dev = 0;
-  RS_CUDA_CHECK(cudaGetDevice(&dev));
+  if (ranks && comm == DeviceComm::kNccl && !HaveNccl()) {
+    return FailedPrecondition("train --device cuda: this reshard was built without NCCL (--device-comm host works)");
+  }
+  if (!ranks) RS_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp prop{};
   RS_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  if (precision == Precision::kF32) return std::unique_ptr<train::StepEngine>(new CudaEngine<float>(prop.name));
-  return std::unique_ptr<train::StepEngine>(new CudaEngine<bf16>(prop.name));
+  if (precision == Precision::kF32) return std::unique_ptr<train::StepEngine>(new CudaEngine<float>(prop.name, comm));
+  return std::unique_ptr<train::StepEngine>(new CudaEngine<bf16>(prop.name, comm));
 }
 
 }  // namespace rs::cuda

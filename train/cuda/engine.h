@@ -1,15 +1,27 @@
-// `train --device cuda`: the StepEngine (train/trainer.h) that runs a one-process training run
-// on one GPU. The device holds the f32 master weights, the gradients and the AdamW moments in
+// `train --device cuda`: the StepEngine (train/trainer.h) that runs training steps on GPUs. Each
+// rank's device holds the f32 master weights, the gradients and the AdamW moments in
 // the model's flat order (GpuTransformer), plans its activation memory once for the run's
 // batch × seq, and runs forward, backward, the global norm with clipping, AdamW and the
 // expert-bias update without a host round trip of parameters; the host state is refreshed only
 // when a checkpoint is written (SyncToHost), so checkpoints are the CPU path's format and
 // layout, and either path resumes the other's.
+//
+// Several ranks (mpirun, one process per GPU): layouts that keep the whole model on every rank
+// (dp and fsdp; tensor, expert and context parallel layouts are refused with Unimplemented).
+// Each rank runs its rows of the batch; the router statistics and the loss are the whole
+// batch's (all-reduced over the ranks inside the forward pass), the gradients are summed over
+// the ranks, and every device then runs the same norm, clip and AdamW on the whole state, so
+// the devices stay equal. The state is replicated on the devices (no memory saving from fsdp
+// there); checkpoints hold each rank's owned part of the layout, as on the CPU. Collectives
+// run on device memory through NCCL, or staged through host memory and MPI
+// (train/cuda/communicator.h).
 #pragma once
 
 #include <memory>
 
 #include "core/status.h"
+#include "dist/communicator.h"
+#include "train/cuda/communicator.h"
 #include "train/trainer.h"
 
 namespace rs::cuda {
@@ -20,7 +32,10 @@ enum class Precision : std::uint8_t {
 };
 const char* PrecisionName(Precision p);
 
-// FailedPrecondition (with the reason) when no CUDA device is usable.
-Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision);
+// FailedPrecondition (with the reason) when no CUDA device is usable. With a `world` of more
+// than one rank, picks this rank's device (SelectDevice: collective over `world`) and the
+// engine's collectives go through `comm`.
+Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision, dist::Communicator* world = nullptr,
+                                                          DeviceComm comm = DeviceComm::kNccl);
 
 }  // namespace rs::cuda

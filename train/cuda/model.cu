@@ -191,6 +191,16 @@ GpuTransformer<T>::~GpuTransformer() {
 }
 
 template <typename T>
+void GpuTransformer<T>::SetDataParallel(dist::Communicator* data, std::int64_t global_tokens) {
+  RS_CHECK_MSG(data == nullptr || data->size() == 1 || global_tokens >= n_,
+               "a batch of " << global_tokens << " tokens, this rank has " << n_);
+  RS_CHECK_MSG(data == nullptr || data->size() == 1 || c_.router != RouterKind::kSinkhorn,
+               "the Sinkhorn router trains on one GPU only");
+  data_ = data;
+  global_n_ = global_tokens;
+}
+
+template <typename T>
 void GpuTransformer<T>::EnableDispatchTiming(bool on) {
   timing_ = on;
   dispatch_ms_ = 0;
@@ -395,6 +405,20 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const bool fused = dispatch_.mode == train::DispatchMode::kFused;
   const cudaDataType_t tt = DataType<T>();
   const std::int64_t one_group[] = {n};
+  // Data parallelism: the router statistics, the cross-entropy mean and their gradients are
+  // those of the whole batch (train/model_parallel.h's rule; the all-reduces run on `st`).
+  const bool spread = data_ != nullptr && data_->size() > 1;
+  const std::int64_t global_n = spread ? global_n_ : n;
+  RouterBatch batch;
+  if (spread) {
+    batch.global_rows = global_n;
+    batch.all_reduce = [this](std::int64_t* loads, double* prob_sum, double* lse_sum, std::int64_t experts,
+                              cudaStream_t) {
+      ReduceData(std::span<std::int64_t>(loads, static_cast<std::size_t>(experts)));
+      ReduceData(std::span<double>(prob_sum, static_cast<std::size_t>(experts)));
+      ReduceData(std::span<double>(lse_sum, 1));
+    };
+  }
 
   events_used_ = 0;
   // The residual stream lives in the layers' saved inputs: layer i reads h_in, writes h_mid and
@@ -413,7 +437,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       GemmRowMajor(handle_, false, true, n, e, d, l.xr, CUDA_R_32F, d, M(l.router), CUDA_R_32F, d, 0.f, l.logits,
                    CUDA_R_32F, e, CUBLAS_COMPUTE_32F_PEDANTIC);
       const RouterOutputs outs{l.experts, l.probs, l.loads, l.aux, l.z, nullptr};
-      RouterForward(ropts, l.logits, n, l.bias != kNone ? M(l.bias) : nullptr, outs, s.ws, s.ws_bytes, st);
+      RouterForward(ropts, l.logits, n, l.bias != kNone ? M(l.bias) : nullptr, outs, s.ws, s.ws_bytes, st, batch);
       Mark();
       l.plan = PlanRouting(l.experts, n, k, e, dispatch_.alignment, l.plan_ws, l.plan_bytes, st);
       // The grouped GEMMs take their sizes on the host: the step's one wait per MoE layer.
@@ -459,8 +483,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   GemmRowMajor(handle_, false, true, n, v, d, s.x_final, tt, d, P(output_), tt, d, 0.f, s.logits, tt, v,
                ComputeType<T>());
   const bool backward = pass == train::Transformer<float>::Pass::kForwardBackward;
-  CrossEntropy(s.logits, s.targets, n, v, v, 1.0 / static_cast<double>(n), s.ce, backward ? s.logits : nullptr, s.ws,
-               s.ws_bytes, st);
+  CrossEntropy(s.logits, s.targets, n, v, v, 1.0 / static_cast<double>(global_n), s.ce, backward ? s.logits : nullptr,
+               s.ws, s.ws_bytes, st);
+  if (spread) ReduceData(std::span<double>(s.ce, 1));  // this rank's share of the mean -> the mean
 
   train::Losses losses;
   losses.loads.resize(layers_.size());
@@ -519,7 +544,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
                               G(l.sfc1), G(l.sfc2), s.ws, s.ws_bytes, st);
         Add(s.dx, s.tmp2, nd, st);
       }
-      RouterBackward(ropts, l.logits, n, l.experts, l.probs, l.loads, s.dprobs, s.dlogits_r, st);
+      RouterBackward(ropts, l.logits, n, l.experts, l.probs, l.loads, s.dprobs, s.dlogits_r, st, global_n);
       GemmRowMajor(handle_, false, false, n, d, e, s.dlogits_r, CUDA_R_32F, e, M(l.router), CUDA_R_32F, d, 0.f, s.dxr,
                    CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
       Add(s.dx, s.dxr, nd, st);

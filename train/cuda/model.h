@@ -13,7 +13,11 @@
 //
 // Device memory is planned once, at construction, for a fixed batch × seq: one arena holds
 // every activation the backward pass needs and the largest scratch any call needs; a step
-// allocates nothing. One GPU, whole tensors (no tensor, expert or data parallelism here).
+// allocates nothing. Whole tensors on one GPU: no tensor or expert parallelism here. Data
+// parallelism (SetDataParallel): this model's batch is one rank's rows of a larger batch; the
+// router statistics and the cross-entropy mean are all-reduced over the data group (a device
+// communicator, train/cuda/communicator.h), so losses and gradients are the whole batch's
+// (each rank's gradients are its rows' share: their sum over the group is the batch gradient).
 // Per MoE layer the per-expert padded row counts go to the host once per step (cuBLAS takes
 // grouped GEMM sizes on the host), which is the step's only device→host wait besides the
 // losses at the end of the forward pass.
@@ -25,10 +29,13 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "core/model.h"
+#include "core/status.h"
 #include "core/tensor_spec.h"
+#include "dist/communicator.h"
 #include "train/cuda/device.h"
 #include "train/model.h"
 #include "train/moe.h"
@@ -63,6 +70,12 @@ class GpuTransformer {
   // bf16: rounds the master weights into the compute copy (after every update). f32: nothing.
   void SyncComputeParams();
   void ZeroGrads();
+
+  // `data`: a communicator over device memory whose stream is stream() (null or one rank: this
+  // model's batch is the whole batch); global_tokens: the rows × seq of the whole batch.
+  void SetDataParallel(dist::Communicator* data, std::int64_t global_tokens);
+  // The first failed collective since the last call (then the last Run's numbers are not valid).
+  Status TakeCommStatus() { return std::exchange(comm_status_, Status::Ok()); }
 
   // inputs, targets: host [batch, seq] token ids in [0, vocab) (RS_CHECK). Returns the losses
   // (and per-layer loads); with kForwardBackward the gradients of `total` are ACCUMULATED into
@@ -113,6 +126,13 @@ class GpuTransformer {
   std::size_t events_used_ = 0;
   double dispatch_ms_ = 0;
   void Mark();  // records the next event when timing
+  template <typename U>
+  void ReduceData(std::span<U> x) {
+    if (comm_status_.ok()) comm_status_ = data_->AllReduce(x, dist::ReduceOp::kSum);
+  }
+  dist::Communicator* data_ = nullptr;
+  std::int64_t global_n_ = 0;
+  Status comm_status_;
 };
 
 }  // namespace rs::cuda

@@ -772,8 +772,13 @@ std::size_t RouterWorkspaceBytes(const RouterOptions& c, std::int64_t n) {
 }
 
 void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, const float* expert_bias,
-                   const RouterOutputs& out, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                   const RouterOutputs& out, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                   const RouterBatch& batch) {
   CheckConfig(c, n);
+  const std::int64_t rows = batch.global_rows > 0 ? batch.global_rows : n;
+  RS_CHECK_MSG(rows >= n, "router batch of " << rows << " rows, this rank has " << n);
+  RS_CHECK_MSG(c.kind != RouterKind::kSinkhorn || (rows == n && !batch.all_reduce),
+               "the Sinkhorn router runs on one rank only (its iteration is not split around an all-reduce)");
   RS_CHECK(out.experts != nullptr && out.probs != nullptr && out.loads != nullptr && out.aux_loss != nullptr &&
            out.z_loss != nullptr);
   RS_CHECK(c.kind != RouterKind::kSigmoidBias || expert_bias != nullptr);
@@ -781,6 +786,7 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
   RS_CHECK_MSG(workspace != nullptr && workspace_bytes >= w.bytes,
                "router workspace of " << workspace_bytes << " bytes, needs " << w.bytes);
   const auto e = static_cast<int>(c.num_experts);
+  RS_CHECK_MSG(n > 0 || !batch.all_reduce, "a data-parallel router call needs rows on every rank");
   if (n == 0) {
     RS_CUDA_CHECK(cudaMemsetAsync(out.loads, 0, static_cast<std::size_t>(e) * sizeof(std::int64_t), stream));
     RS_CUDA_CHECK(cudaMemsetAsync(out.aux_loss, 0, sizeof(float), stream));
@@ -831,7 +837,8 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
   ReducePartialsKernel<<<static_cast<unsigned>(e + 1), kThreads, 0, stream>>>(
       w.prob_part, w.count_part, w.lse_part, blocks, e, out.loads, w.prob_sum, w.lse_sum);
   RS_CUDA_CHECK(cudaGetLastError());
-  FinalizeLossesKernel<<<1, kThreads, 0, stream>>>(out.loads, w.prob_sum, w.lse_sum, e, static_cast<double>(n),
+  if (batch.all_reduce) batch.all_reduce(out.loads, w.prob_sum, w.lse_sum, e, stream);
+  FinalizeLossesKernel<<<1, kThreads, 0, stream>>>(out.loads, w.prob_sum, w.lse_sum, e, static_cast<double>(rows),
                                                    static_cast<int>(c.top_k), c.aux_loss_coef, c.z_loss_coef,
                                                    out.aux_loss, out.z_loss);
   RS_CUDA_CHECK(cudaGetLastError());
@@ -839,9 +846,10 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
 
 void RouterBackward(const RouterOptions& c, const float* logits, std::int64_t n, const std::int32_t* experts,
                     const float* probs, const std::int64_t* loads, const float* dprobs, float* dlogits,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, std::int64_t global_rows) {
   CheckConfig(c, n);
   if (n == 0) return;
+  RS_CHECK(global_rows == 0 || global_rows >= n);
   BackwardParams p{};
   p.logits = logits;
   p.experts = experts;
@@ -853,7 +861,7 @@ void RouterBackward(const RouterOptions& c, const float* logits, std::int64_t n,
   p.e = static_cast<int>(c.num_experts);
   p.k = static_cast<int>(c.top_k);
   p.kind = c.kind;
-  const auto rows = static_cast<double>(n);
+  const auto rows = static_cast<double>(global_rows > 0 ? global_rows : n);
   // The same f64 → f32 roundings as Router<float>::Backward.
   p.scale = static_cast<float>(c.scale);
   p.aux_scale = static_cast<float>(c.aux_loss_coef * static_cast<double>(c.num_experts) / rows);

@@ -19,20 +19,22 @@
 // same largest column change and leaves the loop at the same iteration, so nothing goes back to
 // the host and no launch is wasted after convergence.
 //
-// Single process for now: the statistics are over this call's n rows. The forward pass is built
-// so that a data-parallel caller can later all-reduce between its steps: (1) the routing kernel
-// writes per-block partial sums; (2) a reduction turns them into this rank's per-expert
-// assignment counts, per-expert probability sums and Σ lse² – the place for an all-reduce of
-// those 2E+1 numbers; (3) a one-block kernel forms the losses. Sinkhorn's iteration has the same
-// split: (A) row scalings and per-chunk column partials, (B) column sums over the chunks and the
-// new column scalings; with several ranks the column sums of (B) are the all-reduce, so (A) and
-// (B) would become separate launches around it.
+// Data parallelism (RouterBatch): the statistics are those of the whole batch, whose rows are
+// spread over the ranks of a data group. The forward pass runs in three steps: (1) the routing
+// kernel writes per-block partial sums; (2) a reduction turns them into this rank's per-expert
+// assignment counts, per-expert probability sums and Σ lse²; the caller's hook all-reduces those
+// 2E+1 numbers over the group; (3) a one-block kernel forms the losses with the whole batch's
+// row count. The loads written are then the whole batch's (what the backward pass and the bias
+// update need). Sinkhorn over several ranks is not built: its iteration would need the same
+// split – (A) row scalings and per-chunk column partials, (B) column sums (the all-reduce) and
+// the new column scalings – as separate launches around the all-reduce; RS_CHECK refuses it.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "train/router.h"
 
@@ -52,6 +54,15 @@ struct RouterOutputs {
   std::int32_t* sinkhorn_iterations = nullptr;
 };
 
+// The batch a forward pass's statistics are over. Default: this call's n rows are all of it.
+struct RouterBatch {
+  std::int64_t global_rows = 0;  // rows of the whole batch (0: n)
+  // Sums loads [E], prob_sum [E] and lse_sum [1] (device arrays) over the data group, on `stream`
+  // (the work before it is enqueued on that stream). Null: one rank.
+  std::function<void(std::int64_t* loads, double* prob_sum, double* lse_sum, std::int64_t experts, cudaStream_t stream)>
+      all_reduce;
+};
+
 // Bytes of device workspace RouterForward needs for n rows (a multiple of 256; the same for
 // the same arguments). The backward pass and the bias update need none.
 std::size_t RouterWorkspaceBytes(const train::RouterOptions& o, std::int64_t n);
@@ -65,15 +76,17 @@ std::size_t RouterWorkspaceBytes(const train::RouterOptions& o, std::int64_t n);
 // outputs experts, probs and loads. The backward pass recomputes softmax, logsumexp and
 // sigmoid from the logits (one read of [n, E] instead of a write and a read of saved copies).
 void RouterForward(const train::RouterOptions& o, const float* logits, std::int64_t n, const float* expert_bias,
-                   const RouterOutputs& out, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+                   const RouterOutputs& out, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                   const RouterBatch& batch = {});
 
 // dprobs: [n, k] gradient w.r.t. the gate weights of the forward pass that produced experts,
 // probs and loads from these logits with the same configuration. Overwrites dlogits [n, E]
-// with the full gradient: gate path + aux loss + z-loss, as Router<T>::Backward. An expert id
+// with the full gradient: gate path + aux loss + z-loss, as Router<T>::Backward; `global_rows`
+// is the forward pass's RouterBatch::global_rows (0: n), `loads` its whole-batch loads. An expert id
 // outside [0, E) traps the kernel (a programmer error; the next checked CUDA call reports it).
 void RouterBackward(const train::RouterOptions& o, const float* logits, std::int64_t n, const std::int32_t* experts,
                     const float* probs, const std::int64_t* loads, const float* dprobs, float* dlogits,
-                    cudaStream_t stream);
+                    cudaStream_t stream, std::int64_t global_rows = 0);
 
 // The aux-loss-free bias update of train::UpdateExpertBias on the device:
 // bias_i += rate · sign(mean load − load_i), sign(0) = 0, computed in f64 as on the CPU.

@@ -1,0 +1,180 @@
+// What a multi-rank StepEngine (the GPU path, train/cuda/engine.h) relies on from the host side,
+// checked on CPUs under mpirun against a one-process run of the same model:
+//  - ShardedState::GatherWhole assembles the whole model's master weights and Adam moments from
+//    the ranks' owned parts at dp and fsdp layouts (flat and box), and ScatterWhole gives every
+//    rank back exactly its own items;
+//  - Trainer::Step hands an engine this rank's rows of the batch (the CPU path's rows);
+//  - layouts that cut the model (tp, ep) are not whole on every rank.
+// The launcher test starts this binary under mpirun with RS_WHOLE_STATE_LAYOUT set; the rank
+// tests only run there. Skipped when mpirun is missing.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/layout.h"
+#include "dist/mpi.h"
+#include "tests/cli/cli_test_util.h"
+#include "train/data.h"
+#include "train/trainer.h"
+
+namespace rs::train {
+namespace {
+
+const char* ChildLayout() { return std::getenv("RS_WHOLE_STATE_LAYOUT"); }
+
+PhysicalLayout Layout(const std::string& text) {
+  auto rules = BuiltinRuleSet("megatron");
+  EXPECT_TRUE(rules.ok());
+  auto layout = PhysicalLayout::Parse(text, *rules);
+  EXPECT_TRUE(layout.ok()) << layout.status().ToString();
+  return *layout;
+}
+
+ModelConfig Model() {
+  ModelConfig m;  // the small default MoE, with a shared expert and a dense first layer
+  m.n_layers = 2;
+  m.first_dense_layers = 1;
+  m.shared_ffn = 32;
+  return m;
+}
+
+std::unique_ptr<Trainer> MakeTrainer(const PhysicalLayout& layout, dist::Communicator* world) {
+  TrainConfig c;
+  c.batch_size = 4;
+  c.seq_len = 16;
+  auto corpus = LoadCorpus(kDefaultCorpus);
+  EXPECT_TRUE(corpus.ok());
+  auto t = Trainer::Create(Model(), c, std::move(*corpus), TrainParallel{layout, world});
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return std::move(*t);
+}
+
+// Records the rows it is given; the state stays the host's.
+class RowsEngine final : public StepEngine {
+ public:
+  std::vector<std::int32_t> inputs;
+  std::int64_t rows = 0, seq = 0;
+  std::string Describe() const override { return "rows engine"; }
+  Status Attach(Trainer&) override { return Status::Ok(); }
+  Result<StepReport> Step(Trainer&, const std::vector<std::int32_t>& in, const std::vector<std::int32_t>&,
+                          std::int64_t r, std::int64_t s, std::int64_t) override {
+    inputs = in;
+    rows = r;
+    seq = s;
+    return StepReport{};
+  }
+  Status SyncToHost(Trainer&) override { return Status::Ok(); }
+};
+
+double MaxAbs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, static_cast<double>(std::abs(x)));
+  return m;
+}
+
+TEST(WholeStateRank, GatherWholeEqualsOneProcessAndScatterGivesBackTheOwnedItems) {
+  if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
+  dist::MpiWorld& world = dist::MpiWorld::Get();
+  auto multi = MakeTrainer(Layout(ChildLayout()), &world.comm());
+  auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
+  ASSERT_TRUE(multi->state().WholeModelOnEveryRank());
+  ASSERT_TRUE(multi->Step().ok());  // collective: every rank gets here
+  ASSERT_TRUE(one->Step().ok());
+
+  const std::size_t n = multi->model().params().size();
+  ASSERT_EQ(n, one->model().params().size());
+  struct Vec {
+    const char* name;
+    std::span<float> multi, one;
+  };
+  const Vec vecs[] = {
+      {"master", multi->state().master(), one->state().master()},
+      {"exp_avg", multi->state().optimizer().exp_avg(), one->state().optimizer().exp_avg()},
+      {"exp_avg_sq", multi->state().optimizer().exp_avg_sq(), one->state().optimizer().exp_avg_sq()},
+  };
+  for (const Vec& v : vecs) {
+    std::vector<float> whole(n, 0.f), ref(n, 0.f);
+    ASSERT_TRUE(multi->state().GatherWhole(multi->groups(), v.multi, multi->model(), whole).ok());
+    ASSERT_TRUE(one->state().GatherWhole(one->groups(), v.one, one->model(), ref).ok());
+    // The same numbers up to the summation order of the reduced gradients.
+    const double scale = MaxAbs(ref);
+    ASSERT_GT(scale, 0.0) << v.name;
+    double worst = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(std::isfinite(whole[i])) << v.name << " item " << i << " has no owner";
+      worst = std::max(worst, std::abs(static_cast<double>(whole[i]) - static_cast<double>(ref[i])) / scale);
+    }
+    EXPECT_LE(worst, 1e-5) << v.name;
+    // ScatterWhole gives back this rank's own items, bit for bit.
+    std::vector<float> back(v.multi.size(), -1.f);
+    multi->state().ScatterWhole(whole, multi->model(), back);
+    EXPECT_TRUE(std::equal(back.begin(), back.end(), v.multi.begin())) << v.name;
+  }
+}
+
+TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
+  if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
+  dist::MpiWorld& world = dist::MpiWorld::Get();
+  auto t = MakeTrainer(Layout(ChildLayout()), &world.comm());
+  auto owned = std::make_unique<RowsEngine>();
+  RowsEngine& e = *owned;
+  ASSERT_TRUE(t->SetEngine(std::move(owned)).ok());
+  auto r = t->Step();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->tokens, 4 * 16);  // the whole batch's
+  const std::int64_t ranks = world.size();
+  ASSERT_EQ(e.rows, 4 / ranks);
+  ASSERT_EQ(e.seq, 16);
+  const Batch b = TrainingBatch(t->corpus(), t->train_config().seed, 0, 4, 16);
+  const std::int64_t first = t->state().data_index() * e.rows;
+  EXPECT_TRUE(std::equal(e.inputs.begin(), e.inputs.end(), b.inputs.begin() + first * 16));
+  EXPECT_EQ(static_cast<std::int64_t>(e.inputs.size()), e.rows * 16);
+}
+
+TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
+  for (const char* text : {"tp=2", "ep=2", "tp=2,fsdp=2"}) {
+    auto layout = Layout(std::string(text) + ",fsdp_form=flat");
+    OptimizerConfig o;
+    auto s = ShardedState::Create(Model(), layout, 0, o);
+    ASSERT_TRUE(s.ok()) << text << ": " << s.status().ToString();
+    EXPECT_FALSE((*s)->WholeModelOnEveryRank()) << text;
+  }
+  for (const char* text : {"tp=1", "dp=2", "fsdp=2", "dp=2,fsdp=2"}) {
+    OptimizerConfig o;
+    auto s = ShardedState::Create(Model(), Layout(std::string(text) + ",fsdp_form=flat"), 0, o);
+    ASSERT_TRUE(s.ok()) << text << ": " << s.status().ToString();
+    EXPECT_TRUE((*s)->WholeModelOnEveryRank()) << text;
+  }
+}
+
+TEST(WholeStateTest, UnderMpirun) {
+  if (ChildLayout() != nullptr) GTEST_SKIP() << "the launcher";
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  const struct {
+    const char* layout;
+    int ranks;
+  } runs[] = {{"dp=2,fsdp_form=flat", 2}, {"fsdp=2,fsdp_form=flat", 2}, {"fsdp=2,fsdp_form=box", 2},
+              {"dp=2,fsdp=2,fsdp_form=flat", 4}};
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  for (const auto& run : runs) {
+    const auto r = testing::RunShell(std::string("RS_WHOLE_STATE_LAYOUT=") + run.layout +
+                                     " timeout 300 mpirun --oversubscribe --allow-run-as-root -np " +
+                                     std::to_string(run.ranks) +
+                                     " " + self + " --gtest_color=no --gtest_filter='WholeStateRank.*' 2>&1");
+    EXPECT_EQ(r.exit_code, 0) << run.layout << "\n" << r.output;
+    std::size_t passed = 0;
+    for (std::size_t at = r.output.find("[  PASSED  ] 2 tests"); at != std::string::npos;
+         at = r.output.find("[  PASSED  ] 2 tests", at + 1)) {
+      ++passed;
+    }
+    EXPECT_EQ(passed, static_cast<std::size_t>(run.ranks)) << run.layout << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace rs::train
