@@ -158,14 +158,16 @@ TEST(WholeStateTest, UnderMpirun) {
   const struct {
     const char* layout;
     int ranks;
-  } runs[] = {{"dp=2,fsdp_form=flat", 2}, {"fsdp=2,fsdp_form=flat", 2}, {"fsdp=2,fsdp_form=box", 2},
+  } runs[] = {{"dp=2,fsdp_form=flat", 2},
+              {"fsdp=2,fsdp_form=flat", 2},
+              {"fsdp=2,fsdp_form=box", 2},
               {"dp=2,fsdp=2,fsdp_form=flat", 4}};
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const auto& run : runs) {
-    const auto r = testing::RunShell(std::string("RS_WHOLE_STATE_LAYOUT=") + run.layout +
-                                     " timeout 300 mpirun --oversubscribe --allow-run-as-root -np " +
-                                     std::to_string(run.ranks) +
-                                     " " + self + " --gtest_color=no --gtest_filter='WholeStateRank.*' 2>&1");
+    const auto r =
+        testing::RunShell(std::string("RS_WHOLE_STATE_LAYOUT=") + run.layout +
+                          " timeout 300 mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(run.ranks) +
+                          " " + self + " --gtest_color=no --gtest_filter='WholeStateRank.*' 2>&1");
     EXPECT_EQ(r.exit_code, 0) << run.layout << "\n" << r.output;
     std::size_t passed = 0;
     for (std::size_t at = r.output.find("[  PASSED  ] 2 tests"); at != std::string::npos;
