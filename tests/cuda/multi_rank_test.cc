@@ -134,7 +134,8 @@ TEST(DeviceCommRank, CollectivesMatchTheHostArithmetic) {
     const std::int64_t nr = std::accumulate(rc.begin(), rc.end(), std::int64_t{0});
     std::vector<float> hs;
     for (std::size_t q = 0; q < p; ++q) {
-      for (std::int64_t i = 0; i < sc[q]; ++i) hs.push_back(static_cast<float>(me * 100 + q * 10) + static_cast<float>(i));
+      for (std::int64_t i = 0; i < sc[q]; ++i)
+        hs.push_back(static_cast<float>(me * 100 + q * 10) + static_cast<float>(i));
     }
     DeviceArray<float> send(hs), recv(std::max<std::int64_t>(nr, 1));
     ASSERT_TRUE(comm->AllToAllV(std::span<const float>(send.get(), static_cast<std::size_t>(ns)), sc,
@@ -178,7 +179,8 @@ TEST_F(MultiRankTest, DeviceCommunicators) {
                              " --gtest_color=no --gtest_filter=DeviceCommRank.*");
     EXPECT_EQ(r.rc, 0) << kind << " x" << np << "\n" << r.out;
     std::size_t passed = 0;
-    for (auto at = r.out.find("[  PASSED  ] 1 test"); at != std::string::npos; at = r.out.find("[  PASSED  ] 1 test", at + 1)) {
+    for (auto at = r.out.find("[  PASSED  ] 1 test"); at != std::string::npos;
+         at = r.out.find("[  PASSED  ] 1 test", at + 1)) {
       ++passed;
     }
     EXPECT_EQ(passed, static_cast<std::size_t>(np)) << kind << " x" << np << "\n" << r.out;
@@ -246,8 +248,9 @@ TEST_F(MultiRankCliTest, DataParallelLayoutsMatchOneProcess) {
 
 TEST_F(MultiRankCliTest, SaveOnGpusVerifyResumeOnTheCpuAtAnotherLayout) {
   ASSERT_EQ(Train(1, std::string(kCommon) + " --steps 6 --log " + D() + "/cpu.jsonl").rc, 0);
-  const Shell g = Train(2, std::string(kCommon) + " --steps 3 --device cuda --device-comm host --layout fsdp=2 --save " +
-                               D() + "/g --log " + D() + "/g.jsonl");
+  const Shell g =
+      Train(2, std::string(kCommon) + " --steps 3 --device cuda --device-comm host --layout fsdp=2 --save " + D() +
+                   "/g --log " + D() + "/g.jsonl");
   ASSERT_EQ(g.rc, 0) << g.out;
   const Shell v = RunShell(std::string(RS_CLI) + " verify " + D() + "/g/step-00000003");
   ASSERT_EQ(v.rc, 0) << v.out;

@@ -156,4 +156,12 @@ TEST_F(CliTrainTest, DeviceCudaWithoutAGpuIsAUsageError) {
   EXPECT_FALSE(fs::exists(P("g")));
 }
 
+TEST_F(CliTrainTest, DeviceCommNeedsDeviceCuda) {
+  EXPECT_EQ(Run("train --steps 1 --device-comm host --save " + P("h")), 2);
+  const std::string err = Slurp(dir_ / "stderr.txt");
+  EXPECT_NE(err.find("--device-comm needs --device cuda"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(P("h")));
+  EXPECT_EQ(Run("train --steps 1 --device cuda --device-comm gloo"), 2);  // not a choice
+}
+
 }  // namespace

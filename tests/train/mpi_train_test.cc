@@ -393,6 +393,22 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
 }
 
 // A rank killed mid-run: every rank ends non-zero within seconds and no checkpoint appears.
+// Without a GPU, `--device cuda` under mpirun ends every rank with the usage error (no rank
+// waits in a collective for one that gave up); with GPUs tests/cuda/multi_rank_test.cc runs it.
+TEST_F(MpiTrainTest, DeviceCudaWithoutAGpuEndsEveryRank) {
+  const std::string save = tmp_.path().string() + "/g";
+  const CommandResult r =
+      RunMpi(2, "train --model tiny-moe --steps 1 --batch-size 4 --device cuda --layout dp=2 --save " + save);
+  if (r.exit_code == 0) GTEST_SKIP() << "CUDA devices are present: tests/cuda cover this";
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  std::size_t errors = 0;
+  for (auto at = r.output.find("--device cuda"); at != std::string::npos; at = r.output.find("--device cuda", at + 1)) {
+    ++errors;
+  }
+  EXPECT_GE(errors, 2u) << r.output;  // every rank says why
+  EXPECT_FALSE(fs::exists(save));
+}
+
 TEST_F(MpiTrainTest, KilledRankEndsTheRunWithoutACheckpoint) {
   const std::string save = tmp_.path().string() + "/killed";
   const std::string marker = tmp_.path().string() + "/marker.jsonl";
