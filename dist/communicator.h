@@ -1,8 +1,9 @@
 // Collective communication between the processes of a run (docs/DESIGN.md §6): one interface,
 // implemented over MPI for host buffers (MpiCommunicator, dist/mpi.h) and by a single-rank
-// communicator for one process; the GPU path implements it with NCCL. Every call returns a
-// Status: a failed collective (a peer gone, a transport error) is Unavailable naming the
-// operation and the group, never an abort inside the library.
+// communicator for one process; on device memory by NCCL and by a host-staged form
+// (train/cuda/communicator.h). Every call returns a Status: a failed collective (a peer gone,
+// a transport error) is Unavailable naming the operation and the group, never an abort inside
+// the library.
 //
 // Byte accounting: every collective adds to stats() the bytes this rank receives under the
 // bandwidth-optimal algorithm of its kind, so the numbers are comparable with analytic volumes:
