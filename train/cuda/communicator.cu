@@ -8,14 +8,13 @@
 #include "train/cuda/cuda_check.h"
 
 #if RS_HAVE_NCCL
+#include <dlfcn.h>
 #include <nccl.h>
 #endif
 
 namespace rs::cuda {
 
 const char* DeviceCommName(DeviceComm c) { return c == DeviceComm::kNccl ? "nccl" : "host"; }
-
-bool HaveNccl() { return RS_HAVE_NCCL != 0; }
 
 namespace {
 
@@ -148,6 +147,52 @@ class HostStagedCommunicator final : public Communicator {
 
 #if RS_HAVE_NCCL
 
+// NCCL is loaded when a communicator is first made (dlopen), not linked: every other command
+// of `reshard` runs on hosts without NCCL, and its 200 MiB are not mapped into processes that
+// never use it (which matters under `ulimit -v`).
+#define RS_NCCL_FUNCTIONS(X)                                                                                           \
+  X(ncclGetUniqueId)                                                                                                   \
+  X(ncclCommInitRankConfig) X(ncclCommGetAsyncError) X(ncclCommAbort) X(ncclCommFinalize) X(ncclCommDestroy)           \
+      X(ncclCommSplit) X(ncclCommCount) X(ncclCommUserRank) X(ncclGetErrorString) X(ncclGetLastError) X(ncclAllReduce) \
+          X(ncclAllGather) X(ncclReduceScatter) X(ncclBroadcast) X(ncclSend) X(ncclRecv) X(ncclGroupStart)             \
+              X(ncclGroupEnd)
+
+struct NcclApi {
+#define RS_NCCL_MEMBER(name) decltype(&::name) name = nullptr;
+  RS_NCCL_FUNCTIONS(RS_NCCL_MEMBER)
+#undef RS_NCCL_MEMBER
+  std::string error;  // why it could not be loaded (empty: loaded)
+};
+
+const NcclApi& LoadNccl() {
+  static const NcclApi api = [] {
+    NcclApi a;
+    void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = dlerror();
+      a.error = std::string("cannot load libnccl.so.2: ") + (why != nullptr ? why : "unknown reason");
+      return a;
+    }
+#define RS_NCCL_LOAD(name)                                                \
+  a.name = reinterpret_cast<decltype(&::name)>(dlsym(lib, #name));        \
+  if (a.name == nullptr) {                                                \
+    a.error = "libnccl.so.2 lacks " #name " (NCCL 2.18 or newer needed)"; \
+    return a;                                                             \
+  }
+    RS_NCCL_FUNCTIONS(RS_NCCL_LOAD)
+#undef RS_NCCL_LOAD
+    return a;
+  }();
+  return api;
+}
+
+// The loaded functions (only called once LoadNccl succeeded).
+const NcclApi& Nccl() {
+  const NcclApi& a = LoadNccl();
+  RS_CHECK_MSG(a.error.empty(), a.error);
+  return a;
+}
+
 ncclDataType_t NcclType(float*) { return ncclFloat32; }
 ncclDataType_t NcclType(double*) { return ncclFloat64; }
 ncclDataType_t NcclType(std::int64_t*) { return ncclInt64; }
@@ -157,18 +202,18 @@ Status WaitReady(ncclComm_t comm, std::chrono::seconds timeout, const std::strin
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   ncclResult_t state = ncclInProgress;
   while (true) {
-    if (ncclResult_t r = ncclCommGetAsyncError(comm, &state); r != ncclSuccess) state = r;
+    if (ncclResult_t r = Nccl().ncclCommGetAsyncError(comm, &state); r != ncclSuccess) state = r;
     if (state != ncclInProgress) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      ncclCommAbort(comm);
+      Nccl().ncclCommAbort(comm);
       return Unavailable("NCCL " + what + ": not ready after " + std::to_string(timeout.count()) +
                          " s (a peer is missing); aborted");
     }
     std::this_thread::yield();
   }
   if (state != ncclSuccess) {
-    const std::string why = std::string(ncclGetErrorString(state)) + " (" + ncclGetLastError(comm) + ")";
-    ncclCommAbort(comm);
+    const std::string why = std::string(Nccl().ncclGetErrorString(state)) + " (" + Nccl().ncclGetLastError(comm) + ")";
+    Nccl().ncclCommAbort(comm);
     return Unavailable("NCCL " + what + ": " + why);
   }
   return Status::Ok();
@@ -186,16 +231,16 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override {
     if (scratch_ != nullptr) cudaFree(scratch_);
     if (broken_) return;  // aborted: NCCL has already released the communicator
-    ncclResult_t state = ncclCommFinalize(comm_);
+    ncclResult_t state = Nccl().ncclCommFinalize(comm_);
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::yield();
-      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
+      if (Nccl().ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
     }
     if (state == ncclSuccess) {
-      ncclCommDestroy(comm_);
+      Nccl().ncclCommDestroy(comm_);
     } else {
-      ncclCommAbort(comm_);
+      Nccl().ncclCommAbort(comm_);
     }
   }
 
@@ -213,7 +258,7 @@ class NcclCommunicator final : public Communicator {
     RS_CHECK(send.size() == recv.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(Usable("reduce-scatter"));
     RS_RETURN_IF_ERROR(
-        Complete(ncclReduceScatter(send.data(), recv.data(), recv.size(), ncclFloat32, ncclSum, comm_, stream_),
+        Complete(Nccl().ncclReduceScatter(send.data(), recv.data(), recv.size(), ncclFloat32, ncclSum, comm_, stream_),
                  "reduce-scatter"));
     stats_.reduce_scatter_bytes += static_cast<std::int64_t>(recv.size_bytes()) * (size() - 1);
     return Status::Ok();
@@ -226,7 +271,7 @@ class NcclCommunicator final : public Communicator {
              static_cast<std::int64_t>(recv_counts.size()) == size());
     RS_RETURN_IF_ERROR(Usable("all-to-all"));
     std::int64_t so = 0, ro = 0, received = 0;
-    ncclResult_t r = ncclGroupStart();
+    ncclResult_t r = Nccl().ncclGroupStart();
     for (std::int64_t q = 0; q < size() && r == ncclSuccess; ++q) {
       const auto sc = static_cast<std::size_t>(send_counts[static_cast<std::size_t>(q)]);
       const auto rc = static_cast<std::size_t>(recv_counts[static_cast<std::size_t>(q)]);
@@ -239,15 +284,15 @@ class NcclCommunicator final : public Communicator {
                                         cudaMemcpyDeviceToDevice, stream_));
         }
       } else {
-        if (sc > 0) r = ncclSend(send.data() + so, sc, ncclFloat32, static_cast<int>(q), comm_, stream_);
+        if (sc > 0) r = Nccl().ncclSend(send.data() + so, sc, ncclFloat32, static_cast<int>(q), comm_, stream_);
         if (rc > 0 && r == ncclSuccess)
-          r = ncclRecv(recv.data() + ro, rc, ncclFloat32, static_cast<int>(q), comm_, stream_);
+          r = Nccl().ncclRecv(recv.data() + ro, rc, ncclFloat32, static_cast<int>(q), comm_, stream_);
         received += static_cast<std::int64_t>(rc * sizeof(float));
       }
       so += static_cast<std::int64_t>(sc);
       ro += static_cast<std::int64_t>(rc);
     }
-    const ncclResult_t end = ncclGroupEnd();
+    const ncclResult_t end = Nccl().ncclGroupEnd();
     RS_RETURN_IF_ERROR(Complete(r != ncclSuccess ? r : end, "all-to-all"));
     stats_.alltoall_bytes += received;
     return Status::Ok();
@@ -257,7 +302,7 @@ class NcclCommunicator final : public Communicator {
     const CommTimer timed(stats_);
     RS_RETURN_IF_ERROR(Usable("broadcast"));
     RS_RETURN_IF_ERROR(Complete(
-        ncclBroadcast(data.data(), data.data(), data.size(), ncclUint8, static_cast<int>(root), comm_, stream_),
+        Nccl().ncclBroadcast(data.data(), data.data(), data.size(), ncclUint8, static_cast<int>(root), comm_, stream_),
         "broadcast"));
     if (rank() != root) stats_.broadcast_bytes += static_cast<std::int64_t>(data.size());
     return Status::Ok();
@@ -266,7 +311,7 @@ class NcclCommunicator final : public Communicator {
   // NCCL has no barrier: an all-reduce of one number, waited for, is one.
   Status Barrier() override {
     RS_RETURN_IF_ERROR(Usable("barrier"));
-    return Complete(ncclAllReduce(scratch_, scratch_, 1, ncclInt64, ncclSum, comm_, stream_), "barrier");
+    return Complete(Nccl().ncclAllReduce(scratch_, scratch_, 1, ncclInt64, ncclSum, comm_, stream_), "barrier");
   }
 
   Result<std::unique_ptr<Communicator>> Split(std::int64_t color, std::int64_t key, std::string name) override {
@@ -278,12 +323,12 @@ class NcclCommunicator final : public Communicator {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t sub = nullptr;
-    ncclResult_t r = ncclCommSplit(comm_, static_cast<int>(color), static_cast<int>(key), &sub, &config);
+    ncclResult_t r = Nccl().ncclCommSplit(comm_, static_cast<int>(color), static_cast<int>(key), &sub, &config);
     RS_RETURN_IF_ERROR(Complete(r, "split", /*wait_stream=*/false));
     RS_RETURN_IF_ERROR(WaitReady(sub, timeout_, "split into " + name));
     int n = 0, me = 0;
-    ncclCommCount(sub, &n);
-    ncclCommUserRank(sub, &me);
+    Nccl().ncclCommCount(sub, &n);
+    Nccl().ncclCommUserRank(sub, &me);
     return std::unique_ptr<Communicator>(new NcclCommunicator(sub, me, n, std::move(name), stream_, timeout_));
   }
 
@@ -292,8 +337,8 @@ class NcclCommunicator final : public Communicator {
   Status Reduce(std::span<T> data, ReduceOp op) {
     const CommTimer timed(stats_);
     RS_RETURN_IF_ERROR(Usable("all-reduce"));
-    RS_RETURN_IF_ERROR(Complete(ncclAllReduce(data.data(), data.data(), data.size(), NcclType(data.data()),
-                                              op == ReduceOp::kSum ? ncclSum : ncclMax, comm_, stream_),
+    RS_RETURN_IF_ERROR(Complete(Nccl().ncclAllReduce(data.data(), data.data(), data.size(), NcclType(data.data()),
+                                                     op == ReduceOp::kSum ? ncclSum : ncclMax, comm_, stream_),
                                 "all-reduce"));
     const auto n = static_cast<std::int64_t>(data.size_bytes());
     stats_.allreduce_bytes += size() > 1 ? 2 * (size() - 1) * n / size() : 0;
@@ -304,9 +349,9 @@ class NcclCommunicator final : public Communicator {
     const CommTimer timed(stats_);
     RS_CHECK(recv.size() == send.size() * static_cast<std::size_t>(size()));
     RS_RETURN_IF_ERROR(Usable("all-gather"));
-    RS_RETURN_IF_ERROR(Complete(
-        ncclAllGather(send.data(), recv.data(), send.size(), NcclType(const_cast<T*>(send.data())), comm_, stream_),
-        "all-gather"));
+    RS_RETURN_IF_ERROR(Complete(Nccl().ncclAllGather(send.data(), recv.data(), send.size(),
+                                                     NcclType(const_cast<T*>(send.data())), comm_, stream_),
+                                "all-gather"));
     stats_.allgather_bytes += static_cast<std::int64_t>(send.size_bytes()) * (size() - 1);
     return Status::Ok();
   }
@@ -322,26 +367,27 @@ class NcclCommunicator final : public Communicator {
   Status Complete(ncclResult_t issued, const char* op, bool wait_stream = true) {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     auto fail = [&](const std::string& why) {
-      ncclCommAbort(comm_);
+      Nccl().ncclCommAbort(comm_);
       broken_ = true;
       return Unavailable(std::string(op) + " on " + name() + ": " + why + "; the NCCL communicator is aborted");
     };
     ncclResult_t state = issued;
     while (state == ncclInProgress) {
-      if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) state = r;
+      if (ncclResult_t r = Nccl().ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) state = r;
       if (state == ncclInProgress && std::chrono::steady_clock::now() > deadline) return fail("not issued in time");
       std::this_thread::yield();
     }
     if (state != ncclSuccess) {
-      return fail(std::string(ncclGetErrorString(state)) + " (" + ncclGetLastError(comm_) + ")");
+      return fail(std::string(Nccl().ncclGetErrorString(state)) + " (" + Nccl().ncclGetLastError(comm_) + ")");
     }
     if (!wait_stream) return Status::Ok();
     while (true) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return Status::Ok();
       if (q != cudaErrorNotReady) return fail(std::string("CUDA: ") + cudaGetErrorString(q));
-      if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess && state != ncclInProgress) {
-        return fail(std::string(ncclGetErrorString(state)) + " (" + ncclGetLastError(comm_) + ")");
+      if (Nccl().ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
+          state != ncclInProgress) {
+        return fail(std::string(Nccl().ncclGetErrorString(state)) + " (" + Nccl().ncclGetLastError(comm_) + ")");
       }
       if (std::chrono::steady_clock::now() > deadline) {
         return fail("not complete after " + std::to_string(timeout_.count()) + " s (a peer is missing or stuck)");
@@ -361,13 +407,25 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
+bool HaveNccl(std::string* why) {
+#if RS_HAVE_NCCL
+  const NcclApi& a = LoadNccl();
+  if (!a.error.empty() && why != nullptr) *why = a.error;
+  return a.error.empty();
+#else
+  if (why != nullptr) *why = "this reshard was built without NCCL (no nccl.h at configure time)";
+  return false;
+#endif
+}
+
 Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communicator& host, cudaStream_t stream,
                                                                  std::string name, std::chrono::seconds timeout) {
 #if RS_HAVE_NCCL
+  if (std::string why; !HaveNccl(&why)) return FailedPrecondition("NCCL communicator for " + name + ": " + why);
   ncclUniqueId id{};
   if (host.rank() == 0) {
-    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
-      return Unavailable("NCCL unique id for " + name + ": " + ncclGetErrorString(r));
+    if (ncclResult_t r = Nccl().ncclGetUniqueId(&id); r != ncclSuccess) {
+      return Unavailable("NCCL unique id for " + name + ": " + Nccl().ncclGetErrorString(r));
     }
   }
   RS_RETURN_IF_ERROR(host.Broadcast(std::as_writable_bytes(std::span<ncclUniqueId>(&id, 1)), 0));
@@ -375,11 +433,11 @@ Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communica
   config.blocking = 0;
   ncclComm_t comm = nullptr;
   const ncclResult_t r =
-      ncclCommInitRankConfig(&comm, static_cast<int>(host.size()), id, static_cast<int>(host.rank()), &config);
+      Nccl().ncclCommInitRankConfig(&comm, static_cast<int>(host.size()), id, static_cast<int>(host.rank()), &config);
   if (r != ncclSuccess && r != ncclInProgress) {
     return Unavailable("NCCL init of " + name + " (rank " + std::to_string(host.rank()) + " of " +
-                       std::to_string(host.size()) + "): " + ncclGetErrorString(r) + " (" + ncclGetLastError(comm) +
-                       ")");
+                       std::to_string(host.size()) + "): " + Nccl().ncclGetErrorString(r) + " (" +
+                       Nccl().ncclGetLastError(comm) + ")");
   }
   RS_RETURN_IF_ERROR(WaitReady(comm, timeout, "init of " + name));
   return std::unique_ptr<dist::Communicator>(

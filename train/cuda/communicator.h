@@ -37,8 +37,9 @@ enum class DeviceComm : std::uint8_t {
 };
 const char* DeviceCommName(DeviceComm c);
 
-// Whether this build has NCCL (found at configure time).
-bool HaveNccl();
+// Whether NCCL can be used: the build found nccl.h and libnccl.so.2 loads (it is opened on
+// first use, not linked). `why` receives the reason when not.
+bool HaveNccl(std::string* why = nullptr);
 
 // Collective over `host` (the same group's host communicator, which must outlive nothing: it is
 // used only during this call). `timeout`: how long any one collective may wait for its peers.

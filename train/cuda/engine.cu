@@ -190,8 +190,8 @@ Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision, d
   }
   std::string why;
   if (!DeviceAvailable(&why)) return FailedPrecondition("train --device cuda: " + why);
-  if (ranks && comm == DeviceComm::kNccl && !HaveNccl()) {
-    return FailedPrecondition("train --device cuda: this reshard was built without NCCL (--device-comm host works)");
+  if (std::string no_nccl; ranks && comm == DeviceComm::kNccl && !HaveNccl(&no_nccl)) {
+    return FailedPrecondition("train --device cuda: " + no_nccl + " (--device-comm host works without it)");
   }
   if (!ranks) RS_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp prop{};
