@@ -62,6 +62,16 @@ class MultiRankTest : public ::testing::Test {
   }
 };
 
+// Needs no device: NCCL is opened at run time, and every function the communicator calls resolves.
+TEST(NcclLibraryTest, EveryFunctionResolves) {
+  std::string why;
+  if (HaveNccl(&why)) return;
+  if (why.find("cannot load") != std::string::npos || why.find("built without") != std::string::npos) {
+    GTEST_SKIP() << why;
+  }
+  ADD_FAILURE() << why;  // loaded, but a function is missing
+}
+
 // ---- The communicators, in the ranks mpirun starts. ----
 
 template <typename T>
