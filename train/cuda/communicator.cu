@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -150,12 +151,12 @@ class HostStagedCommunicator final : public Communicator {
 // NCCL is loaded when a communicator is first made (dlopen), not linked: every other command
 // of `reshard` runs on hosts without NCCL, and its 200 MiB are not mapped into processes that
 // never use it (which matters under `ulimit -v`).
-#define RS_NCCL_FUNCTIONS(X)                                                                                           \
-  X(ncclGetUniqueId)                                                                                                   \
-  X(ncclCommInitRankConfig) X(ncclCommGetAsyncError) X(ncclCommAbort) X(ncclCommFinalize) X(ncclCommDestroy)           \
-      X(ncclCommSplit) X(ncclCommCount) X(ncclCommUserRank) X(ncclGetErrorString) X(ncclGetLastError) X(ncclAllReduce) \
-          X(ncclAllGather) X(ncclReduceScatter) X(ncclBroadcast) X(ncclSend) X(ncclRecv) X(ncclGroupStart)             \
-              X(ncclGroupEnd)
+#define RS_NCCL_FUNCTIONS(X)                                                                                         \
+  X(ncclGetUniqueId)                                                                                                 \
+  X(ncclCommInitRankConfig)                                                                                          \
+  X(ncclCommGetAsyncError) X(ncclCommAbort) X(ncclCommFinalize) X(ncclCommDestroy) X(ncclCommSplit) X(ncclCommCount) \
+      X(ncclCommUserRank) X(ncclGetErrorString) X(ncclGetLastError) X(ncclAllReduce) X(ncclAllGather)                \
+          X(ncclReduceScatter) X(ncclBroadcast) X(ncclSend) X(ncclRecv) X(ncclGroupStart) X(ncclGroupEnd)
 
 struct NcclApi {
 #define RS_NCCL_MEMBER(name) decltype(&::name) name = nullptr;
@@ -273,6 +274,7 @@ class NcclCommunicator final : public Communicator {
     std::int64_t so = 0, ro = 0, received = 0;
     ncclResult_t r = Nccl().ncclGroupStart();
     for (std::int64_t q = 0; q < size() && r == ncclSuccess; ++q) {
+      RS_CHECK(send_counts[static_cast<std::size_t>(q)] >= 0 && recv_counts[static_cast<std::size_t>(q)] >= 0);
       const auto sc = static_cast<std::size_t>(send_counts[static_cast<std::size_t>(q)]);
       const auto rc = static_cast<std::size_t>(recv_counts[static_cast<std::size_t>(q)]);
       RS_CHECK(so + static_cast<std::int64_t>(sc) <= static_cast<std::int64_t>(send.size()) &&
@@ -324,6 +326,10 @@ class NcclCommunicator final : public Communicator {
     config.blocking = 0;
     ncclComm_t sub = nullptr;
     ncclResult_t r = Nccl().ncclCommSplit(comm_, static_cast<int>(color), static_cast<int>(key), &sub, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {  // refused at once: the parent stays usable
+      return Unavailable("split of " + this->name() + ": " + Nccl().ncclGetErrorString(r) + " (" +
+                         Nccl().ncclGetLastError(comm_) + ")");
+    }
     RS_RETURN_IF_ERROR(Complete(r, "split", /*wait_stream=*/false));
     RS_RETURN_IF_ERROR(WaitReady(sub, timeout_, "split into " + name));
     int n = 0, me = 0;
@@ -421,25 +427,42 @@ bool HaveNccl(std::string* why) {
 Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communicator& host, cudaStream_t stream,
                                                                  std::string name, std::chrono::seconds timeout) {
 #if RS_HAVE_NCCL
-  if (std::string why; !HaveNccl(&why)) return FailedPrecondition("NCCL communicator for " + name + ": " + why);
+  // Local failures are agreed on over the host group before and after NCCL's own set-up, so
+  // every rank returns the same way and none waits in a collective that another has left.
+  auto agree = [&](Status mine, const std::string& what) -> Status {
+    RS_ASSIGN_OR_RETURN(const std::int64_t failed, dist::FirstFailedRank(host, mine.ok()));
+    if (failed < 0) return Status::Ok();
+    if (!mine.ok()) return mine;
+    return Unavailable(what + " of " + name + " failed on rank " + std::to_string(failed) + " (see its message)");
+  };
+  std::string why;
+  Status ready = HaveNccl(&why) ? Status::Ok() : FailedPrecondition("NCCL communicator for " + name + ": " + why);
   ncclUniqueId id{};
-  if (host.rank() == 0) {
+  if (ready.ok() && host.rank() == 0) {
     if (ncclResult_t r = Nccl().ncclGetUniqueId(&id); r != ncclSuccess) {
-      return Unavailable("NCCL unique id for " + name + ": " + Nccl().ncclGetErrorString(r));
+      ready = Unavailable("NCCL unique id for " + name + ": " + Nccl().ncclGetErrorString(r));
     }
   }
+  RS_RETURN_IF_ERROR(agree(ready, "NCCL set-up"));
   RS_RETURN_IF_ERROR(host.Broadcast(std::as_writable_bytes(std::span<ncclUniqueId>(&id, 1)), 0));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t comm = nullptr;
   const ncclResult_t r =
       Nccl().ncclCommInitRankConfig(&comm, static_cast<int>(host.size()), id, static_cast<int>(host.rank()), &config);
+  Status init;
   if (r != ncclSuccess && r != ncclInProgress) {
-    return Unavailable("NCCL init of " + name + " (rank " + std::to_string(host.rank()) + " of " +
+    init = Unavailable("NCCL init of " + name + " (rank " + std::to_string(host.rank()) + " of " +
                        std::to_string(host.size()) + "): " + Nccl().ncclGetErrorString(r) + " (" +
                        Nccl().ncclGetLastError(comm) + ")");
+    if (comm != nullptr) Nccl().ncclCommAbort(comm);
+  } else {
+    init = WaitReady(comm, timeout, "init of " + name);  // aborts the communicator when it fails
   }
-  RS_RETURN_IF_ERROR(WaitReady(comm, timeout, "init of " + name));
+  if (Status agreed = agree(init, "NCCL init"); !agreed.ok()) {
+    if (init.ok()) Nccl().ncclCommAbort(comm);  // a peer failed: this rank's communicator is useless
+    return agreed;
+  }
   return std::unique_ptr<dist::Communicator>(
       new NcclCommunicator(comm, host.rank(), host.size(), std::move(name), stream, timeout));
 #else
@@ -456,18 +479,35 @@ std::unique_ptr<dist::Communicator> MakeHostStagedCommunicator(dist::Communicato
 
 Result<int> SelectDevice(dist::Communicator& world, DeviceComm comm) {
   RS_ASSIGN_OR_RETURN(const dist::HostRanks here, dist::RanksOnThisHost(world));
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) {
-    return FailedPrecondition("no CUDA device on this host");
+  // This rank's device, and its UUID to find ranks that share one (a launcher may give each
+  // rank its own CUDA_VISIBLE_DEVICES, so the visible count alone does not tell). Local
+  // failures are reported after the all-gather: every rank takes part in it.
+  int devices = 0, device = -1;
+  std::int64_t mine[3] = {0, 0, 0};  // usable, UUID
+  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices >= 1) {
+    device = static_cast<int>(here.local_rank % devices);
+    cudaDeviceProp prop{};
+    if (cudaSetDevice(device) == cudaSuccess && cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+      mine[0] = 1;
+      static_assert(sizeof prop.uuid.bytes == 2 * sizeof(std::int64_t));
+      std::memcpy(&mine[1], prop.uuid.bytes, sizeof prop.uuid.bytes);
+    }
   }
-  if (comm == DeviceComm::kNccl && here.local_size > devices) {
-    return FailedPrecondition(std::to_string(here.local_size) + " ranks run on this host but it has " +
-                              std::to_string(devices) +
-                              " CUDA device(s): NCCL needs one device per rank (--device-comm host lets ranks share "
-                              "devices, staging collectives through host memory)");
+  std::vector<std::int64_t> all(static_cast<std::size_t>(3 * world.size()));
+  RS_RETURN_IF_ERROR(world.AllGather(std::span<const std::int64_t>(mine, 3), all));
+  if (mine[0] == 0) return FailedPrecondition("no usable CUDA device on this host");
+  if (comm == DeviceComm::kNccl) {
+    for (std::int64_t q = 0; q < world.size(); ++q) {
+      const auto at = static_cast<std::size_t>(3 * q);
+      if (q == world.rank() || all[at] == 0 || all[at + 1] != mine[1] || all[at + 2] != mine[2]) continue;
+      return FailedPrecondition("ranks " + std::to_string(std::min(q, world.rank())) + " and " +
+                                std::to_string(std::max(q, world.rank())) + " would share CUDA device " +
+                                std::to_string(device) + " of this host (" + std::to_string(here.local_size) +
+                                " ranks, " + std::to_string(devices) +
+                                " visible devices): NCCL needs one device per rank (--device-comm host lets ranks "
+                                "share devices, staging collectives through host memory)");
+    }
   }
-  const int device = static_cast<int>(here.local_rank % devices);
-  RS_CUDA_CHECK(cudaSetDevice(device));
   return device;
 }
 

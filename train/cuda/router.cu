@@ -777,6 +777,7 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
   CheckConfig(c, n);
   const std::int64_t rows = batch.global_rows > 0 ? batch.global_rows : n;
   RS_CHECK_MSG(rows >= n, "router batch of " << rows << " rows, this rank has " << n);
+  RS_CHECK_MSG(rows == n || batch.all_reduce, "a router batch larger than this call's rows needs the all-reduce hook");
   RS_CHECK_MSG(c.kind != RouterKind::kSinkhorn || (rows == n && !batch.all_reduce),
                "the Sinkhorn router runs on one rank only (its iteration is not split around an all-reduce)");
   RS_CHECK(out.experts != nullptr && out.probs != nullptr && out.loads != nullptr && out.aux_loss != nullptr &&
