@@ -151,12 +151,14 @@ class HostStagedCommunicator final : public Communicator {
 // NCCL is loaded when a communicator is first made (dlopen), not linked: every other command
 // of `reshard` runs on hosts without NCCL, and its 200 MiB are not mapped into processes that
 // never use it (which matters under `ulimit -v`).
-#define RS_NCCL_FUNCTIONS(X)                                                                                         \
-  X(ncclGetUniqueId)                                                                                                 \
-  X(ncclCommInitRankConfig)                                                                                          \
-  X(ncclCommGetAsyncError) X(ncclCommAbort) X(ncclCommFinalize) X(ncclCommDestroy) X(ncclCommSplit) X(ncclCommCount) \
-      X(ncclCommUserRank) X(ncclGetErrorString) X(ncclGetLastError) X(ncclAllReduce) X(ncclAllGather)                \
-          X(ncclReduceScatter) X(ncclBroadcast) X(ncclSend) X(ncclRecv) X(ncclGroupStart) X(ncclGroupEnd)
+// clang-format off
+#define RS_NCCL_FUNCTIONS(X)                                                             \
+  X(ncclGetUniqueId) X(ncclCommInitRankConfig) X(ncclCommGetAsyncError) X(ncclCommAbort) \
+  X(ncclCommFinalize) X(ncclCommDestroy) X(ncclCommSplit) X(ncclCommCount)               \
+  X(ncclCommUserRank) X(ncclGetErrorString) X(ncclGetLastError) X(ncclAllReduce)         \
+  X(ncclAllGather) X(ncclReduceScatter) X(ncclBroadcast) X(ncclSend) X(ncclRecv)         \
+  X(ncclGroupStart) X(ncclGroupEnd)
+// clang-format on
 
 struct NcclApi {
 #define RS_NCCL_MEMBER(name) decltype(&::name) name = nullptr;
