@@ -121,7 +121,8 @@ class HostStagedCommunicator final : public Communicator {
     const CommStats before = host_.stats();
     RS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the producers of `send` have finished
     T* hs = send_.Get<T>(send.size());
-    T* hr = recv_.Get<T>(recv.size());
+    // In place (all-reduce): one host buffer is both.
+    T* hr = static_cast<const void*>(send.data()) == recv.data() ? hs : recv_.Get<T>(recv.size());
     if (!send.empty()) RS_CUDA_CHECK(cudaMemcpy(hs, send.data(), send.size_bytes(), cudaMemcpyDeviceToHost));
     RS_RETURN_IF_ERROR(op(std::span<const T>(hs, send.size()), std::span<T>(hr, recv.size())));
     if (!recv.empty()) RS_CUDA_CHECK(cudaMemcpy(recv.data(), hr, recv.size_bytes(), cudaMemcpyHostToDevice));
@@ -130,10 +131,8 @@ class HostStagedCommunicator final : public Communicator {
   }
   template <typename T>
   Status Reduce(std::span<T> data, ReduceOp op) {
-    return Staged(std::span<const T>(data), data, [&](std::span<const T> hs, std::span<T> hr) {
-      std::copy(hs.begin(), hs.end(), hr.begin());
-      return host_.AllReduce(hr, op);
-    });
+    return Staged(std::span<const T>(data), data,
+                  [&](std::span<const T>, std::span<T> h) { return host_.AllReduce(h, op); });
   }
   template <typename T>
   Status Gather(std::span<const T> send, std::span<T> recv) {

@@ -412,11 +412,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   RouterBatch batch;
   if (spread) {
     batch.global_rows = global_n;
-    batch.all_reduce = [this](std::int64_t* loads, double* prob_sum, double* lse_sum, std::int64_t experts,
-                              cudaStream_t) {
+    batch.all_reduce = [this](std::int64_t* loads, double* sums, std::int64_t experts, cudaStream_t) {
       ReduceData(std::span<std::int64_t>(loads, static_cast<std::size_t>(experts)));
-      ReduceData(std::span<double>(prob_sum, static_cast<std::size_t>(experts)));
-      ReduceData(std::span<double>(lse_sum, 1));
+      ReduceData(std::span<double>(sums, static_cast<std::size_t>(experts + 1)));
     };
   }
 

@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kThreads) RouteKernel(RouteParams p) {
 }
 
 // Step 2: block j < E sums column j of the partials over the blocks, in block order; block E
-// sums Σ lse². A data-parallel caller would all-reduce loads, prob_sum and lse_sum after this.
+// sums Σ lse² (into prob_sum[E], so a data-parallel caller all-reduces loads and E + 1 sums).
 __global__ void __launch_bounds__(kThreads)
     ReducePartialsKernel(const double* __restrict__ prob_part, const std::int32_t* __restrict__ count_part,
                          const double* __restrict__ lse_part, std::int64_t blocks, int e, std::int64_t* loads,
@@ -693,8 +693,8 @@ Workspace Carve(const RouterOptions& c, std::int64_t n, void* base) {
   w.prob_part = carver.Take<double>(blocks * e);
   w.count_part = carver.Take<std::int32_t>(blocks * e);
   w.lse_part = carver.Take<double>(blocks);
-  w.prob_sum = carver.Take<double>(e);
-  w.lse_sum = carver.Take<double>(1);
+  w.prob_sum = carver.Take<double>(e + 1);  // the E probability sums, then Σ lse²
+  w.lse_sum = w.prob_sum + e;
   if (c.kind == RouterKind::kSinkhorn) {
     const std::int64_t chunks = Chunks(n);
     w.chunk_max = carver.Take<float>(chunks);
@@ -838,7 +838,7 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
   ReducePartialsKernel<<<static_cast<unsigned>(e + 1), kThreads, 0, stream>>>(
       w.prob_part, w.count_part, w.lse_part, blocks, e, out.loads, w.prob_sum, w.lse_sum);
   RS_CUDA_CHECK(cudaGetLastError());
-  if (batch.all_reduce) batch.all_reduce(out.loads, w.prob_sum, w.lse_sum, e, stream);
+  if (batch.all_reduce) batch.all_reduce(out.loads, w.prob_sum, e, stream);
   FinalizeLossesKernel<<<1, kThreads, 0, stream>>>(out.loads, w.prob_sum, w.lse_sum, e, static_cast<double>(rows),
                                                    static_cast<int>(c.top_k), c.aux_loss_coef, c.z_loss_coef,
                                                    out.aux_loss, out.z_loss);

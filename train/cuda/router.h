@@ -57,10 +57,10 @@ struct RouterOutputs {
 // The batch a forward pass's statistics are over. Default: this call's n rows are all of it.
 struct RouterBatch {
   std::int64_t global_rows = 0;  // rows of the whole batch (0: n)
-  // Sums loads [E], prob_sum [E] and lse_sum [1] (device arrays) over the data group, on `stream`
-  // (the work before it is enqueued on that stream). Null: one rank.
-  std::function<void(std::int64_t* loads, double* prob_sum, double* lse_sum, std::int64_t experts, cudaStream_t stream)>
-      all_reduce;
+  // Sums loads [E] and sums [E + 1] (the per-expert probability sums, then Σ lse²; device
+  // arrays) over the data group, on `stream` (the work before it is enqueued on that stream).
+  // Null: one rank.
+  std::function<void(std::int64_t* loads, double* sums, std::int64_t experts, cudaStream_t stream)> all_reduce;
 };
 
 // Bytes of device workspace RouterForward needs for n rows (a multiple of 256; the same for
