@@ -13,6 +13,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/cuda_plugin.h"
 #include "cli/reshard_args.h"
 #include "cli/util.h"
 #include "dist/mpi.h"
@@ -21,9 +22,6 @@
 #include "train/eval.h"
 #include "train/gemm.h"
 #include "train/trainer.h"
-#if RS_HAVE_CUDA
-#include "train/cuda/engine.h"
-#endif
 
 namespace rs::cli {
 namespace {
@@ -145,12 +143,15 @@ void RunTrain(TrainArgs& a) {
     trainer = std::move(*t);
   }
   if (a.device == "cuda") {
-#if RS_HAVE_CUDA
-    auto engine =
-        cuda::MakeCudaEngine(a.precision == "bf16" ? cuda::Precision::kBf16 : cuda::Precision::kF32, &world.comm(),
-                             a.device_comm == "host" ? cuda::DeviceComm::kHost : cuda::DeviceComm::kNccl);
-    // No usable device is a usage error of this machine (exit 2), like an option it cannot honour.
-    // Every rank learns whether every rank has one before any waits in a collective.
+    // The engine lives in libreshard_cuda.so (train/cuda/engine_plugin.h), opened only here.
+    cuda::EngineRequest request;
+    request.precision = a.precision == "bf16" ? cuda::Precision::kBf16 : cuda::Precision::kF32;
+    request.world = &world.comm();
+    request.comm = a.device_comm == "host" ? cuda::DeviceComm::kHost : cuda::DeviceComm::kNccl;
+    auto engine = LoadCudaEngine(request);
+    // No usable device (or no plugin) is a usage error of this machine (exit 2), like an option
+    // it cannot honour. Every rank learns whether every rank has one before any waits in a
+    // collective.
     if (!world.AllOk(engine.ok())) {
       fail_all(InvalidArgument(engine.ok() ? "--device cuda: another rank has no usable CUDA device"
                                            : engine.status().message()));
@@ -158,9 +159,6 @@ void RunTrain(TrainArgs& a) {
     const Status attached = trainer->SetEngine(std::move(*engine));
     if (!world.AllOk(attached.ok()))
       fail_all(attached.ok() ? FailedPrecondition("another rank failed to attach its GPU") : attached);
-#else
-    fail_all(InvalidArgument("--device cuda: this reshard was built without CUDA (no nvcc at configure time)"));
-#endif
   }
   const ModelConfig& mc = trainer->model_config();
   if (lead && trainer->engine() != nullptr) PrintErr("device: %s\n", trainer->engine()->Describe().c_str());

@@ -28,13 +28,10 @@
 
 #include "core/status.h"
 #include "dist/communicator.h"
+#include "train/cuda/engine_plugin.h"
 
 namespace rs::cuda {
 
-enum class DeviceComm : std::uint8_t {
-  kNccl,  // one GPU per rank
-  kHost,  // staged through host memory and the host communicator
-};
 const char* DeviceCommName(DeviceComm c);
 
 // Whether NCCL can be used: the build found nccl.h and libnccl.so.2 loads (it is opened on

@@ -22,14 +22,11 @@
 #include "core/status.h"
 #include "dist/communicator.h"
 #include "train/cuda/communicator.h"
+#include "train/cuda/engine_plugin.h"
 #include "train/trainer.h"
 
 namespace rs::cuda {
 
-enum class Precision : std::uint8_t {
-  kF32,   // every product and activation in f32 (what the CPU computes; for checking)
-  kBf16,  // bf16 weights and activations in the products, f32 accumulation, f32 master weights
-};
 const char* PrecisionName(Precision p);
 
 // FailedPrecondition (with the reason) when no CUDA device is usable. With a `world` of more
