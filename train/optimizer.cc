@@ -75,6 +75,20 @@ double LearningRate(const OptimizerConfig& c, std::int64_t step) {
   return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
+std::vector<ParamSegment> SliceSegments(std::span<const ParamSegment> segments, std::int64_t begin,
+                                        std::int64_t end) {
+  RS_CHECK(0 <= begin && begin <= end);
+  std::vector<ParamSegment> out;
+  for (ParamSegment s : segments) {
+    const std::int64_t lo = std::max(s.offset, begin), hi = std::min(s.offset + s.size, end);
+    if (lo >= hi) continue;
+    s.offset = lo - begin;
+    s.size = hi - lo;
+    out.push_back(s);
+  }
+  return out;
+}
+
 AdamW::AdamW(const OptimizerConfig& c, std::vector<ParamSegment> segments, std::int64_t num_params)
     : c_(c),
       segments_(std::move(segments)),

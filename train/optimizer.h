@@ -49,6 +49,13 @@ struct ParamSegment {
   bool counts_in_norm = true;
 };
 
+// The parts of `segments` inside items [begin, end) of the vector, moved to start at 0 (in the
+// same order, empty parts dropped): the segments of a rank's contiguous shard of the vector, so
+// that every item of the shard is treated as in the whole vector (where segments overlap the
+// later one still wins). begin <= end.
+std::vector<ParamSegment> SliceSegments(std::span<const ParamSegment> segments, std::int64_t begin,
+                                        std::int64_t end);
+
 struct UpdateInfo {
   double lr = 0;
   double grad_norm = 0;   // before clipping
