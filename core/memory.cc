@@ -18,7 +18,8 @@ std::int64_t MemoryLimitBytes() {
     limit = static_cast<std::int64_t>(pages) * page;
   }
   // Under ulimit -v / -d what counts is what the process may still map: the limit minus what it
-  // already maps (shared libraries included – the CUDA libraries alone map hundreds of MiB).
+  // already maps (shared libraries included: OpenBLAS, HDF5 and MPI map tens of MiB; the CUDA
+  // engine plugin, once loaded, hundreds).
   std::int64_t mapped[2] = {0, 0};  // address space, data segment (bytes)
   if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
     long size = 0, resident = 0, shared = 0, text = 0, lib = 0, data = 0;

@@ -75,8 +75,7 @@ double LearningRate(const OptimizerConfig& c, std::int64_t step) {
   return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
-std::vector<ParamSegment> SliceSegments(std::span<const ParamSegment> segments, std::int64_t begin,
-                                        std::int64_t end) {
+std::vector<ParamSegment> SliceSegments(std::span<const ParamSegment> segments, std::int64_t begin, std::int64_t end) {
   RS_CHECK(0 <= begin && begin <= end);
   std::vector<ParamSegment> out;
   for (ParamSegment s : segments) {

@@ -53,8 +53,7 @@ struct ParamSegment {
 // same order, empty parts dropped): the segments of a rank's contiguous shard of the vector, so
 // that every item of the shard is treated as in the whole vector (where segments overlap the
 // later one still wins). begin <= end.
-std::vector<ParamSegment> SliceSegments(std::span<const ParamSegment> segments, std::int64_t begin,
-                                        std::int64_t end);
+std::vector<ParamSegment> SliceSegments(std::span<const ParamSegment> segments, std::int64_t begin, std::int64_t end);
 
 struct UpdateInfo {
   double lr = 0;

@@ -96,6 +96,9 @@ class ShardedState {
   // [data_index · B / data_size, (data_index + 1) · B / data_size) (positions: see cp_index).
   std::int64_t data_index() const { return data_index_; }
   std::int64_t data_size() const { return data_size_; }
+  // This rank's place in its fsdp group (the ranks that share one replica of the sharded state).
+  std::int64_t fsdp_index() const { return fsdp_index_; }
+  std::int64_t fsdp_size() const { return fsdp_size_; }
   const BucketPlan* bucket_plan() const { return plan_; }
 
   // Fresh run: fills `model` (whole TP-local tensors) with the initial values of MODEL.md §6

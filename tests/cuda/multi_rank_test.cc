@@ -240,13 +240,18 @@ TEST_F(MultiRankCliTest, DataParallelLayoutsMatchOneProcess) {
     ASSERT_EQ(cpu.rc, 0) << cpu.out;
     const std::vector<double> ref = Losses("cpu.jsonl");
     ASSERT_EQ(ref.size(), 4u);
-    for (const std::string layout : {"dp=2", "fsdp=2", "fsdp=2,fsdp_form=box", "dp=2,fsdp=2"}) {
-      const int np = layout == "dp=2,fsdp=2" ? 4 : 2;
+    // The last: EP over tp with tp = 1 makes ep one more data axis (fsdp blocks replicated over ep).
+    for (const std::string layout :
+         {"dp=2", "fsdp=2", "fsdp=2,fsdp_form=box", "dp=2,fsdp=2", "ep=2,fsdp=2 --rules ep-over-tp"}) {
+      const int np = layout.find(",fsdp=2") != std::string::npos ? 4 : 2;
       const std::string log = "gpu.jsonl";
       fs::remove(dir_ / log);
       const Shell r = Train(np, kCommon + model + " --steps 4 --device cuda --device-comm host --layout " + layout +
                                     " --log " + D() + "/" + log);
       ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+      // fsdp keeps one block of the Adam moments per device (the summary line says which).
+      EXPECT_EQ(r.out.find("Adam moments sharded over fsdp=2") != std::string::npos, layout != "dp=2") << layout << "\n"
+                                                                                                       << r.out;
       const std::vector<double> got = Losses(log);
       ASSERT_EQ(got.size(), 4u) << layout;
       for (std::size_t i = 0; i < 4; ++i) {

@@ -2,6 +2,8 @@
 // the sliced segments, treats every item as the whole vector's AdamW does (the device engine
 // shards its optimizer state this way over fsdp, train/cuda/engine.cu). Randomised: segments
 // that overlap, gaps, buffers, shards of every size including empty ones.
+#include "train/optimizer.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,8 +11,6 @@
 #include <cstdint>
 #include <random>
 #include <vector>
-
-#include "train/optimizer.h"
 
 namespace rs::train {
 namespace {
@@ -97,12 +97,12 @@ TEST(SliceSegmentsTest, ShardedAdamWEqualsTheWholeVectorsUpdate) {
       std::vector<double> local(shards.size());
       for (std::size_t s = 0; s < shards.size(); ++s) {
         const auto b = static_cast<std::size_t>(cuts[s]), e = static_cast<std::size_t>(cuts[s + 1]);
-        auto got = shards[s].Update(std::span<float>(sharded).subspan(b, e - b),
-                                    std::span<const float>(grads).subspan(b, e - b), step,
-                                    [&](double mine) -> Result<double> {
-                                      local[s] = mine;
-                                      return want.grad_norm * want.grad_norm;
-                                    });
+        auto got =
+            shards[s].Update(std::span<float>(sharded).subspan(b, e - b),
+                             std::span<const float>(grads).subspan(b, e - b), step, [&](double mine) -> Result<double> {
+                               local[s] = mine;
+                               return want.grad_norm * want.grad_norm;
+                             });
         ASSERT_TRUE(got.ok()) << got.status().message();
       }
       for (double x : local) sum += x;

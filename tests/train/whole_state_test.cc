@@ -27,8 +27,8 @@ namespace {
 
 const char* ChildLayout() { return std::getenv("RS_WHOLE_STATE_LAYOUT"); }
 
-PhysicalLayout Layout(const std::string& text) {
-  auto rules = BuiltinRuleSet("megatron");
+PhysicalLayout Layout(const std::string& text, const std::string& rule_set = "megatron") {
+  auto rules = BuiltinRuleSet(rule_set);
   EXPECT_TRUE(rules.ok());
   auto layout = PhysicalLayout::Parse(text, *rules);
   EXPECT_TRUE(layout.ok()) << layout.status().ToString();
@@ -164,6 +164,15 @@ TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
     ASSERT_TRUE(s.ok()) << text << ": " << s.status().ToString();
     EXPECT_TRUE((*s)->WholeModelOnEveryRank()) << text;
   }
+  // EP over tp with tp = 1: nothing cuts the experts, and ep is one more data axis – the
+  // whole model on every rank, rows over dp × fsdp × ep (the GPU engine's fsdp blocks are then
+  // replicated over dp and ep).
+  OptimizerConfig o;
+  auto s = ShardedState::Create(Model(), Layout("ep=2,fsdp=2,fsdp_form=flat", "ep-over-tp"), 3, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_TRUE((*s)->WholeModelOnEveryRank());
+  EXPECT_EQ((*s)->data_size(), 4);
+  EXPECT_EQ((*s)->fsdp_size(), 2);
 }
 
 TEST(WholeStateTest, UnderMpirun) {

@@ -121,8 +121,10 @@ class HostStagedCommunicator final : public Communicator {
     const CommStats before = host_.stats();
     RS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the producers of `send` have finished
     T* hs = send_.Get<T>(send.size());
-    // In place (all-reduce): one host buffer is both.
-    T* hr = static_cast<const void*>(send.data()) == recv.data() ? hs : recv_.Get<T>(recv.size());
+    // In place with equal sizes (all-reduce): one host buffer is both. An in-place all-gather
+    // (send inside recv) needs the larger receive buffer.
+    const bool same = static_cast<const void*>(send.data()) == recv.data() && send.size() == recv.size();
+    T* hr = same ? hs : recv_.Get<T>(recv.size());
     if (!send.empty()) RS_CUDA_CHECK(cudaMemcpy(hs, send.data(), send.size_bytes(), cudaMemcpyDeviceToHost));
     RS_RETURN_IF_ERROR(op(std::span<const T>(hs, send.size()), std::span<T>(hr, recv.size())));
     if (!recv.empty()) RS_CUDA_CHECK(cudaMemcpy(recv.data(), hr, recv.size_bytes(), cudaMemcpyHostToDevice));

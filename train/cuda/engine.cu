@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -36,17 +38,41 @@ class CudaEngine final : public train::StepEngine {
       return Unimplemented("train: " + Describe() + " runs the Sinkhorn router on one GPU only (" +
                            std::to_string(ranks) + " ranks asked for); the CPU path trains it on several");
     }
-    RS_CHECK(state.data_size() == ranks && t.train_config().batch_size % ranks == 0);
+    if (state.data_size() != ranks) {  // e.g. etp over a model without experts: ranks that share rows
+      return Unimplemented("train: " + Describe() + " gives every rank its own rows; layout " +
+                           state.layout().ToString() + " has " + std::to_string(ranks) + " ranks over " +
+                           std::to_string(state.data_size()) + " shares of the batch");
+    }
+    RS_CHECK(t.train_config().batch_size % ranks == 0);
     rows_ = t.train_config().batch_size / ranks;
-    model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len());
+    // With fsdp the optimizer state is cut into fsdp_size equal blocks of the padded vector
+    // (blocks of whole 128-byte lines); the model's arrays are padded to match.
+    shards_ = ranks > 1 ? state.fsdp_size() : 1;
+    shard_index_ = shards_ > 1 ? state.fsdp_index() : 0;
+    const auto total = static_cast<std::int64_t>(host.params().size());
+    const std::int64_t line = 32;
+    shard_ = shards_ == 1 ? total : (total + shards_ * line - 1) / (shards_ * line) * line;
+    model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len(), nullptr,
+                                                 shard_ * shards_);
     if (ranks > 1) {
-      const std::string name = "data group of " + std::to_string(ranks) + " ranks (" + DeviceCommName(comm_kind_) + ")";
-      if (comm_kind_ == DeviceComm::kNccl) {
-        RS_ASSIGN_OR_RETURN(comm_, MakeNcclCommunicator(*groups.world, model_->stream(), name));
-      } else {
-        comm_ = MakeHostStagedCommunicator(*groups.world, model_->stream());
-      }
+      const std::string kind = std::string(" (") + DeviceCommName(comm_kind_) + ")";
+      RS_ASSIGN_OR_RETURN(comm_, DeviceCommunicator(*groups.world, "data group of " + std::to_string(ranks) + kind));
       model_->SetDataParallel(comm_.get(), t.train_config().batch_size * t.seq_len());
+      if (shards_ > 1) {
+        RS_CHECK(groups.fsdp != nullptr && groups.fsdp->size() == shards_ && groups.fsdp->rank() == shard_index_);
+        // Each is set up over its own group; the world agrees after each, so that a failure in
+        // one group never leaves another group's ranks waiting in the next set-up.
+        RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.fsdp, "fsdp group" + kind), fsdp_comm_));
+        // The ranks holding the same block: dp, and ep where ep is one more data axis (rules
+        // that do not cut the experts over it). Any of them may be more than one rank.
+        RS_ASSIGN_OR_RETURN(replica_host_, groups.world->Split(shard_index_, groups.world->rank(),
+                                                               "ranks of fsdp block " + std::to_string(shard_index_)));
+        RS_CHECK(replica_host_->size() * shards_ == ranks);
+        if (replica_host_->size() > 1) {
+          RS_RETURN_IF_ERROR(
+              Agreed(*groups.world, DeviceCommunicator(*replica_host_, "fsdp block replicas" + kind), replica_comm_));
+        }
+      }
     }
     // Whole-model vectors on every rank: buffers from the host model, trainable items from
     // their owners' master weights and moments (one process owns them all).
@@ -65,12 +91,16 @@ class CudaEngine final : public train::StepEngine {
     }
     model_->UploadParams(params);
     model_->EnableDispatchTiming(true);
-    exp_avg_ = DeviceArray<float>(m);
-    exp_avg_sq_ = DeviceArray<float>(v);
-    kinds_ = DeviceArray<std::uint8_t>(p);
-    FillParamKinds(segments, p, kinds_.get(), model_->stream());
+    // This rank's block [begin, begin + shard) of the moments and the optimizer's treatment
+    // (the whole vector without fsdp); items past the parameters are zero and skipped.
+    const std::int64_t begin = shard_index_ * shard_, end = std::min(begin + shard_, p);
+    exp_avg_ = DeviceArray<float>(Block(m, begin, shard_));
+    exp_avg_sq_ = DeviceArray<float>(Block(v, begin, shard_));
+    kinds_ = DeviceArray<std::uint8_t>(shard_);
+    FillParamKinds(train::SliceSegments(segments, std::min(begin, p), end), shard_, kinds_.get(), model_->stream());
+    if (shards_ > 1) grad_shard_ = DeviceArray<float>(shard_);
     norm_ = DeviceArray<DeviceGradNorm>(1);
-    norm_ws_bytes_ = GradNormWorkspaceBytes(p);
+    norm_ws_bytes_ = GradNormWorkspaceBytes(shard_);
     norm_ws_ = DeviceArray<char>(static_cast<std::int64_t>(norm_ws_bytes_));
     RS_CUDA_CHECK(cudaStreamSynchronize(model_->stream()));
     return Status::Ok();
@@ -84,25 +114,31 @@ class CudaEngine final : public train::StepEngine {
     cudaStream_t st = model_->stream();
     train::StepReport r;
     const auto start = std::chrono::steady_clock::now();
-    if (comm_ != nullptr) comm_->ResetStats();
+    for (dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get()}) {
+      if (c != nullptr) c->ResetStats();
+    }
     model_->ZeroGrads();
     r.losses = model_->Run(inputs.data(), targets.data(), train::Transformer<float>::Pass::kForwardBackward);
     RS_RETURN_IF_ERROR(model_->TakeCommStatus().WithContext("forward/backward"));
     const std::int64_t p = model_->num_params();
-    if (comm_ != nullptr) {
-      // Each rank's gradients are its rows' share of the batch's: their sum is the gradient.
-      // Every rank then runs the same update on the same numbers (the optimizer state is
-      // replicated on the devices; checkpoints hold each rank's owned part).
-      const double before = comm_->stats().seconds;
-      RS_RETURN_IF_ERROR(
-          comm_->AllReduce(std::span<float>(model_->grads(), static_cast<std::size_t>(p)), dist::ReduceOp::kSum)
-              .WithContext("gradient all-reduce"));
-      r.comm_seconds = comm_->stats().seconds - before;
-    }
-    GlobalGradNorm(model_->grads(), kinds_.get(), p, oc.clip_norm, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
     const double lr = train::LearningRate(oc, step);
-    AdamWUpdate(model_->master(), model_->grads(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), p,
-                AdamWScalars::For(oc, lr, step), norm_.get(), nullptr, st);
+    const AdamWScalars scalars = AdamWScalars::For(oc, lr, step);
+    const double forward_backward_comm = CommSeconds();
+    if (shards_ > 1) {
+      RS_RETURN_IF_ERROR(ShardedUpdate(oc.clip_norm, scalars));
+    } else {
+      if (comm_ != nullptr) {
+        // Each rank's gradients are its rows' share of the batch's: their sum is the gradient.
+        // Every rank then runs the same update on the same numbers (the optimizer state is
+        // replicated on the devices; checkpoints hold each rank's owned part).
+        RS_RETURN_IF_ERROR(
+            comm_->AllReduce(std::span<float>(model_->grads(), static_cast<std::size_t>(p)), dist::ReduceOp::kSum)
+                .WithContext("gradient all-reduce"));
+      }
+      GlobalGradNorm(model_->grads(), kinds_.get(), p, oc.clip_norm, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
+      AdamWUpdate(model_->master(), model_->grads(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), p, scalars,
+                  norm_.get(), nullptr, st);
+    }
     model_->UpdateExpertBiases();  // also refreshes the bf16 compute copy
     DeviceGradNorm norm;
     RS_CUDA_CHECK(cudaMemcpyAsync(&norm, norm_.get(), sizeof norm, cudaMemcpyDeviceToHost, st));
@@ -110,7 +146,10 @@ class CudaEngine final : public train::StepEngine {
     r.update.lr = lr;
     r.update.grad_norm = norm.grad_norm;
     r.update.clip_scale = norm.clip_scale;
-    if (comm_ != nullptr) r.comm = comm_->stats();
+    for (dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get()}) {
+      if (c != nullptr) r.comm += c->stats();
+    }
+    r.comm_seconds = CommSeconds() - forward_backward_comm;  // the gradient and parameter phases
     // The first step loads cuBLAS's kernels and warms the caches: it is left out of Summary.
     if (++steps_ == 1) {
       model_->EnableDispatchTiming(true);  // restarts the dispatch sum
@@ -136,7 +175,12 @@ class CudaEngine final : public train::StepEngine {
                   std::is_same_v<T, float> ? "f32" : "bf16", 100.0 * model_->dispatch_ms() * 1e-3 / seconds_,
                   static_cast<double>(total - free) / gib, static_cast<double>(total) / gib,
                   static_cast<double>(model_->arena_bytes()) / gib);
-    return line;
+    std::string out = line;
+    if (shards_ > 1) {
+      out += ", Adam moments sharded over fsdp=" + std::to_string(shards_) + " (" + std::to_string(shard_) + " of " +
+             std::to_string(model_->num_params()) + " items per device)";
+    }
+    return out;
   }
 
   Status SyncToHost(train::Trainer& t) override {
@@ -144,11 +188,17 @@ class CudaEngine final : public train::StepEngine {
     train::ShardedState& state = t.state();
     std::vector<float> params(static_cast<std::size_t>(model_->num_params()));
     model_->DownloadParams(params);
-    const std::vector<float> m = exp_avg_.Download(), v = exp_avg_sq_.Download();
+    // Each gather is agreed over the world: a rank that failed one never leaves the others
+    // waiting in the next collective.
+    dist::Communicator* world = t.groups().world;
+    auto m = WholeMoment(t.groups(), exp_avg_);
+    RS_RETURN_IF_ERROR(Agree(world, m.status(), "gather the first moments").WithContext("checkpoint"));
+    auto v = WholeMoment(t.groups(), exp_avg_sq_);
+    RS_RETURN_IF_ERROR(Agree(world, v.status(), "gather the second moments").WithContext("checkpoint"));
     std::copy(params.begin(), params.end(), host.params().begin());
     state.ScatterWhole(params, host, state.master());
-    state.ScatterWhole(m, host, state.optimizer().exp_avg());
-    state.ScatterWhole(v, host, state.optimizer().exp_avg_sq());
+    state.ScatterWhole(*m, host, state.optimizer().exp_avg());
+    state.ScatterWhole(*v, host, state.optimizer().exp_avg_sq());
     return Status::Ok();
   }
 
@@ -161,6 +211,88 @@ class CudaEngine final : public train::StepEngine {
     return pcie ? 756e12 : 989e12;
   }
 
+  // Seconds inside this step's collectives so far, over every device communicator.
+  double CommSeconds() const {
+    double s = 0;
+    for (const dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get()}) {
+      if (c != nullptr) s += c->stats().seconds;
+    }
+    return s;
+  }
+
+  // A communicator over device memory for the ranks of `host` (collective over them).
+  Result<std::unique_ptr<dist::Communicator>> DeviceCommunicator(dist::Communicator& host, std::string name) {
+    if (comm_kind_ == DeviceComm::kNccl) return MakeNcclCommunicator(host, model_->stream(), std::move(name));
+    return MakeHostStagedCommunicator(host, model_->stream());
+  }
+
+  // Takes `made` into `out` when every rank of `world` made its communicator (collective);
+  // otherwise every rank returns an error (its own, or one naming the first failed rank).
+  static Status Agreed(dist::Communicator& world, Result<std::unique_ptr<dist::Communicator>> made,
+                       std::unique_ptr<dist::Communicator>& out) {
+    RS_RETURN_IF_ERROR(Agree(&world, made.ok() ? Status::Ok() : made.status(), "set up a device communicator"));
+    out = std::move(*made);
+    return Status::Ok();
+  }
+  // `mine` on this rank, or an error on every rank when another rank's failed (collective over
+  // `world`; null or one rank: `mine`).
+  static Status Agree(dist::Communicator* world, Status mine, const std::string& what) {
+    if (world == nullptr || world->size() == 1) return mine;
+    RS_ASSIGN_OR_RETURN(const std::int64_t failed, dist::FirstFailedRank(*world, mine.ok()));
+    if (!mine.ok()) return mine;
+    if (failed >= 0) return Unavailable("rank " + std::to_string(failed) + " failed to " + what);
+    return Status::Ok();
+  }
+
+  // Items [begin, begin + n) of `v`, zero past its end.
+  static std::vector<float> Block(const std::vector<float>& v, std::int64_t begin, std::int64_t n) {
+    std::vector<float> out(static_cast<std::size_t>(n), 0.f);
+    for (std::int64_t i = begin; i < std::min<std::int64_t>(begin + n, static_cast<std::int64_t>(v.size())); ++i)
+      out[static_cast<std::size_t>(i - begin)] = v[static_cast<std::size_t>(i)];
+    return out;
+  }
+
+  // The optimizer step with the state cut over fsdp (ZeRO-1 on the devices): the gradients are
+  // reduce-scattered over the fsdp group (then summed over the block's replicas: dp, and ep when
+  // it is a data axis), so this rank holds the batch
+  // gradient of its block; the norm is its block's share summed over fsdp; AdamW updates the
+  // block's master weights and moments; an all-gather over fsdp puts every block's new weights
+  // on every rank (in place: this rank's block already sits at its offset).
+  Status ShardedUpdate(double clip_norm, const AdamWScalars& scalars) {
+    cudaStream_t st = model_->stream();
+    const auto n = static_cast<std::size_t>(shard_);
+    const auto whole = static_cast<std::size_t>(model_->param_capacity());
+    float* mine = model_->master() + shard_index_ * shard_;
+    RS_RETURN_IF_ERROR(
+        fsdp_comm_
+            ->ReduceScatter(std::span<const float>(model_->grads(), whole), std::span<float>(grad_shard_.get(), n))
+            .WithContext("gradient reduce-scatter"));
+    if (replica_comm_ != nullptr) {
+      RS_RETURN_IF_ERROR(replica_comm_->AllReduce(std::span<float>(grad_shard_.get(), n), dist::ReduceOp::kSum)
+                             .WithContext("gradient all-reduce over the block's replicas"));
+    }
+    GradSumOfSquares(grad_shard_.get(), kinds_.get(), shard_, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
+    static_assert(offsetof(DeviceGradNorm, sum_of_squares) == 0);
+    RS_RETURN_IF_ERROR(
+        fsdp_comm_->AllReduce(std::span<double>(reinterpret_cast<double*>(norm_.get()), 1), dist::ReduceOp::kSum)
+            .WithContext("gradient norm all-reduce"));
+    ClipScale(clip_norm, norm_.get(), st);
+    AdamWUpdate(mine, grad_shard_.get(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), shard_, scalars, norm_.get(),
+                nullptr, st);
+    return fsdp_comm_->AllGather(std::span<const float>(mine, n), std::span<float>(model_->master(), whole))
+        .WithContext("parameter all-gather");
+  }
+
+  // The whole vector of one moment from the fsdp group's blocks (host memory; collective).
+  Result<std::vector<float>> WholeMoment(train::ProcessGroups& groups, const DeviceArray<float>& block) const {
+    std::vector<float> mine = block.Download();
+    if (shards_ == 1) return mine;
+    std::vector<float> whole(static_cast<std::size_t>(shard_ * shards_));
+    RS_RETURN_IF_ERROR(groups.fsdp->AllGather(std::span<const float>(mine), std::span<float>(whole)));
+    whole.resize(static_cast<std::size_t>(model_->num_params()));
+    return whole;
+  }
+
   std::string device_;
   DeviceComm comm_kind_;
   std::int64_t rows_ = 0;  // this rank's rows of the batch
@@ -168,6 +300,13 @@ class CudaEngine final : public train::StepEngine {
   std::int64_t steps_ = 0;
   std::unique_ptr<GpuTransformer<T>> model_;
   std::unique_ptr<dist::Communicator> comm_;  // over device memory, with more than one rank
+  // With fsdp > 1: the optimizer state is this rank's block of shard_ items (block shard_index_
+  // of shards_); the fsdp group and the group of the ranks holding the same block (dp, and ep
+  // when it is a data axis) over device memory; this rank's block of the gradient.
+  std::int64_t shards_ = 1, shard_index_ = 0, shard_ = 0;
+  std::unique_ptr<dist::Communicator> replica_host_;  // host group under replica_comm_ (outlives it)
+  std::unique_ptr<dist::Communicator> fsdp_comm_, replica_comm_;
+  DeviceArray<float> grad_shard_;
   DeviceArray<float> exp_avg_, exp_avg_sq_;
   DeviceArray<std::uint8_t> kinds_;
   DeviceArray<DeviceGradNorm> norm_;

@@ -9,12 +9,14 @@
 // Several ranks (mpirun, one process per GPU): layouts that keep the whole model on every rank
 // (dp and fsdp; tensor, expert and context parallel layouts are refused with Unimplemented).
 // Each rank runs its rows of the batch; the router statistics and the loss are the whole
-// batch's (all-reduced over the ranks inside the forward pass), the gradients are summed over
-// the ranks, and every device then runs the same norm, clip and AdamW on the whole state, so
-// the devices stay equal. The state is replicated on the devices (no memory saving from fsdp
-// there); checkpoints hold each rank's owned part of the layout, as on the CPU. Collectives
-// run on device memory through NCCL, or staged through host memory and MPI
-// (train/cuda/communicator.h).
+// batch's (all-reduced over the ranks inside the forward pass). Without fsdp the gradients are
+// summed over the ranks and every device runs the same norm, clip and AdamW on the whole state.
+// With fsdp the Adam moments are cut into equal blocks over the fsdp group (ZeRO-1 on the
+// devices): gradients are reduce-scattered over fsdp and summed over dp, each device updates
+// its block, and an all-gather over fsdp gives every device the new weights; weights and
+// gradients stay whole on every device. Checkpoints hold each rank's owned part of the layout,
+// as on the CPU. Collectives run on device memory through NCCL, or staged through host memory
+// and MPI (train/cuda/communicator.h).
 #pragma once
 
 #include <memory>

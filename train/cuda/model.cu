@@ -118,7 +118,7 @@ struct GpuTransformer<T>::Scratch {
 
 template <typename T>
 GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
-                                  std::int64_t seq, cudaStream_t stream)
+                                  std::int64_t seq, cudaStream_t stream, std::int64_t param_capacity)
     : c_(config), dispatch_(dispatch), batch_(batch), seq_(seq), n_(batch * seq), stream_(stream) {
   RS_CHECK(c_.Validate().ok());
   RS_CHECK_MSG(train::CheckTrainable(c_).ok(), "the GPU model trains no gated-delta-net layers");
@@ -132,8 +132,11 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
     offsets_.push_back(num_params_);
     num_params_ += s.numel();
   }
-  master_ = DeviceArray<float>(num_params_);
-  grads_ = DeviceArray<float>(num_params_);
+  RS_CHECK(param_capacity == 0 || param_capacity >= num_params_);
+  master_ = DeviceArray<float>(std::max(param_capacity, num_params_));
+  grads_ = DeviceArray<float>(master_.size());
+  RS_CUDA_CHECK(cudaMemsetAsync(master_.get(), 0, master_.bytes(), stream_));
+  RS_CUDA_CHECK(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_));
   if constexpr (!std::is_same_v<T, float>) {
     // The compute copy starts every tensor on a 16-byte boundary (cuBLAS's bf16 kernels need
     // it; the CPU offsets of the master vector do not give it after an odd-sized buffer).
@@ -352,7 +355,7 @@ void GpuTransformer<T>::Plan(void* base) {
 template <typename T>
 void GpuTransformer<T>::UploadParams(std::span<const float> host) {
   RS_CHECK(static_cast<std::int64_t>(host.size()) == num_params_);
-  RS_CUDA_CHECK(cudaMemcpyAsync(master_.get(), host.data(), master_.bytes(), cudaMemcpyHostToDevice, stream_));
+  RS_CUDA_CHECK(cudaMemcpyAsync(master_.get(), host.data(), host.size_bytes(), cudaMemcpyHostToDevice, stream_));
   SyncComputeParams();
   RS_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -360,14 +363,14 @@ void GpuTransformer<T>::UploadParams(std::span<const float> host) {
 template <typename T>
 void GpuTransformer<T>::DownloadParams(std::span<float> host) const {
   RS_CHECK(static_cast<std::int64_t>(host.size()) == num_params_);
-  RS_CUDA_CHECK(cudaMemcpyAsync(host.data(), master_.get(), master_.bytes(), cudaMemcpyDeviceToHost, stream_));
+  RS_CUDA_CHECK(cudaMemcpyAsync(host.data(), master_.get(), host.size_bytes(), cudaMemcpyDeviceToHost, stream_));
   RS_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 template <typename T>
 void GpuTransformer<T>::DownloadGrads(std::span<float> host) const {
   RS_CHECK(static_cast<std::int64_t>(host.size()) == num_params_);
-  RS_CUDA_CHECK(cudaMemcpyAsync(host.data(), grads_.get(), grads_.bytes(), cudaMemcpyDeviceToHost, stream_));
+  RS_CUDA_CHECK(cudaMemcpyAsync(host.data(), grads_.get(), host.size_bytes(), cudaMemcpyDeviceToHost, stream_));
   RS_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 

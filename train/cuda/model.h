@@ -47,8 +47,11 @@ class GpuTransformer {
  public:
   // RS_CHECKs that the config validates and is trainable (no gated-delta-net layers), and for
   // bf16 that d_model and every ffn width are multiples of 8 (the grouped GEMMs' alignment).
+  // param_capacity (>= num_params, 0: num_params): the length of the master and gradient
+  // arrays; the items past num_params are zero and no pass writes them (a sharded optimizer
+  // cuts the vectors into equal blocks).
   GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
-                 std::int64_t seq, cudaStream_t stream = nullptr);
+                 std::int64_t seq, cudaStream_t stream = nullptr, std::int64_t param_capacity = 0);
   ~GpuTransformer();
   GpuTransformer(const GpuTransformer&) = delete;
   GpuTransformer& operator=(const GpuTransformer&) = delete;
@@ -60,8 +63,9 @@ class GpuTransformer {
   std::size_t arena_bytes() const { return arena_bytes_; }
   cudaStream_t stream() const { return stream_; }
 
-  float* master() { return master_.get(); }  // device [num_params], f32
-  float* grads() { return grads_.get(); }    // device [num_params], f32
+  float* master() { return master_.get(); }  // device [param_capacity], f32
+  float* grads() { return grads_.get(); }    // device [param_capacity], f32
+  std::int64_t param_capacity() const { return master_.size(); }
 
   // Host <-> device copies of the whole vectors (ModelParameters order, CPU offsets).
   void UploadParams(std::span<const float> host);
@@ -69,7 +73,7 @@ class GpuTransformer {
   void DownloadGrads(std::span<float> host) const;
   // bf16: rounds the master weights into the compute copy (after every update). f32: nothing.
   void SyncComputeParams();
-  void ZeroGrads();
+  void ZeroGrads();  // the whole capacity
 
   // `data`: a communicator over device memory whose stream is stream() (null or one rank: this
   // model's batch is the whole batch); global_tokens: the rows × seq of the whole batch.
