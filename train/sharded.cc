@@ -462,6 +462,7 @@ Result<ProcessGroups> ShardedState::MakeGroups(dist::Communicator& world) const 
   RS_ASSIGN_OR_RETURN(g.ep, dist::MeshGroup(world, mesh, {kEpAxis}, "ep"));
   RS_ASSIGN_OR_RETURN(g.etp, dist::MeshGroup(world, mesh, {kEtpAxis}, "etp"));
   RS_ASSIGN_OR_RETURN(g.data, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis, kEpAxis}, "data"));
+  RS_ASSIGN_OR_RETURN(g.same_experts, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis}, "same-experts"));
   for (const BoxGroup& b : box_groups_) {
     RS_ASSIGN_OR_RETURN(auto c, dist::MeshGroup(world, mesh, b.axes, b.axes.size() > 1 ? "fsdp-ep" : "fsdp"));
     g.box.push_back(std::move(c));
@@ -486,38 +487,69 @@ std::span<float> ShardedState::Owned(std::span<float> owned, std::size_t i) cons
   return owned.subspan(static_cast<std::size_t>(t.owned), static_cast<std::size_t>(t.placement->buffer_numel()));
 }
 
-bool ShardedState::WholeModelOnEveryRank() const {
-  if (cp_size_ != 1 || experts_over_ep_) return false;
+bool ShardedState::OnlyExpertsAreCut() const {
+  if (cp_size_ != 1) return false;
   const std::vector<TensorSpec> whole = ModelParameters(config_);
   for (std::size_t i = 0; i < whole.size(); ++i) {
-    if (whole[i].shape != local_specs_[i].shape) return false;
+    if (whole[i].shape == local_specs_[i].shape) continue;
+    // An expert tensor cut over ep only: its leading (experts) dim is the ep block's.
+    if (!CutOverEp(i)) return false;
+    std::vector<std::int64_t> a = whole[i].shape, b = local_specs_[i].shape;
+    if (a.empty() || b.size() != a.size() || b[0] * layout().layout.mesh().AxisSize(kEpAxis) != a[0]) return false;
+    a.erase(a.begin());
+    b.erase(b.begin());
+    if (a != b) return false;
   }
   return true;
 }
 
-Status ShardedState::GatherWhole(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
-                                 std::span<float> whole) const {
-  RS_CHECK(WholeModelOnEveryRank() && whole.size() == model.params().size());
+bool ShardedState::WholeModelOnEveryRank() const { return OnlyExpertsAreCut() && !experts_over_ep_; }
+
+bool ShardedState::CutOverEp(std::size_t i) const {
+  return experts_over_ep_ && local_specs_[i].shape != ModelParameters(config_)[i].shape;
+}
+
+Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
+                                 std::span<float> local) const {
+  RS_CHECK(OnlyExpertsAreCut() && local.size() == model.params().size());
   // Every item of a trainable tensor is owned by at least one rank (the main replica) and every
   // owner holds the same value, so the maximum over the ranks of (owned value, or -inf) is it.
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     if (!model.trainable(i)) continue;
-    auto dst = whole.subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)));
+    auto dst = local.subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)));
     std::fill(dst.begin(), dst.end(), -std::numeric_limits<float>::infinity());
     if (tensors_[i].owned < 0) continue;
     CopyRuns(tensors_[i].self, owned.subspan(static_cast<std::size_t>(tensors_[i].owned)), dst, /*to_compute=*/true);
   }
   if (groups.world == nullptr || groups.world->size() == 1) return Status::Ok();
   // Buffers ride along: they are equal on every rank, and max(x, x) = x.
-  return groups.world->AllReduce(whole, dist::ReduceOp::kMax);
+  if (groups.ep == nullptr || groups.ep->size() == 1 || !experts_over_ep_) {
+    return groups.world->AllReduce(local, dist::ReduceOp::kMax);
+  }
+  // Experts: over the ranks holding the same ones. The rest: over them, then over ep, which
+  // joins one such group per ep index – every rank.
+  RS_RETURN_IF_ERROR(groups.same_experts->AllReduce(local, dist::ReduceOp::kMax));
+  std::int64_t begin = 0;
+  for (std::size_t i = 0; i <= tensors_.size(); ++i) {
+    const bool end = i == tensors_.size();
+    if (!end && !CutOverEp(i)) continue;
+    const std::int64_t stop = end ? static_cast<std::int64_t>(local.size()) : model.offset(i);
+    if (stop > begin) {
+      RS_RETURN_IF_ERROR(
+          groups.ep->AllReduce(local.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(stop - begin)),
+                               dist::ReduceOp::kMax));
+    }
+    if (!end) begin = model.offset(i) + model.numel(i);
+  }
+  return Status::Ok();
 }
 
-void ShardedState::ScatterWhole(std::span<const float> whole, const Transformer<float>& model,
+void ShardedState::ScatterLocal(std::span<const float> local, const Transformer<float>& model,
                                 std::span<float> owned) const {
-  RS_CHECK(WholeModelOnEveryRank() && whole.size() == model.params().size());
+  RS_CHECK(OnlyExpertsAreCut() && local.size() == model.params().size());
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     if (!model.trainable(i) || tensors_[i].owned < 0) continue;
-    CopyRuns(tensors_[i].self, whole.subspan(static_cast<std::size_t>(model.offset(i))),
+    CopyRuns(tensors_[i].self, local.subspan(static_cast<std::size_t>(model.offset(i))),
              owned.subspan(static_cast<std::size_t>(tensors_[i].owned)), /*to_compute=*/false);
   }
 }

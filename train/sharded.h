@@ -55,6 +55,9 @@ namespace rs::train {
 struct ProcessGroups {
   dist::Communicator* world = nullptr;
   std::unique_ptr<dist::Communicator> tp, fsdp, dp, ep, etp, data, kv;
+  // dp × fsdp: with no tensor, expert-tensor or context parallelism, the ranks that hold the
+  // same experts (every rank's expert tensors are its ep index's block).
+  std::unique_ptr<dist::Communicator> same_experts;
   std::vector<std::unique_ptr<dist::Communicator>> box;  // per box group of the state
   // Bytes this rank received in every group since the last reset.
   dist::CommStats Stats() const;
@@ -120,15 +123,23 @@ class ShardedState {
   // Whether every rank computes with the whole model (no tensor, expert, expert-tensor or
   // context parallelism: only dp and fsdp cut the run), so that the world is one data group.
   bool WholeModelOnEveryRank() const;
-  // For engines that keep the whole model's trainable state on every rank (train/cuda/engine.h;
-  // WholeModelOnEveryRank() must hold): `owned` is one owned vector (master(), exp_avg or
-  // exp_avg_sq), `whole` a vector laid out like the model's parameters. GatherWhole writes every
-  // trainable item of `whole` from the rank that owns it (collective over groups.world; the
-  // items of buffers must be equal on every rank and stay as they are); ScatterWhole copies
-  // this rank's owned items back.
-  Status GatherWhole(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
-                     std::span<float> whole) const;
-  void ScatterWhole(std::span<const float> whole, const Transformer<float>& model, std::span<float> owned) const;
+  // Whether every tensor is whole on every rank except the experts' tensors, which ep may cut
+  // into blocks of experts (no tensor, expert-tensor or context parallelism). Every rank then
+  // trains its own rows (the world is one data group) with its local model: the whole model
+  // but for its ep index's experts.
+  bool OnlyExpertsAreCut() const;
+  // Whether model tensor i is cut over ep on this layout (an expert tensor under experts_over_ep).
+  bool CutOverEp(std::size_t i) const;
+  // For engines that keep the local model's whole trainable state on every rank
+  // (train/cuda/engine.h; OnlyExpertsAreCut() must hold): `owned` is one owned vector
+  // (master(), exp_avg or exp_avg_sq), `local` a vector laid out like this rank's model
+  // parameters. GatherLocal writes every trainable item of `local` from a rank that owns it
+  // (collective over the world: expert tensors over groups.same_experts, the rest over every
+  // rank; the items of buffers must be equal on every rank and stay as they are); ScatterLocal
+  // copies this rank's owned items back.
+  Status GatherLocal(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
+                     std::span<float> local) const;
+  void ScatterLocal(std::span<const float> local, const Transformer<float>& model, std::span<float> owned) const;
 
   std::span<float> master() { return master_; }
   std::span<float> grads() { return grad_; }

@@ -1,7 +1,7 @@
 // What a multi-rank StepEngine (the GPU path, train/cuda/engine.h) relies on from the host side,
 // checked on CPUs under mpirun against a one-process run of the same model:
-//  - ShardedState::GatherWhole assembles the whole model's master weights and Adam moments from
-//    the ranks' owned parts at dp and fsdp layouts (flat and box), and ScatterWhole gives every
+//  - ShardedState::GatherLocal assembles the whole model's master weights and Adam moments from
+//    the ranks' owned parts at dp and fsdp layouts (flat and box), and ScatterLocal gives every
 //    rank back exactly its own items;
 //  - Trainer::Step hands an engine this rank's rows of the batch (the CPU path's rows);
 //  - layouts that cut the model (tp, ep) are not whole on every rank.
@@ -77,17 +77,37 @@ double MaxAbs(const std::vector<float>& v) {
   return m;
 }
 
-TEST(WholeStateRank, GatherWholeEqualsOneProcessAndScatterGivesBackTheOwnedItems) {
+TEST(WholeStateRank, GatherLocalEqualsOneProcessAndScatterGivesBackTheOwnedItems) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
   dist::MpiWorld& world = dist::MpiWorld::Get();
   auto multi = MakeTrainer(Layout(ChildLayout()), &world.comm());
   auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
-  ASSERT_TRUE(multi->state().WholeModelOnEveryRank());
+  ASSERT_TRUE(multi->state().OnlyExpertsAreCut());
   ASSERT_TRUE(multi->Step().ok());  // collective: every rank gets here
   ASSERT_TRUE(one->Step().ok());
 
-  const std::size_t n = multi->model().params().size();
-  ASSERT_EQ(n, one->model().params().size());
+  // Where item j of this rank's local vector sits in the whole model's: the same place, except
+  // in an expert tensor cut over ep, whose local block starts at this rank's first expert.
+  const Transformer<float>& lm = multi->model();
+  const Transformer<float>& wm = one->model();
+  const std::size_t n = lm.params().size();
+  ASSERT_EQ(lm.specs().size(), wm.specs().size());
+  std::vector<std::size_t> at(n);
+  std::size_t cut = 0;
+  for (std::size_t t = 0; t < lm.specs().size(); ++t) {
+    std::int64_t shift = 0;
+    if (multi->state().CutOverEp(t)) {
+      ++cut;
+      const std::int64_t local_experts = lm.specs()[t].shape[0];
+      EXPECT_LT(local_experts, wm.specs()[t].shape[0]) << lm.specs()[t].name;
+      shift = multi->state().expert_offset() * (lm.numel(t) / local_experts);
+    } else {
+      ASSERT_EQ(lm.specs()[t].shape, wm.specs()[t].shape) << lm.specs()[t].name;
+    }
+    for (std::int64_t j = 0; j < lm.numel(t); ++j)
+      at[static_cast<std::size_t>(lm.offset(t) + j)] = static_cast<std::size_t>(wm.offset(t) + shift + j);
+  }
+  EXPECT_EQ(cut > 0, std::string(ChildLayout()).find("ep=") != std::string::npos);
   struct Vec {
     const char* name;
     std::span<float> multi, one;
@@ -98,24 +118,24 @@ TEST(WholeStateRank, GatherWholeEqualsOneProcessAndScatterGivesBackTheOwnedItems
       {"exp_avg_sq", multi->state().optimizer().exp_avg_sq(), one->state().optimizer().exp_avg_sq()},
   };
   for (const Vec& v : vecs) {
-    std::vector<float> whole(n, 0.f), ref(n, 0.f);
-    ASSERT_TRUE(multi->state().GatherWhole(multi->groups(), v.multi, multi->model(), whole).ok());
-    ASSERT_TRUE(one->state().GatherWhole(one->groups(), v.one, one->model(), ref).ok());
+    std::vector<float> whole(n, 0.f), ref(wm.params().size(), 0.f);
+    ASSERT_TRUE(multi->state().GatherLocal(multi->groups(), v.multi, lm, whole).ok());
+    ASSERT_TRUE(one->state().GatherLocal(one->groups(), v.one, wm, ref).ok());
     // The same numbers up to the summation order of the reduced gradients.
     const double scale = MaxAbs(ref);
     ASSERT_GT(scale, 0.0) << v.name;
     double worst = 0;
     for (std::size_t i = 0; i < n; ++i) {
       ASSERT_TRUE(std::isfinite(whole[i])) << v.name << " item " << i << " has no owner";
-      worst = std::max(worst, std::abs(static_cast<double>(whole[i]) - static_cast<double>(ref[i])) / scale);
+      worst = std::max(worst, std::abs(static_cast<double>(whole[i]) - static_cast<double>(ref[at[i]])) / scale);
     }
     EXPECT_LE(worst, 1e-5) << v.name;
-    // ScatterWhole gives back this rank's own items, bit for bit, and writes nothing else (the
+    // ScatterLocal gives back this rank's own items, bit for bit, and writes nothing else (the
     // owned vector may hold padding between flat buckets): written items differ between two
-    // differently prefilled copies only where ScatterWhole did not write.
+    // differently prefilled copies only where ScatterLocal did not write.
     std::vector<float> a(v.multi.size(), -1.f), b(v.multi.size(), -2.f);
-    multi->state().ScatterWhole(whole, multi->model(), a);
-    multi->state().ScatterWhole(whole, multi->model(), b);
+    multi->state().ScatterLocal(whole, multi->model(), a);
+    multi->state().ScatterLocal(whole, multi->model(), b);
     std::size_t written = 0, expected = 0;
     for (std::size_t i = 0; i < a.size(); ++i) {
       if (a[i] == -1.f && b[i] == -2.f) continue;  // not written
@@ -151,18 +171,27 @@ TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
 }
 
 TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
-  for (const char* text : {"tp=2", "ep=2", "tp=2,fsdp=2"}) {
+  for (const char* text : {"tp=2", "ep=2", "tp=2,fsdp=2", "tp=2,ep=2", "etp=2,ep=2"}) {
     auto layout = Layout(std::string(text) + ",fsdp_form=flat");
     OptimizerConfig o;
     auto s = ShardedState::Create(Model(), layout, 0, o);
     ASSERT_TRUE(s.ok()) << text << ": " << s.status().ToString();
     EXPECT_FALSE((*s)->WholeModelOnEveryRank()) << text;
+    // Only ep alone cuts nothing but the experts.
+    EXPECT_EQ((*s)->OnlyExpertsAreCut(), std::string(text) == "ep=2") << text;
+  }
+  {
+    OptimizerConfig o;
+    auto s = ShardedState::Create(Model(), Layout("ep=2,fsdp_form=flat", "ep-as-cp"), 0, o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_FALSE((*s)->OnlyExpertsAreCut());  // ep cuts the sequence too
   }
   for (const char* text : {"tp=1", "dp=2", "fsdp=2", "dp=2,fsdp=2"}) {
     OptimizerConfig o;
     auto s = ShardedState::Create(Model(), Layout(std::string(text) + ",fsdp_form=flat"), 0, o);
     ASSERT_TRUE(s.ok()) << text << ": " << s.status().ToString();
     EXPECT_TRUE((*s)->WholeModelOnEveryRank()) << text;
+    EXPECT_TRUE((*s)->OnlyExpertsAreCut()) << text;
   }
   // EP over tp with tp = 1: nothing cuts the experts, and ep is one more data axis – the
   // whole model on every rank, rows over dp × fsdp × ep (the GPU engine's fsdp blocks are then
@@ -184,7 +213,11 @@ TEST(WholeStateTest, UnderMpirun) {
   } runs[] = {{"dp=2,fsdp_form=flat", 2},
               {"fsdp=2,fsdp_form=flat", 2},
               {"fsdp=2,fsdp_form=box", 2},
-              {"dp=2,fsdp=2,fsdp_form=flat", 4}};
+              {"dp=2,fsdp=2,fsdp_form=flat", 4},
+              // Experts cut over ep: each rank's local model (the GPU engine's EP layouts).
+              {"ep=2,fsdp_form=flat", 2},
+              {"ep=2,fsdp=2,fsdp_form=flat", 4},
+              {"ep=2,fsdp=2,fsdp_form=box", 4}};
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const auto& run : runs) {
     const auto r =

@@ -79,9 +79,9 @@ class CudaEngine final : public train::StepEngine {
     const std::int64_t p = model_->num_params();
     std::vector<float> params(host.params().begin(), host.params().end()), m(params.size(), 0.f), v(params.size(), 0.f);
     RS_CHECK(static_cast<std::int64_t>(params.size()) == p);
-    RS_RETURN_IF_ERROR(state.GatherWhole(groups, state.master(), host, params));
-    RS_RETURN_IF_ERROR(state.GatherWhole(groups, state.optimizer().exp_avg(), host, m));
-    RS_RETURN_IF_ERROR(state.GatherWhole(groups, state.optimizer().exp_avg_sq(), host, v));
+    RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.master(), host, params));
+    RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.optimizer().exp_avg(), host, m));
+    RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.optimizer().exp_avg_sq(), host, v));
     std::vector<train::ParamSegment> segments;
     for (std::size_t i = 0; i < model_->specs().size(); ++i) {
       RS_CHECK(model_->offset(i) == host.offset(i) && model_->specs()[i].numel() == host.numel(i));
@@ -196,9 +196,9 @@ class CudaEngine final : public train::StepEngine {
     auto v = WholeMoment(t.groups(), exp_avg_sq_);
     RS_RETURN_IF_ERROR(Agree(world, v.status(), "gather the second moments").WithContext("checkpoint"));
     std::copy(params.begin(), params.end(), host.params().begin());
-    state.ScatterWhole(params, host, state.master());
-    state.ScatterWhole(*m, host, state.optimizer().exp_avg());
-    state.ScatterWhole(*v, host, state.optimizer().exp_avg_sq());
+    state.ScatterLocal(params, host, state.master());
+    state.ScatterLocal(*m, host, state.optimizer().exp_avg());
+    state.ScatterLocal(*v, host, state.optimizer().exp_avg_sq());
     return Status::Ok();
   }
 
