@@ -252,6 +252,22 @@ void DispatchBackward(DispatchMode mode, const T* dx_pad, std::int64_t d, const 
 // Explicit instantiations for float (training) and double (reference); a type cannot be
 // parenthesised, hence the NOLINT.
 // NOLINTBEGIN(bugprone-macro-parentheses)
+ExchangeRowMaps MakeExchangeRowMaps(const ExchangeLayout& l) {
+  RS_CHECK(l.total_padded < std::numeric_limits<std::int32_t>::max());
+  ExchangeRowMaps m;
+  m.to_padded.assign(static_cast<std::size_t>(l.total_padded), -1);
+  m.to_recv.assign(static_cast<std::size_t>(l.rows), -1);
+  for (std::size_t i = 0; i < l.counts.size(); ++i) {
+    for (std::int64_t r = 0; r < l.counts[i]; ++r) {
+      const auto recv = static_cast<std::size_t>(l.recv_offsets[i] + r);
+      const auto padded = static_cast<std::size_t>(l.padded_offsets[i] + r);
+      m.to_padded[padded] = static_cast<std::int32_t>(recv);
+      m.to_recv[recv] = static_cast<std::int32_t>(padded);
+    }
+  }
+  return m;
+}
+
 ExchangeLayout PlanExchange(std::span<const std::int64_t> counts, std::int64_t sources, std::int64_t experts,
                             std::int64_t alignment) {
   RS_CHECK(sources >= 1 && experts >= 1 && static_cast<std::int64_t>(counts.size()) == sources * experts);

@@ -123,4 +123,13 @@ Buffer<T> ExchangeToExperts(DispatchMode mode, const T* recv, std::int64_t d, co
 template <typename T>
 Buffer<T> ExchangeFromExperts(DispatchMode mode, const T* padded, std::int64_t d, const ExchangeLayout& l);
 
+// The exchange as row indices, for devices that move rows by gather (train/cuda): to_padded
+// [total_padded] holds, per padded expert-major row, the received row it takes (-1: padding,
+// a zero row) – ExchangeToExperts; to_recv [rows] holds, per received row, the padded row it
+// comes back from – ExchangeFromExperts. Indices are int32 (RS_CHECK: fewer than 2^31 rows).
+struct ExchangeRowMaps {
+  std::vector<std::int32_t> to_padded, to_recv;
+};
+ExchangeRowMaps MakeExchangeRowMaps(const ExchangeLayout& l);
+
 }  // namespace rs::train

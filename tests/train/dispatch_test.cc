@@ -303,6 +303,25 @@ TEST(ExchangeTest, EveryAssignmentArrivesOnceAtItsExpertsRank) {
             const Buffer<float> back = ExchangeFromExperts(mode, dirty.data(), d, l);
             EXPECT_TRUE(std::equal(back.begin(), back.end(), recv.begin(), recv.end()));
           }
+          // The same two moves as row gathers (what the GPU's MoveRows does with these maps).
+          const ExchangeRowMaps maps = MakeExchangeRowMaps(l);
+          ASSERT_EQ(maps.to_padded.size(), static_cast<std::size_t>(l.total_padded));
+          ASSERT_EQ(maps.to_recv.size(), static_cast<std::size_t>(l.rows));
+          for (std::int64_t r = 0; r < l.total_padded; ++r) {
+            const std::int32_t from = maps.to_padded[static_cast<std::size_t>(r)];
+            for (std::int64_t c = 0; c < d; ++c) {
+              const float want = fused[static_cast<std::size_t>(r * d + c)];
+              ASSERT_EQ(from < 0 ? 0.f : recv[static_cast<std::size_t>(from * d + c)], want) << "padded row " << r;
+            }
+          }
+          for (std::int64_t r = 0; r < l.rows; ++r) {
+            const std::int32_t from = maps.to_recv[static_cast<std::size_t>(r)];
+            ASSERT_GE(from, 0);
+            for (std::int64_t c = 0; c < d; ++c) {
+              ASSERT_EQ(dirty[static_cast<std::size_t>(from * d + c)], recv[static_cast<std::size_t>(r * d + c)])
+                  << "received row " << r;
+            }
+          }
         }
         std::int64_t expected = 0;
         for (const std::int64_t n : tokens) expected += n * k;

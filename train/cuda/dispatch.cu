@@ -469,6 +469,11 @@ void UnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DevicePl
   ScatterWeighted(dout, y, d, plan.slot_of_row, plan.top_k, probs, nullptr, plan.rows(), dy, dprobs, stream);
 }
 
+template <typename T>
+void MoveRows(const T* in, std::int64_t d, const std::int32_t* map, std::int64_t rows, T* out, cudaStream_t stream) {
+  GatherRows(in, d, map, 1, nullptr, rows, out, nullptr, nullptr, stream);
+}
+
 #define RS_DISPATCH_INSTANTIATE(T)                                                                                  \
   template void PermutePad<T>(const T*, std::int64_t, const DevicePlan&, T*, const float*, float*, cudaStream_t);   \
   template void PermutePadBackward<T>(const T*, std::int64_t, const DevicePlan&, T*, const float*, float*,          \
@@ -481,7 +486,8 @@ void UnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DevicePl
   template void Unpad<T>(const T*, std::int64_t, const DevicePlan&, T*, cudaStream_t);                              \
   template void Unpermute<T>(const T*, std::int64_t, const DevicePlan&, const float*, T*, cudaStream_t);            \
   template void UnpermuteBackward<T>(const T*, const T*, std::int64_t, const DevicePlan&, const float*, T*, float*, \
-                                     cudaStream_t);
+                                     cudaStream_t);                                                                 \
+  template void MoveRows<T>(const T*, std::int64_t, const std::int32_t*, std::int64_t, T*, cudaStream_t);
 RS_DISPATCH_INSTANTIATE(float)
 RS_DISPATCH_INSTANTIATE(bf16)
 #undef RS_DISPATCH_INSTANTIATE

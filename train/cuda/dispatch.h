@@ -92,4 +92,11 @@ template <typename T>  // dy [n·k, d] = p · dout[t]; dprobs = <y[row], dout[t]
 void UnpermuteBackward(const T* dout, const T* y, std::int64_t d, const DevicePlan& plan, const float* probs, T* dy,
                        float* dprobs, cudaStream_t stream);
 
+// --- Expert parallelism --------------------------------------------------------------------
+// out [rows, d]: out[r] = in[map[r]], or a zero row where map[r] < 0 (map: device [rows]). Moves
+// rows between the order they arrive in from the ep ranks and the padded expert-major order of
+// the grouped GEMMs (ExchangeRowMaps, train/cuda/model.cu), and back.
+template <typename T>
+void MoveRows(const T* in, std::int64_t d, const std::int32_t* map, std::int64_t rows, T* out, cudaStream_t stream);
+
 }  // namespace rs::cuda
