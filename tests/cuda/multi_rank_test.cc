@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -233,25 +234,42 @@ class MultiRankCliTest : public MultiRankTest {
 
 constexpr const char* kCommon = " --batch-size 4 --seq-len 32 --threads 1";
 
-TEST_F(MultiRankCliTest, DataParallelLayoutsMatchOneProcess) {
+// The ranks of a layout's mesh: the product of its axis sizes ("ep=2,fsdp=2 --rules r" -> 4).
+int Ranks(const std::string& layout) {
+  int ranks = 1;
+  const std::string axes = layout.substr(0, layout.find(' '));
+  for (std::size_t at = axes.find('='); at != std::string::npos; at = axes.find('=', at + 1)) {
+    if (std::isdigit(static_cast<unsigned char>(axes[at + 1]))) ranks *= std::atoi(axes.c_str() + at + 1);
+  }
+  return ranks;
+}
+
+TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
   for (const std::string router : {"topk", "sigmoid_bias"}) {
     const std::string model = " --model " + Model(router);
     const Shell cpu = Train(1, kCommon + model + " --steps 4 --log " + D() + "/cpu.jsonl");
     ASSERT_EQ(cpu.rc, 0) << cpu.out;
     const std::vector<double> ref = Losses("cpu.jsonl");
     ASSERT_EQ(ref.size(), 4u);
-    // The last: EP over tp with tp = 1 makes ep one more data axis (fsdp blocks replicated over ep).
-    for (const std::string layout :
-         {"dp=2", "fsdp=2", "fsdp=2,fsdp_form=box", "dp=2,fsdp=2", "ep=2,fsdp=2 --rules ep-over-tp"}) {
-      const int np = layout.find(",fsdp=2") != std::string::npos ? 4 : 2;
+    // EP over tp with tp = 1 makes ep one more data axis (fsdp blocks replicated over ep); under
+    // the default rules ep cuts the experts (rows exchanged over ep, all-to-all).
+    for (const std::string layout : {"dp=2", "fsdp=2", "fsdp=2,fsdp_form=box", "dp=2,fsdp=2",
+                                     "ep=2,fsdp=2 --rules ep-over-tp", "ep=2", "ep=2,fsdp=2", "dp=2,ep=2"}) {
+      const int np = Ranks(layout);
       const std::string log = "gpu.jsonl";
       fs::remove(dir_ / log);
       const Shell r = Train(np, kCommon + model + " --steps 4 --device cuda --device-comm host --layout " + layout +
                                     " --log " + D() + "/" + log);
       ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
       // fsdp keeps one block of the Adam moments per device (the summary line says which).
-      EXPECT_EQ(r.out.find("Adam moments sharded over fsdp=2") != std::string::npos, layout != "dp=2") << layout << "\n"
-                                                                                                       << r.out;
+      EXPECT_EQ(r.out.find("Adam moments sharded over fsdp=2") != std::string::npos,
+                layout.find("fsdp=2") != std::string::npos)
+          << layout << "\n"
+          << r.out;
+      EXPECT_EQ(r.out.find("experts cut over ep=2") != std::string::npos,
+                layout.find("ep=2") != std::string::npos && layout.find("ep-over-tp") == std::string::npos)
+          << layout << "\n"
+          << r.out;
       const std::vector<double> got = Losses(log);
       ASSERT_EQ(got.size(), 4u) << layout;
       for (std::size_t i = 0; i < 4; ++i) {
@@ -263,23 +281,27 @@ TEST_F(MultiRankCliTest, DataParallelLayoutsMatchOneProcess) {
 
 TEST_F(MultiRankCliTest, SaveOnGpusVerifyResumeOnTheCpuAtAnotherLayout) {
   ASSERT_EQ(Train(1, std::string(kCommon) + " --steps 6 --log " + D() + "/cpu.jsonl").rc, 0);
-  const Shell g =
-      Train(2, std::string(kCommon) + " --steps 3 --device cuda --device-comm host --layout fsdp=2 --save " + D() +
-                   "/g --log " + D() + "/g.jsonl");
-  ASSERT_EQ(g.rc, 0) << g.out;
-  const Shell v = RunShell(std::string(RS_CLI) + " verify " + D() + "/g/step-00000003");
-  ASSERT_EQ(v.rc, 0) << v.out;
-  const Shell c = Train(2, " --threads 1 --resume " + D() + "/g --steps 6 --layout dp=2 --log " + D() + "/g.jsonl");
-  ASSERT_EQ(c.rc, 0) << c.out;
-  const std::vector<double> ref = Losses("cpu.jsonl"), got = Losses("g.jsonl");
-  ASSERT_EQ(got.size(), 6u);
-  for (std::size_t i = 0; i < 6; ++i) EXPECT_NEAR(got[i], ref[i], 1e-4 * ref[i]) << "step " << i + 1;
+  const std::vector<double> ref = Losses("cpu.jsonl");
+  for (const std::string layout : {"fsdp=2", "ep=2"}) {
+    fs::remove_all(dir_ / "g");
+    fs::remove(dir_ / "g.jsonl");
+    const Shell g = Train(2, std::string(kCommon) + " --steps 3 --device cuda --device-comm host --layout " + layout +
+                                 " --save " + D() + "/g --log " + D() + "/g.jsonl");
+    ASSERT_EQ(g.rc, 0) << layout << "\n" << g.out;
+    const Shell v = RunShell(std::string(RS_CLI) + " verify " + D() + "/g/step-00000003");
+    ASSERT_EQ(v.rc, 0) << layout << "\n" << v.out;
+    const Shell c = Train(2, " --threads 1 --resume " + D() + "/g --steps 6 --layout dp=2 --log " + D() + "/g.jsonl");
+    ASSERT_EQ(c.rc, 0) << layout << "\n" << c.out;
+    const std::vector<double> got = Losses("g.jsonl");
+    ASSERT_EQ(got.size(), 6u) << layout;
+    for (std::size_t i = 0; i < 6; ++i) EXPECT_NEAR(got[i], ref[i], 1e-4 * ref[i]) << layout << ", step " << i + 1;
+  }
 }
 
 TEST_F(MultiRankCliTest, LayoutsThatCutTheModelAndSinkhornAreRefused) {
   const Shell tp = Train(2, std::string(kCommon) + " --steps 1 --device cuda --device-comm host --layout tp=2");
   EXPECT_NE(tp.rc, 0);
-  EXPECT_NE(tp.out.find("tensor, expert or context parallelism"), std::string::npos) << tp.out;
+  EXPECT_NE(tp.out.find("tensor, expert-tensor or context parallelism"), std::string::npos) << tp.out;
   const Shell sk = Train(2, std::string(kCommon) + " --model " + Model("sinkhorn") +
                                 " --steps 1 --device cuda --device-comm host --layout dp=2");
   EXPECT_NE(sk.rc, 0);

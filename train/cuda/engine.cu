@@ -28,11 +28,12 @@ class CudaEngine final : public train::StepEngine {
     train::ShardedState& state = t.state();
     train::ProcessGroups& groups = t.groups();
     const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
-    if (!state.WholeModelOnEveryRank()) {
-      return Unimplemented("train: " + Describe() + " trains the whole model on every rank (layouts of dp and fsdp); " +
+    if (!state.OnlyExpertsAreCut()) {
+      return Unimplemented("train: " + Describe() +
+                           " trains layouts of dp, fsdp and ep (experts cut over ep, or ep as one more data axis); " +
                            "layout " + state.layout().ToString() +
-                           " cuts it with tensor, expert or context parallelism, which the GPU path does not "
-                           "have yet (the CPU path trains it)");
+                           " cuts the model with tensor, expert-tensor or context parallelism, which the GPU path "
+                           "does not have yet (the CPU path trains it)");
     }
     if (ranks > 1 && c.router == RouterKind::kSinkhorn) {
       return Unimplemented("train: " + Describe() + " runs the Sinkhorn router on one GPU only (" +
@@ -45,6 +46,14 @@ class CudaEngine final : public train::StepEngine {
     }
     RS_CHECK(t.train_config().batch_size % ranks == 0);
     rows_ = t.train_config().batch_size / ranks;
+    // Expert parallelism: this rank's model holds its ep index's block of experts.
+    ExpertBlock experts;
+    if (state.experts_over_ep() && groups.ep != nullptr && groups.ep->size() > 1) {
+      experts = {groups.ep->size(), groups.ep->rank()};
+      RS_CHECK(c.n_experts % experts.ranks == 0 &&
+               state.expert_offset() == experts.index * (c.n_experts / experts.ranks));
+      ep_index_ = experts.index;
+    }
     // With fsdp the optimizer state is cut into fsdp_size equal blocks of the padded vector
     // (blocks of whole 128-byte lines); the model's arrays are padded to match.
     shards_ = ranks > 1 ? state.fsdp_size() : 1;
@@ -53,21 +62,35 @@ class CudaEngine final : public train::StepEngine {
     const std::int64_t line = 32;
     shard_ = shards_ == 1 ? total : (total + shards_ * line - 1) / (shards_ * line) * line;
     model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len(), nullptr,
-                                                 shard_ * shards_);
+                                                 shard_ * shards_, experts);
     if (ranks > 1) {
       const std::string kind = std::string(" (") + DeviceCommName(comm_kind_) + ")";
       RS_ASSIGN_OR_RETURN(comm_, DeviceCommunicator(*groups.world, "data group of " + std::to_string(ranks) + kind));
       model_->SetDataParallel(comm_.get(), t.train_config().batch_size * t.seq_len());
+      if (experts.ranks > 1) {
+        // The rows' exchange over ep, and the gradients of the experts over the ranks holding
+        // the same ones (dp × fsdp; without fsdp sharding).
+        RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.ep, "ep group" + kind), ep_comm_));
+        model_->SetExpertParallel(ep_comm_.get(), groups.ep.get());
+        if (shards_ == 1 && groups.same_experts->size() > 1) {
+          RS_RETURN_IF_ERROR(Agreed(*groups.world,
+                                    DeviceCommunicator(*groups.same_experts, "same-experts group" + kind),
+                                    same_experts_comm_));
+        }
+      }
       if (shards_ > 1) {
         RS_CHECK(groups.fsdp != nullptr && groups.fsdp->size() == shards_ && groups.fsdp->rank() == shard_index_);
         // Each is set up over its own group; the world agrees after each, so that a failure in
         // one group never leaves another group's ranks waiting in the next set-up.
         RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.fsdp, "fsdp group" + kind), fsdp_comm_));
-        // The ranks holding the same block: dp, and ep where ep is one more data axis (rules
-        // that do not cut the experts over it). Any of them may be more than one rank.
-        RS_ASSIGN_OR_RETURN(replica_host_, groups.world->Split(shard_index_, groups.world->rank(),
-                                                               "ranks of fsdp block " + std::to_string(shard_index_)));
-        RS_CHECK(replica_host_->size() * shards_ == ranks);
+        // The ranks holding the same block of the same local vector: dp, and ep where ep is one
+        // more data axis (rules that do not cut the experts over it); with experts cut over ep,
+        // dp only (the block's items outside the experts are then summed over ep as well).
+        const std::int64_t ep_ranks = experts.ranks;
+        RS_ASSIGN_OR_RETURN(replica_host_,
+                            groups.world->Split(shard_index_ * ep_ranks + experts.index, groups.world->rank(),
+                                                "ranks of fsdp block " + std::to_string(shard_index_)));
+        RS_CHECK(replica_host_->size() * shards_ * ep_ranks == ranks);
         if (replica_host_->size() > 1) {
           RS_RETURN_IF_ERROR(
               Agreed(*groups.world, DeviceCommunicator(*replica_host_, "fsdp block replicas" + kind), replica_comm_));
@@ -82,12 +105,24 @@ class CudaEngine final : public train::StepEngine {
     RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.master(), host, params));
     RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.optimizer().exp_avg(), host, m));
     RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.optimizer().exp_avg_sq(), host, v));
+    // With experts cut over ep, the items outside the experts are the same on every ep rank:
+    // only ep rank 0 counts them in the norm, whose share is then summed over ep.
     std::vector<train::ParamSegment> segments;
+    shared_runs_.clear();
     for (std::size_t i = 0; i < model_->specs().size(); ++i) {
       RS_CHECK(model_->offset(i) == host.offset(i) && model_->specs()[i].numel() == host.numel(i));
+      const bool expert = ep_comm_ != nullptr && state.CutOverEp(i);
+      if (ep_comm_ != nullptr && !expert) {  // one run per stretch of tensors outside the experts
+        if (!shared_runs_.empty() && shared_runs_.back().second == model_->offset(i)) {
+          shared_runs_.back().second += host.numel(i);
+        } else {
+          shared_runs_.push_back({model_->offset(i), model_->offset(i) + host.numel(i)});
+        }
+      }
       if (!host.trainable(i)) continue;
       segments.push_back({model_->offset(i), host.numel(i), /*trainable=*/true,
-                          /*decay=*/model_->specs()[i].shape.size() >= 2, /*counts_in_norm=*/true});
+                          /*decay=*/model_->specs()[i].shape.size() >= 2,
+                          /*counts_in_norm=*/ep_comm_ == nullptr || expert || ep_index_ == 0});
     }
     model_->UploadParams(params);
     model_->EnableDispatchTiming(true);
@@ -114,7 +149,8 @@ class CudaEngine final : public train::StepEngine {
     cudaStream_t st = model_->stream();
     train::StepReport r;
     const auto start = std::chrono::steady_clock::now();
-    for (dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get()}) {
+    for (dist::Communicator* c :
+         {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get()}) {
       if (c != nullptr) c->ResetStats();
     }
     model_->ZeroGrads();
@@ -127,15 +163,25 @@ class CudaEngine final : public train::StepEngine {
     if (shards_ > 1) {
       RS_RETURN_IF_ERROR(ShardedUpdate(oc.clip_norm, scalars));
     } else {
-      if (comm_ != nullptr) {
+      const std::span<float> grads(model_->grads(), static_cast<std::size_t>(p));
+      if (ep_comm_ != nullptr) {
+        // Experts cut over ep: everything over the ranks with the same experts, then what lies
+        // outside the experts over ep as well – so every item is summed over the ranks that
+        // hold it.
+        if (same_experts_comm_ != nullptr) {
+          RS_RETURN_IF_ERROR(
+              same_experts_comm_->AllReduce(grads, dist::ReduceOp::kSum).WithContext("gradient all-reduce"));
+        }
+        RS_RETURN_IF_ERROR(ReduceSharedRuns(grads, 0));
+      } else if (comm_ != nullptr) {
         // Each rank's gradients are its rows' share of the batch's: their sum is the gradient.
         // Every rank then runs the same update on the same numbers (the optimizer state is
         // replicated on the devices; checkpoints hold each rank's owned part).
-        RS_RETURN_IF_ERROR(
-            comm_->AllReduce(std::span<float>(model_->grads(), static_cast<std::size_t>(p)), dist::ReduceOp::kSum)
-                .WithContext("gradient all-reduce"));
+        RS_RETURN_IF_ERROR(comm_->AllReduce(grads, dist::ReduceOp::kSum).WithContext("gradient all-reduce"));
       }
-      GlobalGradNorm(model_->grads(), kinds_.get(), p, oc.clip_norm, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
+      GradSumOfSquares(model_->grads(), kinds_.get(), p, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
+      if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
+      ClipScale(oc.clip_norm, norm_.get(), st);
       AdamWUpdate(model_->master(), model_->grads(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), p, scalars,
                   norm_.get(), nullptr, st);
     }
@@ -146,7 +192,8 @@ class CudaEngine final : public train::StepEngine {
     r.update.lr = lr;
     r.update.grad_norm = norm.grad_norm;
     r.update.clip_scale = norm.clip_scale;
-    for (dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get()}) {
+    for (dist::Communicator* c :
+         {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get()}) {
       if (c != nullptr) r.comm += c->stats();
     }
     r.comm_seconds = CommSeconds() - forward_backward_comm;  // the gradient and parameter phases
@@ -176,6 +223,7 @@ class CudaEngine final : public train::StepEngine {
                   static_cast<double>(total - free) / gib, static_cast<double>(total) / gib,
                   static_cast<double>(model_->arena_bytes()) / gib);
     std::string out = line;
+    if (ep_comm_ != nullptr) out += ", experts cut over ep=" + std::to_string(ep_comm_->size());
     if (shards_ > 1) {
       out += ", Adam moments sharded over fsdp=" + std::to_string(shards_) + " (" + std::to_string(shard_) + " of " +
              std::to_string(model_->num_params()) + " items per device)";
@@ -214,7 +262,8 @@ class CudaEngine final : public train::StepEngine {
   // Seconds inside this step's collectives so far, over every device communicator.
   double CommSeconds() const {
     double s = 0;
-    for (const dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get()}) {
+    for (const dist::Communicator* c :
+         {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get()}) {
       if (c != nullptr) s += c->stats().seconds;
     }
     return s;
@@ -224,6 +273,30 @@ class CudaEngine final : public train::StepEngine {
   Result<std::unique_ptr<dist::Communicator>> DeviceCommunicator(dist::Communicator& host, std::string name) {
     if (comm_kind_ == DeviceComm::kNccl) return MakeNcclCommunicator(host, model_->stream(), std::move(name));
     return MakeHostStagedCommunicator(host, model_->stream());
+  }
+
+  // Sums over ep the items of `part` (items [first, first + size) of the local vector) that lie
+  // outside the experts; nothing without expert parallelism.
+  Status ReduceSharedRuns(std::span<float> part, std::int64_t first) {
+    if (ep_comm_ == nullptr) return Status::Ok();
+    const std::int64_t last = first + static_cast<std::int64_t>(part.size());
+    for (const auto& [lo, hi] : shared_runs_) {
+      const std::int64_t a = std::max(lo, first), b = std::min(hi, last);
+      if (a >= b) continue;
+      RS_RETURN_IF_ERROR(
+          ep_comm_
+              ->AllReduce(part.subspan(static_cast<std::size_t>(a - first), static_cast<std::size_t>(b - a)),
+                          dist::ReduceOp::kSum)
+              .WithContext("gradient all-reduce over ep"));
+    }
+    return Status::Ok();
+  }
+
+  // norm_->sum_of_squares (device) summed over `group`.
+  Status ReduceNormOver(dist::Communicator& group) {
+    static_assert(offsetof(DeviceGradNorm, sum_of_squares) == 0);
+    return group.AllReduce(std::span<double>(reinterpret_cast<double*>(norm_.get()), 1), dist::ReduceOp::kSum)
+        .WithContext("gradient norm all-reduce");
   }
 
   // Takes `made` into `out` when every rank of `world` made its communicator (collective);
@@ -271,11 +344,10 @@ class CudaEngine final : public train::StepEngine {
       RS_RETURN_IF_ERROR(replica_comm_->AllReduce(std::span<float>(grad_shard_.get(), n), dist::ReduceOp::kSum)
                              .WithContext("gradient all-reduce over the block's replicas"));
     }
+    RS_RETURN_IF_ERROR(ReduceSharedRuns(std::span<float>(grad_shard_.get(), n), shard_index_ * shard_));
     GradSumOfSquares(grad_shard_.get(), kinds_.get(), shard_, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
-    static_assert(offsetof(DeviceGradNorm, sum_of_squares) == 0);
-    RS_RETURN_IF_ERROR(
-        fsdp_comm_->AllReduce(std::span<double>(reinterpret_cast<double*>(norm_.get()), 1), dist::ReduceOp::kSum)
-            .WithContext("gradient norm all-reduce"));
+    RS_RETURN_IF_ERROR(ReduceNormOver(*fsdp_comm_));
+    if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
     ClipScale(clip_norm, norm_.get(), st);
     AdamWUpdate(mine, grad_shard_.get(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), shard_, scalars, norm_.get(),
                 nullptr, st);
@@ -305,6 +377,12 @@ class CudaEngine final : public train::StepEngine {
   // when it is a data axis) over device memory; this rank's block of the gradient.
   std::int64_t shards_ = 1, shard_index_ = 0, shard_ = 0;
   std::unique_ptr<dist::Communicator> replica_host_;  // host group under replica_comm_ (outlives it)
+  // Experts cut over ep: the ep group and the same-experts group (dp × fsdp, without fsdp
+  // sharding) over device memory; the stretches [begin, end) of the local vector outside the
+  // experts (summed over ep as well).
+  std::int64_t ep_index_ = 0;
+  std::unique_ptr<dist::Communicator> ep_comm_, same_experts_comm_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> shared_runs_;
   std::unique_ptr<dist::Communicator> fsdp_comm_, replica_comm_;
   DeviceArray<float> grad_shard_;
   DeviceArray<float> exp_avg_, exp_avg_sq_;

@@ -6,11 +6,15 @@
 // when a checkpoint is written (SyncToHost), so checkpoints are the CPU path's format and
 // layout, and either path resumes the other's.
 //
-// Several ranks (mpirun, one process per GPU): layouts that keep the whole model on every rank
-// (dp and fsdp; tensor, expert and context parallel layouts are refused with Unimplemented).
+// Several ranks (mpirun, one process per GPU): layouts of dp, fsdp and ep – ep cutting the
+// experts (each rank holds its ep index's block and the MoE layers exchange rows over ep) or
+// being one more data axis. Tensor, expert-tensor and context parallel layouts are refused with
+// Unimplemented.
 // Each rank runs its rows of the batch; the router statistics and the loss are the whole
 // batch's (all-reduced over the ranks inside the forward pass). Without fsdp the gradients are
-// summed over the ranks and every device runs the same norm, clip and AdamW on the whole state.
+// summed over the ranks that hold them (with experts cut over ep: everything over dp × fsdp,
+// the items outside the experts over ep as well) and every device runs the same norm, clip and
+// AdamW on its local state.
 // With fsdp the Adam moments are cut into equal blocks over the fsdp group (ZeRO-1 on the
 // devices): gradients are reduce-scattered over fsdp and summed over dp, each device updates
 // its block, and an all-gather over fsdp gives every device the new weights; weights and

@@ -95,6 +95,13 @@ struct GpuTransformer<T>::Layer {
   std::vector<std::int32_t> padded_offsets;  // host copy of the plan's [E+1] padded offsets
   std::vector<std::int64_t> padded_rows;     // this step's per-expert padded counts, from them
   T *x_pad = nullptr, *he = nullptr, *ae = nullptr, *y_pad = nullptr;
+  // Expert parallelism: the experts' outputs back on the token side (unpadded, expert order),
+  // this step's exchange (rows per peer, the local experts' padded rows) and its row maps.
+  T* y_rows = nullptr;
+  std::int32_t *to_padded = nullptr, *to_recv = nullptr;
+  train::ExchangeRowMaps maps;
+  std::vector<std::int64_t> send_rows, recv_rows, ex_padded_rows;
+  std::int64_t ex_rows = 0, ex_total_padded = 0;
   T *hs = nullptr, *as = nullptr;  // shared expert
   T *hd = nullptr, *ad = nullptr;  // dense MLP
 };
@@ -107,6 +114,7 @@ struct GpuTransformer<T>::Scratch {
   float* rstd_final = nullptr;
   T* logits = nullptr;  // [n, V]; the cross-entropy overwrites it with its gradient
   T *pad_a = nullptr, *pad_b = nullptr, *unpadded = nullptr;
+  T *ep_send = nullptr, *ep_recv = nullptr;  // expert parallelism: token-side rows, received rows
   float *dprobs = nullptr, *dlogits_r = nullptr, *dxr = nullptr;
   RopeTable rope;
   void* rope_mem = nullptr;
@@ -118,8 +126,9 @@ struct GpuTransformer<T>::Scratch {
 
 template <typename T>
 GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
-                                  std::int64_t seq, cudaStream_t stream, std::int64_t param_capacity)
-    : c_(config), dispatch_(dispatch), batch_(batch), seq_(seq), n_(batch * seq), stream_(stream) {
+                                  std::int64_t seq, cudaStream_t stream, std::int64_t param_capacity,
+                                  ExpertBlock experts)
+    : c_(config), dispatch_(dispatch), batch_(batch), seq_(seq), n_(batch * seq), stream_(stream), block_(experts) {
   RS_CHECK(c_.Validate().ok());
   RS_CHECK_MSG(train::CheckTrainable(c_).ok(), "the GPU model trains no gated-delta-net layers");
   RS_CHECK(batch > 0 && seq > 0 && seq <= c_.max_seq_len);
@@ -128,6 +137,18 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
                  "bf16 needs d_model and every ffn width to be multiples of 8");
   }
   specs_ = ModelParameters(c_);
+  RS_CHECK(block_.ranks >= 1 && block_.index >= 0 && block_.index < block_.ranks);
+  local_experts_ = c_.n_experts;
+  if (ExpertParallel()) {
+    RS_CHECK_MSG(c_.n_experts % block_.ranks == 0,
+                 c_.n_experts << " experts do not cut into " << block_.ranks << " equal blocks");
+    local_experts_ = c_.n_experts / block_.ranks;
+    for (TensorSpec& s : specs_) {
+      if (s.name.find(".moe.experts.") == std::string::npos) continue;
+      RS_CHECK(!s.shape.empty() && s.shape[0] == c_.n_experts);
+      s.shape[0] = local_experts_;
+    }
+  }
   for (const TensorSpec& s : specs_) {
     offsets_.push_back(num_params_);
     num_params_ += s.numel();
@@ -191,6 +212,75 @@ template <typename T>
 GpuTransformer<T>::~GpuTransformer() {
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
   if (handle_ != nullptr) cublasDestroy(handle_);
+}
+
+template <typename T>
+void GpuTransformer<T>::SetExpertParallel(dist::Communicator* device, dist::Communicator* host) {
+  RS_CHECK(ExpertParallel() && device != nullptr && host != nullptr);
+  RS_CHECK(device->size() == block_.ranks && host->size() == block_.ranks && device->rank() == block_.index &&
+           host->rank() == block_.index);
+  RS_CHECK_MSG(c_.d_model * static_cast<std::int64_t>(sizeof(T)) % static_cast<std::int64_t>(sizeof(float)) == 0,
+               "rows travel as f32 words");
+  ep_device_ = device;
+  ep_host_ = host;
+}
+
+template <typename T>
+void GpuTransformer<T>::PlanExchange(Layer& l) {
+  const std::int64_t p = block_.ranks, el = local_experts_, e = c_.n_experts, me = block_.index;
+  // The token side is planned without padding: its offsets are the per-expert counts.
+  std::vector<std::int64_t> mine(static_cast<std::size_t>(e)), all(static_cast<std::size_t>(p * e), 0);
+  for (std::int64_t x = 0; x < e; ++x) {
+    mine[static_cast<std::size_t>(x)] =
+        l.padded_offsets[static_cast<std::size_t>(x + 1)] - l.padded_offsets[static_cast<std::size_t>(x)];
+  }
+  // On a failed gather nothing is received (the pass's numbers are void; no row moves).
+  if (comm_status_.ok()) comm_status_ = ep_host_->AllGather(std::span<const std::int64_t>(mine), all);
+  if (!comm_status_.ok()) std::fill(all.begin(), all.end(), 0);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(p * el));  // [source][local expert]
+  l.send_rows.assign(static_cast<std::size_t>(p), 0);
+  for (std::int64_t q = 0; q < p; ++q) {
+    for (std::int64_t j = 0; j < el; ++j) {
+      counts[static_cast<std::size_t>(q * el + j)] = all[static_cast<std::size_t>(q * e + me * el + j)];
+      l.send_rows[static_cast<std::size_t>(q)] += mine[static_cast<std::size_t>(q * el + j)];
+    }
+  }
+  const train::ExchangeLayout x = train::PlanExchange(counts, p, el, dispatch_.alignment);
+  RS_CHECK(x.rows <= p * n_ * c_.top_k && x.total_padded <= max_padded_);
+  l.recv_rows = x.source_rows;
+  l.ex_rows = x.rows;
+  l.ex_total_padded = x.total_padded;
+  l.ex_padded_rows = x.padded_rows;
+  l.maps = train::MakeExchangeRowMaps(x);
+  if (x.total_padded > 0) {
+    RS_CUDA_CHECK(cudaMemcpyAsync(l.to_padded, l.maps.to_padded.data(), l.maps.to_padded.size() * sizeof(std::int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
+  }
+  if (x.rows > 0) {
+    RS_CUDA_CHECK(cudaMemcpyAsync(l.to_recv, l.maps.to_recv.data(), l.maps.to_recv.size() * sizeof(std::int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
+  }
+}
+
+// Rows of d elements to and from the ep ranks (rows per peer, in rank order), moved as f32 words:
+// the transport copies bits, so bf16 rows arrive unchanged.
+template <typename T>
+void GpuTransformer<T>::ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,
+                                     const std::vector<std::int64_t>& recv_rows) {
+  if (!comm_status_.ok()) return;
+  const std::int64_t words =
+      c_.d_model * static_cast<std::int64_t>(sizeof(T)) / static_cast<std::int64_t>(sizeof(float));
+  std::vector<std::int64_t> sc(send_rows.size()), rc(recv_rows.size());
+  std::int64_t sent = 0, received = 0;
+  for (std::size_t q = 0; q < sc.size(); ++q) {
+    sc[q] = send_rows[q] * words;
+    rc[q] = recv_rows[q] * words;
+    sent += sc[q];
+    received += rc[q];
+  }
+  comm_status_ = ep_device_->AllToAllV(
+      std::span<const float>(reinterpret_cast<const float*>(send), static_cast<std::size_t>(sent)), sc,
+      std::span<float>(reinterpret_cast<float*>(recv), static_cast<std::size_t>(received)), rc);
 }
 
 template <typename T>
@@ -270,7 +360,15 @@ void GpuTransformer<T>::Plan(void* base) {
   const AttentionShape ashape{d, c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.rope_theta};
   const AttentionDims dims{batch_, seq_};
   const AttentionBytes abytes = AttentionMemoryBytes<T>(ashape, dims);
-  const std::int64_t maxp = e > 0 ? MaxPaddedRows(n, k, e, dispatch_.alignment) : 0;
+  // Expert parallelism: the token side unpadded; the experts' side receives at most every rank's
+  // rows (n · k each), padded per local expert.
+  const bool ep = ExpertParallel();
+  const std::int64_t el = local_experts_, token_alignment = ep ? 0 : dispatch_.alignment;
+  const std::int64_t max_recv = ep ? block_.ranks * n * k : 0;
+  const std::int64_t maxp = e == 0 ? 0
+                            : ep   ? max_recv + (dispatch_.alignment > 1 ? el * (dispatch_.alignment - 1) : 0)
+                                   : MaxPaddedRows(n, k, e, dispatch_.alignment);
+  max_padded_ = maxp;
   std::size_t ws = abytes.workspace;
   auto grow = [&ws](std::size_t b) { ws = std::max(ws, b); };
   train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
@@ -293,7 +391,7 @@ void GpuTransformer<T>::Plan(void* base) {
       l.loads = w.Take<std::int64_t>(e);
       l.aux = w.Take<float>(1);
       l.z = w.Take<float>(1);
-      l.plan_bytes = PlanWorkspaceBytes(n, k, e, dispatch_.alignment);
+      l.plan_bytes = PlanWorkspaceBytes(n, k, e, token_alignment);
       l.plan_ws = w.Take<char>(static_cast<std::int64_t>(l.plan_bytes));
       l.x_pad = w.Take<T>(maxp * d);
       l.he = w.Take<T>(maxp * 2 * l.ffn);
@@ -301,9 +399,14 @@ void GpuTransformer<T>::Plan(void* base) {
       l.y_pad = w.Take<T>(maxp * d);
       l.padded_rows.assign(static_cast<std::size_t>(e), 0);
       l.padded_offsets.assign(static_cast<std::size_t>(e + 1), 0);
-      std::vector<std::int64_t> bound(static_cast<std::size_t>(e), 0);
+      if (ep) {
+        l.y_rows = w.Take<T>(n * k * d);
+        l.to_padded = w.Take<std::int32_t>(maxp);
+        l.to_recv = w.Take<std::int32_t>(max_recv);
+      }
+      std::vector<std::int64_t> bound(static_cast<std::size_t>(el), 0);
       bound[0] = maxp;  // the workspaces depend on the total rows, bounded by maxp
-      const GroupedSwiGluShape experts{bound.data(), e, d, l.ffn};
+      const GroupedSwiGluShape experts{bound.data(), el, d, l.ffn};
       grow(GroupedSwiGluForwardWorkspaceBytes<T>(experts));
       grow(GroupedSwiGluBackwardWorkspaceBytes<T>(experts));
       grow(RouterWorkspaceBytes(ropts, n));
@@ -337,7 +440,11 @@ void GpuTransformer<T>::Plan(void* base) {
   if (e > 0) {
     s.pad_a = w.Take<T>(maxp * d);
     s.pad_b = w.Take<T>(maxp * d);
-    if (dispatch_.mode == train::DispatchMode::kUnfused) s.unpadded = w.Take<T>(n * k * d);
+    if (dispatch_.mode == train::DispatchMode::kUnfused && !ep) s.unpadded = w.Take<T>(n * k * d);
+    if (ep) {
+      s.ep_send = w.Take<T>(n * k * d);
+      s.ep_recv = w.Take<T>(max_recv * d);
+    }
     s.dprobs = w.Take<float>(n * k);
     s.dlogits_r = w.Take<float>(n * e);
     s.dxr = w.Take<float>(n * d);
@@ -406,6 +513,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const AttentionDims dims{batch_, seq_};
   const train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
   const bool fused = dispatch_.mode == train::DispatchMode::kFused;
+  const bool ep = ExpertParallel();
+  RS_CHECK_MSG(!ep || ep_device_ != nullptr, "SetExpertParallel before Run");
+  const std::int64_t el = local_experts_;
   const cudaDataType_t tt = DataType<T>();
   const std::int64_t one_group[] = {n};
   // Data parallelism: the router statistics, the cross-entropy mean and their gradients are
@@ -440,7 +550,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       const RouterOutputs outs{l.experts, l.probs, l.loads, l.aux, l.z, nullptr};
       RouterForward(ropts, l.logits, n, l.bias != kNone ? M(l.bias) : nullptr, outs, s.ws, s.ws_bytes, st, batch);
       Mark();
-      l.plan = PlanRouting(l.experts, n, k, e, dispatch_.alignment, l.plan_ws, l.plan_bytes, st);
+      l.plan = PlanRouting(l.experts, n, k, e, ep ? 0 : dispatch_.alignment, l.plan_ws, l.plan_bytes, st);
       // The grouped GEMMs take their sizes on the host: the step's one wait per MoE layer.
       std::vector<std::int32_t>& po = l.padded_offsets;
       RS_CUDA_CHECK(cudaMemcpyAsync(po.data(), l.plan.padded_offsets, po.size() * sizeof(std::int32_t),
@@ -450,18 +560,30 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         l.padded_rows[static_cast<std::size_t>(x)] =
             po[static_cast<std::size_t>(x + 1)] - po[static_cast<std::size_t>(x)];
       }
-      if (fused) {
+      if (ep) {
+        // Rows in expert order (unpadded) to their experts' ranks, then into the padded
+        // expert-major order of the grouped GEMMs (padding rows zero).
+        PlanExchange(l);
+        PermutePad(l.xn2, d, l.plan, s.ep_send, nullptr, nullptr, st);
+        ExchangeRows(s.ep_send, l.send_rows, s.ep_recv, l.recv_rows);
+        MoveRows(s.ep_recv, d, l.to_padded, l.ex_total_padded, l.x_pad, st);
+      } else if (fused) {
         PermutePad(l.xn2, d, l.plan, l.x_pad, nullptr, nullptr, st);
       } else {
         Permute(l.xn2, d, l.plan, s.unpadded, st);
         Pad(s.unpadded, d, l.plan, l.x_pad, st);
       }
       Mark();
-      const GroupedSwiGluShape shape{l.padded_rows.data(), e, d, l.ffn};
+      const GroupedSwiGluShape shape = ep ? GroupedSwiGluShape{l.ex_padded_rows.data(), el, d, l.ffn}
+                                          : GroupedSwiGluShape{l.padded_rows.data(), e, d, l.ffn};
       GroupedSwiGluForward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, l.y_pad, s.ws,
                            s.ws_bytes, st);
       Mark();
-      if (fused) {
+      if (ep) {  // the outputs back to their rows' ranks, then the weighted combine
+        MoveRows(l.y_pad, d, l.to_recv, l.ex_rows, s.ep_recv, st);
+        ExchangeRows(s.ep_recv, l.recv_rows, l.y_rows, l.send_rows);
+        UnpermuteUnpad(l.y_rows, d, l.plan, l.probs, s.tmp, st);
+      } else if (fused) {
         UnpermuteUnpad(l.y_pad, d, l.plan, l.probs, s.tmp, st);
       } else {
         Unpad(l.y_pad, d, l.plan, s.unpadded, st);
@@ -519,7 +641,11 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     if (l.moe) {
       // Gradient of the weighted combine: per padded row, and the gate weights' gradient.
       Mark();
-      if (fused) {
+      if (ep) {  // the combine's gradient per routed row, to the experts' ranks, padded
+        UnpermuteUnpadBackward(s.dh, l.y_rows, d, l.plan, l.probs, s.ep_send, s.dprobs, st);
+        ExchangeRows(s.ep_send, l.send_rows, s.ep_recv, l.recv_rows);
+        MoveRows(s.ep_recv, d, l.to_padded, l.ex_total_padded, s.pad_a, st);
+      } else if (fused) {
         UnpermuteUnpadBackward(s.dh, l.y_pad, d, l.plan, l.probs, s.pad_a, s.dprobs, st);
       } else {
         Unpad(l.y_pad, d, l.plan, s.unpadded, st);
@@ -528,11 +654,16 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         Pad(s.pad_b, d, l.plan, s.pad_a, st);
       }
       Mark();
-      const GroupedSwiGluShape shape{l.padded_rows.data(), e, d, l.ffn};
+      const GroupedSwiGluShape shape = ep ? GroupedSwiGluShape{l.ex_padded_rows.data(), el, d, l.ffn}
+                                          : GroupedSwiGluShape{l.padded_rows.data(), e, d, l.ffn};
       GroupedSwiGluBackward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, s.pad_a, s.pad_b,
                             G(l.efc1), G(l.efc2), s.ws, s.ws_bytes, st);
       Mark();
-      if (fused) {
+      if (ep) {  // the input gradients back to their rows' ranks, summed over each token's k rows
+        MoveRows(s.pad_b, d, l.to_recv, l.ex_rows, s.ep_recv, st);
+        ExchangeRows(s.ep_recv, l.recv_rows, s.ep_send, l.send_rows);
+        PermutePadBackward(s.ep_send, d, l.plan, s.dx, nullptr, nullptr, st);
+      } else if (fused) {
         PermutePadBackward(s.pad_b, d, l.plan, s.dx, nullptr, nullptr, st);
       } else {
         Unpad(s.pad_b, d, l.plan, s.unpadded, st);

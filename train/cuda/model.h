@@ -13,7 +13,8 @@
 //
 // Device memory is planned once, at construction, for a fixed batch × seq: one arena holds
 // every activation the backward pass needs and the largest scratch any call needs; a step
-// allocates nothing. Whole tensors on one GPU: no tensor or expert parallelism here. Data
+// allocates nothing. No tensor parallelism here; expert parallelism (ExpertBlock,
+// SetExpertParallel) holds one block of the experts and exchanges routed rows over ep. Data
 // parallelism (SetDataParallel): this model's batch is one rank's rows of a larger batch; the
 // router statistics and the cross-entropy mean are all-reduced over the data group (a device
 // communicator, train/cuda/communicator.h), so losses and gradients are the whole batch's
@@ -42,6 +43,13 @@
 
 namespace rs::cuda {
 
+// Expert parallelism: the experts cut into `ranks` equal blocks over an ep group; a model holds
+// block `index`, experts [index · E/ranks, (index + 1) · E/ranks), and its expert tensors are
+// that block's (the CPU's local shapes, so its flat vector is the CPU rank's).
+struct ExpertBlock {
+  std::int64_t ranks = 1, index = 0;
+};
+
 template <typename T>
 class GpuTransformer {
  public:
@@ -51,7 +59,8 @@ class GpuTransformer {
   // arrays; the items past num_params are zero and no pass writes them (a sharded optimizer
   // cuts the vectors into equal blocks).
   GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
-                 std::int64_t seq, cudaStream_t stream = nullptr, std::int64_t param_capacity = 0);
+                 std::int64_t seq, cudaStream_t stream = nullptr, std::int64_t param_capacity = 0,
+                 ExpertBlock experts = {});
   ~GpuTransformer();
   GpuTransformer(const GpuTransformer&) = delete;
   GpuTransformer& operator=(const GpuTransformer&) = delete;
@@ -78,6 +87,13 @@ class GpuTransformer {
   // `data`: a communicator over device memory whose stream is stream() (null or one rank: this
   // model's batch is the whole batch); global_tokens: the rows × seq of the whole batch.
   void SetDataParallel(dist::Communicator* data, std::int64_t global_tokens);
+  // With experts.ranks > 1 (before the first Run): the ep group, over device memory (stream()) and
+  // over host memory (the per-expert counts), both of experts.ranks ranks in block order. Every
+  // MoE layer sends each routed row to the rank of its expert and back (all-to-all(v)): the
+  // rows stay unpadded on the token side and are padded where the experts are. Every rank's
+  // batch must have the same rows (the received rows are planned for the worst case, every
+  // rank's rows at this rank's experts).
+  void SetExpertParallel(dist::Communicator* device, dist::Communicator* host);
   // The first failed collective since the last call (then the last Run's numbers are not valid).
   Status TakeCommStatus() { return std::exchange(comm_status_, Status::Ok()); }
 
@@ -137,6 +153,16 @@ class GpuTransformer {
   dist::Communicator* data_ = nullptr;
   std::int64_t global_n_ = 0;
   Status comm_status_;
+  // Expert parallelism.
+  ExpertBlock block_;
+  std::int64_t local_experts_ = 0;  // the experts of this model's expert tensors
+  std::int64_t max_padded_ = 0;     // rows of the padded expert buffers
+  dist::Communicator* ep_device_ = nullptr;
+  dist::Communicator* ep_host_ = nullptr;
+  bool ExpertParallel() const { return block_.ranks > 1; }
+  void PlanExchange(Layer& l);  // counts over ep, the exchange's sizes and row maps (host and device)
+  void ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,
+                    const std::vector<std::int64_t>& recv_rows);
 };
 
 }  // namespace rs::cuda
