@@ -2,9 +2,9 @@
 //  - the device communicators (train/cuda/communicator.h) against the host arithmetic, under
 //    mpirun: host-staged with two ranks (they may share one GPU), NCCL with two ranks when the
 //    host has two GPUs and with one rank otherwise;
-//  - `mpirun -np 2 reshard train --device cuda` at dp and fsdp layouts: losses equal the
-//    one-process CPU run's, checkpoints verify and resume on the CPU at another layout; layouts
-//    that cut the model and the Sinkhorn router are refused; NCCL with more ranks than GPUs is
+//  - `mpirun -np N reshard train --device cuda` at dp, fsdp and ep layouts: losses equal the
+//    one-process CPU run's, checkpoints verify and resume on the CPU at another layout; tensor
+//    parallel layouts and the Sinkhorn router are refused; NCCL with more ranks than GPUs is
 //    refused naming --device-comm host.
 // The rank tests run only in the processes the launcher tests start (RS_COMM_TEST_KIND set).
 #include <gtest/gtest.h>

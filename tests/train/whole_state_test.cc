@@ -1,10 +1,11 @@
 // What a multi-rank StepEngine (the GPU path, train/cuda/engine.h) relies on from the host side,
 // checked on CPUs under mpirun against a one-process run of the same model:
-//  - ShardedState::GatherLocal assembles the whole model's master weights and Adam moments from
-//    the ranks' owned parts at dp and fsdp layouts (flat and box), and ScatterLocal gives every
-//    rank back exactly its own items;
+//  - ShardedState::GatherLocal assembles this rank's local model's master weights and Adam
+//    moments from the ranks' owned parts at dp, fsdp (flat and box) and ep layouts (experts cut
+//    over ep: the rank's block of them), and ScatterLocal gives every rank back exactly its own
+//    items;
 //  - Trainer::Step hands an engine this rank's rows of the batch (the CPU path's rows);
-//  - layouts that cut the model (tp, ep) are not whole on every rank.
+//  - which layouts keep the whole model, or cut only the experts, on every rank.
 // The launcher test starts this binary under mpirun with RS_WHOLE_STATE_LAYOUT set; the rank
 // tests only run there. Skipped when mpirun is missing.
 #include <gtest/gtest.h>

@@ -97,8 +97,9 @@ class CudaEngine final : public train::StepEngine {
         }
       }
     }
-    // Whole-model vectors on every rank: buffers from the host model, trainable items from
-    // their owners' master weights and moments (one process owns them all).
+    // This rank's local-model vectors (the whole model but for its block of experts under EP):
+    // buffers from the host model, trainable items from their owners' master weights and
+    // moments (one process owns them all).
     const std::int64_t p = model_->num_params();
     std::vector<float> params(host.params().begin(), host.params().end()), m(params.size(), 0.f), v(params.size(), 0.f);
     RS_CHECK(static_cast<std::int64_t>(params.size()) == p);
