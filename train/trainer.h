@@ -116,6 +116,8 @@ class Trainer {
   Transformer<float>& model() { return model_; }
   ShardedState& state() { return *state_; }
   ProcessGroups& groups() { return groups_; }
+  // The model's view of the ranks (an engine that runs the host model itself sets global_rows).
+  ModelParallel& parallel() { return par_; }
   std::int64_t rank() const { return state_->rank(); }
   // Sum of every logical parameter's items (the model's size, whatever the layout).
   std::int64_t num_parameters() const;

@@ -4,6 +4,9 @@
 //    moments from the ranks' owned parts at dp, fsdp (flat and box) and ep layouts (experts cut
 //    over ep: the rank's block of them), and ScatterLocal gives every rank back exactly its own
 //    items;
+//  - the engine's plan (train/engine_state.h: which items count in the norm, which ranks sum
+//    which gradients, whole and in fsdp blocks) run over MPI gives the one-process gradient and
+//    norm of the whole batch;
 //  - Trainer::Step hands an engine this rank's rows of the batch (the CPU path's rows);
 //  - which layouts keep the whole model, or cut only the experts, on every rank.
 // The launcher test starts this binary under mpirun with RS_WHOLE_STATE_LAYOUT set; the rank
@@ -21,12 +24,17 @@
 #include "dist/mpi.h"
 #include "tests/cli/cli_test_util.h"
 #include "train/data.h"
+#include "train/engine_state.h"
 #include "train/trainer.h"
 
 namespace rs::train {
 namespace {
 
 const char* ChildLayout() { return std::getenv("RS_WHOLE_STATE_LAYOUT"); }
+std::string ChildRules() {
+  const char* r = std::getenv("RS_WHOLE_STATE_RULES");
+  return r != nullptr && *r != '\0' ? r : "megatron";
+}
 
 PhysicalLayout Layout(const std::string& text, const std::string& rule_set = "megatron") {
   auto rules = BuiltinRuleSet(rule_set);
@@ -78,37 +86,45 @@ double MaxAbs(const std::vector<float>& v) {
   return m;
 }
 
+// Where item j of a rank's local vector sits in the whole model's vector: the same place, except
+// in an expert tensor cut over ep, whose local block starts at the rank's first expert.
+std::vector<std::size_t> WholeIndex(Trainer& multi, Trainer& one) {
+  const Transformer<float>& lm = multi.model();
+  const Transformer<float>& wm = one.model();
+  std::vector<std::size_t> at(lm.params().size());
+  for (std::size_t t = 0; t < lm.specs().size(); ++t) {
+    std::int64_t shift = 0;
+    if (multi.state().CutOverEp(t)) shift = multi.state().expert_offset() * (lm.numel(t) / lm.specs()[t].shape[0]);
+    for (std::int64_t j = 0; j < lm.numel(t); ++j)
+      at[static_cast<std::size_t>(lm.offset(t) + j)] = static_cast<std::size_t>(wm.offset(t) + shift + j);
+  }
+  return at;
+}
+
 TEST(WholeStateRank, GatherLocalEqualsOneProcessAndScatterGivesBackTheOwnedItems) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
   dist::MpiWorld& world = dist::MpiWorld::Get();
-  auto multi = MakeTrainer(Layout(ChildLayout()), &world.comm());
+  auto multi = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
   auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
   ASSERT_TRUE(multi->state().OnlyExpertsAreCut());
   ASSERT_TRUE(multi->Step().ok());  // collective: every rank gets here
   ASSERT_TRUE(one->Step().ok());
 
-  // Where item j of this rank's local vector sits in the whole model's: the same place, except
-  // in an expert tensor cut over ep, whose local block starts at this rank's first expert.
   const Transformer<float>& lm = multi->model();
   const Transformer<float>& wm = one->model();
   const std::size_t n = lm.params().size();
   ASSERT_EQ(lm.specs().size(), wm.specs().size());
-  std::vector<std::size_t> at(n);
+  const std::vector<std::size_t> at = WholeIndex(*multi, *one);
   std::size_t cut = 0;
   for (std::size_t t = 0; t < lm.specs().size(); ++t) {
-    std::int64_t shift = 0;
     if (multi->state().CutOverEp(t)) {
       ++cut;
-      const std::int64_t local_experts = lm.specs()[t].shape[0];
-      EXPECT_LT(local_experts, wm.specs()[t].shape[0]) << lm.specs()[t].name;
-      shift = multi->state().expert_offset() * (lm.numel(t) / local_experts);
+      EXPECT_LT(lm.specs()[t].shape[0], wm.specs()[t].shape[0]) << lm.specs()[t].name;
     } else {
       ASSERT_EQ(lm.specs()[t].shape, wm.specs()[t].shape) << lm.specs()[t].name;
     }
-    for (std::int64_t j = 0; j < lm.numel(t); ++j)
-      at[static_cast<std::size_t>(lm.offset(t) + j)] = static_cast<std::size_t>(wm.offset(t) + shift + j);
   }
-  EXPECT_EQ(cut > 0, std::string(ChildLayout()).find("ep=") != std::string::npos);
+  EXPECT_EQ(cut > 0, multi->state().experts_over_ep() && std::string(ChildLayout()).find("ep=") != std::string::npos);
   struct Vec {
     const char* name;
     std::span<float> multi, one;
@@ -152,10 +168,103 @@ TEST(WholeStateRank, GatherLocalEqualsOneProcessAndScatterGivesBackTheOwnedItems
   }
 }
 
+// Forward and backward of the host model on `rows` rows of step 0's batch from row `first`,
+// the batch's statistics over the model's data group; returns the gradients (not reduced).
+std::vector<float> RowsGradient(Trainer& t, std::int64_t first, std::int64_t rows) {
+  const std::int64_t batch = t.train_config().batch_size, seq = t.seq_len();
+  const Batch b = TrainingBatch(t.corpus(), t.train_config().seed, 0, batch, seq);
+  t.parallel().global_rows = batch * seq;
+  t.parallel().status = Status::Ok();
+  t.model().ZeroGrads();
+  const auto from = static_cast<std::size_t>(first * seq);
+  t.model().Run(b.inputs.data() + from, b.targets.data() + from, rows, seq, Transformer<float>::Pass::kForwardBackward);
+  EXPECT_TRUE(t.parallel().status.ok()) << t.parallel().status.ToString();
+  return {t.model().grads().begin(), t.model().grads().end()};
+}
+
+double SquaresInNorm(std::span<const float> g, const std::vector<ParamSegment>& segments) {
+  std::vector<char> in(g.size(), 0);
+  for (const ParamSegment& s : segments) {
+    for (std::int64_t i = s.offset; i < s.offset + s.size; ++i) in[static_cast<std::size_t>(i)] = s.counts_in_norm;
+  }
+  double sum = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    const double x = g[i];
+    if (in[i]) sum += x * x;
+  }
+  return sum;
+}
+
+// The GPU engine's host-side plan (train/engine_state.h) run over MPI: summing each rank's
+// gradient of its rows over the planned groups gives the one-process gradient of the whole
+// batch at every item of the local vector, whole and in fsdp blocks, and the norm shares add up
+// to the one-process norm – every item counted once.
+TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
+  if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
+  dist::MpiWorld& world = dist::MpiWorld::Get();
+  auto multi = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
+  auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
+  const ShardedState& state = multi->state();
+  ProcessGroups& groups = multi->groups();
+  ASSERT_TRUE(state.OnlyExpertsAreCut());
+  const std::int64_t batch = multi->train_config().batch_size, rows = batch / state.data_size();
+  const std::vector<float> ref = RowsGradient(*one, 0, batch);
+  const std::vector<float> mine = RowsGradient(*multi, state.data_index() * rows, rows);
+  const std::vector<std::size_t> at = WholeIndex(*multi, *one);
+  const bool cut = state.experts_over_ep() && groups.ep->size() > 1;
+  const LocalModelPlan plan =
+      PlanLocalModel(state, multi->model(), cut ? groups.ep->rank() : 0, cut ? groups.ep->size() : 1);
+  ASSERT_EQ(plan.experts_cut, cut);
+  double scale = 0;
+  for (float g : ref) scale = std::max(scale, static_cast<double>(std::abs(g)));
+  ASSERT_GT(scale, 0.0);
+  const auto n = static_cast<std::int64_t>(mine.size());
+  const double ref_norm = SquaresInNorm(ref, PlanLocalModel(one->state(), one->model(), 0, 1).segments);
+
+  // The whole local vector.
+  std::vector<float> g = mine;
+  ASSERT_TRUE(SumLocalGradients(plan, {cut ? groups.same_experts.get() : groups.world, groups.ep.get()}, g).ok());
+  double worst = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(g[i]) - static_cast<double>(ref[at[i]])) / scale);
+  }
+  EXPECT_LE(worst, 1e-5) << "whole vector";
+  double norm = SquaresInNorm(g, plan.segments);
+  if (cut) {
+    ASSERT_TRUE(groups.ep->AllReduce(std::span<double>(&norm, 1), dist::ReduceOp::kSum).ok());
+  }
+  EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "whole vector";
+
+  // fsdp blocks of the padded vector, as the engine cuts them.
+  const std::int64_t shards = groups.fsdp->size();
+  if (shards == 1) return;
+  const std::int64_t shard = (n + shards * 32 - 1) / (shards * 32) * 32, first = groups.fsdp->rank() * shard;
+  std::vector<float> padded(static_cast<std::size_t>(shard * shards), 0.f), block(static_cast<std::size_t>(shard));
+  std::copy(mine.begin(), mine.end(), padded.begin());
+  auto replicas = world.comm().Split(BlockReplicaColor(groups.fsdp->rank(), plan), world.rank(), "replicas");
+  ASSERT_TRUE(replicas.ok());
+  ASSERT_TRUE(SumBlockGradients(plan, *groups.fsdp, replicas->get(), groups.ep.get(), padded, block, first).ok());
+  worst = 0;
+  for (std::int64_t i = first; i < std::min(first + shard, n); ++i) {
+    const double got = block[static_cast<std::size_t>(i - first)];
+    worst = std::max(worst, std::abs(got - static_cast<double>(ref[at[static_cast<std::size_t>(i)]])) / scale);
+  }
+  for (std::int64_t i = std::max(n, first); i < first + shard; ++i)
+    EXPECT_EQ(block[static_cast<std::size_t>(i - first)], 0.f);
+  EXPECT_LE(worst, 1e-5) << "block " << groups.fsdp->rank();
+  const std::vector<ParamSegment> sliced = SliceSegments(plan.segments, std::min(first, n), std::min(first + shard, n));
+  double block_norm = SquaresInNorm(block, sliced);
+  ASSERT_TRUE(groups.fsdp->AllReduce(std::span<double>(&block_norm, 1), dist::ReduceOp::kSum).ok());
+  if (cut) {
+    ASSERT_TRUE(groups.ep->AllReduce(std::span<double>(&block_norm, 1), dist::ReduceOp::kSum).ok());
+  }
+  EXPECT_NEAR(block_norm, ref_norm, 1e-5 * ref_norm) << "blocks";
+}
+
 TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
   dist::MpiWorld& world = dist::MpiWorld::Get();
-  auto t = MakeTrainer(Layout(ChildLayout()), &world.comm());
+  auto t = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
   auto owned = std::make_unique<RowsEngine>();
   RowsEngine& e = *owned;
   ASSERT_TRUE(t->SetEngine(std::move(owned)).ok());
@@ -211,6 +320,7 @@ TEST(WholeStateTest, UnderMpirun) {
   const struct {
     const char* layout;
     int ranks;
+    const char* rules = "megatron";
   } runs[] = {{"dp=2,fsdp_form=flat", 2},
               {"fsdp=2,fsdp_form=flat", 2},
               {"fsdp=2,fsdp_form=box", 2},
@@ -218,17 +328,20 @@ TEST(WholeStateTest, UnderMpirun) {
               // Experts cut over ep: each rank's local model (the GPU engine's EP layouts).
               {"ep=2,fsdp_form=flat", 2},
               {"ep=2,fsdp=2,fsdp_form=flat", 4},
-              {"ep=2,fsdp=2,fsdp_form=box", 4}};
+              {"ep=2,fsdp=2,fsdp_form=box", 4},
+              {"dp=2,ep=2,fsdp_form=flat", 4},
+              // ep as one more data axis (EP over tp with tp = 1).
+              {"ep=2,fsdp=2,fsdp_form=flat", 4, "ep-over-tp"}};
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const auto& run : runs) {
     const auto r =
-        testing::RunShell(std::string("RS_WHOLE_STATE_LAYOUT=") + run.layout +
+        testing::RunShell(std::string("RS_WHOLE_STATE_LAYOUT=") + run.layout + " RS_WHOLE_STATE_RULES=" + run.rules +
                           " timeout 300 mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(run.ranks) +
                           " " + self + " --gtest_color=no --gtest_filter='WholeStateRank.*' 2>&1");
     EXPECT_EQ(r.exit_code, 0) << run.layout << "\n" << r.output;
     std::size_t passed = 0;
-    for (std::size_t at = r.output.find("[  PASSED  ] 2 tests"); at != std::string::npos;
-         at = r.output.find("[  PASSED  ] 2 tests", at + 1)) {
+    for (std::size_t at = r.output.find("[  PASSED  ] 3 tests"); at != std::string::npos;
+         at = r.output.find("[  PASSED  ] 3 tests", at + 1)) {
       ++passed;
     }
     EXPECT_EQ(passed, static_cast<std::size_t>(run.ranks)) << run.layout << "\n" << r.output;

@@ -9,6 +9,7 @@
 #include "train/cuda/engine.h"
 #include "train/cuda/model.h"
 #include "train/cuda/optimizer.h"
+#include "train/engine_state.h"
 
 namespace rs::cuda {
 namespace {
@@ -52,8 +53,9 @@ class CudaEngine final : public train::StepEngine {
       experts = {groups.ep->size(), groups.ep->rank()};
       RS_CHECK(c.n_experts % experts.ranks == 0 &&
                state.expert_offset() == experts.index * (c.n_experts / experts.ranks));
-      ep_index_ = experts.index;
     }
+    // Which items count in the norm here and over which ranks each gradient is summed.
+    plan_ = train::PlanLocalModel(state, host, experts.index, experts.ranks);
     // With fsdp the optimizer state is cut into fsdp_size equal blocks of the padded vector
     // (blocks of whole 128-byte lines); the model's arrays are padded to match.
     shards_ = ranks > 1 ? state.fsdp_size() : 1;
@@ -88,7 +90,7 @@ class CudaEngine final : public train::StepEngine {
         // dp only (the block's items outside the experts are then summed over ep as well).
         const std::int64_t ep_ranks = experts.ranks;
         RS_ASSIGN_OR_RETURN(replica_host_,
-                            groups.world->Split(shard_index_ * ep_ranks + experts.index, groups.world->rank(),
+                            groups.world->Split(train::BlockReplicaColor(shard_index_, plan_), groups.world->rank(),
                                                 "ranks of fsdp block " + std::to_string(shard_index_)));
         RS_CHECK(replica_host_->size() * shards_ * ep_ranks == ranks);
         if (replica_host_->size() > 1) {
@@ -106,25 +108,10 @@ class CudaEngine final : public train::StepEngine {
     RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.master(), host, params));
     RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.optimizer().exp_avg(), host, m));
     RS_RETURN_IF_ERROR(state.GatherLocal(groups, state.optimizer().exp_avg_sq(), host, v));
-    // With experts cut over ep, the items outside the experts are the same on every ep rank:
-    // only ep rank 0 counts them in the norm, whose share is then summed over ep.
-    std::vector<train::ParamSegment> segments;
-    shared_runs_.clear();
     for (std::size_t i = 0; i < model_->specs().size(); ++i) {
       RS_CHECK(model_->offset(i) == host.offset(i) && model_->specs()[i].numel() == host.numel(i));
-      const bool expert = ep_comm_ != nullptr && state.CutOverEp(i);
-      if (ep_comm_ != nullptr && !expert) {  // one run per stretch of tensors outside the experts
-        if (!shared_runs_.empty() && shared_runs_.back().second == model_->offset(i)) {
-          shared_runs_.back().second += host.numel(i);
-        } else {
-          shared_runs_.push_back({model_->offset(i), model_->offset(i) + host.numel(i)});
-        }
-      }
-      if (!host.trainable(i)) continue;
-      segments.push_back({model_->offset(i), host.numel(i), /*trainable=*/true,
-                          /*decay=*/model_->specs()[i].shape.size() >= 2,
-                          /*counts_in_norm=*/ep_comm_ == nullptr || expert || ep_index_ == 0});
     }
+    const std::vector<train::ParamSegment>& segments = plan_.segments;
     model_->UploadParams(params);
     model_->EnableDispatchTiming(true);
     // This rank's block [begin, begin + shard) of the moments and the optimizer's treatment
@@ -164,22 +151,13 @@ class CudaEngine final : public train::StepEngine {
     if (shards_ > 1) {
       RS_RETURN_IF_ERROR(ShardedUpdate(oc.clip_norm, scalars));
     } else {
-      const std::span<float> grads(model_->grads(), static_cast<std::size_t>(p));
-      if (ep_comm_ != nullptr) {
-        // Experts cut over ep: everything over the ranks with the same experts, then what lies
-        // outside the experts over ep as well – so every item is summed over the ranks that
-        // hold it.
-        if (same_experts_comm_ != nullptr) {
-          RS_RETURN_IF_ERROR(
-              same_experts_comm_->AllReduce(grads, dist::ReduceOp::kSum).WithContext("gradient all-reduce"));
-        }
-        RS_RETURN_IF_ERROR(ReduceSharedRuns(grads, 0));
-      } else if (comm_ != nullptr) {
-        // Each rank's gradients are its rows' share of the batch's: their sum is the gradient.
-        // Every rank then runs the same update on the same numbers (the optimizer state is
-        // replicated on the devices; checkpoints hold each rank's owned part).
-        RS_RETURN_IF_ERROR(comm_->AllReduce(grads, dist::ReduceOp::kSum).WithContext("gradient all-reduce"));
-      }
+      // Each rank's gradients are its rows' share of the batch's: summed over the ranks that hold
+      // each item (train/engine_state.h), every rank then runs the same update on the same
+      // numbers (the optimizer state is replicated on the devices; checkpoints hold each
+      // rank's owned part).
+      const train::GradientGroups sum{plan_.experts_cut ? same_experts_comm_.get() : comm_.get(), ep_comm_.get()};
+      RS_RETURN_IF_ERROR(
+          train::SumLocalGradients(plan_, sum, std::span<float>(model_->grads(), static_cast<std::size_t>(p))));
       GradSumOfSquares(model_->grads(), kinds_.get(), p, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
       if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
       ClipScale(oc.clip_norm, norm_.get(), st);
@@ -276,23 +254,6 @@ class CudaEngine final : public train::StepEngine {
     return MakeHostStagedCommunicator(host, model_->stream());
   }
 
-  // Sums over ep the items of `part` (items [first, first + size) of the local vector) that lie
-  // outside the experts; nothing without expert parallelism.
-  Status ReduceSharedRuns(std::span<float> part, std::int64_t first) {
-    if (ep_comm_ == nullptr) return Status::Ok();
-    const std::int64_t last = first + static_cast<std::int64_t>(part.size());
-    for (const auto& [lo, hi] : shared_runs_) {
-      const std::int64_t a = std::max(lo, first), b = std::min(hi, last);
-      if (a >= b) continue;
-      RS_RETURN_IF_ERROR(
-          ep_comm_
-              ->AllReduce(part.subspan(static_cast<std::size_t>(a - first), static_cast<std::size_t>(b - a)),
-                          dist::ReduceOp::kSum)
-              .WithContext("gradient all-reduce over ep"));
-    }
-    return Status::Ok();
-  }
-
   // norm_->sum_of_squares (device) summed over `group`.
   Status ReduceNormOver(dist::Communicator& group) {
     static_assert(offsetof(DeviceGradNorm, sum_of_squares) == 0);
@@ -337,15 +298,9 @@ class CudaEngine final : public train::StepEngine {
     const auto n = static_cast<std::size_t>(shard_);
     const auto whole = static_cast<std::size_t>(model_->param_capacity());
     float* mine = model_->master() + shard_index_ * shard_;
-    RS_RETURN_IF_ERROR(
-        fsdp_comm_
-            ->ReduceScatter(std::span<const float>(model_->grads(), whole), std::span<float>(grad_shard_.get(), n))
-            .WithContext("gradient reduce-scatter"));
-    if (replica_comm_ != nullptr) {
-      RS_RETURN_IF_ERROR(replica_comm_->AllReduce(std::span<float>(grad_shard_.get(), n), dist::ReduceOp::kSum)
-                             .WithContext("gradient all-reduce over the block's replicas"));
-    }
-    RS_RETURN_IF_ERROR(ReduceSharedRuns(std::span<float>(grad_shard_.get(), n), shard_index_ * shard_));
+    RS_RETURN_IF_ERROR(train::SumBlockGradients(plan_, *fsdp_comm_, replica_comm_.get(), ep_comm_.get(),
+                                                std::span<const float>(model_->grads(), whole),
+                                                std::span<float>(grad_shard_.get(), n), shard_index_ * shard_));
     GradSumOfSquares(grad_shard_.get(), kinds_.get(), shard_, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
     RS_RETURN_IF_ERROR(ReduceNormOver(*fsdp_comm_));
     if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
@@ -379,11 +334,9 @@ class CudaEngine final : public train::StepEngine {
   std::int64_t shards_ = 1, shard_index_ = 0, shard_ = 0;
   std::unique_ptr<dist::Communicator> replica_host_;  // host group under replica_comm_ (outlives it)
   // Experts cut over ep: the ep group and the same-experts group (dp × fsdp, without fsdp
-  // sharding) over device memory; the stretches [begin, end) of the local vector outside the
-  // experts (summed over ep as well).
-  std::int64_t ep_index_ = 0;
+  // sharding) over device memory; which ranks sum which items (train/engine_state.h).
   std::unique_ptr<dist::Communicator> ep_comm_, same_experts_comm_;
-  std::vector<std::pair<std::int64_t, std::int64_t>> shared_runs_;
+  train::LocalModelPlan plan_;
   std::unique_ptr<dist::Communicator> fsdp_comm_, replica_comm_;
   DeviceArray<float> grad_shard_;
   DeviceArray<float> exp_avg_, exp_avg_sq_;
