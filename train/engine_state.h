@@ -53,6 +53,12 @@ Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& group
 Status SumBlockGradients(const LocalModelPlan& plan, dist::Communicator& fsdp, dist::Communicator* replicas,
                          dist::Communicator* ep, std::span<const float> grads, std::span<float> block,
                          std::int64_t first);
+// Items per block when a vector of `items` is cut into `blocks` equal blocks of whole 128-byte
+// lines (32 f32 items); the padding past `items` belongs to the last blocks.
+inline std::int64_t BlockItems(std::int64_t items, std::int64_t blocks) {
+  constexpr std::int64_t kLine = 32;
+  return blocks == 1 ? items : (items + blocks * kLine - 1) / (blocks * kLine) * kLine;
+}
 // The color that splits the world into the groups holding the same block of the same vector.
 inline std::int64_t BlockReplicaColor(std::int64_t block, const LocalModelPlan& plan) {
   return plan.experts_cut ? block * plan.ep_size + plan.ep_index : block;

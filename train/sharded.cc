@@ -505,9 +505,7 @@ bool ShardedState::OnlyExpertsAreCut() const {
 
 bool ShardedState::WholeModelOnEveryRank() const { return OnlyExpertsAreCut() && !experts_over_ep_; }
 
-bool ShardedState::CutOverEp(std::size_t i) const {
-  return experts_over_ep_ && local_specs_[i].shape != ModelParameters(config_)[i].shape;
-}
+bool ShardedState::CutOverEp(std::size_t i) const { return experts_over_ep_ && local_specs_[i].expert; }
 
 Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
                                  std::span<float> local) const {

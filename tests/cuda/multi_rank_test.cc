@@ -129,6 +129,13 @@ TEST(DeviceCommRank, CollectivesMatchTheHostArithmetic) {
       const std::vector<float> want = Values<float>(q, n);
       EXPECT_TRUE(std::equal(want.begin(), want.end(), all.begin() + static_cast<std::ptrdiff_t>(q * n))) << q;
     }
+    // In place, as the sharded optimizer gathers its blocks: this rank's block already sits at
+    // its offset of the receive buffer (the host-staged form needs a receive buffer of its own).
+    DeviceArray<float> inplace(ni * pi);
+    float* at = inplace.get() + static_cast<std::int64_t>(me) * ni;
+    RS_CUDA_CHECK(cudaMemcpy(at, send.get(), n * sizeof(float), cudaMemcpyDeviceToDevice));
+    ASSERT_TRUE(comm->AllGather(std::span<const float>(at, n), std::span<float>(inplace.get(), n * p)).ok());
+    EXPECT_EQ(inplace.Download(), all);
     DeviceArray<float> block(ni);
     ASSERT_TRUE(comm->ReduceScatter(std::span<const float>(recv.get(), n * p), std::span<float>(block.get(), n)).ok());
     const std::vector<float> mine = block.Download();

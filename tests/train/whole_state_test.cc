@@ -238,7 +238,7 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
   // fsdp blocks of the padded vector, as the engine cuts them.
   const std::int64_t shards = groups.fsdp->size();
   if (shards == 1) return;
-  const std::int64_t shard = (n + shards * 32 - 1) / (shards * 32) * 32, first = groups.fsdp->rank() * shard;
+  const std::int64_t shard = BlockItems(n, shards), first = groups.fsdp->rank() * shard;
   std::vector<float> padded(static_cast<std::size_t>(shard * shards), 0.f), block(static_cast<std::size_t>(shard));
   std::copy(mine.begin(), mine.end(), padded.begin());
   auto replicas = world.comm().Split(BlockReplicaColor(groups.fsdp->rank(), plan), world.rank(), "replicas");

@@ -60,9 +60,7 @@ class CudaEngine final : public train::StepEngine {
     // (blocks of whole 128-byte lines); the model's arrays are padded to match.
     shards_ = ranks > 1 ? state.fsdp_size() : 1;
     shard_index_ = shards_ > 1 ? state.fsdp_index() : 0;
-    const auto total = static_cast<std::int64_t>(host.params().size());
-    const std::int64_t line = 32;
-    shard_ = shards_ == 1 ? total : (total + shards_ * line - 1) / (shards_ * line) * line;
+    shard_ = train::BlockItems(static_cast<std::int64_t>(host.params().size()), shards_);
     model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len(), nullptr,
                                                  shard_ * shards_, experts);
     if (ranks > 1) {
