@@ -12,10 +12,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "train/cuda/device.h"
@@ -78,7 +80,8 @@ struct DeviceResult {
 };
 
 DeviceResult RunDevice(const train::RouterOptions& o, const std::vector<float>& logits, std::int64_t n,
-                       const std::vector<float>& bias, const std::vector<float>& dprobs) {
+                       const std::vector<float>& bias, const std::vector<float>& dprobs, const RouterBatch& batch = {},
+                       cudaStream_t stream = nullptr) {
   const std::int64_t e = o.num_experts, k = o.top_k;
   DeviceArray<float> d_logits(logits), d_bias(bias), d_dprobs(dprobs);
   DeviceArray<float> d_zero(std::vector<float>(static_cast<std::size_t>(n * k), 0.f));
@@ -97,13 +100,17 @@ DeviceResult RunDevice(const train::RouterOptions& o, const std::vector<float>& 
   out.aux_loss = aux.get();
   out.z_loss = z.get();
   out.sinkhorn_iterations = iterations.get();
-  RouterForward(o, d_logits.get(), n, d_bias.get(), out, ws.get(), ws_bytes, nullptr);
-  DeviceResult r;
-  RouterBackward(o, d_logits.get(), n, experts.get(), probs.get(), loads.get(), d_dprobs.get(), dlogits.get(), nullptr);
-  r.dlogits = dlogits.Download();
-  RouterBackward(o, d_logits.get(), n, experts.get(), probs.get(), loads.get(), d_zero.get(), dlogits.get(), nullptr);
-  r.dlogits_losses = dlogits.Download();
   RS_CUDA_CHECK(cudaDeviceSynchronize());
+  RouterForward(o, d_logits.get(), n, d_bias.get(), out, ws.get(), ws_bytes, stream, batch);
+  DeviceResult r;
+  RouterBackward(o, d_logits.get(), n, experts.get(), probs.get(), loads.get(), d_dprobs.get(), dlogits.get(), stream,
+                 batch.global_rows);
+  RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  r.dlogits = dlogits.Download();
+  RouterBackward(o, d_logits.get(), n, experts.get(), probs.get(), loads.get(), d_zero.get(), dlogits.get(), stream,
+                 batch.global_rows);
+  RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  r.dlogits_losses = dlogits.Download();
   r.experts = experts.Download();
   r.probs = probs.Download();
   r.loads = loads.Download();
@@ -177,6 +184,15 @@ TEST_P(RouterCudaTest, MatchesCpuRouter) {
     std::int64_t iterations = 0;
     train::SinkhornBalance(logits.data(), n, e, o.sinkhorn_tol, o.sinkhorn_max_iters, &iterations);
     EXPECT_EQ(got.iterations, iterations);
+    // The several-rank form (separate launches around the all-reduces), here with one rank:
+    // the same sums in the same order, so the same bits.
+    RouterBatch one;
+    one.reduce = [](double*, std::int64_t, dist::ReduceOp, cudaStream_t) {};
+    const DeviceResult split = RunDevice(o, logits, n, bias, dprobs, one);
+    EXPECT_EQ(split.experts, got.experts);
+    EXPECT_EQ(split.probs, got.probs);
+    EXPECT_EQ(split.iterations, got.iterations);
+    EXPECT_EQ(split.dlogits, got.dlogits);
   }
   std::printf("[worst/tol] probs %.3f (abs %.2e)  aux %.3f  z %.3f  dlogits %.3f (abs %.2e)  loss-only dlogits %.3f\n",
               probs.ratio, probs.abs, aux.ratio, z.ratio, dl.ratio, dl.abs, dl_losses.ratio);
@@ -279,6 +295,93 @@ TEST_F(RouterCudaMiscTest, WorkspaceOfTheQueriedSizeSuffices) {
       EXPECT_EQ(experts.Download(), router.Forward(logits.data(), n, nullptr).experts)
           << RouterKindName(kind) << " n=" << n;
     }
+  }
+}
+
+// Ranks on one GPU, a host thread and a stream each, all-reducing device arrays through host
+// memory in rank order (what the data group's communicator does for the router's hooks).
+class HostGroup {
+ public:
+  explicit HostGroup(int ranks) : sync_(ranks), slots_(static_cast<std::size_t>(ranks)) {}
+  template <typename T>
+  void AllReduce(int rank, T* values, std::int64_t count, dist::ReduceOp op, cudaStream_t stream) {
+    std::vector<T> mine(static_cast<std::size_t>(count));
+    RS_CUDA_CHECK(cudaMemcpyAsync(mine.data(), values, mine.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    slots_[static_cast<std::size_t>(rank)].assign(mine.begin(), mine.end());
+    sync_.arrive_and_wait();
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      double r = slots_[0][i];
+      for (std::size_t q = 1; q < slots_.size(); ++q)
+        r = op == dist::ReduceOp::kMax ? std::max(r, slots_[q][i]) : r + slots_[q][i];
+      mine[i] = static_cast<T>(r);
+    }
+    sync_.arrive_and_wait();
+    RS_CUDA_CHECK(cudaMemcpyAsync(values, mine.data(), mine.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+    RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+ private:
+  std::barrier<> sync_;
+  std::vector<std::vector<double>> slots_;
+};
+
+// Sinkhorn with the batch's rows spread over two ranks balances the whole batch: the experts,
+// loads, gate weights, losses and gradients of the CPU router over all rows, and its iterations.
+TEST_F(RouterCudaMiscTest, SinkhornOverTwoRanksMatchesCpuOverTheWholeBatch) {
+  for (std::int64_t k : {1, 2}) {
+    const Case cs{RouterKind::kSinkhorn, 40, k};
+    const train::RouterOptions o = Options(cs);
+    const std::int64_t n = 333, first_rows = 170, e = cs.e;
+    std::mt19937 rng(static_cast<unsigned>(31 + k));
+    const std::vector<float> logits = Normal(static_cast<std::size_t>(n * e), rng, 2.f);
+    const std::vector<float> dprobs = Normal(static_cast<std::size_t>(n * k), rng, 1.f);
+    train::Router<float> router(o);
+    const train::Routing<float> want = router.Forward(logits.data(), n, nullptr);
+    std::vector<float> want_dl(static_cast<std::size_t>(n * e));
+    router.Backward(dprobs.data(), want_dl.data());
+    std::int64_t want_iterations = 0;
+    train::SinkhornBalance(logits.data(), n, e, o.sinkhorn_tol, o.sinkhorn_max_iters, &want_iterations);
+
+    HostGroup group(2);
+    DeviceResult got[2];
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, r] {
+        const std::int64_t begin = r == 0 ? 0 : first_rows, rows = r == 0 ? first_rows : n - first_rows;
+        const std::vector<float> l(logits.begin() + begin * e, logits.begin() + (begin + rows) * e);
+        const std::vector<float> dp(dprobs.begin() + begin * k, dprobs.begin() + (begin + rows) * k);
+        cudaStream_t stream = nullptr;
+        RS_CUDA_CHECK(cudaStreamCreate(&stream));
+        RouterBatch batch;
+        batch.global_rows = n;
+        batch.all_reduce = [&, r](std::int64_t* loads, double* sums, std::int64_t experts, cudaStream_t st) {
+          group.AllReduce(r, loads, experts, dist::ReduceOp::kSum, st);
+          group.AllReduce(r, sums, experts + 1, dist::ReduceOp::kSum, st);
+        };
+        batch.reduce = [&, r](double* values, std::int64_t count, dist::ReduceOp op, cudaStream_t st) {
+          group.AllReduce(r, values, count, op, st);
+        };
+        got[r] = RunDevice(o, l, rows, {}, dp, batch, stream);
+        RS_CUDA_CHECK(cudaStreamDestroy(stream));
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    DeviceResult all = got[0];
+    all.experts.insert(all.experts.end(), got[1].experts.begin(), got[1].experts.end());
+    all.probs.insert(all.probs.end(), got[1].probs.begin(), got[1].probs.end());
+    all.dlogits.insert(all.dlogits.end(), got[1].dlogits.begin(), got[1].dlogits.end());
+    ASSERT_EQ(all.experts, want.experts) << "k=" << k;
+    EXPECT_EQ(got[0].loads, want.loads);
+    EXPECT_EQ(got[1].loads, want.loads);
+    EXPECT_EQ(got[0].iterations, want_iterations);
+    EXPECT_EQ(got[1].iterations, want_iterations);
+    EXPECT_LE(Compare(all.probs, want.probs, kProbAtol).ratio, 1.0);
+    for (const DeviceResult& g : got) {
+      EXPECT_LE(Compare({g.aux}, {static_cast<float>(want.aux_loss)}, kProbAtol).ratio, 1.0);
+      EXPECT_LE(Compare({g.z}, {static_cast<float>(want.z_loss)}, kProbAtol).ratio, 1.0);
+    }
+    EXPECT_LE(Compare(all.dlogits, want_dl, kGradAtolOfMax * MaxAbs(want_dl)).ratio, 1.0);
   }
 }
 

@@ -36,10 +36,6 @@ class CudaEngine final : public train::StepEngine {
                            " cuts the model with tensor, expert-tensor or context parallelism, which the GPU path "
                            "does not have yet (the CPU path trains it)");
     }
-    if (ranks > 1 && c.router == RouterKind::kSinkhorn) {
-      return Unimplemented("train: " + Describe() + " runs the Sinkhorn router on one GPU only (" +
-                           std::to_string(ranks) + " ranks asked for); the CPU path trains it on several");
-    }
     if (state.data_size() != ranks) {  // e.g. etp over a model without experts: ranks that share rows
       return Unimplemented("train: " + Describe() + " gives every rank its own rows; layout " +
                            state.layout().ToString() + " has " + std::to_string(ranks) + " ranks over " +

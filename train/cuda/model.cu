@@ -287,8 +287,6 @@ template <typename T>
 void GpuTransformer<T>::SetDataParallel(dist::Communicator* data, std::int64_t global_tokens) {
   RS_CHECK_MSG(data == nullptr || data->size() == 1 || global_tokens >= n_,
                "a batch of " << global_tokens << " tokens, this rank has " << n_);
-  RS_CHECK_MSG(data == nullptr || data->size() == 1 || c_.router != RouterKind::kSinkhorn,
-               "the Sinkhorn router trains on one GPU only");
   data_ = data;
   global_n_ = global_tokens;
 }
@@ -528,6 +526,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     batch.all_reduce = [this](std::int64_t* loads, double* sums, std::int64_t experts, cudaStream_t) {
       ReduceData(std::span<std::int64_t>(loads, static_cast<std::size_t>(experts)));
       ReduceData(std::span<double>(sums, static_cast<std::size_t>(experts + 1)));
+    };
+    batch.reduce = [this](double* values, std::int64_t count, dist::ReduceOp op, cudaStream_t) {
+      ReduceData(std::span<double>(values, static_cast<std::size_t>(count)), op);
     };
   }
 

@@ -147,8 +147,8 @@ class GpuTransformer {
   double dispatch_ms_ = 0;
   void Mark();  // records the next event when timing
   template <typename U>
-  void ReduceData(std::span<U> x) {
-    if (comm_status_.ok()) comm_status_ = data_->AllReduce(x, dist::ReduceOp::kSum);
+  void ReduceData(std::span<U> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
+    if (comm_status_.ok()) comm_status_ = data_->AllReduce(x, op);
   }
   dist::Communicator* data_ = nullptr;
   std::int64_t global_n_ = 0;

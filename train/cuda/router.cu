@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- Sinkhorn: one cooperative kernel, every iteration on the device. ----
+// ---- Sinkhorn: one cooperative kernel on one rank, launches around all-reduces on several. ----
 
 struct SinkhornParams {
   const float* logits;
@@ -408,6 +408,7 @@ struct SinkhornParams {
   int chunks;
   double tol;
   std::int64_t max_iters;
+  double inv_n;         // 1 / rows of the whole batch
   float* chunk_max;     // [chunks]
   float* gmax;          // [1]
   double* d0;           // [n] row scalings
@@ -415,102 +416,170 @@ struct SinkhornParams {
   double* col_part;     // [chunks, E]
   double* col_change;   // [E] relative change of each column scaling in the last iteration
   std::int32_t* iters;  // [1]
+  // Several ranks only: the global maximum as a double, the column sums and the largest change.
+  double* gmax_all;  // [1]
+  double* col_sum;   // [E]
+  double* change;    // [1]
 };
 
-// Phases separated by grid-wide barriers: (0) the maximum of the logits; then per iteration
-// (A) row scalings d0 = (1/N) / (C d1) and per-chunk column partials of d0ᵀC, (B) column sums
-// over the chunks in order and d1 = (1/E) / colsum, with each column's change. After B every
-// block reads the largest change and all take the same decision to stop, so no flag has to be
-// published. C = exp(l − max) is recomputed from the f32 logits in each pass (cheaper than
-// reading an f64 copy; the values are bitwise the same each time).
-template <int VPL>
-__global__ void __launch_bounds__(kThreads) SinkhornKernel(SinkhornParams p) {
-  constexpr int kCols = 32 * VPL;
-  __shared__ double s_col[kWarps][kCols];
-  __shared__ double scratch[kWarps];
-  cg::grid_group grid = cg::this_grid();
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  const int e = p.e;
+// The phases, shared by the one-rank kernel and the several-rank launches so that both take
+// every sum in the same order: (0) the maximum of the logits; then per iteration (A) row
+// scalings d0 = (1/N) / (C d1) and per-chunk column partials of d0ᵀC, (B) column sums over the
+// chunks in order and d1 = (1/E) / colsum, with each column's change. C = exp(l − max) is
+// recomputed from the f32 logits in each pass (cheaper than reading an f64 copy; the values are
+// bitwise the same each time).
 
-  for (int c = static_cast<int>(blockIdx.x); c < p.chunks; c += static_cast<int>(gridDim.x)) {
-    float m = -INFINITY;
-    for (int r = warp; r < kChunkRows; r += kWarps) {
-      const std::int64_t t = static_cast<std::int64_t>(c) * kChunkRows + r;
-      if (t >= p.n) break;
+// (0) for chunk c: its largest logit; d0 = 1 on its rows (what is left when max_iters = 0).
+template <int VPL>
+__device__ void SinkhornChunkMax(const SinkhornParams& p, int c, double* scratch) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  float m = -INFINITY;
+  for (int r = warp; r < kChunkRows; r += kWarps) {
+    const std::int64_t t = static_cast<std::int64_t>(c) * kChunkRows + r;
+    if (t >= p.n) break;
 #pragma unroll
-      for (int i = 0; i < VPL; ++i) {
-        if (lane + 32 * i < e) m = fmaxf(m, __ldg(p.logits + t * e + lane + 32 * i));
-      }
-      if (lane == 0) p.d0[t] = 1.0;  // what is left when max_iters = 0
+    for (int i = 0; i < VPL; ++i) {
+      if (lane + 32 * i < p.e) m = fmaxf(m, __ldg(p.logits + t * p.e + lane + 32 * i));
     }
-    const double bm = BlockMax(static_cast<double>(m), scratch);
-    if (threadIdx.x == 0) p.chunk_max[c] = static_cast<float>(bm);
+    if (lane == 0) p.d0[t] = 1.0;
   }
-  if (blockIdx.x == 0) {
-    for (int j = static_cast<int>(threadIdx.x); j < e; j += kThreads) p.d1[j] = 1.0;
-  }
-  grid.sync();
+  const double bm = BlockMax(static_cast<double>(m), scratch);
+  if (threadIdx.x == 0) p.chunk_max[c] = static_cast<float>(bm);
+}
+
+// The maximum over the chunks (exact: every block gets the same).
+__device__ double SinkhornGlobalMax(const SinkhornParams& p, double* scratch) {
   double m = -INFINITY;
   for (int c = static_cast<int>(threadIdx.x); c < p.chunks; c += kThreads)
     m = fmax(m, static_cast<double>(p.chunk_max[c]));
-  const double gmax = BlockMax(m, scratch);  // a maximum is exact: every block gets the same
+  return BlockMax(m, scratch);
+}
 
-  const double inv_n = 1.0 / static_cast<double>(p.n), inv_e = 1.0 / e;
+// (A) for chunk c.
+template <int VPL>
+__device__ void SinkhornRows(const SinkhornParams& p, int c, double gmax, double (*s_col)[32 * VPL]) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int e = p.e;
+  double d1[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) d1[i] = lane + 32 * i < e ? p.d1[lane + 32 * i] : 0.0;
+  double acc[VPL] = {};
+  for (int r = warp; r < kChunkRows; r += kWarps) {
+    const std::int64_t t = static_cast<std::int64_t>(c) * kChunkRows + r;
+    if (t >= p.n) break;
+    double cv[VPL];
+    double part = 0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int j = lane + 32 * i;
+      cv[i] = j < e ? exp(static_cast<double>(__ldg(p.logits + t * e + j)) - gmax) : 0.0;
+      part += cv[i] * d1[i];
+    }
+    const double d0 = p.inv_n / WarpSum(part);
+    if (lane == 0) p.d0[t] = d0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) acc[i] += d0 * cv[i];
+  }
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) s_col[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  for (int j = static_cast<int>(threadIdx.x); j < e; j += kThreads) {
+    double s = 0;
+    for (int w = 0; w < kWarps; ++w) s += s_col[w][j];
+    p.col_part[static_cast<std::int64_t>(c) * e + j] = s;
+  }
+  __syncthreads();
+}
+
+// (B) column j's sum over the chunks, in chunk order (every thread gets it).
+__device__ double SinkhornColumnSum(const SinkhornParams& p, int j, double* scratch) {
+  double s = 0;
+  for (int c = static_cast<int>(threadIdx.x); c < p.chunks; c += kThreads)
+    s += p.col_part[static_cast<std::int64_t>(c) * p.e + j];
+  return BlockSum(s, scratch);
+}
+__device__ void SinkhornUpdateColumn(const SinkhornParams& p, int j, double sum) {
+  const double next = (1.0 / p.e) / sum;
+  p.col_change[j] = fabs(next / p.d1[j] - 1.0);
+  p.d1[j] = next;
+}
+__device__ double SinkhornLargestChange(const SinkhornParams& p, double* scratch) {
+  double ch = 0;
+  for (int j = static_cast<int>(threadIdx.x); j < p.e; j += kThreads) ch = fmax(ch, p.col_change[j]);
+  return BlockMax(ch, scratch);
+}
+
+// One rank: every phase in one cooperative kernel, grid-wide barriers between them. After B
+// every block reads the largest change and all take the same decision to stop, so no flag has
+// to be published and nothing goes back to the host.
+template <int VPL>
+__global__ void __launch_bounds__(kThreads) SinkhornKernel(SinkhornParams p) {
+  __shared__ double s_col[kWarps][32 * VPL];
+  __shared__ double scratch[kWarps];
+  cg::grid_group grid = cg::this_grid();
+  for (int c = static_cast<int>(blockIdx.x); c < p.chunks; c += static_cast<int>(gridDim.x)) {
+    SinkhornChunkMax<VPL>(p, c, scratch);
+  }
+  if (blockIdx.x == 0) {
+    for (int j = static_cast<int>(threadIdx.x); j < p.e; j += kThreads) p.d1[j] = 1.0;
+  }
+  grid.sync();
+  const double gmax = SinkhornGlobalMax(p, scratch);
   std::int64_t it = 0;
   while (it < p.max_iters) {
     ++it;
-    double d1[VPL];
-#pragma unroll
-    for (int i = 0; i < VPL; ++i) d1[i] = lane + 32 * i < e ? p.d1[lane + 32 * i] : 0.0;
     for (int c = static_cast<int>(blockIdx.x); c < p.chunks; c += static_cast<int>(gridDim.x)) {
-      double acc[VPL] = {};
-      for (int r = warp; r < kChunkRows; r += kWarps) {
-        const std::int64_t t = static_cast<std::int64_t>(c) * kChunkRows + r;
-        if (t >= p.n) break;
-        double cv[VPL];
-        double part = 0;
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) {
-          const int j = lane + 32 * i;
-          cv[i] = j < e ? exp(static_cast<double>(__ldg(p.logits + t * e + j)) - gmax) : 0.0;
-          part += cv[i] * d1[i];
-        }
-        const double d0 = inv_n / WarpSum(part);
-        if (lane == 0) p.d0[t] = d0;
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) acc[i] += d0 * cv[i];
-      }
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) s_col[warp][lane + 32 * i] = acc[i];
-      __syncthreads();
-      for (int j = static_cast<int>(threadIdx.x); j < e; j += kThreads) {
-        double s = 0;
-        for (int w = 0; w < kWarps; ++w) s += s_col[w][j];
-        p.col_part[static_cast<std::int64_t>(c) * e + j] = s;
-      }
-      __syncthreads();
+      SinkhornRows<VPL>(p, c, gmax, s_col);
     }
     grid.sync();
-    for (int j = static_cast<int>(blockIdx.x); j < e; j += static_cast<int>(gridDim.x)) {
-      double s = 0;
-      for (int c = static_cast<int>(threadIdx.x); c < p.chunks; c += kThreads)
-        s += p.col_part[static_cast<std::int64_t>(c) * e + j];
-      s = BlockSum(s, scratch);
-      if (threadIdx.x == 0) {
-        const double next = inv_e / s;
-        p.col_change[j] = fabs(next / p.d1[j] - 1.0);
-        p.d1[j] = next;
-      }
+    for (int j = static_cast<int>(blockIdx.x); j < p.e; j += static_cast<int>(gridDim.x)) {
+      const double s = SinkhornColumnSum(p, j, scratch);
+      if (threadIdx.x == 0) SinkhornUpdateColumn(p, j, s);
     }
     grid.sync();
-    double ch = 0;
-    for (int j = static_cast<int>(threadIdx.x); j < e; j += kThreads) ch = fmax(ch, p.col_change[j]);
-    if (BlockMax(ch, scratch) < p.tol) break;
+    if (SinkhornLargestChange(p, scratch) < p.tol) break;
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *p.iters = static_cast<std::int32_t>(it);
     *p.gmax = static_cast<float>(gmax);
   }
+}
+
+// Several ranks: the same phases as separate launches; the host all-reduces the maximum and
+// the column sums between them and reads the largest change to decide on the next iteration.
+template <int VPL>
+__global__ void __launch_bounds__(kThreads) SinkhornMaxSplitKernel(SinkhornParams p) {
+  __shared__ double scratch[kWarps];
+  SinkhornChunkMax<VPL>(p, static_cast<int>(blockIdx.x), scratch);
+  if (blockIdx.x == 0) {
+    for (int j = static_cast<int>(threadIdx.x); j < p.e; j += kThreads) p.d1[j] = 1.0;
+  }
+}
+__global__ void __launch_bounds__(kThreads) SinkhornGlobalMaxSplitKernel(SinkhornParams p) {
+  __shared__ double scratch[kWarps];
+  const double m = SinkhornGlobalMax(p, scratch);
+  if (threadIdx.x == 0) *p.gmax_all = m;
+}
+template <int VPL>
+__global__ void __launch_bounds__(kThreads) SinkhornRowsSplitKernel(SinkhornParams p) {
+  __shared__ double s_col[kWarps][32 * VPL];
+  SinkhornRows<VPL>(p, static_cast<int>(blockIdx.x), *p.gmax_all, s_col);
+}
+__global__ void __launch_bounds__(kThreads) SinkhornColumnSumSplitKernel(SinkhornParams p) {
+  __shared__ double scratch[kWarps];
+  const double s = SinkhornColumnSum(p, static_cast<int>(blockIdx.x), scratch);
+  if (threadIdx.x == 0) p.col_sum[blockIdx.x] = s;
+}
+__global__ void __launch_bounds__(kThreads) SinkhornUpdateSplitKernel(SinkhornParams p) {
+  __shared__ double scratch[kWarps];
+  for (int j = static_cast<int>(threadIdx.x); j < p.e; j += kThreads) SinkhornUpdateColumn(p, j, p.col_sum[j]);
+  __syncthreads();
+  const double ch = SinkhornLargestChange(p, scratch);
+  if (threadIdx.x == 0) *p.change = ch;
+}
+__global__ void SinkhornFinishSplitKernel(SinkhornParams p, std::int64_t iterations) {
+  *p.iters = static_cast<std::int32_t>(iterations);
+  *p.gmax = static_cast<float>(*p.gmax_all);
 }
 
 // ---- Backward: one warp per token, recomputing softmax / sigmoid from the logits. ----
@@ -679,6 +748,7 @@ struct Workspace {
   double* col_part = nullptr;
   double* col_change = nullptr;
   std::int32_t* iters = nullptr;
+  double *gmax_all = nullptr, *col_sum = nullptr, *change = nullptr;
   std::size_t bytes = 0;
 };
 
@@ -704,6 +774,9 @@ Workspace Carve(const RouterOptions& c, std::int64_t n, void* base) {
     w.col_part = carver.Take<double>(chunks * e);
     w.col_change = carver.Take<double>(e);
     w.iters = carver.Take<std::int32_t>(1);
+    w.gmax_all = carver.Take<double>(1);
+    w.col_sum = carver.Take<double>(e);
+    w.change = carver.Take<double>(1);
   }
   w.bytes = carver.bytes();
   return w;
@@ -764,6 +837,36 @@ struct LaunchSinkhorn {
   }
 };
 
+// Several ranks: `reduce` all-reduces device doubles over the data group.
+template <int VPL>
+struct LaunchSinkhornSplit {
+  static void Run(SinkhornParams p, const RouterBatch& batch, cudaStream_t stream) {
+    const auto chunks = static_cast<unsigned>(p.chunks);
+    SinkhornMaxSplitKernel<VPL><<<chunks, kThreads, 0, stream>>>(p);
+    SinkhornGlobalMaxSplitKernel<<<1, kThreads, 0, stream>>>(p);
+    RS_CUDA_CHECK(cudaGetLastError());
+    batch.reduce(p.gmax_all, 1, dist::ReduceOp::kMax, stream);
+    std::int64_t it = 0;
+    while (it < p.max_iters) {
+      ++it;
+      SinkhornRowsSplitKernel<VPL><<<chunks, kThreads, 0, stream>>>(p);
+      SinkhornColumnSumSplitKernel<<<static_cast<unsigned>(p.e), kThreads, 0, stream>>>(p);
+      RS_CUDA_CHECK(cudaGetLastError());
+      batch.reduce(p.col_sum, p.e, dist::ReduceOp::kSum, stream);
+      SinkhornUpdateSplitKernel<<<1, kThreads, 0, stream>>>(p);
+      RS_CUDA_CHECK(cudaGetLastError());
+      // Every rank has the same column sums, so every rank reads the same change and stops at
+      // the same iteration (the CPU's rule: stop once the largest change is below tol).
+      double change = 0;
+      RS_CUDA_CHECK(cudaMemcpyAsync(&change, p.change, sizeof(double), cudaMemcpyDeviceToHost, stream));
+      RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (change < p.tol) break;
+    }
+    SinkhornFinishSplitKernel<<<1, 1, 0, stream>>>(p, it);
+    RS_CUDA_CHECK(cudaGetLastError());
+  }
+};
+
 }  // namespace
 
 std::size_t RouterWorkspaceBytes(const RouterOptions& c, std::int64_t n) {
@@ -778,8 +881,8 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
   const std::int64_t rows = batch.global_rows > 0 ? batch.global_rows : n;
   RS_CHECK_MSG(rows >= n, "router batch of " << rows << " rows, this rank has " << n);
   RS_CHECK_MSG(rows == n || batch.all_reduce, "a router batch larger than this call's rows needs the all-reduce hook");
-  RS_CHECK_MSG(c.kind != RouterKind::kSinkhorn || (rows == n && !batch.all_reduce),
-               "the Sinkhorn router runs on one rank only (its iteration is not split around an all-reduce)");
+  RS_CHECK_MSG(c.kind != RouterKind::kSinkhorn || !batch.all_reduce || batch.reduce,
+               "the Sinkhorn router over several ranks needs the reduce hook");
   RS_CHECK(out.experts != nullptr && out.probs != nullptr && out.loads != nullptr && out.aux_loss != nullptr &&
            out.z_loss != nullptr);
   RS_CHECK(c.kind != RouterKind::kSigmoidBias || expert_bias != nullptr);
@@ -805,6 +908,7 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
     s.chunks = static_cast<int>(Chunks(n));
     s.tol = c.sinkhorn_tol;
     s.max_iters = c.sinkhorn_max_iters;
+    s.inv_n = 1.0 / static_cast<double>(rows);
     s.chunk_max = w.chunk_max;
     s.gmax = w.gmax;
     s.d0 = w.d0;
@@ -812,7 +916,14 @@ void RouterForward(const RouterOptions& c, const float* logits, std::int64_t n, 
     s.col_part = w.col_part;
     s.col_change = w.col_change;
     s.iters = out.sinkhorn_iterations != nullptr ? out.sinkhorn_iterations : w.iters;
-    DispatchVpl<LaunchSinkhorn>(e, s, stream);
+    s.gmax_all = w.gmax_all;
+    s.col_sum = w.col_sum;
+    s.change = w.change;
+    if (batch.reduce) {
+      DispatchVpl<LaunchSinkhornSplit>(e, s, batch, stream);
+    } else {
+      DispatchVpl<LaunchSinkhorn>(e, s, stream);
+    }
   }
   RouteParams p{};
   p.logits = logits;

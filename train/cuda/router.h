@@ -25,9 +25,12 @@
 // assignment counts, per-expert probability sums and Σ lse²; the caller's hook all-reduces those
 // 2E+1 numbers over the group; (3) a one-block kernel forms the losses with the whole batch's
 // row count. The loads written are then the whole batch's (what the backward pass and the bias
-// update need). Sinkhorn over several ranks is not built: its iteration would need the same
-// split – (A) row scalings and per-chunk column partials, (B) column sums (the all-reduce) and
-// the new column scalings – as separate launches around the all-reduce; RS_CHECK refuses it.
+// update need). Sinkhorn over several ranks runs its phases as separate launches around the
+// all-reduces of RouterBatch::reduce – the maximum of the logits, then per iteration (A) row
+// scalings and per-chunk column partials, (B) the column sums (all-reduced) and the new column
+// scalings – and reads the largest change on the host after each iteration (every rank reads
+// the same, so all stop together): one host wait per iteration, as the CPU's loop has one
+// all-reduce per iteration. Both forms take every sum in the same order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +39,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "dist/communicator.h"
 #include "train/router.h"
 
 namespace rs::cuda {
@@ -61,6 +65,10 @@ struct RouterBatch {
   // arrays) over the data group, on `stream` (the work before it is enqueued on that stream).
   // Null: one rank.
   std::function<void(std::int64_t* loads, double* sums, std::int64_t experts, cudaStream_t stream)> all_reduce;
+  // Sinkhorn over several ranks (required with all_reduce; set without it, one rank runs the
+  // several-rank form): reduces `count` device doubles in place over the data group with `op`
+  // on `stream`.
+  std::function<void(double* values, std::int64_t count, dist::ReduceOp op, cudaStream_t stream)> reduce;
 };
 
 // Bytes of device workspace RouterForward needs for n rows (a multiple of 256; the same for
