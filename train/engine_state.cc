@@ -26,13 +26,18 @@ Status SumRuns(const ItemRuns& runs, dist::Communicator* ep, std::span<float> pa
 }  // namespace
 
 LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float>& model, std::int64_t ep_index,
-                              std::int64_t ep_size) {
-  RS_CHECK(state.OnlyExpertsAreCut() && ep_size >= 1 && ep_index >= 0 && ep_index < ep_size);
+                              std::int64_t ep_size, std::int64_t tp_index, std::int64_t tp_size) {
+  RS_CHECK(state.FitsLocalEngine() && ep_size >= 1 && ep_index >= 0 && ep_index < ep_size);
+  RS_CHECK(tp_size >= 1 && tp_index >= 0 && tp_index < tp_size);
   LocalModelPlan p;
   p.experts_cut = state.experts_over_ep() && ep_size > 1;
   p.ep_index = ep_index;
   p.ep_size = ep_size;
-  for (std::size_t i = 0; i < model.specs().size(); ++i) {
+  p.tp_index = tp_index;
+  p.tp_size = tp_size;
+  const std::int64_t kv_rep = tp_size > 1 ? state.kv_replication() : 1;
+  const std::vector<TensorSpec>& specs = model.specs();
+  for (std::size_t i = 0; i < specs.size(); ++i) {
     const bool expert = p.experts_cut && state.CutOverEp(i);
     const std::int64_t begin = model.offset(i), end = begin + model.numel(i);
     if (p.experts_cut && !expert) {
@@ -43,13 +48,41 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
       }
     }
     if (!model.trainable(i)) continue;
-    p.segments.push_back({begin, model.numel(i), /*trainable=*/true, /*decay=*/model.specs()[i].shape.size() >= 2,
-                          /*counts_in_norm=*/!p.experts_cut || expert || ep_index == 0});
+    const bool decay = specs[i].shape.size() >= 2;
+    const bool ep_counts = !p.experts_cut || expert || ep_index == 0;
+    const bool tp_cut = tp_size > 1 && state.CutOverTp(i);
+    // QKV with kv heads shared by tp ranks: its query rows are this rank's own, its kv rows
+    // the kv group's (the out projection's width gives the query rows).
+    std::int64_t kv_begin = end;
+    if (kv_rep > 1 && specs[i].name.ends_with("attn.qkv.weight")) {
+      const std::string out = specs[i].name.substr(0, specs[i].name.size() - 10) + "out.weight";
+      const auto o = model.index(out);
+      RS_CHECK(o.has_value() && specs[*o].shape.size() == 2);
+      kv_begin = begin + specs[*o].shape[1] * specs[i].shape[1];
+      RS_CHECK(kv_begin < end);
+      p.kv.emplace_back(kv_begin, end);
+    }
+    const bool tp_counts = tp_cut || tp_index == 0;
+    p.segments.push_back({begin, kv_begin - begin, /*trainable=*/true, decay, ep_counts && tp_counts});
+    if (kv_begin < end) {
+      p.segments.push_back({kv_begin, end - kv_begin, /*trainable=*/true, decay, ep_counts && tp_index % kv_rep == 0});
+    }
   }
   return p;
 }
 
+Status SumKvGradients(const LocalModelPlan& plan, dist::Communicator* kv, std::span<float> grads) {
+  if (plan.kv.empty() || !Summed(kv)) return Status::Ok();
+  for (const auto& [lo, hi] : plan.kv) {
+    RS_RETURN_IF_ERROR(kv->AllReduce(grads.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo)),
+                                     dist::ReduceOp::kSum)
+                           .WithContext("kv-head gradient all-reduce"));
+  }
+  return Status::Ok();
+}
+
 Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& groups, std::span<float> grads) {
+  RS_RETURN_IF_ERROR(SumKvGradients(plan, groups.kv, grads));
   if (Summed(groups.same)) {
     RS_RETURN_IF_ERROR(groups.same->AllReduce(grads, dist::ReduceOp::kSum).WithContext("gradient all-reduce"));
   }

@@ -1,17 +1,23 @@
 // The host-side plan of an engine that keeps every rank's local model on its device
-// (train/cuda/engine.h) at the layouts ShardedState::OnlyExpertsAreCut() accepts: which items
+// (train/cuda/engine.h) at the layouts ShardedState::FitsLocalEngine() accepts: which items
 // count in the gradient norm on this rank, and over which ranks each item's gradient is summed.
 // It is written against dist::Communicator only, so the same code sums device memory through the
 // device communicators on GPUs and host memory through MPI in the CPU tests
-// (tests/train/engine_state_test.cc checks it there against a one-process run).
+// (tests/train/whole_state_test.cc checks it there against a one-process run and against the
+// CPU path's own reduction at the same layout).
 //
-// Without experts cut over ep every rank holds the same vector and sums it over every rank. With
-// experts cut over ep, a rank's expert tensors are its ep index's block: they are summed over the
-// ranks holding the same experts (dp × fsdp), and the stretches of the vector outside the experts
-// over ep as well. Items outside the experts then count in the norm on ep rank 0 only, and the
-// norm's sum of squares is summed over ep. With fsdp sharding of the optimizer (ZeRO-1) each
-// rank keeps one block of the (padded) vector: reduce-scatter over fsdp, then the sum over the
-// ranks that hold the same block of the same vector, then the stretches outside the experts.
+// The ranks with the same tp index hold the same local vector (up to the experts' blocks) and
+// train other rows: every gradient is summed over them. With experts cut over ep, a rank's
+// expert tensors are its ep index's block: they are summed over the ranks holding the same
+// experts (dp × fsdp), and the stretches of the vector outside the experts over ep as well;
+// items outside the experts then count in the norm on ep rank 0 only. Tensor parallelism: the
+// tensors replicated over tp (norms, router) get the same gradient on every tp rank and count
+// in the norm on tp rank 0 only; kv heads held by several tp ranks (tp > kv heads) get partial
+// gradients there, summed over those ranks (the kv group) first, and count on the group's first
+// rank. The norm's sum of squares is then summed over ep and tp. With fsdp sharding of the
+// optimizer (ZeRO-1) each rank keeps one block of the (padded) vector: reduce-scatter over
+// fsdp, then the sum over the ranks that hold the same block of the same vector, then the
+// stretches outside the experts over ep.
 #pragma once
 
 #include <cstdint>
@@ -33,21 +39,27 @@ using ItemRuns = std::vector<std::pair<std::int64_t, std::int64_t>>;
 struct LocalModelPlan {
   bool experts_cut = false;  // experts cut over ep (ep > 1)
   std::int64_t ep_index = 0, ep_size = 1;
+  std::int64_t tp_index = 0, tp_size = 1;
   std::vector<ParamSegment> segments;  // the trainable tensors with their norm treatment
   ItemRuns shared;                     // with experts cut: the stretches outside the experts
+  ItemRuns kv;                         // with kv heads shared by tp ranks: their QKV rows
 };
-// `ep_index`, `ep_size`: this rank's place in groups.ep.
+// `ep_index`, `ep_size`: this rank's place in groups.ep; `tp_index`, `tp_size` in groups.tp.
 LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float>& model, std::int64_t ep_index,
-                              std::int64_t ep_size);
+                              std::int64_t ep_size, std::int64_t tp_index = 0, std::int64_t tp_size = 1);
 
 // The communicators one sum uses (null or one rank: skipped).
 struct GradientGroups {
-  dist::Communicator* same = nullptr;  // every rank; with experts cut: the ranks with the same experts
+  dist::Communicator* same = nullptr;  // the data group; with experts cut: the ranks with the same experts
   dist::Communicator* ep = nullptr;    // with experts cut: the ep group
+  dist::Communicator* kv = nullptr;    // with kv heads shared by tp ranks: the kv group
 };
-// grads: the whole local vector; summed in place.
+// The kv rows' partial gradients summed over the kv group (in place; the first of the sums,
+// before any other group sees the vector).
+Status SumKvGradients(const LocalModelPlan& plan, dist::Communicator* kv, std::span<float> grads);
+// grads: the whole local vector; summed in place (the kv sum included).
 Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& groups, std::span<float> grads);
-// `grads` (the padded vector, fsdp.size() blocks) reduce-scattered over `fsdp` into `block`
+// `grads` (the padded vector, fsdp.size() blocks; its kv sum done) reduce-scattered over `fsdp` into `block`
 // (items [first, first + block.size())), then summed over `replicas` (the ranks with the same
 // block of the same vector) and the stretches outside the experts over groups.ep.
 Status SumBlockGradients(const LocalModelPlan& plan, dist::Communicator& fsdp, dist::Communicator* replicas,
@@ -61,7 +73,8 @@ inline std::int64_t BlockItems(std::int64_t items, std::int64_t blocks) {
 }
 // The color that splits the world into the groups holding the same block of the same vector.
 inline std::int64_t BlockReplicaColor(std::int64_t block, const LocalModelPlan& plan) {
-  return plan.experts_cut ? block * plan.ep_size + plan.ep_index : block;
+  const std::int64_t vector = plan.experts_cut ? block * plan.ep_size + plan.ep_index : block;
+  return vector * plan.tp_size + plan.tp_index;
 }
 
 }  // namespace rs::train

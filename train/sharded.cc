@@ -507,11 +507,37 @@ bool ShardedState::WholeModelOnEveryRank() const { return OnlyExpertsAreCut() &&
 
 bool ShardedState::CutOverEp(std::size_t i) const { return experts_over_ep_ && local_specs_[i].expert; }
 
+bool ShardedState::FitsLocalEngine() const {
+  if (cp_size_ != 1 || layout().layout.mesh().AxisSize(kEtpAxis) != 1) return false;
+  const std::int64_t ep = experts_over_ep_ ? layout().layout.mesh().AxisSize(kEpAxis) : 1;
+  const std::vector<TensorSpec> whole = ModelParameters(config_);
+  for (std::size_t i = 0; i < whole.size(); ++i) {
+    const std::vector<std::int64_t>& a = whole[i].shape;
+    const std::vector<std::int64_t>& b = local_specs_[i].shape;
+    if (a.size() != b.size()) return false;
+    // The experts' dim: whole, or the ep block's when ep cuts the experts (never cut over tp).
+    if (local_specs_[i].expert && !a.empty() && b[0] * (CutOverEp(i) ? ep : 1) != a[0]) return false;
+  }
+  return true;
+}
+
+bool ShardedState::CutOverTp(std::size_t i) const {
+  const std::vector<TensorSpec> whole = ModelParameters(config_);
+  const std::vector<std::int64_t>& a = whole[i].shape;
+  const std::vector<std::int64_t>& b = local_specs_[i].shape;
+  RS_CHECK(a.size() == b.size());
+  for (std::size_t k = CutOverEp(i) ? 1 : 0; k < a.size(); ++k) {
+    if (a[k] != b[k]) return true;
+  }
+  return false;
+}
+
 Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
                                  std::span<float> local) const {
-  RS_CHECK(OnlyExpertsAreCut() && local.size() == model.params().size());
-  // Every item of a trainable tensor is owned by at least one rank (the main replica) and every
-  // owner holds the same value, so the maximum over the ranks of (owned value, or -inf) is it.
+  RS_CHECK(FitsLocalEngine() && local.size() == model.params().size());
+  // Every item of a trainable tensor is owned by at least one rank with this tp index (the
+  // main replica, or this rank's own copy of a tensor replicated over tp) and every owner
+  // holds the same value, so the maximum over those ranks of (owned value, or -inf) is it.
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     if (!model.trainable(i)) continue;
     auto dst = local.subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)));
@@ -519,13 +545,14 @@ Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> o
     if (tensors_[i].owned < 0) continue;
     CopyRuns(tensors_[i].self, owned.subspan(static_cast<std::size_t>(tensors_[i].owned)), dst, /*to_compute=*/true);
   }
-  if (groups.world == nullptr || groups.world->size() == 1) return Status::Ok();
+  dist::Communicator* data = groups.data != nullptr ? groups.data.get() : groups.world;
+  if (data == nullptr || data->size() == 1) return Status::Ok();
   // Buffers ride along: they are equal on every rank, and max(x, x) = x.
   if (groups.ep == nullptr || groups.ep->size() == 1 || !experts_over_ep_) {
-    return groups.world->AllReduce(local, dist::ReduceOp::kMax);
+    return data->AllReduce(local, dist::ReduceOp::kMax);
   }
   // Experts: over the ranks holding the same ones. The rest: over them, then over ep, which
-  // joins one such group per ep index – every rank.
+  // joins one such group per ep index – the data group.
   RS_RETURN_IF_ERROR(groups.same_experts->AllReduce(local, dist::ReduceOp::kMax));
   std::int64_t begin = 0;
   for (std::size_t i = 0; i <= tensors_.size(); ++i) {
@@ -544,7 +571,7 @@ Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> o
 
 void ShardedState::ScatterLocal(std::span<const float> local, const Transformer<float>& model,
                                 std::span<float> owned) const {
-  RS_CHECK(OnlyExpertsAreCut() && local.size() == model.params().size());
+  RS_CHECK(FitsLocalEngine() && local.size() == model.params().size());
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     if (!model.trainable(i) || tensors_[i].owned < 0) continue;
     CopyRuns(tensors_[i].self, local.subspan(static_cast<std::size_t>(model.offset(i))),

@@ -55,8 +55,8 @@ namespace rs::train {
 struct ProcessGroups {
   dist::Communicator* world = nullptr;
   std::unique_ptr<dist::Communicator> tp, fsdp, dp, ep, etp, data, kv;
-  // dp × fsdp: with no tensor, expert-tensor or context parallelism, the ranks that hold the
-  // same experts (every rank's expert tensors are its ep index's block).
+  // dp × fsdp: without expert-tensor or context parallelism, the ranks that hold the same
+  // experts (every rank's expert tensors are its tp index's share of its ep index's block).
   std::unique_ptr<dist::Communicator> same_experts;
   std::vector<std::unique_ptr<dist::Communicator>> box;  // per box group of the state
   // Bytes this rank received in every group since the last reset.
@@ -130,13 +130,25 @@ class ShardedState {
   bool OnlyExpertsAreCut() const;
   // Whether model tensor i is cut over ep on this layout (an expert tensor under experts_over_ep).
   bool CutOverEp(std::size_t i) const;
+  // Whether an engine that keeps each rank's whole local model on its device (train/cuda/
+  // engine.h) trains this layout: no context parallelism, no expert-tensor axis, tensor
+  // parallelism over heads, ffn widths and vocab rows (not over the experts), experts cut
+  // over ep or not at all. The ranks with the same tp index then hold the same local vector
+  // up to the experts' blocks, and every rank trains the rows of its data index.
+  bool FitsLocalEngine() const;
+  // Whether model tensor i differs between the tp ranks (heads, ffn or vocab cut over tp); the
+  // others (norms, router, buffers) are replicated over tp. FitsLocalEngine() must hold.
+  bool CutOverTp(std::size_t i) const;
+  // The tp ranks that hold each kv head (> 1 when tp exceeds the kv heads): consecutive tp
+  // ranks r with the same r / kv_replication() share their kv heads.
+  std::int64_t kv_replication() const { return kv_replication_; }
   // For engines that keep the local model's whole trainable state on every rank
-  // (train/cuda/engine.h; OnlyExpertsAreCut() must hold): `owned` is one owned vector
-  // (master(), exp_avg or exp_avg_sq), `local` a vector laid out like this rank's model
-  // parameters. GatherLocal writes every trainable item of `local` from a rank that owns it
-  // (collective over the world: expert tensors over groups.same_experts, the rest over every
-  // rank; the items of buffers must be equal on every rank and stay as they are); ScatterLocal
-  // copies this rank's owned items back.
+  // (FitsLocalEngine() must hold): `owned` is one owned vector (master(), exp_avg or
+  // exp_avg_sq), `local` a vector laid out like this rank's model parameters. GatherLocal
+  // writes every trainable item of `local` from a rank that owns it (collective over the data
+  // group – the ranks with this tp index: expert tensors over groups.same_experts, the rest
+  // over the whole data group; the items of buffers must be equal on every rank and stay as
+  // they are); ScatterLocal copies this rank's owned items back.
   Status GatherLocal(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
                      std::span<float> local) const;
   void ScatterLocal(std::span<const float> local, const Transformer<float>& model, std::span<float> owned) const;

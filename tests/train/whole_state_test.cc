@@ -1,14 +1,17 @@
 // What a multi-rank StepEngine (the GPU path, train/cuda/engine.h) relies on from the host side,
 // checked on CPUs under mpirun against a one-process run of the same model:
 //  - ShardedState::GatherLocal assembles this rank's local model's master weights and Adam
-//    moments from the ranks' owned parts at dp, fsdp (flat and box) and ep layouts (experts cut
-//    over ep: the rank's block of them), and ScatterLocal gives every rank back exactly its own
-//    items;
+//    moments from the ranks' owned parts at dp, fsdp (flat and box), ep (experts cut over ep:
+//    the rank's block of them) and tp layouts (the rank's heads, ffn share and vocab rows, kv
+//    heads shared by tp ranks included), and ScatterLocal gives every rank back exactly its
+//    own items;
 //  - the engine's plan (train/engine_state.h: which items count in the norm, which ranks sum
 //    which gradients, whole and in fsdp blocks) run over MPI gives the one-process gradient and
-//    norm of the whole batch;
+//    norm of the whole batch (layouts without tp, whose local items are the one-process items),
+//    and at every layout the gradients and norm of the CPU path's own reduction
+//    (ShardedState::ReduceGradients and Update) at the same layout;
 //  - Trainer::Step hands an engine this rank's rows of the batch (the CPU path's rows);
-//  - which layouts keep the whole model, or cut only the experts, on every rank.
+//  - which layouts keep the whole model, cut only the experts, or fit the local engine.
 // The launcher test starts this binary under mpirun with RS_WHOLE_STATE_LAYOUT set; the rank
 // tests only run there. Skipped when mpirun is missing.
 #include <gtest/gtest.h>
@@ -101,14 +104,62 @@ std::vector<std::size_t> WholeIndex(Trainer& multi, Trainer& one) {
   return at;
 }
 
+bool TensorParallel(Trainer& t) { return t.groups().tp != nullptr && t.groups().tp->size() > 1; }
+
+// ScatterLocal gives back this rank's own items of `owned`, bit for bit, and writes nothing
+// else (the owned vector may hold padding between flat buckets): written items differ between
+// two differently prefilled copies only where ScatterLocal did not write.
+void ExpectScatterGivesBackTheOwnedItems(Trainer& t, const std::vector<float>& local, std::span<const float> owned,
+                                         const char* name) {
+  std::vector<float> a(owned.size(), -1.f), b(owned.size(), -2.f);
+  t.state().ScatterLocal(local, t.model(), a);
+  t.state().ScatterLocal(local, t.model(), b);
+  std::size_t written = 0, expected = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == -1.f && b[i] == -2.f) continue;  // not written
+    ++written;
+    EXPECT_EQ(a[i], owned[i]) << name << " owned item " << i;
+    EXPECT_EQ(b[i], owned[i]) << name << " owned item " << i;
+  }
+  for (std::size_t i = 0; i < t.model().specs().size(); ++i) {
+    if (t.model().trainable(i)) expected += t.state().Owned(owned, i).size();
+  }
+  EXPECT_EQ(written, expected) << name;
+  EXPECT_GT(written, 0u) << name;
+}
+
+// Under tp the local items are not the one-process items: the master weights gathered into
+// the local vector must be the CPU path's compute weights (GatherParameters, bit for bit),
+// and every vector's items must have an owner.
+void GatherLocalAtTensorParallelLayouts(Trainer& t) {
+  Transformer<float>& model = t.model();
+  ASSERT_TRUE(t.state().GatherParameters(t.groups(), model).ok());
+  const std::span<float> vecs[] = {t.state().master(), t.state().optimizer().exp_avg(),
+                                   t.state().optimizer().exp_avg_sq()};
+  const char* names[] = {"master", "exp_avg", "exp_avg_sq"};
+  for (std::size_t v = 0; v < 3; ++v) {
+    std::vector<float> local(model.params().begin(), model.params().end());
+    ASSERT_TRUE(t.state().GatherLocal(t.groups(), vecs[v], model, local).ok());
+    for (std::size_t i = 0; i < local.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(local[i])) << names[v] << " item " << i << " has no owner";
+      if (v == 0) ASSERT_EQ(local[i], model.params()[i]) << "master item " << i;
+    }
+    ExpectScatterGivesBackTheOwnedItems(t, local, vecs[v], names[v]);
+  }
+}
+
 TEST(WholeStateRank, GatherLocalEqualsOneProcessAndScatterGivesBackTheOwnedItems) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
   dist::MpiWorld& world = dist::MpiWorld::Get();
   auto multi = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
   auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
-  ASSERT_TRUE(multi->state().OnlyExpertsAreCut());
+  ASSERT_TRUE(multi->state().FitsLocalEngine());
   ASSERT_TRUE(multi->Step().ok());  // collective: every rank gets here
   ASSERT_TRUE(one->Step().ok());
+  if (TensorParallel(*multi)) {
+    GatherLocalAtTensorParallelLayouts(*multi);
+    return;
+  }
 
   const Transformer<float>& lm = multi->model();
   const Transformer<float>& wm = one->model();
@@ -147,24 +198,7 @@ TEST(WholeStateRank, GatherLocalEqualsOneProcessAndScatterGivesBackTheOwnedItems
       worst = std::max(worst, std::abs(static_cast<double>(whole[i]) - static_cast<double>(ref[at[i]])) / scale);
     }
     EXPECT_LE(worst, 1e-5) << v.name;
-    // ScatterLocal gives back this rank's own items, bit for bit, and writes nothing else (the
-    // owned vector may hold padding between flat buckets): written items differ between two
-    // differently prefilled copies only where ScatterLocal did not write.
-    std::vector<float> a(v.multi.size(), -1.f), b(v.multi.size(), -2.f);
-    multi->state().ScatterLocal(whole, multi->model(), a);
-    multi->state().ScatterLocal(whole, multi->model(), b);
-    std::size_t written = 0, expected = 0;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      if (a[i] == -1.f && b[i] == -2.f) continue;  // not written
-      ++written;
-      EXPECT_EQ(a[i], v.multi[i]) << v.name << " owned item " << i;
-      EXPECT_EQ(b[i], v.multi[i]) << v.name << " owned item " << i;
-    }
-    for (std::size_t t = 0; t < multi->model().specs().size(); ++t) {
-      if (multi->model().trainable(t)) expected += multi->state().Owned(std::span<const float>(v.multi), t).size();
-    }
-    EXPECT_EQ(written, expected) << v.name;
-    EXPECT_GT(written, 0u) << v.name;
+    ExpectScatterGivesBackTheOwnedItems(*multi, whole, v.multi, v.name);
   }
 }
 
@@ -195,26 +229,50 @@ double SquaresInNorm(std::span<const float> g, const std::vector<ParamSegment>& 
   return sum;
 }
 
+double WorstRelative(std::span<const float> got, std::span<const float> want, double scale) {
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i])) / scale);
+  }
+  return worst;
+}
+
+// The norm's sum of squares of `g` over `segments`, summed over the groups the engine sums it
+// over (fsdp when `g` is a block, then ep with experts cut, then tp).
+double PlannedNorm(std::span<const float> g, const std::vector<ParamSegment>& segments, const LocalModelPlan& plan,
+                   ProcessGroups& groups, bool block) {
+  double sum = SquaresInNorm(g, segments);
+  if (block) EXPECT_TRUE(groups.fsdp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+  if (plan.experts_cut) EXPECT_TRUE(groups.ep->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+  if (plan.tp_size > 1) EXPECT_TRUE(groups.tp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+  return sum;
+}
+
 // The GPU engine's host-side plan (train/engine_state.h) run over MPI: summing each rank's
-// gradient of its rows over the planned groups gives the one-process gradient of the whole
-// batch at every item of the local vector, whole and in fsdp blocks, and the norm shares add up
-// to the one-process norm – every item counted once.
+// gradient of its rows over the planned groups gives, at every item of the local vector, whole
+// and in fsdp blocks, (1) without tp the one-process gradient of the whole batch, and the norm
+// shares add up to the one-process norm – every item counted once; (2) at every layout the
+// CPU path's own reduction of the same gradients (ReduceGradients into the owned vector) and
+// its norm (Update, which counts main replicas only).
 TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
   dist::MpiWorld& world = dist::MpiWorld::Get();
   auto multi = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
   auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
-  const ShardedState& state = multi->state();
+  ShardedState& state = multi->state();
   ProcessGroups& groups = multi->groups();
-  ASSERT_TRUE(state.OnlyExpertsAreCut());
+  ASSERT_TRUE(state.FitsLocalEngine());
+  const bool tp = TensorParallel(*multi);
   const std::int64_t batch = multi->train_config().batch_size, rows = batch / state.data_size();
   const std::vector<float> ref = RowsGradient(*one, 0, batch);
+  ASSERT_TRUE(state.GatherParameters(groups, multi->model()).ok());
   const std::vector<float> mine = RowsGradient(*multi, state.data_index() * rows, rows);
-  const std::vector<std::size_t> at = WholeIndex(*multi, *one);
   const bool cut = state.experts_over_ep() && groups.ep->size() > 1;
   const LocalModelPlan plan =
-      PlanLocalModel(state, multi->model(), cut ? groups.ep->rank() : 0, cut ? groups.ep->size() : 1);
+      PlanLocalModel(state, multi->model(), cut ? groups.ep->rank() : 0, cut ? groups.ep->size() : 1,
+                     tp ? groups.tp->rank() : 0, tp ? groups.tp->size() : 1);
   ASSERT_EQ(plan.experts_cut, cut);
+  EXPECT_EQ(!plan.kv.empty(), tp && state.kv_replication() > 1);
   double scale = 0;
   for (float g : ref) scale = std::max(scale, static_cast<double>(std::abs(g)));
   ASSERT_GT(scale, 0.0);
@@ -223,17 +281,31 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
 
   // The whole local vector.
   std::vector<float> g = mine;
-  ASSERT_TRUE(SumLocalGradients(plan, {cut ? groups.same_experts.get() : groups.world, groups.ep.get()}, g).ok());
-  double worst = 0;
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    worst = std::max(worst, std::abs(static_cast<double>(g[i]) - static_cast<double>(ref[at[i]])) / scale);
+  const GradientGroups sums{cut ? groups.same_experts.get() : groups.data.get(), groups.ep.get(), groups.kv.get()};
+  ASSERT_TRUE(SumLocalGradients(plan, sums, g).ok());
+  const double norm = PlannedNorm(g, plan.segments, plan, groups, /*block=*/false);
+  if (!tp) {
+    const std::vector<std::size_t> at = WholeIndex(*multi, *one);
+    std::vector<float> want(g.size());
+    for (std::size_t i = 0; i < g.size(); ++i) want[i] = ref[at[i]];
+    EXPECT_LE(WorstRelative(g, want, scale), 1e-5) << "whole vector";
+    EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "whole vector";
   }
-  EXPECT_LE(worst, 1e-5) << "whole vector";
-  double norm = SquaresInNorm(g, plan.segments);
-  if (cut) {
-    ASSERT_TRUE(groups.ep->AllReduce(std::span<double>(&norm, 1), dist::ReduceOp::kSum).ok());
+  // The CPU path at this layout: its reduction of the same rank gradients into the owned vector.
+  std::copy(mine.begin(), mine.end(), multi->model().grads().begin());
+  ASSERT_TRUE(state.ReduceGradients(groups, multi->model()).ok());
+  std::vector<float> owned(state.grads().size(), 0.f);
+  state.ScatterLocal(g, multi->model(), owned);
+  for (std::size_t i = 0; i < multi->model().specs().size(); ++i) {
+    if (!multi->model().trainable(i)) continue;
+    const std::span<const float> want = state.Owned(std::span<const float>(state.grads()), i);
+    const std::span<const float> got = state.Owned(std::span<const float>(owned), i);
+    EXPECT_LE(WorstRelative(got, want, scale), 1e-5) << multi->model().specs()[i].name;
   }
-  EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "whole vector";
+  auto update = state.Update(groups, 1);
+  ASSERT_TRUE(update.ok()) << update.status().ToString();
+  EXPECT_NEAR(std::sqrt(norm), update->grad_norm, 1e-5 * update->grad_norm) << "the CPU path's norm";
+  if (tp) EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "the one-process norm";
 
   // fsdp blocks of the padded vector, as the engine cuts them.
   const std::int64_t shards = groups.fsdp->size();
@@ -241,24 +313,23 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
   const std::int64_t shard = BlockItems(n, shards), first = groups.fsdp->rank() * shard;
   std::vector<float> padded(static_cast<std::size_t>(shard * shards), 0.f), block(static_cast<std::size_t>(shard));
   std::copy(mine.begin(), mine.end(), padded.begin());
+  ASSERT_TRUE(SumKvGradients(plan, groups.kv.get(), padded).ok());
   auto replicas = world.comm().Split(BlockReplicaColor(groups.fsdp->rank(), plan), world.rank(), "replicas");
   ASSERT_TRUE(replicas.ok());
+  EXPECT_EQ((*replicas)->size() * shards * (cut ? groups.ep->size() : 1) * plan.tp_size, world.size());
   ASSERT_TRUE(SumBlockGradients(plan, *groups.fsdp, replicas->get(), groups.ep.get(), padded, block, first).ok());
-  worst = 0;
-  for (std::int64_t i = first; i < std::min(first + shard, n); ++i) {
-    const double got = block[static_cast<std::size_t>(i - first)];
-    worst = std::max(worst, std::abs(got - static_cast<double>(ref[at[static_cast<std::size_t>(i)]])) / scale);
+  const std::int64_t last = std::min(first + shard, n);
+  if (last > first) {
+    EXPECT_LE(WorstRelative(std::span<const float>(block).first(static_cast<std::size_t>(last - first)),
+                            std::span<const float>(g).subspan(static_cast<std::size_t>(first)), scale),
+              1e-5)
+        << "block " << groups.fsdp->rank();
   }
   for (std::int64_t i = std::max(n, first); i < first + shard; ++i)
     EXPECT_EQ(block[static_cast<std::size_t>(i - first)], 0.f);
-  EXPECT_LE(worst, 1e-5) << "block " << groups.fsdp->rank();
-  const std::vector<ParamSegment> sliced = SliceSegments(plan.segments, std::min(first, n), std::min(first + shard, n));
-  double block_norm = SquaresInNorm(block, sliced);
-  ASSERT_TRUE(groups.fsdp->AllReduce(std::span<double>(&block_norm, 1), dist::ReduceOp::kSum).ok());
-  if (cut) {
-    ASSERT_TRUE(groups.ep->AllReduce(std::span<double>(&block_norm, 1), dist::ReduceOp::kSum).ok());
-  }
-  EXPECT_NEAR(block_norm, ref_norm, 1e-5 * ref_norm) << "blocks";
+  const std::vector<ParamSegment> sliced = SliceSegments(plan.segments, std::min(first, n), last);
+  const double block_norm = PlannedNorm(block, sliced, plan, groups, /*block=*/true);
+  EXPECT_NEAR(block_norm, norm, 1e-5 * norm) << "blocks";
 }
 
 TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
@@ -271,8 +342,7 @@ TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
   auto r = t->Step();
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->tokens, 4 * 16);  // the whole batch's
-  const std::int64_t ranks = world.size();
-  ASSERT_EQ(e.rows, 4 / ranks);
+  ASSERT_EQ(e.rows, 4 / t->state().data_size());
   ASSERT_EQ(e.seq, 16);
   const Batch b = TrainingBatch(t->corpus(), t->train_config().seed, 0, 4, 16);
   const std::int64_t first = t->state().data_index() * e.rows;
@@ -289,12 +359,37 @@ TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
     EXPECT_FALSE((*s)->WholeModelOnEveryRank()) << text;
     // Only ep alone cuts nothing but the experts.
     EXPECT_EQ((*s)->OnlyExpertsAreCut(), std::string(text) == "ep=2") << text;
+    // The local engine takes tp over heads, ffn and vocab, and experts cut over ep; not etp.
+    EXPECT_EQ((*s)->FitsLocalEngine(), std::string(text) != "etp=2,ep=2") << text;
+  }
+  {
+    OptimizerConfig o;
+    auto s = ShardedState::Create(Model(), Layout("tp=2,fsdp_form=flat"), 1, o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    const std::vector<TensorSpec>& specs = (*s)->local_specs();
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const bool replicated =
+          specs[i].name.find("norm") != std::string::npos || specs[i].name.find("router") != std::string::npos;
+      EXPECT_EQ((*s)->CutOverTp(i), !replicated) << specs[i].name;
+    }
+    EXPECT_EQ((*s)->kv_replication(), 1);
+    auto s4 = ShardedState::Create(Model(), Layout("tp=4,fsdp_form=flat"), 1, o);
+    ASSERT_TRUE(s4.ok()) << s4.status().ToString();
+    EXPECT_EQ((*s4)->kv_replication(), 2);  // 2 kv heads over 4 tp ranks
+  }
+  {
+    // EP over tp with tp > 1 cuts the experts over tp: not the local engine's.
+    OptimizerConfig o;
+    auto s = ShardedState::Create(Model(), Layout("tp=2,ep=2,fsdp_form=flat", "ep-over-tp"), 0, o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_FALSE((*s)->FitsLocalEngine());
   }
   {
     OptimizerConfig o;
     auto s = ShardedState::Create(Model(), Layout("ep=2,fsdp_form=flat", "ep-as-cp"), 0, o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     EXPECT_FALSE((*s)->OnlyExpertsAreCut());  // ep cuts the sequence too
+    EXPECT_FALSE((*s)->FitsLocalEngine());
   }
   for (const char* text : {"tp=1", "dp=2", "fsdp=2", "dp=2,fsdp=2"}) {
     OptimizerConfig o;
@@ -331,7 +426,13 @@ TEST(WholeStateTest, UnderMpirun) {
               {"ep=2,fsdp=2,fsdp_form=box", 4},
               {"dp=2,ep=2,fsdp_form=flat", 4},
               // ep as one more data axis (EP over tp with tp = 1).
-              {"ep=2,fsdp=2,fsdp_form=flat", 4, "ep-over-tp"}};
+              {"ep=2,fsdp=2,fsdp_form=flat", 4, "ep-over-tp"},
+              // Tensor parallelism (the GPU engine's tp layouts): alone, with fsdp blocks, with
+              // experts cut over ep, and with kv heads shared by two tp ranks.
+              {"tp=2,fsdp_form=flat", 2},
+              {"tp=2,fsdp=2,fsdp_form=flat", 4},
+              {"tp=2,ep=2,fsdp_form=flat", 4},
+              {"tp=4,fsdp_form=flat", 4}};
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const auto& run : runs) {
     const auto r =
