@@ -11,6 +11,8 @@
 //   SwiGLU    f32 1e-5   bf16 1e-2
 //   cross-entropy  loss 1e-5 (f32 log-sum-exp vs the CPU's double);
 //                  dlogits |gpu − cpu| ≤ 1e-5 · inv_rows (f32), 1e-2 · inv_rows (bf16); padding 0
+//                  (the same bounds for the vocab-parallel form, its ranks' shares run in turn on
+//                  one GPU with the all-reduces done on the host between the three calls)
 // The worst errors are printed.
 #include "train/cuda/layers.h"
 
@@ -307,6 +309,107 @@ void CrossEntropyCase(std::int64_t n, std::int64_t vocab, std::int64_t columns, 
       ASSERT_EQ(got[static_cast<std::size_t>(i * columns + j)], 0.f) << "padding column " << j << " of row " << i;
     }
   }
+}
+
+// The vocab-parallel form over `ranks` shares of a padded vocabulary (the padding at the end of
+// the last shares, holding the rows' largest values), each share's calls run in turn and the
+// tp all-reduces done on the host: every rank's loss and the shares' gradients put side by
+// side are the one-rank CPU loss and gradient.
+template <typename T>
+void VocabParallelCase(std::int64_t n, std::int64_t vocab, std::int64_t ranks, std::mt19937& rng) {
+  SCOPED_TRACE(::testing::Message() << "n=" << n << " vocab=" << vocab << " ranks=" << ranks << " " << TypeName<T>());
+  const std::int64_t cols = (vocab + ranks - 1) / ranks + 3, padded = cols * ranks;
+  std::vector<float> logits = testing::RandomValues(n * padded, kIsBf16<T>, rng, 3.f);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = vocab; j < padded; ++j) logits[static_cast<std::size_t>(i * padded + j)] = 40.f;
+  }
+  std::uniform_int_distribution<std::int32_t> pick(0, static_cast<std::int32_t>(vocab - 1));
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(n));
+  for (auto& t : targets) t = pick(rng);
+  std::vector<float> real(static_cast<std::size_t>(n * vocab)), dreal(real.size());
+  for (std::int64_t i = 0; i < n; ++i) std::copy_n(logits.begin() + i * padded, vocab, real.begin() + i * vocab);
+  const double loss_want = train::CrossEntropy<float>(real.data(), targets.data(), n, vocab, dreal.data());
+  const double inv_rows = 1.0 / static_cast<double>(n);
+
+  const DeviceArray<std::int32_t> targets_dev(targets);
+  const auto shares = static_cast<std::size_t>(ranks);
+  auto off = [cols](std::size_t r) { return static_cast<std::int64_t>(r) * cols; };
+  std::vector<DeviceArray<T>> share;
+  std::vector<DeviceArray<char>> mem;
+  std::vector<VocabCeStats> stats;
+  for (std::size_t r = 0; r < shares; ++r) {
+    std::vector<float> mine(static_cast<std::size_t>(n * cols));
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::copy_n(logits.begin() + i * padded + off(r), cols, mine.begin() + i * cols);
+    }
+    share.emplace_back(FromFloats<T>(mine));
+    mem.emplace_back(static_cast<std::int64_t>(VocabCeStatsBytes(n)));
+    stats.push_back(CarveVocabCeStats(mem.back().get(), n));
+  }
+  const auto un = static_cast<std::size_t>(n);
+  auto download = [un](auto* p) {
+    std::vector<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>> h(un);
+    RS_CUDA_CHECK(cudaMemcpy(h.data(), p, un * sizeof(h[0]), cudaMemcpyDeviceToHost));
+    return h;
+  };
+  auto upload = [un](auto* p, const auto& h) {
+    RS_CUDA_CHECK(cudaMemcpy(p, h.data(), un * sizeof(h[0]), cudaMemcpyHostToDevice));
+  };
+  // (1) and the max all-reduce.
+  std::vector<float> mx(un, -std::numeric_limits<float>::infinity());
+  for (std::size_t r = 0; r < shares; ++r) {
+    VocabCeRowMax(share[r].get(), n, cols, off(r), vocab, stats[r], nullptr);
+    const std::vector<float> m = download(stats[r].max);
+    for (std::size_t i = 0; i < un; ++i) mx[i] = std::max(mx[i], m[i]);
+  }
+  for (std::size_t r = 0; r < shares; ++r) upload(stats[r].max, mx);
+  // (2) and the sum all-reduces.
+  std::vector<double> sum(un, 0.0), target(un, 0.0);
+  for (std::size_t r = 0; r < shares; ++r) {
+    VocabCeRowSums(share[r].get(), targets_dev.get(), n, cols, off(r), vocab, stats[r], nullptr);
+    const std::vector<double> s = download(stats[r].sum), t = download(stats[r].target);
+    for (std::size_t i = 0; i < un; ++i) {
+      sum[i] += s[i];
+      target[i] += t[i];
+    }
+  }
+  // (3) in place.
+  DeviceArray<double> loss(1);
+  std::vector<float> got(static_cast<std::size_t>(n * padded));
+  for (std::size_t r = 0; r < shares; ++r) {
+    upload(stats[r].sum, sum);
+    upload(stats[r].target, target);
+    VocabCeFinish(share[r].get(), targets_dev.get(), n, cols, off(r), vocab, inv_rows, stats[r], loss.get(),
+                  share[r].get(), nullptr);
+    const double l = loss.Download()[0];
+    EXPECT_LE(std::abs(l - loss_want) / std::max(1.0, std::abs(loss_want)), 1e-5) << "rank " << r << ": " << l;
+    const std::vector<float> d = ToFloats(share[r].Download());
+    for (std::int64_t i = 0; i < n; ++i) std::copy_n(d.begin() + i * cols, cols, got.begin() + i * padded + off(r));
+  }
+  std::vector<float> got_scaled(got.size()), want_scaled(got.size(), 0.f);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = 0; j < padded; ++j) {
+      const auto at = static_cast<std::size_t>(i * padded + j);
+      got_scaled[at] = static_cast<float>(static_cast<double>(got[at]) / inv_rows);
+      if (j < vocab) {
+        want_scaled[at] =
+            static_cast<float>(static_cast<double>(dreal[static_cast<std::size_t>(i * vocab + j)]) / inv_rows);
+      } else {
+        ASSERT_EQ(got[at], 0.f) << "padding column " << j << " of row " << i;
+      }
+    }
+  }
+  ExpectClose(got_scaled, want_scaled, kIsBf16<T> ? 1e-2 : 1e-5, "vocab-parallel dlogits / inv_rows");
+}
+
+TEST_F(CudaLayersTest, VocabParallelCrossEntropyMatchesCpu) {
+  std::mt19937 rng(15);
+  for (const std::int64_t ranks : {1, 2, 4}) {
+    VocabParallelCase<float>(37, 250, ranks, rng);
+    VocabParallelCase<bf16>(37, 250, ranks, rng);
+  }
+  VocabParallelCase<float>(1, 1000, 2, rng);
+  VocabParallelCase<float>(300, 50, 4, rng);  // the last share all padding
 }
 
 TEST_F(CudaLayersTest, CrossEntropyMatchesCpu) {

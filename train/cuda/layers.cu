@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 #include <limits>
@@ -358,6 +359,69 @@ __global__ void MeanLossKernel(const double* __restrict__ row_loss, std::int64_t
   if (threadIdx.x == 0) *loss = s * inv_rows;
 }
 
+// Vocab-parallel cross-entropy: one block per row, plain strided loops (the logits of one
+// rank's vocabulary share).
+template <typename T>
+__global__ void VocabCeRowMaxKernel(const T* __restrict__ logits, std::int64_t columns, std::int64_t valid,
+                                    float* __restrict__ row_max) {
+  __shared__ float scratch[32];
+  const T* li = logits + static_cast<std::int64_t>(blockIdx.x) * columns;
+  float m = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, ToFloat(li[j]));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  if (lane == 0) scratch[warp] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float r = scratch[0];
+    for (int k = 1; k < static_cast<int>(blockDim.x >> 5); ++k) r = fmaxf(r, scratch[k]);
+    row_max[blockIdx.x] = r;
+  }
+}
+
+template <typename T>
+__global__ void VocabCeRowSumsKernel(const T* __restrict__ logits, const std::int32_t* __restrict__ targets,
+                                     std::int64_t columns, std::int64_t offset, std::int64_t valid,
+                                     const float* __restrict__ row_max, double* __restrict__ row_sum,
+                                     double* __restrict__ row_target) {
+  __shared__ double scratch[32];
+  const std::int64_t row = blockIdx.x;
+  const T* li = logits + row * columns;
+  const float m = row_max[row];
+  float s = 0.f;
+  for (std::int64_t j = threadIdx.x; j < valid; j += blockDim.x) s += expf(ToFloat(li[j]) - m);
+  const double total = BlockSum(static_cast<double>(s), scratch);
+  if (threadIdx.x == 0) {
+    row_sum[row] = total;
+    const std::int64_t t = static_cast<std::int64_t>(targets[row]) - offset;
+    row_target[row] = t >= 0 && t < valid ? static_cast<double>(ToFloat(li[t])) : 0.0;
+  }
+}
+
+// Row loss, then each element's gradient (read and written by the same thread: dlogits may
+// alias logits; the row's numbers come from the all-reduced statistics, not from the logits).
+template <typename T>
+__global__ void VocabCeFinishKernel(const T* logits, const std::int32_t* __restrict__ targets, std::int64_t columns,
+                                    std::int64_t offset, std::int64_t valid, float inv_rows,
+                                    const float* __restrict__ row_max, const double* __restrict__ row_sum,
+                                    const double* __restrict__ row_target, double* __restrict__ row_loss, T* dlogits) {
+  const std::int64_t row = blockIdx.x;
+  const float m = row_max[row];
+  const double s = row_sum[row];
+  if (threadIdx.x == 0) row_loss[row] = static_cast<double>(m) + log(s) - row_target[row];
+  if (dlogits == nullptr) return;
+  const float scale = static_cast<float>(static_cast<double>(inv_rows) / s);
+  const std::int64_t target = static_cast<std::int64_t>(targets[row]) - offset;
+  const T* li = logits + row * columns;
+  T* di = dlogits + row * columns;
+  for (std::int64_t j = threadIdx.x; j < columns; j += blockDim.x) {
+    float p = j < valid ? __fmul_rn(expf(ToFloat(li[j]) - m), scale) : 0.f;
+    if (j == target) p = __fsub_rn(p, inv_rows);
+    di[j] = FromFloat<T>(p);
+  }
+}
+
 }  // namespace
 
 // ---- Embedding ----------------------------------------------------------------------------
@@ -494,6 +558,67 @@ void CrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n, 
   RS_CUDA_CHECK(cudaGetLastError());
 }
 
+// ---- Vocab-parallel cross-entropy ---------------------------------------------------------
+
+namespace {
+VocabCeStats TakeVocabCeStats(WorkspaceCarver& c, std::int64_t n) {
+  VocabCeStats st;
+  st.max = c.Take<float>(n);
+  st.sum = c.Take<double>(n);
+  st.target = c.Take<double>(n);
+  st.row_loss = c.Take<double>(n);
+  return st;
+}
+}  // namespace
+
+std::size_t VocabCeStatsBytes(std::int64_t n) {
+  RS_CHECK(n >= 0);
+  WorkspaceCarver c(nullptr);
+  TakeVocabCeStats(c, n);
+  return c.bytes();
+}
+VocabCeStats CarveVocabCeStats(void* base, std::int64_t n) {
+  WorkspaceCarver c(base);
+  return TakeVocabCeStats(c, n);
+}
+
+namespace {
+std::int64_t HostValidColumns(std::int64_t columns, std::int64_t offset, std::int64_t vocab) {
+  return std::clamp<std::int64_t>(vocab - offset, 0, columns);
+}
+}  // namespace
+
+template <typename T>
+void VocabCeRowMax(const T* logits, std::int64_t n, std::int64_t columns, std::int64_t offset, std::int64_t vocab,
+                   const VocabCeStats& stats, cudaStream_t stream) {
+  RS_CHECK(n > 0 && columns > 0 && offset >= 0);
+  VocabCeRowMaxKernel<T><<<static_cast<unsigned>(n), kCeThreads, 0, stream>>>(
+      logits, columns, HostValidColumns(columns, offset, vocab), stats.max);
+  RS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void VocabCeRowSums(const T* logits, const std::int32_t* targets, std::int64_t n, std::int64_t columns,
+                    std::int64_t offset, std::int64_t vocab, const VocabCeStats& stats, cudaStream_t stream) {
+  RS_CHECK(n > 0 && columns > 0 && offset >= 0);
+  VocabCeRowSumsKernel<T><<<static_cast<unsigned>(n), kCeThreads, 0, stream>>>(
+      logits, targets, columns, offset, HostValidColumns(columns, offset, vocab), stats.max, stats.sum, stats.target);
+  RS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void VocabCeFinish(const T* logits, const std::int32_t* targets, std::int64_t n, std::int64_t columns,
+                   std::int64_t offset, std::int64_t vocab, double inv_rows, const VocabCeStats& stats, double* loss,
+                   T* dlogits, cudaStream_t stream) {
+  RS_CHECK(n > 0 && columns > 0 && offset >= 0);
+  VocabCeFinishKernel<T><<<static_cast<unsigned>(n), kCeThreads, 0, stream>>>(
+      logits, targets, columns, offset, HostValidColumns(columns, offset, vocab), static_cast<float>(inv_rows),
+      stats.max, stats.sum, stats.target, stats.row_loss, dlogits);
+  RS_CUDA_CHECK(cudaGetLastError());
+  MeanLossKernel<<<1, 1024, 0, stream>>>(stats.row_loss, n, inv_rows, loss);
+  RS_CUDA_CHECK(cudaGetLastError());
+}
+
 // NOLINTBEGIN(bugprone-macro-parentheses)
 #define RS_INSTANTIATE(T)                                                                                              \
   template void EmbeddingForward<T>(const std::int32_t*, std::int64_t, const T*, std::int64_t, std::int64_t,           \
@@ -504,7 +629,13 @@ void CrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n, 
   template void RmsNormBackward<T>(const T*, const T*, const T*, const float*, std::int64_t, std::int64_t, T*, float*, \
                                    void*, std::size_t, cudaStream_t);                                                  \
   template void CrossEntropy<T>(const T*, const std::int32_t*, std::int64_t, std::int64_t, std::int64_t, double,       \
-                                double*, T*, void*, std::size_t, cudaStream_t);
+                                double*, T*, void*, std::size_t, cudaStream_t);                                        \
+  template void VocabCeRowMax<T>(const T*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,                     \
+                                 const VocabCeStats&, cudaStream_t);                                                   \
+  template void VocabCeRowSums<T>(const T*, const std::int32_t*, std::int64_t, std::int64_t, std::int64_t,             \
+                                  std::int64_t, const VocabCeStats&, cudaStream_t);                                    \
+  template void VocabCeFinish<T>(const T*, const std::int32_t*, std::int64_t, std::int64_t, std::int64_t,              \
+                                 std::int64_t, double, const VocabCeStats&, double*, T*, cudaStream_t);
 RS_INSTANTIATE(float)
 RS_INSTANTIATE(bf16)
 #undef RS_INSTANTIATE

@@ -77,4 +77,34 @@ void CrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n, 
                   std::int64_t vocab, double inv_rows, double* loss, T* dlogits, void* workspace,
                   std::size_t workspace_bytes, cudaStream_t stream);
 
+// --- Vocab-parallel cross-entropy (tensor parallelism) ----------------------------------------
+// This rank's logits [n, columns] are vocabulary ids [offset, offset + columns); ids at or past
+// `vocab` are padding (never win, zero gradient). The loss of train/model.cc's
+// VocabParallelCrossEntropy in three calls, the caller all-reducing over the tp group between
+// them: (1) VocabCeRowMax – the per-row maximum over this rank's real columns (−inf where it has
+// none) into stats.max; all-reduce max. (2) VocabCeRowSums – Σ exp(l − max) over them into
+// stats.sum and the target's logit (0 unless this rank holds the target) into stats.target;
+// all-reduce sum of both. (3) VocabCeFinish – loss (device, one double) = inv_rows · Σ_i
+// (max + log sum − target), the rows summed in a fixed order, and dlogits (optional; may be
+// `logits`) = (softmax − onehot) · inv_rows on this rank's columns. Every rank of the group ends
+// with the same loss. f32 exponentials, per-row sums in f32 per thread and then in double.
+struct VocabCeStats {
+  float* max = nullptr;        // [n]
+  double* sum = nullptr;       // [n]
+  double* target = nullptr;    // [n]
+  double* row_loss = nullptr;  // [n], scratch of VocabCeFinish
+};
+std::size_t VocabCeStatsBytes(std::int64_t n);
+VocabCeStats CarveVocabCeStats(void* base, std::int64_t n);
+template <typename T>
+void VocabCeRowMax(const T* logits, std::int64_t n, std::int64_t columns, std::int64_t offset, std::int64_t vocab,
+                   const VocabCeStats& stats, cudaStream_t stream);
+template <typename T>
+void VocabCeRowSums(const T* logits, const std::int32_t* targets, std::int64_t n, std::int64_t columns,
+                    std::int64_t offset, std::int64_t vocab, const VocabCeStats& stats, cudaStream_t stream);
+template <typename T>
+void VocabCeFinish(const T* logits, const std::int32_t* targets, std::int64_t n, std::int64_t columns,
+                   std::int64_t offset, std::int64_t vocab, double inv_rows, const VocabCeStats& stats, double* loss,
+                   T* dlogits, cudaStream_t stream);
+
 }  // namespace rs::cuda
