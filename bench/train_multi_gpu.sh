@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Scaling of `reshard train --device cuda` over the GPUs of one host: the same global batch on
-# 1 GPU and on N ranks (`--layout dp=N`, fsdp=N, and ep=N: experts cut over the ranks, rows
-# exchanged by all-to-all; small-moe's 16 experts, N dividing 16), bf16 small-moe. Prints
+# 1 GPU and on N ranks (`--layout dp=N`, fsdp=N, ep=N: experts cut over the ranks, rows
+# exchanged by all-to-all; small-moe's 16 experts, N dividing 16; and tp=N: heads, ffn widths
+# and vocab cut over the ranks, which all run the same rows), bf16 small-moe. Prints
 # each run's summary line (rank 0's GPU: ms per step, TFLOP/s of model products of its rows)
 # and the tokens/s of the whole run from the wall time, so the scaling efficiency is
 # tokens/s(N) / (N · tokens/s(1)) with both measured in the same invocation.
@@ -36,3 +37,4 @@ run 1
 run "$ranks" --layout "dp=$ranks"
 run "$ranks" --layout "fsdp=$ranks"
 run "$ranks" --layout "ep=$ranks"
+run "$ranks" --layout "tp=$ranks"

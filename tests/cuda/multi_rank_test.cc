@@ -2,10 +2,11 @@
 //  - the device communicators (train/cuda/communicator.h) against the host arithmetic, under
 //    mpirun: host-staged with two ranks (they may share one GPU), NCCL with two ranks when the
 //    host has two GPUs and with one rank otherwise;
-//  - `mpirun -np N reshard train --device cuda` at dp, fsdp and ep layouts: losses equal the
+//  - `mpirun -np N reshard train --device cuda` at dp, fsdp, ep and tp layouts (tp alone, with
+//    fsdp, with ep, and tp = 4 with kv heads shared by two tp ranks): losses equal the
 //    one-process CPU run's for the top-k, sigmoid-bias and Sinkhorn routers (Sinkhorn balances
 //    the whole batch over the ranks), checkpoints verify and resume on the CPU at another
-//    layout; tensor parallel layouts are refused; NCCL with more ranks than GPUs is refused
+//    layout; context-parallel layouts are refused; NCCL with more ranks than GPUs is refused
 //    naming --device-comm host.
 // The rank tests run only in the processes the launcher tests start (RS_COMM_TEST_KIND set).
 #include <gtest/gtest.h>
@@ -254,11 +255,20 @@ int Ranks(const std::string& layout) {
 }
 
 TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
-  const std::vector<std::string> all = {
-      "dp=2",        "fsdp=2",   "fsdp=2,fsdp_form=box", "dp=2,fsdp=2", "ep=2,fsdp=2 --rules ep-over-tp", "ep=2",
-      "ep=2,fsdp=2", "dp=2,ep=2"};
+  const std::vector<std::string> all = {"dp=2",
+                                        "fsdp=2",
+                                        "fsdp=2,fsdp_form=box",
+                                        "dp=2,fsdp=2",
+                                        "ep=2,fsdp=2 --rules ep-over-tp",
+                                        "ep=2",
+                                        "ep=2,fsdp=2",
+                                        "dp=2,ep=2",
+                                        "tp=2",
+                                        "tp=2,fsdp=2",
+                                        "tp=2,ep=2",
+                                        "tp=4"};
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
-      {"topk", all}, {"sigmoid_bias", all}, {"sinkhorn", {"dp=2", "ep=2,fsdp=2"}}};
+      {"topk", all}, {"sigmoid_bias", all}, {"sinkhorn", {"dp=2", "ep=2,fsdp=2", "tp=2,ep=2"}}};
   for (const auto& [router, layouts] : cases) {
     const std::string model = " --model " + Model(router);
     const Shell cpu = Train(1, kCommon + model + " --steps 4 --log " + D() + "/cpu.jsonl");
@@ -283,6 +293,8 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
                 layout.find("ep=2") != std::string::npos && layout.find("ep-over-tp") == std::string::npos)
           << layout << "\n"
           << r.out;
+      EXPECT_EQ(r.out.find("tensor parallel over tp=") != std::string::npos, layout.find("tp=") == 0) << layout << "\n"
+                                                                                                      << r.out;
       const std::vector<double> got = Losses(log);
       ASSERT_EQ(got.size(), 4u) << layout;
       for (std::size_t i = 0; i < 4; ++i) {
@@ -295,7 +307,7 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
 TEST_F(MultiRankCliTest, SaveOnGpusVerifyResumeOnTheCpuAtAnotherLayout) {
   ASSERT_EQ(Train(1, std::string(kCommon) + " --steps 6 --log " + D() + "/cpu.jsonl").rc, 0);
   const std::vector<double> ref = Losses("cpu.jsonl");
-  for (const std::string layout : {"fsdp=2", "ep=2"}) {
+  for (const std::string layout : {"fsdp=2", "ep=2", "tp=2"}) {
     fs::remove_all(dir_ / "g");
     fs::remove(dir_ / "g.jsonl");
     const Shell g = Train(2, std::string(kCommon) + " --steps 3 --device cuda --device-comm host --layout " + layout +
@@ -311,10 +323,11 @@ TEST_F(MultiRankCliTest, SaveOnGpusVerifyResumeOnTheCpuAtAnotherLayout) {
   }
 }
 
-TEST_F(MultiRankCliTest, LayoutsThatCutTheModelAreRefused) {
-  const Shell tp = Train(2, std::string(kCommon) + " --steps 1 --device cuda --device-comm host --layout tp=2");
-  EXPECT_NE(tp.rc, 0);
-  EXPECT_NE(tp.out.find("tensor, expert-tensor or context parallelism"), std::string::npos) << tp.out;
+TEST_F(MultiRankCliTest, ContextParallelLayoutsAreRefused) {
+  const Shell cp =
+      Train(2, std::string(kCommon) + " --steps 1 --device cuda --device-comm host --layout ep=2 --rules ep-as-cp");
+  EXPECT_NE(cp.rc, 0);
+  EXPECT_NE(cp.out.find("expert-tensor or context parallelism"), std::string::npos) << cp.out;
 }
 
 TEST_F(MultiRankCliTest, NcclNeedsOneGpuPerRank) {

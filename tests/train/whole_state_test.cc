@@ -142,7 +142,9 @@ void GatherLocalAtTensorParallelLayouts(Trainer& t) {
     ASSERT_TRUE(t.state().GatherLocal(t.groups(), vecs[v], model, local).ok());
     for (std::size_t i = 0; i < local.size(); ++i) {
       ASSERT_TRUE(std::isfinite(local[i])) << names[v] << " item " << i << " has no owner";
-      if (v == 0) ASSERT_EQ(local[i], model.params()[i]) << "master item " << i;
+      if (v == 0) {
+        ASSERT_EQ(local[i], model.params()[i]) << "master item " << i;
+      }
     }
     ExpectScatterGivesBackTheOwnedItems(t, local, vecs[v], names[v]);
   }
@@ -242,9 +244,15 @@ double WorstRelative(std::span<const float> got, std::span<const float> want, do
 double PlannedNorm(std::span<const float> g, const std::vector<ParamSegment>& segments, const LocalModelPlan& plan,
                    ProcessGroups& groups, bool block) {
   double sum = SquaresInNorm(g, segments);
-  if (block) EXPECT_TRUE(groups.fsdp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
-  if (plan.experts_cut) EXPECT_TRUE(groups.ep->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
-  if (plan.tp_size > 1) EXPECT_TRUE(groups.tp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+  if (block) {
+    EXPECT_TRUE(groups.fsdp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+  }
+  if (plan.experts_cut) {
+    EXPECT_TRUE(groups.ep->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+  }
+  if (plan.tp_size > 1) {
+    EXPECT_TRUE(groups.tp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+  }
   return sum;
 }
 
@@ -305,7 +313,9 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
   auto update = state.Update(groups, 1);
   ASSERT_TRUE(update.ok()) << update.status().ToString();
   EXPECT_NEAR(std::sqrt(norm), update->grad_norm, 1e-5 * update->grad_norm) << "the CPU path's norm";
-  if (tp) EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "the one-process norm";
+  if (tp) {
+    EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "the one-process norm";
+  }
 
   // fsdp blocks of the padded vector, as the engine cuts them.
   const std::int64_t shards = groups.fsdp->size();

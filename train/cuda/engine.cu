@@ -29,20 +29,25 @@ class CudaEngine final : public train::StepEngine {
     train::ShardedState& state = t.state();
     train::ProcessGroups& groups = t.groups();
     const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
-    if (!state.OnlyExpertsAreCut()) {
+    if (!state.FitsLocalEngine()) {
       return Unimplemented("train: " + Describe() +
-                           " trains layouts of dp, fsdp and ep (experts cut over ep, or ep as one more data axis); " +
-                           "layout " + state.layout().ToString() +
-                           " cuts the model with tensor, expert-tensor or context parallelism, which the GPU path "
-                           "does not have yet (the CPU path trains it)");
+                           " trains layouts of dp, fsdp, ep (experts cut over ep, or ep as one more data axis) and tp "
+                           "(heads, ffn widths and vocab rows cut over tp); layout " +
+                           state.layout().ToString() +
+                           " uses expert-tensor or context parallelism, or cuts the experts over tp, which the GPU "
+                           "path does not have yet (the CPU path trains it)");
     }
-    if (state.data_size() != ranks) {  // e.g. etp over a model without experts: ranks that share rows
-      return Unimplemented("train: " + Describe() + " gives every rank its own rows; layout " +
+    // The ranks with this tp index share the batch's rows; the tp ranks share their rows.
+    dist::Communicator* data_host = groups.data != nullptr ? groups.data.get() : groups.world;
+    const std::int64_t data_ranks = data_host != nullptr ? data_host->size() : 1;
+    const std::int64_t tp_ranks = groups.tp != nullptr ? groups.tp->size() : 1;
+    if (state.data_size() != data_ranks || data_ranks * tp_ranks != ranks) {
+      return Unimplemented("train: " + Describe() + " gives every rank of a tp group its own rows; layout " +
                            state.layout().ToString() + " has " + std::to_string(ranks) + " ranks over " +
                            std::to_string(state.data_size()) + " shares of the batch");
     }
-    RS_CHECK(t.train_config().batch_size % ranks == 0);
-    rows_ = t.train_config().batch_size / ranks;
+    RS_CHECK(t.train_config().batch_size % data_ranks == 0);
+    rows_ = t.train_config().batch_size / data_ranks;
     // Expert parallelism: this rank's model holds its ep index's block of experts.
     ExpertBlock experts;
     if (state.experts_over_ep() && groups.ep != nullptr && groups.ep->size() > 1) {
@@ -51,18 +56,35 @@ class CudaEngine final : public train::StepEngine {
                state.expert_offset() == experts.index * (c.n_experts / experts.ranks));
     }
     // Which items count in the norm here and over which ranks each gradient is summed.
-    plan_ = train::PlanLocalModel(state, host, experts.index, experts.ranks);
+    plan_ = train::PlanLocalModel(state, host, experts.index, experts.ranks, tp_ranks > 1 ? groups.tp->rank() : 0,
+                                  tp_ranks);
     // With fsdp the optimizer state is cut into fsdp_size equal blocks of the padded vector
     // (blocks of whole 128-byte lines); the model's arrays are padded to match.
     shards_ = ranks > 1 ? state.fsdp_size() : 1;
     shard_index_ = shards_ > 1 ? state.fsdp_index() : 0;
     shard_ = train::BlockItems(static_cast<std::int64_t>(host.params().size()), shards_);
+    // Tensor parallelism: the rank's share in the CPU rank's local shapes.
+    TensorShare share;
+    if (tp_ranks > 1) share = {host.specs(), state.vocab_offset(), tp_ranks};
     model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len(), nullptr,
-                                                 shard_ * shards_, experts);
+                                                 shard_ * shards_, experts, std::move(share));
     if (ranks > 1) {
       const std::string kind = std::string(" (") + DeviceCommName(comm_kind_) + ")";
-      RS_ASSIGN_OR_RETURN(comm_, DeviceCommunicator(*groups.world, "data group of " + std::to_string(ranks) + kind));
-      model_->SetDataParallel(comm_.get(), t.train_config().batch_size * t.seq_len());
+      if (data_ranks > 1) {
+        RS_RETURN_IF_ERROR(Agreed(*groups.world,
+                                  DeviceCommunicator(*data_host, "data group of " + std::to_string(data_ranks) + kind),
+                                  comm_));
+        model_->SetDataParallel(comm_.get(), t.train_config().batch_size * t.seq_len());
+      }
+      if (tp_ranks > 1) {
+        // The activations' all-reduces over tp, and the partial gradients of kv heads that several
+        // tp ranks hold.
+        RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.tp, "tp group" + kind), tp_comm_));
+        model_->SetTensorParallel(tp_comm_.get());
+        if (groups.kv != nullptr && groups.kv->size() > 1) {
+          RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.kv, "kv-head group" + kind), kv_comm_));
+        }
+      }
       if (experts.ranks > 1) {
         // The rows' exchange over ep, and the gradients of the experts over the ranks holding
         // the same ones (dp × fsdp; without fsdp sharding).
@@ -86,7 +108,7 @@ class CudaEngine final : public train::StepEngine {
         RS_ASSIGN_OR_RETURN(replica_host_,
                             groups.world->Split(train::BlockReplicaColor(shard_index_, plan_), groups.world->rank(),
                                                 "ranks of fsdp block " + std::to_string(shard_index_)));
-        RS_CHECK(replica_host_->size() * shards_ * ep_ranks == ranks);
+        RS_CHECK(replica_host_->size() * shards_ * ep_ranks * tp_ranks == ranks);
         if (replica_host_->size() > 1) {
           RS_RETURN_IF_ERROR(
               Agreed(*groups.world, DeviceCommunicator(*replica_host_, "fsdp block replicas" + kind), replica_comm_));
@@ -131,10 +153,7 @@ class CudaEngine final : public train::StepEngine {
     cudaStream_t st = model_->stream();
     train::StepReport r;
     const auto start = std::chrono::steady_clock::now();
-    for (dist::Communicator* c :
-         {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get()}) {
-      if (c != nullptr) c->ResetStats();
-    }
+    for (dist::Communicator* c : Comms()) c->ResetStats();
     model_->ZeroGrads();
     r.losses = model_->Run(inputs.data(), targets.data(), train::Transformer<float>::Pass::kForwardBackward);
     RS_RETURN_IF_ERROR(model_->TakeCommStatus().WithContext("forward/backward"));
@@ -149,11 +168,13 @@ class CudaEngine final : public train::StepEngine {
       // each item (train/engine_state.h), every rank then runs the same update on the same
       // numbers (the optimizer state is replicated on the devices; checkpoints hold each
       // rank's owned part).
-      const train::GradientGroups sum{plan_.experts_cut ? same_experts_comm_.get() : comm_.get(), ep_comm_.get()};
+      const train::GradientGroups sum{plan_.experts_cut ? same_experts_comm_.get() : comm_.get(), ep_comm_.get(),
+                                      kv_comm_.get()};
       RS_RETURN_IF_ERROR(
           train::SumLocalGradients(plan_, sum, std::span<float>(model_->grads(), static_cast<std::size_t>(p))));
       GradSumOfSquares(model_->grads(), kinds_.get(), p, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
       if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
+      if (tp_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*tp_comm_));
       ClipScale(oc.clip_norm, norm_.get(), st);
       AdamWUpdate(model_->master(), model_->grads(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), p, scalars,
                   norm_.get(), nullptr, st);
@@ -165,10 +186,7 @@ class CudaEngine final : public train::StepEngine {
     r.update.lr = lr;
     r.update.grad_norm = norm.grad_norm;
     r.update.clip_scale = norm.clip_scale;
-    for (dist::Communicator* c :
-         {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get()}) {
-      if (c != nullptr) r.comm += c->stats();
-    }
+    for (const dist::Communicator* c : Comms()) r.comm += c->stats();
     r.comm_seconds = CommSeconds() - forward_backward_comm;  // the gradient and parameter phases
     // The first step loads cuBLAS's kernels and warms the caches: it is left out of Summary.
     if (++steps_ == 1) {
@@ -196,6 +214,7 @@ class CudaEngine final : public train::StepEngine {
                   static_cast<double>(total - free) / gib, static_cast<double>(total) / gib,
                   static_cast<double>(model_->arena_bytes()) / gib);
     std::string out = line;
+    if (tp_comm_ != nullptr) out += ", tensor parallel over tp=" + std::to_string(tp_comm_->size());
     if (ep_comm_ != nullptr) out += ", experts cut over ep=" + std::to_string(ep_comm_->size());
     if (shards_ > 1) {
       out += ", Adam moments sharded over fsdp=" + std::to_string(shards_) + " (" + std::to_string(shard_) + " of " +
@@ -235,11 +254,18 @@ class CudaEngine final : public train::StepEngine {
   // Seconds inside this step's collectives so far, over every device communicator.
   double CommSeconds() const {
     double s = 0;
-    for (const dist::Communicator* c :
-         {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get()}) {
-      if (c != nullptr) s += c->stats().seconds;
-    }
+    for (const dist::Communicator* c : Comms()) s += c->stats().seconds;
     return s;
+  }
+
+  // Every device communicator this engine set up.
+  std::vector<dist::Communicator*> Comms() const {
+    std::vector<dist::Communicator*> out;
+    for (dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(),
+                                  same_experts_comm_.get(), tp_comm_.get(), kv_comm_.get()}) {
+      if (c != nullptr) out.push_back(c);
+    }
+    return out;
   }
 
   // A communicator over device memory for the ranks of `host` (collective over them).
@@ -292,12 +318,14 @@ class CudaEngine final : public train::StepEngine {
     const auto n = static_cast<std::size_t>(shard_);
     const auto whole = static_cast<std::size_t>(model_->param_capacity());
     float* mine = model_->master() + shard_index_ * shard_;
+    RS_RETURN_IF_ERROR(train::SumKvGradients(plan_, kv_comm_.get(), std::span<float>(model_->grads(), whole)));
     RS_RETURN_IF_ERROR(train::SumBlockGradients(plan_, *fsdp_comm_, replica_comm_.get(), ep_comm_.get(),
                                                 std::span<const float>(model_->grads(), whole),
                                                 std::span<float>(grad_shard_.get(), n), shard_index_ * shard_));
     GradSumOfSquares(grad_shard_.get(), kinds_.get(), shard_, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
     RS_RETURN_IF_ERROR(ReduceNormOver(*fsdp_comm_));
     if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
+    if (tp_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*tp_comm_));
     ClipScale(clip_norm, norm_.get(), st);
     AdamWUpdate(mine, grad_shard_.get(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), shard_, scalars, norm_.get(),
                 nullptr, st);
@@ -330,6 +358,8 @@ class CudaEngine final : public train::StepEngine {
   // Experts cut over ep: the ep group and the same-experts group (dp × fsdp, without fsdp
   // sharding) over device memory; which ranks sum which items (train/engine_state.h).
   std::unique_ptr<dist::Communicator> ep_comm_, same_experts_comm_;
+  // Tensor parallelism: the tp group and the kv-head group (tp ranks sharing kv heads).
+  std::unique_ptr<dist::Communicator> tp_comm_, kv_comm_;
   train::LocalModelPlan plan_;
   std::unique_ptr<dist::Communicator> fsdp_comm_, replica_comm_;
   DeviceArray<float> grad_shard_;

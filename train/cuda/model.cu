@@ -116,6 +116,8 @@ struct GpuTransformer<T>::Scratch {
   T *pad_a = nullptr, *pad_b = nullptr, *unpadded = nullptr;
   T *ep_send = nullptr, *ep_recv = nullptr;  // expert parallelism: token-side rows, received rows
   float *dprobs = nullptr, *dlogits_r = nullptr, *dxr = nullptr;
+  VocabCeStats ce_stats;    // tensor parallelism
+  float* tp_f32 = nullptr;  // tensor parallelism in bf16: [n, d] f32 for the all-reduces
   RopeTable rope;
   void* rope_mem = nullptr;
   std::size_t rope_bytes = 0;
@@ -127,14 +129,22 @@ struct GpuTransformer<T>::Scratch {
 template <typename T>
 GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
                                   std::int64_t seq, cudaStream_t stream, std::int64_t param_capacity,
-                                  ExpertBlock experts)
-    : c_(config), dispatch_(dispatch), batch_(batch), seq_(seq), n_(batch * seq), stream_(stream), block_(experts) {
+                                  ExpertBlock experts, TensorShare share)
+    : c_(config),
+      dispatch_(dispatch),
+      batch_(batch),
+      seq_(seq),
+      n_(batch * seq),
+      stream_(stream),
+      block_(experts),
+      sharded_(!share.specs.empty()),
+      tp_ranks_(share.ranks),
+      vocab_offset_(share.vocab_offset) {
   RS_CHECK(c_.Validate().ok());
   RS_CHECK_MSG(train::CheckTrainable(c_).ok(), "the GPU model trains no gated-delta-net layers");
   RS_CHECK(batch > 0 && seq > 0 && seq <= c_.max_seq_len);
   if constexpr (!std::is_same_v<T, float>) {
-    RS_CHECK_MSG(c_.d_model % 8 == 0 && c_.moe_ffn % 8 == 0 && c_.dense_ffn % 8 == 0 && c_.shared_ffn % 8 == 0,
-                 "bf16 needs d_model and every ffn width to be multiples of 8");
+    RS_CHECK_MSG(c_.d_model % 8 == 0, "bf16 needs d_model to be a multiple of 8");
   }
   specs_ = ModelParameters(c_);
   RS_CHECK(block_.ranks >= 1 && block_.index >= 0 && block_.index < block_.ranks);
@@ -143,11 +153,24 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
     RS_CHECK_MSG(c_.n_experts % block_.ranks == 0,
                  c_.n_experts << " experts do not cut into " << block_.ranks << " equal blocks");
     local_experts_ = c_.n_experts / block_.ranks;
+  }
+  if (!share.specs.empty()) {  // a tp rank's share: the CPU rank's local shapes
+    RS_CHECK(share.specs.size() == specs_.size() && share.vocab_offset >= 0 && share.ranks >= 1);
+    for (std::size_t i = 0; i < specs_.size(); ++i) {
+      RS_CHECK_MSG(share.specs[i].name == specs_[i].name && share.specs[i].shape.size() == specs_[i].shape.size(),
+                   "local spec " << share.specs[i].name << " does not match " << specs_[i].name);
+    }
+    specs_ = std::move(share.specs);
+  } else {
+    RS_CHECK(share.vocab_offset == 0 && share.ranks == 1);
     for (TensorSpec& s : specs_) {
       if (s.name.find(".moe.experts.") == std::string::npos) continue;
-      RS_CHECK(!s.shape.empty() && s.shape[0] == c_.n_experts);
       s.shape[0] = local_experts_;
     }
+  }
+  for (const TensorSpec& s : specs_) {
+    RS_CHECK_MSG(s.name.find(".moe.experts.") == std::string::npos || s.shape[0] == local_experts_,
+                 s.name << " holds " << s.shape[0] << " experts, the block has " << local_experts_);
   }
   for (const TensorSpec& s : specs_) {
     offsets_.push_back(num_params_);
@@ -173,6 +196,19 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
   embedding_ = Need("embedding.weight");
   final_norm_ = Need("final_norm.weight");
   output_ = Need("output.weight");
+  // This rank's vocab rows, heads and ffn widths, read off the local shapes.
+  vocab_rows_ = specs_[embedding_].shape[0];
+  RS_CHECK(vocab_rows_ > 0 && specs_[output_].shape[0] == vocab_rows_);
+  RS_CHECK(sharded_ || (vocab_rows_ == c_.vocab_size && vocab_offset_ == 0));
+  {
+    const TensorSpec& out = specs_[Need("layers.0.attn.out.weight")];
+    const TensorSpec& qkv = specs_[Need("layers.0.attn.qkv.weight")];
+    RS_CHECK(out.shape[1] % c_.head_dim == 0 && (qkv.shape[0] - out.shape[1]) % (2 * c_.head_dim) == 0);
+    heads_ = out.shape[1] / c_.head_dim;
+    kv_heads_ = (qkv.shape[0] - out.shape[1]) / (2 * c_.head_dim);
+    RS_CHECK_MSG(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0,
+                 heads_ << " query heads over " << kv_heads_ << " kv heads");
+  }
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     auto l = std::make_unique<Layer>();
@@ -186,16 +222,21 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
       if (c_.router == RouterKind::kSigmoidBias) l->bias = Need(p + "moe.router.expert_bias");
       l->efc1 = Need(p + "moe.experts.fc1.weight");
       l->efc2 = Need(p + "moe.experts.fc2.weight");
-      l->ffn = c_.moe_ffn;
+      l->ffn = specs_[l->efc2].shape[2];  // [E, d, f]
       if (c_.shared_ffn > 0) {
         l->sfc1 = Need(p + "moe.shared.fc1.weight");
         l->sfc2 = Need(p + "moe.shared.fc2.weight");
-        l->shared_ffn = c_.shared_ffn;
+        l->shared_ffn = specs_[l->sfc2].shape[1];  // [d, f]
       }
     } else {
       l->fc1 = Need(p + "mlp.fc1.weight");
       l->fc2 = Need(p + "mlp.fc2.weight");
-      l->ffn = c_.dense_ffn;
+      l->ffn = specs_[l->fc2].shape[1];
+    }
+    RS_CHECK(l->ffn > 0);
+    if constexpr (!std::is_same_v<T, float>) {
+      RS_CHECK_MSG(l->ffn % 8 == 0 && l->shared_ffn % 8 == 0,
+                   "bf16 needs every (local) ffn width to be a multiple of 8");
     }
     layers_.push_back(std::move(l));
   }
@@ -223,6 +264,26 @@ void GpuTransformer<T>::SetExpertParallel(dist::Communicator* device, dist::Comm
                "rows travel as f32 words");
   ep_device_ = device;
   ep_host_ = host;
+}
+
+template <typename T>
+void GpuTransformer<T>::SetTensorParallel(dist::Communicator* tp) {
+  RS_CHECK_MSG((tp != nullptr ? tp->size() : 1) == tp_ranks_,
+               "a tp group of " << (tp != nullptr ? tp->size() : 1) << " ranks for a share of " << tp_ranks_);
+  tp_ = tp;
+}
+
+template <typename T>
+void GpuTransformer<T>::ReduceTp(T* x, std::int64_t count) {
+  if (!TensorParallel() || !comm_status_.ok()) return;
+  if constexpr (std::is_same_v<T, float>) {
+    comm_status_ = tp_->AllReduce(std::span<float>(x, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
+  } else {
+    RS_CHECK(count <= n_ * c_.d_model);
+    Convert(x, s_->tp_f32, count, stream_);
+    comm_status_ = tp_->AllReduce(std::span<float>(s_->tp_f32, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
+    Convert(s_->tp_f32, x, count, stream_);
+  }
 }
 
 template <typename T>
@@ -313,13 +374,13 @@ void GpuTransformer<T>::Mark() {
 template <typename T>
 double GpuTransformer<T>::StepFlops() const {
   const double tokens = static_cast<double>(n_), d = static_cast<double>(c_.d_model);
-  const double attn_w = static_cast<double>((c_.n_heads + 2 * c_.n_kv_heads) * c_.head_dim) * d +
-                        d * static_cast<double>(c_.n_heads * c_.head_dim);
-  double weights = static_cast<double>(c_.vocab_size) * d;  // output projection
+  const double attn_w =
+      static_cast<double>((heads_ + 2 * kv_heads_) * c_.head_dim) * d + d * static_cast<double>(heads_ * c_.head_dim);
+  double weights = static_cast<double>(vocab_rows_) * d;  // output projection
   double scores = 0;
   for (const auto& l : layers_) {
     weights += attn_w;
-    scores += 12.0 * static_cast<double>(seq_ * c_.n_heads * c_.head_dim);
+    scores += 12.0 * static_cast<double>(seq_ * heads_ * c_.head_dim);
     if (l->moe) {
       weights += static_cast<double>(c_.n_experts) * d;                                  // router
       weights += static_cast<double>(c_.top_k) * 3.0 * d * static_cast<double>(l->ffn);  // fc1 (2f) + fc2 (f)
@@ -354,8 +415,8 @@ const T* GpuTransformer<T>::P(std::size_t i) const {
 template <typename T>
 void GpuTransformer<T>::Plan(void* base) {
   WorkspaceCarver w(base);
-  const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = c_.vocab_size;
-  const AttentionShape ashape{d, c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.rope_theta};
+  const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = vocab_rows_;
+  const AttentionShape ashape{d, heads_, kv_heads_, c_.head_dim, c_.rope_theta};
   const AttentionDims dims{batch_, seq_};
   const AttentionBytes abytes = AttentionMemoryBytes<T>(ashape, dims);
   // Expert parallelism: the token side unpadded; the experts' side receives at most every rank's
@@ -435,6 +496,10 @@ void GpuTransformer<T>::Plan(void* base) {
   s.x_final = w.Take<T>(n * d);
   s.rstd_final = w.Take<float>(n);
   s.logits = w.Take<T>(n * v);
+  if (sharded_) {  // tensor parallelism: the vocab-parallel loss's statistics, f32 all-reduces of bf16
+    s.ce_stats = CarveVocabCeStats(w.Take<char>(static_cast<std::int64_t>(VocabCeStatsBytes(n))), n);
+    if constexpr (!std::is_same_v<T, float>) s.tp_f32 = w.Take<float>(n * d);
+  }
   if (e > 0) {
     s.pad_a = w.Take<T>(maxp * d);
     s.pad_b = w.Take<T>(maxp * d);
@@ -497,7 +562,10 @@ template <typename T>
 train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targets,
                                      train::Transformer<float>::Pass pass) {
   const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = c_.vocab_size;
+  const std::int64_t vl = vocab_rows_, voff = vocab_offset_;
   const std::int64_t nd = n * d;
+  RS_CHECK_MSG(tp_ranks_ == 1 || tp_ != nullptr, "SetTensorParallel before Run");
+  const bool tensor_parallel = TensorParallel();
   for (std::int64_t t = 0; t < n; ++t) {
     RS_CHECK_MSG(inputs[t] >= 0 && inputs[t] < v, "token " << inputs[t] << " outside the vocabulary");
     RS_CHECK_MSG(targets[t] >= 0 && targets[t] < v, "target " << targets[t] << " outside the vocabulary");
@@ -507,7 +575,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const auto tok_bytes = static_cast<std::size_t>(n) * sizeof(std::int32_t);
   RS_CUDA_CHECK(cudaMemcpyAsync(s.tokens, inputs, tok_bytes, cudaMemcpyHostToDevice, st));
   RS_CUDA_CHECK(cudaMemcpyAsync(s.targets, targets, tok_bytes, cudaMemcpyHostToDevice, st));
-  const AttentionShape ashape{d, c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.rope_theta};
+  const AttentionShape ashape{d, heads_, kv_heads_, c_.head_dim, c_.rope_theta};
   const AttentionDims dims{batch_, seq_};
   const train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
   const bool fused = dispatch_.mode == train::DispatchMode::kFused;
@@ -535,13 +603,16 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   events_used_ = 0;
   // The residual stream lives in the layers' saved inputs: layer i reads h_in, writes h_mid and
   // then layer i+1's h_in (the last layer: s.h, the final norm's input), so nothing is copied.
-  EmbeddingForward(s.tokens, n, P(embedding_), v, d, 0, layers_[0]->h_in, st);
+  // Vocab-parallel: the rank holding a token's row contributes it, the others zeros.
+  EmbeddingForward(s.tokens, n, P(embedding_), vl, d, voff, layers_[0]->h_in, st);
+  ReduceTp(layers_[0]->h_in, nd);
   for (std::size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = *layers_[li];
     T* h_out = li + 1 < layers_.size() ? layers_[li + 1]->h_in : s.h;
     RmsNormForward(l.h_in, P(l.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
     AttentionForward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), s.tmp, l.attn, l.attn_bytes, s.ws,
                      s.ws_bytes, st);
+    ReduceTp(s.tmp, nd);  // attention out is row-parallel
     Add(l.h_mid, l.h_in, s.tmp, nd, st);
     RmsNormForward(l.h_mid, P(l.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
     if (l.moe) {
@@ -601,14 +672,32 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
       GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.tmp, s.ws, s.ws_bytes, st);
     }
+    // Each tp rank holds a share of every ffn width (the experts', the shared expert's, the dense
+    // MLP's): the block's output is the sum of the ranks' partial outputs.
+    ReduceTp(s.tmp, nd);
     Add(h_out, l.h_mid, s.tmp, nd, st);
   }
   RmsNormForward(s.h, P(final_norm_), n, d, c_.norm_eps, s.x_final, s.rstd_final, st);
-  GemmRowMajor(handle_, false, true, n, v, d, s.x_final, tt, d, P(output_), tt, d, 0.f, s.logits, tt, v,
+  GemmRowMajor(handle_, false, true, n, vl, d, s.x_final, tt, d, P(output_), tt, d, 0.f, s.logits, tt, vl,
                ComputeType<T>());
   const bool backward = pass == train::Transformer<float>::Pass::kForwardBackward;
-  CrossEntropy(s.logits, s.targets, n, v, v, 1.0 / static_cast<double>(global_n), s.ce, backward ? s.logits : nullptr,
-               s.ws, s.ws_bytes, st);
+  const double inv_rows = 1.0 / static_cast<double>(global_n);
+  if (sharded_) {
+    // Vocab-parallel: the rows' maximum, sum of exponentials and target logit over tp.
+    const VocabCeStats& cs = s.ce_stats;
+    const auto un = static_cast<std::size_t>(n);
+    VocabCeRowMax(s.logits, n, vl, voff, v, cs, st);
+    if (tensor_parallel && comm_status_.ok())
+      comm_status_ = tp_->AllReduce(std::span<float>(cs.max, un), dist::ReduceOp::kMax);
+    VocabCeRowSums(s.logits, s.targets, n, vl, voff, v, cs, st);
+    if (tensor_parallel && comm_status_.ok())
+      comm_status_ = tp_->AllReduce(std::span<double>(cs.sum, un), dist::ReduceOp::kSum);
+    if (tensor_parallel && comm_status_.ok())
+      comm_status_ = tp_->AllReduce(std::span<double>(cs.target, un), dist::ReduceOp::kSum);
+    VocabCeFinish(s.logits, s.targets, n, vl, voff, v, inv_rows, cs, s.ce, backward ? s.logits : nullptr, st);
+  } else {
+    CrossEntropy(s.logits, s.targets, n, v, v, inv_rows, s.ce, backward ? s.logits : nullptr, s.ws, s.ws_bytes, st);
+  }
   if (spread) ReduceData(std::span<double>(s.ce, 1));  // this rank's share of the mean -> the mean
 
   train::Losses losses;
@@ -633,9 +722,13 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   if (!backward) return losses;
 
   // Backward, in reverse; s.logits now holds d(loss)/d(logits).
-  GemmRowMajor(handle_, false, false, n, d, v, s.logits, tt, v, P(output_), tt, d, 0.f, s.dx, tt, d, ComputeType<T>());
-  GemmRowMajor(handle_, true, false, v, d, n, s.logits, tt, v, s.x_final, tt, d, 1.f, G(output_), CUDA_R_32F, d,
+  // Inputs of column-parallel blocks get partial gradients on each tp rank: they are all-reduced
+  // before they join the residual stream.
+  GemmRowMajor(handle_, false, false, n, d, vl, s.logits, tt, vl, P(output_), tt, d, 0.f, s.dx, tt, d,
                ComputeType<T>());
+  GemmRowMajor(handle_, true, false, vl, d, n, s.logits, tt, vl, s.x_final, tt, d, 1.f, G(output_), CUDA_R_32F, d,
+               ComputeType<T>());
+  ReduceTp(s.dx, nd);
   RmsNormBackward(s.dx, s.h, P(final_norm_), s.rstd_final, n, d, s.dh, G(final_norm_), s.ws, s.ws_bytes, st);
   for (std::size_t li = layers_.size(); li-- > 0;) {
     Layer& l = *layers_[li];
@@ -655,6 +748,11 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         Pad(s.pad_b, d, l.plan, s.pad_a, st);
       }
       Mark();
+      // <y[row], dy[t]> over this rank's share of the experts' outputs: summed over tp.
+      if (tensor_parallel && comm_status_.ok()) {
+        comm_status_ =
+            tp_->AllReduce(std::span<float>(s.dprobs, static_cast<std::size_t>(n * k)), dist::ReduceOp::kSum);
+      }
       const GroupedSwiGluShape shape = ep ? GroupedSwiGluShape{l.ex_padded_rows.data(), el, d, l.ffn}
                                           : GroupedSwiGluShape{l.padded_rows.data(), e, d, l.ffn};
       GroupedSwiGluBackward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, s.pad_a, s.pad_b,
@@ -677,6 +775,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
                               G(l.sfc1), G(l.sfc2), s.ws, s.ws_bytes, st);
         Add(s.dx, s.tmp2, nd, st);
       }
+      // The experts' input gradients are partial sums over tp; the router's (below) is the same
+      // on every rank and is added once, after the reduction.
+      ReduceTp(s.dx, nd);
       RouterBackward(ropts, l.logits, n, l.experts, l.probs, l.loads, s.dprobs, s.dlogits_r, st, global_n);
       GemmRowMajor(handle_, false, false, n, d, e, s.dlogits_r, CUDA_R_32F, e, M(l.router), CUDA_R_32F, d, 0.f, s.dxr,
                    CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
@@ -687,15 +788,17 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
       GroupedSwiGluBackward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.dh, s.dx, G(l.fc1),
                             G(l.fc2), s.ws, s.ws_bytes, st);
+      ReduceTp(s.dx, nd);
     }
     RmsNormBackward(s.dx, l.h_mid, P(l.mlp_norm), l.rstd2, n, d, s.tmp, G(l.mlp_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);
     AttentionBackward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), l.attn, l.attn_bytes, s.dh, s.dx,
                       G(l.qkv), G(l.out), s.ws, s.ws_bytes, st);
+    ReduceTp(s.dx, nd);
     RmsNormBackward(s.dx, l.h_in, P(l.attn_norm), l.rstd1, n, d, s.tmp, G(l.attn_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);
   }
-  EmbeddingBackward(s.tokens, n, s.dh, v, d, 0, G(embedding_), s.ws, s.ws_bytes, st);
+  EmbeddingBackward(s.tokens, n, s.dh, vl, d, voff, G(embedding_), s.ws, s.ws_bytes, st);
   RS_CUDA_CHECK(cudaStreamSynchronize(st));
   for (std::size_t i = 0; i + 1 < events_used_; i += 2) {
     float ms = 0;

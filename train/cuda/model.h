@@ -13,7 +13,12 @@
 //
 // Device memory is planned once, at construction, for a fixed batch × seq: one arena holds
 // every activation the backward pass needs and the largest scratch any call needs; a step
-// allocates nothing. No tensor parallelism here; expert parallelism (ExpertBlock,
+// allocates nothing. Tensor parallelism (TensorShare, SetTensorParallel) holds one tp rank's
+// share in the CPU rank's local shapes – its query and kv heads, its share of every ffn width,
+// its vocab rows – and all-reduces over tp where train/model.cc does (embedding, attention out,
+// fc2, the MoE block's output, the input gradients of the column-parallel blocks, the gate
+// weights' gradient, the vocab-parallel cross-entropy's row statistics); bf16 activations are
+// all-reduced as f32 and rounded once. Expert parallelism (ExpertBlock,
 // SetExpertParallel) holds one block of the experts and exchanges routed rows over ep. Data
 // parallelism (SetDataParallel): this model's batch is one rank's rows of a larger batch; the
 // router statistics and the cross-entropy mean are all-reduced over the data group (a device
@@ -50,6 +55,17 @@ struct ExpertBlock {
   std::int64_t ranks = 1, index = 0;
 };
 
+// Tensor parallelism: this model is one tp rank's share of the model. `specs` are
+// ModelParameters(config) with the rank's local shapes (ShardedState::local_specs(): QKV with
+// the rank's heads, fc1 as [W_i; V_i], expert tensors with the ep block's experts, padded vocab
+// rows); empty: the whole model (but for the ep block). vocab_offset: the first (padded) vocab
+// row of this rank's embedding and output.
+struct TensorShare {
+  std::vector<TensorSpec> specs;
+  std::int64_t vocab_offset = 0;
+  std::int64_t ranks = 1;  // the tp group's size (SetTensorParallel must match it)
+};
+
 template <typename T>
 class GpuTransformer {
  public:
@@ -60,7 +76,7 @@ class GpuTransformer {
   // cuts the vectors into equal blocks).
   GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
                  std::int64_t seq, cudaStream_t stream = nullptr, std::int64_t param_capacity = 0,
-                 ExpertBlock experts = {});
+                 ExpertBlock experts = {}, TensorShare share = {});
   ~GpuTransformer();
   GpuTransformer(const GpuTransformer&) = delete;
   GpuTransformer& operator=(const GpuTransformer&) = delete;
@@ -94,6 +110,9 @@ class GpuTransformer {
   // batch must have the same rows (the received rows are planned for the worst case, every
   // rank's rows at this rank's experts).
   void SetExpertParallel(dist::Communicator* device, dist::Communicator* host);
+  // With a TensorShare of several tp ranks (before the first Run): the tp group over device
+  // memory (stream()), its ranks holding the shares in tp order.
+  void SetTensorParallel(dist::Communicator* tp);
   // The first failed collective since the last call (then the last Run's numbers are not valid).
   Status TakeCommStatus() { return std::exchange(comm_status_, Status::Ok()); }
 
@@ -161,6 +180,15 @@ class GpuTransformer {
   dist::Communicator* ep_host_ = nullptr;
   bool ExpertParallel() const { return block_.ranks > 1; }
   void PlanExchange(Layer& l);  // counts over ep, the exchange's sizes and row maps (host and device)
+  // Tensor parallelism.
+  dist::Communicator* tp_ = nullptr;
+  bool sharded_ = false;                   // built from a TensorShare (the vocab-parallel loss)
+  std::int64_t tp_ranks_ = 1;              // the TensorShare's tp ranks
+  std::int64_t vocab_offset_ = 0;          // first vocab row of this rank's embedding and output
+  std::int64_t vocab_rows_ = 0;            // this rank's (padded) vocab rows
+  std::int64_t heads_ = 0, kv_heads_ = 0;  // this rank's query and kv heads
+  bool TensorParallel() const { return tp_ != nullptr && tp_->size() > 1; }
+  void ReduceTp(T* x, std::int64_t count);  // in place over tp (bf16: as f32)
   void ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,
                     const std::vector<std::int64_t>& recv_rows);
 };
