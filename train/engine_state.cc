@@ -25,16 +25,21 @@ Status SumRuns(const ItemRuns& runs, dist::Communicator* ep, std::span<float> pa
 
 }  // namespace
 
-LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float>& model, std::int64_t ep_index,
-                              std::int64_t ep_size, std::int64_t tp_index, std::int64_t tp_size) {
+LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float>& model, const PlanPlace& place) {
+  const std::int64_t ep_index = place.ep_index, ep_size = place.ep_size;
+  const std::int64_t tp_index = place.tp_index, tp_size = place.tp_size;
+  const std::int64_t etp_index = place.etp_index, etp_size = place.etp_size;
   RS_CHECK(state.FitsLocalEngine() && ep_size >= 1 && ep_index >= 0 && ep_index < ep_size);
   RS_CHECK(tp_size >= 1 && tp_index >= 0 && tp_index < tp_size);
+  RS_CHECK(etp_size >= 1 && etp_index >= 0 && etp_index < etp_size);
   LocalModelPlan p;
   p.experts_cut = state.experts_over_ep() && ep_size > 1;
   p.ep_index = ep_index;
   p.ep_size = ep_size;
   p.tp_index = tp_index;
   p.tp_size = tp_size;
+  p.etp_index = etp_index;
+  p.etp_size = etp_size;
   const std::int64_t kv_rep = tp_size > 1 ? state.kv_replication() : 1;
   const std::vector<TensorSpec>& specs = model.specs();
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -51,6 +56,7 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
     const bool decay = specs[i].shape.size() >= 2;
     const bool ep_counts = !p.experts_cut || expert || ep_index == 0;
     const bool tp_cut = tp_size > 1 && state.CutOverTp(i);
+    const bool etp_counts = etp_size == 1 || state.CutOverEtp(i) || etp_index == 0;
     // QKV with kv heads shared by tp ranks: its query rows are this rank's own, its kv rows
     // the kv group's (the out projection's width gives the query rows).
     std::int64_t kv_begin = end;
@@ -63,9 +69,10 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
       p.kv.emplace_back(kv_begin, end);
     }
     const bool tp_counts = tp_cut || tp_index == 0;
-    p.segments.push_back({begin, kv_begin - begin, /*trainable=*/true, decay, ep_counts && tp_counts});
+    p.segments.push_back({begin, kv_begin - begin, /*trainable=*/true, decay, ep_counts && etp_counts && tp_counts});
     if (kv_begin < end) {
-      p.segments.push_back({kv_begin, end - kv_begin, /*trainable=*/true, decay, ep_counts && tp_index % kv_rep == 0});
+      p.segments.push_back(
+          {kv_begin, end - kv_begin, /*trainable=*/true, decay, ep_counts && etp_counts && tp_index % kv_rep == 0});
     }
   }
   return p;

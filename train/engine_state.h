@@ -6,15 +6,17 @@
 // (tests/train/whole_state_test.cc checks it there against a one-process run and against the
 // CPU path's own reduction at the same layout).
 //
-// The ranks with the same tp index hold the same local vector (up to the experts' blocks) and
-// train other rows: every gradient is summed over them. With experts cut over ep, a rank's
+// The ranks with the same tp and etp indices hold the same local vector (up to the experts'
+// blocks) and train other rows: every gradient is summed over them. With experts cut over ep, a rank's
 // expert tensors are its ep index's block: they are summed over the ranks holding the same
 // experts (dp × fsdp), and the stretches of the vector outside the experts over ep as well;
 // items outside the experts then count in the norm on ep rank 0 only. Tensor parallelism: the
 // tensors replicated over tp (norms, router) get the same gradient on every tp rank and count
 // in the norm on tp rank 0 only; kv heads held by several tp ranks (tp > kv heads) get partial
 // gradients there, summed over those ranks (the kv group) first, and count on the group's first
-// rank. The norm's sum of squares is then summed over ep and tp. With fsdp sharding of the
+// rank. Expert-tensor parallelism (etp > 1) cuts the experts' ffn over etp instead: the experts
+// count on tp rank 0 and every other tensor on etp rank 0. The norm's sum of squares is then
+// summed over ep, tp and etp. With fsdp sharding of the
 // optimizer (ZeRO-1) each rank keeps one block of the (padded) vector: reduce-scatter over
 // fsdp, then the sum over the ranks that hold the same block of the same vector, then the
 // stretches outside the experts over ep.
@@ -40,13 +42,18 @@ struct LocalModelPlan {
   bool experts_cut = false;  // experts cut over ep (ep > 1)
   std::int64_t ep_index = 0, ep_size = 1;
   std::int64_t tp_index = 0, tp_size = 1;
+  std::int64_t etp_index = 0, etp_size = 1;
   std::vector<ParamSegment> segments;  // the trainable tensors with their norm treatment
   ItemRuns shared;                     // with experts cut: the stretches outside the experts
   ItemRuns kv;                         // with kv heads shared by tp ranks: their QKV rows
 };
-// `ep_index`, `ep_size`: this rank's place in groups.ep; `tp_index`, `tp_size` in groups.tp.
-LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float>& model, std::int64_t ep_index,
-                              std::int64_t ep_size, std::int64_t tp_index = 0, std::int64_t tp_size = 1);
+// This rank's place (index, size) in groups.ep, groups.tp and groups.etp.
+struct PlanPlace {
+  std::int64_t ep_index = 0, ep_size = 1;
+  std::int64_t tp_index = 0, tp_size = 1;
+  std::int64_t etp_index = 0, etp_size = 1;
+};
+LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float>& model, const PlanPlace& place = {});
 
 // The communicators one sum uses (null or one rank: skipped).
 struct GradientGroups {
@@ -74,7 +81,7 @@ inline std::int64_t BlockItems(std::int64_t items, std::int64_t blocks) {
 // The color that splits the world into the groups holding the same block of the same vector.
 inline std::int64_t BlockReplicaColor(std::int64_t block, const LocalModelPlan& plan) {
   const std::int64_t vector = plan.experts_cut ? block * plan.ep_size + plan.ep_index : block;
-  return vector * plan.tp_size + plan.tp_index;
+  return (vector * plan.tp_size + plan.tp_index) * plan.etp_size + plan.etp_index;
 }
 
 }  // namespace rs::train

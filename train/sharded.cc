@@ -508,7 +508,7 @@ bool ShardedState::WholeModelOnEveryRank() const { return OnlyExpertsAreCut() &&
 bool ShardedState::CutOverEp(std::size_t i) const { return experts_over_ep_ && local_specs_[i].expert; }
 
 bool ShardedState::FitsLocalEngine() const {
-  if (cp_size_ != 1 || layout().layout.mesh().AxisSize(kEtpAxis) != 1) return false;
+  if (cp_size_ != 1) return false;
   const std::int64_t ep = experts_over_ep_ ? layout().layout.mesh().AxisSize(kEpAxis) : 1;
   const std::vector<TensorSpec> whole = ModelParameters(config_);
   for (std::size_t i = 0; i < whole.size(); ++i) {
@@ -521,7 +521,8 @@ bool ShardedState::FitsLocalEngine() const {
   return true;
 }
 
-bool ShardedState::CutOverTp(std::size_t i) const {
+// Whether tensor i's local shape differs from the whole one outside the ep-cut experts dim.
+bool ShardedState::CutBeyondEp(std::size_t i) const {
   const std::vector<TensorSpec> whole = ModelParameters(config_);
   const std::vector<std::int64_t>& a = whole[i].shape;
   const std::vector<std::int64_t>& b = local_specs_[i].shape;
@@ -530,6 +531,16 @@ bool ShardedState::CutOverTp(std::size_t i) const {
     if (a[k] != b[k]) return true;
   }
   return false;
+}
+
+// With etp > 1 the experts' ffn dims are cut over etp alone (Create checks it), never over tp.
+bool ShardedState::CutOverTp(std::size_t i) const {
+  if (local_specs_[i].expert && layout().layout.mesh().AxisSize(kEtpAxis) > 1) return false;
+  return CutBeyondEp(i);
+}
+
+bool ShardedState::CutOverEtp(std::size_t i) const {
+  return local_specs_[i].expert && layout().layout.mesh().AxisSize(kEtpAxis) > 1 && CutBeyondEp(i);
 }
 
 Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,

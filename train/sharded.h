@@ -131,14 +131,18 @@ class ShardedState {
   // Whether model tensor i is cut over ep on this layout (an expert tensor under experts_over_ep).
   bool CutOverEp(std::size_t i) const;
   // Whether an engine that keeps each rank's whole local model on its device (train/cuda/
-  // engine.h) trains this layout: no context parallelism, no expert-tensor axis, tensor
-  // parallelism over heads, ffn widths and vocab rows (not over the experts), experts cut
-  // over ep or not at all. The ranks with the same tp index then hold the same local vector
+  // engine.h) trains this layout: no context parallelism, tensor parallelism over heads, ffn
+  // widths and vocab rows (not over the experts), experts cut over ep or not at all, their ffn
+  // over tp or etp. The ranks with the same tp and etp indices then hold the same local vector
   // up to the experts' blocks, and every rank trains the rows of its data index.
   bool FitsLocalEngine() const;
   // Whether model tensor i differs between the tp ranks (heads, ffn or vocab cut over tp); the
-  // others (norms, router, buffers) are replicated over tp. FitsLocalEngine() must hold.
+  // others (norms, router, buffers; the experts when etp > 1) are replicated over tp.
+  // FitsLocalEngine() must hold.
   bool CutOverTp(std::size_t i) const;
+  // Whether model tensor i differs between the etp ranks (an expert tensor whose ffn etp cuts);
+  // every other tensor is replicated over etp.
+  bool CutOverEtp(std::size_t i) const;
   // The tp ranks that hold each kv head (> 1 when tp exceeds the kv heads): consecutive tp
   // ranks r with the same r / kv_replication() share their kv heads.
   std::int64_t kv_replication() const { return kv_replication_; }
@@ -146,7 +150,7 @@ class ShardedState {
   // (FitsLocalEngine() must hold): `owned` is one owned vector (master(), exp_avg or
   // exp_avg_sq), `local` a vector laid out like this rank's model parameters. GatherLocal
   // writes every trainable item of `local` from a rank that owns it (collective over the data
-  // group – the ranks with this tp index: expert tensors over groups.same_experts, the rest
+  // group – the ranks with this tp and etp index: expert tensors over groups.same_experts, the rest
   // over the whole data group; the items of buffers must be equal on every rank and stay as
   // they are); ScatterLocal copies this rank's owned items back.
   Status GatherLocal(ProcessGroups& groups, std::span<const float> owned, const Transformer<float>& model,
@@ -194,6 +198,7 @@ class ShardedState {
   ShardedState() = default;
   std::size_t CkptIndex(const std::string& name) const;
   Status PlanBoxGroup(const Mesh& mesh, BoxGroup& group);
+  bool CutBeyondEp(std::size_t i) const;
   // The compute tensor of model tensor `i` as a placement (what a load of a buffer fills).
   Placement ComputePlacement(std::size_t i) const;
 

@@ -31,17 +31,19 @@ class CudaEngine final : public train::StepEngine {
     const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
     if (!state.FitsLocalEngine()) {
       return Unimplemented("train: " + Describe() +
-                           " trains layouts of dp, fsdp, ep (experts cut over ep, or ep as one more data axis) and tp "
-                           "(heads, ffn widths and vocab rows cut over tp); layout " +
+                           " trains layouts of dp, fsdp, ep (experts cut over ep, or ep as one more data axis), tp "
+                           "(heads, ffn widths and vocab rows cut over tp) and etp (the experts' ffn); layout " +
                            state.layout().ToString() +
-                           " uses expert-tensor or context parallelism, or cuts the experts over tp, which the GPU "
-                           "path does not have yet (the CPU path trains it)");
+                           " uses context parallelism, or cuts the experts over tp, which the GPU path does not "
+                           "have yet (the CPU path trains it)");
     }
-    // The ranks with this tp index share the batch's rows; the tp ranks share their rows.
+    // The ranks with this tp and etp index share the batch's rows; the tp and etp ranks share
+    // their rows.
     dist::Communicator* data_host = groups.data != nullptr ? groups.data.get() : groups.world;
     const std::int64_t data_ranks = data_host != nullptr ? data_host->size() : 1;
     const std::int64_t tp_ranks = groups.tp != nullptr ? groups.tp->size() : 1;
-    if (state.data_size() != data_ranks || data_ranks * tp_ranks != ranks) {
+    const std::int64_t etp_ranks = groups.etp != nullptr ? groups.etp->size() : 1;
+    if (state.data_size() != data_ranks || data_ranks * tp_ranks * etp_ranks != ranks) {
       return Unimplemented("train: " + Describe() + " gives every rank of a tp group its own rows; layout " +
                            state.layout().ToString() + " has " + std::to_string(ranks) + " ranks over " +
                            std::to_string(state.data_size()) + " shares of the batch");
@@ -56,8 +58,10 @@ class CudaEngine final : public train::StepEngine {
                state.expert_offset() == experts.index * (c.n_experts / experts.ranks));
     }
     // Which items count in the norm here and over which ranks each gradient is summed.
-    plan_ = train::PlanLocalModel(state, host, experts.index, experts.ranks, tp_ranks > 1 ? groups.tp->rank() : 0,
-                                  tp_ranks);
+    train::PlanPlace place{experts.index, experts.ranks};
+    if (tp_ranks > 1) place.tp_index = groups.tp->rank(), place.tp_size = tp_ranks;
+    if (etp_ranks > 1) place.etp_index = groups.etp->rank(), place.etp_size = etp_ranks;
+    plan_ = train::PlanLocalModel(state, host, place);
     // With fsdp the optimizer state is cut into fsdp_size equal blocks of the padded vector
     // (blocks of whole 128-byte lines); the model's arrays are padded to match.
     shards_ = ranks > 1 ? state.fsdp_size() : 1;
@@ -65,7 +69,7 @@ class CudaEngine final : public train::StepEngine {
     shard_ = train::BlockItems(static_cast<std::int64_t>(host.params().size()), shards_);
     // Tensor parallelism: the rank's share in the CPU rank's local shapes.
     TensorShare share;
-    if (tp_ranks > 1) share = {host.specs(), state.vocab_offset(), tp_ranks};
+    if (tp_ranks > 1 || etp_ranks > 1) share = {host.specs(), state.vocab_offset(), tp_ranks, etp_ranks};
     model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len(), nullptr,
                                                  shard_ * shards_, experts, std::move(share));
     if (ranks > 1) {
@@ -80,11 +84,14 @@ class CudaEngine final : public train::StepEngine {
         // The activations' all-reduces over tp, and the partial gradients of kv heads that several
         // tp ranks hold.
         RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.tp, "tp group" + kind), tp_comm_));
-        model_->SetTensorParallel(tp_comm_.get());
         if (groups.kv != nullptr && groups.kv->size() > 1) {
           RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.kv, "kv-head group" + kind), kv_comm_));
         }
       }
+      if (etp_ranks > 1) {  // the routed experts' partial outputs and input gradients
+        RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.etp, "etp group" + kind), etp_comm_));
+      }
+      model_->SetTensorParallel(tp_comm_.get(), etp_comm_.get());
       if (experts.ranks > 1) {
         // The rows' exchange over ep, and the gradients of the experts over the ranks holding
         // the same ones (dp × fsdp; without fsdp sharding).
@@ -108,7 +115,7 @@ class CudaEngine final : public train::StepEngine {
         RS_ASSIGN_OR_RETURN(replica_host_,
                             groups.world->Split(train::BlockReplicaColor(shard_index_, plan_), groups.world->rank(),
                                                 "ranks of fsdp block " + std::to_string(shard_index_)));
-        RS_CHECK(replica_host_->size() * shards_ * ep_ranks * tp_ranks == ranks);
+        RS_CHECK(replica_host_->size() * shards_ * ep_ranks * tp_ranks * etp_ranks == ranks);
         if (replica_host_->size() > 1) {
           RS_RETURN_IF_ERROR(
               Agreed(*groups.world, DeviceCommunicator(*replica_host_, "fsdp block replicas" + kind), replica_comm_));
@@ -173,8 +180,7 @@ class CudaEngine final : public train::StepEngine {
       RS_RETURN_IF_ERROR(
           train::SumLocalGradients(plan_, sum, std::span<float>(model_->grads(), static_cast<std::size_t>(p))));
       GradSumOfSquares(model_->grads(), kinds_.get(), p, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
-      if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
-      if (tp_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*tp_comm_));
+      RS_RETURN_IF_ERROR(ReduceNormOverModelGroups());
       ClipScale(oc.clip_norm, norm_.get(), st);
       AdamWUpdate(model_->master(), model_->grads(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), p, scalars,
                   norm_.get(), nullptr, st);
@@ -215,6 +221,7 @@ class CudaEngine final : public train::StepEngine {
                   static_cast<double>(model_->arena_bytes()) / gib);
     std::string out = line;
     if (tp_comm_ != nullptr) out += ", tensor parallel over tp=" + std::to_string(tp_comm_->size());
+    if (etp_comm_ != nullptr) out += ", experts' ffn over etp=" + std::to_string(etp_comm_->size());
     if (ep_comm_ != nullptr) out += ", experts cut over ep=" + std::to_string(ep_comm_->size());
     if (shards_ > 1) {
       out += ", Adam moments sharded over fsdp=" + std::to_string(shards_) + " (" + std::to_string(shard_) + " of " +
@@ -262,7 +269,7 @@ class CudaEngine final : public train::StepEngine {
   std::vector<dist::Communicator*> Comms() const {
     std::vector<dist::Communicator*> out;
     for (dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(),
-                                  same_experts_comm_.get(), tp_comm_.get(), kv_comm_.get()}) {
+                                  same_experts_comm_.get(), tp_comm_.get(), kv_comm_.get(), etp_comm_.get()}) {
       if (c != nullptr) out.push_back(c);
     }
     return out;
@@ -275,6 +282,15 @@ class CudaEngine final : public train::StepEngine {
   }
 
   // norm_->sum_of_squares (device) summed over `group`.
+  // The norm's share summed over the groups whose ranks count other items (train/engine_state.h):
+  // ep (with experts cut), tp and etp.
+  Status ReduceNormOverModelGroups() {
+    for (dist::Communicator* c : {ep_comm_.get(), tp_comm_.get(), etp_comm_.get()}) {
+      if (c != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*c));
+    }
+    return Status::Ok();
+  }
+
   Status ReduceNormOver(dist::Communicator& group) {
     static_assert(offsetof(DeviceGradNorm, sum_of_squares) == 0);
     return group.AllReduce(std::span<double>(reinterpret_cast<double*>(norm_.get()), 1), dist::ReduceOp::kSum)
@@ -324,8 +340,7 @@ class CudaEngine final : public train::StepEngine {
                                                 std::span<float>(grad_shard_.get(), n), shard_index_ * shard_));
     GradSumOfSquares(grad_shard_.get(), kinds_.get(), shard_, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
     RS_RETURN_IF_ERROR(ReduceNormOver(*fsdp_comm_));
-    if (ep_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*ep_comm_));
-    if (tp_comm_ != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*tp_comm_));
+    RS_RETURN_IF_ERROR(ReduceNormOverModelGroups());
     ClipScale(clip_norm, norm_.get(), st);
     AdamWUpdate(mine, grad_shard_.get(), exp_avg_.get(), exp_avg_sq_.get(), kinds_.get(), shard_, scalars, norm_.get(),
                 nullptr, st);
@@ -358,8 +373,9 @@ class CudaEngine final : public train::StepEngine {
   // Experts cut over ep: the ep group and the same-experts group (dp × fsdp, without fsdp
   // sharding) over device memory; which ranks sum which items (train/engine_state.h).
   std::unique_ptr<dist::Communicator> ep_comm_, same_experts_comm_;
-  // Tensor parallelism: the tp group and the kv-head group (tp ranks sharing kv heads).
-  std::unique_ptr<dist::Communicator> tp_comm_, kv_comm_;
+  // Tensor parallelism: the tp group, the kv-head group (tp ranks sharing kv heads) and the etp
+  // group (the ranks sharing the experts' ffn).
+  std::unique_ptr<dist::Communicator> tp_comm_, kv_comm_, etp_comm_;
   train::LocalModelPlan plan_;
   std::unique_ptr<dist::Communicator> fsdp_comm_, replica_comm_;
   DeviceArray<float> grad_shard_;

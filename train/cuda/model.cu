@@ -139,6 +139,7 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
       block_(experts),
       sharded_(!share.specs.empty()),
       tp_ranks_(share.ranks),
+      etp_ranks_(share.etp_ranks),
       vocab_offset_(share.vocab_offset) {
   RS_CHECK(c_.Validate().ok());
   RS_CHECK_MSG(train::CheckTrainable(c_).ok(), "the GPU model trains no gated-delta-net layers");
@@ -155,14 +156,15 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
     local_experts_ = c_.n_experts / block_.ranks;
   }
   if (!share.specs.empty()) {  // a tp rank's share: the CPU rank's local shapes
-    RS_CHECK(share.specs.size() == specs_.size() && share.vocab_offset >= 0 && share.ranks >= 1);
+    RS_CHECK(share.specs.size() == specs_.size() && share.vocab_offset >= 0 && share.ranks >= 1 &&
+             share.etp_ranks >= 1);
     for (std::size_t i = 0; i < specs_.size(); ++i) {
       RS_CHECK_MSG(share.specs[i].name == specs_[i].name && share.specs[i].shape.size() == specs_[i].shape.size(),
                    "local spec " << share.specs[i].name << " does not match " << specs_[i].name);
     }
     specs_ = std::move(share.specs);
   } else {
-    RS_CHECK(share.vocab_offset == 0 && share.ranks == 1);
+    RS_CHECK(share.vocab_offset == 0 && share.ranks == 1 && share.etp_ranks == 1);
     for (TensorSpec& s : specs_) {
       if (s.name.find(".moe.experts.") == std::string::npos) continue;
       s.shape[0] = local_experts_;
@@ -267,21 +269,25 @@ void GpuTransformer<T>::SetExpertParallel(dist::Communicator* device, dist::Comm
 }
 
 template <typename T>
-void GpuTransformer<T>::SetTensorParallel(dist::Communicator* tp) {
+void GpuTransformer<T>::SetTensorParallel(dist::Communicator* tp, dist::Communicator* etp) {
   RS_CHECK_MSG((tp != nullptr ? tp->size() : 1) == tp_ranks_,
                "a tp group of " << (tp != nullptr ? tp->size() : 1) << " ranks for a share of " << tp_ranks_);
+  RS_CHECK_MSG((etp != nullptr ? etp->size() : 1) == etp_ranks_,
+               "an etp group of " << (etp != nullptr ? etp->size() : 1) << " ranks for a share of " << etp_ranks_);
   tp_ = tp;
+  etp_ = etp;
 }
 
 template <typename T>
-void GpuTransformer<T>::ReduceTp(T* x, std::int64_t count) {
-  if (!TensorParallel() || !comm_status_.ok()) return;
+void GpuTransformer<T>::Reduce(dist::Communicator* group, T* x, std::int64_t count) {
+  if (group == nullptr || group->size() == 1 || !comm_status_.ok()) return;
   if constexpr (std::is_same_v<T, float>) {
-    comm_status_ = tp_->AllReduce(std::span<float>(x, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
+    comm_status_ = group->AllReduce(std::span<float>(x, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
   } else {
     RS_CHECK(count <= n_ * c_.d_model);
     Convert(x, s_->tp_f32, count, stream_);
-    comm_status_ = tp_->AllReduce(std::span<float>(s_->tp_f32, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
+    comm_status_ =
+        group->AllReduce(std::span<float>(s_->tp_f32, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
     Convert(s_->tp_f32, x, count, stream_);
   }
 }
@@ -564,7 +570,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = c_.vocab_size;
   const std::int64_t vl = vocab_rows_, voff = vocab_offset_;
   const std::int64_t nd = n * d;
-  RS_CHECK_MSG(tp_ranks_ == 1 || tp_ != nullptr, "SetTensorParallel before Run");
+  RS_CHECK_MSG((tp_ranks_ == 1 || tp_ != nullptr) && (etp_ranks_ == 1 || etp_ != nullptr),
+               "SetTensorParallel before Run");
+  const bool etp = ExpertTensorParallel();
   const bool tensor_parallel = TensorParallel();
   for (std::int64_t t = 0; t < n; ++t) {
     RS_CHECK_MSG(inputs[t] >= 0 && inputs[t] < v, "token " << inputs[t] << " outside the vocabulary");
@@ -662,19 +670,23 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         Unpermute(s.unpadded, d, l.plan, l.probs, s.tmp, st);
       }
       Mark();
+      // Each tp rank holds a share of every ffn width (the experts', the shared expert's): the
+      // block's output is the sum of the ranks' partial outputs. With etp the routed experts'
+      // shares are over etp and the shared expert's over tp: two sums.
+      ReduceEtp(s.tmp, nd);
       if (l.shared_ffn > 0) {
         const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
         GroupedSwiGluForward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.tmp2, s.ws,
                              s.ws_bytes, st);
+        if (etp) ReduceTp(s.tmp2, nd);
         Add(s.tmp, s.tmp2, nd, st);
       }
+      if (!etp) ReduceTp(s.tmp, nd);
     } else {
       const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
       GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.tmp, s.ws, s.ws_bytes, st);
+      ReduceTp(s.tmp, nd);  // fc2 is row-parallel
     }
-    // Each tp rank holds a share of every ffn width (the experts', the shared expert's, the dense
-    // MLP's): the block's output is the sum of the ranks' partial outputs.
-    ReduceTp(s.tmp, nd);
     Add(h_out, l.h_mid, s.tmp, nd, st);
   }
   RmsNormForward(s.h, P(final_norm_), n, d, c_.norm_eps, s.x_final, s.rstd_final, st);
@@ -748,10 +760,11 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         Pad(s.pad_b, d, l.plan, s.pad_a, st);
       }
       Mark();
-      // <y[row], dy[t]> over this rank's share of the experts' outputs: summed over tp.
-      if (tensor_parallel && comm_status_.ok()) {
+      // <y[row], dy[t]> over this rank's share of the experts' outputs: summed over tp (etp).
+      if (dist::Communicator* experts_group = etp ? etp_ : (tensor_parallel ? tp_ : nullptr);
+          experts_group != nullptr && comm_status_.ok()) {
         comm_status_ =
-            tp_->AllReduce(std::span<float>(s.dprobs, static_cast<std::size_t>(n * k)), dist::ReduceOp::kSum);
+            experts_group->AllReduce(std::span<float>(s.dprobs, static_cast<std::size_t>(n * k)), dist::ReduceOp::kSum);
       }
       const GroupedSwiGluShape shape = ep ? GroupedSwiGluShape{l.ex_padded_rows.data(), el, d, l.ffn}
                                           : GroupedSwiGluShape{l.padded_rows.data(), e, d, l.ffn};
@@ -769,15 +782,17 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         Unpermute(s.unpadded, d, l.plan, nullptr, s.dx, st);
       }
       Mark();
+      // The experts' input gradients are partial sums over tp (etp; the shared expert's over tp);
+      // the router's (below) is the same on every rank and is added once, after the reductions.
+      ReduceEtp(s.dx, nd);
       if (l.shared_ffn > 0) {
         const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
         GroupedSwiGluBackward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.dh, s.tmp2,
                               G(l.sfc1), G(l.sfc2), s.ws, s.ws_bytes, st);
+        if (etp) ReduceTp(s.tmp2, nd);
         Add(s.dx, s.tmp2, nd, st);
       }
-      // The experts' input gradients are partial sums over tp; the router's (below) is the same
-      // on every rank and is added once, after the reduction.
-      ReduceTp(s.dx, nd);
+      if (!etp) ReduceTp(s.dx, nd);
       RouterBackward(ropts, l.logits, n, l.experts, l.probs, l.loads, s.dprobs, s.dlogits_r, st, global_n);
       GemmRowMajor(handle_, false, false, n, d, e, s.dlogits_r, CUDA_R_32F, e, M(l.router), CUDA_R_32F, d, 0.f, s.dxr,
                    CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);

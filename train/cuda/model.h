@@ -63,7 +63,8 @@ struct ExpertBlock {
 struct TensorShare {
   std::vector<TensorSpec> specs;
   std::int64_t vocab_offset = 0;
-  std::int64_t ranks = 1;  // the tp group's size (SetTensorParallel must match it)
+  std::int64_t ranks = 1;      // the tp group's size (SetTensorParallel must match it)
+  std::int64_t etp_ranks = 1;  // expert-tensor parallelism: the etp group's size (the experts' ffn cut over it)
 };
 
 template <typename T>
@@ -110,9 +111,11 @@ class GpuTransformer {
   // batch must have the same rows (the received rows are planned for the worst case, every
   // rank's rows at this rank's experts).
   void SetExpertParallel(dist::Communicator* device, dist::Communicator* host);
-  // With a TensorShare of several tp ranks (before the first Run): the tp group over device
-  // memory (stream()), its ranks holding the shares in tp order.
-  void SetTensorParallel(dist::Communicator* tp);
+  // With a TensorShare of several tp (etp) ranks (before the first Run): the tp (etp) group over
+  // device memory (stream()), its ranks holding the shares in tp (etp) order. With etp the
+  // routed experts' outputs and input gradients are summed over etp and the shared expert's over
+  // tp (the CPU's MoE layer); without it both over tp.
+  void SetTensorParallel(dist::Communicator* tp, dist::Communicator* etp = nullptr);
   // The first failed collective since the last call (then the last Run's numbers are not valid).
   Status TakeCommStatus() { return std::exchange(comm_status_, Status::Ok()); }
 
@@ -182,13 +185,18 @@ class GpuTransformer {
   void PlanExchange(Layer& l);  // counts over ep, the exchange's sizes and row maps (host and device)
   // Tensor parallelism.
   dist::Communicator* tp_ = nullptr;
+  dist::Communicator* etp_ = nullptr;
   bool sharded_ = false;                   // built from a TensorShare (the vocab-parallel loss)
   std::int64_t tp_ranks_ = 1;              // the TensorShare's tp ranks
+  std::int64_t etp_ranks_ = 1;             // the TensorShare's etp ranks
   std::int64_t vocab_offset_ = 0;          // first vocab row of this rank's embedding and output
   std::int64_t vocab_rows_ = 0;            // this rank's (padded) vocab rows
   std::int64_t heads_ = 0, kv_heads_ = 0;  // this rank's query and kv heads
   bool TensorParallel() const { return tp_ != nullptr && tp_->size() > 1; }
-  void ReduceTp(T* x, std::int64_t count);  // in place over tp (bf16: as f32)
+  bool ExpertTensorParallel() const { return etp_ != nullptr && etp_->size() > 1; }
+  void Reduce(dist::Communicator* group, T* x, std::int64_t count);  // in place (bf16: as f32); null: nothing
+  void ReduceTp(T* x, std::int64_t count) { Reduce(TensorParallel() ? tp_ : nullptr, x, count); }
+  void ReduceEtp(T* x, std::int64_t count) { Reduce(ExpertTensorParallel() ? etp_ : nullptr, x, count); }
   void ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,
                     const std::vector<std::int64_t>& recv_rows);
 };
