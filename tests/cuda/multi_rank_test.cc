@@ -2,8 +2,9 @@
 //  - the device communicators (train/cuda/communicator.h) against the host arithmetic, under
 //    mpirun: host-staged with two ranks (they may share one GPU), NCCL with two ranks when the
 //    host has two GPUs and with one rank otherwise;
-//  - `mpirun -np N reshard train --device cuda` at dp, fsdp, ep and tp layouts (tp alone, with
-//    fsdp, with ep, and tp = 4 with kv heads shared by two tp ranks): losses equal the
+//  - `mpirun -np N reshard train --device cuda` at dp, fsdp, ep, tp and etp layouts (tp alone,
+//    with fsdp, with ep, tp = 4 with kv heads shared by two tp ranks; etp alone, with ep, with
+//    tp): losses equal the
 //    one-process CPU run's for the top-k, sigmoid-bias and Sinkhorn routers (Sinkhorn balances
 //    the whole batch over the ranks), checkpoints verify and resume on the CPU at another
 //    layout; context-parallel layouts are refused; NCCL with more ranks than GPUs is refused
@@ -266,7 +267,10 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
                                         "tp=2",
                                         "tp=2,fsdp=2",
                                         "tp=2,ep=2",
-                                        "tp=4"};
+                                        "tp=4",
+                                        "etp=2",
+                                        "etp=2,ep=2",
+                                        "tp=2,etp=2"};
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"topk", all}, {"sigmoid_bias", all}, {"sinkhorn", {"dp=2", "ep=2,fsdp=2", "tp=2,ep=2"}}};
   for (const auto& [router, layouts] : cases) {
@@ -284,17 +288,14 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
       const Shell r = Train(np, kCommon + model + " --steps 4 --device cuda --device-comm host --layout " + layout +
                                     " --log " + D() + "/" + log);
       ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
-      // fsdp keeps one block of the Adam moments per device (the summary line says which).
-      EXPECT_EQ(r.out.find("Adam moments sharded over fsdp=2") != std::string::npos,
-                layout.find("fsdp=2") != std::string::npos)
-          << layout << "\n"
-          << r.out;
-      EXPECT_EQ(r.out.find("experts cut over ep=2") != std::string::npos,
-                layout.find("ep=2") != std::string::npos && layout.find("ep-over-tp") == std::string::npos)
-          << layout << "\n"
-          << r.out;
-      EXPECT_EQ(r.out.find("tensor parallel over tp=") != std::string::npos, layout.find("tp=") == 0) << layout << "\n"
-                                                                                                      << r.out;
+      // The summary line names what the layout cuts: fsdp keeps one block of the Adam moments per
+      // device, ep cuts the experts (unless ep is a data axis), tp the heads, etp the experts' ffn.
+      auto says = [&r](const char* what) { return r.out.find(what) != std::string::npos; };
+      auto has = [&layout](const char* part) { return layout.find(part) != std::string::npos; };
+      EXPECT_EQ(says("Adam moments sharded over fsdp=2"), has("fsdp=2")) << layout << "\n" << r.out;
+      EXPECT_EQ(says("experts cut over ep=2"), has("ep=2") && !has("ep-over-tp")) << layout << "\n" << r.out;
+      EXPECT_EQ(says("tensor parallel over tp="), layout.rfind("tp=", 0) == 0) << layout << "\n" << r.out;
+      EXPECT_EQ(says("experts' ffn over etp=2"), has("etp=2")) << layout << "\n" << r.out;
       const std::vector<double> got = Losses(log);
       ASSERT_EQ(got.size(), 4u) << layout;
       for (std::size_t i = 0; i < 4; ++i) {
