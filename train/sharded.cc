@@ -508,7 +508,6 @@ bool ShardedState::WholeModelOnEveryRank() const { return OnlyExpertsAreCut() &&
 bool ShardedState::CutOverEp(std::size_t i) const { return experts_over_ep_ && local_specs_[i].expert; }
 
 bool ShardedState::FitsLocalEngine() const {
-  if (cp_size_ != 1) return false;
   const std::int64_t ep = experts_over_ep_ ? layout().layout.mesh().AxisSize(kEpAxis) : 1;
   const std::vector<TensorSpec> whole = ModelParameters(config_);
   for (std::size_t i = 0; i < whole.size(); ++i) {

@@ -215,8 +215,14 @@ std::vector<float> RowsGradient(Trainer& t, std::int64_t first, std::int64_t row
   t.parallel().global_rows = batch * seq;
   t.parallel().status = Status::Ok();
   t.model().ZeroGrads();
-  const auto from = static_cast<std::size_t>(first * seq);
-  t.model().Run(b.inputs.data() + from, b.targets.data() + from, rows, seq, Transformer<float>::Pass::kForwardBackward);
+  // Under context parallelism the rank's part of each row's positions.
+  const std::int64_t part = seq / t.state().cp_size(), pos = t.state().cp_index() * part;
+  std::vector<std::int32_t> inputs, targets;
+  for (std::int64_t r = first; r < first + rows; ++r) {
+    inputs.insert(inputs.end(), b.inputs.begin() + r * seq + pos, b.inputs.begin() + r * seq + pos + part);
+    targets.insert(targets.end(), b.targets.begin() + r * seq + pos, b.targets.begin() + r * seq + pos + part);
+  }
+  t.model().Run(inputs.data(), targets.data(), rows, part, Transformer<float>::Pass::kForwardBackward);
   EXPECT_TRUE(t.parallel().status.ok()) << t.parallel().status.ToString();
   return {t.model().grads().begin(), t.model().grads().end()};
 }
@@ -361,11 +367,16 @@ TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->tokens, 4 * 16);  // the whole batch's
   ASSERT_EQ(e.rows, 4 / t->state().data_size());
-  ASSERT_EQ(e.seq, 16);
+  const std::int64_t part = 16 / t->state().cp_size(), pos = t->state().cp_index() * part;
+  ASSERT_EQ(e.seq, part);  // under context parallelism: this rank's part of the positions
   const Batch b = TrainingBatch(t->corpus(), t->train_config().seed, 0, 4, 16);
   const std::int64_t first = t->state().data_index() * e.rows;
-  EXPECT_TRUE(std::equal(e.inputs.begin(), e.inputs.end(), b.inputs.begin() + first * 16));
-  EXPECT_EQ(static_cast<std::int64_t>(e.inputs.size()), e.rows * 16);
+  ASSERT_EQ(static_cast<std::int64_t>(e.inputs.size()), e.rows * part);
+  for (std::int64_t row = 0; row < e.rows; ++row) {
+    EXPECT_TRUE(std::equal(e.inputs.begin() + row * part, e.inputs.begin() + (row + 1) * part,
+                           b.inputs.begin() + (first + row) * 16 + pos))
+        << "row " << row;
+  }
 }
 
 TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
@@ -407,7 +418,8 @@ TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
     auto s = ShardedState::Create(Model(), Layout("ep=2,fsdp_form=flat", "ep-as-cp"), 0, o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     EXPECT_FALSE((*s)->OnlyExpertsAreCut());  // ep cuts the sequence too
-    EXPECT_FALSE((*s)->FitsLocalEngine());
+    EXPECT_TRUE((*s)->FitsLocalEngine());     // context parallelism over ep
+    EXPECT_EQ((*s)->cp_size(), 2);
   }
   for (const char* text : {"tp=1", "dp=2", "fsdp=2", "dp=2,fsdp=2"}) {
     OptimizerConfig o;
@@ -454,7 +466,10 @@ TEST(WholeStateTest, UnderMpirun) {
               // Expert-tensor parallelism: the experts' ffn over etp, alone, with ep and with tp.
               {"etp=2,fsdp_form=flat", 2},
               {"etp=2,ep=2,fsdp_form=flat", 4},
-              {"tp=2,etp=2,fsdp_form=flat", 4}};
+              {"tp=2,etp=2,fsdp_form=flat", 4},
+              // Context parallelism: ep cuts the experts and the positions (ep-as-cp rules).
+              {"ep=2,fsdp_form=box", 2, "ep-as-cp"},
+              {"ep=2,fsdp=2,fsdp_form=box", 4, "ep-as-cp"}};
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const auto& run : runs) {
     const auto r =
