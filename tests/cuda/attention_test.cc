@@ -15,10 +15,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -159,6 +161,155 @@ TEST_F(AttentionTest, ForwardBackwardF32MatchesCpu) {
 
 TEST_F(AttentionTest, ForwardBackwardBf16MatchesCpu) {
   for (const Case& c : Cases()) RunCase<bf16>(c, kBf16Tolerance);
+}
+
+// Context parallelism: ranks on one GPU (a host thread, stream and cuBLAS handle each) exchange
+// through host memory in rank order, as the cp group's communicator does.
+class HostCp {
+ public:
+  explicit HostCp(int ranks) : sync_(ranks), slots_(static_cast<std::size_t>(ranks)) {}
+  AttentionCollectives For(int rank, cudaStream_t stream) {
+    AttentionCollectives c;
+    c.all_gather = [this, rank, stream](const float* send, float* recv, std::int64_t words) {
+      Publish(rank, send, words, stream);
+      std::vector<float> all;
+      for (const auto& slot : slots_) all.insert(all.end(), slot.begin(), slot.end());
+      sync_.arrive_and_wait();
+      RS_CUDA_CHECK(cudaMemcpyAsync(recv, all.data(), all.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+      RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    };
+    c.reduce_scatter = [this, rank, stream](const float* send, float* recv, std::int64_t count) {
+      Publish(rank, send, count * static_cast<std::int64_t>(slots_.size()), stream);
+      std::vector<float> mine(static_cast<std::size_t>(count), 0.f);
+      for (const auto& slot : slots_) {
+        for (std::size_t i = 0; i < mine.size(); ++i) mine[i] += slot[static_cast<std::size_t>(rank) * mine.size() + i];
+      }
+      sync_.arrive_and_wait();
+      RS_CUDA_CHECK(cudaMemcpyAsync(recv, mine.data(), mine.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+      RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    };
+    return c;
+  }
+
+ private:
+  void Publish(int rank, const float* send, std::int64_t n, cudaStream_t stream) {
+    std::vector<float>& slot = slots_[static_cast<std::size_t>(rank)];
+    slot.resize(static_cast<std::size_t>(n));
+    RS_CUDA_CHECK(cudaMemcpyAsync(slot.data(), send, slot.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
+    RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    sync_.arrive_and_wait();
+  }
+  std::barrier<> sync_;
+  std::vector<std::vector<float>> slots_;
+};
+
+// Context parallelism: `cp` ranks each holding total/cp positions of every sequence (rank r:
+// positions [r · seq, (r + 1) · seq)) give the rows of the float64 reference over the whole
+// sequences – y, dx – and their weight-gradient increments add up to the reference's.
+template <typename T>
+void ContextParallelCase(const Case& c, int cp, double tolerance) {
+  constexpr bool kBf16 = !std::is_same_v<T, float>;
+  const std::int64_t total = c.seq, seq = total / cp;
+  ASSERT_EQ(seq * cp, total);
+  std::mt19937 rng(static_cast<std::uint32_t>(c.batch * 7919 + total * 31 + cp));
+  const std::int64_t n = c.batch * total, w = (c.nq + 2 * c.nkv) * c.dh, ctx = c.nq * c.dh;
+  const std::vector<float> x = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
+  const std::vector<float> wqkv =
+      testing::RandomValues(w * c.d, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d))));
+  const std::vector<float> wout =
+      testing::RandomValues(c.d * ctx, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx))));
+  const std::vector<float> dy = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
+  train::Attention<double> ref(AttentionShape{c.d, c.nq, c.nkv, c.dh, 10000.0});
+  const auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  const std::vector<double> xd = to_double(x), wqkvd = to_double(wqkv), woutd = to_double(wout), dyd = to_double(dy);
+  std::vector<double> y_ref(static_cast<std::size_t>(n * c.d)), dx_ref(y_ref.size());
+  std::vector<double> dwqkv_ref(wqkv.size(), 0.0), dwout_ref(wout.size(), 0.0);
+  ref.Forward(xd.data(), c.batch, total, wqkvd.data(), woutd.data(), y_ref.data());
+  ref.Backward(dyd.data(), wqkvd.data(), woutd.data(), dx_ref.data(), dwqkv_ref.data(), dwout_ref.data());
+
+  // Rank r's rows: positions [r · seq, (r + 1) · seq) of every sequence.
+  auto rows_of = [&](const std::vector<float>& all, int r) {
+    std::vector<float> mine;
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      const auto from = all.begin() + (b * total + r * seq) * c.d;
+      mine.insert(mine.end(), from, from + seq * c.d);
+    }
+    return mine;
+  };
+  const AttentionShape shape{c.d, c.nq, c.nkv, c.dh, 10000.0};
+  HostCp group(cp);
+  std::vector<std::vector<float>> y(static_cast<std::size_t>(cp)), dx(y.size()), dwqkv(y.size()), dwout(y.size());
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < cp; ++r) {
+    ranks.emplace_back([&, r] {
+      const auto ur = static_cast<std::size_t>(r);
+      cudaStream_t stream = nullptr;
+      cublasHandle_t handle = nullptr;
+      RS_CUDA_CHECK(cudaStreamCreate(&stream));
+      RS_CUDA_CHECK(cublasCreate(&handle));
+      const AttentionDims dims{c.batch, seq, cp, r};
+      const AttentionCollectives coll = group.For(r, stream);
+      const AttentionBytes bytes = AttentionMemoryBytes<T>(shape, dims);
+      DeviceArray<char> table_mem(static_cast<std::int64_t>(RopeTableBytes(total, c.dh)));
+      const RopeTable rope = ComputeRopeTable(total, c.dh, 10000.0, table_mem.get(), table_mem.bytes(), stream);
+      DeviceArray<char> act(static_cast<std::int64_t>(bytes.activations)),
+          ws(static_cast<std::int64_t>(bytes.workspace));
+      act.Fill(0xFF);
+      ws.Fill(0xFF);
+      DeviceArray<T> x_d(FromFloats<T>(rows_of(x, r))), wqkv_d(FromFloats<T>(wqkv)), wout_d(FromFloats<T>(wout)),
+          dy_d(FromFloats<T>(rows_of(dy, r)));
+      DeviceArray<T> y_d(c.batch * seq * c.d), dx_d(c.batch * seq * c.d);
+      DeviceArray<float> dwqkv_d(std::vector<float>(wqkv.size(), 0.f)), dwout_d(std::vector<float>(wout.size(), 0.f));
+      AttentionForward<T>(handle, shape, dims, rope, x_d.get(), wqkv_d.get(), wout_d.get(), y_d.get(), act.get(),
+                          act.bytes(), ws.get(), ws.bytes(), stream, &coll);
+      AttentionBackward<T>(handle, shape, dims, rope, x_d.get(), wqkv_d.get(), wout_d.get(), act.get(), act.bytes(),
+                           dy_d.get(), dx_d.get(), dwqkv_d.get(), dwout_d.get(), ws.get(), ws.bytes(), stream, &coll);
+      RS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      y[ur] = ToFloats(y_d.Download());
+      dx[ur] = ToFloats(dx_d.Download());
+      dwqkv[ur] = dwqkv_d.Download();
+      dwout[ur] = dwout_d.Download();
+      cublasDestroy(handle);
+      cudaStreamDestroy(stream);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  // The ranks' rows back in sequence order, and the weight-gradient increments summed.
+  std::vector<double> y_all(y_ref.size()), dx_all(y_ref.size()), dwqkv_sum(wqkv.size(), 0.0),
+      dwout_sum(wout.size(), 0.0);
+  for (int r = 0; r < cp; ++r) {
+    const auto ur = static_cast<std::size_t>(r);
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      for (std::int64_t i = 0; i < seq * c.d; ++i) {
+        const auto at = static_cast<std::size_t>((b * total + r * seq) * c.d + i),
+                   from = static_cast<std::size_t>(b * seq * c.d + i);
+        y_all[at] = y[ur][from];
+        dx_all[at] = dx[ur][from];
+      }
+    }
+    for (std::size_t i = 0; i < dwqkv_sum.size(); ++i) dwqkv_sum[i] += static_cast<double>(dwqkv[ur][i]);
+    for (std::size_t i = 0; i < dwout_sum.size(); ++i) dwout_sum[i] += static_cast<double>(dwout[ur][i]);
+  }
+  const double e_y = RowRelativeError(y_all, y_ref, y_ref, c.d);
+  const double e_dx = RowRelativeError(dx_all, dx_ref, dx_ref, c.d);
+  const double e_dwqkv = RowRelativeError(dwqkv_sum, dwqkv_ref, dwqkv_ref, c.d);
+  const double e_dwout = RowRelativeError(dwout_sum, dwout_ref, dwout_ref, ctx);
+  std::printf("  %-16s cp=%d %s  y %.2e  dx %.2e  dwqkv %.2e  dwout %.2e  (tolerance %.0e)\n", c.name.c_str(), cp,
+              kBf16 ? "bf16" : "f32 ", e_y, e_dx, e_dwqkv, e_dwout, tolerance);
+  EXPECT_LE(e_y, tolerance) << c.name << " cp=" << cp << " y";
+  EXPECT_LE(e_dx, tolerance) << c.name << " cp=" << cp << " dx";
+  EXPECT_LE(e_dwqkv, tolerance) << c.name << " cp=" << cp << " dwqkv";
+  EXPECT_LE(e_dwout, tolerance) << c.name << " cp=" << cp << " dwout";
+}
+
+TEST_F(AttentionTest, ContextParallelRanksMatchTheWholeSequence) {
+  for (const Case& c : Cases()) {
+    for (const int cp : {2, 4}) {
+      if (c.seq % cp != 0) continue;
+      ContextParallelCase<float>(c, cp, kF32Tolerance);
+      ContextParallelCase<bf16>(c, cp, kBf16Tolerance);
+    }
+  }
 }
 
 // The saved probabilities are a causal softmax: rows sum to one, zero above the diagonal.

@@ -4,11 +4,11 @@
 //    host has two GPUs and with one rank otherwise;
 //  - `mpirun -np N reshard train --device cuda` at dp, fsdp, ep, tp and etp layouts (tp alone,
 //    with fsdp, with ep, tp = 4 with kv heads shared by two tp ranks; etp alone, with ep, with
-//    tp): losses equal the
+//    tp; context parallelism over ep): losses equal the
 //    one-process CPU run's for the top-k, sigmoid-bias and Sinkhorn routers (Sinkhorn balances
 //    the whole batch over the ranks), checkpoints verify and resume on the CPU at another
-//    layout; context-parallel layouts are refused; NCCL with more ranks than GPUs is refused
-//    naming --device-comm host.
+//    layout; rules that cut the experts over tp are refused; NCCL with more ranks than GPUs is
+//    refused naming --device-comm host.
 // The rank tests run only in the processes the launcher tests start (RS_COMM_TEST_KIND set).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -270,7 +270,9 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
                                         "tp=4",
                                         "etp=2",
                                         "etp=2,ep=2",
-                                        "tp=2,etp=2"};
+                                        "tp=2,etp=2",
+                                        "ep=2 --rules ep-as-cp",
+                                        "ep=2,fsdp=2,fsdp_form=box --rules ep-as-cp"};
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"topk", all}, {"sigmoid_bias", all}, {"sinkhorn", {"dp=2", "ep=2,fsdp=2", "tp=2,ep=2"}}};
   for (const auto& [router, layouts] : cases) {
@@ -296,6 +298,7 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
       EXPECT_EQ(says("experts cut over ep=2"), has("ep=2") && !has("ep-over-tp")) << layout << "\n" << r.out;
       EXPECT_EQ(says("tensor parallel over tp="), layout.rfind("tp=", 0) == 0) << layout << "\n" << r.out;
       EXPECT_EQ(says("experts' ffn over etp=2"), has("etp=2")) << layout << "\n" << r.out;
+      EXPECT_EQ(says("context parallel over cp=2"), has("ep-as-cp")) << layout << "\n" << r.out;
       const std::vector<double> got = Losses(log);
       ASSERT_EQ(got.size(), 4u) << layout;
       for (std::size_t i = 0; i < 4; ++i) {
@@ -324,11 +327,11 @@ TEST_F(MultiRankCliTest, SaveOnGpusVerifyResumeOnTheCpuAtAnotherLayout) {
   }
 }
 
-TEST_F(MultiRankCliTest, ContextParallelLayoutsAreRefused) {
-  const Shell cp =
-      Train(2, std::string(kCommon) + " --steps 1 --device cuda --device-comm host --layout ep=2 --rules ep-as-cp");
-  EXPECT_NE(cp.rc, 0);
-  EXPECT_NE(cp.out.find("expert-tensor or context parallelism"), std::string::npos) << cp.out;
+TEST_F(MultiRankCliTest, ExpertsCutOverTpAreRefused) {
+  const Shell r = Train(
+      4, std::string(kCommon) + " --steps 1 --device cuda --device-comm host --layout tp=2,ep=2 --rules ep-over-tp");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("cuts the experts over tp"), std::string::npos) << r.out;
 }
 
 TEST_F(MultiRankCliTest, NcclNeedsOneGpuPerRank) {

@@ -56,19 +56,20 @@ __global__ void ApplyRopeKernel(T* x, std::int64_t rows, std::int64_t seq, std::
 
 // raw [N, W] f32 (the QKV GEMM's output) → q, k (rotated) and v head-major in T. One thread
 // per pair (i, i + dh/2) of one head of one row; reads are coalesced along the row.
+// `first`: the global position of local position 0 (context parallelism; 0 otherwise).
 template <typename T>
-__global__ void QkvToHeadsKernel(const float* __restrict__ raw, std::int64_t n, std::int64_t seq, std::int64_t nq,
-                                 std::int64_t nkv, std::int64_t dh, const float* __restrict__ cos_t,
+__global__ void QkvToHeadsKernel(const float* __restrict__ raw, std::int64_t n, std::int64_t seq, std::int64_t first,
+                                 std::int64_t nq, std::int64_t nkv, std::int64_t dh, const float* __restrict__ cos_t,
                                  const float* __restrict__ sin_t, T* __restrict__ q, T* __restrict__ k,
                                  T* __restrict__ v) {
   const std::int64_t half = dh / 2, heads = nq + 2 * nkv;
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n * heads * half) return;
   const std::int64_t i = idx % half, h = idx / half % heads, r = idx / half / heads;
-  const std::int64_t b = r / seq, pos = r % seq;
+  const std::int64_t b = r / seq, pos = r % seq, t = (first + pos) * half + i;
   const float* src = raw + r * heads * dh + h * dh + i;
   float x0 = src[0], x1 = src[half];
-  if (h < nq + nkv) Rotate(x0, x1, cos_t[pos * half + i], sin_t[pos * half + i]);
+  if (h < nq + nkv) Rotate(x0, x1, cos_t[t], sin_t[t]);
   T* dst;
   if (h < nq) {
     dst = q + ((b * nq + h) * seq + pos) * dh;
@@ -84,14 +85,14 @@ __global__ void QkvToHeadsKernel(const float* __restrict__ raw, std::int64_t n, 
 // The backward of QkvToHeads: dq, dk, dv head-major f32 → inverse RoPE → dqkv [N, W] in T.
 template <typename T>
 __global__ void HeadsToQkvKernel(const float* __restrict__ dq, const float* __restrict__ dk,
-                                 const float* __restrict__ dv, std::int64_t n, std::int64_t seq, std::int64_t nq,
-                                 std::int64_t nkv, std::int64_t dh, const float* __restrict__ cos_t,
+                                 const float* __restrict__ dv, std::int64_t n, std::int64_t seq, std::int64_t first,
+                                 std::int64_t nq, std::int64_t nkv, std::int64_t dh, const float* __restrict__ cos_t,
                                  const float* __restrict__ sin_t, T* __restrict__ dqkv) {
   const std::int64_t half = dh / 2, heads = nq + 2 * nkv;
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n * heads * half) return;
   const std::int64_t i = idx % half, h = idx / half % heads, r = idx / half / heads;
-  const std::int64_t b = r / seq, pos = r % seq;
+  const std::int64_t b = r / seq, pos = r % seq, t = (first + pos) * half + i;
   const float* src;
   if (h < nq) {
     src = dq + ((b * nq + h) * seq + pos) * dh;
@@ -101,7 +102,7 @@ __global__ void HeadsToQkvKernel(const float* __restrict__ dq, const float* __re
     src = dv + ((b * nkv + h - nq - nkv) * seq + pos) * dh;
   }
   float x0 = src[i], x1 = src[i + half];
-  if (h < nq + nkv) Rotate(x0, x1, cos_t[pos * half + i], -sin_t[pos * half + i]);
+  if (h < nq + nkv) Rotate(x0, x1, cos_t[t], -sin_t[t]);
   T* dst = dqkv + r * heads * dh + h * dh + i;
   dst[0] = FromFloat<T>(x0);
   dst[half] = FromFloat<T>(x1);
@@ -122,23 +123,56 @@ __global__ void RelayoutKernel(const T* __restrict__ in, std::int64_t n, std::in
   }
 }
 
+// Context parallelism: element idx of the blocks [ranks][2][batch, nkv, seq, dh] (each rank's
+// k, then its v) is element PositionsIndex(idx) of k or v [batch, nkv, ranks · seq, dh] (every
+// position in order): which = 0 for k, 1 for v.
+__device__ __forceinline__ std::int64_t PositionsIndex(std::int64_t idx, std::int64_t per, std::int64_t seq,
+                                                       std::int64_t dh, std::int64_t total, int& which) {
+  const std::int64_t q = idx / (2 * per), at = idx % per;
+  which = static_cast<int>(idx / per % 2);
+  const std::int64_t e = at % dh, pos = at / dh % seq, bh = at / dh / seq;  // bh = b · nkv + h
+  return (bh * total + q * seq + pos) * dh + e;
+}
+// The gathered blocks (T) → k and v in position order.
+template <typename T>
+__global__ void BlocksToPositionsKernel(const T* __restrict__ blocks, std::int64_t ranks, std::int64_t per,
+                                        std::int64_t seq, std::int64_t dh, T* __restrict__ k, T* __restrict__ v) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= ranks * 2 * per) return;
+  int which = 0;
+  const std::int64_t at = PositionsIndex(idx, per, seq, dh, ranks * seq, which);
+  (which == 0 ? k : v)[at] = blocks[idx];
+}
+// The gradients of every position's k and v (f32) → blocks by owning rank, for the reduce-scatter.
+__global__ void PositionsToBlocksKernel(const float* __restrict__ dk, const float* __restrict__ dv, std::int64_t ranks,
+                                        std::int64_t per, std::int64_t seq, std::int64_t dh,
+                                        float* __restrict__ blocks) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= ranks * 2 * per) return;
+  int which = 0;
+  const std::int64_t at = PositionsIndex(idx, per, seq, dh, ranks * seq, which);
+  blocks[idx] = (which == 0 ? dk : dv)[at];
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
 
-// Causal softmax, one warp per row of [rows, seq] (row R is query position R % seq): one
-// online pass for the maximum and the sum of exponentials over j ≤ i, one pass that writes
-// P (zeros above the diagonal). For T = float `probs` may be `scores` (each element is read
-// before the same thread overwrites it), hence no __restrict__.
+// Causal softmax, one warp per row of [rows, cols] (row R is query position first + R % seq;
+// column j key position j; cols = seq and first = 0 without context parallelism): one online
+// pass for the maximum and the sum of exponentials over j ≤ i, one pass that writes P (zeros
+// past i). For T = float `probs` may be `scores` (each element is read before the same thread
+// overwrites it), hence no __restrict__.
 template <typename T>
-__global__ void CausalSoftmaxKernel(const float* scores, std::int64_t rows, std::int64_t seq, T* probs) {
+__global__ void CausalSoftmaxKernel(const float* scores, std::int64_t rows, std::int64_t seq, std::int64_t cols,
+                                    std::int64_t first, T* probs) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
-  const std::int64_t last = row % seq;
-  const float* s = scores + row * seq;
-  T* p = probs + row * seq;
+  const std::int64_t last = first + row % seq;
+  const float* s = scores + row * cols;
+  T* p = probs + row * cols;
   float m = -INFINITY, l = 0.f;
   for (std::int64_t j = lane; j <= last; j += 32) {
     const float v = s[j];
@@ -158,25 +192,25 @@ __global__ void CausalSoftmaxKernel(const float* scores, std::int64_t rows, std:
     m = mm;
   }
   const float inv = 1.f / l;
-  for (std::int64_t j = lane; j < seq; j += 32) p[j] = FromFloat<T>(j <= last ? expf(s[j] - m) * inv : 0.f);
+  for (std::int64_t j = lane; j < cols; j += 32) p[j] = FromFloat<T>(j <= last ? expf(s[j] - m) * inv : 0.f);
 }
 
 // dS = P ⊙ (dP − Σ_j P ⊙ dP) on j ≤ i, zero above the diagonal; one warp per row. For
 // T = float `ds` may be `dp`.
 template <typename T>
 __global__ void CausalSoftmaxBackwardKernel(const T* __restrict__ probs, const float* dp, std::int64_t rows,
-                                            std::int64_t seq, T* ds) {
+                                            std::int64_t seq, std::int64_t cols, std::int64_t first, T* ds) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
-  const std::int64_t last = row % seq;
-  const T* p = probs + row * seq;
-  const float* g = dp + row * seq;
-  T* out = ds + row * seq;
+  const std::int64_t last = first + row % seq;
+  const T* p = probs + row * cols;
+  const float* g = dp + row * cols;
+  T* out = ds + row * cols;
   float dot = 0.f;
   for (std::int64_t j = lane; j <= last; j += 32) dot = fmaf(ToFloat(p[j]), g[j], dot);
   dot = WarpSum(dot);
-  for (std::int64_t j = lane; j < seq; j += 32) out[j] = FromFloat<T>(j <= last ? ToFloat(p[j]) * (g[j] - dot) : 0.f);
+  for (std::int64_t j = lane; j < cols; j += 32) out[j] = FromFloat<T>(j <= last ? ToFloat(p[j]) * (g[j] - dot) : 0.f);
 }
 
 // --- cuBLAS ------------------------------------------------------------------------------
@@ -212,14 +246,17 @@ void RowGemm(cublasHandle_t h, Trans ta, Trans tb, std::int64_t m, std::int64_t 
 // --- Memory plan -------------------------------------------------------------------------
 
 struct Sizes {
-  std::int64_t n, nq, nkv, dh, w, c, group, probs;  // probs: elements of [batch, nq, seq, seq]
+  std::int64_t n, nq, nkv, dh, w, c, group;
+  std::int64_t cp, first, total;  // context parallelism: ranks, first position, positions of a sequence
+  std::int64_t probs;             // elements of [batch, nq, seq, total]
+  std::int64_t per;               // elements of one rank's k (or v): [batch, nkv, seq, dh]
 };
 
 Sizes SizesOf(const AttentionShape& s, const AttentionDims& d) {
   RS_CHECK(s.d_model > 0 && s.n_heads > 0 && s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0);
   RS_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0);
-  RS_CHECK(d.batch > 0 && d.seq > 0);
-  const std::int64_t n = d.batch * d.seq;
+  RS_CHECK(d.batch > 0 && d.seq > 0 && d.cp_ranks >= 1 && d.cp_index >= 0 && d.cp_index < d.cp_ranks);
+  const std::int64_t n = d.batch * d.seq, total = d.cp_ranks * d.seq;
   return Sizes{n,
                s.n_heads,
                s.n_kv_heads,
@@ -227,15 +264,19 @@ Sizes SizesOf(const AttentionShape& s, const AttentionDims& d) {
                (s.n_heads + 2 * s.n_kv_heads) * s.head_dim,
                s.n_heads * s.head_dim,
                s.n_heads / s.n_kv_heads,
-               d.batch * s.n_heads * d.seq * d.seq};
+               d.cp_ranks,
+               d.cp_index * d.seq,
+               total,
+               d.batch * s.n_heads * d.seq * total,
+               n * s.n_kv_heads * s.head_dim};
 }
 
 template <typename T>
 AttentionActivations<T> CarveActivations(const Sizes& z, WorkspaceCarver* c) {
   AttentionActivations<T> a;
   a.q = c->Take<T>(z.n * z.nq * z.dh);
-  a.k = c->Take<T>(z.n * z.nkv * z.dh);
-  a.v = c->Take<T>(z.n * z.nkv * z.dh);
+  a.k = c->Take<T>(z.per * z.cp);
+  a.v = c->Take<T>(z.per * z.cp);
   a.probs = c->Take<T>(z.probs);
   a.ctx = c->Take<T>(z.n * z.c);
   return a;
@@ -246,8 +287,10 @@ AttentionActivations<T> CarveActivations(const Sizes& z, WorkspaceCarver* c) {
 template <typename T>
 struct ForwardScratch {
   float* raw = nullptr;     // [N, W]
-  float* scores = nullptr;  // [batch, nq, seq, seq]
+  float* scores = nullptr;  // [batch, nq, seq, total]
   T* ctx_heads = nullptr;   // [batch, nq, seq, dh]
+  T* kv_mine = nullptr;     // context parallelism: this rank's k then v [2, batch, nkv, seq, dh]
+  T* kv_all = nullptr;      // context parallelism: every rank's [cp, 2, batch, nkv, seq, dh]
 };
 template <typename T>
 ForwardScratch<T> CarveForward(const Sizes& z, WorkspaceCarver* c) {
@@ -255,19 +298,25 @@ ForwardScratch<T> CarveForward(const Sizes& z, WorkspaceCarver* c) {
   f.raw = c->Take<float>(z.n * z.w);
   if constexpr (!std::is_same_v<T, float>) f.scores = c->Take<float>(z.probs);
   f.ctx_heads = c->Take<T>(z.n * z.c);
+  if (z.cp > 1) {
+    f.kv_mine = c->Take<T>(2 * z.per);
+    f.kv_all = c->Take<T>(z.cp * 2 * z.per);
+  }
   return f;
 }
 
 template <typename T>
 struct BackwardScratch {
-  T* dctx = nullptr;        // [N, C]
-  T* dctx_heads = nullptr;  // [batch, nq, seq, dh]
-  float* dp = nullptr;      // [batch, nq, seq, seq]
-  T* ds = nullptr;          // [batch, nq, seq, seq]; dp itself when T = float
-  float* dq = nullptr;      // [batch, nq, seq, dh]
-  float* dk = nullptr;      // [batch, nkv, seq, dh]
-  float* dv = nullptr;      // [batch, nkv, seq, dh]
-  T* dqkv = nullptr;        // [N, W]
+  T* dctx = nullptr;          // [N, C]
+  T* dctx_heads = nullptr;    // [batch, nq, seq, dh]
+  float* dp = nullptr;        // [batch, nq, seq, seq]
+  T* ds = nullptr;            // [batch, nq, seq, seq]; dp itself when T = float
+  float* dq = nullptr;        // [batch, nq, seq, dh]
+  float* dk = nullptr;        // [batch, nkv, total, dh]: every position's
+  float* dv = nullptr;        // [batch, nkv, total, dh]
+  T* dqkv = nullptr;          // [N, W]
+  float* blocks = nullptr;    // context parallelism: dk, dv by owning rank [cp, 2, batch, nkv, seq, dh]
+  float* dkv_mine = nullptr;  // context parallelism: this rank's positions' dk then dv, summed
 };
 template <typename T>
 BackwardScratch<T> CarveBackward(const Sizes& z, WorkspaceCarver* c) {
@@ -281,16 +330,25 @@ BackwardScratch<T> CarveBackward(const Sizes& z, WorkspaceCarver* c) {
     b.ds = c->Take<T>(z.probs);
   }
   b.dq = c->Take<float>(z.n * z.nq * z.dh);
-  b.dk = c->Take<float>(z.n * z.nkv * z.dh);
-  b.dv = c->Take<float>(z.n * z.nkv * z.dh);
+  b.dk = c->Take<float>(z.per * z.cp);
+  b.dv = c->Take<float>(z.per * z.cp);
   b.dqkv = c->Take<T>(z.n * z.w);
+  if (z.cp > 1) {
+    b.blocks = c->Take<float>(z.cp * 2 * z.per);
+    b.dkv_mine = c->Take<float>(2 * z.per);
+  }
   return b;
 }
 
 void CheckRope(const RopeTable& rope, const AttentionShape& s, const AttentionDims& d) {
-  RS_CHECK_MSG(rope.head_dim == s.head_dim && rope.positions >= d.seq && rope.cos != nullptr,
-               "RoPE table of " << rope.positions << " positions, head_dim " << rope.head_dim << " does not cover seq "
-                                << d.seq << ", head_dim " << s.head_dim);
+  RS_CHECK_MSG(rope.head_dim == s.head_dim && rope.positions >= d.cp_ranks * d.seq && rope.cos != nullptr,
+               "RoPE table of " << rope.positions << " positions, head_dim " << rope.head_dim << " does not cover "
+                                << d.cp_ranks * d.seq << " positions, head_dim " << s.head_dim);
+}
+
+void CheckCollectives(const AttentionDims& d, const AttentionCollectives* cp) {
+  RS_CHECK_MSG(d.cp_ranks == 1 || (cp != nullptr && cp->all_gather && cp->reduce_scatter),
+               "context parallelism over " << d.cp_ranks << " ranks needs the cp group's collectives");
 }
 
 }  // namespace
@@ -354,7 +412,8 @@ AttentionActivations<T> CarveAttentionActivations(const AttentionShape& shape, c
 template <typename T>
 void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                       const RopeTable& rope, const T* x, const T* wqkv, const T* wout, T* y, void* activations,
-                      std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                      std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                      const AttentionCollectives* cp) {
   const Sizes z = SizesOf(shape, dims);
   const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims);
   RS_CHECK_MSG(activation_bytes >= need.activations && workspace_bytes >= need.workspace,
@@ -362,12 +421,13 @@ void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const 
                                                           << " or workspace " << workspace_bytes << " < "
                                                           << need.workspace);
   CheckRope(rope, shape, dims);
+  CheckCollectives(dims, cp);
   BindCublasHandle(handle, stream);
   WorkspaceCarver ac(activations), wc(workspace);
   const AttentionActivations<T> a = CarveActivations<T>(z, &ac);
   ForwardScratch<T> f = CarveForward<T>(z, &wc);
   if constexpr (std::is_same_v<T, float>) f.scores = a.probs;
-  const std::int64_t seq = dims.seq, batch = dims.batch, d = shape.d_model;
+  const std::int64_t seq = dims.seq, batch = dims.batch, d = shape.d_model, total = z.total;
   const std::int64_t gs = z.group * seq;  // rows of one kv head's stacked query heads
   const std::int64_t half = z.dh / 2;
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(z.dh)));
@@ -377,18 +437,30 @@ void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const 
   // qkv = x · wqkvᵀ in f32, then RoPE and the head-major layout in one pass.
   RowGemm<T>(handle, Trans::kNo, Trans::kYes, z.n, z.w, d, 1.f, {x, d, 0}, {wqkv, d, 0}, 0.f, f.raw, CUDA_R_32F, z.w, 0,
              1);
-  QkvToHeadsKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(f.raw, z.n, seq, z.nq, z.nkv, z.dh, rope.cos,
-                                                                        rope.sin, a.q, a.k, a.v);
+  // Context parallelism: this rank's k and v go to a block of their own, every rank's blocks
+  // are gathered and laid out by position.
+  T* k_mine = z.cp > 1 ? f.kv_mine : a.k;
+  T* v_mine = z.cp > 1 ? f.kv_mine + z.per : a.v;
+  QkvToHeadsKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(f.raw, z.n, seq, z.first, z.nq, z.nkv, z.dh,
+                                                                        rope.cos, rope.sin, a.q, k_mine, v_mine);
   RS_CUDA_CHECK(cudaGetLastError());
-  // S_g = scale · Q_g · K_gᵀ for each (batch, kv head): Q_g is [group·seq, dh].
-  RowGemm<T>(handle, Trans::kNo, Trans::kYes, gs, seq, z.dh, scale, {a.q, z.dh, gs * z.dh}, {a.k, z.dh, seq * z.dh},
-             0.f, f.scores, CUDA_R_32F, seq, gs * seq, batch * z.nkv);
+  if (z.cp > 1) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 2);
+    const std::int64_t words = 2 * z.per * static_cast<std::int64_t>(sizeof(T)) / 4;  // dh is even
+    cp->all_gather(reinterpret_cast<const float*>(f.kv_mine), reinterpret_cast<float*>(f.kv_all), words);
+    BlocksToPositionsKernel<T>
+        <<<Blocks(z.cp * 2 * z.per, kThreads), kThreads, 0, stream>>>(f.kv_all, z.cp, z.per, seq, z.dh, a.k, a.v);
+    RS_CUDA_CHECK(cudaGetLastError());
+  }
+  // S_g = scale · Q_g · K_gᵀ for each (batch, kv head): Q_g is [group·seq, dh], K_g [total, dh].
+  RowGemm<T>(handle, Trans::kNo, Trans::kYes, gs, total, z.dh, scale, {a.q, z.dh, gs * z.dh}, {a.k, z.dh, total * z.dh},
+             0.f, f.scores, CUDA_R_32F, total, gs * total, batch * z.nkv);
   CausalSoftmaxKernel<T>
-      <<<Blocks(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(f.scores, rows, seq, a.probs);
+      <<<Blocks(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(f.scores, rows, seq, total, z.first, a.probs);
   RS_CUDA_CHECK(cudaGetLastError());
   // ctx_g = P_g · V_g, then back to the row layout for the output projection.
-  RowGemm<T>(handle, Trans::kNo, Trans::kNo, gs, z.dh, seq, 1.f, {a.probs, seq, gs * seq}, {a.v, z.dh, seq * z.dh}, 0.f,
-             f.ctx_heads, kDataType<T>, z.dh, gs * z.dh, batch * z.nkv);
+  RowGemm<T>(handle, Trans::kNo, Trans::kNo, gs, z.dh, total, 1.f, {a.probs, total, gs * total},
+             {a.v, z.dh, total * z.dh}, 0.f, f.ctx_heads, kDataType<T>, z.dh, gs * z.dh, batch * z.nkv);
   RelayoutKernel<T, /*kToRows=*/true>
       <<<Blocks(z.n * z.c, kThreads), kThreads, 0, stream>>>(f.ctx_heads, z.n, seq, z.nq, z.dh, a.ctx);
   RS_CUDA_CHECK(cudaGetLastError());
@@ -400,7 +472,7 @@ template <typename T>
 void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                        const RopeTable& rope, const T* x, const T* wqkv, const T* wout, const void* activations,
                        std::size_t activation_bytes, const T* dy, T* dx, float* dwqkv, float* dwout, void* workspace,
-                       std::size_t workspace_bytes, cudaStream_t stream) {
+                       std::size_t workspace_bytes, cudaStream_t stream, const AttentionCollectives* cp) {
   const Sizes z = SizesOf(shape, dims);
   const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims);
   RS_CHECK_MSG(activation_bytes >= need.activations && workspace_bytes >= need.workspace,
@@ -408,12 +480,13 @@ void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const
                                                           << " or workspace " << workspace_bytes << " < "
                                                           << need.workspace);
   CheckRope(rope, shape, dims);
+  CheckCollectives(dims, cp);
   BindCublasHandle(handle, stream);
   // The saved activations are only read; the carver hands out non-const views of them.
   WorkspaceCarver ac(const_cast<void*>(activations)), wc(workspace);
   const AttentionActivations<T> a = CarveActivations<T>(z, &ac);
   const BackwardScratch<T> g = CarveBackward<T>(z, &wc);
-  const std::int64_t seq = dims.seq, batch = dims.batch, d = shape.d_model;
+  const std::int64_t seq = dims.seq, batch = dims.batch, d = shape.d_model, total = z.total;
   const std::int64_t gs = z.group * seq;
   const std::int64_t half = z.dh / 2;
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(z.dh)));
@@ -431,20 +504,32 @@ void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const
   RS_CUDA_CHECK(cudaGetLastError());
   // dP_g = dctx_g · V_gᵀ; dV_g = P_gᵀ · dctx_g sums the group's query heads in its inner
   // dimension (group·seq).
-  RowGemm<T>(handle, Trans::kNo, Trans::kYes, gs, seq, z.dh, 1.f, {g.dctx_heads, z.dh, gs * z.dh},
-             {a.v, z.dh, seq * z.dh}, 0.f, g.dp, CUDA_R_32F, seq, gs * seq, groups);
-  RowGemm<T>(handle, Trans::kYes, Trans::kNo, seq, z.dh, gs, 1.f, {a.probs, seq, gs * seq},
-             {g.dctx_heads, z.dh, gs * z.dh}, 0.f, g.dv, CUDA_R_32F, z.dh, seq * z.dh, groups);
-  CausalSoftmaxBackwardKernel<T>
-      <<<Blocks(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(a.probs, g.dp, rows, seq, g.ds);
+  RowGemm<T>(handle, Trans::kNo, Trans::kYes, gs, total, z.dh, 1.f, {g.dctx_heads, z.dh, gs * z.dh},
+             {a.v, z.dh, total * z.dh}, 0.f, g.dp, CUDA_R_32F, total, gs * total, groups);
+  RowGemm<T>(handle, Trans::kYes, Trans::kNo, total, z.dh, gs, 1.f, {a.probs, total, gs * total},
+             {g.dctx_heads, z.dh, gs * z.dh}, 0.f, g.dv, CUDA_R_32F, z.dh, total * z.dh, groups);
+  CausalSoftmaxBackwardKernel<T><<<Blocks(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
+      a.probs, g.dp, rows, seq, total, z.first, g.ds);
   RS_CUDA_CHECK(cudaGetLastError());
   // dQ_g = scale · dS_g · K_g; dK_g = scale · dS_gᵀ · Q_g (again summing the group).
-  RowGemm<T>(handle, Trans::kNo, Trans::kNo, gs, z.dh, seq, scale, {g.ds, seq, gs * seq}, {a.k, z.dh, seq * z.dh}, 0.f,
-             g.dq, CUDA_R_32F, z.dh, gs * z.dh, groups);
-  RowGemm<T>(handle, Trans::kYes, Trans::kNo, seq, z.dh, gs, scale, {g.ds, seq, gs * seq}, {a.q, z.dh, gs * z.dh}, 0.f,
-             g.dk, CUDA_R_32F, z.dh, seq * z.dh, groups);
-  HeadsToQkvKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(g.dq, g.dk, g.dv, z.n, seq, z.nq, z.nkv, z.dh,
-                                                                        rope.cos, rope.sin, g.dqkv);
+  RowGemm<T>(handle, Trans::kNo, Trans::kNo, gs, z.dh, total, scale, {g.ds, total, gs * total},
+             {a.k, z.dh, total * z.dh}, 0.f, g.dq, CUDA_R_32F, z.dh, gs * z.dh, groups);
+  RowGemm<T>(handle, Trans::kYes, Trans::kNo, total, z.dh, gs, scale, {g.ds, total, gs * total}, {a.q, z.dh, gs * z.dh},
+             0.f, g.dk, CUDA_R_32F, z.dh, total * z.dh, groups);
+  // Context parallelism: every position's dk and dv, summed over the ranks whose queries saw
+  // them, back to the rank that owns the position.
+  const float* dk_mine = g.dk;
+  const float* dv_mine = g.dv;
+  if (z.cp > 1) {
+    PositionsToBlocksKernel<<<Blocks(z.cp * 2 * z.per, kThreads), kThreads, 0, stream>>>(g.dk, g.dv, z.cp, z.per, seq,
+                                                                                         z.dh, g.blocks);
+    RS_CUDA_CHECK(cudaGetLastError());
+    cp->reduce_scatter(g.blocks, g.dkv_mine, 2 * z.per);
+    dk_mine = g.dkv_mine;
+    dv_mine = g.dkv_mine + z.per;
+  }
+  HeadsToQkvKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(g.dq, dk_mine, dv_mine, z.n, seq, z.first, z.nq,
+                                                                        z.nkv, z.dh, rope.cos, rope.sin, g.dqkv);
   RS_CUDA_CHECK(cudaGetLastError());
   // Input projection.
   RowGemm<T>(handle, Trans::kNo, Trans::kNo, z.n, d, z.w, 1.f, {g.dqkv, z.w, 0}, {wqkv, d, 0}, 0.f, dx, kDataType<T>, d,
@@ -460,10 +545,10 @@ void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const
   template AttentionActivations<T> CarveAttentionActivations<T>(const AttentionShape&, const AttentionDims&, void*); \
   template void AttentionForward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&,   \
                                     const T*, const T*, const T*, T*, void*, std::size_t, void*, std::size_t,        \
-                                    cudaStream_t);                                                                   \
+                                    cudaStream_t, const AttentionCollectives*);                                      \
   template void AttentionBackward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&,  \
                                      const T*, const T*, const T*, const void*, std::size_t, const T*, T*, float*,   \
-                                     float*, void*, std::size_t, cudaStream_t);
+                                     float*, void*, std::size_t, cudaStream_t, const AttentionCollectives*);
 RS_ATTENTION_INSTANTIATE(float)
 RS_ATTENTION_INSTANTIATE(bf16)
 #undef RS_ATTENTION_INSTANTIATE

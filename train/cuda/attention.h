@@ -42,13 +42,16 @@
 // takes an explicit stream; the caller owns the cuBLAS handle (host pointer mode, the default),
 // which is bound to that stream.
 //
-// Context parallelism (the CPU's cp branch) is not implemented: AttentionDims has room for it
-// (a first position and a key count other than seq, the probabilities becoming
-// [batch, nq, seq, kv_seq] masked by global position), with the gather and reduce-scatter of
-// k and v around these calls.
+// Context parallelism (the CPU's cp branch; AttentionDims::cp_ranks > 1): this rank's rows are
+// positions [cp_index · seq, (cp_index + 1) · seq) of sequences of total = cp_ranks · seq
+// positions. Its rotated k and v are all-gathered over the cp group (AttentionCollectives, on
+// the call's stream) into [batch, nkv, total, dh], the probabilities become
+// [batch, nq, seq, total], causal by global position, and in the backward pass the gradients
+// of every position's k and v are reduce-scattered back to the ranks that own them. With
+// cp_ranks = 1 every call is the one-rank computation.
 //
 // Preconditions (programmer errors, checked always): n_heads a multiple of n_kv_heads,
-// head_dim even, all sizes positive, seq ≤ the RoPE table's positions.
+// head_dim even, all sizes positive, cp_ranks · seq ≤ the RoPE table's positions.
 #pragma once
 
 #include <cublas_v2.h>
@@ -56,6 +59,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "train/attention.h"
 #include "train/cuda/device.h"
@@ -67,9 +71,22 @@ using train::AttentionShape;
 using train::RopeDirection;
 
 // One call's rows: batch sequences of seq positions each, rows in (batch, position) order.
+// Context parallelism: they are part cp_index of cp_ranks of every sequence.
 struct AttentionDims {
   std::int64_t batch = 0;
   std::int64_t seq = 0;
+  std::int64_t cp_ranks = 1;
+  std::int64_t cp_index = 0;
+};
+
+// The cp group's collectives over device memory, on the attention call's stream, ranks in cp
+// order (required when AttentionDims::cp_ranks > 1; they report failures to their owner, and
+// the call then finishes on whatever the buffers hold).
+struct AttentionCollectives {
+  // Every rank's `words` f32 words of `send` (bits, whatever they hold) into recv [ranks, words].
+  std::function<void(const float* send, float* recv, std::int64_t words)> all_gather;
+  // send [ranks, count] summed over the ranks; block cp_index of the sum into recv [count].
+  std::function<void(const float* send, float* recv, std::int64_t count)> reduce_scatter;
 };
 
 // cos/sin [positions, head_dim/2] f32 in caller memory: angle p · theta^(−2i/head_dim)
@@ -96,9 +113,9 @@ void ApplyRope(T* x, std::int64_t rows, std::int64_t seq, std::int64_t row_strid
 template <typename T>
 struct AttentionActivations {
   T* q = nullptr;      // [batch, nq, seq, dh]
-  T* k = nullptr;      // [batch, nkv, seq, dh]
-  T* v = nullptr;      // [batch, nkv, seq, dh]
-  T* probs = nullptr;  // [batch, nq, seq, seq], zero above the diagonal
+  T* k = nullptr;      // [batch, nkv, total, dh] (total = cp_ranks · seq: every position's)
+  T* v = nullptr;      // [batch, nkv, total, dh]
+  T* probs = nullptr;  // [batch, nq, seq, total], zero past each row's global position
   T* ctx = nullptr;    // [batch·seq, nq·dh]
 };
 
@@ -119,13 +136,14 @@ AttentionActivations<T> CarveAttentionActivations(const AttentionShape& shape, c
 template <typename T>
 void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                       const RopeTable& rope, const T* x, const T* wqkv, const T* wout, T* y, void* activations,
-                      std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+                      std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                      const AttentionCollectives* cp = nullptr);
 
 // dy [N, d]. Overwrites dx [N, d]; accumulates onto dwqkv [W, d] and dwout [d, C] (f32).
 template <typename T>
 void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                        const RopeTable& rope, const T* x, const T* wqkv, const T* wout, const void* activations,
                        std::size_t activation_bytes, const T* dy, T* dx, float* dwqkv, float* dwout, void* workspace,
-                       std::size_t workspace_bytes, cudaStream_t stream);
+                       std::size_t workspace_bytes, cudaStream_t stream, const AttentionCollectives* cp = nullptr);
 
 }  // namespace rs::cuda

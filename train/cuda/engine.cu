@@ -32,10 +32,11 @@ class CudaEngine final : public train::StepEngine {
     if (!state.FitsLocalEngine()) {
       return Unimplemented("train: " + Describe() +
                            " trains layouts of dp, fsdp, ep (experts cut over ep, or ep as one more data axis), tp "
-                           "(heads, ffn widths and vocab rows cut over tp) and etp (the experts' ffn); layout " +
+                           "(heads, ffn widths and vocab rows cut over tp), etp (the experts' ffn) and context "
+                           "parallelism over ep (ep-as-cp); layout " +
                            state.layout().ToString() +
-                           " uses context parallelism, or cuts the experts over tp, which the GPU path does not "
-                           "have yet (the CPU path trains it)");
+                           " cuts the experts over tp, which the GPU path does not have yet (the CPU path trains "
+                           "it)");
     }
     // The ranks with this tp and etp index share the batch's rows; the tp and etp ranks share
     // their rows.
@@ -43,7 +44,10 @@ class CudaEngine final : public train::StepEngine {
     const std::int64_t data_ranks = data_host != nullptr ? data_host->size() : 1;
     const std::int64_t tp_ranks = groups.tp != nullptr ? groups.tp->size() : 1;
     const std::int64_t etp_ranks = groups.etp != nullptr ? groups.etp->size() : 1;
-    if (state.data_size() != data_ranks || data_ranks * tp_ranks * etp_ranks != ranks) {
+    // Context parallelism: the cp (ep) ranks of the data group share their rows and split the
+    // positions.
+    const std::int64_t cp_ranks = state.cp_size();
+    if (state.data_size() * cp_ranks != data_ranks || data_ranks * tp_ranks * etp_ranks != ranks) {
       return Unimplemented("train: " + Describe() + " gives every rank of a tp group its own rows; layout " +
                            state.layout().ToString() + " has " + std::to_string(ranks) + " ranks over " +
                            std::to_string(state.data_size()) + " shares of the batch");
@@ -70,8 +74,10 @@ class CudaEngine final : public train::StepEngine {
     // Tensor parallelism: the rank's share in the CPU rank's local shapes.
     TensorShare share;
     if (tp_ranks > 1 || etp_ranks > 1) share = {host.specs(), state.vocab_offset(), tp_ranks, etp_ranks};
-    model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, t.seq_len(), nullptr,
-                                                 shard_ * shards_, experts, std::move(share));
+    RS_CHECK(t.seq_len() % cp_ranks == 0);
+    seq_ = t.seq_len() / cp_ranks;
+    model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, seq_, nullptr, shard_ * shards_,
+                                                 experts, std::move(share), ContextBlock{cp_ranks, state.cp_index()});
     if (ranks > 1) {
       const std::string kind = std::string(" (") + DeviceCommName(comm_kind_) + ")";
       if (data_ranks > 1) {
@@ -92,6 +98,13 @@ class CudaEngine final : public train::StepEngine {
         RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.etp, "etp group" + kind), etp_comm_));
       }
       model_->SetTensorParallel(tp_comm_.get(), etp_comm_.get());
+      if (cp_ranks > 1) {  // the ep group: the experts' exchange's communicator when ep cuts them too
+        RS_CHECK(groups.ep != nullptr && groups.ep->size() == cp_ranks && groups.ep->rank() == state.cp_index());
+        if (ep_comm_ == nullptr) {
+          RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.ep, "cp group" + kind), cp_comm_));
+        }
+        model_->SetContextParallel(ep_comm_ != nullptr ? ep_comm_.get() : cp_comm_.get());
+      }
       if (experts.ranks > 1) {
         // The rows' exchange over ep, and the gradients of the experts over the ranks holding
         // the same ones (dp × fsdp; without fsdp sharding).
@@ -155,7 +168,7 @@ class CudaEngine final : public train::StepEngine {
   Result<train::StepReport> Step(train::Trainer& t, const std::vector<std::int32_t>& inputs,
                                  const std::vector<std::int32_t>& targets, std::int64_t rows, std::int64_t seq,
                                  std::int64_t step) override {
-    RS_CHECK(rows == rows_ && seq == t.seq_len());
+    RS_CHECK(rows == rows_ && seq == seq_);
     const train::OptimizerConfig& oc = t.train_config().optimizer;
     cudaStream_t st = model_->stream();
     train::StepReport r;
@@ -222,6 +235,7 @@ class CudaEngine final : public train::StepEngine {
     std::string out = line;
     if (tp_comm_ != nullptr) out += ", tensor parallel over tp=" + std::to_string(tp_comm_->size());
     if (etp_comm_ != nullptr) out += ", experts' ffn over etp=" + std::to_string(etp_comm_->size());
+    if (model_->context().ranks > 1) out += ", context parallel over cp=" + std::to_string(model_->context().ranks);
     if (ep_comm_ != nullptr) out += ", experts cut over ep=" + std::to_string(ep_comm_->size());
     if (shards_ > 1) {
       out += ", Adam moments sharded over fsdp=" + std::to_string(shards_) + " (" + std::to_string(shard_) + " of " +
@@ -268,8 +282,9 @@ class CudaEngine final : public train::StepEngine {
   // Every device communicator this engine set up.
   std::vector<dist::Communicator*> Comms() const {
     std::vector<dist::Communicator*> out;
-    for (dist::Communicator* c : {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(),
-                                  same_experts_comm_.get(), tp_comm_.get(), kv_comm_.get(), etp_comm_.get()}) {
+    for (dist::Communicator* c :
+         {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get(), tp_comm_.get(),
+          kv_comm_.get(), etp_comm_.get(), cp_comm_.get()}) {
       if (c != nullptr) out.push_back(c);
     }
     return out;
@@ -361,6 +376,7 @@ class CudaEngine final : public train::StepEngine {
   std::string device_;
   DeviceComm comm_kind_;
   std::int64_t rows_ = 0;  // this rank's rows of the batch
+  std::int64_t seq_ = 0;   // its positions of each row (under context parallelism a part of them)
   double seconds_ = 0;
   std::int64_t steps_ = 0;
   std::unique_ptr<GpuTransformer<T>> model_;
@@ -376,6 +392,8 @@ class CudaEngine final : public train::StepEngine {
   // Tensor parallelism: the tp group, the kv-head group (tp ranks sharing kv heads) and the etp
   // group (the ranks sharing the experts' ffn).
   std::unique_ptr<dist::Communicator> tp_comm_, kv_comm_, etp_comm_;
+  // Context parallelism without experts cut over ep: the cp (ep) group (else ep_comm_ serves).
+  std::unique_ptr<dist::Communicator> cp_comm_;
   train::LocalModelPlan plan_;
   std::unique_ptr<dist::Communicator> fsdp_comm_, replica_comm_;
   DeviceArray<float> grad_shard_;

@@ -129,7 +129,7 @@ struct GpuTransformer<T>::Scratch {
 template <typename T>
 GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
                                   std::int64_t seq, cudaStream_t stream, std::int64_t param_capacity,
-                                  ExpertBlock experts, TensorShare share)
+                                  ExpertBlock experts, TensorShare share, ContextBlock context)
     : c_(config),
       dispatch_(dispatch),
       batch_(batch),
@@ -140,10 +140,12 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
       sharded_(!share.specs.empty()),
       tp_ranks_(share.ranks),
       etp_ranks_(share.etp_ranks),
-      vocab_offset_(share.vocab_offset) {
+      vocab_offset_(share.vocab_offset),
+      context_(context) {
   RS_CHECK(c_.Validate().ok());
   RS_CHECK_MSG(train::CheckTrainable(c_).ok(), "the GPU model trains no gated-delta-net layers");
-  RS_CHECK(batch > 0 && seq > 0 && seq <= c_.max_seq_len);
+  RS_CHECK(context_.ranks >= 1 && context_.index >= 0 && context_.index < context_.ranks);
+  RS_CHECK(batch > 0 && seq > 0 && seq * context_.ranks <= c_.max_seq_len);
   if constexpr (!std::is_same_v<T, float>) {
     RS_CHECK_MSG(c_.d_model % 8 == 0, "bf16 needs d_model to be a multiple of 8");
   }
@@ -247,7 +249,7 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
   Plan(nullptr);  // sizes only
   arena_ = DeviceArray<char>(static_cast<std::int64_t>(arena_bytes_));
   Plan(arena_.get());
-  s_->rope = ComputeRopeTable(seq_, c_.head_dim, c_.rope_theta, s_->rope_mem, s_->rope_bytes, stream_);
+  s_->rope = ComputeRopeTable(seq_ * context_.ranks, c_.head_dim, c_.rope_theta, s_->rope_mem, s_->rope_bytes, stream_);
   ZeroGrads();
 }
 
@@ -276,6 +278,27 @@ void GpuTransformer<T>::SetTensorParallel(dist::Communicator* tp, dist::Communic
                "an etp group of " << (etp != nullptr ? etp->size() : 1) << " ranks for a share of " << etp_ranks_);
   tp_ = tp;
   etp_ = etp;
+}
+
+template <typename T>
+void GpuTransformer<T>::SetContextParallel(dist::Communicator* cp) {
+  RS_CHECK_MSG((cp != nullptr ? cp->size() : 1) == context_.ranks && (cp == nullptr || cp->rank() == context_.index),
+               "a cp group of " << (cp != nullptr ? cp->size() : 1) << " ranks for part " << context_.index << " of "
+                                << context_.ranks);
+  cp_ = cp;
+  // A failed collective is recorded; the pass finishes on stale data and Run's caller sees it.
+  cp_collectives_.all_gather = [this](const float* send, float* recv, std::int64_t words) {
+    if (!comm_status_.ok()) return;
+    const auto n = static_cast<std::size_t>(words);
+    comm_status_ = cp_->AllGather(std::span<const float>(send, n),
+                                  std::span<float>(recv, n * static_cast<std::size_t>(cp_->size())));
+  };
+  cp_collectives_.reduce_scatter = [this](const float* send, float* recv, std::int64_t count) {
+    if (!comm_status_.ok()) return;
+    const auto n = static_cast<std::size_t>(count);
+    comm_status_ = cp_->ReduceScatter(std::span<const float>(send, n * static_cast<std::size_t>(cp_->size())),
+                                      std::span<float>(recv, n));
+  };
 }
 
 template <typename T>
@@ -423,7 +446,7 @@ void GpuTransformer<T>::Plan(void* base) {
   WorkspaceCarver w(base);
   const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = vocab_rows_;
   const AttentionShape ashape{d, heads_, kv_heads_, c_.head_dim, c_.rope_theta};
-  const AttentionDims dims{batch_, seq_};
+  const AttentionDims dims{batch_, seq_, context_.ranks, context_.index};
   const AttentionBytes abytes = AttentionMemoryBytes<T>(ashape, dims);
   // Expert parallelism: the token side unpadded; the experts' side receives at most every rank's
   // rows (n · k each), padded per local expert.
@@ -518,7 +541,7 @@ void GpuTransformer<T>::Plan(void* base) {
     s.dlogits_r = w.Take<float>(n * e);
     s.dxr = w.Take<float>(n * d);
   }
-  s.rope_bytes = RopeTableBytes(seq_, c_.head_dim);
+  s.rope_bytes = RopeTableBytes(seq_ * context_.ranks, c_.head_dim);
   s.rope_mem = w.Take<char>(static_cast<std::int64_t>(s.rope_bytes));
   grow(CrossEntropyWorkspaceBytes(n));
   grow(RmsNormBackwardWorkspaceBytes(n, d));
@@ -573,6 +596,8 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   RS_CHECK_MSG((tp_ranks_ == 1 || tp_ != nullptr) && (etp_ranks_ == 1 || etp_ != nullptr),
                "SetTensorParallel before Run");
   const bool etp = ExpertTensorParallel();
+  RS_CHECK_MSG(context_.ranks == 1 || cp_ != nullptr, "SetContextParallel before Run");
+  const AttentionCollectives* cp = context_.ranks > 1 ? &cp_collectives_ : nullptr;
   const bool tensor_parallel = TensorParallel();
   for (std::int64_t t = 0; t < n; ++t) {
     RS_CHECK_MSG(inputs[t] >= 0 && inputs[t] < v, "token " << inputs[t] << " outside the vocabulary");
@@ -584,7 +609,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   RS_CUDA_CHECK(cudaMemcpyAsync(s.tokens, inputs, tok_bytes, cudaMemcpyHostToDevice, st));
   RS_CUDA_CHECK(cudaMemcpyAsync(s.targets, targets, tok_bytes, cudaMemcpyHostToDevice, st));
   const AttentionShape ashape{d, heads_, kv_heads_, c_.head_dim, c_.rope_theta};
-  const AttentionDims dims{batch_, seq_};
+  const AttentionDims dims{batch_, seq_, context_.ranks, context_.index};
   const train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
   const bool fused = dispatch_.mode == train::DispatchMode::kFused;
   const bool ep = ExpertParallel();
@@ -619,7 +644,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     T* h_out = li + 1 < layers_.size() ? layers_[li + 1]->h_in : s.h;
     RmsNormForward(l.h_in, P(l.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
     AttentionForward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), s.tmp, l.attn, l.attn_bytes, s.ws,
-                     s.ws_bytes, st);
+                     s.ws_bytes, st, cp);
     ReduceTp(s.tmp, nd);  // attention out is row-parallel
     Add(l.h_mid, l.h_in, s.tmp, nd, st);
     RmsNormForward(l.h_mid, P(l.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
@@ -808,7 +833,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     RmsNormBackward(s.dx, l.h_mid, P(l.mlp_norm), l.rstd2, n, d, s.tmp, G(l.mlp_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);
     AttentionBackward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), l.attn, l.attn_bytes, s.dh, s.dx,
-                      G(l.qkv), G(l.out), s.ws, s.ws_bytes, st);
+                      G(l.qkv), G(l.out), s.ws, s.ws_bytes, st, cp);
     ReduceTp(s.dx, nd);
     RmsNormBackward(s.dx, l.h_in, P(l.attn_norm), l.rstd1, n, d, s.tmp, G(l.attn_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);

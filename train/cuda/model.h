@@ -42,6 +42,7 @@
 #include "core/status.h"
 #include "core/tensor_spec.h"
 #include "dist/communicator.h"
+#include "train/cuda/attention.h"
 #include "train/cuda/device.h"
 #include "train/model.h"
 #include "train/moe.h"
@@ -60,6 +61,12 @@ struct ExpertBlock {
 // the rank's heads, fc1 as [W_i; V_i], expert tensors with the ep block's experts, padded vocab
 // rows); empty: the whole model (but for the ep block). vocab_offset: the first (padded) vocab
 // row of this rank's embedding and output.
+// Context parallelism: this model's rows are part `index` of `ranks` of every sequence (the
+// positions [index · seq, (index + 1) · seq) of sequences of ranks · seq positions).
+struct ContextBlock {
+  std::int64_t ranks = 1, index = 0;
+};
+
 struct TensorShare {
   std::vector<TensorSpec> specs;
   std::int64_t vocab_offset = 0;
@@ -77,12 +84,13 @@ class GpuTransformer {
   // cuts the vectors into equal blocks).
   GpuTransformer(const ModelConfig& config, const train::DispatchOptions& dispatch, std::int64_t batch,
                  std::int64_t seq, cudaStream_t stream = nullptr, std::int64_t param_capacity = 0,
-                 ExpertBlock experts = {}, TensorShare share = {});
+                 ExpertBlock experts = {}, TensorShare share = {}, ContextBlock context = {});
   ~GpuTransformer();
   GpuTransformer(const GpuTransformer&) = delete;
   GpuTransformer& operator=(const GpuTransformer&) = delete;
 
   const ModelConfig& config() const { return c_; }
+  const ContextBlock& context() const { return context_; }
   const std::vector<TensorSpec>& specs() const { return specs_; }
   std::int64_t num_params() const { return num_params_; }
   std::int64_t offset(std::size_t i) const { return offsets_[i]; }
@@ -116,6 +124,10 @@ class GpuTransformer {
   // routed experts' outputs and input gradients are summed over etp and the shared expert's over
   // tp (the CPU's MoE layer); without it both over tp.
   void SetTensorParallel(dist::Communicator* tp, dist::Communicator* etp = nullptr);
+  // With a ContextBlock of several ranks (before the first Run): the cp group over device memory
+  // (stream()), its ranks in position order. Attention gathers every position's k and v over it
+  // and reduce-scatters their gradients (train/cuda/attention.h).
+  void SetContextParallel(dist::Communicator* cp);
   // The first failed collective since the last call (then the last Run's numbers are not valid).
   Status TakeCommStatus() { return std::exchange(comm_status_, Status::Ok()); }
 
@@ -186,6 +198,10 @@ class GpuTransformer {
   // Tensor parallelism.
   dist::Communicator* tp_ = nullptr;
   dist::Communicator* etp_ = nullptr;
+  // Context parallelism.
+  ContextBlock context_;
+  dist::Communicator* cp_ = nullptr;
+  AttentionCollectives cp_collectives_;
   bool sharded_ = false;                   // built from a TensorShare (the vocab-parallel loss)
   std::int64_t tp_ranks_ = 1;              // the TensorShare's tp ranks
   std::int64_t etp_ranks_ = 1;             // the TensorShare's etp ranks
