@@ -331,7 +331,7 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");
   cmd->add_option("--device", a->device,
-                  "Where steps run: cpu, or cuda (one GPU per rank; dp, fsdp, ep, tp, etp and ep-as-cp layouts)")
+                  "Where steps run: cpu, or cuda (one GPU per rank; every layout the CPU trains)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--precision", a->precision,

@@ -509,15 +509,24 @@ bool ShardedState::CutOverEp(std::size_t i) const { return experts_over_ep_ && l
 
 bool ShardedState::FitsLocalEngine() const {
   const std::int64_t ep = experts_over_ep_ ? layout().layout.mesh().AxisSize(kEpAxis) : 1;
+  const std::int64_t tp = ExpertsOverTp() ? layout().layout.mesh().AxisSize(kTpAxis) : 1;
   const std::vector<TensorSpec> whole = ModelParameters(config_);
   for (std::size_t i = 0; i < whole.size(); ++i) {
     const std::vector<std::int64_t>& a = whole[i].shape;
     const std::vector<std::int64_t>& b = local_specs_[i].shape;
     if (a.size() != b.size()) return false;
-    // The experts' dim: whole, or the ep block's when ep cuts the experts (never cut over tp).
-    if (local_specs_[i].expert && !a.empty() && b[0] * (CutOverEp(i) ? ep : 1) != a[0]) return false;
+    // The experts' dim: whole, the ep block's when ep cuts the experts, or the tp block's.
+    if (local_specs_[i].expert && !a.empty() && b[0] * (CutOverEp(i) ? ep : tp) != a[0]) return false;
   }
   return true;
+}
+
+bool ShardedState::ExpertsOverTp() const {
+  if (experts_over_ep_ || config_.n_experts == 0) return false;
+  for (const TensorSpec& s : local_specs_) {
+    if (s.expert && !s.shape.empty()) return s.shape[0] < config_.n_experts;
+  }
+  return false;
 }
 
 // Whether tensor i's local shape differs from the whole one outside the ep-cut experts dim.

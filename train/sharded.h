@@ -131,12 +131,15 @@ class ShardedState {
   // Whether model tensor i is cut over ep on this layout (an expert tensor under experts_over_ep).
   bool CutOverEp(std::size_t i) const;
   // Whether an engine that keeps each rank's whole local model on its device (train/cuda/
-  // engine.h) trains this layout: tensor parallelism over heads, ffn widths and vocab rows (not
-  // over the experts), experts cut over ep or not at all, their ffn over tp or etp, context
-  // parallelism over ep (ep-as-cp). The ranks with the same tp and etp indices then hold the
-  // same local vector up to the experts' blocks, and every rank trains the rows of its data
-  // index (its cp_index part of their positions).
+  // engine.h) trains this layout: tensor parallelism over heads, ffn widths and vocab rows,
+  // experts cut over ep, over tp or not at all, their ffn over tp or etp, context parallelism
+  // over ep (ep-as-cp) – every layout Create accepts; the check states what the engine relies on. The ranks with the
+  // same tp and etp indices then hold the same local vector up to the experts' blocks, and every rank trains the rows
+  // of its data index (its cp_index part of their positions).
   bool FitsLocalEngine() const;
+  // Whether tp cuts the experts' dim (EP over tp: rules with exp -> tp; the tp ranks share their
+  // tokens and each runs its block of the experts, whose outputs are summed over tp).
+  bool ExpertsOverTp() const;
   // Whether model tensor i differs between the tp ranks (heads, ffn or vocab cut over tp); the
   // others (norms, router, buffers; the experts when etp > 1) are replicated over tp.
   // FitsLocalEngine() must hold.

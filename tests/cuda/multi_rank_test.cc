@@ -4,11 +4,10 @@
 //    host has two GPUs and with one rank otherwise;
 //  - `mpirun -np N reshard train --device cuda` at dp, fsdp, ep, tp and etp layouts (tp alone,
 //    with fsdp, with ep, tp = 4 with kv heads shared by two tp ranks; etp alone, with ep, with
-//    tp; context parallelism over ep): losses equal the
+//    tp; context parallelism over ep; experts cut over tp): losses equal the
 //    one-process CPU run's for the top-k, sigmoid-bias and Sinkhorn routers (Sinkhorn balances
 //    the whole batch over the ranks), checkpoints verify and resume on the CPU at another
-//    layout; rules that cut the experts over tp are refused; NCCL with more ranks than GPUs is
-//    refused naming --device-comm host.
+//    layout; NCCL with more ranks than GPUs is refused naming --device-comm host.
 // The rank tests run only in the processes the launcher tests start (RS_COMM_TEST_KIND set).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -272,7 +271,9 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
                                         "etp=2,ep=2",
                                         "tp=2,etp=2",
                                         "ep=2 --rules ep-as-cp",
-                                        "ep=2,fsdp=2,fsdp_form=box --rules ep-as-cp"};
+                                        "ep=2,fsdp=2,fsdp_form=box --rules ep-as-cp",
+                                        "tp=2 --rules ep-over-tp",
+                                        "tp=2,ep=2 --rules ep-over-tp"};
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"topk", all}, {"sigmoid_bias", all}, {"sinkhorn", {"dp=2", "ep=2,fsdp=2", "tp=2,ep=2"}}};
   for (const auto& [router, layouts] : cases) {
@@ -299,6 +300,7 @@ TEST_F(MultiRankCliTest, DataAndExpertParallelLayoutsMatchOneProcess) {
       EXPECT_EQ(says("tensor parallel over tp="), layout.rfind("tp=", 0) == 0) << layout << "\n" << r.out;
       EXPECT_EQ(says("experts' ffn over etp=2"), has("etp=2")) << layout << "\n" << r.out;
       EXPECT_EQ(says("context parallel over cp=2"), has("ep-as-cp")) << layout << "\n" << r.out;
+      EXPECT_EQ(says("experts cut over tp=2"), has("ep-over-tp") && has("tp=2")) << layout << "\n" << r.out;
       const std::vector<double> got = Losses(log);
       ASSERT_EQ(got.size(), 4u) << layout;
       for (std::size_t i = 0; i < 4; ++i) {
@@ -325,13 +327,6 @@ TEST_F(MultiRankCliTest, SaveOnGpusVerifyResumeOnTheCpuAtAnotherLayout) {
     ASSERT_EQ(got.size(), 6u) << layout;
     for (std::size_t i = 0; i < 6; ++i) EXPECT_NEAR(got[i], ref[i], 1e-4 * ref[i]) << layout << ", step " << i + 1;
   }
-}
-
-TEST_F(MultiRankCliTest, ExpertsCutOverTpAreRefused) {
-  const Shell r = Train(
-      4, std::string(kCommon) + " --steps 1 --device cuda --device-comm host --layout tp=2,ep=2 --rules ep-over-tp");
-  EXPECT_NE(r.rc, 0);
-  EXPECT_NE(r.out.find("cuts the experts over tp"), std::string::npos) << r.out;
 }
 
 TEST_F(MultiRankCliTest, NcclNeedsOneGpuPerRank) {

@@ -407,11 +407,16 @@ TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
     EXPECT_EQ((*s4)->kv_replication(), 2);  // 2 kv heads over 4 tp ranks
   }
   {
-    // EP over tp with tp > 1 cuts the experts over tp: not the local engine's.
+    // EP over tp with tp > 1 cuts the experts over tp (ep is then a data axis).
     OptimizerConfig o;
     auto s = ShardedState::Create(Model(), Layout("tp=2,ep=2,fsdp_form=flat", "ep-over-tp"), 0, o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    EXPECT_FALSE((*s)->FitsLocalEngine());
+    EXPECT_TRUE((*s)->FitsLocalEngine());
+    EXPECT_TRUE((*s)->ExpertsOverTp());
+    EXPECT_FALSE((*s)->experts_over_ep());
+    auto plain = ShardedState::Create(Model(), Layout("tp=2,fsdp_form=flat"), 0, o);
+    ASSERT_TRUE(plain.ok());
+    EXPECT_FALSE((*plain)->ExpertsOverTp());
   }
   {
     OptimizerConfig o;
@@ -469,7 +474,10 @@ TEST(WholeStateTest, UnderMpirun) {
               {"tp=2,etp=2,fsdp_form=flat", 4},
               // Context parallelism: ep cuts the experts and the positions (ep-as-cp rules).
               {"ep=2,fsdp_form=box", 2, "ep-as-cp"},
-              {"ep=2,fsdp=2,fsdp_form=box", 4, "ep-as-cp"}};
+              {"ep=2,fsdp=2,fsdp_form=box", 4, "ep-as-cp"},
+              // EP over tp: tp cuts the experts' dim, ep is a data axis.
+              {"tp=2,fsdp_form=flat", 2, "ep-over-tp"},
+              {"tp=2,ep=2,fsdp_form=flat", 4, "ep-over-tp"}};
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const auto& run : runs) {
     const auto r =

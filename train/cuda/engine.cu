@@ -30,13 +30,12 @@ class CudaEngine final : public train::StepEngine {
     train::ProcessGroups& groups = t.groups();
     const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
     if (!state.FitsLocalEngine()) {
-      return Unimplemented("train: " + Describe() +
-                           " trains layouts of dp, fsdp, ep (experts cut over ep, or ep as one more data axis), tp "
-                           "(heads, ffn widths and vocab rows cut over tp), etp (the experts' ffn) and context "
-                           "parallelism over ep (ep-as-cp); layout " +
-                           state.layout().ToString() +
-                           " cuts the experts over tp, which the GPU path does not have yet (the CPU path trains "
-                           "it)");
+      return Unimplemented(
+          "train: " + Describe() +
+          " trains layouts of dp, fsdp, ep (experts cut over ep or over tp, or ep as one more data axis), tp "
+          "(heads, ffn widths and vocab rows cut over tp), etp (the experts' ffn) and context "
+          "parallelism over ep (ep-as-cp); layout " +
+          state.layout().ToString() + " is not one of them (the CPU path trains it)");
     }
     // The ranks with this tp and etp index share the batch's rows; the tp and etp ranks share
     // their rows.
@@ -55,14 +54,20 @@ class CudaEngine final : public train::StepEngine {
     RS_CHECK(t.train_config().batch_size % data_ranks == 0);
     rows_ = t.train_config().batch_size / data_ranks;
     // Expert parallelism: this rank's model holds its ep index's block of experts.
+    // Or, EP over tp, its tp index's block (the tp ranks share their tokens; no rows travel).
     ExpertBlock experts;
     if (state.experts_over_ep() && groups.ep != nullptr && groups.ep->size() > 1) {
       experts = {groups.ep->size(), groups.ep->rank()};
-      RS_CHECK(c.n_experts % experts.ranks == 0 &&
-               state.expert_offset() == experts.index * (c.n_experts / experts.ranks));
+    } else if (state.ExpertsOverTp()) {
+      experts = {tp_ranks, groups.tp->rank(), /*over_tp=*/true};
     }
+    RS_CHECK(c.n_experts % experts.ranks == 0 &&
+             state.expert_offset() == experts.index * (c.n_experts / experts.ranks));
+    const bool experts_over_ep = experts.ranks > 1 && !experts.over_tp;
+    experts_over_tp_ = experts.over_tp ? experts.ranks : 1;
     // Which items count in the norm here and over which ranks each gradient is summed.
-    train::PlanPlace place{experts.index, experts.ranks};
+    train::PlanPlace place;
+    if (experts_over_ep) place.ep_index = experts.index, place.ep_size = experts.ranks;
     if (tp_ranks > 1) place.tp_index = groups.tp->rank(), place.tp_size = tp_ranks;
     if (etp_ranks > 1) place.etp_index = groups.etp->rank(), place.etp_size = etp_ranks;
     plan_ = train::PlanLocalModel(state, host, place);
@@ -105,7 +110,7 @@ class CudaEngine final : public train::StepEngine {
         }
         model_->SetContextParallel(ep_comm_ != nullptr ? ep_comm_.get() : cp_comm_.get());
       }
-      if (experts.ranks > 1) {
+      if (experts_over_ep) {
         // The rows' exchange over ep, and the gradients of the experts over the ranks holding
         // the same ones (dp × fsdp; without fsdp sharding).
         RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.ep, "ep group" + kind), ep_comm_));
@@ -124,7 +129,7 @@ class CudaEngine final : public train::StepEngine {
         // The ranks holding the same block of the same local vector: dp, and ep where ep is one
         // more data axis (rules that do not cut the experts over it); with experts cut over ep,
         // dp only (the block's items outside the experts are then summed over ep as well).
-        const std::int64_t ep_ranks = experts.ranks;
+        const std::int64_t ep_ranks = experts_over_ep ? experts.ranks : 1;
         RS_ASSIGN_OR_RETURN(replica_host_,
                             groups.world->Split(train::BlockReplicaColor(shard_index_, plan_), groups.world->rank(),
                                                 "ranks of fsdp block " + std::to_string(shard_index_)));
@@ -237,6 +242,7 @@ class CudaEngine final : public train::StepEngine {
     if (etp_comm_ != nullptr) out += ", experts' ffn over etp=" + std::to_string(etp_comm_->size());
     if (model_->context().ranks > 1) out += ", context parallel over cp=" + std::to_string(model_->context().ranks);
     if (ep_comm_ != nullptr) out += ", experts cut over ep=" + std::to_string(ep_comm_->size());
+    if (experts_over_tp_ > 1) out += ", experts cut over tp=" + std::to_string(experts_over_tp_);
     if (shards_ > 1) {
       out += ", Adam moments sharded over fsdp=" + std::to_string(shards_) + " (" + std::to_string(shard_) + " of " +
              std::to_string(model_->num_params()) + " items per device)";
@@ -375,8 +381,9 @@ class CudaEngine final : public train::StepEngine {
 
   std::string device_;
   DeviceComm comm_kind_;
-  std::int64_t rows_ = 0;  // this rank's rows of the batch
-  std::int64_t seq_ = 0;   // its positions of each row (under context parallelism a part of them)
+  std::int64_t rows_ = 0;             // this rank's rows of the batch
+  std::int64_t seq_ = 0;              // its positions of each row (under context parallelism a part of them)
+  std::int64_t experts_over_tp_ = 1;  // EP over tp: the tp ranks the experts are cut over
   double seconds_ = 0;
   std::int64_t steps_ = 0;
   std::unique_ptr<GpuTransformer<T>> model_;

@@ -101,6 +101,7 @@ struct GpuTransformer<T>::Layer {
   std::int32_t *to_padded = nullptr, *to_recv = nullptr;
   train::ExchangeRowMaps maps;
   std::vector<std::int64_t> send_rows, recv_rows, ex_padded_rows;
+  std::int64_t group_begin = 0;  // experts over tp: the block's first row among the token-side rows
   std::int64_t ex_rows = 0, ex_total_padded = 0;
   T *hs = nullptr, *as = nullptr;  // shared expert
   T *hd = nullptr, *ad = nullptr;  // dense MLP
@@ -261,7 +262,7 @@ GpuTransformer<T>::~GpuTransformer() {
 
 template <typename T>
 void GpuTransformer<T>::SetExpertParallel(dist::Communicator* device, dist::Communicator* host) {
-  RS_CHECK(ExpertParallel() && device != nullptr && host != nullptr);
+  RS_CHECK(ExpertParallel() && !block_.over_tp && device != nullptr && host != nullptr);
   RS_CHECK(device->size() == block_.ranks && host->size() == block_.ranks && device->rank() == block_.index &&
            host->rank() == block_.index);
   RS_CHECK_MSG(c_.d_model * static_cast<std::int64_t>(sizeof(T)) % static_cast<std::int64_t>(sizeof(float)) == 0,
@@ -317,22 +318,30 @@ void GpuTransformer<T>::Reduce(dist::Communicator* group, T* x, std::int64_t cou
 
 template <typename T>
 void GpuTransformer<T>::PlanExchange(Layer& l) {
-  const std::int64_t p = block_.ranks, el = local_experts_, e = c_.n_experts, me = block_.index;
+  const std::int64_t p = ExchangeRanks(), el = local_experts_, e = c_.n_experts;
+  // The exchange group's experts start at `first` (0 under ep: the group holds them all; the
+  // tp rank's block when the experts are cut over tp), and this rank is `me` in the group.
+  const std::int64_t first = block_.over_tp ? block_.index * el : 0, me = block_.over_tp ? 0 : block_.index;
   // The token side is planned without padding: its offsets are the per-expert counts.
   std::vector<std::int64_t> mine(static_cast<std::size_t>(e)), all(static_cast<std::size_t>(p * e), 0);
   for (std::int64_t x = 0; x < e; ++x) {
     mine[static_cast<std::size_t>(x)] =
         l.padded_offsets[static_cast<std::size_t>(x + 1)] - l.padded_offsets[static_cast<std::size_t>(x)];
   }
-  // On a failed gather nothing is received (the pass's numbers are void; no row moves).
-  if (comm_status_.ok()) comm_status_ = ep_host_->AllGather(std::span<const std::int64_t>(mine), all);
-  if (!comm_status_.ok()) std::fill(all.begin(), all.end(), 0);
+  l.group_begin = l.padded_offsets[static_cast<std::size_t>(first)];
+  if (p == 1) {
+    all = mine;
+  } else {
+    // On a failed gather nothing is received (the pass's numbers are void; no row moves).
+    if (comm_status_.ok()) comm_status_ = ep_host_->AllGather(std::span<const std::int64_t>(mine), all);
+    if (!comm_status_.ok()) std::fill(all.begin(), all.end(), 0);
+  }
   std::vector<std::int64_t> counts(static_cast<std::size_t>(p * el));  // [source][local expert]
   l.send_rows.assign(static_cast<std::size_t>(p), 0);
   for (std::int64_t q = 0; q < p; ++q) {
     for (std::int64_t j = 0; j < el; ++j) {
-      counts[static_cast<std::size_t>(q * el + j)] = all[static_cast<std::size_t>(q * e + me * el + j)];
-      l.send_rows[static_cast<std::size_t>(q)] += mine[static_cast<std::size_t>(q * el + j)];
+      counts[static_cast<std::size_t>(q * el + j)] = all[static_cast<std::size_t>(q * e + first + me * el + j)];
+      l.send_rows[static_cast<std::size_t>(q)] += mine[static_cast<std::size_t>(first + q * el + j)];
     }
   }
   const train::ExchangeLayout x = train::PlanExchange(counts, p, el, dispatch_.alignment);
@@ -358,6 +367,14 @@ template <typename T>
 void GpuTransformer<T>::ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,
                                      const std::vector<std::int64_t>& recv_rows) {
   if (!comm_status_.ok()) return;
+  if (ExchangeRanks() == 1) {  // experts over tp: the rows stay
+    RS_CHECK(send_rows.size() == 1 && recv_rows.size() == 1 && send_rows[0] == recv_rows[0]);
+    if (send_rows[0] > 0 && send != recv) {
+      RS_CUDA_CHECK(cudaMemcpyAsync(recv, send, static_cast<std::size_t>(send_rows[0] * c_.d_model) * sizeof(T),
+                                    cudaMemcpyDeviceToDevice, stream_));
+    }
+    return;
+  }
   const std::int64_t words =
       c_.d_model * static_cast<std::int64_t>(sizeof(T)) / static_cast<std::int64_t>(sizeof(float));
   std::vector<std::int64_t> sc(send_rows.size()), rc(recv_rows.size());
@@ -371,6 +388,13 @@ void GpuTransformer<T>::ExchangeRows(const T* send, const std::vector<std::int64
   comm_status_ = ep_device_->AllToAllV(
       std::span<const float>(reinterpret_cast<const float*>(send), static_cast<std::size_t>(sent)), sc,
       std::span<float>(reinterpret_cast<float*>(recv), static_cast<std::size_t>(received)), rc);
+}
+
+template <typename T>
+void GpuTransformer<T>::ClearOtherBlocks(T* rows, std::int64_t count) {
+  if (!block_.over_tp || count == 0) return;
+  RS_CUDA_CHECK(
+      cudaMemsetAsync(rows, 0, static_cast<std::size_t>(count * c_.d_model) * sizeof(T), stream_));  // bf16 0 is 0 bits
 }
 
 template <typename T>
@@ -452,7 +476,7 @@ void GpuTransformer<T>::Plan(void* base) {
   // rows (n · k each), padded per local expert.
   const bool ep = ExpertParallel();
   const std::int64_t el = local_experts_, token_alignment = ep ? 0 : dispatch_.alignment;
-  const std::int64_t max_recv = ep ? block_.ranks * n * k : 0;
+  const std::int64_t max_recv = ep ? ExchangeRanks() * n * k : 0;
   const std::int64_t maxp = e == 0 ? 0
                             : ep   ? max_recv + (dispatch_.alignment > 1 ? el * (dispatch_.alignment - 1) : 0)
                                    : MaxPaddedRows(n, k, e, dispatch_.alignment);
@@ -613,7 +637,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const train::RouterOptions ropts = train::RouterOptionsFromModel(c_);
   const bool fused = dispatch_.mode == train::DispatchMode::kFused;
   const bool ep = ExpertParallel();
-  RS_CHECK_MSG(!ep || ep_device_ != nullptr, "SetExpertParallel before Run");
+  RS_CHECK_MSG(!ep || block_.over_tp || ep_device_ != nullptr, "SetExpertParallel before Run");
   const std::int64_t el = local_experts_;
   const cudaDataType_t tt = DataType<T>();
   const std::int64_t one_group[] = {n};
@@ -668,9 +692,10 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       if (ep) {
         // Rows in expert order (unpadded) to their experts' ranks, then into the padded
         // expert-major order of the grouped GEMMs (padding rows zero).
+        // (Experts over tp: only this rank's block's rows, from l.group_begin, stay and run.)
         PlanExchange(l);
         PermutePad(l.xn2, d, l.plan, s.ep_send, nullptr, nullptr, st);
-        ExchangeRows(s.ep_send, l.send_rows, s.ep_recv, l.recv_rows);
+        ExchangeRows(s.ep_send + l.group_begin * d, l.send_rows, s.ep_recv, l.recv_rows);
         MoveRows(s.ep_recv, d, l.to_padded, l.ex_total_padded, l.x_pad, st);
       } else if (fused) {
         PermutePad(l.xn2, d, l.plan, l.x_pad, nullptr, nullptr, st);
@@ -686,7 +711,8 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       Mark();
       if (ep) {  // the outputs back to their rows' ranks, then the weighted combine
         MoveRows(l.y_pad, d, l.to_recv, l.ex_rows, s.ep_recv, st);
-        ExchangeRows(s.ep_recv, l.recv_rows, l.y_rows, l.send_rows);
+        ClearOtherBlocks(l.y_rows, n * k);  // experts over tp: the other blocks' rows add nothing here
+        ExchangeRows(s.ep_recv, l.recv_rows, l.y_rows + l.group_begin * d, l.send_rows);
         UnpermuteUnpad(l.y_rows, d, l.plan, l.probs, s.tmp, st);
       } else if (fused) {
         UnpermuteUnpad(l.y_pad, d, l.plan, l.probs, s.tmp, st);
@@ -774,7 +800,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       Mark();
       if (ep) {  // the combine's gradient per routed row, to the experts' ranks, padded
         UnpermuteUnpadBackward(s.dh, l.y_rows, d, l.plan, l.probs, s.ep_send, s.dprobs, st);
-        ExchangeRows(s.ep_send, l.send_rows, s.ep_recv, l.recv_rows);
+        ExchangeRows(s.ep_send + l.group_begin * d, l.send_rows, s.ep_recv, l.recv_rows);
         MoveRows(s.ep_recv, d, l.to_padded, l.ex_total_padded, s.pad_a, st);
       } else if (fused) {
         UnpermuteUnpadBackward(s.dh, l.y_pad, d, l.plan, l.probs, s.pad_a, s.dprobs, st);
@@ -798,7 +824,8 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       Mark();
       if (ep) {  // the input gradients back to their rows' ranks, summed over each token's k rows
         MoveRows(s.pad_b, d, l.to_recv, l.ex_rows, s.ep_recv, st);
-        ExchangeRows(s.ep_recv, l.recv_rows, s.ep_send, l.send_rows);
+        ClearOtherBlocks(s.ep_send, n * k);  // experts over tp: the other blocks' input gradients come from their ranks
+        ExchangeRows(s.ep_recv, l.recv_rows, s.ep_send + l.group_begin * d, l.send_rows);
         PermutePadBackward(s.ep_send, d, l.plan, s.dx, nullptr, nullptr, st);
       } else if (fused) {
         PermutePadBackward(s.pad_b, d, l.plan, s.dx, nullptr, nullptr, st);

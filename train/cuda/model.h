@@ -51,9 +51,13 @@ namespace rs::cuda {
 
 // Expert parallelism: the experts cut into `ranks` equal blocks over an ep group; a model holds
 // block `index`, experts [index · E/ranks, (index + 1) · E/ranks), and its expert tensors are
-// that block's (the CPU's local shapes, so its flat vector is the CPU rank's).
+// that block's (the CPU's local shapes, so its flat vector is the CPU rank's). `over_tp`: the
+// blocks are cut over the tp group instead (EP over tp), whose ranks share their tokens: no rows
+// travel, each rank runs its block's rows and leaves the others' outputs zero, and the tp
+// all-reduce of the MoE block's output sums the blocks.
 struct ExpertBlock {
   std::int64_t ranks = 1, index = 0;
+  bool over_tp = false;
 };
 
 // Tensor parallelism: this model is one tp rank's share of the model. `specs` are
@@ -194,6 +198,8 @@ class GpuTransformer {
   dist::Communicator* ep_device_ = nullptr;
   dist::Communicator* ep_host_ = nullptr;
   bool ExpertParallel() const { return block_.ranks > 1; }
+  // The ranks rows travel between: the ep group's, or one when the experts are cut over tp.
+  std::int64_t ExchangeRanks() const { return block_.over_tp ? 1 : block_.ranks; }
   void PlanExchange(Layer& l);  // counts over ep, the exchange's sizes and row maps (host and device)
   // Tensor parallelism.
   dist::Communicator* tp_ = nullptr;
@@ -215,6 +221,7 @@ class GpuTransformer {
   void ReduceEtp(T* x, std::int64_t count) { Reduce(ExpertTensorParallel() ? etp_ : nullptr, x, count); }
   void ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,
                     const std::vector<std::int64_t>& recv_rows);
+  void ClearOtherBlocks(T* rows, std::int64_t count);  // experts over tp: zero `count` token-side rows
 };
 
 }  // namespace rs::cuda
