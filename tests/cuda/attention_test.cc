@@ -90,28 +90,42 @@ class AttentionTest : public ::testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
+// A case's random inputs (on the bf16 grid when `bf16`) and the float64 reference's outputs
+// and weight-gradient increments over its whole sequences, on the same (rounded) inputs.
+struct Problem {
+  std::vector<float> x, wqkv, wout, dy;
+  std::vector<double> y, dx, dwqkv, dwout;
+};
+Problem MakeProblem(const Case& c, bool bf16, std::mt19937& rng) {
+  const std::int64_t n = c.batch * c.seq, w = (c.nq + 2 * c.nkv) * c.dh, ctx = c.nq * c.dh;
+  Problem p;
+  p.x = testing::RandomValues(n * c.d, bf16, rng, 1.f);
+  p.wqkv = testing::RandomValues(w * c.d, bf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d))));
+  p.wout = testing::RandomValues(c.d * ctx, bf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx))));
+  p.dy = testing::RandomValues(n * c.d, bf16, rng, 1.f);
+  train::Attention<double> ref(AttentionShape{c.d, c.nq, c.nkv, c.dh, 10000.0});
+  const auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  const std::vector<double> xd = to_double(p.x), wqkvd = to_double(p.wqkv), woutd = to_double(p.wout),
+                            dyd = to_double(p.dy);
+  p.y.resize(static_cast<std::size_t>(n * c.d));
+  p.dx.resize(p.y.size());
+  p.dwqkv.assign(p.wqkv.size(), 0.0);
+  p.dwout.assign(p.wout.size(), 0.0);
+  ref.Forward(xd.data(), c.batch, c.seq, wqkvd.data(), woutd.data(), p.y.data());
+  ref.Backward(dyd.data(), wqkvd.data(), woutd.data(), p.dx.data(), p.dwqkv.data(), p.dwout.data());
+  return p;
+}
+
 template <typename T>
 void AttentionTest::RunCase(const Case& c, double tolerance) {
   constexpr bool kBf16 = !std::is_same_v<T, float>;
   std::mt19937 rng(static_cast<std::uint32_t>(c.batch * 1000003 + c.seq * 1009 + c.nq * 31 + c.dh));
   const std::int64_t n = c.batch * c.seq, w = (c.nq + 2 * c.nkv) * c.dh, ctx = c.nq * c.dh;
-  const std::vector<float> x = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
-  const std::vector<float> wqkv =
-      testing::RandomValues(w * c.d, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d))));
-  const std::vector<float> wout =
-      testing::RandomValues(c.d * ctx, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx))));
-  const std::vector<float> dy = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
+  const Problem pr = MakeProblem(c, kBf16, rng);
+  const std::vector<float>&x = pr.x, &wqkv = pr.wqkv, &wout = pr.wout, &dy = pr.dy;
+  const std::vector<double>&y_ref = pr.y, &dx_ref = pr.dx, &dwqkv_ref = pr.dwqkv, &dwout_ref = pr.dwout;
   const std::vector<float> dwqkv0 = testing::RandomValues(w * c.d, false, rng, 1.f);
   const std::vector<float> dwout0 = testing::RandomValues(c.d * ctx, false, rng, 1.f);
-
-  // Reference in float64 on the same (rounded) inputs.
-  train::Attention<double> ref(AttentionShape{c.d, c.nq, c.nkv, c.dh, 10000.0});
-  const auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
-  const std::vector<double> xd = to_double(x), wqkvd = to_double(wqkv), woutd = to_double(wout), dyd = to_double(dy);
-  std::vector<double> y_ref(static_cast<std::size_t>(n * c.d)), dx_ref(y_ref.size());
-  std::vector<double> dwqkv_ref(wqkv.size(), 0.0), dwout_ref(wout.size(), 0.0);  // increments
-  ref.Forward(xd.data(), c.batch, c.seq, wqkvd.data(), woutd.data(), y_ref.data());
-  ref.Backward(dyd.data(), wqkvd.data(), woutd.data(), dx_ref.data(), dwqkv_ref.data(), dwout_ref.data());
 
   // GPU, with the queried memory exactly, filled with NaNs so that reading anything unwritten
   // shows.
@@ -212,20 +226,10 @@ void ContextParallelCase(const Case& c, int cp, double tolerance) {
   const std::int64_t total = c.seq, seq = total / cp;
   ASSERT_EQ(seq * cp, total);
   std::mt19937 rng(static_cast<std::uint32_t>(c.batch * 7919 + total * 31 + cp));
-  const std::int64_t n = c.batch * total, w = (c.nq + 2 * c.nkv) * c.dh, ctx = c.nq * c.dh;
-  const std::vector<float> x = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
-  const std::vector<float> wqkv =
-      testing::RandomValues(w * c.d, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d))));
-  const std::vector<float> wout =
-      testing::RandomValues(c.d * ctx, kBf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx))));
-  const std::vector<float> dy = testing::RandomValues(n * c.d, kBf16, rng, 1.f);
-  train::Attention<double> ref(AttentionShape{c.d, c.nq, c.nkv, c.dh, 10000.0});
-  const auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
-  const std::vector<double> xd = to_double(x), wqkvd = to_double(wqkv), woutd = to_double(wout), dyd = to_double(dy);
-  std::vector<double> y_ref(static_cast<std::size_t>(n * c.d)), dx_ref(y_ref.size());
-  std::vector<double> dwqkv_ref(wqkv.size(), 0.0), dwout_ref(wout.size(), 0.0);
-  ref.Forward(xd.data(), c.batch, total, wqkvd.data(), woutd.data(), y_ref.data());
-  ref.Backward(dyd.data(), wqkvd.data(), woutd.data(), dx_ref.data(), dwqkv_ref.data(), dwout_ref.data());
+  const std::int64_t ctx = c.nq * c.dh;
+  const Problem pr = MakeProblem(c, kBf16, rng);
+  const std::vector<float>&x = pr.x, &wqkv = pr.wqkv, &wout = pr.wout, &dy = pr.dy;
+  const std::vector<double>&y_ref = pr.y, &dx_ref = pr.dx, &dwqkv_ref = pr.dwqkv, &dwout_ref = pr.dwout;
 
   // Rank r's rows: positions [r · seq, (r + 1) · seq) of every sequence.
   auto rows_of = [&](const std::vector<float>& all, int r) {
