@@ -433,7 +433,7 @@ double GpuTransformer<T>::StepFlops() const {
   double scores = 0;
   for (const auto& l : layers_) {
     weights += attn_w;
-    scores += 12.0 * static_cast<double>(seq_ * heads_ * c_.head_dim);
+    scores += 12.0 * static_cast<double>(seq_ * context_.ranks * heads_ * c_.head_dim);  // every key position
     if (l->moe) {
       weights += static_cast<double>(c_.n_experts) * d;                                  // router
       weights += static_cast<double>(c_.top_k) * 3.0 * d * static_cast<double>(l->ffn);  // fc1 (2f) + fc2 (f)

@@ -150,8 +150,9 @@ class GpuTransformer {
   double dispatch_ms() const { return dispatch_ms_; }
   // Matrix-product FLOPs of one forward+backward pass of the planned batch: 6 per weight used per
   // token (attention projections, router, the k chosen experts, shared expert, dense MLP, output)
-  // plus the attention scores and weighted values (12 · seq · heads · head_dim per token and
-  // layer, the full seq² products the kernels execute).
+  // plus the attention scores and weighted values (12 · keys · heads · head_dim per token and
+  // layer, keys = every position of the sequence: the full products the kernels execute). This
+  // rank's share: its heads, ffn shares, vocab rows and experts' rows.
   double StepFlops() const;
 
  private:
