@@ -78,6 +78,28 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
   return p;
 }
 
+Result<LocalBatch> PlanLocalBatch(const ShardedState& state, const ProcessGroups& groups, std::int64_t batch,
+                                  std::int64_t seq) {
+  LocalBatch b;
+  const dist::Communicator* data = groups.data != nullptr ? groups.data.get() : groups.world;
+  const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
+  b.data_ranks = data != nullptr ? data->size() : 1;
+  b.tp_ranks = groups.tp != nullptr ? groups.tp->size() : 1;
+  b.etp_ranks = groups.etp != nullptr ? groups.etp->size() : 1;
+  b.cp_ranks = state.cp_size();
+  if (state.data_size() * b.cp_ranks != b.data_ranks || b.data_ranks * b.tp_ranks * b.etp_ranks != ranks ||
+      batch % state.data_size() != 0 || seq % b.cp_ranks != 0) {
+    return FailedPrecondition("layout " + state.layout().ToString() + ": " + std::to_string(ranks) +
+                              " ranks do not split into data " + std::to_string(b.data_ranks) + " x tp " +
+                              std::to_string(b.tp_ranks) + " x etp " + std::to_string(b.etp_ranks) + " with " +
+                              std::to_string(state.data_size()) + " shares of " + std::to_string(batch) + " rows and " +
+                              std::to_string(b.cp_ranks) + " of " + std::to_string(seq) + " positions");
+  }
+  b.rows = batch / state.data_size();
+  b.seq = seq / b.cp_ranks;
+  return b;
+}
+
 Status SumKvGradients(const LocalModelPlan& plan, dist::Communicator* kv, std::span<float> grads) {
   if (plan.kv.empty() || !Summed(kv)) return Status::Ok();
   for (const auto& [lo, hi] : plan.kv) {

@@ -72,6 +72,18 @@ Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& group
 Status SumBlockGradients(const LocalModelPlan& plan, dist::Communicator& fsdp, dist::Communicator* replicas,
                          dist::Communicator* ep, std::span<const float> grads, std::span<float> block,
                          std::int64_t first);
+// What one step of this rank computes on: `rows` sequences of `seq` positions (the trainer's
+// rows of the batch; under context parallelism its part of their positions), and the ranks of
+// the groups that share them. FailedPrecondition when the groups do not multiply up to the world
+// the layout says (the data group is dp × fsdp × ep: data_size() shares of the rows times
+// cp_size() shares of the positions; tp and etp ranks share both).
+struct LocalBatch {
+  std::int64_t rows = 0, seq = 0;
+  std::int64_t data_ranks = 1, tp_ranks = 1, etp_ranks = 1, cp_ranks = 1;
+};
+Result<LocalBatch> PlanLocalBatch(const ShardedState& state, const ProcessGroups& groups, std::int64_t batch,
+                                  std::int64_t seq);
+
 // Items per block when a vector of `items` is cut into `blocks` equal blocks of whole 128-byte
 // lines (32 f32 items); the padding past `items` belongs to the last blocks.
 inline std::int64_t BlockItems(std::int64_t items, std::int64_t blocks) {

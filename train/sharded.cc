@@ -274,6 +274,44 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     break;
   }
 
+  // Tensor parallelism: the model all-reduces over tp what the tp-parallel tensors produce
+  // (embedding rows, attention out, fc2, the MoE block's output; train/model_parallel.h), so
+  // those tensors must be cut over tp – a replicated copy would be summed tp times – and the
+  // tensors every tp rank computes alike (norms, router) must not be. The routed experts are cut
+  // over tp (their dim or their ffn) unless etp > 1 takes their ffn, and then tp must not cut
+  // them (their outputs are summed over etp alone).
+  if (tp > 1) {
+    const std::int64_t etp = mesh.AxisSize(kEtpAxis);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (params[i].role != TensorRole::kParameter) continue;
+      const TensorSpec& t = params[i];
+      TensorSpec placed = t;
+      const Layout* rules_layout = &layout.layout;
+      if (t.expert) {
+        for (std::string& label : placed.axes) {
+          if (!label.empty() && expert_rules.rules.count("exp_" + label) != 0) label = "exp_" + label;
+        }
+        rules_layout = &expert_layout;
+      }
+      bool by_tp = false;
+      for (const auto& dim : rules_layout->ShardingAxes(placed)) {
+        by_tp = by_tp || std::find(dim.begin(), dim.end(), kTpAxis) != dim.end();
+      }
+      const bool parallel = t.expert ? etp == 1
+                                     : t.name == "embedding.weight" || t.name == "output.weight" ||
+                                           EndsWith(t.name, "attn.qkv.weight") || EndsWith(t.name, "attn.out.weight") ||
+                                           EndsWith(t.name, "fc1.weight") || EndsWith(t.name, "fc2.weight");
+      if (by_tp != parallel) {
+        return Unimplemented("train: '" + t.name + "' is " + (by_tp ? "" : "not ") +
+                             "cut over tp=" + std::to_string(tp) + " under rules '" + layout.layout.rules().name + "'" +
+                             (t.expert && etp > 1 ? " with etp=" + std::to_string(etp) : std::string()) +
+                             "; the training core " + (parallel ? "cuts" : "replicates") +
+                             " it over tp (its output is " + (parallel ? "summed" : "used whole") +
+                             " over the tp ranks)");
+      }
+    }
+  }
+
   // Where each placement sits in its compute tensor: a flat slice of it, or a box.
   for (std::size_t i = 0; i < params.size(); ++i) {
     Tensor& t = s->tensors_[i];

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -369,6 +370,12 @@ TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
   ASSERT_EQ(e.rows, 4 / t->state().data_size());
   const std::int64_t part = 16 / t->state().cp_size(), pos = t->state().cp_index() * part;
   ASSERT_EQ(e.seq, part);  // under context parallelism: this rank's part of the positions
+  // The GPU engine plans the same rows and positions, and groups that multiply up to the world.
+  auto plan = PlanLocalBatch(t->state(), t->groups(), 4, 16);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->rows, e.rows);
+  EXPECT_EQ(plan->seq, e.seq);
+  EXPECT_EQ(plan->data_ranks * plan->tp_ranks * plan->etp_ranks, world.size());
   const Batch b = TrainingBatch(t->corpus(), t->train_config().seed, 0, 4, 16);
   const std::int64_t first = t->state().data_index() * e.rows;
   ASSERT_EQ(static_cast<std::int64_t>(e.inputs.size()), e.rows * part);
@@ -442,6 +449,48 @@ TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
   EXPECT_TRUE((*s)->WholeModelOnEveryRank());
   EXPECT_EQ((*s)->data_size(), 4);
   EXPECT_EQ((*s)->fsdp_size(), 2);
+}
+
+// Tensor parallelism sums over tp what the tp-parallel tensors produce: rules that leave one of
+// them whole (summed tp times), cut a replicated one, or cut the experts over tp while etp takes
+// their ffn (summed over etp alone) are refused by name, on the CPU path and so on the GPU's.
+TEST(WholeStateTest, TensorParallelRulesMustCutWhatTheModelSumsOverTp) {
+  auto rules = [](nlohmann::json r) {
+    auto set = RuleSetFromJson(nlohmann::json{{"name", "custom"}, {"rules", std::move(r)}});
+    EXPECT_TRUE(set.ok()) << set.status().ToString();
+    return *set;
+  };
+  const nlohmann::json megatron = {{"vocab", {"tp"}}, {"heads", {"tp"}}, {"kv_heads", {"tp"}},
+                                   {"mlp", {"tp"}},   {"exp", {"ep"}},   {"embed", {"fsdp"}}};
+  struct Case {
+    const char* layout;
+    nlohmann::json rules;
+    const char* names;  // what the refusal names ("" : accepted)
+  };
+  nlohmann::json no_mlp = megatron, no_vocab = megatron, experts_tp = megatron, norm_tp = megatron;
+  no_mlp.erase("mlp");
+  no_vocab.erase("vocab");
+  experts_tp["exp"] = {"tp"};
+  experts_tp["exp_mlp"] = {"etp"};
+  norm_tp["embed"] = {"tp"};
+  const Case cases[] = {{"tp=2", megatron, ""},
+                        {"tp=2", no_mlp, "mlp.fc1.weight' is not cut over tp=2"},
+                        {"tp=2", no_vocab, "embedding.weight' is not cut over tp=2"},
+                        {"tp=2,etp=2", experts_tp, "moe.experts.fc1.weight' is cut over tp=2"},
+                        {"tp=2", norm_tp, "is cut over tp=2"}};
+  for (const Case& c : cases) {
+    auto layout = PhysicalLayout::Parse(std::string(c.layout) + ",fsdp_form=flat", rules(c.rules));
+    ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+    OptimizerConfig o;
+    auto s = ShardedState::Create(Model(), *layout, 0, o);
+    if (std::string(c.names).empty()) {
+      EXPECT_TRUE(s.ok()) << c.layout << " " << c.rules.dump() << ": " << s.status().ToString();
+      continue;
+    }
+    ASSERT_FALSE(s.ok()) << c.layout << " " << c.rules.dump();
+    EXPECT_EQ(s.status().code(), ErrorCode::kUnimplemented) << s.status().ToString();
+    EXPECT_NE(s.status().message().find(c.names), std::string::npos) << s.status().ToString();
+  }
 }
 
 TEST(WholeStateTest, UnderMpirun) {

@@ -37,22 +37,15 @@ class CudaEngine final : public train::StepEngine {
           "parallelism over ep (ep-as-cp); layout " +
           state.layout().ToString() + " is not one of them (the CPU path trains it)");
     }
-    // The ranks with this tp and etp index share the batch's rows; the tp and etp ranks share
-    // their rows.
+    // This rank's rows and positions (the trainer's), and the groups that share them: the data
+    // group (dp × fsdp × ep; under context parallelism its cp ranks share rows and split the
+    // positions), tp and etp (their ranks share rows and positions).
+    auto local = train::PlanLocalBatch(state, groups, t.train_config().batch_size, t.seq_len());
+    if (!local.ok()) return local.status().WithContext("train: " + Describe());
     dist::Communicator* data_host = groups.data != nullptr ? groups.data.get() : groups.world;
-    const std::int64_t data_ranks = data_host != nullptr ? data_host->size() : 1;
-    const std::int64_t tp_ranks = groups.tp != nullptr ? groups.tp->size() : 1;
-    const std::int64_t etp_ranks = groups.etp != nullptr ? groups.etp->size() : 1;
-    // Context parallelism: the cp (ep) ranks of the data group share their rows and split the
-    // positions.
-    const std::int64_t cp_ranks = state.cp_size();
-    if (state.data_size() * cp_ranks != data_ranks || data_ranks * tp_ranks * etp_ranks != ranks) {
-      return Unimplemented("train: " + Describe() + " gives every rank of a tp group its own rows; layout " +
-                           state.layout().ToString() + " has " + std::to_string(ranks) + " ranks over " +
-                           std::to_string(state.data_size()) + " shares of the batch");
-    }
-    RS_CHECK(t.train_config().batch_size % data_ranks == 0);
-    rows_ = t.train_config().batch_size / data_ranks;
+    const std::int64_t data_ranks = local->data_ranks, tp_ranks = local->tp_ranks, etp_ranks = local->etp_ranks;
+    const std::int64_t cp_ranks = local->cp_ranks;
+    rows_ = local->rows;
     // Expert parallelism: this rank's model holds its ep index's block of experts.
     // Or, EP over tp, its tp index's block (the tp ranks share their tokens; no rows travel).
     ExpertBlock experts;
@@ -79,8 +72,7 @@ class CudaEngine final : public train::StepEngine {
     // Tensor parallelism: the rank's share in the CPU rank's local shapes.
     TensorShare share;
     if (tp_ranks > 1 || etp_ranks > 1) share = {host.specs(), state.vocab_offset(), tp_ranks, etp_ranks};
-    RS_CHECK(t.seq_len() % cp_ranks == 0);
-    seq_ = t.seq_len() / cp_ranks;
+    seq_ = local->seq;
     model_ = std::make_unique<GpuTransformer<T>>(c, t.train_config().dispatch, rows_, seq_, nullptr, shard_ * shards_,
                                                  experts, std::move(share), ContextBlock{cp_ranks, state.cp_index()});
     if (ranks > 1) {
@@ -103,13 +95,6 @@ class CudaEngine final : public train::StepEngine {
         RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.etp, "etp group" + kind), etp_comm_));
       }
       model_->SetTensorParallel(tp_comm_.get(), etp_comm_.get());
-      if (cp_ranks > 1) {  // the ep group: the experts' exchange's communicator when ep cuts them too
-        RS_CHECK(groups.ep != nullptr && groups.ep->size() == cp_ranks && groups.ep->rank() == state.cp_index());
-        if (ep_comm_ == nullptr) {
-          RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.ep, "cp group" + kind), cp_comm_));
-        }
-        model_->SetContextParallel(ep_comm_ != nullptr ? ep_comm_.get() : cp_comm_.get());
-      }
       if (experts_over_ep) {
         // The rows' exchange over ep, and the gradients of the experts over the ranks holding
         // the same ones (dp × fsdp; without fsdp sharding).
@@ -120,6 +105,13 @@ class CudaEngine final : public train::StepEngine {
                                     DeviceCommunicator(*groups.same_experts, "same-experts group" + kind),
                                     same_experts_comm_));
         }
+      }
+      if (cp_ranks > 1) {  // the ep group: the experts' exchange's communicator when ep cuts them too
+        RS_CHECK(groups.ep != nullptr && groups.ep->size() == cp_ranks && groups.ep->rank() == state.cp_index());
+        if (ep_comm_ == nullptr) {
+          RS_RETURN_IF_ERROR(Agreed(*groups.world, DeviceCommunicator(*groups.ep, "cp group" + kind), cp_comm_));
+        }
+        model_->SetContextParallel(ep_comm_ != nullptr ? ep_comm_.get() : cp_comm_.get());
       }
       if (shards_ > 1) {
         RS_CHECK(groups.fsdp != nullptr && groups.fsdp->size() == shards_ && groups.fsdp->rank() == shard_index_);
