@@ -451,6 +451,21 @@ TEST(WholeStateTest, LayoutsThatCutTheModelAreNotWhole) {
   EXPECT_EQ((*s)->fsdp_size(), 2);
 }
 
+// One process (no groups at all): the whole batch, every position.
+TEST(WholeStateTest, OneProcessPlansTheWholeBatch) {
+  auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
+  auto plan = PlanLocalBatch(one->state(), one->groups(), 4, 16);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->rows, 4);
+  EXPECT_EQ(plan->seq, 16);
+  EXPECT_EQ(plan->data_ranks * plan->tp_ranks * plan->etp_ranks * plan->cp_ranks, 1);
+  // Groups that do not make up the layout's ranks are refused (ep=2 data shares, no world).
+  auto ep = ShardedState::Create(Model(), Layout("ep=2,fsdp_form=flat"), 0, OptimizerConfig{});
+  ASSERT_TRUE(ep.ok());
+  ProcessGroups none;
+  EXPECT_FALSE(PlanLocalBatch(**ep, none, 4, 16).ok());
+}
+
 // Tensor parallelism sums over tp what the tp-parallel tensors produce: rules that leave one of
 // them whole (summed tp times), cut a replicated one, or cut the experts over tp while etp takes
 // their ffn (summed over etp alone) are refused by name, on the CPU path and so on the GPU's.
