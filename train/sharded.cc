@@ -229,12 +229,16 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   if (mesh.AxisSize(kEtpAxis) > 1 && expert_rules.rules.count("exp_mlp") == 0)
     expert_rules.rules["exp_mlp"] = {kEtpAxis};
   const Layout expert_layout(mesh, expert_rules, layout.layout.pp_split());
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].expert) continue;
-    TensorSpec relabelled = params[i];  // as the physical map places it
-    for (std::string& label : relabelled.axes) {
+  // An expert tensor's dims as the physical map labels them.
+  auto relabel = [&expert_rules](TensorSpec t) {
+    for (std::string& label : t.axes) {
       if (!label.empty() && expert_rules.rules.count("exp_" + label) != 0) label = "exp_" + label;
     }
+    return t;
+  };
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].expert) continue;
+    const TensorSpec relabelled = relabel(params[i]);
     std::vector<std::string> cut;
     const auto axes = expert_layout.ShardingAxes(relabelled);
     for (const std::string& a : axes[0]) {
@@ -285,16 +289,9 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (params[i].role != TensorRole::kParameter) continue;
       const TensorSpec& t = params[i];
-      TensorSpec placed = t;
-      const Layout* rules_layout = &layout.layout;
-      if (t.expert) {
-        for (std::string& label : placed.axes) {
-          if (!label.empty() && expert_rules.rules.count("exp_" + label) != 0) label = "exp_" + label;
-        }
-        rules_layout = &expert_layout;
-      }
+      const Layout& rules_layout = t.expert ? expert_layout : layout.layout;
       bool by_tp = false;
-      for (const auto& dim : rules_layout->ShardingAxes(placed)) {
+      for (const auto& dim : rules_layout.ShardingAxes(t.expert ? relabel(t) : t)) {
         by_tp = by_tp || std::find(dim.begin(), dim.end(), kTpAxis) != dim.end();
       }
       const bool parallel = t.expert ? etp == 1
@@ -527,12 +524,11 @@ std::span<float> ShardedState::Owned(std::span<float> owned, std::size_t i) cons
 
 bool ShardedState::OnlyExpertsAreCut() const {
   if (cp_size_ != 1) return false;
-  const std::vector<TensorSpec> whole = ModelParameters(config_);
-  for (std::size_t i = 0; i < whole.size(); ++i) {
-    if (whole[i].shape == local_specs_[i].shape) continue;
+  for (std::size_t i = 0; i < local_specs_.size(); ++i) {
+    if (WholeShape(i) == local_specs_[i].shape) continue;
     // An expert tensor cut over ep only: its leading (experts) dim is the ep block's.
     if (!CutOverEp(i)) return false;
-    std::vector<std::int64_t> a = whole[i].shape, b = local_specs_[i].shape;
+    std::vector<std::int64_t> a = WholeShape(i), b = local_specs_[i].shape;
     if (a.empty() || b.size() != a.size() || b[0] * layout().layout.mesh().AxisSize(kEpAxis) != a[0]) return false;
     a.erase(a.begin());
     b.erase(b.begin());
@@ -548,9 +544,8 @@ bool ShardedState::CutOverEp(std::size_t i) const { return experts_over_ep_ && l
 bool ShardedState::FitsLocalEngine() const {
   const std::int64_t ep = experts_over_ep_ ? layout().layout.mesh().AxisSize(kEpAxis) : 1;
   const std::int64_t tp = ExpertsOverTp() ? layout().layout.mesh().AxisSize(kTpAxis) : 1;
-  const std::vector<TensorSpec> whole = ModelParameters(config_);
-  for (std::size_t i = 0; i < whole.size(); ++i) {
-    const std::vector<std::int64_t>& a = whole[i].shape;
+  for (std::size_t i = 0; i < local_specs_.size(); ++i) {
+    const std::vector<std::int64_t>& a = WholeShape(i);
     const std::vector<std::int64_t>& b = local_specs_[i].shape;
     if (a.size() != b.size()) return false;
     // The experts' dim: whole, the ep block's when ep cuts the experts, or the tp block's.
@@ -569,8 +564,7 @@ bool ShardedState::ExpertsOverTp() const {
 
 // Whether tensor i's local shape differs from the whole one outside the ep-cut experts dim.
 bool ShardedState::CutBeyondEp(std::size_t i) const {
-  const std::vector<TensorSpec> whole = ModelParameters(config_);
-  const std::vector<std::int64_t>& a = whole[i].shape;
+  const std::vector<std::int64_t>& a = WholeShape(i);
   const std::vector<std::int64_t>& b = local_specs_[i].shape;
   RS_CHECK(a.size() == b.size());
   for (std::size_t k = CutOverEp(i) ? 1 : 0; k < a.size(); ++k) {

@@ -203,6 +203,8 @@ class ShardedState {
   std::size_t CkptIndex(const std::string& name) const;
   Status PlanBoxGroup(const Mesh& mesh, BoxGroup& group);
   bool CutBeyondEp(std::size_t i) const;
+  // The whole (logical) shape of model tensor i: its checkpoint tensor's.
+  const std::vector<std::int64_t>& WholeShape(std::size_t i) const { return map_->tensors()[tensors_[i].ckpt].shape; }
   // The compute tensor of model tensor `i` as a placement (what a load of a buffer fills).
   Placement ComputePlacement(std::size_t i) const;
 

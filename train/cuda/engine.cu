@@ -29,14 +29,8 @@ class CudaEngine final : public train::StepEngine {
     train::ShardedState& state = t.state();
     train::ProcessGroups& groups = t.groups();
     const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
-    if (!state.FitsLocalEngine()) {
-      return Unimplemented(
-          "train: " + Describe() +
-          " trains layouts of dp, fsdp, ep (experts cut over ep or over tp, or ep as one more data axis), tp "
-          "(heads, ffn widths and vocab rows cut over tp), etp (the experts' ffn) and context "
-          "parallelism over ep (ep-as-cp); layout " +
-          state.layout().ToString() + " is not one of them (the CPU path trains it)");
-    }
+    // ShardedState::Create accepts only layouts whose local model this engine can run.
+    RS_CHECK_MSG(state.FitsLocalEngine(), "layout " << state.layout().ToString());
     // This rank's rows and positions (the trainer's), and the groups that share them: the data
     // group (dp × fsdp × ep; under context parallelism its cp ranks share rows and split the
     // positions), tp and etp (their ranks share rows and positions).
