@@ -695,8 +695,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
         // (Experts over tp: only this rank's block's rows, from l.group_begin, stay and run.)
         PlanExchange(l);
         PermutePad(l.xn2, d, l.plan, s.ep_send, nullptr, nullptr, st);
-        ExchangeRows(s.ep_send + l.group_begin * d, l.send_rows, s.ep_recv, l.recv_rows);
-        MoveRows(s.ep_recv, d, l.to_padded, l.ex_total_padded, l.x_pad, st);
+        T* mine = ReceiveBuffer(s.ep_send + l.group_begin * d, s.ep_recv);
+        ExchangeRows(s.ep_send + l.group_begin * d, l.send_rows, mine, l.recv_rows);
+        MoveRows(mine, d, l.to_padded, l.ex_total_padded, l.x_pad, st);
       } else if (fused) {
         PermutePad(l.xn2, d, l.plan, l.x_pad, nullptr, nullptr, st);
       } else {
@@ -709,10 +710,11 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       GroupedSwiGluForward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, l.y_pad, s.ws,
                            s.ws_bytes, st);
       Mark();
-      if (ep) {  // the outputs back to their rows' ranks, then the weighted combine
-        MoveRows(l.y_pad, d, l.to_recv, l.ex_rows, s.ep_recv, st);
+      if (ep) {                             // the outputs back to their rows' ranks, then the weighted combine
         ClearOtherBlocks(l.y_rows, n * k);  // experts over tp: the other blocks' rows add nothing here
-        ExchangeRows(s.ep_recv, l.recv_rows, l.y_rows + l.group_begin * d, l.send_rows);
+        T* back = ReceiveBuffer(l.y_rows + l.group_begin * d, s.ep_recv);
+        MoveRows(l.y_pad, d, l.to_recv, l.ex_rows, back, st);
+        ExchangeRows(back, l.recv_rows, l.y_rows + l.group_begin * d, l.send_rows);
         UnpermuteUnpad(l.y_rows, d, l.plan, l.probs, s.tmp, st);
       } else if (fused) {
         UnpermuteUnpad(l.y_pad, d, l.plan, l.probs, s.tmp, st);
@@ -800,8 +802,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       Mark();
       if (ep) {  // the combine's gradient per routed row, to the experts' ranks, padded
         UnpermuteUnpadBackward(s.dh, l.y_rows, d, l.plan, l.probs, s.ep_send, s.dprobs, st);
-        ExchangeRows(s.ep_send + l.group_begin * d, l.send_rows, s.ep_recv, l.recv_rows);
-        MoveRows(s.ep_recv, d, l.to_padded, l.ex_total_padded, s.pad_a, st);
+        T* mine = ReceiveBuffer(s.ep_send + l.group_begin * d, s.ep_recv);
+        ExchangeRows(s.ep_send + l.group_begin * d, l.send_rows, mine, l.recv_rows);
+        MoveRows(mine, d, l.to_padded, l.ex_total_padded, s.pad_a, st);
       } else if (fused) {
         UnpermuteUnpadBackward(s.dh, l.y_pad, d, l.plan, l.probs, s.pad_a, s.dprobs, st);
       } else {
@@ -823,9 +826,10 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
                             G(l.efc1), G(l.efc2), s.ws, s.ws_bytes, st);
       Mark();
       if (ep) {  // the input gradients back to their rows' ranks, summed over each token's k rows
-        MoveRows(s.pad_b, d, l.to_recv, l.ex_rows, s.ep_recv, st);
         ClearOtherBlocks(s.ep_send, n * k);  // experts over tp: the other blocks' input gradients come from their ranks
-        ExchangeRows(s.ep_recv, l.recv_rows, s.ep_send + l.group_begin * d, l.send_rows);
+        T* back = ReceiveBuffer(s.ep_send + l.group_begin * d, s.ep_recv);
+        MoveRows(s.pad_b, d, l.to_recv, l.ex_rows, back, st);
+        ExchangeRows(back, l.recv_rows, s.ep_send + l.group_begin * d, l.send_rows);
         PermutePadBackward(s.ep_send, d, l.plan, s.dx, nullptr, nullptr, st);
       } else if (fused) {
         PermutePadBackward(s.pad_b, d, l.plan, s.dx, nullptr, nullptr, st);

@@ -223,6 +223,9 @@ class GpuTransformer {
   void ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,
                     const std::vector<std::int64_t>& recv_rows);
   void ClearOtherBlocks(T* rows, std::int64_t count);  // experts over tp: zero `count` token-side rows
+  // Where an exchange's received rows land: under experts over tp the rows stay, so the
+  // token-side rows themselves (the exchange then copies nothing); else the receive buffer.
+  T* ReceiveBuffer(T* token_side, T* recv) const { return block_.over_tp ? token_side : recv; }
 };
 
 }  // namespace rs::cuda
