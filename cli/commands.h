@@ -24,5 +24,6 @@ void RegisterPlan(CLI::App& app);     // cmd_plan.cc
 void RegisterDiff(CLI::App& app);     // cmd_diff.cc
 void RegisterExport(CLI::App& app);   // cmd_hf.cc
 void RegisterImport(CLI::App& app);   // cmd_hf.cc
+void RegisterModels(CLI::App& app);   // cmd_models.cc
 
 }  // namespace rs::cli

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   rs::cli::RegisterDiff(app);
   rs::cli::RegisterExport(app);
   rs::cli::RegisterImport(app);
+  rs::cli::RegisterModels(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

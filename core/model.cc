@@ -1,6 +1,8 @@
 #include "core/model.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
+#include <variant>
 
 #include "core/check.h"
 
@@ -66,6 +68,7 @@ Checked ParameterCount(const ModelConfig& c) {
           Checked(2) * nv + c.gdn_value_dim + d * v;
     } else {
       n = n + (Checked(c.n_heads) + Checked(2) * c.n_kv_heads) * c.head_dim * d + d * c.n_heads * c.head_dim;
+      if (c.qk_norm) n = n + Checked(2) * c.head_dim;
     }
     if (!c.IsMoeLayer(i)) {
       n = n + Checked(3) * c.dense_ffn * d;  // fc1 [2f, d], fc2 [d, f]
@@ -79,6 +82,26 @@ Checked ParameterCount(const ModelConfig& c) {
 }
 
 }  // namespace
+
+bool ModelConfig::IsMoeLayer(std::int64_t layer) const {
+  if (n_experts <= 0 || layer < first_dense_layers) return false;
+  if (moe_layer_step > 1 && (layer + 1) % moe_layer_step != 0) return false;
+  return !std::binary_search(dense_layers.begin(), dense_layers.end(), layer);  // sorted (Validate)
+}
+
+bool ModelConfig::AnyDenseLayer() const {
+  for (std::int64_t i = 0; i < n_layers; ++i) {
+    if (!IsMoeLayer(i)) return true;
+  }
+  return false;
+}
+
+bool ModelConfig::AnyMoeLayer() const {
+  for (std::int64_t i = 0; i < n_layers; ++i) {
+    if (IsMoeLayer(i)) return true;
+  }
+  return false;
+}
 
 Result<std::int64_t> ModelParameterCount(const ModelConfig& c) {
   RS_RETURN_IF_ERROR(c.Validate());
@@ -105,10 +128,18 @@ Status ModelConfig::Validate() const {
   if (first_dense_layers < 0 || first_dense_layers > n_layers)
     return bad("first_dense_layers", "must be in [0, n_layers]");
   if (n_experts < 0 || n_experts > kMaxDim) return bad("n_experts", "must be >= 0");
-  const bool any_dense = n_experts == 0 || first_dense_layers > 0;
-  if (any_dense && (dense_ffn < 1 || dense_ffn > kMaxDim))
+  if (moe_layer_step < 1 || moe_layer_step > kMaxLayers) return bad("moe_layer_step", "must be in [1, 2^16]");
+  if (dense_layers.size() > static_cast<std::size_t>(kMaxLayers)) return bad("dense_layers", "lists too many layers");
+  for (std::size_t k = 0; k < dense_layers.size(); ++k) {
+    if (dense_layers[k] < 0 || dense_layers[k] >= n_layers) {
+      return bad("dense_layers", "entry " + std::to_string(k) + " is " + std::to_string(dense_layers[k]) +
+                                     ", not a layer in [0, n_layers)");
+    }
+    if (k > 0 && dense_layers[k] <= dense_layers[k - 1]) return bad("dense_layers", "must be strictly increasing");
+  }
+  if (AnyDenseLayer() && (dense_ffn < 1 || dense_ffn > kMaxDim))
     return bad("dense_ffn", "must be >= 1 when a layer is dense");
-  if (n_experts > 0 && first_dense_layers < n_layers) {
+  if (AnyMoeLayer()) {
     if (top_k < 1 || top_k > n_experts) return bad("top_k", "must be in [1, n_experts]");
     if (moe_ffn < 1 || moe_ffn > kMaxDim) return bad("moe_ffn", "must be >= 1");
     if (shared_ffn < 0 || shared_ffn > kMaxDim) return bad("shared_ffn", "must be >= 0");
@@ -134,6 +165,7 @@ Status ModelConfig::Validate() const {
     }
   }
   if (!IsFloating(param_dtype)) return bad("param_dtype", "must be a floating type");
+  if (family.empty() || family.size() > 64) return bad("family", "must be a family name (1 to 64 characters)");
   if (!(norm_eps > 0)) return bad("norm_eps", "must be > 0");
   if (!(rope_theta > 0)) return bad("rope_theta", "must be > 0");
   // Each dim is in range; their products must be too (sizes of tensors, of the model).
@@ -169,38 +201,142 @@ Result<ModelConfig> ModelPreset(const std::string& name) {
 
 std::vector<std::string> ModelPresetNames() { return {"tiny-moe", "small-moe"}; }
 
+namespace {
+
+// The config's JSON binder: one row per field, read by ModelConfigFromJson and written by
+// to_json. `when` says when to_json writes it: always, with gated-delta-net layers, or when it
+// differs from its default (fields added after v2 checkpoints existed, so that their metadata
+// stays byte for byte what it was).
+enum class Write : std::uint8_t { kAlways, kWithGdn, kUnlessDefault };
+using Member = std::variant<std::int64_t ModelConfig::*, double ModelConfig::*, bool ModelConfig::*,
+                            std::string ModelConfig::*, std::vector<std::int64_t> ModelConfig::*,
+                            DType ModelConfig::*, RouterKind ModelConfig::*>;
+struct FieldRow {
+  const char* name;
+  Member member;
+  Write when;
+};
+
+const FieldRow kFields[] = {
+    {"name", &ModelConfig::name, Write::kAlways},
+    {"family", &ModelConfig::family, Write::kUnlessDefault},
+    {"vocab_size", &ModelConfig::vocab_size, Write::kAlways},
+    {"d_model", &ModelConfig::d_model, Write::kAlways},
+    {"n_layers", &ModelConfig::n_layers, Write::kAlways},
+    {"n_heads", &ModelConfig::n_heads, Write::kAlways},
+    {"n_kv_heads", &ModelConfig::n_kv_heads, Write::kAlways},
+    {"head_dim", &ModelConfig::head_dim, Write::kAlways},
+    {"dense_ffn", &ModelConfig::dense_ffn, Write::kAlways},
+    {"first_dense_layers", &ModelConfig::first_dense_layers, Write::kAlways},
+    {"n_experts", &ModelConfig::n_experts, Write::kAlways},
+    {"top_k", &ModelConfig::top_k, Write::kAlways},
+    {"moe_ffn", &ModelConfig::moe_ffn, Write::kAlways},
+    {"shared_ffn", &ModelConfig::shared_ffn, Write::kAlways},
+    {"max_seq_len", &ModelConfig::max_seq_len, Write::kAlways},
+    {"rope_theta", &ModelConfig::rope_theta, Write::kAlways},
+    {"norm_eps", &ModelConfig::norm_eps, Write::kAlways},
+    {"param_dtype", &ModelConfig::param_dtype, Write::kAlways},
+    {"router", &ModelConfig::router, Write::kAlways},
+    {"router_groups", &ModelConfig::router_groups, Write::kAlways},
+    {"router_groups_kept", &ModelConfig::router_groups_kept, Write::kAlways},
+    {"router_scale", &ModelConfig::router_scale, Write::kAlways},
+    {"bias_update_rate", &ModelConfig::bias_update_rate, Write::kAlways},
+    {"aux_loss_coef", &ModelConfig::aux_loss_coef, Write::kAlways},
+    {"z_loss_coef", &ModelConfig::z_loss_coef, Write::kAlways},
+    {"full_attn_interval", &ModelConfig::full_attn_interval, Write::kWithGdn},
+    {"gdn_key_heads", &ModelConfig::gdn_key_heads, Write::kWithGdn},
+    {"gdn_value_heads", &ModelConfig::gdn_value_heads, Write::kWithGdn},
+    {"gdn_key_dim", &ModelConfig::gdn_key_dim, Write::kWithGdn},
+    {"gdn_value_dim", &ModelConfig::gdn_value_dim, Write::kWithGdn},
+    {"gdn_conv_kernel", &ModelConfig::gdn_conv_kernel, Write::kWithGdn},
+    {"qk_norm", &ModelConfig::qk_norm, Write::kUnlessDefault},
+    {"moe_layer_step", &ModelConfig::moe_layer_step, Write::kUnlessDefault},
+    {"dense_layers", &ModelConfig::dense_layers, Write::kUnlessDefault},
+};
+
+struct WriteField {
+  nlohmann::json& j;
+  const char* key;
+  void operator()(const std::int64_t& v) const { j[key] = v; }
+  void operator()(const double& v) const { j[key] = v; }
+  void operator()(const bool& v) const { j[key] = v; }
+  void operator()(const std::string& v) const { j[key] = v; }
+  void operator()(const std::vector<std::int64_t>& v) const { j[key] = v; }
+  void operator()(const DType& v) const { j[key] = DTypeName(v); }
+  void operator()(const RouterKind& v) const { j[key] = RouterKindName(v); }
+};
+
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling, std::int64_t& out) {
+  if (!value.is_number_integer()) return InvalidArgument("model: field '" + key + "' must be an integer");
+  out = value.get<std::int64_t>();
+  return Status::Ok();
+}
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling, double& out) {
+  if (!value.is_number()) return InvalidArgument("model: field '" + key + "' must be a number");
+  out = value.get<double>();
+  return Status::Ok();
+}
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling, bool& out) {
+  if (!value.is_boolean()) return InvalidArgument("model: field '" + key + "' must be true or false");
+  out = value.get<bool>();
+  return Status::Ok();
+}
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling, std::string& out) {
+  if (!value.is_string()) return InvalidArgument("model: field '" + key + "' must be a string");
+  out = value.get<std::string>();
+  return Status::Ok();
+}
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling,
+                 std::vector<std::int64_t>& out) {
+  if (!value.is_array() || value.size() > static_cast<std::size_t>(ModelConfig::kMaxLayers)) {
+    return InvalidArgument("model: field '" + key + "' must be an array of at most 2^16 integers");
+  }
+  out.clear();
+  for (const auto& e : value) {
+    if (!e.is_number_integer()) return InvalidArgument("model: field '" + key + "' must hold integers only");
+    out.push_back(e.get<std::int64_t>());
+  }
+  return Status::Ok();
+}
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling dtypes, DType& out) {
+  if (!value.is_string()) return InvalidArgument("model: field '" + key + "' must be a string");
+  const auto s = value.get<std::string>();
+  auto t = dtypes == DTypeSpelling::kCanonical ? DTypeFromName(s) : ParseDType(s);
+  if (!t) {
+    return InvalidArgument("model: field '" + key + "' has unknown dtype '" + s + "'" +
+                           (dtypes == DTypeSpelling::kCanonical && ParseDType(s)
+                                ? " (files spell it '" + std::string(DTypeName(*ParseDType(s))) + "')"
+                                : std::string()));
+  }
+  out = *t;
+  return Status::Ok();
+}
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling, RouterKind& out) {
+  if (!value.is_string()) return InvalidArgument("model: field '" + key + "' must be a string");
+  RS_ASSIGN_OR_RETURN(out, ParseRouterKind(value.get<std::string>()));
+  return Status::Ok();
+}
+
+}  // namespace
+
 void to_json(nlohmann::json& j, const ModelConfig& c) {
-  j = nlohmann::json{{"name", c.name},
-                     {"vocab_size", c.vocab_size},
-                     {"d_model", c.d_model},
-                     {"n_layers", c.n_layers},
-                     {"n_heads", c.n_heads},
-                     {"n_kv_heads", c.n_kv_heads},
-                     {"head_dim", c.head_dim},
-                     {"dense_ffn", c.dense_ffn},
-                     {"first_dense_layers", c.first_dense_layers},
-                     {"n_experts", c.n_experts},
-                     {"top_k", c.top_k},
-                     {"moe_ffn", c.moe_ffn},
-                     {"shared_ffn", c.shared_ffn},
-                     {"max_seq_len", c.max_seq_len},
-                     {"rope_theta", c.rope_theta},
-                     {"norm_eps", c.norm_eps},
-                     {"param_dtype", DTypeName(c.param_dtype)},
-                     {"router", RouterKindName(c.router)},
-                     {"router_groups", c.router_groups},
-                     {"router_groups_kept", c.router_groups_kept},
-                     {"router_scale", c.router_scale},
-                     {"bias_update_rate", c.bias_update_rate},
-                     {"aux_loss_coef", c.aux_loss_coef},
-                     {"z_loss_coef", c.z_loss_coef}};
-  if (c.full_attn_interval > 0) {  // written only when used, so older readers keep working
-    j["full_attn_interval"] = c.full_attn_interval;
-    j["gdn_key_heads"] = c.gdn_key_heads;
-    j["gdn_value_heads"] = c.gdn_value_heads;
-    j["gdn_key_dim"] = c.gdn_key_dim;
-    j["gdn_value_dim"] = c.gdn_value_dim;
-    j["gdn_conv_kernel"] = c.gdn_conv_kernel;
+  static const ModelConfig kDefaults;
+  j = nlohmann::json::object();
+  for (const FieldRow& f : kFields) {
+    const bool write = std::visit(
+        [&](auto member) {
+          switch (f.when) {
+            case Write::kAlways:
+              return true;
+            case Write::kWithGdn:  // only when used, so older readers keep working
+              return c.full_attn_interval > 0;
+            case Write::kUnlessDefault:
+              return !(c.*member == kDefaults.*member);
+          }
+          return true;
+        },
+        f.member);
+    if (write) std::visit([&](auto member) { WriteField{j, f.name}(c.*member); }, f.member);
   }
 }
 
@@ -211,86 +347,15 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
     if (!j["preset"].is_string()) return InvalidArgument("model: field 'preset' must be a string");
     RS_ASSIGN_OR_RETURN(c, ModelPreset(j["preset"].get<std::string>()));
   }
-  std::int64_t* ints[] = {&c.vocab_size,
-                          &c.d_model,
-                          &c.n_layers,
-                          &c.n_heads,
-                          &c.n_kv_heads,
-                          &c.head_dim,
-                          &c.dense_ffn,
-                          &c.first_dense_layers,
-                          &c.n_experts,
-                          &c.top_k,
-                          &c.moe_ffn,
-                          &c.shared_ffn,
-                          &c.max_seq_len,
-                          &c.router_groups,
-                          &c.router_groups_kept,
-                          &c.full_attn_interval,
-                          &c.gdn_key_heads,
-                          &c.gdn_value_heads,
-                          &c.gdn_key_dim,
-                          &c.gdn_value_dim,
-                          &c.gdn_conv_kernel};
-  const char* int_names[] = {"vocab_size",
-                             "d_model",
-                             "n_layers",
-                             "n_heads",
-                             "n_kv_heads",
-                             "head_dim",
-                             "dense_ffn",
-                             "first_dense_layers",
-                             "n_experts",
-                             "top_k",
-                             "moe_ffn",
-                             "shared_ffn",
-                             "max_seq_len",
-                             "router_groups",
-                             "router_groups_kept",
-                             "full_attn_interval",
-                             "gdn_key_heads",
-                             "gdn_value_heads",
-                             "gdn_key_dim",
-                             "gdn_value_dim",
-                             "gdn_conv_kernel"};
-  double* reals[] = {&c.rope_theta,       &c.norm_eps,      &c.router_scale,
-                     &c.bias_update_rate, &c.aux_loss_coef, &c.z_loss_coef};
-  const char* real_names[] = {"rope_theta",       "norm_eps",      "router_scale",
-                              "bias_update_rate", "aux_loss_coef", "z_loss_coef"};
   for (const auto& [key, value] : j.items()) {
-    bool known = key == "preset";
-    for (std::size_t i = 0; i < std::size(int_names); ++i) {
-      if (key != int_names[i]) continue;
-      if (!value.is_number_integer()) return InvalidArgument("model: field '" + key + "' must be an integer");
-      *ints[i] = value.get<std::int64_t>();
-      known = true;
+    if (key == "preset") continue;
+    const FieldRow* row = nullptr;
+    for (const FieldRow& f : kFields) {
+      if (key == f.name) row = &f;
     }
-    for (std::size_t i = 0; i < std::size(real_names); ++i) {
-      if (key != real_names[i]) continue;
-      if (!value.is_number()) return InvalidArgument("model: field '" + key + "' must be a number");
-      *reals[i] = value.get<double>();
-      known = true;
-    }
-    if (key == "name" || key == "param_dtype" || key == "router") {
-      if (!value.is_string()) return InvalidArgument("model: field '" + key + "' must be a string");
-      const auto s = value.get<std::string>();
-      if (key == "name") {
-        c.name = s;
-      } else if (key == "param_dtype") {
-        auto t = dtypes == DTypeSpelling::kCanonical ? DTypeFromName(s) : ParseDType(s);
-        if (!t) {
-          return InvalidArgument("model: field 'param_dtype' has unknown dtype '" + s + "'" +
-                                 (dtypes == DTypeSpelling::kCanonical && ParseDType(s)
-                                      ? " (files spell it '" + std::string(DTypeName(*ParseDType(s))) + "')"
-                                      : std::string()));
-        }
-        c.param_dtype = *t;
-      } else {
-        RS_ASSIGN_OR_RETURN(c.router, ParseRouterKind(s));
-      }
-      known = true;
-    }
-    if (!known) return InvalidArgument("model: unknown field '" + key + "'");
+    if (row == nullptr) return InvalidArgument("model: unknown field '" + key + "'");
+    RS_RETURN_IF_ERROR(
+        std::visit([&](auto member) { return ReadField(key, value, dtypes, c.*member); }, row->member));
   }
   RS_RETURN_IF_ERROR(c.Validate());
   return c;
@@ -298,8 +363,10 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
 
 namespace {
 
-TensorSpec Param(std::string name, DType dtype, Shape shape, std::vector<std::string> axes, std::int64_t layer) {
+TensorSpec Param(std::string name, DType dtype, Shape shape, std::vector<std::string> axes, std::int64_t layer,
+                 TpGrad tp_grad = TpGrad::kCut) {
   TensorSpec t;
+  t.tp_grad = tp_grad;
   t.name = std::move(name);
   t.dtype = dtype;
   t.shape = std::move(shape);
@@ -329,7 +396,7 @@ void AddGatedDeltaNet(const ModelConfig& c, const std::string& l, std::int64_t i
   out.push_back(conv);
   out.push_back(Param(l + "gdn.dt_bias", p, {nv}, {"heads"}, i));
   out.push_back(Param(l + "gdn.A_log", p, {nv}, {"heads"}, i));
-  out.push_back(Param(l + "gdn.norm.weight", p, {c.gdn_value_dim}, {""}, i));
+  out.push_back(Param(l + "gdn.norm.weight", p, {c.gdn_value_dim}, {""}, i, TpGrad::kReplicatedSum));
   out.push_back(Param(l + "gdn.out.weight", p, {c.d_model, v}, {"embed", "heads"}, i));
 }
 
@@ -347,7 +414,7 @@ std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
 
   for (std::int64_t i = 0; i < c.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
-    out.push_back(Param(l + "attn_norm.weight", p, {d}, {"embed"}, i));
+    out.push_back(Param(l + "attn_norm.weight", p, {d}, {"embed"}, i, TpGrad::kReplicated));
     if (c.IsGdnLayer(i)) {
       AddGatedDeltaNet(c, l, i, out);
     } else {
@@ -356,9 +423,13 @@ std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
       qkv.components =
           ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
       out.push_back(qkv);
+      if (c.qk_norm) {  // applied per head: a tp rank sees only its own heads' share of the gradient
+        out.push_back(Param(l + "attn.q_norm.weight", p, {c.head_dim}, {""}, i, TpGrad::kReplicatedSum));
+        out.push_back(Param(l + "attn.k_norm.weight", p, {c.head_dim}, {""}, i, TpGrad::kReplicatedSum));
+      }
       out.push_back(Param(l + "attn.out.weight", p, {d, c.n_heads * c.head_dim}, {"embed", "heads"}, i));
     }
-    out.push_back(Param(l + "mlp_norm.weight", p, {d}, {"embed"}, i));
+    out.push_back(Param(l + "mlp_norm.weight", p, {d}, {"embed"}, i, TpGrad::kReplicated));
     if (!c.IsMoeLayer(i)) {
       auto fc1 = Param(l + "mlp.fc1.weight", p, {2 * c.dense_ffn, d}, {"mlp", "embed"}, i);
       fc1.components = GateUp(0, c.dense_ffn);
@@ -366,9 +437,9 @@ std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
       out.push_back(Param(l + "mlp.fc2.weight", p, {d, c.dense_ffn}, {"embed", "mlp"}, i));
       continue;
     }
-    out.push_back(Param(l + "moe.router.weight", p, {c.n_experts, d}, {"", "embed"}, i));
+    out.push_back(Param(l + "moe.router.weight", p, {c.n_experts, d}, {"", "embed"}, i, TpGrad::kReplicated));
     if (c.router == RouterKind::kSigmoidBias) {
-      auto bias = Param(l + "moe.router.expert_bias", DType::kF32, {c.n_experts}, {""}, i);
+      auto bias = Param(l + "moe.router.expert_bias", DType::kF32, {c.n_experts}, {""}, i, TpGrad::kReplicated);
       bias.role = TensorRole::kBuffer;
       out.push_back(bias);
     }
@@ -386,7 +457,7 @@ std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
       out.push_back(Param(l + "moe.shared.fc2.weight", p, {d, c.shared_ffn}, {"embed", "mlp"}, i));
     }
   }
-  out.push_back(Param("final_norm.weight", p, {d}, {"embed"}, PipelinePlace::kPost));
+  out.push_back(Param("final_norm.weight", p, {d}, {"embed"}, PipelinePlace::kPost, TpGrad::kReplicated));
   auto output = Param("output.weight", p, {c.vocab_size, d}, {"vocab", "embed"}, PipelinePlace::kPost);
   output.vocab_size = c.vocab_size;
   out.push_back(output);

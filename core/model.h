@@ -25,6 +25,9 @@ Result<RouterKind> ParseRouterKind(std::string_view name);
 
 struct ModelConfig {
   std::string name = "tiny-moe";
+  // The model family (models/: its Hugging Face, Megatron-Core and torchtitan names and config
+  // spellings); "moe" is the project's own. Import sets it; export writes that family's form.
+  std::string family = "moe";
   std::int64_t vocab_size = 256;
   std::int64_t d_model = 64;
   std::int64_t n_layers = 2;
@@ -59,9 +62,20 @@ struct ModelConfig {
   std::int64_t gdn_value_dim = 16;   // dv
   std::int64_t gdn_conv_kernel = 4;  // K, the causal conv1d width
 
+  // Attention: a per-head RMSNorm of the queries and the keys before RoPE (Qwen3 style), with
+  // weights layers.{i}.attn.q_norm.weight / k_norm.weight [head_dim].
+  bool qk_norm = false;
+  // Which layers are MoE (Qwen-MoE's decoder_sparse_step and mlp_only_layers, beside
+  // first_dense_layers): layer i is MoE iff n_experts > 0, i >= first_dense_layers,
+  // (i + 1) % moe_layer_step == 0 and i is not in dense_layers.
+  std::int64_t moe_layer_step = 1;
+  std::vector<std::int64_t> dense_layers;
+
   bool IsGdnLayer(std::int64_t layer) const { return full_attn_interval > 0 && (layer + 1) % full_attn_interval != 0; }
 
-  bool IsMoeLayer(std::int64_t layer) const { return n_experts > 0 && layer >= first_dense_layers; }
+  bool IsMoeLayer(std::int64_t layer) const;
+  bool AnyDenseLayer() const;
+  bool AnyMoeLayer() const;
   // InvalidArgument naming the field when a value is out of range (dims in [1, 2^24], n_layers
   // in [1, kMaxLayers]) or inconsistent, or when the parameter count overflows int64.
   Status Validate() const;
@@ -84,10 +98,14 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
 Result<std::int64_t> ModelParameterCount(const ModelConfig& c);
 void to_json(nlohmann::json& j, const ModelConfig& c);
 
-// The model's parameters and buffers, in a fixed order:
+// The model's parameters and buffers, in a fixed order, each with its TpGrad (norms, router and
+// expert bias replicated; q/k norms and the gated-delta-net norm replicated and summed; the rest
+// cut):
 //   embedding.weight                      [V, d]              (vocab, embed)
 //   layers.{i}.attn_norm.weight           [d]                 (embed)
 //   layers.{i}.attn.qkv.weight            [(nq+2nkv)·dh, d]   (heads, embed)  fused q,k,v (heads)
+//   layers.{i}.attn.q_norm.weight         [dh]                ("")            qk_norm only; tp: replicated, summed
+//   layers.{i}.attn.k_norm.weight         [dh]                ("")            qk_norm only; tp: replicated, summed
 //   layers.{i}.attn.out.weight            [d, nq·dh]          (embed, heads)
 // gated-delta-net layers (IsGdnLayer) instead of attn.qkv / attn.out:
 //   layers.{i}.gdn.in_proj.weight         [2nk·dk + 2nv·dv + 2nv, d] (heads, embed)

@@ -4,6 +4,18 @@
 
 namespace rs {
 
+std::string_view TpGradName(TpGrad g) {
+  switch (g) {
+    case TpGrad::kCut:
+      return "cut";
+    case TpGrad::kReplicated:
+      return "replicated";
+    case TpGrad::kReplicatedSum:
+      return "replicated_sum";
+  }
+  return "unknown";
+}
+
 std::string_view TensorRoleName(TensorRole r) {
   switch (r) {
     case TensorRole::kParameter:

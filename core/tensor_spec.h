@@ -50,6 +50,18 @@ struct PipelinePlace {
   friend bool operator==(const PipelinePlace&, const PipelinePlace&) = default;
 };
 
+// How tensor parallelism treats a parameter's gradient: the model family declares it per
+// tensor (Megatron's parameter attributes, as data), and the trainer derives every tp
+// reduction and every norm count from it rather than from the tensor's name. Model semantics,
+// not storage: checkpoints do not record it (to_json leaves it out).
+enum class TpGrad : std::uint8_t {
+  kCut,            // cut over tp (heads, ffn, vocab rows): each rank's gradient is its piece's own
+  kReplicated,     // whole on every tp rank and computed from whole inputs: identical gradients
+  kReplicatedSum,  // whole on every tp rank, but each rank sees only its own heads (q/k norms,
+                   // MLA down projections): the gradient is the sum over the tp ranks
+};
+std::string_view TpGradName(TpGrad g);  // "cut", "replicated", "replicated_sum"
+
 struct TensorSpec {
   std::string name;
   DType dtype = DType::kF32;
@@ -62,10 +74,17 @@ struct TensorSpec {
   PipelinePlace place;
   bool expert = false;          // routed-expert weight (or a state of one)
   std::int64_t vocab_size = 0;  // >0 for vocab-parallel tensors: the true (unpadded) vocab
+  TpGrad tp_grad = TpGrad::kCut;  // parameters: how tp reduces its gradient (not stored on disk)
 
   std::int64_t numel() const { return Numel(shape); }
   std::int64_t nbytes() const { return numel() * static_cast<std::int64_t>(DTypeSize(dtype)); }
-  friend bool operator==(const TensorSpec&, const TensorSpec&) = default;
+  // Compares what a checkpoint stores (every field but tp_grad), so that a spec read back from a
+  // manifest equals the one the model declared.
+  friend bool operator==(const TensorSpec& a, const TensorSpec& b) {
+    return a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.axes == b.axes && a.role == b.role &&
+           a.param == b.param && a.state == b.state && a.components == b.components && a.place == b.place &&
+           a.expert == b.expert && a.vocab_size == b.vocab_size;
+  }
 };
 
 // JSON round trip (the manifest's "tensors" entries). FromJson validates every field and

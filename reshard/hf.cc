@@ -21,153 +21,6 @@ namespace rs {
 namespace fs = std::filesystem;
 namespace {
 
-// ---------------------------------------------------------------------------------------------
-// The name tables. A row maps (part of) one of our parameters to HF tensors: the whole tensor,
-// or one component of its component table (core/model.cc: qkv = query, key, value heads;
-// expert fc1 = gate, up rows on dim 1), once or once per routed expert ({E}). {L} is the layer.
-
-enum class RowUse : std::uint8_t { kAlways, kBlockSparseMoe, kMlpPerExpert, kMlpFused };
-
-struct HfRow {
-  std::string_view ours;
-  std::string_view component;  // "" = the whole tensor
-  bool per_expert;
-  RowUse use;
-  std::string_view hf;
-};
-
-// Llama-family attention, norms, embedding and head: the same in every table.
-constexpr HfRow kRows[] = {
-    {"embedding.weight", "", false, RowUse::kAlways, "model.embed_tokens.weight"},
-    {"layers.{L}.attn_norm.weight", "", false, RowUse::kAlways, "model.layers.{L}.input_layernorm.weight"},
-    {"layers.{L}.attn.qkv.weight", "query", false, RowUse::kAlways, "model.layers.{L}.self_attn.q_proj.weight"},
-    {"layers.{L}.attn.qkv.weight", "key", false, RowUse::kAlways, "model.layers.{L}.self_attn.k_proj.weight"},
-    {"layers.{L}.attn.qkv.weight", "value", false, RowUse::kAlways, "model.layers.{L}.self_attn.v_proj.weight"},
-    {"layers.{L}.attn.out.weight", "", false, RowUse::kAlways, "model.layers.{L}.self_attn.o_proj.weight"},
-    {"layers.{L}.mlp_norm.weight", "", false, RowUse::kAlways, "model.layers.{L}.post_attention_layernorm.weight"},
-    // Mixtral (transformers 4.x names, what Mixtral checkpoints on the Hub hold).
-    {"layers.{L}.moe.router.weight", "", false, RowUse::kBlockSparseMoe,
-     "model.layers.{L}.block_sparse_moe.gate.weight"},
-    {"layers.{L}.moe.experts.fc1.weight", "gate", true, RowUse::kBlockSparseMoe,
-     "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight"},
-    {"layers.{L}.moe.experts.fc1.weight", "up", true, RowUse::kBlockSparseMoe,
-     "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight"},
-    {"layers.{L}.moe.experts.fc2.weight", "", true, RowUse::kBlockSparseMoe,
-     "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight"},
-    // Qwen2-MoE / Qwen3-MoE style, one tensor per expert.
-    {"layers.{L}.moe.router.weight", "", false, RowUse::kMlpPerExpert, "model.layers.{L}.mlp.gate.weight"},
-    {"layers.{L}.moe.experts.fc1.weight", "gate", true, RowUse::kMlpPerExpert,
-     "model.layers.{L}.mlp.experts.{E}.gate_proj.weight"},
-    {"layers.{L}.moe.experts.fc1.weight", "up", true, RowUse::kMlpPerExpert,
-     "model.layers.{L}.mlp.experts.{E}.up_proj.weight"},
-    {"layers.{L}.moe.experts.fc2.weight", "", true, RowUse::kMlpPerExpert,
-     "model.layers.{L}.mlp.experts.{E}.down_proj.weight"},
-    // transformers v5 fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows, per
-    // expert: exactly our fc1), down_proj [E, H, I] (our fc2).
-    {"layers.{L}.moe.router.weight", "", false, RowUse::kMlpFused, "model.layers.{L}.mlp.gate.weight"},
-    {"layers.{L}.moe.experts.fc1.weight", "", false, RowUse::kMlpFused, "model.layers.{L}.mlp.experts.gate_up_proj"},
-    {"layers.{L}.moe.experts.fc2.weight", "", false, RowUse::kMlpFused, "model.layers.{L}.mlp.experts.down_proj"},
-    {"final_norm.weight", "", false, RowUse::kAlways, "model.norm.weight"},
-    {"output.weight", "", false, RowUse::kAlways, "lm_head.weight"},
-};
-
-RowUse UseOf(HfMoeNaming n) {
-  switch (n) {
-    case HfMoeNaming::kBlockSparseMoe:
-      return RowUse::kBlockSparseMoe;
-    case HfMoeNaming::kMlpPerExpert:
-      return RowUse::kMlpPerExpert;
-    case HfMoeNaming::kMlpFused:
-      return RowUse::kMlpFused;
-  }
-  return RowUse::kBlockSparseMoe;
-}
-
-std::string Substitute(std::string_view pattern, std::int64_t layer, std::int64_t expert) {
-  std::string s(pattern);
-  for (const auto& [key, v] : {std::pair<std::string, std::int64_t>{"{L}", layer}, {"{E}", expert}}) {
-    for (std::size_t p = s.find(key); p != std::string::npos; p = s.find(key))
-      s.replace(p, key.size(), std::to_string(v));
-  }
-  return s;
-}
-
-// The HF tensors of one row applied to our tensor `t`.
-Result<std::vector<HfTensor>> ExpandRow(const HfRow& row, const TensorSpec& t) {
-  std::vector<HfTensor> out;
-  const std::int64_t layer = t.place.layer;
-  const std::vector<std::int64_t> stride = RowMajorStrides(t.shape);
-  int dim = 0;
-  std::int64_t row_begin = 0, rows = t.shape.empty() ? 1 : t.shape[0];
-  if (!row.component.empty()) {
-    const ComponentTable& table = t.components;
-    dim = table.dim;
-    std::int64_t units = 0;
-    bool found = false;
-    for (const Component& c : table.components) {
-      if (c.name == row.component) {
-        row_begin = units * table.unit_rows;
-        rows = c.size * table.unit_rows;
-        found = true;
-        break;
-      }
-      units += c.size;
-    }
-    if (!found)
-      return Internal("name table: tensor '" + t.name + "' has no component '" + std::string(row.component) + "'");
-  } else {
-    dim = row.per_expert ? 1 : 0;
-    if (!t.shape.empty() && static_cast<std::size_t>(dim) < t.shape.size())
-      rows = t.shape[static_cast<std::size_t>(dim)];
-  }
-  const int first = row.per_expert ? 1 : 0;
-  if (row.per_expert && (t.shape.size() < 2 || dim < 1)) {
-    return Internal("name table: per-expert row for tensor '" + t.name + "' without an expert dim");
-  }
-  // The part must be contiguous: every dim between the expert index and the cut dim is 1.
-  for (int d = first; d < dim; ++d) {
-    if (t.shape[static_cast<std::size_t>(d)] != 1)
-      return Internal("name table: part of '" + t.name + "' is not contiguous");
-  }
-  Shape hf_shape(t.shape.begin() + first, t.shape.end());
-  if (!hf_shape.empty()) hf_shape[static_cast<std::size_t>(dim - first)] = rows;
-  const std::int64_t experts = row.per_expert ? t.shape[0] : 1;
-  for (std::int64_t e = 0; e < experts; ++e) {
-    HfTensor h;
-    h.hf_name = Substitute(row.hf, layer, e);
-    h.hf_shape = hf_shape;
-    h.tensor = t.name;
-    h.flat_begin = (row.per_expert ? e * stride[0] : 0) +
-                   (t.shape.empty() ? 0 : row_begin * stride[static_cast<std::size_t>(dim)]);
-    out.push_back(std::move(h));
-  }
-  return out;
-}
-
-std::string TorchDTypeName(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "float32";
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kF16:
-      return "float16";
-    case DType::kF64:
-      return "float64";
-    default:
-      return "";
-  }
-}
-
-std::optional<DType> DTypeFromTorch(std::string s) {
-  if (s.rfind("torch.", 0) == 0) s = s.substr(6);
-  if (s == "float32" || s == "float") return DType::kF32;
-  if (s == "bfloat16") return DType::kBF16;
-  if (s == "float16" || s == "half") return DType::kF16;
-  if (s == "float64" || s == "double") return DType::kF64;
-  return std::nullopt;
-}
-
 // Reads a small regular file (no FIFOs: stat first, open non-blocking).
 Result<std::string> ReadRegularFile(const std::string& path, std::int64_t max_bytes) {
   struct stat st {};
@@ -224,300 +77,34 @@ class StagingGuard {
 
 }  // namespace
 
-std::string_view HfArchName(HfArch a) {
-  switch (a) {
-    case HfArch::kMixtral:
-      return "mixtral";
-    case HfArch::kQwen2Moe:
-      return "qwen2_moe";
-    case HfArch::kQwen3Moe:
-      return "qwen3_moe";
-  }
-  return "unknown";
-}
-
-Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params,
-                                          const std::function<HfMoeNaming(std::int64_t layer)>& naming) {
-  std::vector<HfTensor> out;
-  for (const TensorSpec& t : params) {
-    if (t.role != TensorRole::kParameter && t.role != TensorRole::kBuffer) continue;
-    const std::int64_t layer = t.place.layer;
-    const RowUse use = UseOf(naming && layer >= 0 ? naming(layer) : HfMoeNaming::kBlockSparseMoe);
-    std::vector<HfTensor> mine;
-    for (const HfRow& row : kRows) {
-      if (row.use != RowUse::kAlways && row.use != use) continue;
-      if (Substitute(row.ours, layer, 0) != t.name) continue;
-      RS_ASSIGN_OR_RETURN(auto parts, ExpandRow(row, t));
-      mine.insert(mine.end(), parts.begin(), parts.end());
-    }
-    if (mine.empty()) {
-      return FailedPrecondition("our tensor '" + t.name + "' " + ShapeToString(t.shape) +
-                                " has no counterpart in the Hugging Face name table");
-    }
-    // The table must tile the tensor exactly (a self-check of the rows above).
-    std::sort(mine.begin(), mine.end(),
-              [](const HfTensor& a, const HfTensor& b) { return a.flat_begin < b.flat_begin; });
-    std::int64_t next = 0;
-    for (const HfTensor& h : mine) {
-      if (h.flat_begin != next)
-        return Internal("name table does not tile tensor '" + t.name + "' at item " + std::to_string(next));
-      next += h.numel();
-    }
-    if (next != t.numel())
-      return Internal("name table covers " + std::to_string(next) + " of the " + std::to_string(t.numel()) +
-                      " items of '" + t.name + "'");
-    out.insert(out.end(), mine.begin(), mine.end());
-  }
-  return out;
-}
-
-Status CheckMixtralExpressible(const ModelConfig& c) {
-  std::vector<std::string> diffs;
-  if (c.n_experts == 0) diffs.push_back("no routed experts (n_experts = 0): a dense model, not a Mixtral");
-  if (c.n_experts > 0 && c.router != RouterKind::kTopKSoftmaxAfter) {
-    std::string why = "router '" + std::string(RouterKindName(c.router)) + "'";
-    switch (c.router) {
-      case RouterKind::kSoftmaxBefore:
-        why += " (softmax over all experts, top-k, not renormalised)";
-        break;
-      case RouterKind::kSigmoidBias:
-        why += " (sigmoid scores with a per-expert selection bias)";
-        break;
-      case RouterKind::kGroupLimited:
-        why += " (group-limited selection)";
-        break;
-      case RouterKind::kSinkhorn:
-        why += " (Sinkhorn-balanced selection)";
-        break;
-      default:
-        break;
-    }
-    diffs.push_back(why +
-                    ": Mixtral takes the softmax over all experts, keeps the top k and renormalises them, "
-                    "which is our 'topk' router only");
-  }
-  if (c.shared_ffn > 0)
-    diffs.push_back("a shared expert (shared_ffn = " + std::to_string(c.shared_ffn) + "): Mixtral has none");
-  if (c.first_dense_layers > 0) {
-    diffs.push_back("dense first layers (first_dense_layers = " + std::to_string(c.first_dense_layers) +
-                    "): every Mixtral layer is MoE");
-  }
-  if (c.full_attn_interval > 0) {
-    diffs.push_back("gated-delta-net layers (full_attn_interval = " + std::to_string(c.full_attn_interval) +
-                    "): Mixtral has full attention in every layer");
-  }
-  if (diffs.empty()) return Status::Ok();
-  std::string msg = "model '" + c.name + "' cannot be expressed as Mixtral: ";
-  for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
-  return FailedPrecondition(msg);
-}
-
-Result<nlohmann::json> MixtralConfigJson(const ModelConfig& c, DType dtype) {
-  RS_RETURN_IF_ERROR(CheckMixtralExpressible(c));
-  const std::string torch = TorchDTypeName(dtype);
-  if (torch.empty()) return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + " has no torch_dtype");
-  nlohmann::json ours;
-  to_json(ours, c);
-  return nlohmann::json{{"architectures", {"MixtralForCausalLM"}},
-                        {"model_type", "mixtral"},
-                        {"hidden_size", c.d_model},
-                        {"intermediate_size", c.moe_ffn},
-                        {"num_hidden_layers", c.n_layers},
-                        {"num_attention_heads", c.n_heads},
-                        {"num_key_value_heads", c.n_kv_heads},
-                        {"head_dim", c.head_dim},
-                        {"num_local_experts", c.n_experts},
-                        {"num_experts_per_tok", c.top_k},
-                        {"hidden_act", "silu"},
-                        {"rms_norm_eps", c.norm_eps},
-                        {"rope_theta", c.rope_theta},
-                        {"rope_scaling", nullptr},
-                        {"sliding_window", nullptr},
-                        {"vocab_size", c.vocab_size},
-                        {"max_position_embeddings", c.max_seq_len},
-                        {"tie_word_embeddings", false},
-                        {"attention_dropout", 0.0},
-                        {"router_aux_loss_coef", c.aux_loss_coef},
-                        {"router_jitter_noise", 0.0},
-                        {"output_router_logits", false},
-                        {"use_cache", true},
-                        {"torch_dtype", torch},
-                        {"moe_reshard", {{"model", ours}}}};
-}
-
-// ---------------------------------------------------------------------------------------------
-// config.json
-
-namespace {
-
-class ConfigFields {
- public:
-  ConfigFields(const nlohmann::json& j, std::string what) : j_(j), what_(std::move(what)) {}
-
-  Result<std::int64_t> Int(const char* key, std::optional<std::int64_t> fallback = std::nullopt) const {
-    if (!j_.contains(key) || j_[key].is_null()) {
-      if (fallback) return *fallback;
-      return InvalidArgument(what_ + ": lacks '" + key + "'");
-    }
-    if (!j_[key].is_number_integer()) return InvalidArgument(what_ + ": '" + key + "' is not an integer");
-    return j_[key].get<std::int64_t>();
-  }
-  Result<double> Real(const char* key, double fallback) const {
-    if (!j_.contains(key) || j_[key].is_null()) return fallback;
-    if (!j_[key].is_number()) return InvalidArgument(what_ + ": '" + key + "' is not a number");
-    return j_[key].get<double>();
-  }
-  Result<bool> Bool(const char* key, bool fallback) const {
-    if (!j_.contains(key) || j_[key].is_null()) return fallback;
-    if (!j_[key].is_boolean()) return InvalidArgument(what_ + ": '" + key + "' is not a boolean");
-    return j_[key].get<bool>();
-  }
-  Result<std::string> String(const char* key, const std::string& fallback) const {
-    if (!j_.contains(key) || j_[key].is_null()) return fallback;
-    if (!j_[key].is_string()) return InvalidArgument(what_ + ": '" + key + "' is not a string");
-    return j_[key].get<std::string>();
-  }
-  bool Has(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
-  const nlohmann::json& operator[](const char* key) const { return j_[key]; }
-
- private:
-  const nlohmann::json& j_;
-  std::string what_;
-};
-
-}  // namespace
-
 Result<HfModel> ParseHfConfig(const nlohmann::json& j, const std::string& what) {
   if (!j.is_object()) return InvalidArgument(what + ": not a JSON object");
-  const ConfigFields f(j, what);
   HfModel m;
-  RS_ASSIGN_OR_RETURN(std::string model_type, f.String("model_type", ""));
-  if (model_type.empty() && j.contains("architectures") && j["architectures"].is_array() &&
-      !j["architectures"].empty() && j["architectures"][0].is_string()) {
-    const std::string a = j["architectures"][0].get<std::string>();
-    if (a == "MixtralForCausalLM") model_type = "mixtral";
-    if (a == "Qwen2MoeForCausalLM") model_type = "qwen2_moe";
-    if (a == "Qwen3MoeForCausalLM") model_type = "qwen3_moe";
-  }
-  if (model_type == "mixtral") {
-    m.arch = HfArch::kMixtral;
-  } else if (model_type == "qwen2_moe") {
-    m.arch = HfArch::kQwen2Moe;
-  } else if (model_type == "qwen3_moe") {
-    m.arch = HfArch::kQwen3Moe;
-  } else {
-    return FailedPrecondition(what + ": model_type '" + model_type +
-                              "' is not one import reads (mixtral, qwen2_moe, qwen3_moe)");
-  }
-  const bool mixtral = m.arch == HfArch::kMixtral;
-  ModelConfig& c = m.config;
-  std::vector<std::string> diffs;  // what our model cannot express
-
-  // Sizes. HF's per-architecture defaults apply only to settings a saved config may omit.
-  RS_ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
-  RS_ASSIGN_OR_RETURN(c.d_model, f.Int("hidden_size"));
-  RS_ASSIGN_OR_RETURN(c.n_layers, f.Int("num_hidden_layers"));
-  RS_ASSIGN_OR_RETURN(c.n_heads, f.Int("num_attention_heads"));
-  RS_ASSIGN_OR_RETURN(c.n_kv_heads, f.Int("num_key_value_heads", c.n_heads));
-  if (c.n_heads <= 0) return InvalidArgument(what + ": 'num_attention_heads' must be > 0");
-  if (m.arch == HfArch::kQwen3Moe) {
-    RS_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim"));
-  } else {
-    RS_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim", c.d_model / c.n_heads));
-  }
-  RS_ASSIGN_OR_RETURN(c.n_experts, f.Int(mixtral ? "num_local_experts" : "num_experts"));
-  RS_ASSIGN_OR_RETURN(c.top_k, f.Int("num_experts_per_tok"));
-  RS_ASSIGN_OR_RETURN(c.moe_ffn, f.Int(mixtral ? "intermediate_size" : "moe_intermediate_size"));
-  RS_ASSIGN_OR_RETURN(c.max_seq_len, f.Int("max_position_embeddings", mixtral ? 131072 : 32768));
-  RS_ASSIGN_OR_RETURN(c.norm_eps, f.Real("rms_norm_eps", mixtral ? 1e-5 : 1e-6));
-  RS_ASSIGN_OR_RETURN(c.rope_theta, f.Real("rope_theta", mixtral ? 1e6 : 1e4));
-  RS_ASSIGN_OR_RETURN(c.aux_loss_coef, f.Real("router_aux_loss_coef", c.aux_loss_coef));
-  c.first_dense_layers = 0;
-  c.shared_ffn = 0;
-
-  // RoPE: plain (transformers v5 puts theta into rope_parameters).
-  for (const char* key : {"rope_scaling", "rope_parameters"}) {
-    if (!f.Has(key)) continue;
-    const nlohmann::json& r = f[key];
-    if (!r.is_object()) return InvalidArgument(what + ": '" + key + "' is not an object");
-    std::string type = "default";
-    for (const char* k : {"rope_type", "type"}) {
-      if (r.contains(k) && r[k].is_string()) type = r[k].get<std::string>();
-    }
-    if (type != "default") {
-      diffs.push_back(std::string(key) + " of type '" + type + "' (our RoPE is unscaled)");
-    } else if (r.contains("rope_theta")) {
-      if (!r["rope_theta"].is_number()) return InvalidArgument(what + ": '" + key + ".rope_theta' is not a number");
-      c.rope_theta = r["rope_theta"].get<double>();
-    }
-  }
-  RS_ASSIGN_OR_RETURN(const double partial_rotary, f.Real("partial_rotary_factor", 1.0));
-  if (partial_rotary != 1.0)
-    diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");
-
-  RS_ASSIGN_OR_RETURN(const std::string act, f.String("hidden_act", "silu"));
-  if (act != "silu" && act != "swish") diffs.push_back("hidden_act '" + act + "' (our experts are SwiGLU with silu)");
-  RS_ASSIGN_OR_RETURN(const bool tied, f.Bool("tie_word_embeddings", false));
-  if (tied) diffs.push_back("tie_word_embeddings true (our output layer is untied from the embedding)");
-  RS_ASSIGN_OR_RETURN(const bool attn_bias, f.Bool("attention_bias", false));
-  if (attn_bias) diffs.push_back("attention_bias true (our projections have no bias)");
-  // A sliding window that never binds is plain causal attention.
-  RS_ASSIGN_OR_RETURN(const bool use_sliding, f.Bool("use_sliding_window", mixtral));
-  if (use_sliding && f.Has("sliding_window")) {
-    RS_ASSIGN_OR_RETURN(const std::int64_t window, f.Int("sliding_window"));
-    if (window < c.max_seq_len) {
-      diffs.push_back("sliding_window " + std::to_string(window) + " < max_position_embeddings " +
-                      std::to_string(c.max_seq_len) + " (our attention is fully causal)");
-    }
-  }
-  if (!mixtral) {
-    RS_ASSIGN_OR_RETURN(const std::int64_t step, f.Int("decoder_sparse_step", 1));
-    if (step != 1)
-      diffs.push_back("decoder_sparse_step " + std::to_string(step) + " (dense layers between MoE layers)");
-    if (f.Has("mlp_only_layers") && (!f["mlp_only_layers"].is_array() || !f["mlp_only_layers"].empty())) {
-      diffs.push_back("mlp_only_layers " + f["mlp_only_layers"].dump() + " (dense layers)");
-    }
-    // Qwen routers: softmax over all experts, top-k, renormalised only with norm_topk_prob.
-    RS_ASSIGN_OR_RETURN(const bool norm_topk, f.Bool("norm_topk_prob", false));
-    c.router = norm_topk ? RouterKind::kTopKSoftmaxAfter : RouterKind::kSoftmaxBefore;
-  }
-  if (m.arch == HfArch::kQwen2Moe) {
-    RS_ASSIGN_OR_RETURN(const std::int64_t shared, f.Int("shared_expert_intermediate_size", 5632));
-    if (shared > 0) {
-      diffs.push_back("a shared expert with a sigmoid gate (shared_expert_intermediate_size " + std::to_string(shared) +
-                      ")");
-    }
-    diffs.push_back("q/k/v projection biases (Qwen2-MoE attention always has them; ours has none)");
-  }
-  if (m.arch == HfArch::kQwen3Moe) {
-    diffs.push_back(
-        "per-head RMSNorm of queries and keys (q_norm / k_norm; Qwen3-MoE attention always applies them, "
-        "ours does not)");
-  }
+  RS_ASSIGN_OR_RETURN(m.family, FindHfModelFamily(j, what));
+  const HfConfigFields f(j, what);
+  RS_ASSIGN_OR_RETURN(m.config, m.family->read_hf_config(f));
   if (f.Has("torch_dtype") || f.Has("dtype")) {
     RS_ASSIGN_OR_RETURN(const std::string t, f.String(f.Has("torch_dtype") ? "torch_dtype" : "dtype", ""));
     m.torch_dtype = DTypeFromTorch(t);
   }
-  // Our settings that HF configs do not carry (written by export), when present.
-  if (j.contains("moe_reshard") && j["moe_reshard"].is_object() && j["moe_reshard"].contains("model")) {
-    auto ours = ModelConfigFromJson(j["moe_reshard"]["model"]);
-    if (ours.ok()) {
-      c.name = ours->name;
-      c.z_loss_coef = ours->z_loss_coef;
-      c.bias_update_rate = ours->bias_update_rate;
-      c.router_scale = ours->router_scale;
-      c.dense_ffn = ours->dense_ffn;
-    }
-  } else {
-    c.name = "hf-" + model_type;
-  }
-  if (!diffs.empty()) {
-    std::string msg = what + ": a " + model_type + " model our model cannot express: ";
-    for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
-    return FailedPrecondition(msg);
-  }
-  if (Status s = c.Validate(); !s.ok()) return s.WithContext(what);
+  if (Status s = m.config.Validate(); !s.ok()) return s.WithContext(what);
   return m;
+}
+
+Result<const ModelFamily*> HfExportFamily(const ModelConfig& c) {
+  RS_ASSIGN_OR_RETURN(const ModelFamily* f, FindModelFamily(c.family));
+  if (!f->hf_export_as.empty()) {
+    RS_ASSIGN_OR_RETURN(f, FindModelFamily(f->hf_export_as));
+  }
+  if (!f->write_hf_config) {
+    return FailedPrecondition("model '" + c.name + "' of family '" + c.family + "' has no Hugging Face form");
+  }
+  return f;
+}
+
+Result<nlohmann::json> HfConfigJson(const ModelConfig& c, DType dtype) {
+  RS_ASSIGN_OR_RETURN(const ModelFamily* f, HfExportFamily(c));
+  return f->write_hf_config(c, dtype);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,7 +122,8 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   }
   auto config = ModelConfigFromJson(meta["model"]);
   if (!config.ok()) return config.status().WithContext("checkpoint '" + ckpt + "' metadata");
-  RS_RETURN_IF_ERROR(CheckMixtralExpressible(*config));
+  RS_ASSIGN_OR_RETURN(const ModelFamily* family, HfExportFamily(*config));
+  RS_ASSIGN_OR_RETURN(nlohmann::json config_json, family->write_hf_config(*config, DType::kF32));
   const std::vector<TensorSpec> params = ModelParameters(*config);
 
   // The checkpoint's parameters must be the model's, and the model's only.
@@ -558,7 +146,7 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   for (const TensorSpec& t : reader->manifest().tensors) {
     if ((t.role == TensorRole::kParameter || t.role == TensorRole::kBuffer) && expected.count(t.name) == 0) {
       return FailedPrecondition("checkpoint '" + ckpt + "': tensor '" + t.name + "' (" +
-                                std::string(TensorRoleName(t.role)) + ") has no Mixtral counterpart");
+                                std::string(TensorRoleName(t.role)) + ") has no counterpart in family '" + family->name + "'");
     }
   }
   DType dtype = DType::kF32;
@@ -572,8 +160,8 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + ": choose f32, bf16 or f16 (--dtype)");
   }
-  RS_ASSIGN_OR_RETURN(nlohmann::json config_json, MixtralConfigJson(*config, dtype));
-  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params));
+  RS_ASSIGN_OR_RETURN(config_json, family->write_hf_config(*config, dtype));
+  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params, *family));
 
   // Files: tensors in our order, a new file when the next tensor would pass the limit.
   const auto esize = static_cast<std::int64_t>(DTypeSize(dtype));
@@ -613,6 +201,7 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   RS_RETURN_IF_ERROR(WriteNewFileDurably(staging + "/config.json", config_json.dump(2) + "\n"));
   HfExportResult result;
   result.model = *config;
+  result.family = family->name;
   result.dtype = dtype;
   nlohmann::json weight_map = nlohmann::json::object();
   std::vector<std::byte> src, conv;
@@ -758,7 +347,7 @@ Status FillItems(const TensorSource& s, const TensorSpec& t, std::int64_t g, std
 
 std::string LeftoverReason(const std::string& name) {
   if (name.find(".q_norm.") != std::string::npos || name.find(".k_norm.") != std::string::npos) {
-    return "per-head query/key RMSNorm (Qwen3 style): our attention has none";
+    return "per-head query/key RMSNorm (Qwen3 style): this family's attention has none";
   }
   if (name.find("shared_expert") != std::string::npos) return "a shared expert: our Mixtral-style model has none";
   if (name.find("e_score_correction_bias") != std::string::npos)
@@ -837,15 +426,17 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   result.hf_files = static_cast<std::int64_t>(files.size());
   result.hf_tensors = static_cast<std::int64_t>(available.size());
 
-  // Which names each MoE layer uses.
-  auto naming = [&](std::int64_t layer) {
-    const std::string l = "model.layers." + std::to_string(layer) + ".";
-    if (available.count(l + "mlp.experts.gate_up_proj") != 0) return HfMoeNaming::kMlpFused;
-    if (available.count(l + "mlp.gate.weight") != 0) return HfMoeNaming::kMlpPerExpert;
-    if (available.count(l + "block_sparse_moe.gate.weight") != 0) return HfMoeNaming::kBlockSparseMoe;
-    return result.model.arch == HfArch::kMixtral ? HfMoeNaming::kBlockSparseMoe : HfMoeNaming::kMlpPerExpert;
+  // Which expert variant each MoE layer uses: the family's first whose names the files hold.
+  const ModelFamily& family = *result.model.family;
+  auto variant = [&](std::int64_t layer) -> std::string_view {
+    for (const std::string_view v : family.hf_variants) {
+      for (const HfNameRow& row : family.hf_names) {
+        if (row.variant == v && available.count(HfRowName(row.hf, layer, 0)) != 0) return v;
+      }
+    }
+    return family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();
   };
-  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(ModelParameters(config), naming));
+  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(ModelParameters(config), family, variant));
   std::set<std::string> used;
   std::set<DType> dtypes;
   for (const HfTensor& h : hf) {
@@ -976,7 +567,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   meta["physical_layout"] = options.layout.ToJson();
   meta["import"] = {{"format", "hf"},
                     {"source", dir},
-                    {"model_type", HfArchName(result.model.arch)},
+                    {"model_type", family.hf_model_types.empty() ? family.name : family.hf_model_types.front()},
+                    {"family", family.name},
                     {"optimizer_state", "fresh: master = parameters in f32, exp_avg = exp_avg_sq = 0, step 0"}};
   writer->SetMetadata(meta);
   RS_RETURN_IF_ERROR(writer->Commit());

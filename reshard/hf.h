@@ -2,13 +2,11 @@
 // (`reshard export --format hf`, `reshard import --format hf`; formats/SAFETENSORS.md and
 // train/MODEL.md §12 give the correspondence).
 //
-// The name and layout map is data: a table per architecture whose rows say which HF tensor is
-// which part of which of our logical tensors – the whole tensor, one component of its component
-// table (the q / k / v heads of the fused QKV, the gate / up rows of a SwiGLU fc1), and for
-// routed experts one expert. Because our fused tensors concatenate their components along a
-// leading dim, every HF tensor is one contiguous flat range of one of our tensors (HfTensor),
-// so export reads flat ranges through CheckpointReader::ReadPiece and import fills any piece of
-// any layout from the ranges' bytes. Supporting another architecture means another table.
+// What a model family's config.json and tensor names are is data in its folder (models/): a
+// config binder and name rows saying which HF tensor is which part of which of our logical
+// tensors. Every HF tensor is one contiguous flat range of one of our tensors (HfTensor,
+// models/hf_names.h), so export reads flat ranges through CheckpointReader::ReadPiece and
+// import fills any piece of any layout from the ranges' bytes. This file only moves the bytes.
 #pragma once
 
 #include <cstdint>
@@ -24,65 +22,29 @@
 #include "core/tensor_spec.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/codec.h"
+#include "models/family.h"
+#include "models/hf_names.h"
 #include "reshard/physical_layout.h"
 
 namespace rs {
 
-// The architecture a config.json describes: what the model computes. (Which tensor names its
-// files use is HfMoeNaming, found per layer on import.) Qwen2-MoE and Qwen3-MoE configs are
-// read so that import can name what our model cannot express (shared experts, q/k/v biases,
-// q/k norms); they are always refused.
-enum class HfArch : std::uint8_t {
-  kMixtral,   // MixtralForCausalLM
-  kQwen2Moe,  // Qwen2MoeForCausalLM
-  kQwen3Moe,  // Qwen3MoeForCausalLM
-};
-std::string_view HfArchName(HfArch a);  // "mixtral", "qwen2_moe", "qwen3_moe" (config.json model_type)
-
-// Which names one MoE layer's router and routed experts have on the HF side.
-enum class HfMoeNaming : std::uint8_t {
-  kBlockSparseMoe,  // Mixtral: block_sparse_moe.gate, block_sparse_moe.experts.E.{w1,w3,w2}
-  kMlpPerExpert,    // Qwen-MoE style: mlp.gate, mlp.experts.E.{gate,up,down}_proj
-  kMlpFused,        // transformers v5 style: mlp.gate, mlp.experts.gate_up_proj [E, 2I, H],
-                    // mlp.experts.down_proj [E, H, I]
-};
-
-// One HF tensor: items [flat_begin, flat_begin + numel) of our logical tensor `tensor`, in the
-// same row-major order (no transposition or permutation is ever needed: see MODEL.md §12).
-struct HfTensor {
-  std::string hf_name;
-  Shape hf_shape;
-  std::string tensor;  // our parameter
-  std::int64_t flat_begin = 0;
-  std::int64_t numel() const { return Numel(hf_shape); }
-};
-
-// The HF tensors of every parameter of `params` (ModelParameters(config)), in our parameter
-// order; `naming(layer)` picks the names of a MoE layer (Mixtral's if null).
-// FailedPrecondition naming the tensor when one of ours has no row in the table (a shared
-// expert, a dense MLP, a gated-delta-net layer, the router's expert bias).
-Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params,
-                                          const std::function<HfMoeNaming(std::int64_t layer)>& naming = {});
-
-// Everything of our model that a Mixtral config and Mixtral's forward pass cannot express,
-// as one FailedPrecondition naming each difference (router kind, shared expert, dense layers,
-// gated-delta-net layers, no experts); Ok when the model is exactly a Mixtral.
-Status CheckMixtralExpressible(const ModelConfig& c);
-// config.json of the Mixtral equivalent of `c` (CheckMixtralExpressible first), parameters
-// stored as `dtype`. The non-HF settings of `c` go under "moe_reshard" so that an import
-// restores them.
-Result<nlohmann::json> MixtralConfigJson(const ModelConfig& c, DType dtype);
-
-// A parsed HF config.json: our model config and the architecture. FailedPrecondition naming
-// the field for what our model cannot express (rope scaling, sliding windows, tied
-// embeddings, attention biases, shared experts, dense layers, q/k norms, activations other
-// than silu); InvalidArgument for missing or malformed fields.
+// A parsed HF config.json: the model family that reads it (models/: FindHfModelFamily by
+// model_type) and our model config. FailedPrecondition naming the model_type when no family
+// reads it, or naming each field our model cannot express (rope scaling, sliding windows, tied
+// embeddings, attention biases, ...); InvalidArgument for missing or mistyped fields.
 struct HfModel {
-  HfArch arch = HfArch::kMixtral;
+  const ModelFamily* family = nullptr;
   ModelConfig config;
   std::optional<DType> torch_dtype;  // config.json's torch_dtype / dtype, when given
 };
 Result<HfModel> ParseHfConfig(const nlohmann::json& config, const std::string& what);
+
+// The family whose Hugging Face form a checkpoint of config `c` exports as (its family, or the
+// family it exports through: "moe" -> "mixtral"); FailedPrecondition when it has none.
+Result<const ModelFamily*> HfExportFamily(const ModelConfig& c);
+// config.json of `c` in that family's form, parameters stored as `dtype`; FailedPrecondition
+// naming everything of `c` the family cannot express.
+Result<nlohmann::json> HfConfigJson(const ModelConfig& c, DType dtype);
 
 inline constexpr std::int64_t kMinExportBudget = std::int64_t{64} << 10;
 struct HfExportOptions {
@@ -95,13 +57,14 @@ struct HfExportOptions {
 };
 struct HfExportResult {
   ModelConfig model;
+  std::string family;  // the family whose form was written
   DType dtype = DType::kF32;
   std::int64_t files = 0;
   std::int64_t tensors = 0;
   std::int64_t total_bytes = 0;  // tensor bytes (the index's metadata.total_size)
   std::int64_t peak_buffer = 0;  // bytes of tensor data held at once
 };
-// Writes the Mixtral equivalent of checkpoint `ckpt`'s parameters to directory `out`:
+// Writes the Hugging Face form (HfExportFamily) of checkpoint `ckpt`'s parameters to directory `out`:
 // config.json, model-0000k-of-0000N.safetensors (tensors in our parameter order, a new file
 // when the next tensor would pass max_shard_bytes) and model.safetensors.index.json, staged in
 // "<out>.tmp-<id>" and renamed into place last (AlreadyExists if `out` exists; nothing at

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "train/gemm.h"
+#include "train/layers.h"
 
 namespace rs::train {
 
@@ -51,7 +52,10 @@ void Attention<T>::EnsureRopeTable(std::int64_t seq) {
 }
 
 template <typename T>
-void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, const T* wqkv, const T* wout, T* y) {
+void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, const T* wqkv, const T* wout, T* y,
+                           const QkNorm& qk_norm) {
+  RS_CHECK((qk_norm.q == nullptr) == (qk_norm.k == nullptr));
+  qk_norm_ = qk_norm;
   batch_ = batch;
   seq_ = seq;
   x_ = x;
@@ -70,6 +74,18 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   ctx_.resize(static_cast<std::size_t>(n * c));
 
   Gemm<T>(Trans::kNo, Trans::kYes, n, w, d, T(1), x, d, wqkv, d, T(0), qkv_.data(), w);
+  if (qk_norm_.q != nullptr) {  // per-head RMSNorm of q and k, before RoPE
+    const std::int64_t qkw = (nq + nkv) * dh;
+    qk_raw_.resize(static_cast<std::size_t>(n * qkw));
+    qk_rstd_.resize(static_cast<std::size_t>(n * (nq + nkv)));
+    for (std::int64_t r = 0; r < n; ++r) {
+      T* row = qkv_.data() + r * w;
+      std::copy_n(row, qkw, qk_raw_.data() + r * qkw);
+      T* rstd = qk_rstd_.data() + r * (nq + nkv);
+      RmsNormForward(row, qk_norm_.q, nq, dh, qk_norm_.eps, row, rstd);
+      RmsNormForward(row + nq * dh, qk_norm_.k, nkv, dh, qk_norm_.eps, row + nq * dh, rstd + nq);
+    }
+  }
   for (std::int64_t r = 0; r < n; ++r) {
     const std::int64_t pos = first + r % seq;
     // q and k heads are adjacent in the fused row, so one call rotates all nq + nkv heads.
@@ -123,8 +139,10 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
 }
 
 template <typename T>
-void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T* dwqkv, T* dwout) {
+void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T* dwqkv, T* dwout, T* dq_norm,
+                            T* dk_norm) {
   RS_CHECK(x_ != nullptr);
+  RS_CHECK((qk_norm_.q == nullptr) || (dq_norm != nullptr && dk_norm != nullptr));
   const std::int64_t d = s_.d_model, dh = s_.head_dim, nq = s_.n_heads, nkv = s_.n_kv_heads;
   const std::int64_t w = (nq + 2 * nkv) * dh;
   const std::int64_t c = nq * dh;
@@ -198,6 +216,16 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
     const std::int64_t pos = first + r % seq;
     ApplyRope(dqkv.data() + r * w, nq + nkv, dh, cos_.data() + pos * half, sin_.data() + pos * half,
               RopeDirection::kInverse);
+  }
+  if (qk_norm_.q != nullptr) {  // through the per-head norms (in place: RmsNormBackward allows dx == dy)
+    const std::int64_t qkw = (nq + nkv) * dh;
+    for (std::int64_t r = 0; r < n; ++r) {
+      T* row = dqkv.data() + r * w;
+      const T* raw = qk_raw_.data() + r * qkw;
+      const T* rstd = qk_rstd_.data() + r * (nq + nkv);
+      RmsNormBackward(row, raw, qk_norm_.q, rstd, nq, dh, row, dq_norm);
+      RmsNormBackward(row + nq * dh, raw + nq * dh, qk_norm_.k, rstd + nq, nkv, dh, row + nq * dh, dk_norm);
+    }
   }
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, w, T(1), dqkv.data(), w, wqkv, d, T(0), dx, d);
   Gemm<T>(Trans::kYes, Trans::kNo, w, d, n, T(1), dqkv.data(), w, x_, d, T(1), dwqkv, d);

@@ -40,9 +40,20 @@ class Attention {
   // x: [batch·seq, d] rows in (batch, position) order; wqkv: [(nq + 2·nkv)·dh, d] with rows
   // [q heads; k heads; v heads]; wout: [d, nq·dh]. Writes y: [batch·seq, d]. Keeps a pointer
   // to x and its own activations for Backward: x must stay alive and unchanged until then.
-  void Forward(const T* x, std::int64_t batch, std::int64_t seq, const T* wqkv, const T* wout, T* y);
-  // dy: [batch·seq, d]. Overwrites dx; accumulates into dwqkv and dwout.
-  void Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T* dwqkv, T* dwout);
+  // `qk_norm` (Qwen3 style, when its weights are set): every query head is RMS-normalised with
+  // weight q [dh] and every key head with k [dh] before RoPE (eps = norm_eps).
+  struct QkNorm {
+    const T* q = nullptr;
+    const T* k = nullptr;
+    double eps = 1e-6;
+  };
+  void Forward(const T* x, std::int64_t batch, std::int64_t seq, const T* wqkv, const T* wout, T* y,
+               const QkNorm& qk_norm = {});
+  // dy: [batch·seq, d]. Overwrites dx; accumulates into dwqkv and dwout, and with a q/k norm in
+  // the forward pass into dq_norm / dk_norm ([dh] each: this rank's heads' share – summed over
+  // tp by the trainer, since the weights are TpGrad::kReplicatedSum).
+  void Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T* dwqkv, T* dwout, T* dq_norm = nullptr,
+                T* dk_norm = nullptr);
 
  private:
   void EnsureRopeTable(std::int64_t seq);
@@ -54,6 +65,9 @@ class Attention {
   std::int64_t rope_seq_ = 0;
   const T* x_ = nullptr;
   std::vector<T> cos_, sin_;  // [positions, dh/2]
+  QkNorm qk_norm_;
+  std::vector<T> qk_raw_;     // q/k norm: [N, (nq+nkv)·dh] the q and k heads before the norm
+  std::vector<T> qk_rstd_;    // q/k norm: [N, nq+nkv] their 1/rms
   std::vector<T> qkv_;        // [N, (nq+2nkv)·dh], q and k after the rotary embedding
   std::vector<T> kv_;         // context parallel: [batch, P·seq, 2·nkv·dh] every rank's k and v
   std::vector<T> probs_;      // [batch, nq, seq, P·seq], causal softmax (zeros above the diagonal)

@@ -26,6 +26,7 @@ template <typename T>
 struct Transformer<T>::Layer {
   Layer(const AttentionShape& s, ModelParallel* par) : attn(s, par) {}
   std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
+  std::size_t q_norm = kNone, k_norm = kNone;  // qk_norm
   std::size_t fc1 = kNone, fc2 = kNone;  // dense MLP
   std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
   Attention<T> attn;
@@ -151,6 +152,10 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
     l->attn_norm = Need(p + "attn_norm.weight");
     l->qkv = qkv;
     l->out = out;
+    if (c_.qk_norm) {
+      l->q_norm = Need(p + "attn.q_norm.weight");
+      l->k_norm = Need(p + "attn.k_norm.weight");
+    }
     l->mlp_norm = Need(p + "mlp_norm.weight");
     if (c_.IsMoeLayer(i)) {
       l->router = Need(p + "moe.router.weight");
@@ -234,7 +239,9 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     l.xn1.resize(nd);
     l.rstd1.resize(static_cast<std::size_t>(n));
     RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data());
-    l.attn.Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data());
+    typename Attention<T>::QkNorm qk;
+    if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps};
+    l.attn.Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
     par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // attention out is row-parallel
     AddInto(h.data(), tmp.data(), nd);
     l.h_mid.assign(h.begin(), h.end());
@@ -292,7 +299,8 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     }
     RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm));
     AddInto(dh.data(), tmp.data(), nd);
-    l.attn.Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out));
+    l.attn.Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out),
+                    l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr);
     par_->AllReduceTp(std::span<T>(dx.data(), nd));
     RmsNormBackward(dx.data(), l.h_in.data(), P(l.attn_norm), l.rstd1.data(), n, d, tmp.data(), G(l.attn_norm));
     AddInto(dh.data(), tmp.data(), nd);

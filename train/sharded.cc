@@ -294,10 +294,7 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       for (const auto& dim : rules_layout.ShardingAxes(t.expert ? relabel(t) : t)) {
         by_tp = by_tp || std::find(dim.begin(), dim.end(), kTpAxis) != dim.end();
       }
-      const bool parallel = t.expert ? etp == 1
-                                     : t.name == "embedding.weight" || t.name == "output.weight" ||
-                                           EndsWith(t.name, "attn.qkv.weight") || EndsWith(t.name, "attn.out.weight") ||
-                                           EndsWith(t.name, "fc1.weight") || EndsWith(t.name, "fc2.weight");
+      const bool parallel = t.expert ? etp == 1 : t.tp_grad == TpGrad::kCut;
       if (by_tp != parallel) {
         return Unimplemented("train: '" + t.name + "' is " + (by_tp ? "" : "not ") +
                              "cut over tp=" + std::to_string(tp) + " under rules '" + layout.layout.rules().name + "'" +
@@ -798,8 +795,35 @@ Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>&
   return Status::Ok();
 }
 
+Status SumOverTp(dist::Communicator& tp, const std::vector<TensorSpec>& specs,
+                 const std::function<std::span<float>(std::size_t)>& grad) {
+  std::vector<float> packed;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].role != TensorRole::kParameter || specs[i].tp_grad != TpGrad::kReplicatedSum) continue;
+    const std::span<float> g = grad(i);
+    packed.insert(packed.end(), g.begin(), g.end());
+  }
+  if (packed.empty() || tp.size() == 1) return Status::Ok();
+  RS_RETURN_IF_ERROR(tp.AllReduce(std::span<float>(packed), dist::ReduceOp::kSum));
+  auto it = packed.begin();
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].role != TensorRole::kParameter || specs[i].tp_grad != TpGrad::kReplicatedSum) continue;
+    const std::span<float> g = grad(i);
+    std::copy_n(it, g.size(), g.begin());
+    it += static_cast<std::ptrdiff_t>(g.size());
+  }
+  return Status::Ok();
+}
+
 Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& model) {
   std::span<float> grads = model.grads();
+  if (groups.tp != nullptr && groups.tp->size() > 1) {
+    // Replicated tensors whose gradient each tp rank computes from its own heads only (q/k
+    // norms): the gradient is the sum over tp, packed into one all-reduce.
+    RS_RETURN_IF_ERROR(SumOverTp(*groups.tp, model.specs(), [&](std::size_t i) {
+      return grads.subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)));
+    }));
+  }
   if (groups.kv != nullptr && groups.kv->size() > 1) {
     // A kv head replicated over several tp ranks: each computed its gradient from its own query
     // heads; the head's gradient is their sum.

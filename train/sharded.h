@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -63,6 +64,12 @@ struct ProcessGroups {
   dist::CommStats Stats() const;
   void ResetStats();
 };
+
+// Sums over tp (one packed all-reduce) the gradients of the tensors declared
+// TpGrad::kReplicatedSum: every tp rank holds them whole but computed its gradient from its own
+// heads only. `grad(i)` is tensor i's gradient in the caller's memory.
+Status SumOverTp(dist::Communicator& tp, const std::vector<TensorSpec>& specs,
+                 const std::function<std::span<float>(std::size_t)>& grad);
 
 class ShardedState {
  public:

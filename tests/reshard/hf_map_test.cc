@@ -4,6 +4,7 @@
 
 #include <map>
 
+#include "core/check.h"
 #include "reshard/hf.h"
 
 namespace rs {
@@ -15,9 +16,15 @@ std::map<std::string, HfTensor> ByName(const std::vector<HfTensor>& v) {
   return m;
 }
 
+const ModelFamily& Family(const char* name) {
+  auto f = FindModelFamily(name);
+  RS_CHECK_MSG(f.ok(), f.status().ToString());
+  return **f;
+}
+
 TEST(HfMap, MixtralRowsOfTinyMoe) {
   const ModelConfig c;  // tiny-moe: d 64, 4 q heads and 2 kv heads of 16, 4 experts of width 64
-  auto map = HfTensorMap(ModelParameters(c));
+  auto map = HfTensorMap(ModelParameters(c), Family("mixtral"));
   ASSERT_TRUE(map.ok()) << map.status().ToString();
   EXPECT_EQ(map->size(), 41u);
   const auto m = ByName(*map);
@@ -45,8 +52,8 @@ TEST(HfMap, MixtralRowsOfTinyMoe) {
 
 TEST(HfMap, OtherNamings) {
   const ModelConfig c;
-  auto fused = HfTensorMap(ModelParameters(c), [](std::int64_t layer) {
-    return layer == 0 ? HfMoeNaming::kMlpFused : HfMoeNaming::kMlpPerExpert;
+  auto fused = HfTensorMap(ModelParameters(c), Family("mixtral"), [](std::int64_t layer) -> std::string_view {
+    return layer == 0 ? "fused" : "per_expert";
   });
   ASSERT_TRUE(fused.ok()) << fused.status().ToString();
   const auto m = ByName(*fused);
@@ -60,17 +67,19 @@ TEST(HfMap, OtherNamings) {
 TEST(HfMap, RefusesWhatMixtralLacks) {
   ModelConfig c;
   c.shared_ffn = 32;
-  auto map = HfTensorMap(ModelParameters(c));
+  auto map = HfTensorMap(ModelParameters(c), Family("mixtral"));
   ASSERT_FALSE(map.ok());
   EXPECT_NE(map.status().message().find("layers.0.moe.shared.fc1.weight"), std::string::npos);
   c.first_dense_layers = 1;
   c.router = RouterKind::kSinkhorn;
-  const Status s = CheckMixtralExpressible(c);
+  c.qk_norm = true;
+  const Status s = HfConfigJson(c, DType::kF32).status();
   EXPECT_EQ(s.code(), ErrorCode::kFailedPrecondition);
-  for (const char* what : {"router 'sinkhorn'", "a shared expert", "dense first layers"}) {
+  for (const char* what : {"cannot be expressed as Mixtral", "router 'sinkhorn'", "a shared expert",
+                           "dense first layers", "q/k norms"}) {
     EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
   }
-  EXPECT_TRUE(CheckMixtralExpressible(ModelConfig{}).ok());
+  EXPECT_TRUE(HfConfigJson(ModelConfig{}, DType::kF32).ok());
 }
 
 TEST(HfMap, ConfigRoundTrips) {
@@ -78,14 +87,15 @@ TEST(HfMap, ConfigRoundTrips) {
     auto c = ModelPreset(preset);
     ASSERT_TRUE(c.ok());
     c->z_loss_coef = 0.25;
-    auto j = MixtralConfigJson(*c, DType::kBF16);
+    auto j = HfConfigJson(*c, DType::kBF16);
     ASSERT_TRUE(j.ok());
     EXPECT_EQ((*j)["torch_dtype"], "bfloat16");
     auto back = ParseHfConfig(*j, "config.json");
     ASSERT_TRUE(back.ok()) << back.status().ToString();
-    EXPECT_EQ(back->arch, HfArch::kMixtral);
+    EXPECT_EQ(back->family->name, "mixtral");
     EXPECT_EQ(back->torch_dtype, DType::kBF16);
     back->config.param_dtype = c->param_dtype;  // chosen by import from the files
+    back->config.family = c->family;            // the own model exports through Mixtral
     EXPECT_EQ(back->config, *c) << preset;
   }
 }
@@ -119,15 +129,17 @@ TEST(HfMap, ParsesMixtralConfigs) {
   nlohmann::json missing = v5;
   missing.erase("num_local_experts");
   EXPECT_EQ(ParseHfConfig(missing, "m").status().code(), ErrorCode::kInvalidArgument);
-  // Qwen-MoE configs name what our model lacks.
+  // A Qwen3-MoE config is its own family's now.
   nlohmann::json qwen = v5;
   qwen["model_type"] = "qwen3_moe";
   qwen.erase("num_local_experts");
   qwen["num_experts"] = 8;
   qwen["moe_intermediate_size"] = 64;
   qwen["head_dim"] = 16;
-  const Status q = ParseHfConfig(qwen, "q").status();
-  EXPECT_NE(q.message().find("q_norm / k_norm"), std::string::npos) << q.message();
+  auto q = ParseHfConfig(qwen, "q");
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->family->name, "qwen3_moe");
+  EXPECT_TRUE(q->config.qk_norm);
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <ostream>
 #include <vector>
@@ -114,6 +116,13 @@ INSTANTIATE_TEST_SUITE_P(AllRouters, MoeGradTest,
 void CheckWholeModel(const ModelConfig& c, std::uint64_t seed) {
   Transformer<double> model(c, DispatchOptions{DispatchMode::kFused, 16});
   model.Initialize(seed, /*init_std=*/0.4);  // large enough that no gradient is negligible
+  if (c.qk_norm) {  // q/k norm weights away from 1, so that a weight applied wrongly shows
+    Rng noise(seed + 7);
+    for (std::size_t i = 0; i < model.specs().size(); ++i) {
+      if (model.specs()[i].name.find("_norm.weight") == std::string::npos) continue;
+      for (std::int64_t j = 0; j < model.numel(i); ++j) model.params()[static_cast<std::size_t>(model.offset(i) + j)] += 0.3 * noise.Normal();
+    }
+  }
   const std::int64_t b = 2, s = 6;
   Rng rng(seed + 1);
   std::vector<std::int32_t> in(b * s), tg(b * s);
@@ -145,6 +154,60 @@ TEST(ModelGradTest, WholeMoeModelWithDenseFirstLayerAndSharedExpert) {
   c.vocab_size = 20;  // the data path needs 256; the maths does not
   c.first_dense_layers = 1;
   CheckWholeModel(c, 42);
+}
+
+// Qwen3-MoE's blocks: per-head q/k RMSNorm before RoPE, a dense layer in the middle
+// (dense_layers), softmax over all experts before top-k.
+TEST(ModelGradTest, WholeModelWithQkNormsAndDenseMiddleLayer) {
+  ModelConfig c = SmallConfig(RouterKind::kSoftmaxBefore, 2);
+  c.name = "qk-norm";
+  c.vocab_size = 20;
+  c.qk_norm = true;
+  c.n_layers = 3;
+  c.dense_layers = {1};
+  c.shared_ffn = 0;
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+  EXPECT_TRUE(c.IsMoeLayer(0));
+  EXPECT_FALSE(c.IsMoeLayer(1));
+  CheckWholeModel(c, 11);
+}
+
+TEST(ModelConfigTest, LayerPatternsAndJsonRoundTrip) {
+  ModelConfig c;
+  c.n_layers = 6;
+  c.moe_layer_step = 2;
+  c.dense_layers = {3};
+  ASSERT_TRUE(c.Validate().ok());
+  std::vector<bool> moe;
+  for (std::int64_t i = 0; i < c.n_layers; ++i) moe.push_back(c.IsMoeLayer(i));
+  EXPECT_EQ(moe, (std::vector<bool>{false, true, false, false, false, true}));  // Qwen-MoE's rule
+  c.qk_norm = true;
+  c.family = "qwen3_moe";
+  nlohmann::json j;
+  to_json(j, c);
+  auto back = ModelConfigFromJson(j, DTypeSpelling::kCanonical);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, c);
+  // Fields at their defaults are not written: older checkpoints' metadata stays as it was.
+  nlohmann::json plain;
+  to_json(plain, ModelConfig{});
+  for (const char* key : {"qk_norm", "moe_layer_step", "dense_layers", "family", "full_attn_interval"}) {
+    EXPECT_FALSE(plain.contains(key)) << key;
+  }
+  EXPECT_EQ(plain.size(), 24u);
+  // Bad values name the field.
+  for (const auto& [text, field] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"qk_norm": 1})", "'qk_norm' must be true or false"},
+           {R"({"dense_layers": [0, "1"]})", "'dense_layers' must hold integers only"},
+           {R"({"dense_layers": [1, 0]})", "'dense_layers' must be strictly increasing"},
+           {R"({"dense_layers": [7]})", "'dense_layers' entry 0 is 7"},
+           {R"({"moe_layer_step": 0})", "'moe_layer_step' must be in"},
+           {R"({"family": ""})", "'family' must be a family name"},
+           {R"({"qk_nrom": true})", "unknown field 'qk_nrom'"}}) {
+    const Status s = ModelConfigFromJson(nlohmann::json::parse(text)).status();
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << text;
+    EXPECT_NE(s.message().find(field), std::string::npos) << s.message();
+  }
 }
 
 TEST(ModelGradTest, WholeModelSigmoidBiasRouter) {

@@ -338,6 +338,51 @@ TEST_F(MpiTrainTest, EpAsCpLossesMatchOneProcess) {
   ExpectResumesContinue(ckpt, {"ep=4", ""}, ref);
 }
 
+// A Qwen3-MoE-shaped model: per-head q/k norms (replicated over tp, their gradients partial on
+// each tp rank and summed over tp: TpGrad::kReplicatedSum), a dense middle layer
+// (dense_layers), softmax-before-top-k routing. Losses at every layout the trainer runs, and one
+// step's gradients (through exp_avg) at tp=2 and tp=4 (kv heads shared), equal one process's;
+// without the tp sum the q/k norm gradients at tp=2 are each rank's half and the diff fails.
+TEST_F(MpiTrainTest, QkNormModelMatchesOneProcessAtEveryLayout) {
+  const std::string path = tmp_.path().string() + "/qwen3-shaped.json";
+  std::ofstream(path) << R"({"name": "qwen3-shaped", "qk_norm": true, "n_layers": 3, "dense_layers": [1], )"
+                      << R"("n_experts": 8, "top_k": 2, "router": "softmax_topk"})";
+  const std::string model = "--model " + path + " --steps 10 --align 16";
+  struct Case {
+    std::string args, layout;
+  };
+  const std::vector<Case> cases = {
+      {model, "tp=2"},
+      {model, "tp=4"},
+      {model, "tp=2,fsdp=2"},
+      {model, "dp=2,fsdp=2,fsdp_form=box"},
+      {model, "ep=2,fsdp=2"},
+      {model, "ep=2,etp=2"},
+      {model + " --rules ep-over-tp", "tp=2,ep=2"},
+      {model + " --rules ep-as-cp", "ep=2,fsdp=2,fsdp_form=box"},
+  };
+  const std::vector<double> ref = Train("", model, "ref");
+  double worst = 0;
+  for (const auto& [args, layout] : cases) {
+    const Parity p = Compare(ref, Train(layout, args, "par"));
+    EXPECT_LE(p.first, 1e-6) << args << " at " << layout;
+    EXPECT_LE(p.worst, 1e-4) << args << " at " << layout;
+    worst = std::max(worst, p.worst);
+  }
+  std::printf("q/k norm model, worst relative loss difference over steps 1-10: %.3g\n", worst);
+
+  const std::string one = tmp_.path().string() + "/one";
+  const std::string step1 = "train --model " + path + " --steps 1 --threads 1 --align 16 --save ";
+  ASSERT_EQ(RunCli(step1 + one).exit_code, 0);
+  for (const char* layout : {"tp=2", "tp=4"}) {
+    const std::string many = tmp_.path().string() + "/many-" + layout;
+    const CommandResult r = RunMpi(Ranks(layout), step1 + many + " --layout " + layout);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const CommandResult d = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-6");
+    EXPECT_EQ(d.exit_code, 0) << layout << "\n" << d.output;
+  }
+}
+
 // One step at ep=2,fsdp=2: gradients (through exp_avg) and master weights of every parameter
 // equal one process's; then save at ep=4, resume at ep=2,fsdp=2 and in one process.
 TEST_F(MpiTrainTest, ExpertParallelGradientsSaveAndResume) {

@@ -25,6 +25,11 @@ class CudaEngine final : public train::StepEngine {
 
   Status Attach(train::Trainer& t) override {
     const ModelConfig& c = t.model_config();
+    if (c.qk_norm) {
+      return Unimplemented("train --device cuda: model '" + c.name +
+                           "' has per-head q/k norms (qk_norm), which the GPU attention does not apply yet; "
+                           "train it on CPUs (--device cpu)");
+    }
     train::Transformer<float>& host = t.model();
     train::ShardedState& state = t.state();
     train::ProcessGroups& groups = t.groups();

@@ -1,0 +1,128 @@
+// Model families as data. A family is everything the toolkit knows about one kind of model that
+// is not our own checkpoint format: how its Hugging Face config.json reads and writes (one
+// binder per family), which Hugging Face tensor is which part of which of our logical tensors
+// (typed name rows that run both ways), and what the toolkit can do with it. Each family lives
+// in its own folder (models/<family>/family.cc) and is registered once; the trainer, `import`,
+// `export`, `reshard models` and the README's capability table read the registry, so adding a
+// family is a change inside its folder plus one line in models/registry.cc (or, for a family
+// defined elsewhere – a test's toy variant – one ModelFamilyRegistrar).
+//
+// What the model *computes* is ModelConfig (core/model.h): the families share the decoder
+// building blocks (GQA attention with optional per-head q/k norms, dense SwiGLU, routed experts
+// with several routers, shared expert), and a family's config binder maps its config onto them.
+// Each tensor's gradient class under tensor parallelism (TpGrad) is declared with the tensor in
+// core/model.cc, so every layout's reduction follows from the declaration.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/model.h"
+#include "core/status.h"
+#include "core/tensor_spec.h"
+
+namespace rs {
+
+// One row of a family's name map: the HF tensor `hf` is our tensor `ours` whole, or one
+// component of its component table (`component`: the q / k / v heads of the fused QKV, the
+// gate / up rows of a SwiGLU fc1), once, or once per routed expert (`per_expert`: {E} in `hf`
+// is the expert). {L} in both names is the layer. `variant` ("" = always) ties a row to one way
+// of storing a MoE layer's experts (a family may read several: per-expert names of two
+// generations, transformers 5's fused 3-D tensors); models/hf_names.h picks one per layer.
+struct HfNameRow {
+  std::string_view ours;
+  std::string_view component;  // "" = the whole tensor
+  bool per_expert = false;
+  std::string_view variant;  // "" = every layer
+  std::string_view hf;
+};
+
+// What the toolkit does with a family (the README's capability table is `reshard models`).
+struct FamilyCapabilities {
+  bool train_cpu = false;
+  bool train_cuda = false;
+  bool hf_import = false;
+  bool hf_export = false;
+  bool megatron_import = false;
+};
+
+// A config.json reader that names the file and the field in every error.
+class HfConfigFields {
+ public:
+  HfConfigFields(const nlohmann::json& j, std::string what) : j_(j), what_(std::move(what)) {}
+  // InvalidArgument "<what>: lacks 'key'" when absent and no fallback; "... is not an integer"
+  // (number, boolean, string) when of the wrong type.
+  Result<std::int64_t> Int(const char* key, std::optional<std::int64_t> fallback = std::nullopt) const;
+  // The first of `keys` present (transformers 5 and older spellings of one field).
+  Result<std::int64_t> IntOf(std::initializer_list<const char*> keys,
+                             std::optional<std::int64_t> fallback = std::nullopt) const;
+  Result<double> Real(const char* key, double fallback) const;
+  Result<bool> Bool(const char* key, bool fallback) const;
+  Result<std::string> String(const char* key, const std::string& fallback) const;
+  // An array of integers (empty when absent).
+  Result<std::vector<std::int64_t>> Ints(const char* key) const;
+  bool Has(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
+  const nlohmann::json& operator[](const char* key) const { return j_[key]; }
+  const nlohmann::json& json() const { return j_; }
+  const std::string& what() const { return what_; }
+
+ private:
+  const nlohmann::json& j_;
+  std::string what_;
+};
+
+struct ModelFamily {
+  std::string name;         // ModelConfig::family: "moe", "mixtral", "qwen3_moe"
+  std::string description;  // one line for `reshard models`
+  std::vector<std::string> hf_model_types;    // config.json model_type values it reads
+  std::vector<std::string> hf_architectures;  // config.json architectures[0] values it reads
+  // config.json -> our config (family set). FailedPrecondition naming each field our model
+  // cannot express; InvalidArgument naming a missing or mistyped field. Null: no HF import.
+  std::function<Result<ModelConfig>(const HfConfigFields&)> read_hf_config;
+  // Our config -> config.json, parameters stored as `dtype`. FailedPrecondition naming each
+  // difference the family cannot express. Null: no HF export.
+  std::function<Result<nlohmann::json>(const ModelConfig&, DType)> write_hf_config;
+  std::vector<HfNameRow> hf_names;
+  // The expert variants of hf_names in preference order: export writes the first; import picks,
+  // per MoE layer, the first whose names the files hold.
+  std::vector<std::string_view> hf_variants;
+  // Export a checkpoint of this family through another family's HF form ("moe" -> "mixtral").
+  std::string hf_export_as;
+  FamilyCapabilities can;
+};
+
+// The families: the built-in ones (models/registry.cc) and any registered since, by name.
+std::vector<const ModelFamily*> ModelFamilies();
+// NotFound listing the known names.
+Result<const ModelFamily*> FindModelFamily(std::string_view name);
+// The family whose hf_model_types (or, when model_type is empty, hf_architectures) names a
+// config.json; FailedPrecondition naming the model_type and the ones import reads.
+Result<const ModelFamily*> FindHfModelFamily(const nlohmann::json& config, const std::string& what);
+// Adds a family (a test's toy variant); AlreadyExists for a taken name or HF model_type.
+Status RegisterModelFamily(ModelFamily family);
+struct ModelFamilyRegistrar {
+  explicit ModelFamilyRegistrar(ModelFamily family);
+};
+
+// The table of `reshard models` / the README: one row per family with its capabilities.
+std::string ModelFamilyTable();
+
+// Helpers the families' config binders share.
+std::string TorchDTypeName(DType t);                      // "bfloat16"; "" for none
+std::optional<DType> DTypeFromTorch(std::string name);    // "torch.bfloat16", "bfloat16", "float" ...
+// rope_theta from rope_parameters (transformers 5) / rope_scaling / rope_theta; a scaled RoPE
+// is appended to `diffs`.
+Result<double> ReadRopeTheta(const HfConfigFields& f, double fallback, std::vector<std::string>& diffs);
+// FailedPrecondition "<what>: a <type> model our model cannot express: a; b" or Ok.
+Status CannotExpress(const std::string& what, const std::string& type, const std::vector<std::string>& diffs);
+// Our settings that HF configs do not carry, written by export under "moe_reshard.model".
+void RestoreOurSettings(const HfConfigFields& f, ModelConfig& c);
+nlohmann::json OurSettings(const ModelConfig& c);
+
+}  // namespace rs

@@ -1,0 +1,166 @@
+// Mixtral (MixtralForCausalLM): Llama attention, every layer MoE, the router a softmax over all
+// experts whose top k are renormalised (our 'topk' router), no shared expert.
+#include "models/family.h"
+#include "models/llama_names.h"
+
+namespace rs {
+namespace {
+
+// Everything of `c` that a Mixtral config and forward pass cannot express.
+std::vector<std::string> MixtralDifferences(const ModelConfig& c) {
+  std::vector<std::string> diffs;
+  if (c.n_experts == 0) diffs.push_back("no routed experts (n_experts = 0): a dense model, not a Mixtral");
+  if (c.n_experts > 0 && c.router != RouterKind::kTopKSoftmaxAfter) {
+    std::string why = "router '" + std::string(RouterKindName(c.router)) + "'";
+    switch (c.router) {
+      case RouterKind::kSoftmaxBefore:
+        why += " (softmax over all experts, top-k, not renormalised)";
+        break;
+      case RouterKind::kSigmoidBias:
+        why += " (sigmoid scores with a per-expert selection bias)";
+        break;
+      case RouterKind::kGroupLimited:
+        why += " (group-limited selection)";
+        break;
+      case RouterKind::kSinkhorn:
+        why += " (Sinkhorn-balanced selection)";
+        break;
+      default:
+        break;
+    }
+    diffs.push_back(why +
+                    ": Mixtral takes the softmax over all experts, keeps the top k and renormalises them, "
+                    "which is our 'topk' router only");
+  }
+  if (c.shared_ffn > 0)
+    diffs.push_back("a shared expert (shared_ffn = " + std::to_string(c.shared_ffn) + "): Mixtral has none");
+  if (c.n_experts > 0 && c.AnyDenseLayer()) {
+    diffs.push_back(c.first_dense_layers > 0 ? "dense first layers (first_dense_layers = " +
+                                                   std::to_string(c.first_dense_layers) + "): every Mixtral layer is MoE"
+                                             : std::string("dense layers: every Mixtral layer is MoE"));
+  }
+  if (c.full_attn_interval > 0) {
+    diffs.push_back("gated-delta-net layers (full_attn_interval = " + std::to_string(c.full_attn_interval) +
+                    "): Mixtral has full attention in every layer");
+  }
+  if (c.qk_norm) diffs.push_back("per-head q/k norms (qk_norm): Mixtral attention has none");
+  return diffs;
+}
+
+Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
+  if (auto diffs = MixtralDifferences(c); !diffs.empty()) {
+    std::string msg = "model '" + c.name + "' cannot be expressed as Mixtral: ";
+    for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
+    return FailedPrecondition(msg);
+  }
+  const std::string torch = TorchDTypeName(dtype);
+  if (torch.empty()) return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + " has no torch_dtype");
+  return nlohmann::json{{"architectures", {"MixtralForCausalLM"}},
+                        {"model_type", "mixtral"},
+                        {"hidden_size", c.d_model},
+                        {"intermediate_size", c.moe_ffn},
+                        {"num_hidden_layers", c.n_layers},
+                        {"num_attention_heads", c.n_heads},
+                        {"num_key_value_heads", c.n_kv_heads},
+                        {"head_dim", c.head_dim},
+                        {"num_local_experts", c.n_experts},
+                        {"num_experts_per_tok", c.top_k},
+                        {"hidden_act", "silu"},
+                        {"rms_norm_eps", c.norm_eps},
+                        {"rope_theta", c.rope_theta},
+                        {"rope_scaling", nullptr},
+                        {"sliding_window", nullptr},
+                        {"vocab_size", c.vocab_size},
+                        {"max_position_embeddings", c.max_seq_len},
+                        {"tie_word_embeddings", false},
+                        {"attention_dropout", 0.0},
+                        {"router_aux_loss_coef", c.aux_loss_coef},
+                        {"router_jitter_noise", 0.0},
+                        {"output_router_logits", false},
+                        {"use_cache", true},
+                        {"torch_dtype", torch},
+                        {"moe_reshard", OurSettings(c)}};
+}
+
+Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
+  ModelConfig c;
+  c.family = "mixtral";
+  std::vector<std::string> diffs;
+  RS_ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
+  RS_ASSIGN_OR_RETURN(c.d_model, f.Int("hidden_size"));
+  RS_ASSIGN_OR_RETURN(c.n_layers, f.Int("num_hidden_layers"));
+  RS_ASSIGN_OR_RETURN(c.n_heads, f.Int("num_attention_heads"));
+  RS_ASSIGN_OR_RETURN(c.n_kv_heads, f.Int("num_key_value_heads", c.n_heads));
+  if (c.n_heads <= 0) return InvalidArgument(f.what() + ": 'num_attention_heads' must be > 0");
+  RS_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim", c.d_model / c.n_heads));
+  RS_ASSIGN_OR_RETURN(c.n_experts, f.Int("num_local_experts"));
+  RS_ASSIGN_OR_RETURN(c.top_k, f.Int("num_experts_per_tok"));
+  RS_ASSIGN_OR_RETURN(c.moe_ffn, f.Int("intermediate_size"));
+  RS_ASSIGN_OR_RETURN(c.max_seq_len, f.Int("max_position_embeddings", 131072));
+  RS_ASSIGN_OR_RETURN(c.norm_eps, f.Real("rms_norm_eps", 1e-5));
+  RS_ASSIGN_OR_RETURN(c.rope_theta, ReadRopeTheta(f, 1e6, diffs));
+  RS_ASSIGN_OR_RETURN(c.aux_loss_coef, f.Real("router_aux_loss_coef", c.aux_loss_coef));
+  c.first_dense_layers = 0;
+  c.shared_ffn = 0;
+  c.router = RouterKind::kTopKSoftmaxAfter;
+  RS_ASSIGN_OR_RETURN(const double partial_rotary, f.Real("partial_rotary_factor", 1.0));
+  if (partial_rotary != 1.0)
+    diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");
+  RS_ASSIGN_OR_RETURN(const std::string act, f.String("hidden_act", "silu"));
+  if (act != "silu" && act != "swish") diffs.push_back("hidden_act '" + act + "' (our experts are SwiGLU with silu)");
+  RS_ASSIGN_OR_RETURN(const bool tied, f.Bool("tie_word_embeddings", false));
+  if (tied) diffs.push_back("tie_word_embeddings true (our output layer is untied from the embedding)");
+  RS_ASSIGN_OR_RETURN(const bool attn_bias, f.Bool("attention_bias", false));
+  if (attn_bias) diffs.push_back("attention_bias true (our projections have no bias)");
+  // A sliding window that never binds is plain causal attention.
+  RS_ASSIGN_OR_RETURN(const bool use_sliding, f.Bool("use_sliding_window", true));
+  if (use_sliding && f.Has("sliding_window")) {
+    RS_ASSIGN_OR_RETURN(const std::int64_t window, f.Int("sliding_window"));
+    if (window < c.max_seq_len) {
+      diffs.push_back("sliding_window " + std::to_string(window) + " < max_position_embeddings " +
+                      std::to_string(c.max_seq_len) + " (our attention is fully causal)");
+    }
+  }
+  RS_RETURN_IF_ERROR(CannotExpress(f.what(), "mixtral", diffs));
+  c.name = "hf-mixtral";
+  RestoreOurSettings(f, c);
+  return c;
+}
+
+std::vector<HfNameRow> Rows() {
+  std::vector<HfNameRow> rows = LlamaNameRows();
+  // transformers 4.x names, what Mixtral checkpoints on the Hub hold (export writes these).
+  const std::vector<HfNameRow> block_sparse = {
+      {"layers.{L}.moe.router.weight", "", false, "block_sparse_moe", "model.layers.{L}.block_sparse_moe.gate.weight"},
+      {"layers.{L}.moe.experts.fc1.weight", "gate", true, "block_sparse_moe",
+       "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight"},
+      {"layers.{L}.moe.experts.fc1.weight", "up", true, "block_sparse_moe",
+       "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight"},
+      {"layers.{L}.moe.experts.fc2.weight", "", true, "block_sparse_moe",
+       "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight"},
+  };
+  rows.insert(rows.end(), block_sparse.begin(), block_sparse.end());
+  const std::vector<HfNameRow> qwen_style = QwenMoeExpertRows();  // what transformers 5 may save
+  rows.insert(rows.end(), qwen_style.begin(), qwen_style.end());
+  return rows;
+}
+
+}  // namespace
+
+const ModelFamily& MixtralFamily() {
+  static const ModelFamily f{
+      .name = "mixtral",
+      .description = "Mixtral: Llama attention, every layer MoE, softmax top-k renormalised",
+      .hf_model_types = {"mixtral"},
+      .hf_architectures = {"MixtralForCausalLM"},
+      .read_hf_config = ReadConfig,
+      .write_hf_config = WriteConfig,
+      .hf_names = Rows(),
+      .hf_variants = {"block_sparse_moe", "per_expert", "fused"},
+      .hf_export_as = "",
+      .can = {.train_cpu = true, .train_cuda = true, .hf_import = true, .hf_export = true, .megatron_import = false},
+  };
+  return f;
+}
+
+}  // namespace rs

@@ -1,0 +1,162 @@
+// Qwen3-MoE (Qwen3MoeForCausalLM): GQA attention with a per-head RMSNorm of queries and keys
+// before RoPE (q_norm / k_norm [head_dim]); a router softmax over all experts, top k,
+// renormalised only when norm_topk_prob; no shared expert; dense SwiGLU layers where
+// decoder_sparse_step or mlp_only_layers say so. transformers 5 spells the expert count
+// num_local_experts (older files num_experts) and RoPE's theta inside rope_parameters (older:
+// rope_theta); both are read, and export writes both spellings.
+#include <algorithm>
+
+#include "models/family.h"
+#include "models/llama_names.h"
+
+namespace rs {
+namespace {
+
+std::vector<std::string> Qwen3MoeDifferences(const ModelConfig& c) {
+  std::vector<std::string> diffs;
+  if (c.n_experts == 0) diffs.push_back("no routed experts (n_experts = 0)");
+  if (c.n_experts > 0 && c.router != RouterKind::kTopKSoftmaxAfter && c.router != RouterKind::kSoftmaxBefore) {
+    diffs.push_back("router '" + std::string(RouterKindName(c.router)) +
+                    "': Qwen3-MoE takes the softmax over all experts and keeps the top k, renormalised "
+                    "(our 'topk') or not ('softmax_topk')");
+  }
+  if (c.shared_ffn > 0) diffs.push_back("a shared expert (shared_ffn > 0): Qwen3-MoE has none");
+  if (c.full_attn_interval > 0) diffs.push_back("gated-delta-net layers (full_attn_interval > 0)");
+  if (!c.qk_norm) diffs.push_back("no q/k norms (qk_norm false): Qwen3-MoE attention always applies them");
+  return diffs;
+}
+
+Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
+  if (auto diffs = Qwen3MoeDifferences(c); !diffs.empty()) {
+    std::string msg = "model '" + c.name + "' cannot be expressed as Qwen3-MoE: ";
+    for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
+    return FailedPrecondition(msg);
+  }
+  const std::string torch = TorchDTypeName(dtype);
+  if (torch.empty()) return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + " has no torch_dtype");
+  // Dense layers: the first ones and the listed ones become mlp_only_layers; the step is kept.
+  std::vector<std::int64_t> mlp_only;
+  for (std::int64_t i = 0; i < c.n_layers; ++i) {
+    const bool by_step = c.moe_layer_step > 1 && (i + 1) % c.moe_layer_step != 0;
+    if (!c.IsMoeLayer(i) && !by_step) mlp_only.push_back(i);
+  }
+  return nlohmann::json{{"architectures", {"Qwen3MoeForCausalLM"}},
+                        {"model_type", "qwen3_moe"},
+                        {"vocab_size", c.vocab_size},
+                        {"hidden_size", c.d_model},
+                        {"intermediate_size", c.dense_ffn},
+                        {"moe_intermediate_size", c.moe_ffn},
+                        {"num_hidden_layers", c.n_layers},
+                        {"num_attention_heads", c.n_heads},
+                        {"num_key_value_heads", c.n_kv_heads},
+                        {"head_dim", c.head_dim},
+                        {"num_experts", c.n_experts},
+                        {"num_local_experts", c.n_experts},
+                        {"num_experts_per_tok", c.top_k},
+                        {"norm_topk_prob", c.router == RouterKind::kTopKSoftmaxAfter},
+                        {"decoder_sparse_step", c.moe_layer_step},
+                        {"mlp_only_layers", mlp_only},
+                        {"hidden_act", "silu"},
+                        {"rms_norm_eps", c.norm_eps},
+                        {"rope_theta", c.rope_theta},
+                        {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+                        {"max_position_embeddings", c.max_seq_len},
+                        {"tie_word_embeddings", false},
+                        {"attention_bias", false},
+                        {"attention_dropout", 0.0},
+                        {"use_sliding_window", false},
+                        {"sliding_window", nullptr},
+                        {"router_aux_loss_coef", c.aux_loss_coef},
+                        {"output_router_logits", false},
+                        {"use_cache", true},
+                        {"torch_dtype", torch},
+                        {"dtype", torch},
+                        {"moe_reshard", OurSettings(c)}};
+}
+
+Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
+  ModelConfig c;
+  c.family = "qwen3_moe";
+  c.qk_norm = true;
+  std::vector<std::string> diffs;
+  RS_ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
+  RS_ASSIGN_OR_RETURN(c.d_model, f.Int("hidden_size"));
+  RS_ASSIGN_OR_RETURN(c.n_layers, f.Int("num_hidden_layers"));
+  RS_ASSIGN_OR_RETURN(c.n_heads, f.Int("num_attention_heads"));
+  RS_ASSIGN_OR_RETURN(c.n_kv_heads, f.Int("num_key_value_heads", c.n_heads));
+  if (c.n_heads <= 0) return InvalidArgument(f.what() + ": 'num_attention_heads' must be > 0");
+  RS_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim", c.d_model / c.n_heads));
+  RS_ASSIGN_OR_RETURN(c.n_experts, f.IntOf({"num_local_experts", "num_experts"}));
+  RS_ASSIGN_OR_RETURN(c.top_k, f.Int("num_experts_per_tok"));
+  RS_ASSIGN_OR_RETURN(c.moe_ffn, f.Int("moe_intermediate_size"));
+  RS_ASSIGN_OR_RETURN(c.dense_ffn, f.Int("intermediate_size", c.dense_ffn));
+  RS_ASSIGN_OR_RETURN(c.max_seq_len, f.Int("max_position_embeddings", 32768));
+  RS_ASSIGN_OR_RETURN(c.norm_eps, f.Real("rms_norm_eps", 1e-6));
+  RS_ASSIGN_OR_RETURN(c.rope_theta, ReadRopeTheta(f, 10000.0, diffs));
+  RS_ASSIGN_OR_RETURN(c.aux_loss_coef, f.Real("router_aux_loss_coef", 0.001));
+  RS_ASSIGN_OR_RETURN(c.moe_layer_step, f.Int("decoder_sparse_step", 1));
+  RS_ASSIGN_OR_RETURN(c.dense_layers, f.Ints("mlp_only_layers"));
+  std::sort(c.dense_layers.begin(), c.dense_layers.end());
+  c.dense_layers.erase(std::unique(c.dense_layers.begin(), c.dense_layers.end()), c.dense_layers.end());
+  c.first_dense_layers = 0;
+  c.shared_ffn = 0;
+  RS_ASSIGN_OR_RETURN(const bool norm_topk, f.Bool("norm_topk_prob", false));
+  c.router = norm_topk ? RouterKind::kTopKSoftmaxAfter : RouterKind::kSoftmaxBefore;
+  RS_ASSIGN_OR_RETURN(const double partial_rotary, f.Real("partial_rotary_factor", 1.0));
+  if (partial_rotary != 1.0)
+    diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");
+  RS_ASSIGN_OR_RETURN(const std::string act, f.String("hidden_act", "silu"));
+  if (act != "silu" && act != "swish") diffs.push_back("hidden_act '" + act + "' (our experts are SwiGLU with silu)");
+  RS_ASSIGN_OR_RETURN(const bool tied, f.Bool("tie_word_embeddings", false));
+  if (tied) diffs.push_back("tie_word_embeddings true (our output layer is untied from the embedding)");
+  RS_ASSIGN_OR_RETURN(const bool attn_bias, f.Bool("attention_bias", false));
+  if (attn_bias) diffs.push_back("attention_bias true (our projections have no bias)");
+  RS_ASSIGN_OR_RETURN(const bool use_sliding, f.Bool("use_sliding_window", false));
+  if (use_sliding && f.Has("sliding_window")) {
+    RS_ASSIGN_OR_RETURN(const std::int64_t window, f.Int("sliding_window"));
+    if (window < c.max_seq_len) {
+      diffs.push_back("sliding_window " + std::to_string(window) + " < max_position_embeddings " +
+                      std::to_string(c.max_seq_len) + " (our attention is fully causal)");
+    }
+  }
+  RS_RETURN_IF_ERROR(CannotExpress(f.what(), "qwen3_moe", diffs));
+  c.name = "hf-qwen3_moe";
+  RestoreOurSettings(f, c);
+  return c;
+}
+
+std::vector<HfNameRow> Rows() {
+  std::vector<HfNameRow> rows = LlamaNameRows();
+  const std::vector<HfNameRow> mine = {
+      {"layers.{L}.attn.q_norm.weight", "", false, "", "model.layers.{L}.self_attn.q_norm.weight"},
+      {"layers.{L}.attn.k_norm.weight", "", false, "", "model.layers.{L}.self_attn.k_norm.weight"},
+      // Dense layers (mlp_only_layers, decoder_sparse_step): Qwen3MoeMLP.
+      {"layers.{L}.mlp.fc1.weight", "gate", false, "", "model.layers.{L}.mlp.gate_proj.weight"},
+      {"layers.{L}.mlp.fc1.weight", "up", false, "", "model.layers.{L}.mlp.up_proj.weight"},
+      {"layers.{L}.mlp.fc2.weight", "", false, "", "model.layers.{L}.mlp.down_proj.weight"},
+  };
+  rows.insert(rows.end(), mine.begin(), mine.end());
+  const std::vector<HfNameRow> experts = QwenMoeExpertRows();
+  rows.insert(rows.end(), experts.begin(), experts.end());
+  return rows;
+}
+
+}  // namespace
+
+const ModelFamily& Qwen3MoeFamily() {
+  static const ModelFamily f{
+      .name = "qwen3_moe",
+      .description = "Qwen3-MoE: GQA with per-head q/k norms, softmax top-k (renormalised or not), dense layers",
+      .hf_model_types = {"qwen3_moe"},
+      .hf_architectures = {"Qwen3MoeForCausalLM"},
+      .read_hf_config = ReadConfig,
+      .write_hf_config = WriteConfig,
+      .hf_names = Rows(),
+      .hf_variants = {"per_expert", "fused"},
+      .hf_export_as = "",
+      .can = {.train_cpu = true, .train_cuda = false, .hf_import = true, .hf_export = true, .megatron_import = false},
+  };
+  return f;
+}
+
+}  // namespace rs

@@ -1,0 +1,239 @@
+#include "models/family.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "core/check.h"
+
+namespace rs {
+
+// Each built-in family's folder defines one of these.
+const ModelFamily& MoeFamily();
+const ModelFamily& MixtralFamily();
+const ModelFamily& Qwen3MoeFamily();
+
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::vector<std::unique_ptr<ModelFamily>> families;
+};
+
+Status AddLocked(Registry& r, ModelFamily f) {
+  for (const auto& g : r.families) {
+    if (g->name == f.name) return AlreadyExists("model family '" + f.name + "' is registered twice");
+    for (const auto& t : f.hf_model_types) {
+      if (std::find(g->hf_model_types.begin(), g->hf_model_types.end(), t) != g->hf_model_types.end()) {
+        return AlreadyExists("model family '" + f.name + "': Hugging Face model_type '" + t + "' is family '" +
+                             g->name + "''s");
+      }
+    }
+  }
+  r.families.push_back(std::make_unique<ModelFamily>(std::move(f)));
+  return Status::Ok();
+}
+
+Registry& Families() {
+  static Registry* r = [] {
+    auto* reg = new Registry;  // never destroyed: registrars may run during static init
+    for (const ModelFamily* f : {&MoeFamily(), &MixtralFamily(), &Qwen3MoeFamily()}) {
+      const Status s = AddLocked(*reg, *f);
+      RS_CHECK_MSG(s.ok(), s.ToString());
+    }
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+std::vector<const ModelFamily*> ModelFamilies() {
+  Registry& r = Families();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<const ModelFamily*> out;
+  for (const auto& f : r.families) out.push_back(f.get());
+  return out;
+}
+
+Result<const ModelFamily*> FindModelFamily(std::string_view name) {
+  std::string known;
+  for (const ModelFamily* f : ModelFamilies()) {
+    if (f->name == name) return f;
+    known += (known.empty() ? "" : ", ") + f->name;
+  }
+  return NotFound("unknown model family '" + std::string(name) + "' (known: " + known + ")");
+}
+
+Result<const ModelFamily*> FindHfModelFamily(const nlohmann::json& config, const std::string& what) {
+  const HfConfigFields f(config, what);
+  RS_ASSIGN_OR_RETURN(const std::string model_type, f.String("model_type", ""));
+  std::string arch;
+  if (config.contains("architectures") && config["architectures"].is_array() && !config["architectures"].empty() &&
+      config["architectures"][0].is_string()) {
+    arch = config["architectures"][0].get<std::string>();
+  }
+  std::string known;
+  for (const ModelFamily* fam : ModelFamilies()) {
+    if (!fam->read_hf_config) continue;
+    const auto& types = fam->hf_model_types;
+    const auto& archs = fam->hf_architectures;
+    if (!model_type.empty() && std::find(types.begin(), types.end(), model_type) != types.end()) return fam;
+    if (model_type.empty() && !arch.empty() && std::find(archs.begin(), archs.end(), arch) != archs.end()) return fam;
+    for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
+  }
+  return FailedPrecondition(what + ": model_type '" + (model_type.empty() ? arch : model_type) +
+                            "' is not one import reads (" + known + "; `reshard models` lists the families)");
+}
+
+Status RegisterModelFamily(ModelFamily family) {
+  Registry& r = Families();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return AddLocked(r, std::move(family));
+}
+
+ModelFamilyRegistrar::ModelFamilyRegistrar(ModelFamily family) {
+  const Status s = RegisterModelFamily(std::move(family));
+  RS_CHECK_MSG(s.ok(), s.ToString());
+}
+
+std::string ModelFamilyTable() {
+  auto mark = [](bool b) { return std::string(b ? "yes" : "–"); };
+  std::string out =
+      "| family | what | HF model_type | train (CPU) | train (CUDA) | HF import | HF export | Megatron import |\n"
+      "|---|---|---|---|---|---|---|---|\n";
+  for (const ModelFamily* f : ModelFamilies()) {
+    std::string types;
+    for (const auto& t : f->hf_model_types) types += (types.empty() ? "`" : ", `") + t + "`";
+    std::string exp = mark(f->can.hf_export);
+    if (f->can.hf_export && !f->hf_export_as.empty()) exp = "as " + f->hf_export_as;
+    out += "| `" + f->name + "` | " + f->description + " | " + (types.empty() ? "–" : types) + " | " +
+           mark(f->can.train_cpu) + " | " + mark(f->can.train_cuda) + " | " + mark(f->can.hf_import) + " | " + exp +
+           " | " + mark(f->can.megatron_import) + " |\n";
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config helpers.
+
+Result<std::int64_t> HfConfigFields::Int(const char* key, std::optional<std::int64_t> fallback) const {
+  if (!Has(key)) {
+    if (fallback) return *fallback;
+    return InvalidArgument(what_ + ": lacks '" + key + "'");
+  }
+  if (!j_[key].is_number_integer()) return InvalidArgument(what_ + ": '" + key + "' is not an integer");
+  return j_[key].get<std::int64_t>();
+}
+
+Result<std::int64_t> HfConfigFields::IntOf(std::initializer_list<const char*> keys,
+                                           std::optional<std::int64_t> fallback) const {
+  std::string names;
+  for (const char* k : keys) {
+    if (Has(k)) return Int(k);
+    names += (names.empty() ? "'" : "' or '") + std::string(k);
+  }
+  if (fallback) return *fallback;
+  return InvalidArgument(what_ + ": lacks " + names + "'");
+}
+
+Result<double> HfConfigFields::Real(const char* key, double fallback) const {
+  if (!Has(key)) return fallback;
+  if (!j_[key].is_number()) return InvalidArgument(what_ + ": '" + key + "' is not a number");
+  return j_[key].get<double>();
+}
+
+Result<bool> HfConfigFields::Bool(const char* key, bool fallback) const {
+  if (!Has(key)) return fallback;
+  if (!j_[key].is_boolean()) return InvalidArgument(what_ + ": '" + key + "' is not a boolean");
+  return j_[key].get<bool>();
+}
+
+Result<std::string> HfConfigFields::String(const char* key, const std::string& fallback) const {
+  if (!Has(key)) return fallback;
+  if (!j_[key].is_string()) return InvalidArgument(what_ + ": '" + key + "' is not a string");
+  return j_[key].get<std::string>();
+}
+
+Result<std::vector<std::int64_t>> HfConfigFields::Ints(const char* key) const {
+  std::vector<std::int64_t> out;
+  if (!Has(key)) return out;
+  if (!j_[key].is_array()) return InvalidArgument(what_ + ": '" + key + "' is not an array of integers");
+  for (const auto& e : j_[key]) {
+    if (!e.is_number_integer()) return InvalidArgument(what_ + ": '" + key + "' holds a non-integer");
+    out.push_back(e.get<std::int64_t>());
+  }
+  return out;
+}
+
+std::string TorchDTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "float32";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    case DType::kF64:
+      return "float64";
+    default:
+      return "";
+  }
+}
+
+std::optional<DType> DTypeFromTorch(std::string s) {
+  if (s.rfind("torch.", 0) == 0) s = s.substr(6);
+  if (s == "float32" || s == "float") return DType::kF32;
+  if (s == "bfloat16") return DType::kBF16;
+  if (s == "float16" || s == "half") return DType::kF16;
+  if (s == "float64" || s == "double") return DType::kF64;
+  return std::nullopt;
+}
+
+Result<double> ReadRopeTheta(const HfConfigFields& f, double fallback, std::vector<std::string>& diffs) {
+  RS_ASSIGN_OR_RETURN(double theta, f.Real("rope_theta", fallback));
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!f.Has(key)) continue;
+    const nlohmann::json& r = f[key];
+    if (!r.is_object()) return InvalidArgument(f.what() + ": '" + key + "' is not an object");
+    std::string type = "default";
+    for (const char* k : {"rope_type", "type"}) {
+      if (r.contains(k) && r[k].is_string()) type = r[k].get<std::string>();
+    }
+    if (type != "default") {
+      diffs.push_back(std::string(key) + " of type '" + type + "' (our RoPE is unscaled)");
+    } else if (r.contains("rope_theta")) {
+      if (!r["rope_theta"].is_number()) return InvalidArgument(f.what() + ": '" + key + ".rope_theta' is not a number");
+      theta = r["rope_theta"].get<double>();
+    }
+  }
+  return theta;
+}
+
+Status CannotExpress(const std::string& what, const std::string& type, const std::vector<std::string>& diffs) {
+  if (diffs.empty()) return Status::Ok();
+  std::string msg = what + ": a " + type + " model our model cannot express: ";
+  for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
+  return FailedPrecondition(msg);
+}
+
+void RestoreOurSettings(const HfConfigFields& f, ModelConfig& c) {
+  const nlohmann::json& j = f.json();
+  if (!(j.contains("moe_reshard") && j["moe_reshard"].is_object() && j["moe_reshard"].contains("model"))) return;
+  auto ours = ModelConfigFromJson(j["moe_reshard"]["model"]);
+  if (!ours.ok()) return;
+  c.name = ours->name;
+  c.z_loss_coef = ours->z_loss_coef;
+  c.bias_update_rate = ours->bias_update_rate;
+  c.router_scale = ours->router_scale;
+  if (!c.AnyDenseLayer()) c.dense_ffn = ours->dense_ffn;
+}
+
+nlohmann::json OurSettings(const ModelConfig& c) {
+  nlohmann::json ours;
+  to_json(ours, c);
+  return nlohmann::json{{"model", ours}};
+}
+
+}  // namespace rs
