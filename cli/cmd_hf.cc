@@ -61,9 +61,9 @@ void RunExport(const ExportArgs& a) {
                "exported %s -> %s (%s, %s): %" PRId64 " tensors in %" PRId64
                " file%s, %s, peak buffer %s of budget %s, "
                "%.2f s\n",
-               a.ckpt.c_str(), a.out.c_str(), r->family.c_str(), std::string(DTypeName(r->dtype)).c_str(), r->tensors, r->files,
-               r->files == 1 ? "" : "s", HumanBytes(r->total_bytes).c_str(), HumanBytes(r->peak_buffer).c_str(),
-               HumanBytes(o.memory_budget).c_str(), Seconds(start));
+               a.ckpt.c_str(), a.out.c_str(), r->family.c_str(), std::string(DTypeName(r->dtype)).c_str(), r->tensors,
+               r->files, r->files == 1 ? "" : "s", HumanBytes(r->total_bytes).c_str(),
+               HumanBytes(r->peak_buffer).c_str(), HumanBytes(o.memory_budget).c_str(), Seconds(start));
 }
 
 struct ImportArgs {
@@ -125,10 +125,9 @@ void RunImport(const ImportArgs& a) {
   std::fprintf(stderr,
                "imported %s (%s, %" PRId64 " tensors in %" PRId64 " file%s) -> %s (layout %s, %s parameters): %" PRId64
                " shards, %s written, %s read, peak buffer %s of budget %s, %.2f s\n",
-               a.dir.c_str(), r->model.family->name.c_str(), r->hf_tensors, r->hf_files,
-               r->hf_files == 1 ? "" : "s", a.out.c_str(), layout->ToString().c_str(),
-               std::string(DTypeName(r->model.config.param_dtype)).c_str(), r->shards,
-               HumanBytes(r->bytes_written).c_str(), HumanBytes(r->bytes_read).c_str(),
+               a.dir.c_str(), r->model.family->name.c_str(), r->hf_tensors, r->hf_files, r->hf_files == 1 ? "" : "s",
+               a.out.c_str(), layout->ToString().c_str(), std::string(DTypeName(r->model.config.param_dtype)).c_str(),
+               r->shards, HumanBytes(r->bytes_written).c_str(), HumanBytes(r->bytes_read).c_str(),
                HumanBytes(r->peak_buffer).c_str(), HumanBytes(o.memory_budget).c_str(), Seconds(start));
 }
 
@@ -136,8 +135,9 @@ void RunImport(const ImportArgs& a) {
 
 void RegisterExport(CLI::App& app) {
   auto a = std::make_shared<ExportArgs>();
-  auto* cmd =
-      app.add_subcommand("export", "Export a checkpoint's parameters as a Hugging Face model of its family (safetensors; `reshard models`)");
+  auto* cmd = app.add_subcommand(
+      "export",
+      "Export a checkpoint's parameters as a Hugging Face model of its family (safetensors; `reshard models`)");
   cmd->add_option("ckpt", a->ckpt, "Source checkpoint directory (opened read-only)")->required();
   cmd->add_option("--format", a->format, "Output format: hf")->required();
   cmd->add_option("-o,--output", a->out, "Output directory (must not exist; appears complete or not at all)")
@@ -155,7 +155,8 @@ void RegisterExport(CLI::App& app) {
 
 void RegisterImport(CLI::App& app) {
   auto a = std::make_shared<ImportArgs>();
-  auto* cmd = app.add_subcommand("import", "Import a Hugging Face model (safetensors; families: `reshard models`) as a checkpoint at any layout");
+  auto* cmd = app.add_subcommand(
+      "import", "Import a Hugging Face model (safetensors; families: `reshard models`) as a checkpoint at any layout");
   cmd->add_option("dir", a->dir, "Hugging Face model directory (config.json and safetensors files)")->required();
   cmd->add_option("--format", a->format, "Input format: hf")->required();
   cmd->add_option("--layout", a->layout, "Target layout, e.g. tp=2,ep=2 [,fsdp_form=flat][,vocab_multiple=N]")

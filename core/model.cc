@@ -208,9 +208,9 @@ namespace {
 // differs from its default (fields added after v2 checkpoints existed, so that their metadata
 // stays byte for byte what it was).
 enum class Write : std::uint8_t { kAlways, kWithGdn, kUnlessDefault };
-using Member = std::variant<std::int64_t ModelConfig::*, double ModelConfig::*, bool ModelConfig::*,
-                            std::string ModelConfig::*, std::vector<std::int64_t> ModelConfig::*,
-                            DType ModelConfig::*, RouterKind ModelConfig::*>;
+using Member =
+    std::variant<std::int64_t ModelConfig::*, double ModelConfig::*, bool ModelConfig::*, std::string ModelConfig::*,
+                 std::vector<std::int64_t> ModelConfig::*, DType ModelConfig::*, RouterKind ModelConfig::*>;
 struct FieldRow {
   const char* name;
   Member member;
@@ -286,8 +286,7 @@ Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpell
   out = value.get<std::string>();
   return Status::Ok();
 }
-Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling,
-                 std::vector<std::int64_t>& out) {
+Status ReadField(const std::string& key, const nlohmann::json& value, DTypeSpelling, std::vector<std::int64_t>& out) {
   if (!value.is_array() || value.size() > static_cast<std::size_t>(ModelConfig::kMaxLayers)) {
     return InvalidArgument("model: field '" + key + "' must be an array of at most 2^16 integers");
   }
@@ -354,8 +353,7 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
       if (key == f.name) row = &f;
     }
     if (row == nullptr) return InvalidArgument("model: unknown field '" + key + "'");
-    RS_RETURN_IF_ERROR(
-        std::visit([&](auto member) { return ReadField(key, value, dtypes, c.*member); }, row->member));
+    RS_RETURN_IF_ERROR(std::visit([&](auto member) { return ReadField(key, value, dtypes, c.*member); }, row->member));
   }
   RS_RETURN_IF_ERROR(c.Validate());
   return c;

@@ -72,8 +72,8 @@ struct TensorSpec {
   std::string state;          // kOptimizerState: the state name ("exp_avg", "master", ...)
   ComponentTable components;  // empty unless fused
   PipelinePlace place;
-  bool expert = false;          // routed-expert weight (or a state of one)
-  std::int64_t vocab_size = 0;  // >0 for vocab-parallel tensors: the true (unpadded) vocab
+  bool expert = false;            // routed-expert weight (or a state of one)
+  std::int64_t vocab_size = 0;    // >0 for vocab-parallel tensors: the true (unpadded) vocab
   TpGrad tp_grad = TpGrad::kCut;  // parameters: how tp reduces its gradient (not stored on disk)
 
   std::int64_t numel() const { return Numel(shape); }

@@ -30,6 +30,9 @@ constexpr NameRule kLayerRules[] = {
     {"input_layernorm.weight", "attn_norm.weight"},
     {"self_attention.linear_qkv.weight", "attn.qkv.weight"},
     {"self_attention.linear_proj.weight", "attn.out.weight"},
+    // qk_layernorm (Qwen3): one [dh] weight per layer, applied to every head.
+    {"self_attention.q_layernorm.weight", "attn.q_norm.weight"},
+    {"self_attention.k_layernorm.weight", "attn.k_norm.weight"},
     {"pre_mlp_layernorm.weight", "mlp_norm.weight"},
     {"mlp.linear_fc1.layer_norm_weight", "mlp_norm.weight"},
     {"mlp.linear_fc1.weight", "mlp.fc1.weight"},
@@ -86,8 +89,8 @@ constexpr NameRule kModelRules[] = {
 
 // Recognised keys our model cannot express, and why.
 constexpr NameRule kRefused[] = {
-    {"q_layernorm", "query/key normalisation (qk_layernorm)"},
-    {"k_layernorm", "query/key normalisation (qk_layernorm)"},
+    {"q_layernorm.bias", "query/key LayerNorm biases (qk_layernorm with LayerNorm, not RMSNorm)"},
+    {"k_layernorm.bias", "query/key LayerNorm biases (qk_layernorm with LayerNorm, not RMSNorm)"},
     {"shared_experts.gate_weight", "a gated shared expert (moe_shared_expert_gate)"},
     {"linear_q_proj", "multi-latent attention"},
     {"linear_q_down_proj", "multi-latent attention"},

@@ -78,8 +78,8 @@ class HfConfigFields {
 };
 
 struct ModelFamily {
-  std::string name;         // ModelConfig::family: "moe", "mixtral", "qwen3_moe"
-  std::string description;  // one line for `reshard models`
+  std::string name;                           // ModelConfig::family: "moe", "mixtral", "qwen3_moe"
+  std::string description;                    // one line for `reshard models`
   std::vector<std::string> hf_model_types;    // config.json model_type values it reads
   std::vector<std::string> hf_architectures;  // config.json architectures[0] values it reads
   // config.json -> our config (family set). FailedPrecondition naming each field our model
@@ -114,8 +114,8 @@ struct ModelFamilyRegistrar {
 std::string ModelFamilyTable();
 
 // Helpers the families' config binders share.
-std::string TorchDTypeName(DType t);                      // "bfloat16"; "" for none
-std::optional<DType> DTypeFromTorch(std::string name);    // "torch.bfloat16", "bfloat16", "float" ...
+std::string TorchDTypeName(DType t);                    // "bfloat16"; "" for none
+std::optional<DType> DTypeFromTorch(std::string name);  // "torch.bfloat16", "bfloat16", "float" ...
 // rope_theta from rope_parameters (transformers 5) / rope_scaling / rope_theta; a scaled RoPE
 // is appended to `diffs`.
 Result<double> ReadRopeTheta(const HfConfigFields& f, double fallback, std::vector<std::string>& diffs);

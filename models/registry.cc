@@ -1,11 +1,10 @@
-#include "models/family.h"
-
 #include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
 
 #include "core/check.h"
+#include "models/family.h"
 
 namespace rs {
 
@@ -224,6 +223,7 @@ void RestoreOurSettings(const HfConfigFields& f, ModelConfig& c) {
   auto ours = ModelConfigFromJson(j["moe_reshard"]["model"]);
   if (!ours.ok()) return;
   c.name = ours->name;
+  c.family = ours->family;  // our own model exported through another family's form comes back as itself
   c.z_loss_coef = ours->z_loss_coef;
   c.bias_update_rate = ours->bias_update_rate;
   c.router_scale = ours->router_scale;

@@ -146,7 +146,8 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   for (const TensorSpec& t : reader->manifest().tensors) {
     if ((t.role == TensorRole::kParameter || t.role == TensorRole::kBuffer) && expected.count(t.name) == 0) {
       return FailedPrecondition("checkpoint '" + ckpt + "': tensor '" + t.name + "' (" +
-                                std::string(TensorRoleName(t.role)) + ") has no counterpart in family '" + family->name + "'");
+                                std::string(TensorRoleName(t.role)) + ") has no counterpart in family '" +
+                                family->name + "'");
     }
   }
   DType dtype = DType::kF32;
@@ -426,13 +427,17 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   result.hf_files = static_cast<std::int64_t>(files.size());
   result.hf_tensors = static_cast<std::int64_t>(available.size());
 
-  // Which expert variant each MoE layer uses: the family's first whose names the files hold.
+  // Which expert variant each MoE layer uses: the family's first whose names the files all
+  // hold (expert 0's; variants may share a name, e.g. the router's). With none complete, the
+  // first: the missing tensor is then named below.
   const ModelFamily& family = *result.model.family;
   auto variant = [&](std::int64_t layer) -> std::string_view {
     for (const std::string_view v : family.hf_variants) {
+      bool complete = true;
       for (const HfNameRow& row : family.hf_names) {
-        if (row.variant == v && available.count(HfRowName(row.hf, layer, 0)) != 0) return v;
+        if (row.variant == v && available.count(HfRowName(row.hf, layer, 0)) == 0) complete = false;
       }
+      if (complete) return v;
     }
     return family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();
   };

@@ -66,12 +66,12 @@ class Attention {
   const T* x_ = nullptr;
   std::vector<T> cos_, sin_;  // [positions, dh/2]
   QkNorm qk_norm_;
-  std::vector<T> qk_raw_;     // q/k norm: [N, (nq+nkv)·dh] the q and k heads before the norm
-  std::vector<T> qk_rstd_;    // q/k norm: [N, nq+nkv] their 1/rms
-  std::vector<T> qkv_;        // [N, (nq+2nkv)·dh], q and k after the rotary embedding
-  std::vector<T> kv_;         // context parallel: [batch, P·seq, 2·nkv·dh] every rank's k and v
-  std::vector<T> probs_;      // [batch, nq, seq, P·seq], causal softmax (zeros above the diagonal)
-  std::vector<T> ctx_;        // [N, nq·dh]
+  std::vector<T> qk_raw_;   // q/k norm: [N, (nq+nkv)·dh] the q and k heads before the norm
+  std::vector<T> qk_rstd_;  // q/k norm: [N, nq+nkv] their 1/rms
+  std::vector<T> qkv_;      // [N, (nq+2nkv)·dh], q and k after the rotary embedding
+  std::vector<T> kv_;       // context parallel: [batch, P·seq, 2·nkv·dh] every rank's k and v
+  std::vector<T> probs_;    // [batch, nq, seq, P·seq], causal softmax (zeros above the diagonal)
+  std::vector<T> ctx_;      // [N, nq·dh]
 };
 
 }  // namespace rs::train

@@ -27,7 +27,7 @@ struct Transformer<T>::Layer {
   Layer(const AttentionShape& s, ModelParallel* par) : attn(s, par) {}
   std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
   std::size_t q_norm = kNone, k_norm = kNone;  // qk_norm
-  std::size_t fc1 = kNone, fc2 = kNone;  // dense MLP
+  std::size_t fc1 = kNone, fc2 = kNone;        // dense MLP
   std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
   Attention<T> attn;
   std::unique_ptr<GroupedSwiGlu<T>> dense;

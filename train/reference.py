@@ -126,12 +126,17 @@ def rope(x, theta):  # x: [S, heads, dh]
     return np.concatenate([a * c - b * sn, b * c + a * sn], axis=-1)
 
 
-def attention(u, wqkv, wout, c):
+def attention(u, wqkv, wout, c, qk_norm=None):
     s = u.shape[0]
     nq, nkv, dh = c["n_heads"], c["n_kv_heads"], c["head_dim"]
     qkv = u @ wqkv.T
-    q = rope(qkv[:, : nq * dh].reshape(s, nq, dh), c["rope_theta"])
-    k = rope(qkv[:, nq * dh:(nq + nkv) * dh].reshape(s, nkv, dh), c["rope_theta"])
+    q = qkv[:, : nq * dh].reshape(s, nq, dh)
+    k = qkv[:, nq * dh:(nq + nkv) * dh].reshape(s, nkv, dh)
+    if qk_norm is not None:  # per-head RMSNorm of queries and keys before RoPE (MODEL.md section 4)
+        q = rmsnorm(q, qk_norm[0], c["norm_eps"])
+        k = rmsnorm(k, qk_norm[1], c["norm_eps"])
+    q = rope(q, c["rope_theta"])
+    k = rope(k, c["rope_theta"])
     v = qkv[:, (nq + nkv) * dh:].reshape(s, nkv, dh)
     ctx = np.zeros((s, nq, dh))
     mask = np.tril(np.ones((s, s), dtype=bool))
@@ -220,9 +225,12 @@ def window_ce(tokens, targets, p, c):
     for i in range(c["n_layers"]):
         pre = "layers.%d." % i
         u = rmsnorm(h, p[pre + "attn_norm.weight"], eps)
-        h = h + attention(u, p[pre + "attn.qkv.weight"], p[pre + "attn.out.weight"], c)
+        qk = (p[pre + "attn.q_norm.weight"], p[pre + "attn.k_norm.weight"]) if c.get("qk_norm", False) else None
+        h = h + attention(u, p[pre + "attn.qkv.weight"], p[pre + "attn.out.weight"], c, qk)
         u = rmsnorm(h, p[pre + "mlp_norm.weight"], eps)
-        moe_layer = c["n_experts"] > 0 and i >= c["first_dense_layers"]
+        step = c.get("moe_layer_step", 1)
+        moe_layer = (c["n_experts"] > 0 and i >= c["first_dense_layers"] and (i + 1) % step == 0
+                     and i not in c.get("dense_layers", []))
         h = h + (moe(u, p, c, pre) if moe_layer else swiglu(u, p[pre + "mlp.fc1.weight"], p[pre + "mlp.fc2.weight"]))
     logits = rmsnorm(h, p["final_norm.weight"], eps) @ p["output.weight"].T
     mx = logits.max(axis=-1, keepdims=True)

@@ -1,6 +1,7 @@
 // Mixtral (MixtralForCausalLM): Llama attention, every layer MoE, the router a softmax over all
 // experts whose top k are renormalised (our 'topk' router), no shared expert.
 #include "models/family.h"
+
 #include "models/llama_names.h"
 
 namespace rs {
@@ -35,9 +36,10 @@ std::vector<std::string> MixtralDifferences(const ModelConfig& c) {
   if (c.shared_ffn > 0)
     diffs.push_back("a shared expert (shared_ffn = " + std::to_string(c.shared_ffn) + "): Mixtral has none");
   if (c.n_experts > 0 && c.AnyDenseLayer()) {
-    diffs.push_back(c.first_dense_layers > 0 ? "dense first layers (first_dense_layers = " +
-                                                   std::to_string(c.first_dense_layers) + "): every Mixtral layer is MoE"
-                                             : std::string("dense layers: every Mixtral layer is MoE"));
+    diffs.push_back(c.first_dense_layers > 0
+                        ? "dense first layers (first_dense_layers = " + std::to_string(c.first_dense_layers) +
+                              "): every Mixtral layer is MoE"
+                        : std::string("dense layers: every Mixtral layer is MoE"));
   }
   if (c.full_attn_interval > 0) {
     diffs.push_back("gated-delta-net layers (full_attn_interval = " + std::to_string(c.full_attn_interval) +

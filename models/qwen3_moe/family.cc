@@ -4,9 +4,10 @@
 // decoder_sparse_step or mlp_only_layers say so. transformers 5 spells the expert count
 // num_local_experts (older files num_experts) and RoPE's theta inside rope_parameters (older:
 // rope_theta); both are read, and export writes both spellings.
+#include "models/family.h"
+
 #include <algorithm>
 
-#include "models/family.h"
 #include "models/llama_names.h"
 
 namespace rs {

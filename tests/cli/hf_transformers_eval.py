@@ -15,6 +15,7 @@ import json
 import math
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 
@@ -45,6 +46,8 @@ def main():
     ap.add_argument("--seq-len", type=int, required=True)
     ap.add_argument("--windows", type=int, default=0)
     a = ap.parse_args()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.float32)
     model.eval()
     data = open(a.data, "rb").read()

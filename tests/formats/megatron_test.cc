@@ -79,6 +79,10 @@ TEST(MegatronKeyTest, Table) {
       {"decoder.layers.0.self_attention.in_proj.weight.alpha", "layers.0.gdn.in_proj.weight", false, "", S::kAlpha, -1},
       {"decoder.layers.self_attention.conv1d.weight.value", "gdn.conv1d.weight", true, "", S::kValue, -1},
       {"decoder.layers.0.self_attention.A_log", "layers.0.gdn.A_log", false, "", S::kWhole, -1},
+      {"decoder.layers.self_attention.q_layernorm.weight", "attn.q_norm.weight", true, "", S::kWhole, -1},
+      {"decoder.layers.4.self_attention.k_layernorm.weight", "layers.4.attn.k_norm.weight", false, "", S::kWhole, -1},
+      {"optimizer.state.exp_avg.decoder.layers.self_attention.k_layernorm.weight", "attn.k_norm.weight", true,
+       "exp_avg", S::kWhole, -1},
       {"decoder.layers.0.self_attention.out_norm.weight", "layers.0.gdn.norm.weight", false, "", S::kWhole, -1},
       {"optimizer.state.fp32_param.decoder.layers.mlp.router.weight", "moe.router.weight", true, "master", S::kWhole,
        -1},
@@ -103,7 +107,7 @@ TEST(MegatronKeyTest, Table) {
   }
   // Recognised, but not expressible: the reason is given.
   const std::pair<const char*, const char*> refused[] = {
-      {"decoder.layers.0.self_attention.q_layernorm.weight", "qk_layernorm"},
+      {"decoder.layers.0.self_attention.q_layernorm.bias", "qk_layernorm with LayerNorm"},
       {"decoder.layers.mlp.shared_experts.gate_weight", "moe_shared_expert_gate"},
       {"decoder.layers.0.self_attention.linear_q_down_proj.weight", "multi-latent attention"},
       {"decoder.layers.0.self_attention.linear_qkv.bias", "biases"},

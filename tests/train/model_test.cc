@@ -8,9 +8,8 @@
 
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <vector>
 
@@ -116,11 +115,12 @@ INSTANTIATE_TEST_SUITE_P(AllRouters, MoeGradTest,
 void CheckWholeModel(const ModelConfig& c, std::uint64_t seed) {
   Transformer<double> model(c, DispatchOptions{DispatchMode::kFused, 16});
   model.Initialize(seed, /*init_std=*/0.4);  // large enough that no gradient is negligible
-  if (c.qk_norm) {  // q/k norm weights away from 1, so that a weight applied wrongly shows
+  if (c.qk_norm) {                           // q/k norm weights away from 1, so that a weight applied wrongly shows
     Rng noise(seed + 7);
     for (std::size_t i = 0; i < model.specs().size(); ++i) {
       if (model.specs()[i].name.find("_norm.weight") == std::string::npos) continue;
-      for (std::int64_t j = 0; j < model.numel(i); ++j) model.params()[static_cast<std::size_t>(model.offset(i) + j)] += 0.3 * noise.Normal();
+      for (std::int64_t j = 0; j < model.numel(i); ++j)
+        model.params()[static_cast<std::size_t>(model.offset(i) + j)] += 0.3 * noise.Normal();
     }
   }
   const std::int64_t b = 2, s = 6;

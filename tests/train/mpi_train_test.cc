@@ -342,7 +342,7 @@ TEST_F(MpiTrainTest, EpAsCpLossesMatchOneProcess) {
 // each tp rank and summed over tp: TpGrad::kReplicatedSum), a dense middle layer
 // (dense_layers), softmax-before-top-k routing. Losses at every layout the trainer runs, and one
 // step's gradients (through exp_avg) at tp=2 and tp=4 (kv heads shared), equal one process's;
-// without the tp sum the q/k norm gradients at tp=2 are each rank's half and the diff fails.
+// without the tp sum the q/k norm gradients at tp=2 are each rank's part and the diff fails.
 TEST_F(MpiTrainTest, QkNormModelMatchesOneProcessAtEveryLayout) {
   const std::string path = tmp_.path().string() + "/qwen3-shaped.json";
   std::ofstream(path) << R"({"name": "qwen3-shaped", "qk_norm": true, "n_layers": 3, "dense_layers": [1], )"
@@ -378,7 +378,9 @@ TEST_F(MpiTrainTest, QkNormModelMatchesOneProcessAtEveryLayout) {
     const std::string many = tmp_.path().string() + "/many-" + layout;
     const CommandResult r = RunMpi(Ranks(layout), step1 + many + " --layout " + layout);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    const CommandResult d = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-6");
+    // 1e-5: the gradients (exp_avg) agree to ~1e-9, but Adam's first step divides a near-zero
+    // gradient by its own magnitude, which lifts rounding in a few master weights to ~1e-6.
+    const CommandResult d = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-5");
     EXPECT_EQ(d.exit_code, 0) << layout << "\n" << d.output;
   }
 }

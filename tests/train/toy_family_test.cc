@@ -3,13 +3,13 @@
 // config.json and tensor names, and imports back at another layout with the same parameters,
 // without any edit outside this file: the proof that a family is a local change.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <unistd.h>
 
 #include "formats/checkpoint_reader.h"
 #include "formats/safetensors.h"
@@ -47,10 +47,10 @@ Result<nlohmann::json> WriteToy(const ModelConfig& c, DType dtype) {
   if (c.shared_ffn > 0 || c.AnyDenseLayer() || c.qk_norm || c.router != RouterKind::kTopKSoftmaxAfter) {
     return FailedPrecondition("model '" + c.name + "' is not a toy_gpt");
   }
-  return nlohmann::json{{"model_type", "toy_gpt"}, {"vocab", c.vocab_size},        {"width", c.d_model},
-                        {"depth", c.n_layers},     {"heads", c.n_heads},           {"kv_heads", c.n_kv_heads},
-                        {"head_width", c.head_dim}, {"experts", c.n_experts},      {"k", c.top_k},
-                        {"expert_width", c.moe_ffn}, {"context", c.max_seq_len},   {"dtype", TorchDTypeName(dtype)}};
+  return nlohmann::json{{"model_type", "toy_gpt"},   {"vocab", c.vocab_size},    {"width", c.d_model},
+                        {"depth", c.n_layers},       {"heads", c.n_heads},       {"kv_heads", c.n_kv_heads},
+                        {"head_width", c.head_dim},  {"experts", c.n_experts},   {"k", c.top_k},
+                        {"expert_width", c.moe_ffn}, {"context", c.max_seq_len}, {"dtype", TorchDTypeName(dtype)}};
 }
 
 const ModelFamilyRegistrar kToy(ModelFamily{
