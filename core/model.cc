@@ -361,10 +361,19 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
 
 namespace {
 
+// A parameter; its initialisation follows from its name's last part: norm weights are ones,
+// the projections back into the residual stream (attention out, gated-delta-net out, fc2) get
+// the scaled normal, everything else the plain one.
 TensorSpec Param(std::string name, DType dtype, Shape shape, std::vector<std::string> axes, std::int64_t layer,
                  TpGrad tp_grad = TpGrad::kCut) {
   TensorSpec t;
   t.tp_grad = tp_grad;
+  auto ends = [&](std::string_view suffix) { return name.ends_with(suffix); };
+  if (ends("norm.weight")) {
+    t.init = TensorInit::kOnes;
+  } else if (ends("attn.out.weight") || ends("fc2.weight")) {
+    t.init = TensorInit::kNormalResidual;
+  }
   t.name = std::move(name);
   t.dtype = dtype;
   t.shape = std::move(shape);
@@ -439,6 +448,7 @@ std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
     if (c.router == RouterKind::kSigmoidBias) {
       auto bias = Param(l + "moe.router.expert_bias", DType::kF32, {c.n_experts}, {""}, i, TpGrad::kReplicated);
       bias.role = TensorRole::kBuffer;
+      bias.init = TensorInit::kZeros;
       out.push_back(bias);
     }
     auto efc1 = Param(l + "moe.experts.fc1.weight", p, {c.n_experts, 2 * c.moe_ffn, d}, {"exp", "mlp", "embed"}, i);

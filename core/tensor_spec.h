@@ -62,6 +62,15 @@ enum class TpGrad : std::uint8_t {
 };
 std::string_view TpGradName(TpGrad g);  // "cut", "replicated", "replicated_sum"
 
+// How a fresh run initialises a parameter or buffer (train/MODEL.md §6), declared with it.
+// Model semantics, not storage, like TpGrad.
+enum class TensorInit : std::uint8_t {
+  kNormal,          // normal(0, init_std)
+  kNormalResidual,  // normal(0, init_std / sqrt(2 · n_layers)): projections into the residual stream
+  kOnes,            // norm weights
+  kZeros,           // buffers (the expert bias)
+};
+
 struct TensorSpec {
   std::string name;
   DType dtype = DType::kF32;
@@ -75,10 +84,11 @@ struct TensorSpec {
   bool expert = false;            // routed-expert weight (or a state of one)
   std::int64_t vocab_size = 0;    // >0 for vocab-parallel tensors: the true (unpadded) vocab
   TpGrad tp_grad = TpGrad::kCut;  // parameters: how tp reduces its gradient (not stored on disk)
+  TensorInit init = TensorInit::kNormal;  // how a fresh run fills it (not stored on disk)
 
   std::int64_t numel() const { return Numel(shape); }
   std::int64_t nbytes() const { return numel() * static_cast<std::int64_t>(DTypeSize(dtype)); }
-  // Compares what a checkpoint stores (every field but tp_grad), so that a spec read back from a
+  // Compares what a checkpoint stores (every field but tp_grad and init), so that a spec read back from a
   // manifest equals the one the model declared.
   friend bool operator==(const TensorSpec& a, const TensorSpec& b) {
     return a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.axes == b.axes && a.role == b.role &&

@@ -58,13 +58,10 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
     const bool tp_cut = tp_size > 1 && state.CutOverTp(i);
     const bool etp_counts = etp_size == 1 || state.CutOverEtp(i) || etp_index == 0;
     // QKV with kv heads shared by tp ranks: its query rows are this rank's own, its kv rows
-    // the kv group's (the out projection's width gives the query rows).
+    // the kv group's (its component table gives the query rows).
     std::int64_t kv_begin = end;
-    if (kv_rep > 1 && specs[i].name.ends_with("attn.qkv.weight")) {
-      const std::string out = specs[i].name.substr(0, specs[i].name.size() - 10) + "out.weight";
-      const auto o = model.index(out);
-      RS_CHECK(o.has_value() && specs[*o].shape.size() == 2);
-      kv_begin = begin + specs[*o].shape[1] * specs[i].shape[1];
+    if (kv_rep > 1 && IsFusedQkv(specs[i])) {
+      kv_begin = begin + LocalQueryRows(specs[i], tp_size) * specs[i].shape[1];
       RS_CHECK(kv_begin < end);
       p.kv.emplace_back(kv_begin, end);
     }

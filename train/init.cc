@@ -2,32 +2,25 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string_view>
 
 #include "core/check.h"
 #include "train/rng.h"
 
 namespace rs::train {
-namespace {
-
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-}  // namespace
 
 template <typename T>
 void InitialPiece(const TensorSpec& spec, const Piece& piece, const InitOptions& options, std::span<T> out) {
   RS_CHECK(static_cast<std::int64_t>(out.size()) == piece.numel());
-  if (EndsWith(spec.name, "norm.weight")) {
+  // What each tensor starts as is declared with it (TensorInit, core/model.cc).
+  if (spec.init == TensorInit::kOnes) {
     std::fill(out.begin(), out.end(), T(1));
     return;
   }
-  if (spec.role == TensorRole::kBuffer) {
+  if (spec.init == TensorInit::kZeros) {
     std::fill(out.begin(), out.end(), T(0));
     return;
   }
-  const bool residual_out = EndsWith(spec.name, "attn.out.weight") || EndsWith(spec.name, "fc2.weight");
+  const bool residual_out = spec.init == TensorInit::kNormalResidual;
   const double std =
       residual_out ? options.init_std / std::sqrt(2.0 * static_cast<double>(options.n_layers)) : options.init_std;
   const std::uint64_t stream = Mix64(options.seed ^ Fnv1a64(spec.name));

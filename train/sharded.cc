@@ -24,10 +24,6 @@ std::int64_t Coord(const Mesh& mesh, const std::vector<std::int64_t>& coords, co
   return i ? coords[*i] : 0;
 }
 
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 std::span<std::byte> Bytes(std::span<float> x) { return std::as_writable_bytes(x); }
 
 using CopyRun = ShardedState::CopyRun;
@@ -795,6 +791,17 @@ Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>&
   return Status::Ok();
 }
 
+bool IsFusedQkv(const TensorSpec& t) {
+  const auto& c = t.components.components;
+  return c.size() == 3 && c[0].name == "query" && c[1].name == "key" && c[2].name == "value" &&
+         t.components.dim == 0 && t.shape.size() == 2;
+}
+
+std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp) {
+  RS_CHECK(IsFusedQkv(qkv) && tp >= 1 && qkv.components.components[0].size % tp == 0);
+  return qkv.components.components[0].size / tp * qkv.components.unit_rows;
+}
+
 Status SumOverTp(dist::Communicator& tp, const std::vector<TensorSpec>& specs,
                  const std::function<std::span<float>(std::size_t)>& grad) {
   std::vector<float> packed;
@@ -828,12 +835,8 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
     // A kv head replicated over several tp ranks: each computed its gradient from its own query
     // heads; the head's gradient is their sum.
     for (std::size_t i = 0; i < local_specs_.size(); ++i) {
-      if (!EndsWith(local_specs_[i].name, "attn.qkv.weight")) continue;
-      const std::string out = local_specs_[i].name.substr(0, local_specs_[i].name.size() - 10) + "out.weight";
-      const auto o =
-          std::find_if(local_specs_.begin(), local_specs_.end(), [&](const TensorSpec& s) { return s.name == out; });
-      RS_CHECK(o != local_specs_.end());
-      const std::int64_t d = config_.d_model, q_rows = o->shape[1];
+      if (!IsFusedQkv(local_specs_[i])) continue;
+      const std::int64_t d = config_.d_model, q_rows = LocalQueryRows(local_specs_[i], groups.tp->size());
       auto kv = grads.subspan(static_cast<std::size_t>(model.offset(i) + q_rows * d),
                               static_cast<std::size_t>(model.numel(i) - q_rows * d));
       RS_RETURN_IF_ERROR(groups.kv->AllReduce(kv, dist::ReduceOp::kSum));

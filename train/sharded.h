@@ -65,6 +65,12 @@ struct ProcessGroups {
   void ResetStats();
 };
 
+// Whether `t` is an attention projection whose component table is query, key and value heads
+// (the fused QKV), and how many rows of a rank's local copy are its query heads when tp ranks
+// split them evenly.
+bool IsFusedQkv(const TensorSpec& t);
+std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp);
+
 // Sums over tp (one packed all-reduce) the gradients of the tensors declared
 // TpGrad::kReplicatedSum: every tp rank holds them whole but computed its gradient from its own
 // heads only. `grad(i)` is tensor i's gradient in the caller's memory.

@@ -169,12 +169,12 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
   } else {
     RS_CHECK(share.vocab_offset == 0 && share.ranks == 1 && share.etp_ranks == 1);
     for (TensorSpec& s : specs_) {
-      if (s.name.find(".moe.experts.") == std::string::npos) continue;
+      if (!s.expert) continue;  // the routed experts' tensors, declared so by the model
       s.shape[0] = local_experts_;
     }
   }
   for (const TensorSpec& s : specs_) {
-    RS_CHECK_MSG(s.name.find(".moe.experts.") == std::string::npos || s.shape[0] == local_experts_,
+    RS_CHECK_MSG(!s.expert || s.shape[0] == local_experts_,
                  s.name << " holds " << s.shape[0] << " experts, the block has " << local_experts_);
   }
   for (const TensorSpec& s : specs_) {
