@@ -15,8 +15,8 @@
 #include "cli/reshard_args.h"
 #include "cli/source_args.h"
 #include "cli/util.h"
-#include "dist/commit.h"
-#include "dist/mpi.h"
+#include "formats/checkpoint_commit.h"
+#include "comm/mpi.h"
 #include "formats/dcp_verify.h"
 #include "formats/verify.h"
 #include "reshard/execute.h"
@@ -113,7 +113,7 @@ void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, dou
 }
 
 void RunConvert(const ConvertArgs& a) {
-  dist::MpiWorld& world = dist::MpiWorld::Get();
+  comm::MpiWorld& world = comm::MpiWorld::Get();
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   auto setup = Prepare(a);
@@ -146,7 +146,7 @@ void RunConvert(const ConvertArgs& a) {
   const std::vector<std::int64_t> owner =
       world.active() ? AssignRanks(setup->plan, world.size()) : std::vector<std::int64_t>{};
   ExecuteStats stats;
-  const Status st = dist::WriteCheckpointTogether(world.comm(), a.out, setup->writer, [&](CheckpointWriter& writer) {
+  const Status st = WriteCheckpointTogether(world.comm(), a.out, setup->writer, [&](CheckpointWriter& writer) {
     auto s = WriteShare(*setup, writer, owner, world.rank(), /*show_progress=*/world.rank() == 0);
     if (!s.ok()) return s.status();
     stats = *s;

@@ -16,7 +16,7 @@
 #include "cli/cuda_plugin.h"
 #include "cli/reshard_args.h"
 #include "cli/util.h"
-#include "dist/mpi.h"
+#include "comm/mpi.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/eval.h"
@@ -87,7 +87,7 @@ Result<PhysicalLayout> TrainLayoutArg(const TrainArgs& a) {
 }
 
 void RunTrain(TrainArgs& a) {
-  dist::MpiWorld& world = dist::MpiWorld::Get();
+  comm::MpiWorld& world = comm::MpiWorld::Get();
   const bool lead = world.rank() == 0;
   // Errors every rank sees alike (arguments, files, layout vs. np) end each rank with the same
   // message and exit code; errors of one rank in the middle of collective work abort the run.

@@ -11,7 +11,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/layout.h"
-#include "dist/commit.h"
+#include "formats/checkpoint_commit.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
 
@@ -86,7 +86,7 @@ Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replic
   const Corpus& corpus = trainer.corpus();
   WriterOptions options;
   options.producer = "rs-train";
-  return dist::WriteCheckpointTogether(*trainer.groups().world, dir, options, [&](CheckpointWriter& writer) {
+  return WriteCheckpointTogether(*trainer.groups().world, dir, options, [&](CheckpointWriter& writer) {
     for (const TensorSpec& t : state.map().tensors()) RS_RETURN_IF_ERROR(writer.AddTensor(t));
     RS_RETURN_IF_ERROR(state.Save(writer, trainer.model(), trainer.step(), with_replicas));
     writer.SetLayout(state.layout().layout.ToJson());

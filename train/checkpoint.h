@@ -21,7 +21,7 @@ namespace rs::train {
 // Writes the trainer's full state to `dir` (which must not exist: AlreadyExists) at the
 // trainer's layout: every rank writes its own shards into "rank-<rank>.h5" (main replicas, all
 // with `with_replicas`), and the checkpoint is committed once, atomically, for all ranks
-// (dist/commit.h). Collective over the trainer's world. IoError from the file system; a
+// (formats/checkpoint_commit.h). Collective over the trainer's world. IoError from the file system; a
 // failure on any rank fails every rank and leaves nothing at `dir`.
 Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas = false);
 

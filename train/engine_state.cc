@@ -7,17 +7,17 @@
 namespace rs::train {
 namespace {
 
-bool Summed(const dist::Communicator* c) { return c != nullptr && c->size() > 1; }
+bool Summed(const comm::Communicator* c) { return c != nullptr && c->size() > 1; }
 
 // Sums over `ep` the items of `part` (items [first, first + size) of the vector) in `runs`.
-Status SumRuns(const ItemRuns& runs, dist::Communicator* ep, std::span<float> part, std::int64_t first) {
+Status SumRuns(const ItemRuns& runs, comm::Communicator* ep, std::span<float> part, std::int64_t first) {
   if (!Summed(ep)) return Status::Ok();
   const std::int64_t last = first + static_cast<std::int64_t>(part.size());
   for (const auto& [lo, hi] : runs) {
     const std::int64_t a = std::max(lo, first), b = std::min(hi, last);
     if (a >= b) continue;
     RS_RETURN_IF_ERROR(ep->AllReduce(part.subspan(static_cast<std::size_t>(a - first), static_cast<std::size_t>(b - a)),
-                                     dist::ReduceOp::kSum)
+                                     comm::ReduceOp::kSum)
                            .WithContext("gradient all-reduce over ep"));
   }
   return Status::Ok();
@@ -78,7 +78,7 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
 Result<LocalBatch> PlanLocalBatch(const ShardedState& state, const ProcessGroups& groups, std::int64_t batch,
                                   std::int64_t seq) {
   LocalBatch b;
-  const dist::Communicator* data = groups.data != nullptr ? groups.data.get() : groups.world;
+  const comm::Communicator* data = groups.data != nullptr ? groups.data.get() : groups.world;
   const std::int64_t ranks = groups.world != nullptr ? groups.world->size() : 1;
   b.data_ranks = data != nullptr ? data->size() : 1;
   b.tp_ranks = groups.tp != nullptr ? groups.tp->size() : 1;
@@ -97,11 +97,11 @@ Result<LocalBatch> PlanLocalBatch(const ShardedState& state, const ProcessGroups
   return b;
 }
 
-Status SumKvGradients(const LocalModelPlan& plan, dist::Communicator* kv, std::span<float> grads) {
+Status SumKvGradients(const LocalModelPlan& plan, comm::Communicator* kv, std::span<float> grads) {
   if (plan.kv.empty() || !Summed(kv)) return Status::Ok();
   for (const auto& [lo, hi] : plan.kv) {
     RS_RETURN_IF_ERROR(kv->AllReduce(grads.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo)),
-                                     dist::ReduceOp::kSum)
+                                     comm::ReduceOp::kSum)
                            .WithContext("kv-head gradient all-reduce"));
   }
   return Status::Ok();
@@ -110,19 +110,19 @@ Status SumKvGradients(const LocalModelPlan& plan, dist::Communicator* kv, std::s
 Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& groups, std::span<float> grads) {
   RS_RETURN_IF_ERROR(SumKvGradients(plan, groups.kv, grads));
   if (Summed(groups.same)) {
-    RS_RETURN_IF_ERROR(groups.same->AllReduce(grads, dist::ReduceOp::kSum).WithContext("gradient all-reduce"));
+    RS_RETURN_IF_ERROR(groups.same->AllReduce(grads, comm::ReduceOp::kSum).WithContext("gradient all-reduce"));
   }
   return plan.experts_cut ? SumRuns(plan.shared, groups.ep, grads, 0) : Status::Ok();
 }
 
-Status SumBlockGradients(const LocalModelPlan& plan, dist::Communicator& fsdp, dist::Communicator* replicas,
-                         dist::Communicator* ep, std::span<const float> grads, std::span<float> block,
+Status SumBlockGradients(const LocalModelPlan& plan, comm::Communicator& fsdp, comm::Communicator* replicas,
+                         comm::Communicator* ep, std::span<const float> grads, std::span<float> block,
                          std::int64_t first) {
   RS_CHECK(grads.size() == block.size() * static_cast<std::size_t>(fsdp.size()));
   RS_RETURN_IF_ERROR(fsdp.ReduceScatter(grads, block).WithContext("gradient reduce-scatter"));
   if (Summed(replicas)) {
     RS_RETURN_IF_ERROR(
-        replicas->AllReduce(block, dist::ReduceOp::kSum).WithContext("gradient all-reduce over the block's replicas"));
+        replicas->AllReduce(block, comm::ReduceOp::kSum).WithContext("gradient all-reduce over the block's replicas"));
   }
   return plan.experts_cut ? SumRuns(plan.shared, ep, block, first) : Status::Ok();
 }

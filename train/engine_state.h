@@ -1,7 +1,7 @@
 // The host-side plan of an engine that keeps every rank's local model on its device
 // (train/cuda/engine.h) at the layouts ShardedState::FitsLocalEngine() accepts: which items
 // count in the gradient norm on this rank, and over which ranks each item's gradient is summed.
-// It is written against dist::Communicator only, so the same code sums device memory through the
+// It is written against comm::Communicator only, so the same code sums device memory through the
 // device communicators on GPUs and host memory through MPI in the CPU tests
 // (tests/train/whole_state_test.cc checks it there against a one-process run and against the
 // CPU path's own reduction at the same layout).
@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "core/status.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "train/model.h"
 #include "train/optimizer.h"
 #include "train/sharded.h"
@@ -57,20 +57,20 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
 
 // The communicators one sum uses (null or one rank: skipped).
 struct GradientGroups {
-  dist::Communicator* same = nullptr;  // the data group; with experts cut: the ranks with the same experts
-  dist::Communicator* ep = nullptr;    // with experts cut: the ep group
-  dist::Communicator* kv = nullptr;    // with kv heads shared by tp ranks: the kv group
+  comm::Communicator* same = nullptr;  // the data group; with experts cut: the ranks with the same experts
+  comm::Communicator* ep = nullptr;    // with experts cut: the ep group
+  comm::Communicator* kv = nullptr;    // with kv heads shared by tp ranks: the kv group
 };
 // The kv rows' partial gradients summed over the kv group (in place; the first of the sums,
 // before any other group sees the vector).
-Status SumKvGradients(const LocalModelPlan& plan, dist::Communicator* kv, std::span<float> grads);
+Status SumKvGradients(const LocalModelPlan& plan, comm::Communicator* kv, std::span<float> grads);
 // grads: the whole local vector; summed in place (the kv sum included).
 Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& groups, std::span<float> grads);
 // `grads` (the padded vector, fsdp.size() blocks; its kv sum done) reduce-scattered over `fsdp` into `block`
 // (items [first, first + block.size())), then summed over `replicas` (the ranks with the same
 // block of the same vector) and the stretches outside the experts over groups.ep.
-Status SumBlockGradients(const LocalModelPlan& plan, dist::Communicator& fsdp, dist::Communicator* replicas,
-                         dist::Communicator* ep, std::span<const float> grads, std::span<float> block,
+Status SumBlockGradients(const LocalModelPlan& plan, comm::Communicator& fsdp, comm::Communicator* replicas,
+                         comm::Communicator* ep, std::span<const float> grads, std::span<float> block,
                          std::int64_t first);
 // What one step of this rank computes on: `rows` sequences of `seq` positions (the trainer's
 // rows of the batch; under context parallelism its part of their positions), and the ranks of

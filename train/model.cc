@@ -83,7 +83,7 @@ double VocabParallelCrossEntropy(const T* logits, const std::int32_t* targets, s
     const T* li = logits + i * vl;
     if (valid > 0) mx[static_cast<std::size_t>(i)] = *std::max_element(li, li + valid);
   }
-  par.AllReduceTp(std::span<T>(mx), dist::ReduceOp::kMax);
+  par.AllReduceTp(std::span<T>(mx), comm::ReduceOp::kMax);
   std::vector<double> sum(un, 0.0), target(un, 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     const T* li = logits + i * vl;

@@ -24,25 +24,25 @@
 #include <type_traits>
 
 #include "core/status.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 
 namespace rs::train {
 
 struct ModelParallel {
-  dist::Communicator* tp = nullptr;
-  dist::Communicator* data = nullptr;
+  comm::Communicator* tp = nullptr;
+  comm::Communicator* data = nullptr;
   std::int64_t global_rows = 0;   // token rows of the whole batch over `data` (0: this pass's rows)
   std::int64_t vocab_offset = 0;  // first (padded) vocab row of this rank's embedding / output
   Status status;                  // first failed collective; sticky until cleared
-  dist::Communicator* ep = nullptr;
+  comm::Communicator* ep = nullptr;
   std::int64_t expert_offset = 0;  // first expert of this rank's expert tensors
   // Context parallelism (the ep axis under the ep-as-cp rules): the ranks that hold other
   // positions of the same sequences; this rank's are [cp_rank · seq, (cp_rank + 1) · seq).
-  dist::Communicator* cp = nullptr;
+  comm::Communicator* cp = nullptr;
   // Expert tensor parallelism (etp > 1): the ranks that share tokens and hold other shares of
   // every expert's ffn, so the routed experts' outputs are partial sums over this group rather
   // than over tp (null: tp, where the experts' ffn is cut over tp as the dense MLP's is).
-  dist::Communicator* etp = nullptr;
+  comm::Communicator* etp = nullptr;
 
   std::int64_t tp_size() const { return tp != nullptr ? tp->size() : 1; }
   std::int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
@@ -52,15 +52,15 @@ struct ModelParallel {
   std::int64_t GlobalRows(std::int64_t local_rows) const { return global_rows > 0 ? global_rows : local_rows; }
 
   template <typename T>
-  void AllReduceTp(std::span<T> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
+  void AllReduceTp(std::span<T> x, comm::ReduceOp op = comm::ReduceOp::kSum) {
     Reduce(tp, x, op);
   }
   template <typename T>
   void AllReduceExperts(std::span<T> x) {
-    Reduce(etp != nullptr ? etp : tp, x, dist::ReduceOp::kSum);
+    Reduce(etp != nullptr ? etp : tp, x, comm::ReduceOp::kSum);
   }
   template <typename T>
-  void AllReduceData(std::span<T> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
+  void AllReduceData(std::span<T> x, comm::ReduceOp op = comm::ReduceOp::kSum) {
     Reduce(data, x, op);
   }
   // Over ep: every rank's `send` (same size) in rank order.
@@ -105,7 +105,7 @@ struct ModelParallel {
 
  private:
   template <typename T>
-  void Reduce(dist::Communicator* c, std::span<T> x, dist::ReduceOp op) {
+  void Reduce(comm::Communicator* c, std::span<T> x, comm::ReduceOp op) {
     if (c == nullptr || c->size() == 1 || !status.ok()) return;
     status = c->AllReduce(x, op);
   }

@@ -53,7 +53,7 @@ std::vector<double> SinkhornBalance(const T* logits, std::int64_t n, std::int64_
   // cannot overflow.
   double mx = -std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < sz; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
-  pp.AllReduceData(std::span<double>(&mx, 1), dist::ReduceOp::kMax);
+  pp.AllReduceData(std::span<double>(&mx, 1), comm::ReduceOp::kMax);
   for (std::size_t i = 0; i < sz; ++i) c[i] = std::exp(static_cast<double>(logits[i]) - mx);
   std::vector<double> d0(static_cast<std::size_t>(n), 1.0), d1(static_cast<std::size_t>(e), 1.0);
   std::vector<double> colsum(static_cast<std::size_t>(e));

@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "core/check.h"
-#include "dist/mesh_groups.h"
+#include "comm/mesh_groups.h"
 #include "formats/checkpoint_writer.h"
 #include "train/init.h"
 
@@ -107,8 +107,8 @@ void CopyRuns(const std::vector<CopyRun>& runs, std::span<const float> src, std:
 
 }  // namespace
 
-dist::CommStats ProcessGroups::Stats() const {
-  dist::CommStats s = world != nullptr ? world->stats() : dist::CommStats{};
+comm::CommStats ProcessGroups::Stats() const {
+  comm::CommStats s = world != nullptr ? world->stats() : comm::CommStats{};
   for (const auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), etp.get(), data.get(), kv.get()}) {
     if (c != nullptr) s += c->stats();
   }
@@ -475,7 +475,7 @@ Placement ShardedState::ComputePlacement(std::size_t i) const {
   return Placement{tensors_[i].ckpt, rank_, ReplicaKind::kMain, tensors_[i].local, std::nullopt};
 }
 
-Result<ProcessGroups> ShardedState::MakeGroups(dist::Communicator& world) const {
+Result<ProcessGroups> ShardedState::MakeGroups(comm::Communicator& world) const {
   const Mesh& mesh = layout().layout.mesh();
   if (world.size() != mesh.size()) {
     return InvalidArgument("layout " + layout().ToString() + " has " + std::to_string(mesh.size()) +
@@ -484,15 +484,15 @@ Result<ProcessGroups> ShardedState::MakeGroups(dist::Communicator& world) const 
   }
   ProcessGroups g;
   g.world = &world;
-  RS_ASSIGN_OR_RETURN(g.tp, dist::MeshGroup(world, mesh, {kTpAxis}, "tp"));
-  RS_ASSIGN_OR_RETURN(g.fsdp, dist::MeshGroup(world, mesh, {kFsdpAxis}, "fsdp"));
-  RS_ASSIGN_OR_RETURN(g.dp, dist::MeshGroup(world, mesh, {kDpAxis}, "dp"));
-  RS_ASSIGN_OR_RETURN(g.ep, dist::MeshGroup(world, mesh, {kEpAxis}, "ep"));
-  RS_ASSIGN_OR_RETURN(g.etp, dist::MeshGroup(world, mesh, {kEtpAxis}, "etp"));
-  RS_ASSIGN_OR_RETURN(g.data, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis, kEpAxis}, "data"));
-  RS_ASSIGN_OR_RETURN(g.same_experts, dist::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis}, "same-experts"));
+  RS_ASSIGN_OR_RETURN(g.tp, comm::MeshGroup(world, mesh, {kTpAxis}, "tp"));
+  RS_ASSIGN_OR_RETURN(g.fsdp, comm::MeshGroup(world, mesh, {kFsdpAxis}, "fsdp"));
+  RS_ASSIGN_OR_RETURN(g.dp, comm::MeshGroup(world, mesh, {kDpAxis}, "dp"));
+  RS_ASSIGN_OR_RETURN(g.ep, comm::MeshGroup(world, mesh, {kEpAxis}, "ep"));
+  RS_ASSIGN_OR_RETURN(g.etp, comm::MeshGroup(world, mesh, {kEtpAxis}, "etp"));
+  RS_ASSIGN_OR_RETURN(g.data, comm::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis, kEpAxis}, "data"));
+  RS_ASSIGN_OR_RETURN(g.same_experts, comm::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis}, "same-experts"));
   for (const BoxGroup& b : box_groups_) {
-    RS_ASSIGN_OR_RETURN(auto c, dist::MeshGroup(world, mesh, b.axes, b.axes.size() > 1 ? "fsdp-ep" : "fsdp"));
+    RS_ASSIGN_OR_RETURN(auto c, comm::MeshGroup(world, mesh, b.axes, b.axes.size() > 1 ? "fsdp-ep" : "fsdp"));
     g.box.push_back(std::move(c));
   }
   if (kv_replication_ > 1) {
@@ -589,15 +589,15 @@ Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> o
     if (tensors_[i].owned < 0) continue;
     CopyRuns(tensors_[i].self, owned.subspan(static_cast<std::size_t>(tensors_[i].owned)), dst, /*to_compute=*/true);
   }
-  dist::Communicator* data = groups.data != nullptr ? groups.data.get() : groups.world;
+  comm::Communicator* data = groups.data != nullptr ? groups.data.get() : groups.world;
   if (data == nullptr || data->size() == 1) return Status::Ok();
   // Buffers ride along: they are equal on every rank, and max(x, x) = x.
   if (groups.ep == nullptr || groups.ep->size() == 1 || !experts_over_ep_) {
-    return data->AllReduce(local, dist::ReduceOp::kMax);
+    return data->AllReduce(local, comm::ReduceOp::kMax);
   }
   // Experts: over the ranks holding the same ones. The rest: over them, then over ep, which
   // joins one such group per ep index – the data group.
-  RS_RETURN_IF_ERROR(groups.same_experts->AllReduce(local, dist::ReduceOp::kMax));
+  RS_RETURN_IF_ERROR(groups.same_experts->AllReduce(local, comm::ReduceOp::kMax));
   std::int64_t begin = 0;
   for (std::size_t i = 0; i <= tensors_.size(); ++i) {
     const bool end = i == tensors_.size();
@@ -606,7 +606,7 @@ Status ShardedState::GatherLocal(ProcessGroups& groups, std::span<const float> o
     if (stop > begin) {
       RS_RETURN_IF_ERROR(
           groups.ep->AllReduce(local.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(stop - begin)),
-                               dist::ReduceOp::kMax));
+                               comm::ReduceOp::kMax));
     }
     if (!end) begin = model.offset(i) + model.numel(i);
   }
@@ -802,7 +802,7 @@ std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp) {
   return qkv.components.components[0].size / tp * qkv.components.unit_rows;
 }
 
-Status SumOverTp(dist::Communicator& tp, const std::vector<TensorSpec>& specs,
+Status SumOverTp(comm::Communicator& tp, const std::vector<TensorSpec>& specs,
                  const std::function<std::span<float>(std::size_t)>& grad) {
   std::vector<float> packed;
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -811,7 +811,7 @@ Status SumOverTp(dist::Communicator& tp, const std::vector<TensorSpec>& specs,
     packed.insert(packed.end(), g.begin(), g.end());
   }
   if (packed.empty() || tp.size() == 1) return Status::Ok();
-  RS_RETURN_IF_ERROR(tp.AllReduce(std::span<float>(packed), dist::ReduceOp::kSum));
+  RS_RETURN_IF_ERROR(tp.AllReduce(std::span<float>(packed), comm::ReduceOp::kSum));
   auto it = packed.begin();
   for (std::size_t i = 0; i < specs.size(); ++i) {
     if (specs[i].role != TensorRole::kParameter || specs[i].tp_grad != TpGrad::kReplicatedSum) continue;
@@ -839,7 +839,7 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
       const std::int64_t d = config_.d_model, q_rows = LocalQueryRows(local_specs_[i], groups.tp->size());
       auto kv = grads.subspan(static_cast<std::size_t>(model.offset(i) + q_rows * d),
                               static_cast<std::size_t>(model.numel(i) - q_rows * d));
-      RS_RETURN_IF_ERROR(groups.kv->AllReduce(kv, dist::ReduceOp::kSum));
+      RS_RETURN_IF_ERROR(groups.kv->AllReduce(kv, comm::ReduceOp::kSum));
     }
   }
   if (plan_ != nullptr) {  // flat: one reduce-scatter per bucket
@@ -880,7 +880,7 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
   if (!ep_shared_.empty() && groups.ep != nullptr && groups.ep->size() > 1) {
     std::vector<float> packed;
     for (const ItemRange& r : ep_shared_) packed.insert(packed.end(), grad_.begin() + r.begin, grad_.begin() + r.end);
-    RS_RETURN_IF_ERROR(groups.ep->AllReduce(std::span<float>(packed), dist::ReduceOp::kSum));
+    RS_RETURN_IF_ERROR(groups.ep->AllReduce(std::span<float>(packed), comm::ReduceOp::kSum));
     auto it = packed.begin();
     for (const ItemRange& r : ep_shared_) {
       std::copy_n(it, r.size(), grad_.begin() + r.begin);
@@ -888,7 +888,7 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
     }
   }
   if (groups.dp != nullptr && groups.dp->size() > 1) {
-    RS_RETURN_IF_ERROR(groups.dp->AllReduce(std::span<float>(grad_), dist::ReduceOp::kSum));
+    RS_RETURN_IF_ERROR(groups.dp->AllReduce(std::span<float>(grad_), comm::ReduceOp::kSum));
   }
   return Status::Ok();
 }
@@ -896,7 +896,7 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
 Result<UpdateInfo> ShardedState::Update(ProcessGroups& groups, std::int64_t step) {
   return opt_->Update(master_, grad_, step, [&](double sq) -> Result<double> {
     if (groups.world != nullptr)
-      RS_RETURN_IF_ERROR(groups.world->AllReduce(std::span<double>(&sq, 1), dist::ReduceOp::kSum));
+      RS_RETURN_IF_ERROR(groups.world->AllReduce(std::span<double>(&sq, 1), comm::ReduceOp::kSum));
     return sq;
   });
 }

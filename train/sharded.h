@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "core/model.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
 #include "reshard/physical_layout.h"
@@ -54,14 +54,14 @@ namespace rs::train {
 
 // The process groups of a rank; null members are groups of one.
 struct ProcessGroups {
-  dist::Communicator* world = nullptr;
-  std::unique_ptr<dist::Communicator> tp, fsdp, dp, ep, etp, data, kv;
+  comm::Communicator* world = nullptr;
+  std::unique_ptr<comm::Communicator> tp, fsdp, dp, ep, etp, data, kv;
   // dp × fsdp: without expert-tensor or context parallelism, the ranks that hold the same
   // experts (every rank's expert tensors are its tp index's share of its ep index's block).
-  std::unique_ptr<dist::Communicator> same_experts;
-  std::vector<std::unique_ptr<dist::Communicator>> box;  // per box group of the state
+  std::unique_ptr<comm::Communicator> same_experts;
+  std::vector<std::unique_ptr<comm::Communicator>> box;  // per box group of the state
   // Bytes this rank received in every group since the last reset.
-  dist::CommStats Stats() const;
+  comm::CommStats Stats() const;
   void ResetStats();
 };
 
@@ -74,7 +74,7 @@ std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp);
 // Sums over tp (one packed all-reduce) the gradients of the tensors declared
 // TpGrad::kReplicatedSum: every tp rank holds them whole but computed its gradient from its own
 // heads only. `grad(i)` is tensor i's gradient in the caller's memory.
-Status SumOverTp(dist::Communicator& tp, const std::vector<TensorSpec>& specs,
+Status SumOverTp(comm::Communicator& tp, const std::vector<TensorSpec>& specs,
                  const std::function<std::span<float>(std::size_t)>& grad);
 
 class ShardedState {
@@ -91,7 +91,7 @@ class ShardedState {
 
   // Builds the communicators of the layout's groups (collective over `world`, whose size must
   // be the mesh size).
-  Result<ProcessGroups> MakeGroups(dist::Communicator& world) const;
+  Result<ProcessGroups> MakeGroups(comm::Communicator& world) const;
 
   const PhysicalMap& map() const { return *map_; }
   const PhysicalLayout& layout() const { return map_->layout(); }

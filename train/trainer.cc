@@ -77,10 +77,10 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
   // cannot hold before allocating any of it.
   RS_RETURN_IF_ERROR(CheckModelMemory(model, train.batch_size, train.seq_len > 0 ? train.seq_len : model.max_seq_len,
                                       /*training=*/true, parallel.layout.layout.num_ranks()));
-  std::unique_ptr<dist::Communicator> self;
-  dist::Communicator* world = parallel.world;
+  std::unique_ptr<comm::Communicator> self;
+  comm::Communicator* world = parallel.world;
   if (world == nullptr) {
-    self = dist::MakeSelfCommunicator("world");
+    self = comm::MakeSelfCommunicator("world");
     world = self.get();
   }
   RS_ASSIGN_OR_RETURN(auto state, ShardedState::Create(model, parallel.layout, world->rank(), train.optimizer));

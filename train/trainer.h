@@ -17,7 +17,7 @@
 
 #include "core/model.h"
 #include "core/status.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "reshard/physical_layout.h"
 #include "train/data.h"
 #include "train/model.h"
@@ -49,7 +49,7 @@ Result<TrainConfig> TrainConfigFromJson(const nlohmann::json& j);
 struct TrainParallel {
   // Default: one process ("tp=1", megatron rules, flat fsdp form).
   PhysicalLayout layout = DefaultLayout();
-  dist::Communicator* world = nullptr;  // null: a single process
+  comm::Communicator* world = nullptr;  // null: a single process
   static PhysicalLayout DefaultLayout();
 };
 
@@ -61,7 +61,7 @@ struct StepReport {
   double seconds = 0;       // wall time of the step
   double comm_seconds = 0;  // of which in gradient/parameter collectives outside the model
   // (comm.seconds: in every collective, those inside forward/backward included)
-  dist::CommStats comm;  // bytes this rank received during the step
+  comm::CommStats comm;  // bytes this rank received during the step
 };
 
 class Trainer;
@@ -131,7 +131,7 @@ class Trainer {
   std::int64_t seq_;
   std::unique_ptr<ShardedState> state_;
   ProcessGroups groups_;
-  std::unique_ptr<dist::Communicator> self_;  // the world of a single process
+  std::unique_ptr<comm::Communicator> self_;  // the world of a single process
   ModelParallel par_;
   Transformer<float> model_;
   std::int64_t step_ = 0;

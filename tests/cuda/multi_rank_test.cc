@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "dist/mpi.h"
+#include "comm/mpi.h"
 #include "train/cuda/communicator.h"
 #include "train/cuda/device.h"
 
@@ -87,13 +87,13 @@ std::vector<T> Values(std::size_t rank, std::size_t n) {
 
 TEST(DeviceCommRank, CollectivesMatchTheHostArithmetic) {
   if (ChildKind() == nullptr) GTEST_SKIP() << "runs under mpirun (MultiRankTest.DeviceCommunicators)";
-  dist::MpiWorld& world = dist::MpiWorld::Get();
+  comm::MpiWorld& world = comm::MpiWorld::Get();
   const DeviceComm kind = std::string(ChildKind()) == "nccl" ? DeviceComm::kNccl : DeviceComm::kHost;
   auto dev = SelectDevice(world.comm(), kind);
   ASSERT_TRUE(dev.ok()) << dev.status().ToString();
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  std::unique_ptr<dist::Communicator> comm;
+  std::unique_ptr<comm::Communicator> comm;
   if (kind == DeviceComm::kNccl) {
     auto c = MakeNcclCommunicator(world.comm(), stream, "test group", std::chrono::seconds(120));
     ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -108,7 +108,7 @@ TEST(DeviceCommRank, CollectivesMatchTheHostArithmetic) {
   // All-reduce: sum and max, f32 / f64 / i64.
   {
     DeviceArray<float> f(Values<float>(me, n));
-    ASSERT_TRUE(comm->AllReduce(std::span<float>(f.get(), n), dist::ReduceOp::kSum).ok());
+    ASSERT_TRUE(comm->AllReduce(std::span<float>(f.get(), n), comm::ReduceOp::kSum).ok());
     const std::vector<float> got = f.Download();
     for (std::size_t i = 0; i < n; ++i) {
       float want = 0;
@@ -116,10 +116,10 @@ TEST(DeviceCommRank, CollectivesMatchTheHostArithmetic) {
       ASSERT_EQ(got[i], want) << i;
     }
     DeviceArray<double> d(Values<double>(me, n));
-    ASSERT_TRUE(comm->AllReduce(std::span<double>(d.get(), n), dist::ReduceOp::kMax).ok());
+    ASSERT_TRUE(comm->AllReduce(std::span<double>(d.get(), n), comm::ReduceOp::kMax).ok());
     EXPECT_EQ(d.Download(), Values<double>(p - 1, n));
     DeviceArray<std::int64_t> k(Values<std::int64_t>(me, n));
-    ASSERT_TRUE(comm->AllReduce(std::span<std::int64_t>(k.get(), n), dist::ReduceOp::kSum).ok());
+    ASSERT_TRUE(comm->AllReduce(std::span<std::int64_t>(k.get(), n), comm::ReduceOp::kSum).ok());
     const std::vector<std::int64_t> gk = k.Download();
     EXPECT_EQ(gk[5], 5 * 3 * pi + 1000 * pi * (pi - 1) / 2 + pi);
   }
@@ -181,13 +181,13 @@ TEST(DeviceCommRank, CollectivesMatchTheHostArithmetic) {
     ASSERT_TRUE(sub.ok()) << sub.status().ToString();
     EXPECT_EQ((*sub)->size(), 1);
     DeviceArray<float> f(Values<float>(me, 8));
-    ASSERT_TRUE((*sub)->AllReduce(std::span<float>(f.get(), 8), dist::ReduceOp::kSum).ok());
+    ASSERT_TRUE((*sub)->AllReduce(std::span<float>(f.get(), 8), comm::ReduceOp::kSum).ok());
     EXPECT_EQ(f.Download(), Values<float>(me, 8));
   }
   // Byte accounting: the same formulas as the host communicators.
   comm->ResetStats();
   DeviceArray<float> f(ni);
-  ASSERT_TRUE(comm->AllReduce(std::span<float>(f.get(), n), dist::ReduceOp::kSum).ok());
+  ASSERT_TRUE(comm->AllReduce(std::span<float>(f.get(), n), comm::ReduceOp::kSum).ok());
   EXPECT_EQ(comm->stats().allreduce_bytes, 2 * (pi - 1) * ni * 4 / pi);
   comm.reset();
   cudaStreamDestroy(stream);

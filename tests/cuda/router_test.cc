@@ -187,7 +187,7 @@ TEST_P(RouterCudaTest, MatchesCpuRouter) {
     // The several-rank form (separate launches around the all-reduces), here with one rank:
     // the same sums in the same order, so the same bits.
     RouterBatch one;
-    one.reduce = [](double*, std::int64_t, dist::ReduceOp, cudaStream_t) {};
+    one.reduce = [](double*, std::int64_t, comm::ReduceOp, cudaStream_t) {};
     const DeviceResult split = RunDevice(o, logits, n, bias, dprobs, one);
     EXPECT_EQ(split.experts, got.experts);
     EXPECT_EQ(split.probs, got.probs);
@@ -304,7 +304,7 @@ class HostGroup {
  public:
   explicit HostGroup(int ranks) : sync_(ranks), slots_(static_cast<std::size_t>(ranks)) {}
   template <typename T>
-  void AllReduce(int rank, T* values, std::int64_t count, dist::ReduceOp op, cudaStream_t stream) {
+  void AllReduce(int rank, T* values, std::int64_t count, comm::ReduceOp op, cudaStream_t stream) {
     std::vector<T> mine(static_cast<std::size_t>(count));
     RS_CUDA_CHECK(cudaMemcpyAsync(mine.data(), values, mine.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
     RS_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -313,7 +313,7 @@ class HostGroup {
     for (std::size_t i = 0; i < mine.size(); ++i) {
       double r = slots_[0][i];
       for (std::size_t q = 1; q < slots_.size(); ++q)
-        r = op == dist::ReduceOp::kMax ? std::max(r, slots_[q][i]) : r + slots_[q][i];
+        r = op == comm::ReduceOp::kMax ? std::max(r, slots_[q][i]) : r + slots_[q][i];
       mine[i] = static_cast<T>(r);
     }
     sync_.arrive_and_wait();
@@ -356,10 +356,10 @@ TEST_F(RouterCudaMiscTest, SinkhornOverTwoRanksMatchesCpuOverTheWholeBatch) {
         RouterBatch batch;
         batch.global_rows = n;
         batch.all_reduce = [&, r](std::int64_t* loads, double* sums, std::int64_t experts, cudaStream_t st) {
-          group.AllReduce(r, loads, experts, dist::ReduceOp::kSum, st);
-          group.AllReduce(r, sums, experts + 1, dist::ReduceOp::kSum, st);
+          group.AllReduce(r, loads, experts, comm::ReduceOp::kSum, st);
+          group.AllReduce(r, sums, experts + 1, comm::ReduceOp::kSum, st);
         };
-        batch.reduce = [&, r](double* values, std::int64_t count, dist::ReduceOp op, cudaStream_t st) {
+        batch.reduce = [&, r](double* values, std::int64_t count, comm::ReduceOp op, cudaStream_t st) {
           group.AllReduce(r, values, count, op, st);
         };
         got[r] = RunDevice(o, l, rows, {}, dp, batch, stream);

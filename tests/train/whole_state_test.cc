@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "core/layout.h"
-#include "dist/mpi.h"
+#include "comm/mpi.h"
 #include "tests/cli/cli_test_util.h"
 #include "train/data.h"
 #include "train/engine_state.h"
@@ -56,7 +56,7 @@ ModelConfig Model() {
   return m;
 }
 
-std::unique_ptr<Trainer> MakeTrainer(const PhysicalLayout& layout, dist::Communicator* world) {
+std::unique_ptr<Trainer> MakeTrainer(const PhysicalLayout& layout, comm::Communicator* world) {
   TrainConfig c;
   c.batch_size = 4;
   c.seq_len = 16;
@@ -156,7 +156,7 @@ void GatherLocalAtTensorParallelLayouts(Trainer& t) {
 
 TEST(WholeStateRank, GatherLocalEqualsOneProcessAndScatterGivesBackTheOwnedItems) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
-  dist::MpiWorld& world = dist::MpiWorld::Get();
+  comm::MpiWorld& world = comm::MpiWorld::Get();
   auto multi = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
   auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
   ASSERT_TRUE(multi->state().FitsLocalEngine());
@@ -255,16 +255,16 @@ double PlannedNorm(std::span<const float> g, const std::vector<ParamSegment>& se
                    ProcessGroups& groups, bool block) {
   double sum = SquaresInNorm(g, segments);
   if (block) {
-    EXPECT_TRUE(groups.fsdp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+    EXPECT_TRUE(groups.fsdp->AllReduce(std::span<double>(&sum, 1), comm::ReduceOp::kSum).ok());
   }
   if (plan.experts_cut) {
-    EXPECT_TRUE(groups.ep->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+    EXPECT_TRUE(groups.ep->AllReduce(std::span<double>(&sum, 1), comm::ReduceOp::kSum).ok());
   }
   if (plan.tp_size > 1) {
-    EXPECT_TRUE(groups.tp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+    EXPECT_TRUE(groups.tp->AllReduce(std::span<double>(&sum, 1), comm::ReduceOp::kSum).ok());
   }
   if (plan.etp_size > 1) {
-    EXPECT_TRUE(groups.etp->AllReduce(std::span<double>(&sum, 1), dist::ReduceOp::kSum).ok());
+    EXPECT_TRUE(groups.etp->AllReduce(std::span<double>(&sum, 1), comm::ReduceOp::kSum).ok());
   }
   return sum;
 }
@@ -277,7 +277,7 @@ double PlannedNorm(std::span<const float> g, const std::vector<ParamSegment>& se
 // its norm (Update, which counts main replicas only).
 TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
-  dist::MpiWorld& world = dist::MpiWorld::Get();
+  comm::MpiWorld& world = comm::MpiWorld::Get();
   auto multi = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
   auto one = MakeTrainer(Layout("tp=1,fsdp_form=flat"), nullptr);
   ShardedState& state = multi->state();
@@ -359,7 +359,7 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
 
 TEST(WholeStateRank, AnEngineGetsThisRanksRows) {
   if (ChildLayout() == nullptr) GTEST_SKIP() << "runs under mpirun (WholeStateTest.UnderMpirun)";
-  dist::MpiWorld& world = dist::MpiWorld::Get();
+  comm::MpiWorld& world = comm::MpiWorld::Get();
   auto t = MakeTrainer(Layout(ChildLayout(), ChildRules()), &world.comm());
   auto owned = std::make_unique<RowsEngine>();
   RowsEngine& e = *owned;

@@ -19,10 +19,10 @@ const char* DeviceCommName(DeviceComm c) { return c == DeviceComm::kNccl ? "nccl
 
 namespace {
 
-using dist::CommStats;
-using dist::CommTimer;
-using dist::Communicator;
-using dist::ReduceOp;
+using comm::CommStats;
+using comm::CommTimer;
+using comm::Communicator;
+using comm::ReduceOp;
 
 // The difference of two snapshots of a host communicator's counters.
 CommStats Delta(const CommStats& after, const CommStats& before) {
@@ -427,13 +427,13 @@ bool HaveNccl(std::string* why) {
 #endif
 }
 
-Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communicator& host, cudaStream_t stream,
+Result<std::unique_ptr<comm::Communicator>> MakeNcclCommunicator(comm::Communicator& host, cudaStream_t stream,
                                                                  std::string name, std::chrono::seconds timeout) {
 #if RS_HAVE_NCCL
   // Local failures are agreed on over the host group before and after NCCL's own set-up, so
   // every rank returns the same way and none waits in a collective that another has left.
   auto agree = [&](Status mine, const std::string& what) -> Status {
-    RS_ASSIGN_OR_RETURN(const std::int64_t failed, dist::FirstFailedRank(host, mine.ok()));
+    RS_ASSIGN_OR_RETURN(const std::int64_t failed, comm::FirstFailedRank(host, mine.ok()));
     if (failed < 0) return Status::Ok();
     if (!mine.ok()) return mine;
     return Unavailable(what + " of " + name + " failed on rank " + std::to_string(failed) + " (see its message)");
@@ -466,7 +466,7 @@ Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communica
     if (init.ok()) Nccl().ncclCommAbort(comm);  // a peer failed: this rank's communicator is useless
     return agreed;
   }
-  return std::unique_ptr<dist::Communicator>(
+  return std::unique_ptr<comm::Communicator>(
       new NcclCommunicator(comm, host.rank(), host.size(), std::move(name), stream, timeout));
 #else
   (void)host;
@@ -476,12 +476,12 @@ Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(dist::Communica
 #endif
 }
 
-std::unique_ptr<dist::Communicator> MakeHostStagedCommunicator(dist::Communicator& host, cudaStream_t stream) {
+std::unique_ptr<comm::Communicator> MakeHostStagedCommunicator(comm::Communicator& host, cudaStream_t stream) {
   return std::make_unique<HostStagedCommunicator>(host, stream);
 }
 
-Result<int> SelectDevice(dist::Communicator& world, DeviceComm comm) {
-  RS_ASSIGN_OR_RETURN(const dist::HostRanks here, dist::RanksOnThisHost(world));
+Result<int> SelectDevice(comm::Communicator& world, DeviceComm comm) {
+  RS_ASSIGN_OR_RETURN(const comm::HostRanks here, comm::RanksOnThisHost(world));
   // This rank's device, and its UUID to find ranks that share one (a launcher may give each
   // rank its own CUDA_VISIBLE_DEVICES, so the visible count alone does not tell). Local
   // failures are reported after the all-gather: every rank takes part in it.

@@ -1,4 +1,4 @@
-// Collectives over device memory behind the dist::Communicator interface (dist/communicator.h):
+// Collectives over device memory behind the comm::Communicator interface (comm/communicator.h):
 // every span given to these communicators points into memory of the calling process's current
 // CUDA device (the span's pointer and size are passed through, never dereferenced on the host).
 //
@@ -16,7 +16,7 @@
 // non-blocking mode and every wait polls ncclCommGetAsyncError against a deadline (then the
 // communicator is aborted and the call returns Unavailable naming the operation and the group);
 // the host-staged form inherits MPI's error handling. Bytes are counted as the host
-// communicators count them (dist/communicator.h).
+// communicators count them (comm/communicator.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,7 +27,7 @@
 #include <string>
 
 #include "core/status.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "train/cuda/engine_plugin.h"
 
 namespace rs::cuda {
@@ -40,17 +40,17 @@ bool HaveNccl(std::string* why = nullptr);
 
 // Collective over `host` (the same group's host communicator, which must outlive nothing: it is
 // used only during this call). `timeout`: how long any one collective may wait for its peers.
-Result<std::unique_ptr<dist::Communicator>> MakeNcclCommunicator(
-    dist::Communicator& host, cudaStream_t stream, std::string name,
+Result<std::unique_ptr<comm::Communicator>> MakeNcclCommunicator(
+    comm::Communicator& host, cudaStream_t stream, std::string name,
     std::chrono::seconds timeout = std::chrono::seconds(600));
 
 // `host` must outlive the result (it carries every collective). Not collective.
-std::unique_ptr<dist::Communicator> MakeHostStagedCommunicator(dist::Communicator& host, cudaStream_t stream);
+std::unique_ptr<comm::Communicator> MakeHostStagedCommunicator(comm::Communicator& host, cudaStream_t stream);
 
 // Makes the device with index local_rank % device count current for this process (before any
 // other CUDA call of the run), after checking that the host's ranks fit its devices:
 // FailedPrecondition when `comm` is kNccl and more ranks than devices run on this host (NCCL
 // needs one device per rank). Returns the device index. Collective over `world`.
-Result<int> SelectDevice(dist::Communicator& world, DeviceComm comm);
+Result<int> SelectDevice(comm::Communicator& world, DeviceComm comm);
 
 }  // namespace rs::cuda

@@ -41,7 +41,7 @@ class CudaEngine final : public train::StepEngine {
     // positions), tp and etp (their ranks share rows and positions).
     auto local = train::PlanLocalBatch(state, groups, t.train_config().batch_size, t.seq_len());
     if (!local.ok()) return local.status().WithContext("train: " + Describe());
-    dist::Communicator* data_host = groups.data != nullptr ? groups.data.get() : groups.world;
+    comm::Communicator* data_host = groups.data != nullptr ? groups.data.get() : groups.world;
     const std::int64_t data_ranks = local->data_ranks, tp_ranks = local->tp_ranks, etp_ranks = local->etp_ranks;
     const std::int64_t cp_ranks = local->cp_ranks;
     rows_ = local->rows;
@@ -169,7 +169,7 @@ class CudaEngine final : public train::StepEngine {
     cudaStream_t st = model_->stream();
     train::StepReport r;
     const auto start = std::chrono::steady_clock::now();
-    for (dist::Communicator* c : Comms()) c->ResetStats();
+    for (comm::Communicator* c : Comms()) c->ResetStats();
     model_->ZeroGrads();
     r.losses = model_->Run(inputs.data(), targets.data(), train::Transformer<float>::Pass::kForwardBackward);
     RS_RETURN_IF_ERROR(model_->TakeCommStatus().WithContext("forward/backward"));
@@ -201,7 +201,7 @@ class CudaEngine final : public train::StepEngine {
     r.update.lr = lr;
     r.update.grad_norm = norm.grad_norm;
     r.update.clip_scale = norm.clip_scale;
-    for (const dist::Communicator* c : Comms()) r.comm += c->stats();
+    for (const comm::Communicator* c : Comms()) r.comm += c->stats();
     r.comm_seconds = CommSeconds() - forward_backward_comm;  // the gradient and parameter phases
     // The first step loads cuBLAS's kernels and warms the caches: it is left out of Summary.
     if (++steps_ == 1) {
@@ -248,7 +248,7 @@ class CudaEngine final : public train::StepEngine {
     model_->DownloadParams(params);
     // Each gather is agreed over the world: a rank that failed one never leaves the others
     // waiting in the next collective.
-    dist::Communicator* world = t.groups().world;
+    comm::Communicator* world = t.groups().world;
     auto m = WholeMoment(t.groups(), exp_avg_);
     RS_RETURN_IF_ERROR(Agree(world, m.status(), "gather the first moments").WithContext("checkpoint"));
     auto v = WholeMoment(t.groups(), exp_avg_sq_);
@@ -272,14 +272,14 @@ class CudaEngine final : public train::StepEngine {
   // Seconds inside this step's collectives so far, over every device communicator.
   double CommSeconds() const {
     double s = 0;
-    for (const dist::Communicator* c : Comms()) s += c->stats().seconds;
+    for (const comm::Communicator* c : Comms()) s += c->stats().seconds;
     return s;
   }
 
   // Every device communicator this engine set up.
-  std::vector<dist::Communicator*> Comms() const {
-    std::vector<dist::Communicator*> out;
-    for (dist::Communicator* c :
+  std::vector<comm::Communicator*> Comms() const {
+    std::vector<comm::Communicator*> out;
+    for (comm::Communicator* c :
          {comm_.get(), fsdp_comm_.get(), replica_comm_.get(), ep_comm_.get(), same_experts_comm_.get(), tp_comm_.get(),
           kv_comm_.get(), etp_comm_.get(), cp_comm_.get()}) {
       if (c != nullptr) out.push_back(c);
@@ -288,7 +288,7 @@ class CudaEngine final : public train::StepEngine {
   }
 
   // A communicator over device memory for the ranks of `host` (collective over them).
-  Result<std::unique_ptr<dist::Communicator>> DeviceCommunicator(dist::Communicator& host, std::string name) {
+  Result<std::unique_ptr<comm::Communicator>> DeviceCommunicator(comm::Communicator& host, std::string name) {
     if (comm_kind_ == DeviceComm::kNccl) return MakeNcclCommunicator(host, model_->stream(), std::move(name));
     return MakeHostStagedCommunicator(host, model_->stream());
   }
@@ -297,31 +297,31 @@ class CudaEngine final : public train::StepEngine {
   // The norm's share summed over the groups whose ranks count other items (train/engine_state.h):
   // ep (with experts cut), tp and etp.
   Status ReduceNormOverModelGroups() {
-    for (dist::Communicator* c : {ep_comm_.get(), tp_comm_.get(), etp_comm_.get()}) {
+    for (comm::Communicator* c : {ep_comm_.get(), tp_comm_.get(), etp_comm_.get()}) {
       if (c != nullptr) RS_RETURN_IF_ERROR(ReduceNormOver(*c));
     }
     return Status::Ok();
   }
 
-  Status ReduceNormOver(dist::Communicator& group) {
+  Status ReduceNormOver(comm::Communicator& group) {
     static_assert(offsetof(DeviceGradNorm, sum_of_squares) == 0);
-    return group.AllReduce(std::span<double>(reinterpret_cast<double*>(norm_.get()), 1), dist::ReduceOp::kSum)
+    return group.AllReduce(std::span<double>(reinterpret_cast<double*>(norm_.get()), 1), comm::ReduceOp::kSum)
         .WithContext("gradient norm all-reduce");
   }
 
   // Takes `made` into `out` when every rank of `world` made its communicator (collective);
   // otherwise every rank returns an error (its own, or one naming the first failed rank).
-  static Status Agreed(dist::Communicator& world, Result<std::unique_ptr<dist::Communicator>> made,
-                       std::unique_ptr<dist::Communicator>& out) {
+  static Status Agreed(comm::Communicator& world, Result<std::unique_ptr<comm::Communicator>> made,
+                       std::unique_ptr<comm::Communicator>& out) {
     RS_RETURN_IF_ERROR(Agree(&world, made.ok() ? Status::Ok() : made.status(), "set up a device communicator"));
     out = std::move(*made);
     return Status::Ok();
   }
   // `mine` on this rank, or an error on every rank when another rank's failed (collective over
   // `world`; null or one rank: `mine`).
-  static Status Agree(dist::Communicator* world, Status mine, const std::string& what) {
+  static Status Agree(comm::Communicator* world, Status mine, const std::string& what) {
     if (world == nullptr || world->size() == 1) return mine;
-    RS_ASSIGN_OR_RETURN(const std::int64_t failed, dist::FirstFailedRank(*world, mine.ok()));
+    RS_ASSIGN_OR_RETURN(const std::int64_t failed, comm::FirstFailedRank(*world, mine.ok()));
     if (!mine.ok()) return mine;
     if (failed >= 0) return Unavailable("rank " + std::to_string(failed) + " failed to " + what);
     return Status::Ok();
@@ -378,22 +378,22 @@ class CudaEngine final : public train::StepEngine {
   double seconds_ = 0;
   std::int64_t steps_ = 0;
   std::unique_ptr<GpuTransformer<T>> model_;
-  std::unique_ptr<dist::Communicator> comm_;  // over device memory, with more than one rank
+  std::unique_ptr<comm::Communicator> comm_;  // over device memory, with more than one rank
   // With fsdp > 1: the optimizer state is this rank's block of shard_ items (block shard_index_
   // of shards_); the fsdp group and the group of the ranks holding the same block (dp, and ep
   // when it is a data axis) over device memory; this rank's block of the gradient.
   std::int64_t shards_ = 1, shard_index_ = 0, shard_ = 0;
-  std::unique_ptr<dist::Communicator> replica_host_;  // host group under replica_comm_ (outlives it)
+  std::unique_ptr<comm::Communicator> replica_host_;  // host group under replica_comm_ (outlives it)
   // Experts cut over ep: the ep group and the same-experts group (dp × fsdp, without fsdp
   // sharding) over device memory; which ranks sum which items (train/engine_state.h).
-  std::unique_ptr<dist::Communicator> ep_comm_, same_experts_comm_;
+  std::unique_ptr<comm::Communicator> ep_comm_, same_experts_comm_;
   // Tensor parallelism: the tp group, the kv-head group (tp ranks sharing kv heads) and the etp
   // group (the ranks sharing the experts' ffn).
-  std::unique_ptr<dist::Communicator> tp_comm_, kv_comm_, etp_comm_;
+  std::unique_ptr<comm::Communicator> tp_comm_, kv_comm_, etp_comm_;
   // Context parallelism without experts cut over ep: the cp (ep) group (else ep_comm_ serves).
-  std::unique_ptr<dist::Communicator> cp_comm_;
+  std::unique_ptr<comm::Communicator> cp_comm_;
   train::LocalModelPlan plan_;
-  std::unique_ptr<dist::Communicator> fsdp_comm_, replica_comm_;
+  std::unique_ptr<comm::Communicator> fsdp_comm_, replica_comm_;
   DeviceArray<float> grad_shard_;
   DeviceArray<float> exp_avg_, exp_avg_sq_;
   DeviceArray<std::uint8_t> kinds_;
@@ -406,7 +406,7 @@ class CudaEngine final : public train::StepEngine {
 
 const char* PrecisionName(Precision p) { return p == Precision::kF32 ? "f32" : "bf16"; }
 
-Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision, dist::Communicator* world,
+Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision, comm::Communicator* world,
                                                           DeviceComm comm) {
   int dev = 0;
   const bool ranks = world != nullptr && world->size() > 1;

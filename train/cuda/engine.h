@@ -26,7 +26,7 @@
 #include <memory>
 
 #include "core/status.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "train/cuda/communicator.h"
 #include "train/cuda/engine_plugin.h"
 #include "train/trainer.h"
@@ -38,7 +38,7 @@ const char* PrecisionName(Precision p);
 // FailedPrecondition (with the reason) when no CUDA device is usable. With a `world` of more
 // than one rank, picks this rank's device (SelectDevice: collective over `world`) and the
 // engine's collectives go through `comm`.
-Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision, dist::Communicator* world = nullptr,
+Result<std::unique_ptr<train::StepEngine>> MakeCudaEngine(Precision precision, comm::Communicator* world = nullptr,
                                                           DeviceComm comm = DeviceComm::kNccl);
 
 }  // namespace rs::cuda

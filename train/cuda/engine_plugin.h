@@ -19,7 +19,7 @@
 #include <memory>
 
 #include "core/status.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "train/trainer.h"
 
 namespace rs::cuda {
@@ -36,7 +36,7 @@ enum class DeviceComm : std::uint8_t {
 
 struct EngineRequest {
   Precision precision = Precision::kF32;
-  dist::Communicator* world = nullptr;  // the run's ranks (null or one rank: one GPU)
+  comm::Communicator* world = nullptr;  // the run's ranks (null or one rank: one GPU)
   DeviceComm comm = DeviceComm::kNccl;
 };
 using EngineResult = Result<std::unique_ptr<train::StepEngine>>;

@@ -261,7 +261,7 @@ GpuTransformer<T>::~GpuTransformer() {
 }
 
 template <typename T>
-void GpuTransformer<T>::SetExpertParallel(dist::Communicator* device, dist::Communicator* host) {
+void GpuTransformer<T>::SetExpertParallel(comm::Communicator* device, comm::Communicator* host) {
   RS_CHECK(ExpertParallel() && !block_.over_tp && device != nullptr && host != nullptr);
   RS_CHECK(device->size() == block_.ranks && host->size() == block_.ranks && device->rank() == block_.index &&
            host->rank() == block_.index);
@@ -272,7 +272,7 @@ void GpuTransformer<T>::SetExpertParallel(dist::Communicator* device, dist::Comm
 }
 
 template <typename T>
-void GpuTransformer<T>::SetTensorParallel(dist::Communicator* tp, dist::Communicator* etp) {
+void GpuTransformer<T>::SetTensorParallel(comm::Communicator* tp, comm::Communicator* etp) {
   RS_CHECK_MSG((tp != nullptr ? tp->size() : 1) == tp_ranks_,
                "a tp group of " << (tp != nullptr ? tp->size() : 1) << " ranks for a share of " << tp_ranks_);
   RS_CHECK_MSG((etp != nullptr ? etp->size() : 1) == etp_ranks_,
@@ -282,7 +282,7 @@ void GpuTransformer<T>::SetTensorParallel(dist::Communicator* tp, dist::Communic
 }
 
 template <typename T>
-void GpuTransformer<T>::SetContextParallel(dist::Communicator* cp) {
+void GpuTransformer<T>::SetContextParallel(comm::Communicator* cp) {
   RS_CHECK_MSG((cp != nullptr ? cp->size() : 1) == context_.ranks && (cp == nullptr || cp->rank() == context_.index),
                "a cp group of " << (cp != nullptr ? cp->size() : 1) << " ranks for part " << context_.index << " of "
                                 << context_.ranks);
@@ -303,15 +303,15 @@ void GpuTransformer<T>::SetContextParallel(dist::Communicator* cp) {
 }
 
 template <typename T>
-void GpuTransformer<T>::Reduce(dist::Communicator* group, T* x, std::int64_t count) {
+void GpuTransformer<T>::Reduce(comm::Communicator* group, T* x, std::int64_t count) {
   if (group == nullptr || group->size() == 1 || !comm_status_.ok()) return;
   if constexpr (std::is_same_v<T, float>) {
-    comm_status_ = group->AllReduce(std::span<float>(x, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
+    comm_status_ = group->AllReduce(std::span<float>(x, static_cast<std::size_t>(count)), comm::ReduceOp::kSum);
   } else {
     RS_CHECK(count <= n_ * c_.d_model);
     Convert(x, s_->tp_f32, count, stream_);
     comm_status_ =
-        group->AllReduce(std::span<float>(s_->tp_f32, static_cast<std::size_t>(count)), dist::ReduceOp::kSum);
+        group->AllReduce(std::span<float>(s_->tp_f32, static_cast<std::size_t>(count)), comm::ReduceOp::kSum);
     Convert(s_->tp_f32, x, count, stream_);
   }
 }
@@ -398,7 +398,7 @@ void GpuTransformer<T>::ClearOtherBlocks(T* rows, std::int64_t count) {
 }
 
 template <typename T>
-void GpuTransformer<T>::SetDataParallel(dist::Communicator* data, std::int64_t global_tokens) {
+void GpuTransformer<T>::SetDataParallel(comm::Communicator* data, std::int64_t global_tokens) {
   RS_CHECK_MSG(data == nullptr || data->size() == 1 || global_tokens >= n_,
                "a batch of " << global_tokens << " tokens, this rank has " << n_);
   data_ = data;
@@ -652,7 +652,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       ReduceData(std::span<std::int64_t>(loads, static_cast<std::size_t>(experts)));
       ReduceData(std::span<double>(sums, static_cast<std::size_t>(experts + 1)));
     };
-    batch.reduce = [this](double* values, std::int64_t count, dist::ReduceOp op, cudaStream_t) {
+    batch.reduce = [this](double* values, std::int64_t count, comm::ReduceOp op, cudaStream_t) {
       ReduceData(std::span<double>(values, static_cast<std::size_t>(count)), op);
     };
   }
@@ -753,12 +753,12 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     const auto un = static_cast<std::size_t>(n);
     VocabCeRowMax(s.logits, n, vl, voff, v, cs, st);
     if (tensor_parallel && comm_status_.ok())
-      comm_status_ = tp_->AllReduce(std::span<float>(cs.max, un), dist::ReduceOp::kMax);
+      comm_status_ = tp_->AllReduce(std::span<float>(cs.max, un), comm::ReduceOp::kMax);
     VocabCeRowSums(s.logits, s.targets, n, vl, voff, v, cs, st);
     if (tensor_parallel && comm_status_.ok())
-      comm_status_ = tp_->AllReduce(std::span<double>(cs.sum, un), dist::ReduceOp::kSum);
+      comm_status_ = tp_->AllReduce(std::span<double>(cs.sum, un), comm::ReduceOp::kSum);
     if (tensor_parallel && comm_status_.ok())
-      comm_status_ = tp_->AllReduce(std::span<double>(cs.target, un), dist::ReduceOp::kSum);
+      comm_status_ = tp_->AllReduce(std::span<double>(cs.target, un), comm::ReduceOp::kSum);
     VocabCeFinish(s.logits, s.targets, n, vl, voff, v, inv_rows, cs, s.ce, backward ? s.logits : nullptr, st);
   } else {
     CrossEntropy(s.logits, s.targets, n, v, v, inv_rows, s.ce, backward ? s.logits : nullptr, s.ws, s.ws_bytes, st);
@@ -815,10 +815,10 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       }
       Mark();
       // <y[row], dy[t]> over this rank's share of the experts' outputs: summed over tp (etp).
-      if (dist::Communicator* experts_group = etp ? etp_ : (tensor_parallel ? tp_ : nullptr);
+      if (comm::Communicator* experts_group = etp ? etp_ : (tensor_parallel ? tp_ : nullptr);
           experts_group != nullptr && comm_status_.ok()) {
         comm_status_ =
-            experts_group->AllReduce(std::span<float>(s.dprobs, static_cast<std::size_t>(n * k)), dist::ReduceOp::kSum);
+            experts_group->AllReduce(std::span<float>(s.dprobs, static_cast<std::size_t>(n * k)), comm::ReduceOp::kSum);
       }
       const GroupedSwiGluShape shape = ep ? GroupedSwiGluShape{l.ex_padded_rows.data(), el, d, l.ffn}
                                           : GroupedSwiGluShape{l.padded_rows.data(), e, d, l.ffn};

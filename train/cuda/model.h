@@ -41,7 +41,7 @@
 #include "core/model.h"
 #include "core/status.h"
 #include "core/tensor_spec.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "train/cuda/attention.h"
 #include "train/cuda/device.h"
 #include "train/model.h"
@@ -115,23 +115,23 @@ class GpuTransformer {
 
   // `data`: a communicator over device memory whose stream is stream() (null or one rank: this
   // model's batch is the whole batch); global_tokens: the rows × seq of the whole batch.
-  void SetDataParallel(dist::Communicator* data, std::int64_t global_tokens);
+  void SetDataParallel(comm::Communicator* data, std::int64_t global_tokens);
   // With experts.ranks > 1 (before the first Run): the ep group, over device memory (stream()) and
   // over host memory (the per-expert counts), both of experts.ranks ranks in block order. Every
   // MoE layer sends each routed row to the rank of its expert and back (all-to-all(v)): the
   // rows stay unpadded on the token side and are padded where the experts are. Every rank's
   // batch must have the same rows (the received rows are planned for the worst case, every
   // rank's rows at this rank's experts).
-  void SetExpertParallel(dist::Communicator* device, dist::Communicator* host);
+  void SetExpertParallel(comm::Communicator* device, comm::Communicator* host);
   // With a TensorShare of several tp (etp) ranks (before the first Run): the tp (etp) group over
   // device memory (stream()), its ranks holding the shares in tp (etp) order. With etp the
   // routed experts' outputs and input gradients are summed over etp and the shared expert's over
   // tp (the CPU's MoE layer); without it both over tp.
-  void SetTensorParallel(dist::Communicator* tp, dist::Communicator* etp = nullptr);
+  void SetTensorParallel(comm::Communicator* tp, comm::Communicator* etp = nullptr);
   // With a ContextBlock of several ranks (before the first Run): the cp group over device memory
   // (stream()), its ranks in position order. Attention gathers every position's k and v over it
   // and reduce-scatters their gradients (train/cuda/attention.h).
-  void SetContextParallel(dist::Communicator* cp);
+  void SetContextParallel(comm::Communicator* cp);
   // The first failed collective since the last call (then the last Run's numbers are not valid).
   Status TakeCommStatus() { return std::exchange(comm_status_, Status::Ok()); }
 
@@ -186,28 +186,28 @@ class GpuTransformer {
   double dispatch_ms_ = 0;
   void Mark();  // records the next event when timing
   template <typename U>
-  void ReduceData(std::span<U> x, dist::ReduceOp op = dist::ReduceOp::kSum) {
+  void ReduceData(std::span<U> x, comm::ReduceOp op = comm::ReduceOp::kSum) {
     if (comm_status_.ok()) comm_status_ = data_->AllReduce(x, op);
   }
-  dist::Communicator* data_ = nullptr;
+  comm::Communicator* data_ = nullptr;
   std::int64_t global_n_ = 0;
   Status comm_status_;
   // Expert parallelism.
   ExpertBlock block_;
   std::int64_t local_experts_ = 0;  // the experts of this model's expert tensors
   std::int64_t max_padded_ = 0;     // rows of the padded expert buffers
-  dist::Communicator* ep_device_ = nullptr;
-  dist::Communicator* ep_host_ = nullptr;
+  comm::Communicator* ep_device_ = nullptr;
+  comm::Communicator* ep_host_ = nullptr;
   bool ExpertParallel() const { return block_.ranks > 1; }
   // The ranks rows travel between: the ep group's, or one when the experts are cut over tp.
   std::int64_t ExchangeRanks() const { return block_.over_tp ? 1 : block_.ranks; }
   void PlanExchange(Layer& l);  // counts over ep, the exchange's sizes and row maps (host and device)
   // Tensor parallelism.
-  dist::Communicator* tp_ = nullptr;
-  dist::Communicator* etp_ = nullptr;
+  comm::Communicator* tp_ = nullptr;
+  comm::Communicator* etp_ = nullptr;
   // Context parallelism.
   ContextBlock context_;
-  dist::Communicator* cp_ = nullptr;
+  comm::Communicator* cp_ = nullptr;
   AttentionCollectives cp_collectives_;
   bool sharded_ = false;                   // built from a TensorShare (the vocab-parallel loss)
   std::int64_t tp_ranks_ = 1;              // the TensorShare's tp ranks
@@ -217,7 +217,7 @@ class GpuTransformer {
   std::int64_t heads_ = 0, kv_heads_ = 0;  // this rank's query and kv heads
   bool TensorParallel() const { return tp_ != nullptr && tp_->size() > 1; }
   bool ExpertTensorParallel() const { return etp_ != nullptr && etp_->size() > 1; }
-  void Reduce(dist::Communicator* group, T* x, std::int64_t count);  // in place (bf16: as f32); null: nothing
+  void Reduce(comm::Communicator* group, T* x, std::int64_t count);  // in place (bf16: as f32); null: nothing
   void ReduceTp(T* x, std::int64_t count) { Reduce(TensorParallel() ? tp_ : nullptr, x, count); }
   void ReduceEtp(T* x, std::int64_t count) { Reduce(ExpertTensorParallel() ? etp_ : nullptr, x, count); }
   void ExchangeRows(const T* send, const std::vector<std::int64_t>& send_rows, T* recv,

@@ -845,14 +845,14 @@ struct LaunchSinkhornSplit {
     SinkhornMaxSplitKernel<VPL><<<chunks, kThreads, 0, stream>>>(p);
     SinkhornGlobalMaxSplitKernel<<<1, kThreads, 0, stream>>>(p);
     RS_CUDA_CHECK(cudaGetLastError());
-    batch.reduce(p.gmax_all, 1, dist::ReduceOp::kMax, stream);
+    batch.reduce(p.gmax_all, 1, comm::ReduceOp::kMax, stream);
     std::int64_t it = 0;
     while (it < p.max_iters) {
       ++it;
       SinkhornRowsSplitKernel<VPL><<<chunks, kThreads, 0, stream>>>(p);
       SinkhornColumnSumSplitKernel<<<static_cast<unsigned>(p.e), kThreads, 0, stream>>>(p);
       RS_CUDA_CHECK(cudaGetLastError());
-      batch.reduce(p.col_sum, p.e, dist::ReduceOp::kSum, stream);
+      batch.reduce(p.col_sum, p.e, comm::ReduceOp::kSum, stream);
       SinkhornUpdateSplitKernel<<<1, kThreads, 0, stream>>>(p);
       RS_CUDA_CHECK(cudaGetLastError());
       // Every rank has the same column sums, so every rank reads the same change and stops at

@@ -39,7 +39,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "train/router.h"
 
 namespace rs::cuda {
@@ -68,7 +68,7 @@ struct RouterBatch {
   // Sinkhorn over several ranks (required with all_reduce; set without it, one rank runs the
   // several-rank form): reduces `count` device doubles in place over the data group with `op`
   // on `stream`.
-  std::function<void(double* values, std::int64_t count, dist::ReduceOp op, cudaStream_t stream)> reduce;
+  std::function<void(double* values, std::int64_t count, comm::ReduceOp op, cudaStream_t stream)> reduce;
 };
 
 // Bytes of device workspace RouterForward needs for n rows (a multiple of 256; the same for

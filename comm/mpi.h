@@ -9,9 +9,9 @@
 #include <memory>
 #include <string>
 
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 
-namespace rs::dist {
+namespace rs::comm {
 
 class MpiWorld {
  public:
@@ -44,4 +44,4 @@ class MpiWorld {
   std::unique_ptr<Communicator> comm_;
 };
 
-}  // namespace rs::dist
+}  // namespace rs::comm

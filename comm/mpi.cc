@@ -1,4 +1,4 @@
-#include "dist/mpi.h"
+#include "comm/mpi.h"
 
 #include <chrono>
 #include <cstdio>
@@ -15,7 +15,7 @@
 #include <mpi.h>
 #endif
 
-namespace rs::dist {
+namespace rs::comm {
 namespace {
 
 bool LaunchedByMpirun() {
@@ -235,4 +235,4 @@ void MpiWorld::Abort(int code) {
   std::exit(code);
 }
 
-}  // namespace rs::dist
+}  // namespace rs::comm

@@ -1,4 +1,4 @@
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 
 #include <unistd.h>
 
@@ -8,7 +8,7 @@
 
 #include "core/check.h"
 
-namespace rs::dist {
+namespace rs::comm {
 
 CommStats& CommStats::operator+=(const CommStats& o) {
   allreduce_bytes += o.allreduce_bytes;
@@ -67,9 +67,9 @@ std::unique_ptr<Communicator> MakeSelfCommunicator(std::string name) {
   return std::make_unique<SelfCommunicator>(std::move(name));
 }
 
-}  // namespace rs::dist
+}  // namespace rs::comm
 
-namespace rs::dist {
+namespace rs::comm {
 
 Result<std::string> BroadcastString(Communicator& comm, const std::string& value, std::int64_t root) {
   if (comm.size() == 1) return value;
@@ -104,4 +104,4 @@ Result<HostRanks> RanksOnThisHost(Communicator& comm) {
   return r;
 }
 
-}  // namespace rs::dist
+}  // namespace rs::comm

@@ -1,12 +1,12 @@
-#include "dist/commit.h"
+#include "formats/checkpoint_commit.h"
 
 #include <unistd.h>
 
 #include <chrono>
 
-namespace rs::dist {
+namespace rs {
 
-Status WriteCheckpointTogether(Communicator& world, const std::string& dir, const WriterOptions& options,
+Status WriteCheckpointTogether(comm::Communicator& world, const std::string& dir, const WriterOptions& options,
                                const std::function<Status(CheckpointWriter&)>& write) {
   if (world.size() == 1) {
     RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(dir, options));
@@ -41,4 +41,4 @@ Status WriteCheckpointTogether(Communicator& world, const std::string& dir, cons
   return Status::Ok();
 }
 
-}  // namespace rs::dist
+}  // namespace rs

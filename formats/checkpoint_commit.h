@@ -7,10 +7,10 @@
 #include <functional>
 #include <string>
 
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "formats/checkpoint_writer.h"
 
-namespace rs::dist {
+namespace rs {
 
 // Collective over `world`. Calls `write` with this process's writer (it declares tensors,
 // writes shards, sets layout and metadata: the same layout and metadata on every process),
@@ -18,7 +18,7 @@ namespace rs::dist {
 // CreateStaged / CommitFragment / CommitStaged. Returns Ok on every rank iff the checkpoint
 // was published; otherwise this rank's own error, or FailedPrecondition naming the first rank
 // that failed – and nothing is left at `dir` (the staging directory is removed).
-Status WriteCheckpointTogether(Communicator& world, const std::string& dir, const WriterOptions& options,
+Status WriteCheckpointTogether(comm::Communicator& world, const std::string& dir, const WriterOptions& options,
                                const std::function<Status(CheckpointWriter&)>& write);
 
-}  // namespace rs::dist
+}  // namespace rs

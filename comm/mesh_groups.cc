@@ -1,10 +1,10 @@
-#include "dist/mesh_groups.h"
+#include "comm/mesh_groups.h"
 
 #include <algorithm>
 
 #include "core/check.h"
 
-namespace rs::dist {
+namespace rs::comm {
 
 Result<std::unique_ptr<Communicator>> MeshGroup(Communicator& world, const Mesh& mesh,
                                                 const std::vector<std::string>& axes, const std::string& name) {
@@ -18,4 +18,4 @@ Result<std::unique_ptr<Communicator>> MeshGroup(Communicator& world, const Mesh&
       name + " group of rank " + std::to_string(world.rank()) + " (" + std::to_string(members.size()) + " ranks)");
 }
 
-}  // namespace rs::dist
+}  // namespace rs::comm

@@ -1,5 +1,5 @@
 // Collective communication between the processes of a run (docs/DESIGN.md §6): one interface,
-// implemented over MPI for host buffers (MpiCommunicator, dist/mpi.h) and by a single-rank
+// implemented over MPI for host buffers (MpiCommunicator, comm/mpi.h) and by a single-rank
 // communicator for one process; on device memory by NCCL and by a host-staged form
 // (train/cuda/communicator.h). Every call returns a Status: a failed collective (a peer gone,
 // a transport error) is Unavailable naming the operation and the group, never an abort inside
@@ -22,7 +22,7 @@
 
 #include "core/status.h"
 
-namespace rs::dist {
+namespace rs::comm {
 
 enum class ReduceOp : std::uint8_t { kSum, kMax };
 
@@ -97,9 +97,9 @@ class CommTimer {
 // A group of one rank: collectives are copies (AllToAllV, AllGather) or no-ops.
 std::unique_ptr<Communicator> MakeSelfCommunicator(std::string name = "self");
 
-}  // namespace rs::dist
+}  // namespace rs::comm
 
-namespace rs::dist {
+namespace rs::comm {
 
 // Root's string on every rank (collective).
 Result<std::string> BroadcastString(Communicator& comm, const std::string& value, std::int64_t root = 0);
@@ -114,4 +114,4 @@ Result<HostRanks> RanksOnThisHost(Communicator& comm);
 // of the collective itself come back as the status.
 Result<std::int64_t> FirstFailedRank(Communicator& comm, bool ok);
 
-}  // namespace rs::dist
+}  // namespace rs::comm

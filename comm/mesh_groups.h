@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "core/mesh.h"
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 
-namespace rs::dist {
+namespace rs::comm {
 
 // Collective over `world`: every rank must call it with the same mesh and axes. The group's
 // ranks are ordered row-major over `axes` (in mesh order), so group rank = the rank's index in
@@ -19,4 +19,4 @@ namespace rs::dist {
 Result<std::unique_ptr<Communicator>> MeshGroup(Communicator& world, const Mesh& mesh,
                                                 const std::vector<std::string>& axes, const std::string& name);
 
-}  // namespace rs::dist
+}  // namespace rs::comm
