@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "core/mesh.h"
 #include "comm/communicator.h"
+#include "core/mesh.h"
 
 namespace rs::comm {
 

@@ -81,9 +81,9 @@ struct TensorSpec {
   std::string state;          // kOptimizerState: the state name ("exp_avg", "master", ...)
   ComponentTable components;  // empty unless fused
   PipelinePlace place;
-  bool expert = false;            // routed-expert weight (or a state of one)
-  std::int64_t vocab_size = 0;    // >0 for vocab-parallel tensors: the true (unpadded) vocab
-  TpGrad tp_grad = TpGrad::kCut;  // parameters: how tp reduces its gradient (not stored on disk)
+  bool expert = false;                    // routed-expert weight (or a state of one)
+  std::int64_t vocab_size = 0;            // >0 for vocab-parallel tensors: the true (unpadded) vocab
+  TpGrad tp_grad = TpGrad::kCut;          // parameters: how tp reduces its gradient (not stored on disk)
   TensorInit init = TensorInit::kNormal;  // how a fresh run fills it (not stored on disk)
 
   std::int64_t numel() const { return Numel(shape); }

@@ -65,7 +65,7 @@ class HfConfigFields {
   Result<double> Real(const char* key, double fallback) const;
   Result<bool> Bool(const char* key, bool fallback) const;
   Result<std::string> String(const char* key, const std::string& fallback) const;
-  // An array of integers (empty when absent).
+  // An array of at most ModelConfig::kMaxLayers integers (empty when absent).
   Result<std::vector<std::int64_t>> Ints(const char* key) const;
   bool Has(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
   const nlohmann::json& operator[](const char* key) const { return j_[key]; }
@@ -119,6 +119,20 @@ std::optional<DType> DTypeFromTorch(std::string name);  // "torch.bfloat16", "bf
 // rope_theta from rope_parameters (transformers 5) / rope_scaling / rope_theta; a scaled RoPE
 // is appended to `diffs`.
 Result<double> ReadRopeTheta(const HfConfigFields& f, double fallback, std::vector<std::string>& diffs);
+// What Llama-family decoders spell alike: vocab_size, hidden_size, num_hidden_layers,
+// num_attention_heads, num_key_value_heads, head_dim (default d / heads), max_position_embeddings
+// and rms_norm_eps (the family's defaults), RoPE theta; and what our model cannot express is
+// appended to `diffs`: partial rotary, activations other than silu, tied embeddings, attention
+// biases, a binding sliding window (`sliding_by_default`: whether use_sliding_window defaults
+// to true, as Mixtral's config does).
+struct LlamaDefaults {
+  std::int64_t max_position_embeddings = 32768;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool sliding_by_default = false;
+};
+Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, ModelConfig& c,
+                       std::vector<std::string>& diffs);
 // FailedPrecondition "<what>: a <type> model our model cannot express: a; b" or Ok.
 Status CannotExpress(const std::string& what, const std::string& type, const std::vector<std::string>& diffs);
 // Our settings that HF configs do not carry, written by export under "moe_reshard.model".

@@ -159,6 +159,10 @@ Result<std::vector<std::int64_t>> HfConfigFields::Ints(const char* key) const {
   std::vector<std::int64_t> out;
   if (!Has(key)) return out;
   if (!j_[key].is_array()) return InvalidArgument(what_ + ": '" + key + "' is not an array of integers");
+  if (j_[key].size() > static_cast<std::size_t>(ModelConfig::kMaxLayers)) {
+    return InvalidArgument(what_ + ": '" + key + "' has " + std::to_string(j_[key].size()) + " entries, more than " +
+                           std::to_string(ModelConfig::kMaxLayers));
+  }
   for (const auto& e : j_[key]) {
     if (!e.is_number_integer()) return InvalidArgument(what_ + ": '" + key + "' holds a non-integer");
     out.push_back(e.get<std::int64_t>());
@@ -208,6 +212,39 @@ Result<double> ReadRopeTheta(const HfConfigFields& f, double fallback, std::vect
     }
   }
   return theta;
+}
+
+Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, ModelConfig& c,
+                       std::vector<std::string>& diffs) {
+  RS_ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
+  RS_ASSIGN_OR_RETURN(c.d_model, f.Int("hidden_size"));
+  RS_ASSIGN_OR_RETURN(c.n_layers, f.Int("num_hidden_layers"));
+  RS_ASSIGN_OR_RETURN(c.n_heads, f.Int("num_attention_heads"));
+  RS_ASSIGN_OR_RETURN(c.n_kv_heads, f.Int("num_key_value_heads", c.n_heads));
+  if (c.n_heads <= 0) return InvalidArgument(f.what() + ": 'num_attention_heads' must be > 0");
+  RS_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim", c.d_model / c.n_heads));
+  RS_ASSIGN_OR_RETURN(c.max_seq_len, f.Int("max_position_embeddings", defaults.max_position_embeddings));
+  RS_ASSIGN_OR_RETURN(c.norm_eps, f.Real("rms_norm_eps", defaults.rms_norm_eps));
+  RS_ASSIGN_OR_RETURN(c.rope_theta, ReadRopeTheta(f, defaults.rope_theta, diffs));
+  RS_ASSIGN_OR_RETURN(const double partial_rotary, f.Real("partial_rotary_factor", 1.0));
+  if (partial_rotary != 1.0)
+    diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");
+  RS_ASSIGN_OR_RETURN(const std::string act, f.String("hidden_act", "silu"));
+  if (act != "silu" && act != "swish") diffs.push_back("hidden_act '" + act + "' (our experts are SwiGLU with silu)");
+  RS_ASSIGN_OR_RETURN(const bool tied, f.Bool("tie_word_embeddings", false));
+  if (tied) diffs.push_back("tie_word_embeddings true (our output layer is untied from the embedding)");
+  RS_ASSIGN_OR_RETURN(const bool attn_bias, f.Bool("attention_bias", false));
+  if (attn_bias) diffs.push_back("attention_bias true (our projections have no bias)");
+  // A sliding window that never binds is plain causal attention.
+  RS_ASSIGN_OR_RETURN(const bool use_sliding, f.Bool("use_sliding_window", defaults.sliding_by_default));
+  if (use_sliding && f.Has("sliding_window")) {
+    RS_ASSIGN_OR_RETURN(const std::int64_t window, f.Int("sliding_window"));
+    if (window < c.max_seq_len) {
+      diffs.push_back("sliding_window " + std::to_string(window) + " < max_position_embeddings " +
+                      std::to_string(c.max_seq_len) + " (our attention is fully causal)");
+    }
+  }
+  return Status::Ok();
 }
 
 Status CannotExpress(const std::string& what, const std::string& type, const std::vector<std::string>& diffs) {

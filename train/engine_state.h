@@ -27,8 +27,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/status.h"
 #include "comm/communicator.h"
+#include "core/status.h"
 #include "train/model.h"
 #include "train/optimizer.h"
 #include "train/sharded.h"

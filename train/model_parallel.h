@@ -23,8 +23,8 @@
 #include <span>
 #include <type_traits>
 
-#include "core/status.h"
 #include "comm/communicator.h"
+#include "core/status.h"
 
 namespace rs::train {
 

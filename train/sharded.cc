@@ -5,8 +5,8 @@
 #include <limits>
 #include <numeric>
 
-#include "core/check.h"
 #include "comm/mesh_groups.h"
+#include "core/check.h"
 #include "formats/checkpoint_writer.h"
 #include "train/init.h"
 
@@ -793,8 +793,8 @@ Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>&
 
 bool IsFusedQkv(const TensorSpec& t) {
   const auto& c = t.components.components;
-  return c.size() == 3 && c[0].name == "query" && c[1].name == "key" && c[2].name == "value" &&
-         t.components.dim == 0 && t.shape.size() == 2;
+  return c.size() == 3 && c[0].name == "query" && c[1].name == "key" && c[2].name == "value" && t.components.dim == 0 &&
+         t.shape.size() == 2;
 }
 
 std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp) {

@@ -42,8 +42,8 @@
 #include <string>
 #include <vector>
 
-#include "core/model.h"
 #include "comm/communicator.h"
+#include "core/model.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
 #include "reshard/physical_layout.h"

@@ -15,9 +15,9 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 
+#include "comm/communicator.h"
 #include "core/model.h"
 #include "core/status.h"
-#include "comm/communicator.h"
 #include "reshard/physical_layout.h"
 #include "train/data.h"
 #include "train/model.h"

@@ -80,20 +80,12 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
   c.family = "qwen3_moe";
   c.qk_norm = true;
   std::vector<std::string> diffs;
-  RS_ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
-  RS_ASSIGN_OR_RETURN(c.d_model, f.Int("hidden_size"));
-  RS_ASSIGN_OR_RETURN(c.n_layers, f.Int("num_hidden_layers"));
-  RS_ASSIGN_OR_RETURN(c.n_heads, f.Int("num_attention_heads"));
-  RS_ASSIGN_OR_RETURN(c.n_kv_heads, f.Int("num_key_value_heads", c.n_heads));
-  if (c.n_heads <= 0) return InvalidArgument(f.what() + ": 'num_attention_heads' must be > 0");
-  RS_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim", c.d_model / c.n_heads));
+  RS_RETURN_IF_ERROR(
+      ReadLlamaConfig(f, {.max_position_embeddings = 32768, .rms_norm_eps = 1e-6, .rope_theta = 10000.0}, c, diffs));
   RS_ASSIGN_OR_RETURN(c.n_experts, f.IntOf({"num_local_experts", "num_experts"}));
   RS_ASSIGN_OR_RETURN(c.top_k, f.Int("num_experts_per_tok"));
   RS_ASSIGN_OR_RETURN(c.moe_ffn, f.Int("moe_intermediate_size"));
   RS_ASSIGN_OR_RETURN(c.dense_ffn, f.Int("intermediate_size", c.dense_ffn));
-  RS_ASSIGN_OR_RETURN(c.max_seq_len, f.Int("max_position_embeddings", 32768));
-  RS_ASSIGN_OR_RETURN(c.norm_eps, f.Real("rms_norm_eps", 1e-6));
-  RS_ASSIGN_OR_RETURN(c.rope_theta, ReadRopeTheta(f, 10000.0, diffs));
   RS_ASSIGN_OR_RETURN(c.aux_loss_coef, f.Real("router_aux_loss_coef", 0.001));
   RS_ASSIGN_OR_RETURN(c.moe_layer_step, f.Int("decoder_sparse_step", 1));
   RS_ASSIGN_OR_RETURN(c.dense_layers, f.Ints("mlp_only_layers"));
@@ -103,23 +95,6 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
   c.shared_ffn = 0;
   RS_ASSIGN_OR_RETURN(const bool norm_topk, f.Bool("norm_topk_prob", false));
   c.router = norm_topk ? RouterKind::kTopKSoftmaxAfter : RouterKind::kSoftmaxBefore;
-  RS_ASSIGN_OR_RETURN(const double partial_rotary, f.Real("partial_rotary_factor", 1.0));
-  if (partial_rotary != 1.0)
-    diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");
-  RS_ASSIGN_OR_RETURN(const std::string act, f.String("hidden_act", "silu"));
-  if (act != "silu" && act != "swish") diffs.push_back("hidden_act '" + act + "' (our experts are SwiGLU with silu)");
-  RS_ASSIGN_OR_RETURN(const bool tied, f.Bool("tie_word_embeddings", false));
-  if (tied) diffs.push_back("tie_word_embeddings true (our output layer is untied from the embedding)");
-  RS_ASSIGN_OR_RETURN(const bool attn_bias, f.Bool("attention_bias", false));
-  if (attn_bias) diffs.push_back("attention_bias true (our projections have no bias)");
-  RS_ASSIGN_OR_RETURN(const bool use_sliding, f.Bool("use_sliding_window", false));
-  if (use_sliding && f.Has("sliding_window")) {
-    RS_ASSIGN_OR_RETURN(const std::int64_t window, f.Int("sliding_window"));
-    if (window < c.max_seq_len) {
-      diffs.push_back("sliding_window " + std::to_string(window) + " < max_position_embeddings " +
-                      std::to_string(c.max_seq_len) + " (our attention is fully causal)");
-    }
-  }
   RS_RETURN_IF_ERROR(CannotExpress(f.what(), "qwen3_moe", diffs));
   c.name = "hf-qwen3_moe";
   RestoreOurSettings(f, c);

@@ -133,8 +133,9 @@ TEST(CommTest, UnderMpirun) {
   if (Child()) GTEST_SKIP() << "the launcher";
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  const auto r = testing::RunShell("RS_COMM_TEST_CHILD=1 timeout 120 mpirun --oversubscribe --allow-run-as-root -np 3 " +
-                                   self + " --gtest_color=no --gtest_filter='CommRank.*' 2>&1");
+  const auto r =
+      testing::RunShell("RS_COMM_TEST_CHILD=1 timeout 120 mpirun --oversubscribe --allow-run-as-root -np 3 " + self +
+                        " --gtest_color=no --gtest_filter='CommRank.*' 2>&1");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   std::size_t passed = 0;
   for (std::size_t at = r.output.find("[  PASSED  ] 1 test"); at != std::string::npos;

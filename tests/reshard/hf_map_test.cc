@@ -94,7 +94,7 @@ TEST(HfMap, ConfigRoundTrips) {
     EXPECT_EQ(back->family->name, "mixtral");
     EXPECT_EQ(back->torch_dtype, DType::kBF16);
     back->config.param_dtype = c->param_dtype;  // chosen by import from the files
-    EXPECT_EQ(back->config.family, "moe");  // exported through Mixtral, it comes back as our own
+    EXPECT_EQ(back->config.family, "moe");      // exported through Mixtral, it comes back as our own
     EXPECT_EQ(back->config, *c) << preset;
   }
 }

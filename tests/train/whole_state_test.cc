@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "core/layout.h"
 #include "comm/mpi.h"
+#include "core/layout.h"
 #include "tests/cli/cli_test_util.h"
 #include "train/data.h"
 #include "train/engine_state.h"

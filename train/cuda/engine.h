@@ -25,8 +25,8 @@
 
 #include <memory>
 
-#include "core/status.h"
 #include "comm/communicator.h"
+#include "core/status.h"
 #include "train/cuda/communicator.h"
 #include "train/cuda/engine_plugin.h"
 #include "train/trainer.h"

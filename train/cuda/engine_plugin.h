@@ -18,8 +18,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "core/status.h"
 #include "comm/communicator.h"
+#include "core/status.h"
 #include "train/trainer.h"
 
 namespace rs::cuda {

@@ -38,10 +38,10 @@
 #include <utility>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/model.h"
 #include "core/status.h"
 #include "core/tensor_spec.h"
-#include "comm/communicator.h"
 #include "train/cuda/attention.h"
 #include "train/cuda/device.h"
 #include "train/model.h"
