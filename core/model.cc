@@ -346,7 +346,9 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
     if (!j["preset"].is_string()) return InvalidArgument("model: field 'preset' must be a string");
     RS_ASSIGN_OR_RETURN(c, ModelPreset(j["preset"].get<std::string>()));
   }
-  for (const auto& [key, value] : j.items()) {
+  for (const auto& item : j.items()) {
+    const std::string& key = item.key();  // not a structured binding: the lambda below captures it
+    const nlohmann::json& value = item.value();
     if (key == "preset") continue;
     const FieldRow* row = nullptr;
     for (const FieldRow& f : kFields) {
