@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/model.h"
+
 namespace rs {
 namespace {
 
@@ -109,28 +111,62 @@ Result<std::vector<FsdpParam>> FsdpPresetParams(std::string_view name, const Fsd
   if (o.layers_per_unit < 0) return InvalidArgument("layers per unit must not be negative");
   const std::int64_t d = s->d, local_experts = s->experts / o.ep;
   Builder b(o, s->layers);
+  if (!s->mla) {
+    // GQA models are ours: their tensors are the model's declaration (core/model.h), one ep
+    // rank's share of the experts, optionally one tensor per expert.
+    ModelConfig c;
+    c.name = std::string(s->name);
+    c.vocab_size = s->vocab;
+    c.d_model = d;
+    c.n_layers = s->layers;
+    c.n_heads = s->g.q_heads;
+    c.n_kv_heads = s->g.kv_heads;
+    c.head_dim = s->g.head_dim;
+    c.qk_norm = s->g.qk_norm;
+    c.first_dense_layers = s->first_dense;
+    c.dense_ffn = s->first_dense > 0 ? s->dense_ffn : 1;
+    c.n_experts = s->experts;
+    c.top_k = 1;
+    c.moe_ffn = s->moe_ffn;
+    c.shared_ffn = s->shared_ffn;
+    RS_RETURN_IF_ERROR(c.Validate());
+    for (const TensorSpec& t : ModelParameters(c)) {
+      if (t.role != TensorRole::kParameter) continue;
+      const std::int64_t layer = t.place.layer >= 0                     ? t.place.layer
+                                 : t.place.layer == PipelinePlace::kPre ? Builder::kPre
+                                                                        : Builder::kPost;
+      if (!t.expert) {
+        b.Add(layer, t.name, t.shape);
+        continue;
+      }
+      Shape local = t.shape;
+      local[0] = local_experts;
+      if (!o.per_expert_2d) {
+        b.Add(layer, t.name, local, /*expert=*/true);
+        continue;
+      }
+      // layers.{i}.moe.experts.fc1.weight -> layers.{i}.moe.experts.{e}.fc1.weight [2f, d]
+      const std::size_t cut = t.name.rfind("experts.") + 8;
+      for (std::int64_t e = 0; e < local_experts; ++e) {
+        b.Add(layer, t.name.substr(0, cut) + std::to_string(e) + "." + t.name.substr(cut),
+              Shape(t.shape.begin() + 1, t.shape.end()), /*expert=*/true);
+      }
+    }
+    return b.Take();
+  }
   b.Add(Builder::kPre, "embedding.weight", {s->vocab, d});
   for (std::int64_t i = 0; i < s->layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     b.Add(i, l + "attn_norm.weight", {d});
-    if (s->mla) {
-      const Mla& m = s->m;
-      b.Add(i, l + "attn.q_a.weight", {m.q_lora, d});
-      b.Add(i, l + "attn.q_a_norm.weight", {m.q_lora});
-      b.Add(i, l + "attn.q_b.weight", {m.heads * (m.qk_nope + m.qk_rope), m.q_lora});
-      b.Add(i, l + "attn.kv_a.weight", {m.kv_lora + m.qk_rope, d});
-      b.Add(i, l + "attn.kv_a_norm.weight", {m.kv_lora});
-      b.Add(i, l + "attn.kv_b.weight", {m.heads * (m.qk_nope + m.v_dim), m.kv_lora});
-      b.Add(i, l + "attn.out.weight", {d, m.heads * m.v_dim});
-    } else {
-      const Gqa& g = s->g;
-      b.Add(i, l + "attn.qkv.weight", {(g.q_heads + 2 * g.kv_heads) * g.head_dim, d});
-      if (g.qk_norm) {
-        b.Add(i, l + "attn.q_norm.weight", {g.head_dim});
-        b.Add(i, l + "attn.k_norm.weight", {g.head_dim});
-      }
-      b.Add(i, l + "attn.out.weight", {d, g.q_heads * g.head_dim});
-    }
+    // Multi-latent attention (the training model has none yet: issue of DeepSeek-V3).
+    const Mla& m = s->m;
+    b.Add(i, l + "attn.q_a.weight", {m.q_lora, d});
+    b.Add(i, l + "attn.q_a_norm.weight", {m.q_lora});
+    b.Add(i, l + "attn.q_b.weight", {m.heads * (m.qk_nope + m.qk_rope), m.q_lora});
+    b.Add(i, l + "attn.kv_a.weight", {m.kv_lora + m.qk_rope, d});
+    b.Add(i, l + "attn.kv_a_norm.weight", {m.kv_lora});
+    b.Add(i, l + "attn.kv_b.weight", {m.heads * (m.qk_nope + m.v_dim), m.kv_lora});
+    b.Add(i, l + "attn.out.weight", {d, m.heads * m.v_dim});
     b.Add(i, l + "mlp_norm.weight", {d});
     if (i < s->first_dense) {
       b.Add(i, l + "mlp.fc1.weight", {2 * s->dense_ffn, d});
