@@ -33,6 +33,7 @@ struct ExportArgs {
   std::string out;
   std::string max_shard_size = "5GiB";
   std::string dtype;
+  std::string family;
   std::string memory_budget = "128MiB";
   int threads = 0;
   bool skip_checksums = false;
@@ -53,6 +54,7 @@ void RunExport(const ExportArgs& a) {
     if (!t) Fail("export", InvalidArgument("--dtype: unknown dtype '" + a.dtype + "' (f32, bf16 or f16)"));
     o.dtype = *t;
   }
+  o.family = a.family;
   o.reader.threads = a.threads;
   o.reader.checksums = a.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
   auto r = ExportHf(a.ckpt, a.out, o);
@@ -145,6 +147,8 @@ void RegisterExport(CLI::App& app) {
   cmd->add_option("--max-shard-size", a->max_shard_size, "Start a new safetensors file before passing this size")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "Stored dtype: f32, bf16 or f16 (default: the parameters' dtype)");
+  cmd->add_option("--family", a->family,
+                  "Model family whose form to write (default: the checkpoint's; `reshard models` lists them)");
   cmd->add_option("--memory-budget", a->memory_budget,
                   "Bytes of tensor data held at once, e.g. 256MiB (tensors are read in pieces that fit)")
       ->capture_default_str();

@@ -68,6 +68,22 @@ std::string HfRowName(std::string_view pattern, std::int64_t layer, std::int64_t
   return s;
 }
 
+std::int64_t HfTensorCount(const std::vector<TensorSpec>& params, const ModelFamily& family,
+                           const std::function<std::string_view(std::int64_t layer)>& variant) {
+  const std::string_view first = family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();
+  std::int64_t n = 0;
+  for (const TensorSpec& t : params) {
+    if (t.role != TensorRole::kParameter && t.role != TensorRole::kBuffer) continue;
+    const std::string_view use = variant && t.place.layer >= 0 ? variant(t.place.layer) : first;
+    for (const HfNameRow& row : family.hf_names) {
+      if (!row.variant.empty() && row.variant != use) continue;
+      if (HfRowName(row.ours, t.place.layer, 0) != t.name) continue;
+      n += row.per_expert && !t.shape.empty() ? t.shape[0] : 1;
+    }
+  }
+  return n;
+}
+
 Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params, const ModelFamily& family,
                                           const std::function<std::string_view(std::int64_t layer)>& variant) {
   const std::string_view first = family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();

@@ -35,6 +35,11 @@ struct HfTensor {
 Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params, const ModelFamily& family,
                                           const std::function<std::string_view(std::int64_t layer)>& variant = {});
 
+// How many HF tensors HfTensorMap would list, counted without building them (a config can
+// claim millions of experts; callers bound the map by what the files hold first).
+std::int64_t HfTensorCount(const std::vector<TensorSpec>& params, const ModelFamily& family,
+                           const std::function<std::string_view(std::int64_t layer)>& variant = {});
+
 // The HF name of a row for `layer` and `expert` ({L}, {E} substituted).
 std::string HfRowName(std::string_view pattern, std::int64_t layer, std::int64_t expert);
 

@@ -257,10 +257,15 @@ Status CannotExpress(const std::string& what, const std::string& type, const std
 void RestoreOurSettings(const HfConfigFields& f, ModelConfig& c) {
   const nlohmann::json& j = f.json();
   if (!(j.contains("moe_reshard") && j["moe_reshard"].is_object() && j["moe_reshard"].contains("model"))) return;
+  // Only for a config that validates: the checks below walk the layers, and the caller reports
+  // what is wrong with one that does not.
+  if (!c.Validate().ok()) return;
   auto ours = ModelConfigFromJson(j["moe_reshard"]["model"]);
   if (!ours.ok()) return;
   c.name = ours->name;
-  c.family = ours->family;  // our own model exported through another family's form comes back as itself
+  // Our own model exported through this family's form comes back as itself; a family the
+  // file's model_type contradicts is not taken.
+  if (auto own = FindModelFamily(ours->family); own.ok() && (*own)->hf_export_as == c.family) c.family = ours->family;
   c.z_loss_coef = ours->z_loss_coef;
   c.bias_update_rate = ours->bias_update_rate;
   c.router_scale = ours->router_scale;

@@ -104,7 +104,19 @@ Result<const ModelFamily*> HfExportFamily(const ModelConfig& c) {
 
 Result<nlohmann::json> HfConfigJson(const ModelConfig& c, DType dtype) {
   RS_ASSIGN_OR_RETURN(const ModelFamily* f, HfExportFamily(c));
-  return f->write_hf_config(c, dtype);
+  Result<nlohmann::json> j = f->write_hf_config(c, dtype);
+  if (j.ok() || c.family == f->name) return j;
+  // Our own model, exported through another family's form that cannot express it: name the
+  // families that can, which the model's "family" field selects.
+  std::string can;
+  for (const ModelFamily* other : ModelFamilies()) {
+    if (other != f && other->write_hf_config && other->write_hf_config(c, dtype).ok()) {
+      can += (can.empty() ? "" : ", ") + other->name;
+    }
+  }
+  if (can.empty()) return j;
+  return FailedPrecondition(j.status().message() + " (expressible as: " + can + "; export --family " +
+                            can.substr(0, can.find(',')) + ")");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -122,8 +134,12 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   }
   auto config = ModelConfigFromJson(meta["model"]);
   if (!config.ok()) return config.status().WithContext("checkpoint '" + ckpt + "' metadata");
+  if (!options.family.empty()) {
+    RS_ASSIGN_OR_RETURN(const ModelFamily* chosen, FindModelFamily(options.family));
+    config->family = chosen->name;
+  }
   RS_ASSIGN_OR_RETURN(const ModelFamily* family, HfExportFamily(*config));
-  RS_ASSIGN_OR_RETURN(nlohmann::json config_json, family->write_hf_config(*config, DType::kF32));
+  RS_ASSIGN_OR_RETURN(nlohmann::json config_json, HfConfigJson(*config, DType::kF32));
   const std::vector<TensorSpec> params = ModelParameters(*config);
 
   // The checkpoint's parameters must be the model's, and the model's only.
@@ -441,7 +457,15 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     }
     return family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();
   };
-  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(ModelParameters(config), family, variant));
+  // A config.json that claims far more tensors than the files hold (millions of experts, say) is
+  // refused before its tensor map is built; a few missing ones are named below.
+  const std::vector<TensorSpec> params = ModelParameters(config);
+  const std::int64_t implied = HfTensorCount(params, family, variant);
+  if (implied > 2 * static_cast<std::int64_t>(available.size()) + 64) {
+    return DataLoss(config_path + " implies " + std::to_string(implied) + " tensors; the safetensors files of " + dir +
+                    " hold " + std::to_string(available.size()));
+  }
+  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params, family, variant));
   std::set<std::string> used;
   std::set<DType> dtypes;
   for (const HfTensor& h : hf) {

@@ -49,6 +49,9 @@ Result<nlohmann::json> HfConfigJson(const ModelConfig& c, DType dtype);
 inline constexpr std::int64_t kMinExportBudget = std::int64_t{64} << 10;
 struct HfExportOptions {
   std::optional<DType> dtype;  // default: the parameters' stored dtype (f32, bf16 or f16)
+  // The family whose form to write (default: the checkpoint's, metadata.model.family); NotFound
+  // for an unregistered one, FailedPrecondition when it cannot express the model.
+  std::string family;
   std::int64_t max_shard_bytes = std::int64_t{5} << 30;
   // Bytes of tensor data held at once (the read buffer and, when the dtype changes, the
   // converted one): each tensor is read in pieces that fit. At least 64 KiB.

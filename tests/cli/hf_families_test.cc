@@ -134,6 +134,31 @@ TEST(HfFamilies, Qwen3MoeExportWritesTransformersNames) {
   EXPECT_NEAR(Eval(tmp / "imp3"), ReadJson(fused + "/expected.json")["mean_ce"].get<double>(), 1e-5 * 6);
 }
 
+// Our own model with Qwen3's blocks exports only as the family that can express it: the default
+// (Mixtral) is refused naming the one that can, `--family qwen3_moe` writes it, and it imports
+// back as a qwen3_moe checkpoint with the same parameters.
+TEST(HfFamilies, ExportFamilyIsChosen) {
+  TempDir tmp;
+  const std::string model = tmp / "m.json";
+  std::ofstream(model)
+      << R"({"name": "q", "qk_norm": true, "n_layers": 3, "dense_layers": [1], "router": "softmax_topk"})";
+  ASSERT_EQ(RunCli("example --model " + model + " -o " + (tmp / "ck")).exit_code, 0);
+  const CommandResult refused = RunCli("export " + (tmp / "ck") + " --format hf -o " + (tmp / "hf"));
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_TRUE(Contains(refused.output, "cannot be expressed as Mixtral")) << refused.output;
+  EXPECT_TRUE(Contains(refused.output, "export --family qwen3_moe")) << refused.output;
+  EXPECT_FALSE(fs::exists(tmp / "hf"));
+  const CommandResult unknown = RunCli("export " + (tmp / "ck") + " --format hf --family llama -o " + (tmp / "hf"));
+  EXPECT_NE(unknown.exit_code, 0);
+  EXPECT_TRUE(Contains(unknown.output, "unknown model family 'llama'")) << unknown.output;
+  const CommandResult e = RunCli("export " + (tmp / "ck") + " --format hf --family qwen3_moe -o " + (tmp / "hf"));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_EQ(ReadJson(tmp / "hf/config.json")["mlp_only_layers"], nlohmann::json::array({1}));
+  Import(tmp / "hf", "tp=2", tmp / "imp");
+  const CommandResult d = RunCli("diff " + (tmp / "ck") + " " + (tmp / "imp") + " --role parameter");
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+}
+
 // Trained from an import (tests/train/mpi_train_test.cc trains the q/k norms over tp), exported,
 // and loaded by transformers' from_pretrained: transformers' loss is reshard eval's.
 TEST(HfFamilies, Qwen3MoeTrainedExportLoadsInTransformers) {
@@ -193,6 +218,15 @@ TEST(HfFamilies, Qwen3MoeBadInputIsRefused) {
        "config.json: 'num_attention_heads' is not an integer"},
       {"experts_wrong_type", [](nlohmann::json& c, const std::string&) { c["num_local_experts"] = 4.5; },
        "config.json: 'num_local_experts' is not an integer"},
+      {"layers_overflow",
+       [](nlohmann::json& c, const std::string&) {
+         c["num_hidden_layers"] = std::int64_t{4} << 60;  // must not be walked layer by layer
+         c["moe_reshard"] = {{"model", nlohmann::json::object()}};
+       },
+       "field 'n_layers' must be in [1, 65536]"},
+      {"million_experts",  // a tensor map of 50M entries, refused before it is built
+       [](nlohmann::json& c, const std::string&) { c["num_local_experts"] = std::int64_t{1} << 24; },
+       "config.json implies 100663328 tensors; the safetensors files of"},
       {"unknown_model_type", [](nlohmann::json& c, const std::string&) { c["model_type"] = "qwen9_moe"; },
        "config.json: model_type 'qwen9_moe' is not one import reads"},
       {"missing_expert",

@@ -139,6 +139,17 @@ TEST(HfMap, ParsesMixtralConfigs) {
   ASSERT_TRUE(q.ok()) << q.status().ToString();
   EXPECT_EQ(q->family->name, "qwen3_moe");
   EXPECT_TRUE(q->config.qk_norm);
+  // mlp_only_layers entries that name no layer do nothing (transformers asks `i in ...`).
+  qwen["mlp_only_layers"] = {7, 1, -1, 1};
+  q = ParseHfConfig(qwen, "q");
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->config.dense_layers, (std::vector<std::int64_t>{1}));
+  // Our settings are restored, but not a family the model_type contradicts.
+  qwen["moe_reshard"] = {{"model", {{"name", "mine"}, {"family", "mixtral"}}}};
+  q = ParseHfConfig(qwen, "q");
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->config.name, "mine");
+  EXPECT_EQ(q->config.family, "qwen3_moe");
 }
 
 }  // namespace
