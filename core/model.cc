@@ -364,8 +364,8 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
 namespace {
 
 // A parameter; its initialisation follows from its name's last part: norm weights are ones,
-// the projections back into the residual stream (attention out, gated-delta-net out, fc2) get
-// the scaled normal, everything else the plain one.
+// attention out and every fc2 (the projections back into the residual stream) get the scaled
+// normal, everything else – the gated-delta-net out projection included – the plain one.
 TensorSpec Param(std::string name, DType dtype, Shape shape, std::vector<std::string> axes, std::int64_t layer,
                  TpGrad tp_grad = TpGrad::kCut) {
   TensorSpec t;

@@ -68,35 +68,43 @@ std::string HfRowName(std::string_view pattern, std::int64_t layer, std::int64_t
   return s;
 }
 
+namespace {
+
+// The rows of `family` that name (part of) tensor `t`, for its layer's variant.
+std::vector<const HfNameRow*> RowsOf(const TensorSpec& t, const ModelFamily& family,
+                                     const std::function<std::string_view(std::int64_t layer)>& variant) {
+  const std::string_view first = family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();
+  const std::string_view use = variant && t.place.layer >= 0 ? variant(t.place.layer) : first;
+  std::vector<const HfNameRow*> rows;
+  for (const HfNameRow& row : family.hf_names) {
+    if (!row.variant.empty() && row.variant != use) continue;
+    if (HfRowName(row.ours, t.place.layer, 0) == t.name) rows.push_back(&row);
+  }
+  return rows;
+}
+
+bool Named(const TensorSpec& t) { return t.role == TensorRole::kParameter || t.role == TensorRole::kBuffer; }
+
+}  // namespace
+
 std::int64_t HfTensorCount(const std::vector<TensorSpec>& params, const ModelFamily& family,
                            const std::function<std::string_view(std::int64_t layer)>& variant) {
-  const std::string_view first = family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();
   std::int64_t n = 0;
   for (const TensorSpec& t : params) {
-    if (t.role != TensorRole::kParameter && t.role != TensorRole::kBuffer) continue;
-    const std::string_view use = variant && t.place.layer >= 0 ? variant(t.place.layer) : first;
-    for (const HfNameRow& row : family.hf_names) {
-      if (!row.variant.empty() && row.variant != use) continue;
-      if (HfRowName(row.ours, t.place.layer, 0) != t.name) continue;
-      n += row.per_expert && !t.shape.empty() ? t.shape[0] : 1;
-    }
+    if (!Named(t)) continue;
+    for (const HfNameRow* row : RowsOf(t, family, variant)) n += row->per_expert && !t.shape.empty() ? t.shape[0] : 1;
   }
   return n;
 }
 
 Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params, const ModelFamily& family,
                                           const std::function<std::string_view(std::int64_t layer)>& variant) {
-  const std::string_view first = family.hf_variants.empty() ? std::string_view() : family.hf_variants.front();
   std::vector<HfTensor> out;
   for (const TensorSpec& t : params) {
-    if (t.role != TensorRole::kParameter && t.role != TensorRole::kBuffer) continue;
-    const std::int64_t layer = t.place.layer;
-    const std::string_view use = variant && layer >= 0 ? variant(layer) : first;
+    if (!Named(t)) continue;
     std::vector<HfTensor> mine;
-    for (const HfNameRow& row : family.hf_names) {
-      if (!row.variant.empty() && row.variant != use) continue;
-      if (HfRowName(row.ours, layer, 0) != t.name) continue;
-      RS_ASSIGN_OR_RETURN(auto parts, ExpandRow(row, t));
+    for (const HfNameRow* row : RowsOf(t, family, variant)) {
+      RS_ASSIGN_OR_RETURN(auto parts, ExpandRow(*row, t));
       mine.insert(mine.end(), parts.begin(), parts.end());
     }
     if (mine.empty()) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <tuple>
 
 #include "core/check.h"
 #include "reshard/hf.h"
@@ -144,6 +145,19 @@ TEST(HfMap, ParsesMixtralConfigs) {
   q = ParseHfConfig(qwen, "q");
   ASSERT_TRUE(q.ok()) << q.status().ToString();
   EXPECT_EQ(q->config.dense_layers, (std::vector<std::int64_t>{1}));
+  // Bad spellings name the file and the field.
+  for (const auto& [field, value, message] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
+           {"mlp_only_layers", "1", "q: 'mlp_only_layers' is not an array of integers"},
+           {"mlp_only_layers", nlohmann::json::array({1, 0.5}), "q: 'mlp_only_layers' holds a non-integer"},
+           {"mlp_only_layers", std::vector<int>(70000, 0), "q: 'mlp_only_layers' has 70000 entries"},
+           {"num_experts", nullptr, "q: lacks 'num_local_experts' or 'num_experts'"},
+           {"rope_parameters", 5, "q: 'rope_parameters' is not an object"}}) {
+    nlohmann::json wrong = qwen;
+    wrong[field] = value;
+    const Status st = ParseHfConfig(wrong, "q").status();
+    EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument) << field;
+    EXPECT_NE(st.message().find(message), std::string::npos) << st.message();
+  }
   // Our settings are restored, but not a family the model_type contradicts.
   qwen["moe_reshard"] = {{"model", {{"name", "mine"}, {"family", "mixtral"}}}};
   q = ParseHfConfig(qwen, "q");
