@@ -16,7 +16,7 @@
 #include "core/fsdp_presets.h"
 #include "core/model.h"
 #include "formats/manifest.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace rs::cli {
 namespace {

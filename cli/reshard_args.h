@@ -7,7 +7,7 @@
 
 #include "core/status.h"
 #include "formats/manifest.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace rs::cli {
 

@@ -5,6 +5,7 @@
 #include "cli/util.h"
 #include "formats/dcp.h"
 #include "formats/dcp_source.h"
+#include "reshard/framework_names.h"
 
 namespace rs::cli {
 
@@ -20,6 +21,8 @@ Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const So
     o.verify_crc = args.checksums == ChecksumPolicy::kVerify;
     if (!args.model.empty()) {
       RS_ASSIGN_OR_RETURN(o.model, LoadModelArg(args.model));
+      // Keys in the model family's torchtitan names map to ours; our own names need nothing.
+      RS_ASSIGN_OR_RETURN(o.key_mapper, TitanKeyMapper(*o.model));
     } else if (args.need_model) {
       return InvalidArgument(dir +
                              " is a PyTorch DCP checkpoint: --model PRESET|FILE.json is needed to place its tensors in "

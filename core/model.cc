@@ -5,6 +5,7 @@
 #include <variant>
 
 #include "core/check.h"
+#include "core/model_index.h"
 
 namespace rs {
 
@@ -363,19 +364,12 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& j, DTypeSpelling d
 
 namespace {
 
-// A parameter; its initialisation follows from its name's last part: norm weights are ones,
-// attention out and every fc2 (the projections back into the residual stream) get the scaled
-// normal, everything else – the gated-delta-net out projection included – the plain one.
+// A parameter of layer `layer` (or a PipelinePlace), initialised as `init` says.
 TensorSpec Param(std::string name, DType dtype, Shape shape, std::vector<std::string> axes, std::int64_t layer,
-                 TpGrad tp_grad = TpGrad::kCut) {
+                 TpGrad tp_grad = TpGrad::kCut, TensorInit init = TensorInit::kNormal) {
   TensorSpec t;
   t.tp_grad = tp_grad;
-  auto ends = [&](std::string_view suffix) { return name.ends_with(suffix); };
-  if (ends("norm.weight")) {
-    t.init = TensorInit::kOnes;
-  } else if (ends("attn.out.weight") || ends("fc2.weight")) {
-    t.init = TensorInit::kNormalResidual;
-  }
+  t.init = init;
   t.name = std::move(name);
   t.dtype = dtype;
   t.shape = std::move(shape);
@@ -389,90 +383,140 @@ ComponentTable GateUp(int dim, std::int64_t ffn) {
   return ComponentTable{dim, /*unit_rows=*/1, {{"gate", ffn}, {"up", ffn}}};
 }
 
+// The list being declared: Add appends a tensor and returns its index for the typed index.
+struct Declared {
+  std::vector<TensorSpec>& out;
+  std::size_t Add(TensorSpec t) {
+    out.push_back(std::move(t));
+    return out.size() - 1;
+  }
+};
+
+// A norm weight: ones, identical gradients on every tp rank unless said otherwise.
+TensorSpec Norm(std::string name, DType dtype, std::int64_t dim, std::string axis, std::int64_t layer,
+                TpGrad tp_grad = TpGrad::kReplicated) {
+  return Param(std::move(name), dtype, {dim}, {std::move(axis)}, layer, tp_grad, TensorInit::kOnes);
+}
+
+// Softmax attention (GQA): the fused QKV in heads, per-head q/k norms (applied per head, so a
+// tp rank sees only its own heads' share of their gradient), the output projection back into
+// the residual stream (scaled init).
+AttentionTensors DeclareAttention(const ModelConfig& c, const std::string& l, std::int64_t i, Declared& d) {
+  const DType p = c.param_dtype;
+  AttentionTensors a;
+  auto qkv =
+      Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.d_model}, {"heads", "embed"}, i);
+  qkv.components =
+      ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
+  a.qkv = d.Add(qkv);
+  if (c.qk_norm) {
+    a.q_norm = d.Add(Norm(l + "attn.q_norm.weight", p, c.head_dim, "", i, TpGrad::kReplicatedSum));
+    a.k_norm = d.Add(Norm(l + "attn.k_norm.weight", p, c.head_dim, "", i, TpGrad::kReplicatedSum));
+  }
+  a.out = d.Add(Param(l + "attn.out.weight", p, {c.d_model, c.n_heads * c.head_dim}, {"embed", "heads"}, i,
+                      TpGrad::kCut, TensorInit::kNormalResidual));
+  return a;
+}
+
 // A gated-delta-net layer's mixer (Qwen3-Next): in_proj and conv1d are fused, and their
-// component tables are what keeps q, k, v, z, beta and alpha apart when tp changes.
-void AddGatedDeltaNet(const ModelConfig& c, const std::string& l, std::int64_t i, std::vector<TensorSpec>& out) {
+// component tables are what keeps q, k, v, z, beta and alpha apart when tp changes. Its out
+// projection gets the plain normal init.
+GdnTensors DeclareGatedDeltaNet(const ModelConfig& c, const std::string& l, std::int64_t i, Declared& d) {
   const DType p = c.param_dtype;
   const std::int64_t qk = c.gdn_key_heads * c.gdn_key_dim;
   const std::int64_t v = c.gdn_value_heads * c.gdn_value_dim;
   const std::int64_t nv = c.gdn_value_heads;
+  GdnTensors g;
   auto in_proj = Param(l + "gdn.in_proj.weight", p, {2 * qk + 2 * v + 2 * nv, c.d_model}, {"heads", "embed"}, i);
   in_proj.components =
       ComponentTable{0, 1, {{"query", qk}, {"key", qk}, {"value", v}, {"z", v}, {"beta", nv}, {"alpha", nv}}};
-  out.push_back(in_proj);
+  g.in_proj = d.Add(in_proj);
   auto conv = Param(l + "gdn.conv1d.weight", p, {2 * qk + v, 1, c.gdn_conv_kernel}, {"heads", "", ""}, i);
   conv.components = ComponentTable{0, 1, {{"query", qk}, {"key", qk}, {"value", v}}};
-  out.push_back(conv);
-  out.push_back(Param(l + "gdn.dt_bias", p, {nv}, {"heads"}, i));
-  out.push_back(Param(l + "gdn.A_log", p, {nv}, {"heads"}, i));
-  out.push_back(Param(l + "gdn.norm.weight", p, {c.gdn_value_dim}, {""}, i, TpGrad::kReplicatedSum));
-  out.push_back(Param(l + "gdn.out.weight", p, {c.d_model, v}, {"embed", "heads"}, i));
+  g.conv1d = d.Add(conv);
+  g.dt_bias = d.Add(Param(l + "gdn.dt_bias", p, {nv}, {"heads"}, i));
+  g.a_log = d.Add(Param(l + "gdn.A_log", p, {nv}, {"heads"}, i));
+  g.norm = d.Add(Norm(l + "gdn.norm.weight", p, c.gdn_value_dim, "", i, TpGrad::kReplicatedSum));
+  g.out = d.Add(Param(l + "gdn.out.weight", p, {c.d_model, v}, {"embed", "heads"}, i));
+  return g;
+}
+
+// SwiGLU of width `ffn` under `prefix` ("mlp." or "moe.shared."): fc1 = [gate; up], fc2 back
+// into the residual stream.
+DenseMlpTensors DeclareSwiGlu(const ModelConfig& c, const std::string& prefix, std::int64_t ffn, std::int64_t i,
+                              Declared& d) {
+  DenseMlpTensors m;
+  auto fc1 = Param(prefix + "fc1.weight", c.param_dtype, {2 * ffn, c.d_model}, {"mlp", "embed"}, i);
+  fc1.components = GateUp(0, ffn);
+  m.fc1 = d.Add(fc1);
+  m.fc2 = d.Add(Param(prefix + "fc2.weight", c.param_dtype, {c.d_model, ffn}, {"embed", "mlp"}, i, TpGrad::kCut,
+                      TensorInit::kNormalResidual));
+  return m;
+}
+
+// A MoE layer: router (replicated over tp), its aux-loss-free bias buffer for the sigmoid_bias
+// router, routed experts with a leading expert dim, optional shared expert.
+MoeTensors DeclareMoe(const ModelConfig& c, const std::string& l, std::int64_t i, Declared& d) {
+  const DType p = c.param_dtype;
+  MoeTensors m;
+  m.router = d.Add(Param(l + "moe.router.weight", p, {c.n_experts, c.d_model}, {"", "embed"}, i, TpGrad::kReplicated));
+  if (c.router == RouterKind::kSigmoidBias) {
+    auto bias = Param(l + "moe.router.expert_bias", DType::kF32, {c.n_experts}, {""}, i, TpGrad::kReplicated,
+                      TensorInit::kZeros);
+    bias.role = TensorRole::kBuffer;
+    m.expert_bias = d.Add(bias);
+  }
+  auto efc1 =
+      Param(l + "moe.experts.fc1.weight", p, {c.n_experts, 2 * c.moe_ffn, c.d_model}, {"exp", "mlp", "embed"}, i);
+  efc1.components = GateUp(1, c.moe_ffn);
+  efc1.expert = true;
+  m.experts_fc1 = d.Add(efc1);
+  auto efc2 = Param(l + "moe.experts.fc2.weight", p, {c.n_experts, c.d_model, c.moe_ffn}, {"exp", "embed", "mlp"}, i,
+                    TpGrad::kCut, TensorInit::kNormalResidual);
+  efc2.expert = true;
+  m.experts_fc2 = d.Add(efc2);
+  if (c.shared_ffn > 0) {
+    const DenseMlpTensors shared = DeclareSwiGlu(c, l + "moe.shared.", c.shared_ffn, i, d);
+    m.shared_fc1 = shared.fc1;
+    m.shared_fc2 = shared.fc2;
+  }
+  return m;
 }
 
 }  // namespace
 
-std::vector<TensorSpec> ModelParameters(const ModelConfig& c) {
+ModelTensors DeclareModel(const ModelConfig& c) {
   RS_CHECK_MSG(c.Validate().ok(), c.Validate().ToString());
   const DType p = c.param_dtype;
-  const std::int64_t d = c.d_model;
-  std::vector<TensorSpec> out;
-
-  auto embedding = Param("embedding.weight", p, {c.vocab_size, d}, {"vocab", "embed"}, PipelinePlace::kPre);
+  ModelTensors m;
+  Declared d{m.specs};
+  auto embedding = Param("embedding.weight", p, {c.vocab_size, c.d_model}, {"vocab", "embed"}, PipelinePlace::kPre);
   embedding.vocab_size = c.vocab_size;
-  out.push_back(embedding);
-
+  m.embedding = d.Add(embedding);
   for (std::int64_t i = 0; i < c.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
-    out.push_back(Param(l + "attn_norm.weight", p, {d}, {"embed"}, i, TpGrad::kReplicated));
+    LayerTensors& layer = m.layers.emplace_back();
+    layer.attn_norm = d.Add(Norm(l + "attn_norm.weight", p, c.d_model, "embed", i));
     if (c.IsGdnLayer(i)) {
-      AddGatedDeltaNet(c, l, i, out);
+      layer.gdn = DeclareGatedDeltaNet(c, l, i, d);
     } else {
-      auto qkv =
-          Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, d}, {"heads", "embed"}, i);
-      qkv.components =
-          ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
-      out.push_back(qkv);
-      if (c.qk_norm) {  // applied per head: a tp rank sees only its own heads' share of the gradient
-        out.push_back(Param(l + "attn.q_norm.weight", p, {c.head_dim}, {""}, i, TpGrad::kReplicatedSum));
-        out.push_back(Param(l + "attn.k_norm.weight", p, {c.head_dim}, {""}, i, TpGrad::kReplicatedSum));
-      }
-      out.push_back(Param(l + "attn.out.weight", p, {d, c.n_heads * c.head_dim}, {"embed", "heads"}, i));
+      layer.attn = DeclareAttention(c, l, i, d);
     }
-    out.push_back(Param(l + "mlp_norm.weight", p, {d}, {"embed"}, i, TpGrad::kReplicated));
-    if (!c.IsMoeLayer(i)) {
-      auto fc1 = Param(l + "mlp.fc1.weight", p, {2 * c.dense_ffn, d}, {"mlp", "embed"}, i);
-      fc1.components = GateUp(0, c.dense_ffn);
-      out.push_back(fc1);
-      out.push_back(Param(l + "mlp.fc2.weight", p, {d, c.dense_ffn}, {"embed", "mlp"}, i));
-      continue;
-    }
-    out.push_back(Param(l + "moe.router.weight", p, {c.n_experts, d}, {"", "embed"}, i, TpGrad::kReplicated));
-    if (c.router == RouterKind::kSigmoidBias) {
-      auto bias = Param(l + "moe.router.expert_bias", DType::kF32, {c.n_experts}, {""}, i, TpGrad::kReplicated);
-      bias.role = TensorRole::kBuffer;
-      bias.init = TensorInit::kZeros;
-      out.push_back(bias);
-    }
-    auto efc1 = Param(l + "moe.experts.fc1.weight", p, {c.n_experts, 2 * c.moe_ffn, d}, {"exp", "mlp", "embed"}, i);
-    efc1.components = GateUp(1, c.moe_ffn);
-    efc1.expert = true;
-    out.push_back(efc1);
-    auto efc2 = Param(l + "moe.experts.fc2.weight", p, {c.n_experts, d, c.moe_ffn}, {"exp", "embed", "mlp"}, i);
-    efc2.expert = true;
-    out.push_back(efc2);
-    if (c.shared_ffn > 0) {
-      auto sfc1 = Param(l + "moe.shared.fc1.weight", p, {2 * c.shared_ffn, d}, {"mlp", "embed"}, i);
-      sfc1.components = GateUp(0, c.shared_ffn);
-      out.push_back(sfc1);
-      out.push_back(Param(l + "moe.shared.fc2.weight", p, {d, c.shared_ffn}, {"embed", "mlp"}, i));
+    layer.mlp_norm = d.Add(Norm(l + "mlp_norm.weight", p, c.d_model, "embed", i));
+    if (c.IsMoeLayer(i)) {
+      layer.moe = DeclareMoe(c, l, i, d);
+    } else {
+      layer.mlp = DeclareSwiGlu(c, l + "mlp.", c.dense_ffn, i, d);
     }
   }
-  out.push_back(Param("final_norm.weight", p, {d}, {"embed"}, PipelinePlace::kPost, TpGrad::kReplicated));
-  auto output = Param("output.weight", p, {c.vocab_size, d}, {"vocab", "embed"}, PipelinePlace::kPost);
+  m.final_norm = d.Add(Norm("final_norm.weight", p, c.d_model, "embed", PipelinePlace::kPost));
+  auto output = Param("output.weight", p, {c.vocab_size, c.d_model}, {"vocab", "embed"}, PipelinePlace::kPost);
   output.vocab_size = c.vocab_size;
-  out.push_back(output);
-  return out;
+  m.output = d.Add(output);
+  return m;
 }
+
+std::vector<TensorSpec> ModelParameters(const ModelConfig& c) { return DeclareModel(c).specs; }
 
 std::vector<TensorSpec> ModelCheckpointTensors(const ModelConfig& c, const std::vector<std::string>& states) {
   std::vector<TensorSpec> out = ModelParameters(c);

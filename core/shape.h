@@ -90,6 +90,9 @@ struct Piece {
 };
 std::ostream& operator<<(std::ostream& os, const Piece& p);
 
+// Whether a stored piece is the main copy (counted for coverage) or a replica of it.
+enum class ReplicaKind : std::uint8_t { kMain, kReplica };
+
 // Decomposes `piece` of a tensor of shape `global` into maximal contiguous runs of the
 // global row-major index, in increasing global (and local) order. Adjacent runs that touch in
 // global coordinates are merged. Preconditions (RS_CHECK): box within global, range in bounds.

@@ -86,6 +86,8 @@ struct MappedTensor {
   Shape shape;
   std::vector<MappedPiece> pieces;
   std::map<std::string, std::string> slots;  // part ("" = whole, "_w", "query", "e3", "e3_w" ...) -> key
+  std::vector<std::string> labels;           // a DcpKeyMapper's labels of every part
+  bool per_expert = false;                   // a DcpKeyMapper's parts are single experts
 };
 
 struct Mapping {
@@ -129,10 +131,50 @@ Status AddMapped(Mapping& m, const std::string& meta_path, const std::string& fq
   return Status::Ok();
 }
 
-// Keys mapped by name (MapDcpName): each chunk is a piece as it is.
-// For a Megatron checkpoint (`megatron`), keys keep their names, optimizer states becoming
-// `<model key>/<state>`.
-Status MapPlain(const DcpMetadata& md, const std::string& meta_path, bool megatron, Mapping& m) {
+// A key that is `part` of one of our tensors (`ours`: its shape in the model): each chunk is a
+// piece at the part's place.
+Status AddPart(Mapping& m, const std::string& meta_path, const DcpTensor& t, std::size_t index, DcpName n,
+               const DcpKeyPart& part, const Shape& ours) {
+  Shape want = part.box.shape;
+  if (part.per_expert) want.erase(want.begin());
+  if (t.size != want) {
+    return FailedPrecondition(meta_path + ": '" + t.fqn + "' is " + ShapeToString(t.size) + ", but " +
+                              (part.label.empty() ? std::string("'") + part.param + "'"
+                                                  : "its part (" + part.label + ") of '" + part.param + "'") +
+                              " is " + ShapeToString(want) + " in the model");
+  }
+  if (n.role == TensorRole::kOptimizerState) {
+    n.param = part.param;
+    n.name = OptimizerStateName(part.param, n.state);
+  } else {
+    n.name = part.param;
+  }
+  const std::string slot =
+      (part.per_expert && !part.box.offset.empty() ? "e" + std::to_string(part.box.offset[0]) : std::string()) +
+      part.label;
+  const std::string name = n.name;
+  if (t.chunks.empty()) RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, std::nullopt, slot));
+  for (std::size_t c = 0; c < t.chunks.size(); ++c) {
+    Box box{t.chunks[c].offsets, t.chunks[c].sizes};
+    if (part.per_expert) {
+      box.offset.insert(box.offset.begin(), 0);
+      box.shape.insert(box.shape.begin(), 1);
+    }
+    for (std::size_t d = 0; d < box.offset.size(); ++d) box.offset[d] += part.box.offset[d];
+    RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, c, 0, box}, slot));
+  }
+  MappedTensor& mapped = m.tensors.at(name);
+  mapped.labels = part.labels;
+  mapped.per_expert = part.per_expert;
+  return Status::Ok();
+}
+
+// Keys mapped by name (MapDcpName): each chunk is a piece as it is. For a Megatron checkpoint
+// (`megatron`), keys keep their names, optimizer states becoming `<model key>/<state>`. With a
+// `mapper` (and the model's parameter shapes), keys that are another framework's names become
+// parts of ours.
+Status MapPlain(const DcpMetadata& md, const std::string& meta_path, bool megatron, const DcpKeyMapper& mapper,
+                const std::map<std::string, Shape>& model_shapes, Mapping& m) {
   for (std::size_t i = 0; i < md.tensors.size(); ++i) {
     const DcpTensor& t = md.tensors[i];
     DcpName n = MapDcpName(t.fqn, megatron);
@@ -144,10 +186,66 @@ Status MapPlain(const DcpMetadata& md, const std::string& meta_path, bool megatr
       m.step_tensors.push_back(t.fqn);
       continue;
     }
+    if (mapper) {
+      const std::optional<DcpKeyPart> part = mapper(n.role == TensorRole::kOptimizerState ? n.param : n.name);
+      if (part) {
+        const auto ours = model_shapes.find(part->param);
+        if (ours == model_shapes.end()) {
+          m.unmapped.push_back(t.fqn + " (names '" + part->param + "', which the model does not have)");
+        } else {
+          RS_RETURN_IF_ERROR(AddPart(m, meta_path, t, i, n, *part, ours->second));
+        }
+        continue;
+      }
+    }
     if (t.chunks.empty()) RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::nullopt));
     for (std::size_t c = 0; c < t.chunks.size(); ++c) {
       MappedPiece p{i, c, 0, Box{t.chunks[c].offsets, t.chunks[c].sizes}};
       RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::move(p)));
+    }
+  }
+  return Status::Ok();
+}
+
+// A tensor assembled from parts must have all of them.
+Status CheckParts(const std::string& meta_path, const Mapping& m) {
+  for (const auto& [name, t] : m.tensors) {
+    if (t.slots.count("") != 0) continue;
+    std::int64_t held = 0;
+    for (const MappedPiece& p : t.pieces) held += p.box.numel();
+    if (held < Numel(t.shape)) {
+      // Name what is missing: the parts this tensor has (experts, sections) less those found.
+      const bool per_expert = t.per_expert || (t.labels.empty() && t.slots.begin()->first.starts_with("e"));
+      std::vector<std::string> sections = {""};
+      if (!t.labels.empty()) {
+        sections = t.labels;
+      } else if (t.name.param.ends_with("gdn.in_proj.weight")) {
+        sections = {"query", "key", "value", "z", "beta", "alpha"};
+      } else if (t.name.param.ends_with("gdn.conv1d.weight")) {
+        sections = {"query", "key", "value"};
+      } else if (t.slots.begin()->first.ends_with("_w") || t.slots.begin()->first.ends_with("_v")) {
+        sections = {"_w", "_v"};
+      }
+      std::vector<std::string> missing;
+      for (std::int64_t e = 0; e < (per_expert ? t.shape[0] : 1); ++e) {
+        for (const std::string& sec : sections) {
+          std::string slot = per_expert ? std::to_string(e) : std::string();
+          if (per_expert) slot.insert(slot.begin(), 'e');
+          slot += sec;
+          if (t.slots.count(slot) != 0) continue;
+          std::string what;
+          if (per_expert) {
+            what = "expert ";
+            what += std::to_string(e);
+          }
+          what += sec;
+          missing.push_back(what);
+        }
+      }
+      return FailedPrecondition(
+          meta_path + ": the keys that hold parts of '" + name + "' (the first: '" + t.slots.begin()->second +
+          "') cover " + std::to_string(held) + " of its " + std::to_string(Numel(t.shape)) +
+          " items; missing: " + (missing.empty() ? std::string("items inside a part") : Listed(missing)));
     }
   }
   return Status::Ok();
@@ -240,36 +338,7 @@ Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const Mo
       }
     }
   }
-  // A tensor assembled from parts must have all of them.
-  for (auto& [name, t] : m.tensors) {
-    if (t.slots.count("") != 0) continue;
-    std::int64_t held = 0;
-    for (const MappedPiece& p : t.pieces) held += p.box.numel();
-    if (held < Numel(t.shape)) {
-      // Name what is missing: the parts this tensor has (experts, sections) less those found.
-      const bool per_expert = t.slots.begin()->first.starts_with("e");
-      std::vector<std::string> sections = {""};
-      if (t.name.param.ends_with("gdn.in_proj.weight")) {
-        sections = {"query", "key", "value", "z", "beta", "alpha"};
-      } else if (t.name.param.ends_with("gdn.conv1d.weight")) {
-        sections = {"query", "key", "value"};
-      } else if (t.slots.begin()->first.ends_with("_w") || t.slots.begin()->first.ends_with("_v")) {
-        sections = {"_w", "_v"};
-      }
-      std::vector<std::string> missing;
-      for (std::int64_t e = 0; e < (per_expert ? t.shape[0] : 1); ++e) {
-        for (const std::string& sec : sections) {
-          const std::string slot = (per_expert ? "e" + std::to_string(e) : std::string()) + sec;
-          if (t.slots.count(slot) == 0) missing.push_back(per_expert ? "expert " + std::to_string(e) + sec : sec);
-        }
-      }
-      return FailedPrecondition(
-          meta_path + ": the keys that hold parts of '" + name + "' (the first: '" + t.slots.begin()->second +
-          "') cover " + std::to_string(held) + " of its " + std::to_string(Numel(t.shape)) +
-          " items; missing: " + (missing.empty() ? std::string("items inside a part") : Listed(missing)));
-    }
-  }
-  return Status::Ok();
+  return CheckParts(meta_path, m);
 }
 
 }  // namespace
@@ -290,7 +359,15 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
     RS_RETURN_IF_ERROR(options.model->Validate());
     RS_RETURN_IF_ERROR(MapMegatron(md, meta_path, *options.model, mapping));
   } else {
-    RS_RETURN_IF_ERROR(MapPlain(md, meta_path, megatron, mapping));
+    std::map<std::string, Shape> model_shapes;  // our parameters, for keys that are parts
+    if (options.model && options.key_mapper) {
+      RS_RETURN_IF_ERROR(options.model->Validate());
+      for (const TensorSpec& spec : ModelParameters(*options.model)) model_shapes.emplace(spec.name, spec.shape);
+    }
+    const DcpKeyMapper none;
+    RS_RETURN_IF_ERROR(
+        MapPlain(md, meta_path, megatron, options.model ? options.key_mapper : none, model_shapes, mapping));
+    RS_RETURN_IF_ERROR(CheckParts(meta_path, mapping));
   }
   s->step_tensors = mapping.step_tensors;
   std::set<std::string> states;

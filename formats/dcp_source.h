@@ -9,6 +9,10 @@
 //    (0-dim tensors, or Python numbers saved as bytes) -> one `optimizer.step` (i64 scalar)
 //    whose value is read when needed and must be the same integer for every parameter;
 //    other bytes entries (param_groups, lr_scheduler, ...) are not tensors and are left out;
+//  - keys named by another framework (torchtitan's module names) are mapped by the caller's
+//    DcpKeyMapper, which knows the model families (reshard/framework_names.h): each such key
+//    is a box of one of our tensors (a whole tensor renamed, one component of a fused one, one
+//    expert), and a tensor made of parts must get all of them; formats/ knows no model's names;
 //  - with a model (ModelConfig), every tensor must be one of ModelCheckpointTensors(model,
 //    states) with that shape (its dtype is the checkpoint's), every model parameter and
 //    buffer must be present, and each tensor gets the model's axes, fused components and
@@ -17,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -42,8 +47,25 @@ struct DcpName {
 // (formats/megatron.h maps them to ours when the model is known).
 DcpName MapDcpName(const std::string& fqn, bool megatron = false);
 
+// Where a DCP key's tensor lies in one of our tensors when its name is another framework's.
+struct DcpKeyPart {
+  std::string param;        // our parameter or buffer
+  Box box;                  // in our tensor, full rank: the key's tensor is this box
+  bool per_expert = false;  // ... without its leading dim (one expert)
+  // Tells the parts of `param` apart and names them in messages ("" = the whole tensor), and
+  // every part's label (to name the missing ones).
+  std::string label;
+  std::vector<std::string> labels;
+};
+// The part for the parameter name of a DCP key (a model key, or the `<param>` of an optimizer
+// state key), or nullopt when the name is not the mapper's (it is then taken as ours).
+using DcpKeyMapper = std::function<std::optional<DcpKeyPart>(const std::string& param)>;
+
 struct DcpSourceOptions {
   std::optional<ModelConfig> model;
+  // With a model: maps keys that are another framework's names (not used for Megatron-Core
+  // torch_dist directories, whose names formats/megatron.h maps).
+  DcpKeyMapper key_mapper;
   // Check each chunk's CRC-32 (from its torch.save archive) the first time it is read.
   bool verify_crc = false;
 };

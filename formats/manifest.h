@@ -31,9 +31,6 @@ inline constexpr std::string_view kManifestFileName = "manifest.json";
 // allocate without bound); a trillion-parameter model with 10^5 shards stays far below it.
 inline constexpr std::int64_t kMaxManifestBytes = std::int64_t{1} << 30;
 
-// Whether a stored piece is the main copy (counted for coverage) or a replica of it.
-enum class ReplicaKind : std::uint8_t { kMain, kReplica };
-
 struct ShardEntry {
   std::string tensor;
   Piece piece;              // box in the global tensor + optional flat range inside it

@@ -16,7 +16,7 @@
 #include "core/layout.h"
 #include "core/model.h"
 #include "fuzz/placement.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace {
 

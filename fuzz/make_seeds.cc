@@ -15,7 +15,7 @@
 #include "core/model.h"
 #include "formats/manifest.h"
 #include "fuzz/fuzz_checkpoint.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace {
 

@@ -17,7 +17,7 @@
 #include "core/fsdp_presets.h"
 #include "core/model.h"
 #include "fuzz/placement.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace {
 

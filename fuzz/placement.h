@@ -9,7 +9,7 @@
 #include "core/check.h"
 #include "core/fsdp_buckets.h"
 #include "core/tensor_spec.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace rs::fuzz {
 

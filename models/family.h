@@ -29,18 +29,19 @@
 
 namespace rs {
 
-// One row of a family's name map: the HF tensor `hf` is our tensor `ours` whole, or one
-// component of its component table (`component`: the q / k / v heads of the fused QKV, the
-// gate / up rows of a SwiGLU fc1), once, or once per routed expert (`per_expert`: {E} in `hf`
-// is the expert). {L} in both names is the layer. `variant` ("" = always) ties a row to one way
-// of storing a MoE layer's experts (a family may read several: per-expert names of two
-// generations, transformers 5's fused 3-D tensors); models/hf_names.h picks one per layer.
-struct HfNameRow {
+// One row of a family's name map for another framework (Hugging Face, torchtitan): its tensor
+// `theirs` is our tensor `ours` whole, or one component of its component table (`component`:
+// the q / k / v heads of the fused QKV, the gate / up rows of a SwiGLU fc1), once, or once per
+// routed expert (`per_expert`: {E} in `theirs` is the expert, and their tensor lacks our
+// leading expert dim). {L} in both names is the layer. `variant` ("" = always) ties a row to one
+// way of storing a MoE layer's experts (a family may read several: per-expert names of two
+// generations, transformers 5's fused 3-D tensors); models/names.h picks one per layer.
+struct NameRow {
   std::string_view ours;
   std::string_view component;  // "" = the whole tensor
   bool per_expert = false;
   std::string_view variant;  // "" = every layer
-  std::string_view hf;
+  std::string_view theirs;
 };
 
 // What the toolkit does with a family (the README's capability table is `reshard models`).
@@ -50,6 +51,7 @@ struct FamilyCapabilities {
   bool hf_import = false;
   bool hf_export = false;
   bool megatron_import = false;
+  bool titan_dcp = false;  // torchtitan DCP checkpoints read (titan_names)
 };
 
 // A config.json reader that names the file and the field in every error.
@@ -88,7 +90,10 @@ struct ModelFamily {
   // Our config -> config.json, parameters stored as `dtype`. FailedPrecondition naming each
   // difference the family cannot express. Null: no HF export.
   std::function<Result<nlohmann::json>(const ModelConfig&, DType)> write_hf_config;
-  std::vector<HfNameRow> hf_names;
+  std::vector<NameRow> hf_names;
+  // torchtitan's module names for the family's state dict (DCP keys; optimizer states are
+  // `optimizer.state.<name>.<state>`). Empty: the family has no torchtitan counterpart.
+  std::vector<NameRow> titan_names;
   // The expert variants of hf_names in preference order: export writes the first; import picks,
   // per MoE layer, the first whose names the files hold.
   std::vector<std::string_view> hf_variants;

@@ -8,7 +8,7 @@
 
 namespace rs {
 
-inline std::vector<HfNameRow> LlamaNameRows() {
+inline std::vector<NameRow> LlamaNameRows() {
   return {
       {"embedding.weight", "", false, "", "model.embed_tokens.weight"},
       {"layers.{L}.attn_norm.weight", "", false, "", "model.layers.{L}.input_layernorm.weight"},
@@ -26,7 +26,7 @@ inline std::vector<HfNameRow> LlamaNameRows() {
 // (variant "per_expert") or transformers 5's fused 3-D tensors (variant "fused": gate_up_proj
 // [E, 2I, H] holds each expert's gate rows then its up rows – exactly our fc1 – and down_proj
 // [E, H, I] is our fc2).
-inline std::vector<HfNameRow> QwenMoeExpertRows() {
+inline std::vector<NameRow> QwenMoeExpertRows() {
   return {
       {"layers.{L}.moe.router.weight", "", false, "per_expert", "model.layers.{L}.mlp.gate.weight"},
       {"layers.{L}.moe.router.weight", "", false, "fused", "model.layers.{L}.mlp.gate.weight"},
@@ -38,6 +38,38 @@ inline std::vector<HfNameRow> QwenMoeExpertRows() {
        "model.layers.{L}.mlp.experts.{E}.down_proj.weight"},
       {"layers.{L}.moe.experts.fc1.weight", "", false, "fused", "model.layers.{L}.mlp.experts.gate_up_proj"},
       {"layers.{L}.moe.experts.fc2.weight", "", false, "fused", "model.layers.{L}.mlp.experts.down_proj"},
+  };
+}
+
+// torchtitan's names for the Llama-style decoder (its llama3 and qwen3 models): attention
+// wq / wk / wv / wo, attention_norm, ffn_norm, dense SwiGLU feed_forward w1 (gate), w3 (up), w2
+// (down), norm and output.
+inline std::vector<NameRow> TitanLlamaRows() {
+  return {
+      {"embedding.weight", "", false, "", "tok_embeddings.weight"},
+      {"layers.{L}.attn_norm.weight", "", false, "", "layers.{L}.attention_norm.weight"},
+      {"layers.{L}.attn.qkv.weight", "query", false, "", "layers.{L}.attention.wq.weight"},
+      {"layers.{L}.attn.qkv.weight", "key", false, "", "layers.{L}.attention.wk.weight"},
+      {"layers.{L}.attn.qkv.weight", "value", false, "", "layers.{L}.attention.wv.weight"},
+      {"layers.{L}.attn.out.weight", "", false, "", "layers.{L}.attention.wo.weight"},
+      {"layers.{L}.mlp_norm.weight", "", false, "", "layers.{L}.ffn_norm.weight"},
+      {"layers.{L}.mlp.fc1.weight", "gate", false, "", "layers.{L}.feed_forward.w1.weight"},
+      {"layers.{L}.mlp.fc1.weight", "up", false, "", "layers.{L}.feed_forward.w3.weight"},
+      {"layers.{L}.mlp.fc2.weight", "", false, "", "layers.{L}.feed_forward.w2.weight"},
+      {"final_norm.weight", "", false, "", "norm.weight"},
+      {"output.weight", "", false, "", "output.weight"},
+  };
+}
+
+// torchtitan's MoE module: the router's gate, and grouped experts as 3-D tensors without
+// ".weight" – w1 (gate) and w3 (up) [E, F, d] are our fc1's two components inside every expert,
+// w2 [E, d, F] is our fc2.
+inline std::vector<NameRow> TitanMoeRows() {
+  return {
+      {"layers.{L}.moe.router.weight", "", false, "", "layers.{L}.moe.router.gate.weight"},
+      {"layers.{L}.moe.experts.fc1.weight", "gate", false, "", "layers.{L}.moe.experts.w1"},
+      {"layers.{L}.moe.experts.fc1.weight", "up", false, "", "layers.{L}.moe.experts.w3"},
+      {"layers.{L}.moe.experts.fc2.weight", "", false, "", "layers.{L}.moe.experts.w2"},
   };
 }
 

@@ -10,7 +10,7 @@
 
 #include "core/thread_pool.h"
 #include "formats/checkpoint_writer.h"
-#include "reshard/shard_map.h"
+#include "layout/shard_map.h"
 
 namespace rs {
 

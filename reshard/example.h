@@ -14,7 +14,7 @@
 #include "core/tensor_spec.h"
 #include "formats/codec.h"
 #include "formats/manifest.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace rs {
 

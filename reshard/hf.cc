@@ -450,8 +450,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   auto variant = [&](std::int64_t layer) -> std::string_view {
     for (const std::string_view v : family.hf_variants) {
       bool complete = true;
-      for (const HfNameRow& row : family.hf_names) {
-        if (row.variant == v && available.count(HfRowName(row.hf, layer, 0)) == 0) complete = false;
+      for (const NameRow& row : family.hf_names) {
+        if (row.variant == v && available.count(HfRowName(row.theirs, layer, 0)) == 0) complete = false;
       }
       if (complete) return v;
     }

@@ -5,7 +5,7 @@
 // What a model family's config.json and tensor names are is data in its folder (models/): a
 // config binder and name rows saying which HF tensor is which part of which of our logical
 // tensors. Every HF tensor is one contiguous flat range of one of our tensors (HfTensor,
-// models/hf_names.h), so export reads flat ranges through CheckpointReader::ReadPiece and
+// models/names.h), so export reads flat ranges through CheckpointReader::ReadPiece and
 // import fills any piece of any layout from the ranges' bytes. This file only moves the bytes.
 #pragma once
 
@@ -22,9 +22,9 @@
 #include "core/tensor_spec.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/codec.h"
+#include "layout/physical_layout.h"
 #include "models/family.h"
-#include "models/hf_names.h"
-#include "reshard/physical_layout.h"
+#include "models/names.h"
 
 namespace rs {
 

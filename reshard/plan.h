@@ -21,7 +21,7 @@
 #include "core/dtype.h"
 #include "core/tensor_spec.h"
 #include "formats/manifest.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace rs {
 

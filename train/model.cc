@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/memory.h"
+#include "core/model_index.h"
 #include "train/gemm.h"
 #include "train/init.h"
 #include "train/layers.h"
@@ -13,7 +14,7 @@
 namespace rs::train {
 namespace {
 
-constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+constexpr std::size_t kNone = kNoTensor;
 
 template <typename T>
 void AddInto(T* dst, const T* src, std::size_t n) {
@@ -120,13 +121,13 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       dispatch_(dispatch),
       par_(par != nullptr ? par : &SingleProcess()),
       specs_(local_specs.empty() ? ModelParameters(config) : std::move(local_specs)) {
-  {
-    const std::vector<TensorSpec> global = ModelParameters(config);
-    RS_CHECK_MSG(global.size() == specs_.size(), "local specs do not match the model");
-    for (std::size_t i = 0; i < global.size(); ++i) {
-      RS_CHECK_MSG(global[i].name == specs_[i].name && global[i].shape.size() == specs_[i].shape.size(),
-                   "local spec " << specs_[i].name << " does not match " << global[i].name);
-    }
+  // The declaration's typed index places every tensor; the local specs are the same list with
+  // the rank's shapes.
+  const ModelTensors declared = DeclareModel(config);
+  RS_CHECK_MSG(declared.specs.size() == specs_.size(), "local specs do not match the model");
+  for (std::size_t i = 0; i < declared.specs.size(); ++i) {
+    RS_CHECK_MSG(declared.specs[i].name == specs_[i].name && declared.specs[i].shape.size() == specs_[i].shape.size(),
+                 "local spec " << specs_[i].name << " does not match " << declared.specs[i].name);
   }
   std::int64_t total = 0;
   for (const auto& s : specs_) {
@@ -135,42 +136,38 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
   }
   params_.assign(static_cast<std::size_t>(total), T(0));
   grads_.assign(static_cast<std::size_t>(total), T(0));
-  embedding_ = Need("embedding.weight");
-  final_norm_ = Need("final_norm.weight");
-  output_ = Need("output.weight");
+  embedding_ = declared.embedding;
+  final_norm_ = declared.final_norm;
+  output_ = declared.output;
   vocab_rows_ = specs_[embedding_].shape[0];
   RS_CHECK(specs_[output_].shape[0] == vocab_rows_);
   auto dim = [&](std::size_t t, std::size_t k) { return specs_[t].shape[k]; };
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
-    const std::string p = "layers." + std::to_string(i) + ".";
-    const std::size_t qkv = Need(p + "attn.qkv.weight"), out = Need(p + "attn.out.weight");
+    const LayerTensors& t = declared.layers[static_cast<std::size_t>(i)];
+    RS_CHECK_MSG(t.attn.qkv != kNoTensor, "layer " << i << " has no softmax attention");
     // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].
-    const std::int64_t nq = dim(out, 1) / c_.head_dim;
-    const std::int64_t nkv = (dim(qkv, 0) / c_.head_dim - nq) / 2;
+    const std::int64_t nq = dim(t.attn.out, 1) / c_.head_dim;
+    const std::int64_t nkv = (dim(t.attn.qkv, 0) / c_.head_dim - nq) / 2;
     RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
     auto l = std::make_unique<Layer>(AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta}, par_);
-    l->attn_norm = Need(p + "attn_norm.weight");
-    l->qkv = qkv;
-    l->out = out;
-    if (c_.qk_norm) {
-      l->q_norm = Need(p + "attn.q_norm.weight");
-      l->k_norm = Need(p + "attn.k_norm.weight");
-    }
-    l->mlp_norm = Need(p + "mlp_norm.weight");
-    if (c_.IsMoeLayer(i)) {
-      l->router = Need(p + "moe.router.weight");
-      l->bias = index(p + "moe.router.expert_bias").value_or(kNone);
-      l->efc1 = Need(p + "moe.experts.fc1.weight");
-      l->efc2 = Need(p + "moe.experts.fc2.weight");
-      if (c_.shared_ffn > 0) {
-        l->sfc1 = Need(p + "moe.shared.fc1.weight");
-        l->sfc2 = Need(p + "moe.shared.fc2.weight");
-      }
+    l->attn_norm = t.attn_norm;
+    l->qkv = t.attn.qkv;
+    l->out = t.attn.out;
+    l->q_norm = t.attn.q_norm;
+    l->k_norm = t.attn.k_norm;
+    l->mlp_norm = t.mlp_norm;
+    if (t.moe.router != kNoTensor) {
+      l->router = t.moe.router;
+      l->bias = t.moe.expert_bias;
+      l->efc1 = t.moe.experts_fc1;
+      l->efc2 = t.moe.experts_fc2;
+      l->sfc1 = t.moe.shared_fc1;
+      l->sfc2 = t.moe.shared_fc2;
       l->moe = std::make_unique<MoeLayer<T>>(c_, dispatch_, par_, dim(l->efc2, 2),
                                              l->sfc2 != kNone ? dim(l->sfc2, 1) : 0, dim(l->efc1, 0));
     } else {
-      l->fc1 = Need(p + "mlp.fc1.weight");
-      l->fc2 = Need(p + "mlp.fc2.weight");
+      l->fc1 = t.mlp.fc1;
+      l->fc2 = t.mlp.fc2;
       l->dense = std::make_unique<GroupedSwiGlu<T>>(c_.d_model, dim(l->fc2, 1));
     }
     layers_.push_back(std::move(l));
@@ -186,13 +183,6 @@ std::optional<std::size_t> Transformer<T>::index(const std::string& name) const 
     if (specs_[i].name == name) return i;
   }
   return std::nullopt;
-}
-
-template <typename T>
-std::size_t Transformer<T>::Need(const std::string& name) const {
-  const auto i = index(name);
-  RS_CHECK_MSG(i.has_value(), "ModelParameters() lacks " << name);
-  return *i;
 }
 
 template <typename T>

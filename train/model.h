@@ -53,7 +53,7 @@ class Transformer {
   //
   // One process holds every tensor whole. Under tensor parallelism (`par`, see
   // model_parallel.h) `local_specs` are this rank's tensors – ModelParameters(config) in the
-  // same order with the rank-local shapes of the physical map (reshard/physical_layout.h): QKV
+  // same order with the rank-local shapes of the physical map (layout/physical_layout.h): QKV
   // with the rank's heads, SwiGLU fc1 as [W_i; V_i], padded vocab rows – and the local head
   // counts and ffn widths are read off them. `par` must outlive the model.
   Transformer(const ModelConfig& config, const DispatchOptions& dispatch, std::vector<TensorSpec> local_specs = {},
@@ -94,7 +94,6 @@ class Transformer {
   struct Layer;
   T* P(std::size_t i) { return params_.data() + offsets_[i]; }
   T* G(std::size_t i) { return grads_.data() + offsets_[i]; }
-  std::size_t Need(const std::string& name) const;
 
   ModelConfig c_;
   DispatchOptions dispatch_;

@@ -46,7 +46,7 @@
 #include "core/model.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 #include "train/model.h"
 #include "train/optimizer.h"
 

@@ -18,7 +18,7 @@
 #include "comm/communicator.h"
 #include "core/model.h"
 #include "core/status.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 #include "train/data.h"
 #include "train/model.h"
 #include "train/moe.h"

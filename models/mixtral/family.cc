@@ -104,10 +104,10 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
   return c;
 }
 
-std::vector<HfNameRow> Rows() {
-  std::vector<HfNameRow> rows = LlamaNameRows();
+std::vector<NameRow> Rows() {
+  std::vector<NameRow> rows = LlamaNameRows();
   // transformers 4.x names, what Mixtral checkpoints on the Hub hold (export writes these).
-  const std::vector<HfNameRow> block_sparse = {
+  const std::vector<NameRow> block_sparse = {
       {"layers.{L}.moe.router.weight", "", false, "block_sparse_moe", "model.layers.{L}.block_sparse_moe.gate.weight"},
       {"layers.{L}.moe.experts.fc1.weight", "gate", true, "block_sparse_moe",
        "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight"},
@@ -117,7 +117,7 @@ std::vector<HfNameRow> Rows() {
        "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight"},
   };
   rows.insert(rows.end(), block_sparse.begin(), block_sparse.end());
-  const std::vector<HfNameRow> qwen_style = QwenMoeExpertRows();  // what transformers 5 may save
+  const std::vector<NameRow> qwen_style = QwenMoeExpertRows();  // what transformers 5 may save
   rows.insert(rows.end(), qwen_style.begin(), qwen_style.end());
   return rows;
 }
@@ -133,6 +133,7 @@ const ModelFamily& MixtralFamily() {
       .read_hf_config = ReadConfig,
       .write_hf_config = WriteConfig,
       .hf_names = Rows(),
+      .titan_names = {},
       .hf_variants = {"block_sparse_moe", "per_expert", "fused"},
       .hf_export_as = "",
       .can = {.train_cpu = true, .train_cuda = true, .hf_import = true, .hf_export = true, .megatron_import = false},

@@ -14,6 +14,7 @@ const ModelFamily& MoeFamily() {
       .read_hf_config = nullptr,
       .write_hf_config = nullptr,
       .hf_names = {},
+      .titan_names = {},
       .hf_variants = {},
       .hf_export_as = "mixtral",
       .can = {.train_cpu = true, .train_cuda = true, .hf_import = false, .hf_export = true, .megatron_import = true},

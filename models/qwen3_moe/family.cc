@@ -103,9 +103,9 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
   return c;
 }
 
-std::vector<HfNameRow> Rows() {
-  std::vector<HfNameRow> rows = LlamaNameRows();
-  const std::vector<HfNameRow> mine = {
+std::vector<NameRow> Rows() {
+  std::vector<NameRow> rows = LlamaNameRows();
+  const std::vector<NameRow> mine = {
       {"layers.{L}.attn.q_norm.weight", "", false, "", "model.layers.{L}.self_attn.q_norm.weight"},
       {"layers.{L}.attn.k_norm.weight", "", false, "", "model.layers.{L}.self_attn.k_norm.weight"},
       // Dense layers (mlp_only_layers, decoder_sparse_step): Qwen3MoeMLP.
@@ -114,8 +114,19 @@ std::vector<HfNameRow> Rows() {
       {"layers.{L}.mlp.fc2.weight", "", false, "", "model.layers.{L}.mlp.down_proj.weight"},
   };
   rows.insert(rows.end(), mine.begin(), mine.end());
-  const std::vector<HfNameRow> experts = QwenMoeExpertRows();
+  const std::vector<NameRow> experts = QwenMoeExpertRows();
   rows.insert(rows.end(), experts.begin(), experts.end());
+  return rows;
+}
+
+// torchtitan's Qwen3 (torchtitan/models/qwen3): the Llama names, per-head q/k norms inside
+// attention, and its MoE module.
+std::vector<NameRow> TitanRows() {
+  std::vector<NameRow> rows = TitanLlamaRows();
+  rows.push_back({"layers.{L}.attn.q_norm.weight", "", false, "", "layers.{L}.attention.q_norm.weight"});
+  rows.push_back({"layers.{L}.attn.k_norm.weight", "", false, "", "layers.{L}.attention.k_norm.weight"});
+  const std::vector<NameRow> moe = TitanMoeRows();
+  rows.insert(rows.end(), moe.begin(), moe.end());
   return rows;
 }
 
@@ -130,9 +141,15 @@ const ModelFamily& Qwen3MoeFamily() {
       .read_hf_config = ReadConfig,
       .write_hf_config = WriteConfig,
       .hf_names = Rows(),
+      .titan_names = TitanRows(),
       .hf_variants = {"per_expert", "fused"},
       .hf_export_as = "",
-      .can = {.train_cpu = true, .train_cuda = false, .hf_import = true, .hf_export = true, .megatron_import = false},
+      .can = {.train_cpu = true,
+              .train_cuda = false,
+              .hf_import = true,
+              .hf_export = true,
+              .megatron_import = true,
+              .titan_dcp = true},
   };
   return f;
 }

@@ -159,6 +159,25 @@ TEST(HfFamilies, ExportFamilyIsChosen) {
   EXPECT_EQ(d.exit_code, 0) << d.output;
 }
 
+// The same weights as torchtitan saves them (tests/fixtures/titan: torchtitan's Qwen3 names,
+// FSDP2 shards of 2 processes, AdamW states): `convert --model` needs nothing else, and the
+// result evaluates to transformers' loss.
+TEST(HfFamilies, TitanQwen3DcpConvertsToTransformersLoss) {
+  TempDir tmp;
+  const std::string titan = std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan";
+  const CommandResult c =
+      RunCli("convert " + titan + "/qwen3_moe_tiny --model " + titan + "/model.json --to tp=2,ep=2 -o " + (tmp / "ck"));
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  ASSERT_EQ(RunCli("verify " + (tmp / "ck")).exit_code, 0);
+  const double expected = ReadJson(kFixtures + "/qwen3_moe_tiny/expected.json")["mean_ce"].get<double>();
+  EXPECT_NEAR(Eval(tmp / "ck"), expected, 1e-5 * expected);
+  // Without --model the torchtitan names cannot be placed in a layout.
+  const CommandResult refused = RunCli("convert " + titan + "/qwen3_moe_tiny --to tp=2 -o " + (tmp / "no"));
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_TRUE(Contains(refused.output, "--model")) << refused.output;
+  EXPECT_FALSE(fs::exists(tmp / "no"));
+}
+
 // Trained from an import (tests/train/mpi_train_test.cc trains the q/k norms over tp), exported,
 // and loaded by transformers' from_pretrained: transformers' loss is reshard eval's.
 TEST(HfFamilies, Qwen3MoeTrainedExportLoadsInTransformers) {

@@ -16,7 +16,7 @@
 #include "reshard/example.h"
 #include "reshard/execute.h"
 #include "tests/cli/cli_test_util.h"
-#include "tests/reshard/test_models.h"
+#include "tests/layout/test_models.h"
 
 namespace rs {
 namespace {

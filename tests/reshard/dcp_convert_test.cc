@@ -20,6 +20,7 @@
 #include "formats/safetensors.h"
 #include "formats/verify.h"
 #include "reshard/execute.h"
+#include "reshard/framework_names.h"
 #include "reshard/plan.h"
 #include "tests/cli/cli_test_util.h"
 
@@ -44,6 +45,9 @@ void ConvertDcp(const std::string& fixture, const std::string& layout, const std
   so.model = ModelFile(std::filesystem::exists(fixture + "/model.json") ? fixture + "/model.json"
                                                                         : fixture + "/../model.json");
   so.verify_crc = !map_sources;
+  auto mapper = TitanKeyMapper(*so.model);
+  ASSERT_TRUE(mapper.ok()) << mapper.status().ToString();
+  so.key_mapper = *mapper;
   auto src = DcpSource::Open(fixture, so);
   ASSERT_TRUE(src.ok()) << src.status().ToString();
   auto target = PhysicalLayout::Parse(layout, *BuiltinRuleSet("megatron"));
@@ -125,9 +129,23 @@ TEST(DcpConvertTest, Bf16BoxesAtSeveralLayouts) {
                    "dcp-fixture");
 }
 
+// torchtitan's Qwen3 names (tests/fixtures/titan: FSDP2 shards of 2 processes, one AdamW step):
+// fused QKV and SwiGLU assembled from wq / wk / wv and w1 / w3 (inside every expert), q/k norms.
+TEST(DcpConvertTest, TitanQwen3AtSeveralLayouts) {
+  ConvertAtLayouts(std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan/qwen3_moe_tiny",
+                   {"tp=1", "tp=2,ep=2", "tp=2,fsdp=2,fsdp_form=flat", "etp=2,ep=2,tp=2"}, "titan-qwen3_moe", 1);
+}
+
 // Megatron-Core torch_dist, saved at tp=2, ep=2: layer-stacked keys, grouped QKV rows, split
 // SwiGLU halves, global expert axis, the non-distributed optimizer's states and
 // common.pt's common_step.
+// Megatron-Core with qk_layernorm (Qwen3's per-head q/k RMSNorms, layer-stacked
+// `decoder.layers.self_attention.{q,k}_layernorm.weight` [L, head_dim], replicated over tp).
+TEST(MegatronConvertTest, QkLayernormAtSeveralLayouts) {
+  ConvertAtLayouts(kMegatron + "/qk_norm_f32", {"tp=1", "tp=2,ep=2", "tp=4,fsdp=2,fsdp_form=flat"},
+                   "megatron-qk_norm_f32", 2);
+}
+
 TEST(MegatronConvertTest, LayerStackedF32AtSeveralLayouts) {
   ConvertAtLayouts(kMegatron + "/homogeneous_f32",
                    {"tp=1", "tp=2,ep=2", "tp=4,fsdp=2", "ep=4,etp=2,tp=2", "pp=2,fsdp=2,fsdp_form=flat"},

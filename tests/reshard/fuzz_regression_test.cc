@@ -7,7 +7,7 @@
 
 #include "core/layout.h"
 #include "core/model.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace rs {
 namespace {

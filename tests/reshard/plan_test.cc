@@ -8,7 +8,7 @@
 #include <random>
 
 #include "reshard/source_index.h"
-#include "tests/reshard/test_models.h"
+#include "tests/layout/test_models.h"
 
 namespace rs {
 namespace {

@@ -14,7 +14,7 @@
 #include "formats/checkpoint_reader.h"
 #include "formats/safetensors.h"
 #include "models/family.h"
-#include "models/hf_names.h"
+#include "models/names.h"
 #include "reshard/hf.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
@@ -74,6 +74,7 @@ const ModelFamilyRegistrar kToy(ModelFamily{
             {"final_norm.weight", "", false, "", "ln_f"},
             {"output.weight", "", false, "", "head"},
         },
+    .titan_names = {},
     .hf_variants = {},
     .hf_export_as = "",
     .can = {.train_cpu = true, .train_cuda = false, .hf_import = true, .hf_export = true, .megatron_import = false},

@@ -2,6 +2,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "core/model_index.h"
 #include "train/cuda/attention.h"
 #include "train/cuda/dispatch.h"
 #include "train/cuda/grouped_gemm.h"
@@ -198,16 +199,19 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
   }
   RS_CUDA_CHECK(cublasCreate(&handle_));
   RS_CUDA_CHECK(cublasSetStream(handle_, stream_));
-  embedding_ = Need("embedding.weight");
-  final_norm_ = Need("final_norm.weight");
-  output_ = Need("output.weight");
+  // The declaration's typed index places every tensor (specs_ is the same list, local shapes).
+  const ModelTensors declared = DeclareModel(c_);
+  RS_CHECK(declared.specs.size() == specs_.size());
+  embedding_ = declared.embedding;
+  final_norm_ = declared.final_norm;
+  output_ = declared.output;
   // This rank's vocab rows, heads and ffn widths, read off the local shapes.
   vocab_rows_ = specs_[embedding_].shape[0];
   RS_CHECK(vocab_rows_ > 0 && specs_[output_].shape[0] == vocab_rows_);
   RS_CHECK(sharded_ || (vocab_rows_ == c_.vocab_size && vocab_offset_ == 0));
   {
-    const TensorSpec& out = specs_[Need("layers.0.attn.out.weight")];
-    const TensorSpec& qkv = specs_[Need("layers.0.attn.qkv.weight")];
+    const TensorSpec& out = specs_[declared.layers.at(0).attn.out];
+    const TensorSpec& qkv = specs_[declared.layers.at(0).attn.qkv];
     RS_CHECK(out.shape[1] % c_.head_dim == 0 && (qkv.shape[0] - out.shape[1]) % (2 * c_.head_dim) == 0);
     heads_ = out.shape[1] / c_.head_dim;
     kv_heads_ = (qkv.shape[0] - out.shape[1]) / (2 * c_.head_dim);
@@ -215,27 +219,28 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
                  heads_ << " query heads over " << kv_heads_ << " kv heads");
   }
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
-    const std::string p = "layers." + std::to_string(i) + ".";
+    const LayerTensors& t = declared.layers[static_cast<std::size_t>(i)];
+    RS_CHECK(t.attn.qkv != kNoTensor && t.attn.q_norm == kNoTensor);  // engine.cu refuses the rest
     auto l = std::make_unique<Layer>();
-    l->attn_norm = Need(p + "attn_norm.weight");
-    l->qkv = Need(p + "attn.qkv.weight");
-    l->out = Need(p + "attn.out.weight");
-    l->mlp_norm = Need(p + "mlp_norm.weight");
-    l->moe = c_.IsMoeLayer(i);
+    l->attn_norm = t.attn_norm;
+    l->qkv = t.attn.qkv;
+    l->out = t.attn.out;
+    l->mlp_norm = t.mlp_norm;
+    l->moe = t.moe.router != kNoTensor;
     if (l->moe) {
-      l->router = Need(p + "moe.router.weight");
-      if (c_.router == RouterKind::kSigmoidBias) l->bias = Need(p + "moe.router.expert_bias");
-      l->efc1 = Need(p + "moe.experts.fc1.weight");
-      l->efc2 = Need(p + "moe.experts.fc2.weight");
+      l->router = t.moe.router;
+      if (t.moe.expert_bias != kNoTensor) l->bias = t.moe.expert_bias;
+      l->efc1 = t.moe.experts_fc1;
+      l->efc2 = t.moe.experts_fc2;
       l->ffn = specs_[l->efc2].shape[2];  // [E, d, f]
-      if (c_.shared_ffn > 0) {
-        l->sfc1 = Need(p + "moe.shared.fc1.weight");
-        l->sfc2 = Need(p + "moe.shared.fc2.weight");
+      if (t.moe.shared_fc1 != kNoTensor) {
+        l->sfc1 = t.moe.shared_fc1;
+        l->sfc2 = t.moe.shared_fc2;
         l->shared_ffn = specs_[l->sfc2].shape[1];  // [d, f]
       }
     } else {
-      l->fc1 = Need(p + "mlp.fc1.weight");
-      l->fc2 = Need(p + "mlp.fc2.weight");
+      l->fc1 = t.mlp.fc1;
+      l->fc2 = t.mlp.fc2;
       l->ffn = specs_[l->fc2].shape[1];
     }
     RS_CHECK(l->ffn > 0);
@@ -443,15 +448,6 @@ double GpuTransformer<T>::StepFlops() const {
     }
   }
   return tokens * (6.0 * weights + scores);
-}
-
-template <typename T>
-std::size_t GpuTransformer<T>::Need(const std::string& name) const {
-  for (std::size_t i = 0; i < specs_.size(); ++i) {
-    if (specs_[i].name == name) return i;
-  }
-  RS_CHECK_MSG(false, "ModelParameters() lacks " << name);
-  return kNone;
 }
 
 template <typename T>

@@ -161,7 +161,6 @@ class GpuTransformer {
   const T* P(std::size_t i) const;
   float* M(std::size_t i) { return master_.get() + offsets_[i]; }
   float* G(std::size_t i) { return grads_.get() + offsets_[i]; }
-  std::size_t Need(const std::string& name) const;
   void Plan(void* base);
 
   ModelConfig c_;

@@ -9,7 +9,6 @@
 #include "core/layout.h"
 #include "core/shape.h"
 #include "core/tensor_spec.h"
-#include "formats/manifest.h"
 
 namespace rs {
 

@@ -1,6 +1,6 @@
-// Component-table mapping (reshard/fused.h): examples, random properties against the item by
+// Component-table mapping (layout/fused.h): examples, random properties against the item by
 // item reference, and the item-coordinate regression (docs/DESIGN.md §3).
-#include "reshard/fused.h"
+#include "layout/fused.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 #include <algorithm>
 #include <charconv>

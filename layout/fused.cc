@@ -1,4 +1,4 @@
-#include "reshard/fused.h"
+#include "layout/fused.h"
 
 #include <algorithm>
 #include <cstring>

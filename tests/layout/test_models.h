@@ -8,7 +8,7 @@
 
 #include "core/layout.h"
 #include "core/model.h"
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 namespace rs::testing {
 

@@ -1,7 +1,7 @@
 // Physical <-> logical mapping under full layouts: examples for each feature, and random
 // properties over many models and layouts (main pieces cover every tensor exactly once,
 // buffers map item by item as the reference says, states follow their parameters).
-#include "reshard/physical_layout.h"
+#include "layout/physical_layout.h"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <set>
 #include <sstream>
 
-#include "tests/reshard/test_models.h"
+#include "tests/layout/test_models.h"
 
 namespace rs {
 namespace {

@@ -33,9 +33,8 @@
 #include "core/fsdp_buckets.h"
 #include "core/layout.h"
 #include "core/tensor_spec.h"
-#include "formats/manifest.h"
-#include "reshard/fused.h"
-#include "reshard/shard_map.h"
+#include "layout/fused.h"
+#include "layout/shard_map.h"
 
 namespace rs {
 
