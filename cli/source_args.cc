@@ -21,8 +21,8 @@ Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const So
     o.verify_crc = args.checksums == ChecksumPolicy::kVerify;
     if (!args.model.empty()) {
       RS_ASSIGN_OR_RETURN(o.model, LoadModelArg(args.model));
-      // Keys in the model family's torchtitan names map to ours; our own names need nothing.
-      RS_ASSIGN_OR_RETURN(o.key_mapper, TitanKeyMapper(*o.model));
+      // Megatron-Core keys, or the model family's torchtitan names, map to ours.
+      RS_ASSIGN_OR_RETURN(o.key_mapper, DcpKeyMapperFor(dir, *o.model));
     } else if (args.need_model) {
       return InvalidArgument(dir +
                              " is a PyTorch DCP checkpoint: --model PRESET|FILE.json is needed to place its tensors in "

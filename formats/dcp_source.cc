@@ -8,7 +8,7 @@
 
 #include "core/model.h"
 #include "formats/manifest.h"
-#include "formats/megatron.h"
+#include "formats/torch_dist.h"
 
 namespace rs {
 namespace {
@@ -41,12 +41,10 @@ DcpName MapDcpName(const std::string& fqn, bool megatron) {
   if (megatron) {
     // Names stay Megatron's; `optimizer.state.<state>.<model key>` -> `<model key>/<state>`.
     n.name = fqn;
-    const std::size_t dot = fqn.find('.', 16);
-    if (!fqn.starts_with("optimizer.state.") || dot == std::string::npos) return n;
-    const MegatronKey k = MapMegatronKey(fqn);
+    const MegatronStateKey k = SplitMegatronStateKey(fqn);
     if (k.state.empty()) return n;
     n.role = TensorRole::kOptimizerState;
-    n.param = fqn.substr(dot + 1);
+    n.param = k.key;
     n.state = k.state;
     n.name = OptimizerStateName(n.param, n.state);
     return n;
@@ -86,8 +84,8 @@ struct MappedTensor {
   Shape shape;
   std::vector<MappedPiece> pieces;
   std::map<std::string, std::string> slots;  // part ("" = whole, "_w", "query", "e3", "e3_w" ...) -> key
-  std::vector<std::string> labels;           // a DcpKeyMapper's labels of every part
-  bool per_expert = false;                   // a DcpKeyMapper's parts are single experts
+  std::vector<std::string> labels;           // the mapper's labels of every part
+  bool per_expert = false;                   // the mapper's parts are single experts
 };
 
 struct Mapping {
@@ -131,82 +129,6 @@ Status AddMapped(Mapping& m, const std::string& meta_path, const std::string& fq
   return Status::Ok();
 }
 
-// A key that is `part` of one of our tensors (`ours`: its shape in the model): each chunk is a
-// piece at the part's place.
-Status AddPart(Mapping& m, const std::string& meta_path, const DcpTensor& t, std::size_t index, DcpName n,
-               const DcpKeyPart& part, const Shape& ours) {
-  Shape want = part.box.shape;
-  if (part.per_expert) want.erase(want.begin());
-  if (t.size != want) {
-    return FailedPrecondition(meta_path + ": '" + t.fqn + "' is " + ShapeToString(t.size) + ", but " +
-                              (part.label.empty() ? std::string("'") + part.param + "'"
-                                                  : "its part (" + part.label + ") of '" + part.param + "'") +
-                              " is " + ShapeToString(want) + " in the model");
-  }
-  if (n.role == TensorRole::kOptimizerState) {
-    n.param = part.param;
-    n.name = OptimizerStateName(part.param, n.state);
-  } else {
-    n.name = part.param;
-  }
-  const std::string slot =
-      (part.per_expert && !part.box.offset.empty() ? "e" + std::to_string(part.box.offset[0]) : std::string()) +
-      part.label;
-  const std::string name = n.name;
-  if (t.chunks.empty()) RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, std::nullopt, slot));
-  for (std::size_t c = 0; c < t.chunks.size(); ++c) {
-    Box box{t.chunks[c].offsets, t.chunks[c].sizes};
-    if (part.per_expert) {
-      box.offset.insert(box.offset.begin(), 0);
-      box.shape.insert(box.shape.begin(), 1);
-    }
-    for (std::size_t d = 0; d < box.offset.size(); ++d) box.offset[d] += part.box.offset[d];
-    RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, c, 0, box}, slot));
-  }
-  MappedTensor& mapped = m.tensors.at(name);
-  mapped.labels = part.labels;
-  mapped.per_expert = part.per_expert;
-  return Status::Ok();
-}
-
-// Keys mapped by name (MapDcpName): each chunk is a piece as it is. For a Megatron checkpoint
-// (`megatron`), keys keep their names, optimizer states becoming `<model key>/<state>`. With a
-// `mapper` (and the model's parameter shapes), keys that are another framework's names become
-// parts of ours.
-Status MapPlain(const DcpMetadata& md, const std::string& meta_path, bool megatron, const DcpKeyMapper& mapper,
-                const std::map<std::string, Shape>& model_shapes, Mapping& m) {
-  for (std::size_t i = 0; i < md.tensors.size(); ++i) {
-    const DcpTensor& t = md.tensors[i];
-    DcpName n = MapDcpName(t.fqn, megatron);
-    if (n.step) {
-      if (!t.size.empty() || t.chunks.size() != 1) {
-        return DataLoss(meta_path + ": optimizer step entry '" + t.fqn + "' is not a scalar (size " +
-                        ShapeToString(t.size) + ", " + std::to_string(t.chunks.size()) + " chunks)");
-      }
-      m.step_tensors.push_back(t.fqn);
-      continue;
-    }
-    if (mapper) {
-      const std::optional<DcpKeyPart> part = mapper(n.role == TensorRole::kOptimizerState ? n.param : n.name);
-      if (part) {
-        const auto ours = model_shapes.find(part->param);
-        if (ours == model_shapes.end()) {
-          m.unmapped.push_back(t.fqn + " (names '" + part->param + "', which the model does not have)");
-        } else {
-          RS_RETURN_IF_ERROR(AddPart(m, meta_path, t, i, n, *part, ours->second));
-        }
-        continue;
-      }
-    }
-    if (t.chunks.empty()) RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::nullopt));
-    for (std::size_t c = 0; c < t.chunks.size(); ++c) {
-      MappedPiece p{i, c, 0, Box{t.chunks[c].offsets, t.chunks[c].sizes}};
-      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::move(p)));
-    }
-  }
-  return Status::Ok();
-}
-
 // A tensor assembled from parts must have all of them.
 Status CheckParts(const std::string& meta_path, const Mapping& m) {
   for (const auto& [name, t] : m.tensors) {
@@ -215,17 +137,8 @@ Status CheckParts(const std::string& meta_path, const Mapping& m) {
     for (const MappedPiece& p : t.pieces) held += p.box.numel();
     if (held < Numel(t.shape)) {
       // Name what is missing: the parts this tensor has (experts, sections) less those found.
-      const bool per_expert = t.per_expert || (t.labels.empty() && t.slots.begin()->first.starts_with("e"));
-      std::vector<std::string> sections = {""};
-      if (!t.labels.empty()) {
-        sections = t.labels;
-      } else if (t.name.param.ends_with("gdn.in_proj.weight")) {
-        sections = {"query", "key", "value", "z", "beta", "alpha"};
-      } else if (t.name.param.ends_with("gdn.conv1d.weight")) {
-        sections = {"query", "key", "value"};
-      } else if (t.slots.begin()->first.ends_with("_w") || t.slots.begin()->first.ends_with("_v")) {
-        sections = {"_w", "_v"};
-      }
+      const bool per_expert = t.per_expert;
+      const std::vector<std::string> sections = t.labels.empty() ? std::vector<std::string>{""} : t.labels;
       std::vector<std::string> missing;
       for (std::int64_t e = 0; e < (per_expert ? t.shape[0] : 1); ++e) {
         for (const std::string& sec : sections) {
@@ -251,91 +164,146 @@ Status CheckParts(const std::string& meta_path, const Mapping& m) {
   return Status::Ok();
 }
 
-// Megatron-Core torch_dist keys (formats/megatron.h): layer-stacked tensors are split into
-// their layers, QKV rows regrouped into ours, parts (split SwiGLU halves, gated-delta-net
-// projections, per-expert keys) placed in the tensor of ours they belong to.
-Status MapMegatron(const DcpMetadata& md, const std::string& meta_path, const ModelConfig& cfg, Mapping& m) {
-  std::map<std::string, Shape> model_shapes;  // our parameters, for keys that hold parts
-  for (const TensorSpec& spec : ModelParameters(cfg)) model_shapes.emplace(spec.name, spec.shape);
-  for (std::size_t i = 0; i < md.tensors.size(); ++i) {
-    const DcpTensor& t = md.tensors[i];
-    const MegatronKey k = MapMegatronKey(t.fqn);
-    if (!k.mapped) {
-      (k.why.empty() ? m.unmapped : m.refused).push_back(k.why.empty() ? t.fqn : t.fqn + " (" + k.why + ")");
+// One chunk of a key that is `part` of one of our tensors (`ours`: its shape in the model; `box`
+// the chunk's box in the key's tensor, `shape` that tensor's shape, layer axis taken off).
+Status AddPartChunk(Mapping& m, const std::string& meta_path, const DcpTensor& t, std::size_t index, std::size_t chunk,
+                    const DcpName& n, const DcpKeyPart& part, const Shape& shape, const Shape& ours, Box box) {
+  Shape want = part.box.shape;
+  if (part.box.shape.size() != ours.size() || part.box.offset.size() != ours.size()) {
+    return FailedPrecondition(meta_path + ": '" + t.fqn + "' is named a part of '" + n.param + "', whose shape " +
+                              ShapeToString(ours) + " has another rank in the model");
+  }
+  if (part.per_expert) {
+    if (ours.empty() || part.box.offset[0] >= ours[0]) {
+      return FailedPrecondition(meta_path + ": '" + t.fqn + "' is expert " +
+                                std::to_string(part.box.offset.empty() ? 0 : part.box.offset[0]) + " of '" + n.param +
+                                "', which has " + std::to_string(ours.empty() ? 0 : ours[0]) + " experts");
+    }
+    want.erase(want.begin());
+  }
+  if (shape != want) {
+    return FailedPrecondition(
+        meta_path + ": '" + t.fqn + "' is " + ShapeToString(shape) + ", but " +
+        (part.label.empty() ? std::string("its part of '") : "its part (" + part.label + ") of '") + n.param + "' is " +
+        ShapeToString(want) + " in the model");
+  }
+  std::string slot = part.per_expert ? std::to_string(part.box.offset[0]) : std::string();
+  if (part.per_expert) slot.insert(slot.begin(), 'e');
+  slot += part.label;
+  if (part.per_expert) {
+    box.offset.insert(box.offset.begin(), 0);
+    box.shape.insert(box.shape.begin(), 1);
+  }
+  for (std::size_t d = 0; d < box.offset.size(); ++d) box.offset[d] += part.box.offset[d];
+  RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, chunk, 0, box}, slot));
+  MappedTensor& mapped = m.tensors.at(n.name);
+  mapped.labels = part.labels;
+  mapped.per_expert = part.per_expert;
+  return Status::Ok();
+}
+
+// A key the mapper names (`part`): each chunk a piece of our tensor, on its layer for a
+// layer-stacked key, at the part's place for a part, in our row order for a regrouped one.
+Status AddKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std::size_t index, const DcpName& named,
+              const DcpKeyPart& part, const std::map<std::string, Shape>& model_shapes) {
+  if (part.layer_axis && t.size.empty()) {
+    return DataLoss(meta_path + ": '" + t.fqn + "' is a scalar, but a layer-stacked key has a leading layer axis");
+  }
+  const Shape shape = part.layer_axis ? Shape(t.size.begin() + 1, t.size.end()) : t.size;
+  const bool is_part = !part.label.empty() || part.per_expert;
+  for (std::size_t c = 0; c < t.chunks.size(); ++c) {
+    const DcpChunk& ch = t.chunks[c];
+    Box box{ch.offsets, ch.sizes};
+    std::string param = part.param;
+    if (part.layer_axis) {
+      if (ch.sizes[0] != 1) {
+        return DataLoss(meta_path + ": chunk at " + ShapeToString(ch.offsets) + " of the layer-stacked key '" + t.fqn +
+                        "' spans " + std::to_string(ch.sizes[0]) + " layers (one layer per chunk)");
+      }
+      param = "layers." + std::to_string(ch.offsets[0]) + "." + param;
+      box.offset.erase(box.offset.begin());
+      box.shape.erase(box.shape.begin());
+    }
+    DcpName n = named;
+    n.param = param;
+    n.name = named.role == TensorRole::kOptimizerState ? OptimizerStateName(param, named.state) : param;
+    const auto ours = model_shapes.find(param);
+    if (is_part) {
+      if (ours == model_shapes.end()) {
+        m.unmapped.push_back(t.fqn + " (a part of '" + param + "', which the model does not have)");
+        return Status::Ok();
+      }
+      RS_RETURN_IF_ERROR(AddPartChunk(m, meta_path, t, index, c, n, part, shape, ours->second, box));
       continue;
     }
-    if (k.layer_axis && t.size.empty()) {
-      return DataLoss(meta_path + ": '" + t.fqn + "' is a scalar, but a layer-stacked key has a leading layer axis");
+    if (!part.row_runs || ours == model_shapes.end() || ours->second != shape || box.shape.empty() ||
+        box.shape[0] == 0) {
+      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{index, c, 0, box}));
+      continue;
     }
-    const Shape shape = k.layer_axis ? Shape(t.size.begin() + 1, t.size.end()) : t.size;
-    const bool part = k.section != MegatronSection::kWhole || k.expert >= 0;
-    const std::int64_t qkv_rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim;
-    // Regroup only what has the model's QKV shape; anything else is reported as a shape
-    // mismatch by the model check.
-    const bool regroup = k.qkv && shape.size() == 2 && shape[0] == qkv_rows && cfg.n_heads % cfg.n_kv_heads == 0;
-    for (std::size_t c = 0; c < t.chunks.size(); ++c) {
-      const DcpChunk& ch = t.chunks[c];
-      Box box{ch.offsets, ch.sizes};
-      std::string param = k.param;
-      if (k.layer_axis) {
-        if (ch.sizes[0] != 1) {
-          return DataLoss(meta_path + ": chunk at " + ShapeToString(ch.offsets) + " of the layer-stacked key '" +
-                          t.fqn + "' spans " + std::to_string(ch.sizes[0]) +
-                          " layers (Megatron-Core writes one layer per chunk)");
-        }
-        param = "layers." + std::to_string(ch.offsets[0]) + "." + param;
-        box.offset.erase(box.offset.begin());
-        box.shape.erase(box.shape.begin());
+    std::int64_t row_bytes = static_cast<std::int64_t>(DTypeSize(t.dtype));
+    for (std::size_t d = 1; d < box.shape.size(); ++d) row_bytes *= box.shape[d];
+    for (const DcpKeyPart::RowRun& r : part.row_runs(box.offset[0], box.offset[0] + box.shape[0])) {
+      Box run = box;
+      run.offset[0] = r.dst;
+      run.shape[0] = r.rows;
+      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
+                                   MappedPiece{index, c, (r.src - box.offset[0]) * row_bytes, run}));
+    }
+  }
+  if (t.chunks.empty() && !is_part) {
+    DcpName n = named;
+    n.param = part.param;
+    n.name = named.role == TensorRole::kOptimizerState ? OptimizerStateName(part.param, named.state) : part.param;
+    RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, std::nullopt));
+  }
+  return Status::Ok();
+}
+
+// Every tensor key by name (MapDcpName): as it is, or through the `mapper` (with the model's
+// parameter shapes) when the mapper names it. For a Megatron checkpoint (`megatron`) with a
+// mapper, keys the mapper does not know are not tensors of the model, and optimizer states it
+// does not map are refused.
+Status MapKeys(const DcpMetadata& md, const std::string& meta_path, bool megatron, const DcpKeyMapper& mapper,
+               const std::map<std::string, Shape>& model_shapes, Mapping& m) {
+  for (std::size_t i = 0; i < md.tensors.size(); ++i) {
+    const DcpTensor& t = md.tensors[i];
+    const DcpName n = MapDcpName(t.fqn, megatron);
+    if (n.step) {
+      if (!t.size.empty() || t.chunks.size() != 1) {
+        return DataLoss(meta_path + ": optimizer step entry '" + t.fqn + "' is not a scalar (size " +
+                        ShapeToString(t.size) + ", " + std::to_string(t.chunks.size()) + " chunks)");
       }
-      DcpName n;
-      n.param = param;
-      n.state = k.state;
-      n.role = k.state.empty() ? TensorRole::kParameter : TensorRole::kOptimizerState;
-      n.name = k.state.empty() ? param : OptimizerStateName(param, k.state);
+      m.step_tensors.push_back(t.fqn);
+      continue;
+    }
+    if (mapper) {
+      if (megatron && n.role != TensorRole::kOptimizerState) {
+        const MegatronStateKey k = SplitMegatronStateKey(t.fqn);
+        if (!k.why.empty()) {
+          m.refused.push_back(t.fqn + " (" + k.why + ")");
+          continue;
+        }
+      }
+      RS_ASSIGN_OR_RETURN(const std::optional<DcpKeyPart> part,
+                          mapper(n.role == TensorRole::kOptimizerState ? n.param : n.name));
+      if (part && !part->refused.empty()) {
+        m.refused.push_back(t.fqn + " (" + part->refused + ")");
+        continue;
+      }
       if (part) {
-        // The part's place in our tensor, whose shape the model gives.
-        const auto ours = model_shapes.find(param);
-        if (ours == model_shapes.end()) {
-          m.unmapped.push_back(t.fqn + " (a part of '" + param + "', which the model does not have)");
-          break;
-        }
-        Shape want = ours->second;
-        RS_ASSIGN_OR_RETURN(const SectionRows rows, MegatronSectionRows(k.section, param, want, cfg));
-        want[rows.dim] = rows.end - rows.begin;
-        if (k.expert >= 0) {
-          if (k.expert >= want[0]) {
-            return FailedPrecondition(meta_path + ": '" + t.fqn + "' is expert " + std::to_string(k.expert) + " of '" +
-                                      param + "', which has " + std::to_string(want[0]) + " experts");
-          }
-          want.erase(want.begin());
-        }
-        if (shape != want) {
-          return FailedPrecondition(meta_path + ": '" + t.fqn + "' is " + ShapeToString(shape) + ", but its part of '" +
-                                    param + "' is " + ShapeToString(want) + " in the model");
-        }
-        if (k.expert >= 0) {
-          box.offset.insert(box.offset.begin(), k.expert);
-          box.shape.insert(box.shape.begin(), 1);
-        }
-        box.offset[rows.dim] += rows.begin;
-        const std::string slot = (k.expert >= 0 ? "e" + std::to_string(k.expert) : std::string()) +
-                                 (k.section == MegatronSection::kWhole ? "" : std::string(SectionLabel(k.section)));
-        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours->second, MappedPiece{i, c, 0, box}, slot));
+        RS_RETURN_IF_ERROR(AddKey(m, meta_path, t, i, n, *part, model_shapes));
         continue;
       }
-      if (!regroup || box.shape[0] == 0) {
-        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{i, c, 0, box}));
+      if (megatron) {
+        m.unmapped.push_back(t.fqn);
         continue;
       }
-      const std::int64_t row_bytes = box.shape[1] * static_cast<std::int64_t>(DTypeSize(t.dtype));
-      for (const RowRun& r :
-           MegatronQkvRuns(box.offset[0], box.offset[0] + box.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)) {
-        Box part_box = box;
-        part_box.offset[0] = r.dst;
-        part_box.shape[0] = r.rows;
-        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
-                                     MappedPiece{i, c, (r.src - box.offset[0]) * row_bytes, part_box}));
-      }
+    }
+    if (t.chunks.empty()) RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::nullopt));
+    for (std::size_t c = 0; c < t.chunks.size(); ++c) {
+      MappedPiece p{i, c, 0, Box{t.chunks[c].offsets, t.chunks[c].sizes}};
+      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::move(p)));
     }
   }
   return CheckParts(meta_path, m);
@@ -352,23 +320,24 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
 
   const bool megatron = IsMegatronTorchDist(dir);
 
-  // Map every tensor key; steps are gathered into one scalar. Megatron's names need the
-  // model (its head counts regroup the QKV rows); without one they stay DCP names.
+  // Map every tensor key; steps are gathered into one scalar. Keys in another framework's
+  // names (torchtitan's, Megatron's) need the model and its mapper; without a model they stay
+  // the checkpoint's names.
   Mapping mapping;
-  if (megatron && options.model) {
+  std::map<std::string, Shape> model_shapes;  // our parameters, for the mapper's keys
+  const DcpKeyMapper none;
+  const DcpKeyMapper& mapper = options.model ? options.key_mapper : none;
+  if (options.model) {
     RS_RETURN_IF_ERROR(options.model->Validate());
-    RS_RETURN_IF_ERROR(MapMegatron(md, meta_path, *options.model, mapping));
-  } else {
-    std::map<std::string, Shape> model_shapes;  // our parameters, for keys that are parts
-    if (options.model && options.key_mapper) {
-      RS_RETURN_IF_ERROR(options.model->Validate());
+    if (megatron && !mapper) {
+      return InvalidArgument(dir + ": a Megatron-Core torch_dist checkpoint is read into a model through the " +
+                             "Megatron key mapper (reshard/framework_names.h), and none was given");
+    }
+    if (mapper) {
       for (const TensorSpec& spec : ModelParameters(*options.model)) model_shapes.emplace(spec.name, spec.shape);
     }
-    const DcpKeyMapper none;
-    RS_RETURN_IF_ERROR(
-        MapPlain(md, meta_path, megatron, options.model ? options.key_mapper : none, model_shapes, mapping));
-    RS_RETURN_IF_ERROR(CheckParts(meta_path, mapping));
   }
+  RS_RETURN_IF_ERROR(MapKeys(md, meta_path, megatron, mapper, model_shapes, mapping));
   s->step_tensors = mapping.step_tensors;
   std::set<std::string> states;
   for (const auto& [name, t] : mapping.tensors) {

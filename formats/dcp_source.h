@@ -42,29 +42,49 @@ struct DcpName {
   std::string state;  // kOptimizerState ("step" for a step entry)
   bool step = false;  // a per-parameter optimizer step
 };
-// `megatron`: the key of a Megatron-Core torch_dist checkpoint read without a model: names
-// stay Megatron's, optimizer states `optimizer.state.<state>.<key>` become `<key>/<state>`
-// (formats/megatron.h maps them to ours when the model is known).
+// `megatron`: the key of a Megatron-Core torch_dist checkpoint: names stay Megatron's,
+// optimizer states `optimizer.state.<state>.<key>` become `<key>/<state>` (a DcpKeyMapper
+// maps the keys to ours when the model is known).
 DcpName MapDcpName(const std::string& fqn, bool megatron = false);
 
-// Where a DCP key's tensor lies in one of our tensors when its name is another framework's.
+// Where a DCP key's tensor lies in our tensors when its name is another framework's
+// (torchtitan's, Megatron-Core's).
 struct DcpKeyPart {
-  std::string param;        // our parameter or buffer
-  Box box;                  // in our tensor, full rank: the key's tensor is this box
-  bool per_expert = false;  // ... without its leading dim (one expert)
-  // Tells the parts of `param` apart and names them in messages ("" = the whole tensor), and
-  // every part's label (to name the missing ones).
+  // Recognised, but a tensor our model cannot express: why (the key is refused, naming it).
+  std::string refused;
+  std::string param;  // our parameter or buffer
+  // The key's first dim is the layer (Megatron's layer-stacked keys): each chunk is one layer,
+  // whose index its offset gives, and `param` lacks that layer's "layers.<i>." prefix.
+  bool layer_axis = false;
+  // A part of `param` (`label` not empty, or `per_expert`): the key's tensor is the box `box`
+  // of ours (full rank; for layer_axis keys, of one layer's tensor), without its leading dim
+  // (one expert) when per_expert. `label` tells the parts apart and names them in messages;
+  // `labels` are every part's (to name the missing ones). Otherwise the key is the whole
+  // tensor.
+  Box box;
+  bool per_expert = false;
   std::string label;
   std::vector<std::string> labels;
+  // A whole tensor whose dim-0 rows are in another order: the runs that cover rows [begin,
+  // end) of the key in our order (Megatron's grouped QKV rows). Applied when the key has our
+  // tensor's shape (otherwise the model check names the difference).
+  struct RowRun {
+    std::int64_t src = 0;  // first row in the key's order
+    std::int64_t dst = 0;  // first row in ours
+    std::int64_t rows = 0;
+  };
+  std::function<std::vector<RowRun>(std::int64_t begin, std::int64_t end)> row_runs;
 };
-// The part for the parameter name of a DCP key (a model key, or the `<param>` of an optimizer
-// state key), or nullopt when the name is not the mapper's (it is then taken as ours).
-using DcpKeyMapper = std::function<std::optional<DcpKeyPart>(const std::string& param)>;
+// The part for the parameter name of a DCP key (a model key, or the model key of an optimizer
+// state key), or nullopt when the name is not the mapper's: a torchtitan mapper's unknown
+// names are then taken as ours, a Megatron mapper's are not tensors of the model. Errors (a
+// name that asks for a part the model's tensor lacks) end the mapping.
+using DcpKeyMapper = std::function<Result<std::optional<DcpKeyPart>>(const std::string& param)>;
 
 struct DcpSourceOptions {
   std::optional<ModelConfig> model;
-  // With a model: maps keys that are another framework's names (not used for Megatron-Core
-  // torch_dist directories, whose names formats/megatron.h maps).
+  // With a model: maps keys that are another framework's names (reshard/framework_names.h:
+  // torchtitan's for a DCP directory, Megatron-Core's for a torch_dist one, which needs it).
   DcpKeyMapper key_mapper;
   // Check each chunk's CRC-32 (from its torch.save archive) the first time it is read.
   bool verify_crc = false;

@@ -14,7 +14,7 @@
 #include "formats/dcp.h"
 #include "formats/dcp_source.h"
 #include "formats/manifest.h"
-#include "formats/megatron.h"
+#include "formats/torch_dist.h"
 
 namespace rs {
 namespace {

@@ -6,7 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "formats/torch_dist.h"
 #include "models/family.h"
+#include "models/megatron_names.h"
 #include "models/names.h"
 
 namespace rs {
@@ -32,11 +34,70 @@ Result<DcpKeyMapper> TitanKeyMapper(const ModelConfig& model) {
     if (!b.component.empty()) p.labels = labels[b.tensor];
     parts->emplace(b.name, std::move(p));
   }
-  return DcpKeyMapper([parts](const std::string& name) -> std::optional<DcpKeyPart> {
+  return DcpKeyMapper([parts](const std::string& name) -> Result<std::optional<DcpKeyPart>> {
     const auto it = parts->find(name);
-    if (it == parts->end()) return std::nullopt;
-    return it->second;
+    if (it == parts->end()) return std::optional<DcpKeyPart>();
+    return std::optional<DcpKeyPart>(it->second);
   });
+}
+
+Result<DcpKeyMapper> MegatronKeyMapper(const ModelConfig& model) {
+  RS_RETURN_IF_ERROR(model.Validate());
+  // Our parameters' shapes by name, and by name without the layer prefix (that of the first
+  // layer with the tensor) for layer-stacked keys, which Megatron writes for alike layers only.
+  auto shapes = std::make_shared<std::map<std::string, Shape>>();
+  auto unlayered = std::make_shared<std::map<std::string, Shape>>();
+  for (const TensorSpec& t : ModelParameters(model)) {
+    shapes->emplace(t.name, t.shape);
+    if (t.place.layer >= 0) {
+      const std::string prefix = "layers." + std::to_string(t.place.layer) + ".";
+      unlayered->emplace(t.name.substr(prefix.size()), t.shape);
+    }
+  }
+  const ModelConfig cfg = model;
+  return DcpKeyMapper([shapes, unlayered, cfg](const std::string& key) -> Result<std::optional<DcpKeyPart>> {
+    const MegatronKey k = MapMegatronKey(key);
+    DcpKeyPart p;
+    if (!k.mapped) {
+      if (k.why.empty()) return std::optional<DcpKeyPart>();
+      p.refused = k.why;
+      return std::optional<DcpKeyPart>(p);
+    }
+    p.param = k.param;
+    p.layer_axis = k.layer_axis;
+    if (k.qkv && cfg.n_heads % cfg.n_kv_heads == 0) {
+      p.row_runs = [cfg](std::int64_t begin, std::int64_t end) {
+        std::vector<DcpKeyPart::RowRun> runs;
+        for (const RowRun& r : MegatronQkvRuns(begin, end, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)) {
+          runs.push_back({r.src, r.dst, r.rows});
+        }
+        return runs;
+      };
+    }
+    if (k.section == MegatronSection::kWhole && k.expert < 0) return std::optional<DcpKeyPart>(p);
+    // A part: where it lies in our tensor, when the model has the tensor (else the reader
+    // names it as a part of a tensor the model lacks).
+    p.per_expert = k.expert >= 0;
+    p.label = k.section == MegatronSection::kWhole ? std::string() : std::string(SectionLabel(k.section));
+    p.labels = MegatronPartLabels(k.param, k.section);
+    const auto& table = k.layer_axis ? *unlayered : *shapes;
+    const auto ours = table.find(k.param);
+    if (ours == table.end()) return std::optional<DcpKeyPart>(p);
+    RS_ASSIGN_OR_RETURN(const SectionRows rows, MegatronSectionRows(k.section, k.param, ours->second, cfg));
+    p.box = Box{Shape(ours->second.size(), 0), ours->second};
+    p.box.offset[rows.dim] = rows.begin;
+    p.box.shape[rows.dim] = rows.end - rows.begin;
+    if (p.per_expert) {
+      p.box.offset[0] = k.expert;
+      p.box.shape[0] = 1;
+    }
+    return std::optional<DcpKeyPart>(p);
+  });
+}
+
+Result<DcpKeyMapper> DcpKeyMapperFor(const std::string& dir, const ModelConfig& model) {
+  if (IsMegatronTorchDist(dir)) return MegatronKeyMapper(model);
+  return TitanKeyMapper(model);
 }
 
 }  // namespace rs

@@ -3,6 +3,8 @@
 // itself come from here.
 #pragma once
 
+#include <string>
+
 #include "core/model.h"
 #include "core/status.h"
 #include "formats/dcp_source.h"
@@ -15,5 +17,17 @@ namespace rs {
 // layers.<i>.moe.experts.w1 the gate rows of every expert's fc1, ...). An empty mapper when the
 // family has no torchtitan names; errors of FindModelFamily, and Internal for a bad table.
 Result<DcpKeyMapper> TitanKeyMapper(const ModelConfig& model);
+
+// Megatron-Core's GPTModel keys of a torch_dist checkpoint (models/megatron_names.h) as a
+// DcpKeyMapper for `model`: layer-stacked keys on their layer, the fused QKV's grouped rows
+// regrouped into ours, split SwiGLU halves, per-expert keys and gated-delta-net parts placed in
+// the tensors they belong to; keys of what our model cannot express refused with the reason.
+// The same for every family. Errors of model.Validate().
+Result<DcpKeyMapper> MegatronKeyMapper(const ModelConfig& model);
+
+// The mapper for the DCP directory `dir` read into `model`: Megatron's for a torch_dist
+// directory (formats/torch_dist.h), else torchtitan's of the model's family (which may be
+// empty: our own names need none).
+Result<DcpKeyMapper> DcpKeyMapperFor(const std::string& dir, const ModelConfig& model);
 
 }  // namespace rs

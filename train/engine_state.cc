@@ -65,6 +65,7 @@ LocalModelPlan PlanLocalModel(const ShardedState& state, const Transformer<float
       RS_CHECK(kv_begin < end);
       p.kv.emplace_back(kv_begin, end);
     }
+    if (tp_size > 1 && specs[i].tp_grad == TpGrad::kReplicatedSum) p.tp_sum.emplace_back(begin, end);
     const bool tp_counts = tp_cut || tp_index == 0;
     p.segments.push_back({begin, kv_begin - begin, /*trainable=*/true, decay, ep_counts && etp_counts && tp_counts});
     if (kv_begin < end) {
@@ -97,18 +98,28 @@ Result<LocalBatch> PlanLocalBatch(const ShardedState& state, const ProcessGroups
   return b;
 }
 
-Status SumKvGradients(const LocalModelPlan& plan, comm::Communicator* kv, std::span<float> grads) {
-  if (plan.kv.empty() || !Summed(kv)) return Status::Ok();
-  for (const auto& [lo, hi] : plan.kv) {
-    RS_RETURN_IF_ERROR(kv->AllReduce(grads.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo)),
-                                     comm::ReduceOp::kSum)
-                           .WithContext("kv-head gradient all-reduce"));
+Status SumPartialGradients(const LocalModelPlan& plan, comm::Communicator* kv, comm::Communicator* tp,
+                           std::span<float> grads) {
+  if (!plan.kv.empty() && Summed(kv)) {
+    for (const auto& [lo, hi] : plan.kv) {
+      RS_RETURN_IF_ERROR(kv->AllReduce(grads.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo)),
+                                       comm::ReduceOp::kSum)
+                             .WithContext("kv-head gradient all-reduce"));
+    }
+  }
+  if (!plan.tp_sum.empty() && Summed(tp)) {
+    // In place, range by range: on the GPU engine `grads` is device memory.
+    for (const auto& [lo, hi] : plan.tp_sum) {
+      RS_RETURN_IF_ERROR(tp->AllReduce(grads.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo)),
+                                       comm::ReduceOp::kSum)
+                             .WithContext("tp-partial gradient all-reduce"));
+    }
   }
   return Status::Ok();
 }
 
 Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& groups, std::span<float> grads) {
-  RS_RETURN_IF_ERROR(SumKvGradients(plan, groups.kv, grads));
+  RS_RETURN_IF_ERROR(SumPartialGradients(plan, groups.kv, groups.tp, grads));
   if (Summed(groups.same)) {
     RS_RETURN_IF_ERROR(groups.same->AllReduce(grads, comm::ReduceOp::kSum).WithContext("gradient all-reduce"));
   }

@@ -46,6 +46,8 @@ struct LocalModelPlan {
   std::vector<ParamSegment> segments;  // the trainable tensors with their norm treatment
   ItemRuns shared;                     // with experts cut: the stretches outside the experts
   ItemRuns kv;                         // with kv heads shared by tp ranks: their QKV rows
+  ItemRuns tp_sum;                     // with tp: tensors replicated over tp whose gradient is the
+                                       // sum of the ranks' partial ones (TpGrad::kReplicatedSum)
 };
 // This rank's place (index, size) in groups.ep, groups.tp and groups.etp.
 struct PlanPlace {
@@ -60,13 +62,16 @@ struct GradientGroups {
   comm::Communicator* same = nullptr;  // the data group; with experts cut: the ranks with the same experts
   comm::Communicator* ep = nullptr;    // with experts cut: the ep group
   comm::Communicator* kv = nullptr;    // with kv heads shared by tp ranks: the kv group
+  comm::Communicator* tp = nullptr;    // with tp: the tp group
 };
-// The kv rows' partial gradients summed over the kv group (in place; the first of the sums,
-// before any other group sees the vector).
-Status SumKvGradients(const LocalModelPlan& plan, comm::Communicator* kv, std::span<float> grads);
-// grads: the whole local vector; summed in place (the kv sum included).
+// The partial gradients summed in place, the first of the sums, before any other group sees
+// the vector: the kv rows over the kv group, the plan's tp_sum tensors (per-head q/k norms)
+// over the tp group.
+Status SumPartialGradients(const LocalModelPlan& plan, comm::Communicator* kv, comm::Communicator* tp,
+                           std::span<float> grads);
+// grads: the whole local vector; summed in place (the partial sums included).
 Status SumLocalGradients(const LocalModelPlan& plan, const GradientGroups& groups, std::span<float> grads);
-// `grads` (the padded vector, fsdp.size() blocks; its kv sum done) reduce-scattered over `fsdp` into `block`
+// `grads` (the padded vector, fsdp.size() blocks; its partial sums done) reduce-scattered over `fsdp` into `block`
 // (items [first, first + block.size())), then summed over `replicas` (the ranks with the same
 // block of the same vector) and the stretches outside the experts over groups.ep.
 Status SumBlockGradients(const LocalModelPlan& plan, comm::Communicator& fsdp, comm::Communicator* replicas,

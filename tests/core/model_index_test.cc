@@ -3,6 +3,8 @@
 // layers, dense and MoE MLPs, the sigmoid_bias router's buffer, shared experts): every tensor
 // of ModelParameters is indexed exactly once, each index names the tensor its module says, and
 // a module a layer lacks is kNoTensor throughout.
+#include "core/model_index.h"
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -11,13 +13,14 @@
 #include <vector>
 
 #include "core/model.h"
-#include "core/model_index.h"
 
 namespace rs {
 namespace {
 
 ModelConfig RandomConfig(std::mt19937_64& rng) {
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   ModelConfig c;
   c.name = "random";
   c.vocab_size = 16 * pick(1, 4);

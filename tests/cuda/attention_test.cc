@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -59,14 +60,22 @@ double RowRelativeError(const std::vector<double>& got, const std::vector<double
 struct Case {
   std::string name;
   std::int64_t batch, seq, d, nq, nkv, dh;
+  bool qk_norm = false;  // per-head q/k RMSNorms before RoPE (Qwen3-MoE)
 };
 
 std::vector<Case> Cases() {
   return {
-      {"mha_dh16", 2, 7, 48, 4, 4, 16},   {"mha_dh32_seq130", 1, 130, 64, 2, 2, 32},
-      {"gqa4_dh32", 3, 64, 64, 8, 2, 32}, {"gqa4_dh64", 2, 7, 96, 4, 1, 64},
-      {"mqa_dh64", 1, 130, 96, 4, 1, 64}, {"mqa_dh16_seq64", 2, 64, 32, 8, 1, 16},
-      {"seq1_gqa", 3, 1, 32, 4, 1, 16},   {"seq1_mha", 1, 1, 40, 2, 2, 32},
+      {"mha_dh16", 2, 7, 48, 4, 4, 16},
+      {"mha_dh32_seq130", 1, 130, 64, 2, 2, 32},
+      {"gqa4_dh32", 3, 64, 64, 8, 2, 32},
+      {"gqa4_dh64", 2, 7, 96, 4, 1, 64},
+      {"mqa_dh64", 1, 130, 96, 4, 1, 64},
+      {"mqa_dh16_seq64", 2, 64, 32, 8, 1, 16},
+      {"seq1_gqa", 3, 1, 32, 4, 1, 16},
+      {"seq1_mha", 1, 1, 40, 2, 2, 32},
+      {"gqa4_dh32_qknorm", 3, 64, 64, 8, 2, 32, true},
+      {"mqa_dh64_qknorm", 1, 130, 96, 4, 1, 64, true},
+      {"seq1_qknorm", 2, 1, 32, 4, 2, 16, true},
   };
 }
 
@@ -93,8 +102,8 @@ class AttentionTest : public ::testing::Test {
 // A case's random inputs (on the bf16 grid when `bf16`) and the float64 reference's outputs
 // and weight-gradient increments over its whole sequences, on the same (rounded) inputs.
 struct Problem {
-  std::vector<float> x, wqkv, wout, dy;
-  std::vector<double> y, dx, dwqkv, dwout;
+  std::vector<float> x, wqkv, wout, dy, qn, kn;  // qn, kn: q/k norm weights (qk_norm cases)
+  std::vector<double> y, dx, dwqkv, dwout, dqn, dkn;
 };
 Problem MakeProblem(const Case& c, bool bf16, std::mt19937& rng) {
   const std::int64_t n = c.batch * c.seq, w = (c.nq + 2 * c.nkv) * c.dh, ctx = c.nq * c.dh;
@@ -103,6 +112,19 @@ Problem MakeProblem(const Case& c, bool bf16, std::mt19937& rng) {
   p.wqkv = testing::RandomValues(w * c.d, bf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d))));
   p.wout = testing::RandomValues(c.d * ctx, bf16, rng, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ctx))));
   p.dy = testing::RandomValues(n * c.d, bf16, rng, 1.f);
+  typename train::Attention<double>::QkNorm qk;
+  std::vector<double> qnd, knd;
+  if (c.qk_norm) {  // around 1, so that a dropped or swapped norm shows
+    p.qn = testing::RandomValues(c.dh, bf16, rng, 0.25f);
+    p.kn = testing::RandomValues(c.dh, bf16, rng, 0.25f);
+    for (float& v : p.qn) v = bf16 ? testing::RoundToBf16(v + 1.f) : v + 1.f;
+    for (float& v : p.kn) v = bf16 ? testing::RoundToBf16(v + 1.f) : v + 1.f;
+    qnd.assign(p.qn.begin(), p.qn.end());
+    knd.assign(p.kn.begin(), p.kn.end());
+    qk = {qnd.data(), knd.data(), 1e-6};
+    p.dqn.assign(p.qn.size(), 0.0);
+    p.dkn.assign(p.kn.size(), 0.0);
+  }
   train::Attention<double> ref(AttentionShape{c.d, c.nq, c.nkv, c.dh, 10000.0});
   const auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
   const std::vector<double> xd = to_double(p.x), wqkvd = to_double(p.wqkv), woutd = to_double(p.wout),
@@ -111,8 +133,9 @@ Problem MakeProblem(const Case& c, bool bf16, std::mt19937& rng) {
   p.dx.resize(p.y.size());
   p.dwqkv.assign(p.wqkv.size(), 0.0);
   p.dwout.assign(p.wout.size(), 0.0);
-  ref.Forward(xd.data(), c.batch, c.seq, wqkvd.data(), woutd.data(), p.y.data());
-  ref.Backward(dyd.data(), wqkvd.data(), woutd.data(), p.dx.data(), p.dwqkv.data(), p.dwout.data());
+  ref.Forward(xd.data(), c.batch, c.seq, wqkvd.data(), woutd.data(), p.y.data(), qk);
+  ref.Backward(dyd.data(), wqkvd.data(), woutd.data(), p.dx.data(), p.dwqkv.data(), p.dwout.data(),
+               c.qk_norm ? p.dqn.data() : nullptr, c.qk_norm ? p.dkn.data() : nullptr);
   return p;
 }
 
@@ -131,7 +154,7 @@ void AttentionTest::RunCase(const Case& c, double tolerance) {
   // shows.
   const AttentionShape shape{c.d, c.nq, c.nkv, c.dh, 10000.0};
   const AttentionDims dims{c.batch, c.seq};
-  const AttentionBytes bytes = AttentionMemoryBytes<T>(shape, dims);
+  const AttentionBytes bytes = AttentionMemoryBytes<T>(shape, dims, c.qk_norm);
   DeviceArray<char> table_mem(static_cast<std::int64_t>(RopeTableBytes(c.seq, c.dh)));
   const RopeTable rope = ComputeRopeTable(c.seq, c.dh, 10000.0, table_mem.get(), table_mem.bytes(), stream_);
   DeviceArray<char> act(static_cast<std::int64_t>(bytes.activations)), ws(static_cast<std::int64_t>(bytes.workspace));
@@ -143,12 +166,34 @@ void AttentionTest::RunCase(const Case& c, double tolerance) {
   y_d.Fill(0xFF);
   dx_d.Fill(0xFF);
   DeviceArray<float> dwqkv_d(dwqkv0), dwout_d(dwout0);
+  // q/k norms: their weights, and gradients accumulated onto random initial values.
+  const std::vector<float> qn = c.qk_norm ? pr.qn : std::vector<float>(1, 0.f);
+  const std::vector<float> kn = c.qk_norm ? pr.kn : std::vector<float>(1, 0.f);
+  const std::vector<float> dqn0 = testing::RandomValues(static_cast<std::int64_t>(qn.size()), false, rng, 1.f);
+  const std::vector<float> dkn0 = testing::RandomValues(static_cast<std::int64_t>(kn.size()), false, rng, 1.f);
+  DeviceArray<T> qn_d(FromFloats<T>(qn)), kn_d(FromFloats<T>(kn));
+  DeviceArray<float> dqn_d(dqn0), dkn_d(dkn0);
+  const QkNormWeights<T> qk{qn_d.get(), kn_d.get(), 1e-6};
+  const QkNormGrads dqk{dqn_d.get(), dkn_d.get()};
   AttentionForward<T>(handle_, shape, dims, rope, x_d.get(), wqkv_d.get(), wout_d.get(), y_d.get(), act.get(),
-                      act.bytes(), ws.get(), ws.bytes(), stream_);
+                      act.bytes(), ws.get(), ws.bytes(), stream_, nullptr, c.qk_norm ? &qk : nullptr);
   ws.Fill(0xFF);  // the backward must not depend on the forward's scratch
   AttentionBackward<T>(handle_, shape, dims, rope, x_d.get(), wqkv_d.get(), wout_d.get(), act.get(), act.bytes(),
-                       dy_d.get(), dx_d.get(), dwqkv_d.get(), dwout_d.get(), ws.get(), ws.bytes(), stream_);
+                       dy_d.get(), dx_d.get(), dwqkv_d.get(), dwout_d.get(), ws.get(), ws.bytes(), stream_, nullptr,
+                       c.qk_norm ? &qk : nullptr, c.qk_norm ? &dqk : nullptr);
   RS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (c.qk_norm) {
+    // What the GPU added onto the initial gradients against the reference's, one row each.
+    for (const auto& [got_d, init, ref, what] :
+         {std::tuple{&dqn_d, &dqn0, &pr.dqn, "dq_norm"}, std::tuple{&dkn_d, &dkn0, &pr.dkn, "dk_norm"}}) {
+      const std::vector<double> got = ToDouble(got_d->Download());
+      std::vector<double> want(ref->size());
+      for (std::size_t i = 0; i < want.size(); ++i) want[i] = static_cast<double>((*init)[i]) + (*ref)[i];
+      const double e = RowRelativeError(got, want, *ref, c.dh);
+      std::printf("  %-16s %s  %s %.2e\n", c.name.c_str(), kBf16 ? "bf16" : "f32 ", what, e);
+      EXPECT_LE(e, tolerance) << c.name << " " << what;
+    }
+  }
 
   const std::vector<double> y = ToDouble(y_d.Download()), dx = ToDouble(dx_d.Download());
   std::vector<double> dwqkv_add = ToDouble(dwqkv_d.Download()), dwout_add = ToDouble(dwout_d.Download());

@@ -45,6 +45,12 @@ std::vector<Case> Cases() {
   mixed.shared_ffn = 32;
   cases.push_back({"dense_shared_align16", mixed, {train::DispatchMode::kFused, 16}});
   cases.push_back({"dense_shared_unfused", mixed, {train::DispatchMode::kUnfused, 16}});
+  ModelConfig qwen3;  // Qwen3-MoE's shape: per-head q/k norms, a dense middle layer
+  qwen3.family = "qwen3_moe";
+  qwen3.n_layers = 3;
+  qwen3.qk_norm = true;
+  qwen3.dense_layers = {1};
+  cases.push_back({"qwen3_qk_norm", qwen3, {}});
   return cases;
 }
 

@@ -45,7 +45,7 @@ void ConvertDcp(const std::string& fixture, const std::string& layout, const std
   so.model = ModelFile(std::filesystem::exists(fixture + "/model.json") ? fixture + "/model.json"
                                                                         : fixture + "/../model.json");
   so.verify_crc = !map_sources;
-  auto mapper = TitanKeyMapper(*so.model);
+  auto mapper = DcpKeyMapperFor(fixture, *so.model);
   ASSERT_TRUE(mapper.ok()) << mapper.status().ToString();
   so.key_mapper = *mapper;
   auto src = DcpSource::Open(fixture, so);

@@ -108,9 +108,11 @@ std::string Variant(const TempDir& tmp, const std::string& variant) {
   const std::string dst = tmp / variant;
   fs::create_directories(dst);
   for (const auto& e : fs::directory_iterator(kTitan + "/qwen3_moe_tiny")) {
-    if (e.path().filename() != "expected.safetensors") fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
+    if (e.path().filename() != "expected.safetensors")
+      fs::copy_file(e.path(), dst + "/" + e.path().filename().string());
   }
-  fs::copy_file(kTitan + "/variants/" + variant + ".metadata", dst + "/.metadata", fs::copy_options::overwrite_existing);
+  fs::copy_file(kTitan + "/variants/" + variant + ".metadata", dst + "/.metadata",
+                fs::copy_options::overwrite_existing);
   return dst;
 }
 

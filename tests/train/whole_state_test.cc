@@ -49,8 +49,9 @@ PhysicalLayout Layout(const std::string& text, const std::string& rule_set = "me
 }
 
 ModelConfig Model() {
-  ModelConfig m;  // the small default MoE, with a shared expert and a dense first layer
+  ModelConfig m;  // the small default MoE, with a shared expert, a dense first layer and q/k norms
   m.n_layers = 2;
+  m.qk_norm = true;
   m.first_dense_layers = 1;
   m.shared_ffn = 32;
   return m;
@@ -296,6 +297,7 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
   const LocalModelPlan plan = PlanLocalModel(state, multi->model(), place);
   ASSERT_EQ(plan.experts_cut, cut);
   EXPECT_EQ(!plan.kv.empty(), place.tp_size > 1 && state.kv_replication() > 1);
+  EXPECT_EQ(!plan.tp_sum.empty(), place.tp_size > 1);  // the q/k norms
   double scale = 0;
   for (float g : ref) scale = std::max(scale, static_cast<double>(std::abs(g)));
   ASSERT_GT(scale, 0.0);
@@ -304,7 +306,8 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
 
   // The whole local vector.
   std::vector<float> g = mine;
-  const GradientGroups sums{cut ? groups.same_experts.get() : groups.data.get(), groups.ep.get(), groups.kv.get()};
+  const GradientGroups sums{cut ? groups.same_experts.get() : groups.data.get(), groups.ep.get(), groups.kv.get(),
+                            groups.tp.get()};
   ASSERT_TRUE(SumLocalGradients(plan, sums, g).ok());
   const double norm = PlannedNorm(g, plan.segments, plan, groups, /*block=*/false);
   if (!tp) {
@@ -338,7 +341,7 @@ TEST(WholeStateRank, EnginePlanSumsToTheOneProcessGradientAndNorm) {
   const std::int64_t shard = BlockItems(n, shards), first = groups.fsdp->rank() * shard;
   std::vector<float> padded(static_cast<std::size_t>(shard * shards), 0.f), block(static_cast<std::size_t>(shard));
   std::copy(mine.begin(), mine.end(), padded.begin());
-  ASSERT_TRUE(SumKvGradients(plan, groups.kv.get(), padded).ok());
+  ASSERT_TRUE(SumPartialGradients(plan, groups.kv.get(), groups.tp.get(), padded).ok());
   auto replicas = world.comm().Split(BlockReplicaColor(groups.fsdp->rank(), plan), world.rank(), "replicas");
   ASSERT_TRUE(replicas.ok());
   EXPECT_EQ((*replicas)->size() * shards * (cut ? groups.ep->size() : 1) * plan.tp_size * plan.etp_size, world.size());

@@ -108,6 +108,90 @@ __global__ void HeadsToQkvKernel(const float* __restrict__ dq, const float* __re
   dst[half] = FromFloat<T>(x1);
 }
 
+// Per-head RMSNorm of q and k in the f32 rows raw [N, W] before RoPE (train::RmsNormForward per
+// head: the mean square in double, 1/rms rounded once to f32, x·r·w), one warp per (row, head)
+// of the nq + nkv q and k heads; the raw values and 1/rms are saved.
+template <typename T>
+__global__ void QkNormForwardKernel(float* __restrict__ raw, std::int64_t n, std::int64_t nq, std::int64_t nkv,
+                                    std::int64_t dh, const T* __restrict__ qw, const T* __restrict__ kw, double eps,
+                                    float* __restrict__ saved, float* __restrict__ rstd) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const std::int64_t heads = nq + nkv,
+                     item = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (item >= n * heads) return;
+  const std::int64_t r = item / heads, h = item % heads;
+  float* x = raw + r * (heads + nkv) * dh + h * dh;  // row width W = (nq + 2·nkv)·dh
+  float* keep = saved + item * dh;
+  const T* w = h < nq ? qw : kw;
+  double ss = 0;
+  for (std::int64_t j = lane; j < dh; j += 32) ss += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  const auto rs = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(dh) + eps));
+  if (lane == 0) rstd[item] = rs;
+  for (std::int64_t j = lane; j < dh; j += 32) {
+    keep[j] = x[j];
+    x[j] = __fmul_rn(__fmul_rn(x[j], rs), ToFloat(w[j]));
+  }
+}
+
+// The backward of the q/k norms (train::RmsNormBackward per head) on dpost [N, W] f32 (the
+// gradient of the normalised rows, inverse RoPE applied): the q and k heads' input gradients,
+// the v heads' as they are, into dqkv [N, W] in T; each (row, head)'s share of the weight
+// gradient into dw_rows – the q heads' [N·nq, dh], then the k heads' [N·nkv, dh] – which
+// ColumnSumKernel sums in a fixed order.
+template <typename T>
+__global__ void QkNormBackwardKernel(const float* __restrict__ dpost, const float* __restrict__ saved,
+                                     const float* __restrict__ rstd, std::int64_t n, std::int64_t nq, std::int64_t nkv,
+                                     std::int64_t dh, const T* __restrict__ qw, const T* __restrict__ kw,
+                                     T* __restrict__ dqkv, float* __restrict__ dw_rows) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const std::int64_t all = nq + 2 * nkv,
+                     item = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (item >= n * all) return;
+  const std::int64_t r = item / all, h = item % all;
+  const float* dy = dpost + r * all * dh + h * dh;
+  T* dx = dqkv + r * all * dh + h * dh;
+  if (h >= nq + nkv) {
+    for (std::int64_t j = lane; j < dh; j += 32) dx[j] = FromFloat<T>(dy[j]);
+    return;
+  }
+  const std::int64_t at = r * (nq + nkv) + h;
+  const float* x = saved + at * dh;
+  const float rs = rstd[at];
+  const T* w = h < nq ? qw : kw;
+  float* dw = dw_rows + (h < nq ? r * nq + h : n * nq + r * nkv + (h - nq)) * dh;
+  double dot = 0;  // Σ_j (dy_j·w_j)·x̂_j
+  for (std::int64_t j = lane; j < dh; j += 32) {
+    const float xhat = __fmul_rn(x[j], rs);
+    const float g = __fmul_rn(dy[j], ToFloat(w[j]));
+    dot += static_cast<double>(g) * static_cast<double>(xhat);
+    dw[j] = __fmul_rn(dy[j], xhat);
+  }
+  for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+  const auto mean = static_cast<float>(dot / static_cast<double>(dh));
+  for (std::int64_t j = lane; j < dh; j += 32) {
+    const float g = __fmul_rn(dy[j], ToFloat(w[j]));
+    dx[j] = FromFloat<T>(__fmul_rn(rs, __fsub_rn(g, __fmul_rn(__fmul_rn(x[j], rs), mean))));
+  }
+}
+
+// out[c] += Σ_r m[r, c] over rows [first, first + rows) of m [*, cols]: one block per column,
+// each thread a fixed stride of rows, then a fixed tree; the same sum on every run.
+__global__ void ColumnSumKernel(const float* __restrict__ m, std::int64_t first, std::int64_t rows, std::int64_t cols,
+                                float* __restrict__ out) {
+  __shared__ double part[kThreads];
+  const std::int64_t c = blockIdx.x;
+  double sum = 0;
+  for (std::int64_t r = threadIdx.x; r < rows; r += blockDim.x) sum += m[(first + r) * cols + c];
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (unsigned half = blockDim.x / 2; half > 0; half >>= 1) {
+    if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[c] += static_cast<float>(part[0]);
+}
+
 // rows [N, H·dh] ↔ heads [batch, H, seq, dh], one thread per element in row order.
 template <typename T, bool kToRows>
 __global__ void RelayoutKernel(const T* __restrict__ in, std::int64_t n, std::int64_t seq, std::int64_t heads,
@@ -250,9 +334,10 @@ struct Sizes {
   std::int64_t cp, first, total;  // context parallelism: ranks, first position, positions of a sequence
   std::int64_t probs;             // elements of [batch, nq, seq, total]
   std::int64_t per;               // elements of one rank's k (or v): [batch, nkv, seq, dh]
+  bool qk = false;                // q/k norms
 };
 
-Sizes SizesOf(const AttentionShape& s, const AttentionDims& d) {
+Sizes SizesOf(const AttentionShape& s, const AttentionDims& d, bool qk_norm) {
   RS_CHECK(s.d_model > 0 && s.n_heads > 0 && s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0);
   RS_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0);
   RS_CHECK(d.batch > 0 && d.seq > 0 && d.cp_ranks >= 1 && d.cp_index >= 0 && d.cp_index < d.cp_ranks);
@@ -268,7 +353,8 @@ Sizes SizesOf(const AttentionShape& s, const AttentionDims& d) {
                d.cp_index * d.seq,
                total,
                d.batch * s.n_heads * d.seq * total,
-               n * s.n_kv_heads * s.head_dim};
+               n * s.n_kv_heads * s.head_dim,
+               qk_norm};
 }
 
 template <typename T>
@@ -279,6 +365,10 @@ AttentionActivations<T> CarveActivations(const Sizes& z, WorkspaceCarver* c) {
   a.v = c->Take<T>(z.per * z.cp);
   a.probs = c->Take<T>(z.probs);
   a.ctx = c->Take<T>(z.n * z.c);
+  if (z.qk) {
+    a.qk_raw = c->Take<float>(z.n * (z.nq + z.nkv) * z.dh);
+    a.qk_rstd = c->Take<float>(z.n * (z.nq + z.nkv));
+  }
   return a;
 }
 
@@ -317,6 +407,8 @@ struct BackwardScratch {
   T* dqkv = nullptr;          // [N, W]
   float* blocks = nullptr;    // context parallelism: dk, dv by owning rank [cp, 2, batch, nkv, seq, dh]
   float* dkv_mine = nullptr;  // context parallelism: this rank's positions' dk then dv, summed
+  float* dpost = nullptr;     // q/k norms: dqkv before them [N, W] f32
+  float* dw_rows = nullptr;   // q/k norms: each (row, head)'s weight gradient [N·(nq + nkv), dh]
 };
 template <typename T>
 BackwardScratch<T> CarveBackward(const Sizes& z, WorkspaceCarver* c) {
@@ -336,6 +428,10 @@ BackwardScratch<T> CarveBackward(const Sizes& z, WorkspaceCarver* c) {
   if (z.cp > 1) {
     b.blocks = c->Take<float>(z.cp * 2 * z.per);
     b.dkv_mine = c->Take<float>(2 * z.per);
+  }
+  if (z.qk) {
+    b.dpost = c->Take<float>(z.n * z.w);
+    b.dw_rows = c->Take<float>(z.n * (z.nq + z.nkv) * z.dh);
   }
   return b;
 }
@@ -390,8 +486,8 @@ void ApplyRope(T* x, std::int64_t rows, std::int64_t seq, std::int64_t row_strid
 }
 
 template <typename T>
-AttentionBytes AttentionMemoryBytes(const AttentionShape& shape, const AttentionDims& dims) {
-  const Sizes z = SizesOf(shape, dims);
+AttentionBytes AttentionMemoryBytes(const AttentionShape& shape, const AttentionDims& dims, bool qk_norm) {
+  const Sizes z = SizesOf(shape, dims, qk_norm);
   AttentionBytes b;
   WorkspaceCarver act(nullptr), fwd(nullptr), bwd(nullptr);
   CarveActivations<T>(z, &act);
@@ -404,18 +500,20 @@ AttentionBytes AttentionMemoryBytes(const AttentionShape& shape, const Attention
 
 template <typename T>
 AttentionActivations<T> CarveAttentionActivations(const AttentionShape& shape, const AttentionDims& dims,
-                                                  void* activations) {
+                                                  void* activations, bool qk_norm) {
   WorkspaceCarver c(activations);
-  return CarveActivations<T>(SizesOf(shape, dims), &c);
+  return CarveActivations<T>(SizesOf(shape, dims, qk_norm), &c);
 }
 
 template <typename T>
 void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                       const RopeTable& rope, const T* x, const T* wqkv, const T* wout, T* y, void* activations,
                       std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
-                      const AttentionCollectives* cp) {
-  const Sizes z = SizesOf(shape, dims);
-  const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims);
+                      const AttentionCollectives* cp, const QkNormWeights<T>* qk_norm) {
+  const bool qk = qk_norm != nullptr && qk_norm->q != nullptr;
+  RS_CHECK(!qk || qk_norm->k != nullptr);
+  const Sizes z = SizesOf(shape, dims, qk);
+  const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims, qk);
   RS_CHECK_MSG(activation_bytes >= need.activations && workspace_bytes >= need.workspace,
                "attention memory too small: activations " << activation_bytes << " < " << need.activations
                                                           << " or workspace " << workspace_bytes << " < "
@@ -437,6 +535,11 @@ void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const 
   // qkv = x · wqkvᵀ in f32, then RoPE and the head-major layout in one pass.
   RowGemm<T>(handle, Trans::kNo, Trans::kYes, z.n, z.w, d, 1.f, {x, d, 0}, {wqkv, d, 0}, 0.f, f.raw, CUDA_R_32F, z.w, 0,
              1);
+  if (qk) {  // per-head RMSNorm of q and k, before RoPE
+    QkNormForwardKernel<T><<<Blocks(z.n * (z.nq + z.nkv), kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
+        f.raw, z.n, z.nq, z.nkv, z.dh, qk_norm->q, qk_norm->k, qk_norm->eps, a.qk_raw, a.qk_rstd);
+    RS_CUDA_CHECK(cudaGetLastError());
+  }
   // Context parallelism: this rank's k and v go to a block of their own, every rank's blocks
   // are gathered and laid out by position.
   T* k_mine = z.cp > 1 ? f.kv_mine : a.k;
@@ -472,9 +575,12 @@ template <typename T>
 void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                        const RopeTable& rope, const T* x, const T* wqkv, const T* wout, const void* activations,
                        std::size_t activation_bytes, const T* dy, T* dx, float* dwqkv, float* dwout, void* workspace,
-                       std::size_t workspace_bytes, cudaStream_t stream, const AttentionCollectives* cp) {
-  const Sizes z = SizesOf(shape, dims);
-  const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims);
+                       std::size_t workspace_bytes, cudaStream_t stream, const AttentionCollectives* cp,
+                       const QkNormWeights<T>* qk_norm, const QkNormGrads* dqk_norm) {
+  const bool qk = qk_norm != nullptr && qk_norm->q != nullptr;
+  RS_CHECK(!qk || (qk_norm->k != nullptr && dqk_norm != nullptr && dqk_norm->q != nullptr && dqk_norm->k != nullptr));
+  const Sizes z = SizesOf(shape, dims, qk);
+  const AttentionBytes need = AttentionMemoryBytes<T>(shape, dims, qk);
   RS_CHECK_MSG(activation_bytes >= need.activations && workspace_bytes >= need.workspace,
                "attention memory too small: activations " << activation_bytes << " < " << need.activations
                                                           << " or workspace " << workspace_bytes << " < "
@@ -528,9 +634,24 @@ void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const
     dk_mine = g.dkv_mine;
     dv_mine = g.dkv_mine + z.per;
   }
-  HeadsToQkvKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(g.dq, dk_mine, dv_mine, z.n, seq, z.first, z.nq,
-                                                                        z.nkv, z.dh, rope.cos, rope.sin, g.dqkv);
-  RS_CUDA_CHECK(cudaGetLastError());
+  if (!qk) {
+    HeadsToQkvKernel<T><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(
+        g.dq, dk_mine, dv_mine, z.n, seq, z.first, z.nq, z.nkv, z.dh, rope.cos, rope.sin, g.dqkv);
+    RS_CUDA_CHECK(cudaGetLastError());
+  } else {
+    // The gradient of the normalised rows in f32, then through the q/k norms into T; the
+    // weights' gradients summed over rows in a fixed order (q heads' rows, then k heads').
+    HeadsToQkvKernel<float><<<Blocks(pairs, kThreads), kThreads, 0, stream>>>(
+        g.dq, dk_mine, dv_mine, z.n, seq, z.first, z.nq, z.nkv, z.dh, rope.cos, rope.sin, g.dpost);
+    RS_CUDA_CHECK(cudaGetLastError());
+    QkNormBackwardKernel<T><<<Blocks(z.n * (z.nq + 2 * z.nkv), kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
+        g.dpost, a.qk_raw, a.qk_rstd, z.n, z.nq, z.nkv, z.dh, qk_norm->q, qk_norm->k, g.dqkv, g.dw_rows);
+    RS_CUDA_CHECK(cudaGetLastError());
+    ColumnSumKernel<<<static_cast<unsigned>(z.dh), kThreads, 0, stream>>>(g.dw_rows, 0, z.n * z.nq, z.dh, dqk_norm->q);
+    ColumnSumKernel<<<static_cast<unsigned>(z.dh), kThreads, 0, stream>>>(g.dw_rows, z.n * z.nq, z.n * z.nkv, z.dh,
+                                                                          dqk_norm->k);
+    RS_CUDA_CHECK(cudaGetLastError());
+  }
   // Input projection.
   RowGemm<T>(handle, Trans::kNo, Trans::kNo, z.n, d, z.w, 1.f, {g.dqkv, z.w, 0}, {wqkv, d, 0}, 0.f, dx, kDataType<T>, d,
              0, 1);
@@ -538,17 +659,19 @@ void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const
              0, 1);
 }
 
-#define RS_ATTENTION_INSTANTIATE(T)                                                                                  \
-  template void ApplyRope<T>(T*, std::int64_t, std::int64_t, std::int64_t, std::int64_t, const RopeTable&,           \
-                             RopeDirection, cudaStream_t);                                                           \
-  template AttentionBytes AttentionMemoryBytes<T>(const AttentionShape&, const AttentionDims&);                      \
-  template AttentionActivations<T> CarveAttentionActivations<T>(const AttentionShape&, const AttentionDims&, void*); \
-  template void AttentionForward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&,   \
-                                    const T*, const T*, const T*, T*, void*, std::size_t, void*, std::size_t,        \
-                                    cudaStream_t, const AttentionCollectives*);                                      \
-  template void AttentionBackward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&,  \
-                                     const T*, const T*, const T*, const void*, std::size_t, const T*, T*, float*,   \
-                                     float*, void*, std::size_t, cudaStream_t, const AttentionCollectives*);
+#define RS_ATTENTION_INSTANTIATE(T)                                                                                 \
+  template void ApplyRope<T>(T*, std::int64_t, std::int64_t, std::int64_t, std::int64_t, const RopeTable&,          \
+                             RopeDirection, cudaStream_t);                                                          \
+  template AttentionBytes AttentionMemoryBytes<T>(const AttentionShape&, const AttentionDims&, bool);               \
+  template AttentionActivations<T> CarveAttentionActivations<T>(const AttentionShape&, const AttentionDims&, void*, \
+                                                                bool);                                              \
+  template void AttentionForward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&,  \
+                                    const T*, const T*, const T*, T*, void*, std::size_t, void*, std::size_t,       \
+                                    cudaStream_t, const AttentionCollectives*, const QkNormWeights<T>*);            \
+  template void AttentionBackward<T>(cublasHandle_t, const AttentionShape&, const AttentionDims&, const RopeTable&, \
+                                     const T*, const T*, const T*, const void*, std::size_t, const T*, T*, float*,  \
+                                     float*, void*, std::size_t, cudaStream_t, const AttentionCollectives*,         \
+                                     const QkNormWeights<T>*, const QkNormGrads*);
 RS_ATTENTION_INSTANTIATE(float)
 RS_ATTENTION_INSTANTIATE(bf16)
 #undef RS_ATTENTION_INSTANTIATE

@@ -109,6 +109,22 @@ template <typename T>
 void ApplyRope(T* x, std::int64_t rows, std::int64_t seq, std::int64_t row_stride, std::int64_t n_heads,
                const RopeTable& table, RopeDirection dir, cudaStream_t stream);
 
+// Per-head RMSNorm of the queries and keys before RoPE (Qwen3-MoE's q_norm / k_norm; the CPU's
+// Attention::QkNorm): weights [head_dim] of T, shared by every query (key) head. The
+// normalised q and k replace the raw ones in f32 before RoPE; the raw values and each head's
+// 1/rms are saved for the backward pass, which accumulates the weights' gradients (f32; on a
+// tp rank the share of its own heads – the engine sums them over tp).
+template <typename T>
+struct QkNormWeights {
+  const T* q = nullptr;
+  const T* k = nullptr;
+  double eps = 1e-6;
+};
+struct QkNormGrads {
+  float* q = nullptr;  // [head_dim], accumulated onto
+  float* k = nullptr;
+};
+
 // The saved activations, carved from the caller's activation memory (q and k after RoPE).
 template <typename T>
 struct AttentionActivations {
@@ -117,19 +133,24 @@ struct AttentionActivations {
   T* v = nullptr;      // [batch, nkv, total, dh]
   T* probs = nullptr;  // [batch, nq, seq, total], zero past each row's global position
   T* ctx = nullptr;    // [batch·seq, nq·dh]
+  // With q/k norms: q and k before them [batch·seq, (nq + nkv)·dh] and each head's 1/rms
+  // [batch·seq, nq + nkv], f32.
+  float* qk_raw = nullptr;
+  float* qk_rstd = nullptr;
 };
 
 struct AttentionBytes {
   std::size_t activations = 0;  // kept from Forward to Backward
   std::size_t workspace = 0;    // scratch, free again after each call
 };
+// `qk_norm`: the calls will be given q/k norm weights (more activations and workspace).
 template <typename T>
-AttentionBytes AttentionMemoryBytes(const AttentionShape& shape, const AttentionDims& dims);
+AttentionBytes AttentionMemoryBytes(const AttentionShape& shape, const AttentionDims& dims, bool qk_norm = false);
 
 // The views Forward writes and Backward reads, for callers (and tests) that inspect them.
 template <typename T>
 AttentionActivations<T> CarveAttentionActivations(const AttentionShape& shape, const AttentionDims& dims,
-                                                  void* activations);
+                                                  void* activations, bool qk_norm = false);
 
 // x [N, d]; wqkv [W, d] with rows [q heads; k heads; v heads]; wout [d, C]. Writes y [N, d]
 // and the saved activations (keep them, x and the weights unchanged until Backward).
@@ -137,13 +158,15 @@ template <typename T>
 void AttentionForward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                       const RopeTable& rope, const T* x, const T* wqkv, const T* wout, T* y, void* activations,
                       std::size_t activation_bytes, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
-                      const AttentionCollectives* cp = nullptr);
+                      const AttentionCollectives* cp = nullptr, const QkNormWeights<T>* qk_norm = nullptr);
 
-// dy [N, d]. Overwrites dx [N, d]; accumulates onto dwqkv [W, d] and dwout [d, C] (f32).
+// dy [N, d]. Overwrites dx [N, d]; accumulates onto dwqkv [W, d] and dwout [d, C] (f32), and
+// with q/k norms (the forward's weights, and `dqk_norm`) onto their gradients.
 template <typename T>
 void AttentionBackward(cublasHandle_t handle, const AttentionShape& shape, const AttentionDims& dims,
                        const RopeTable& rope, const T* x, const T* wqkv, const T* wout, const void* activations,
                        std::size_t activation_bytes, const T* dy, T* dx, float* dwqkv, float* dwout, void* workspace,
-                       std::size_t workspace_bytes, cudaStream_t stream, const AttentionCollectives* cp = nullptr);
+                       std::size_t workspace_bytes, cudaStream_t stream, const AttentionCollectives* cp = nullptr,
+                       const QkNormWeights<T>* qk_norm = nullptr, const QkNormGrads* dqk_norm = nullptr);
 
 }  // namespace rs::cuda

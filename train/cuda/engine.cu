@@ -25,11 +25,6 @@ class CudaEngine final : public train::StepEngine {
 
   Status Attach(train::Trainer& t) override {
     const ModelConfig& c = t.model_config();
-    if (c.qk_norm) {
-      return Unimplemented("train --device cuda: model '" + c.name +
-                           "' has per-head q/k norms (qk_norm), which the GPU attention does not apply yet; "
-                           "train it on CPUs (--device cpu)");
-    }
     train::Transformer<float>& host = t.model();
     train::ShardedState& state = t.state();
     train::ProcessGroups& groups = t.groups();
@@ -185,7 +180,7 @@ class CudaEngine final : public train::StepEngine {
       // numbers (the optimizer state is replicated on the devices; checkpoints hold each
       // rank's owned part).
       const train::GradientGroups sum{plan_.experts_cut ? same_experts_comm_.get() : comm_.get(), ep_comm_.get(),
-                                      kv_comm_.get()};
+                                      kv_comm_.get(), tp_comm_.get()};
       RS_RETURN_IF_ERROR(
           train::SumLocalGradients(plan_, sum, std::span<float>(model_->grads(), static_cast<std::size_t>(p))));
       GradSumOfSquares(model_->grads(), kinds_.get(), p, norm_.get(), norm_ws_.get(), norm_ws_bytes_, st);
@@ -346,7 +341,8 @@ class CudaEngine final : public train::StepEngine {
     const auto n = static_cast<std::size_t>(shard_);
     const auto whole = static_cast<std::size_t>(model_->param_capacity());
     float* mine = model_->master() + shard_index_ * shard_;
-    RS_RETURN_IF_ERROR(train::SumKvGradients(plan_, kv_comm_.get(), std::span<float>(model_->grads(), whole)));
+    RS_RETURN_IF_ERROR(
+        train::SumPartialGradients(plan_, kv_comm_.get(), tp_comm_.get(), std::span<float>(model_->grads(), whole)));
     RS_RETURN_IF_ERROR(train::SumBlockGradients(plan_, *fsdp_comm_, replica_comm_.get(), ep_comm_.get(),
                                                 std::span<const float>(model_->grads(), whole),
                                                 std::span<float>(grad_shard_.get(), n), shard_index_ * shard_));

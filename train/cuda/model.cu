@@ -77,6 +77,7 @@ void GemmRowMajor(cublasHandle_t h, bool ta, bool tb, std::int64_t m, std::int64
 template <typename T>
 struct GpuTransformer<T>::Layer {
   std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
+  std::size_t q_norm = kNone, k_norm = kNone;  // qk_norm
   std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
   std::size_t fc1 = kNone, fc2 = kNone;
   bool moe = false;
@@ -220,11 +221,13 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
   }
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
     const LayerTensors& t = declared.layers[static_cast<std::size_t>(i)];
-    RS_CHECK(t.attn.qkv != kNoTensor && t.attn.q_norm == kNoTensor);  // engine.cu refuses the rest
+    RS_CHECK(t.attn.qkv != kNoTensor);  // engine.cu refuses gated-delta-net layers
     auto l = std::make_unique<Layer>();
     l->attn_norm = t.attn_norm;
     l->qkv = t.attn.qkv;
     l->out = t.attn.out;
+    l->q_norm = t.attn.q_norm;
+    l->k_norm = t.attn.k_norm;
     l->mlp_norm = t.mlp_norm;
     l->moe = t.moe.router != kNoTensor;
     if (l->moe) {
@@ -467,7 +470,7 @@ void GpuTransformer<T>::Plan(void* base) {
   const std::int64_t n = n_, d = c_.d_model, e = c_.n_experts, k = c_.top_k, v = vocab_rows_;
   const AttentionShape ashape{d, heads_, kv_heads_, c_.head_dim, c_.rope_theta};
   const AttentionDims dims{batch_, seq_, context_.ranks, context_.index};
-  const AttentionBytes abytes = AttentionMemoryBytes<T>(ashape, dims);
+  const AttentionBytes abytes = AttentionMemoryBytes<T>(ashape, dims, c_.qk_norm);
   // Expert parallelism: the token side unpadded; the experts' side receives at most every rank's
   // rows (n · k each), padded per local expert.
   const bool ep = ExpertParallel();
@@ -663,8 +666,10 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     Layer& l = *layers_[li];
     T* h_out = li + 1 < layers_.size() ? layers_[li + 1]->h_in : s.h;
     RmsNormForward(l.h_in, P(l.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
+    const QkNormWeights<T> qk{l.q_norm != kNone ? P(l.q_norm) : nullptr, l.k_norm != kNone ? P(l.k_norm) : nullptr,
+                              c_.norm_eps};
     AttentionForward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), s.tmp, l.attn, l.attn_bytes, s.ws,
-                     s.ws_bytes, st, cp);
+                     s.ws_bytes, st, cp, &qk);
     ReduceTp(s.tmp, nd);  // attention out is row-parallel
     Add(l.h_mid, l.h_in, s.tmp, nd, st);
     RmsNormForward(l.h_mid, P(l.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
@@ -859,8 +864,11 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
     }
     RmsNormBackward(s.dx, l.h_mid, P(l.mlp_norm), l.rstd2, n, d, s.tmp, G(l.mlp_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);
+    const QkNormWeights<T> qk{l.q_norm != kNone ? P(l.q_norm) : nullptr, l.k_norm != kNone ? P(l.k_norm) : nullptr,
+                              c_.norm_eps};
+    const QkNormGrads dqk{l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr};
     AttentionBackward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), l.attn, l.attn_bytes, s.dh, s.dx,
-                      G(l.qkv), G(l.out), s.ws, s.ws_bytes, st, cp);
+                      G(l.qkv), G(l.out), s.ws, s.ws_bytes, st, cp, &qk, &dqk);
     ReduceTp(s.dx, nd);
     RmsNormBackward(s.dx, l.h_in, P(l.attn_norm), l.rstd1, n, d, s.tmp, G(l.attn_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);

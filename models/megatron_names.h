@@ -1,9 +1,9 @@
-// Megatron-Core `torch_dist` checkpoints (formats/DCP.md §4.2): the names Megatron-Core's
-// GPTModel gives its sharded tensors, mapped to our logical tensors (core/model.h).
+// Megatron-Core's names for our tensors (formats/DCP.md §4.2): the keys Megatron-Core's
+// GPTModel gives its sharded tensors in a `torch_dist` checkpoint (the container:
+// formats/torch_dist.h), mapped to our logical tensors (core/model.h). The same for every
+// family: Megatron's decoder blocks are ours.
 //
-// A torch_dist directory is a PyTorch DCP directory plus `metadata.json` (`"sharded_backend":
-// "torch_dist"`) and `common.pt` (what is not sharded: iteration, optimizer hyper-parameters
-// and step). Its DCP keys are Megatron's `ShardedTensor.key`s:
+// The DCP keys of a torch_dist directory are Megatron's `ShardedTensor.key`s:
 //
 //  - layer-stacked keys `decoder.layers.<name>` hold every layer of a homogeneous model in one
 //    tensor with a leading layer axis (each layer's chunks are one slice of it); per-layer keys
@@ -20,10 +20,8 @@
 //  - the fused QKV weight keeps Megatron's row order, per query group g: the group's nq/ng
 //    query heads, then its key head, then its value head. Ours is all query heads, all key
 //    heads, all value heads, so its rows are regrouped (MegatronQkvRuns);
-//  - optimizer states are `optimizer.state.<state>.<model key>`: `exp_avg`, `exp_avg_sq`, and
-//    the fp32 master weights as `fp32_param` (non-distributed optimizers) or `param` (the
-//    distributed optimizer's fully_reshardable / fully_sharded_model_space formats), which
-//    become our `master`.
+//  - optimizer states are `optimizer.state.<state>.<model key>` (SplitMegatronStateKey in
+//    formats/torch_dist.h): MapMegatronKey maps the model key.
 #pragma once
 
 #include <cstdint>
@@ -59,7 +57,6 @@ struct MegatronKey {
   // chunk's position on the layer axis gives.
   std::string param;
   bool layer_axis = false;  // the first dim is the layer index
-  std::string state;        // "" for a parameter or buffer, else our state name
   bool qkv = false;         // rows in Megatron's grouped QKV order
   MegatronSection section = MegatronSection::kWhole;
   // A per-expert key (`mlp.experts.experts.<e>.…`, singleton_local_shards): the global expert
@@ -79,15 +76,16 @@ struct SectionRows {
 };
 // "_w", "_v", "query", ... as in the keys; "whole" for kWhole.
 std::string_view SectionLabel(MegatronSection section);
+// The labels of every part of our tensor `param` that keys of `section`'s kind hold ("_w",
+// "_v" for split SwiGLU halves; query ... alpha for in_proj; query, key, value for conv1d;
+// "" for a whole tensor, e.g. one expert's), to name the parts a checkpoint lacks.
+std::vector<std::string> MegatronPartLabels(const std::string& param, MegatronSection section);
 Result<SectionRows> MegatronSectionRows(MegatronSection section, const std::string& param, const Shape& shape,
                                         const ModelConfig& cfg);
 
-// True when `dir/metadata.json` names the torch_dist sharded backend.
-bool IsMegatronTorchDist(const std::string& dir);
-
-// Maps a DCP key of a torch_dist checkpoint (without any `model.` prefix; optimizer states
-// with theirs).
-MegatronKey MapMegatronKey(const std::string& fqn);
+// Maps a model key of a torch_dist checkpoint (an optimizer-state key's model key, its
+// `optimizer.state.<state>.` taken off).
+MegatronKey MapMegatronKey(const std::string& key);
 
 // A run of consecutive rows of Megatron's fused QKV weight that stays consecutive in ours.
 struct RowRun {
@@ -102,14 +100,4 @@ struct RowRun {
 // n_groups) * head_dim.
 std::vector<RowRun> MegatronQkvRuns(std::int64_t begin, std::int64_t end, std::int64_t n_heads, std::int64_t n_groups,
                                     std::int64_t head_dim);
-
-// The optimizer step that `<dir>/common.pt` records: `optimizer.optimizer.state.common_step`
-// (non-distributed optimizers) or the `step` of `optimizer.optimizer.param_groups` (the
-// distributed optimizer; every group must agree), an integer or a one-element tensor. nullopt
-// when there is no common.pt or it records neither. common.pt is a torch.save archive whose
-// pickle is read as inert records (formats/pickle.h, `inert_unknown_globals`: Megatron-LM
-// stores its argparse `args` there); DataLoss naming the file and the field when it is not
-// an archive we can read or the step is not a count.
-Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir);
-
 }  // namespace rs

@@ -1,23 +1,26 @@
-// Megatron-Core torch_dist sources (formats/megatron.h): the key table, the grouped-QKV row
-// runs (against a brute-force row map), the parts of fused tensors, the step in common.pt, and
-// DcpSource's refusals of what does not fit the model. The fixtures' values are checked against
-// Megatron-Core's own load in tests/reshard/dcp_convert_test.cc.
-#include "formats/megatron.h"
+// Megatron-Core's names for our tensors (models/megatron_names.h) and the DcpKeyMapper built
+// from them (reshard/framework_names.h): the key table, the grouped-QKV row runs (against a
+// brute-force row map), the parts of fused tensors, and DcpSource's refusals, through the
+// mapper, of what does not fit the model. The fixtures' values are checked against
+// Megatron-Core's own load in tests/reshard/dcp_convert_test.cc; the container (common.pt,
+// metadata.json) in tests/formats/torch_dist_test.cc.
+#include "models/megatron_names.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/model.h"
-#include "formats/dcp.h"
 #include "formats/dcp_source.h"
-#include "formats/pickle.h"
+#include "formats/torch_dist.h"
+#include "reshard/framework_names.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {
@@ -25,9 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::ExpectNames;
-using testing::ReadAll;
 using testing::ScratchDir;
-using testing::WriteAll;
 
 const std::string kMegatron = std::string(RS_SOURCE_DIR) + "/tests/fixtures/megatron";
 
@@ -48,6 +49,12 @@ std::string CopyFixture(const std::string& fixture, const std::string& dst, cons
                   fs::copy_options::overwrite_existing);
   }
   return dst;
+}
+
+// DcpSource::Open with the Megatron key mapper of the options' model.
+Result<std::unique_ptr<DcpSource>> Open(const std::string& dir, DcpSourceOptions so) {
+  RS_ASSIGN_OR_RETURN(so.key_mapper, MegatronKeyMapper(*so.model));
+  return DcpSource::Open(dir, so);
 }
 
 TEST(MegatronKeyTest, Table) {
@@ -96,12 +103,14 @@ TEST(MegatronKeyTest, Table) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.key);
-    const MegatronKey k = MapMegatronKey(c.key);
+    // An optimizer-state key is its state (formats/torch_dist.h) and a model key.
+    const MegatronStateKey s = SplitMegatronStateKey(c.key);
+    EXPECT_EQ(s.state, c.state);
+    const MegatronKey k = MapMegatronKey(s.state.empty() ? c.key : s.key);
     EXPECT_EQ(k.mapped, *c.param != '\0');
     if (!k.mapped) continue;
     EXPECT_EQ(k.param, c.param);
     EXPECT_EQ(k.layer_axis, c.layer_axis);
-    EXPECT_EQ(k.state, c.state);
     EXPECT_EQ(k.section, c.section);
     EXPECT_EQ(k.expert, c.expert);
   }
@@ -115,13 +124,15 @@ TEST(MegatronKeyTest, Table) {
       {"decoder.layers.0.self_attention.conv1d.bias.query", "conv_bias"},
       {"embedding.position_embeddings.weight", "learned position embeddings"},
       {"mtp.layers.0.enorm.weight", "multi-token prediction"},
-      {"optimizer.state.master_grad.output_layer.weight", "optimizer state 'master_grad'"},
   };
   for (const auto& [key, why] : refused) {
     const MegatronKey k = MapMegatronKey(key);
     EXPECT_FALSE(k.mapped) << key;
     EXPECT_NE(k.why.find(why), std::string::npos) << key << ": " << k.why;
   }
+  const MegatronStateKey grad = SplitMegatronStateKey("optimizer.state.master_grad.output_layer.weight");
+  EXPECT_TRUE(grad.state.empty());
+  EXPECT_NE(grad.why.find("optimizer state 'master_grad'"), std::string::npos) << grad.why;
 }
 
 // Brute force: Megatron row m of group g = m / ((r + 2) dh) is query row g·r·dh + w, key row
@@ -196,69 +207,12 @@ TEST(MegatronSectionTest, PartsTileTheirTensors) {
   EXPECT_FALSE(MegatronSectionRows(S::kQuery, "layers.0.mlp.fc1.weight", {32, 8}, cfg).ok());
 }
 
-TEST(MegatronStepTest, CommonPt) {
-  for (const char* f : {"homogeneous_f32", "hetero_bf16", "gdn_singleton_f32"}) {
-    EXPECT_TRUE(IsMegatronTorchDist(kMegatron + "/" + f)) << f;
-    auto step = ReadMegatronStep(kMegatron + "/" + f);
-    ASSERT_TRUE(step.ok()) << f << ": " << step.status().ToString();
-    ASSERT_TRUE(step->has_value()) << f;
-    EXPECT_EQ(**step, 2) << f;
-  }
-  EXPECT_FALSE(IsMegatronTorchDist(std::string(RS_SOURCE_DIR) + "/tests/fixtures/dcp/adamw_f32"));
-  ScratchDir tmp;
-  const std::string dir = CopyFixture("homogeneous_f32", tmp.path() + "/a");
-  fs::remove(dir + "/common.pt");
-  auto none = ReadMegatronStep(dir);
-  ASSERT_TRUE(none.ok());
-  EXPECT_FALSE(none->has_value());
-  // Damaged common.pt: truncated, or every byte of its middle flipped to garbage.
-  const std::vector<char> bytes = ReadAll(kMegatron + "/homogeneous_f32/common.pt");
-  WriteAll(dir + "/common.pt", std::vector<char>(bytes.begin(), bytes.begin() + static_cast<long>(bytes.size() / 2)));
-  auto cut = ReadMegatronStep(dir);
-  ASSERT_FALSE(cut.ok());
-  EXPECT_EQ(cut.status().code(), ErrorCode::kDataLoss);
-  ExpectNames(cut.status().message(), {dir + "/common.pt"});
-  std::mt19937 rng(7);
-  for (int trial = 0; trial < 200; ++trial) {
-    std::vector<char> damaged = bytes;
-    for (int i = 0; i < 4; ++i) damaged[rng() % damaged.size()] = static_cast<char>(rng());
-    WriteAll(dir + "/common.pt", damaged);
-    auto r = ReadMegatronStep(dir);  // any outcome but a crash; an error names the file
-    if (!r.ok()) ExpectNames(r.status().message(), {"common.pt"});
-  }
-}
-
-TEST(MegatronPickleTest, InertGlobalsExecuteNothing) {
-  // os.system('touch ...') through REDUCE: an inert record with inert_unknown_globals,
-  // refused without; an allowlisted value is still not callable.
-  ScratchDir tmp;
-  const std::string marker = tmp.path() + "/ran";
-  const std::string p = std::string(
-                            "\x80\x02"
-                            "cos\nsystem\nX") +
-                        static_cast<char>(6 + marker.size()) + std::string("\x00\x00\x00", 3) + "touch " + marker +
-                        "\x85R.";
-  PickleOptions o;
-  o.globals = TorchSaveGlobals();
-  EXPECT_FALSE(Unpickle(std::as_bytes(std::span(p)), o, "x.pkl").ok());
-  o.inert_unknown_globals = true;
-  auto t = Unpickle(std::as_bytes(std::span(p)), o, "x.pkl");
-  ASSERT_TRUE(t.ok()) << t.status().ToString();
-  EXPECT_EQ(t->node(t->root()).kind, PickleKind::kObject);
-  EXPECT_EQ(t->node(t->root()).module, "os");
-  EXPECT_FALSE(fs::exists(marker));
-  const std::string value_call =
-      "\x80\x02"
-      "ctorch\nfloat32\n)R.";
-  EXPECT_FALSE(Unpickle(std::as_bytes(std::span(value_call)), o, "x.pkl").ok());
-}
-
 TEST(MegatronSourceTest, ModelMismatchesAreNamed) {
   DcpSourceOptions so;
   // A model without gated-delta-net layers: their keys are named as not the model's.
   so.model = FixtureModel("gdn_singleton_f32");
   so.model->full_attn_interval = 0;
-  auto no_gdn = DcpSource::Open(kMegatron + "/gdn_singleton_f32", so);
+  auto no_gdn = Open(kMegatron + "/gdn_singleton_f32", so);
   ASSERT_FALSE(no_gdn.ok());
   ExpectNames(no_gdn.status().message(),
               {"Megatron-Core torch_dist", "missing from the checkpoint: 'layers.0.attn.qkv.weight'",
@@ -266,7 +220,7 @@ TEST(MegatronSourceTest, ModelMismatchesAreNamed) {
   // Other gated-delta-net dims: the part's shape differs.
   so.model = FixtureModel("gdn_singleton_f32");
   so.model->gdn_key_dim = 8;
-  auto dims = DcpSource::Open(kMegatron + "/gdn_singleton_f32", so);
+  auto dims = Open(kMegatron + "/gdn_singleton_f32", so);
   ASSERT_FALSE(dims.ok());
   EXPECT_EQ(dims.status().code(), ErrorCode::kFailedPrecondition);
   ExpectNames(dims.status().message(), {"in_proj.weight.query' is [8, 8]", "[16, 8] in the model"});
@@ -274,20 +228,20 @@ TEST(MegatronSourceTest, ModelMismatchesAreNamed) {
   so.model = FixtureModel("gdn_singleton_f32");
   so.model->n_experts = 2;
   so.model->top_k = 1;
-  auto experts = DcpSource::Open(kMegatron + "/gdn_singleton_f32", so);
+  auto experts = Open(kMegatron + "/gdn_singleton_f32", so);
   ASSERT_FALSE(experts.ok());
   ExpectNames(experts.status().message(), {"experts.experts.2.", "which has 2 experts"});
   // A part missing from the checkpoint.
   ScratchDir tmp;
   const std::string dir = CopyFixture("gdn_singleton_f32", tmp.path() + "/m", "missing_part");
   so.model = FixtureModel("gdn_singleton_f32");
-  auto missing = DcpSource::Open(dir, so);
+  auto missing = Open(dir, so);
   ASSERT_FALSE(missing.ok());
   ExpectNames(missing.status().message(), {"layers.0.gdn.in_proj.weight", "missing: 'alpha'"});
   // The distributed optimizer's dp_reshardable flat buffers: refused, naming the formats to use.
   const std::string flat = CopyFixture("homogeneous_f32", tmp.path() + "/flat", "dp_reshardable");
   so.model = FixtureModel("homogeneous_f32");
-  auto dp = DcpSource::Open(flat, so);
+  auto dp = Open(flat, so);
   ASSERT_FALSE(dp.ok());
   EXPECT_EQ(dp.status().code(), ErrorCode::kFailedPrecondition);
   ExpectNames(dp.status().message(), {"dp_reshardable format", "fully_sharded_model_space or fully_reshardable"});
@@ -333,7 +287,7 @@ TEST(MegatronSourceTest, DamagedDirectoriesAreNamed) {
     fs::copy_file(kMegatron + "/variants/" + variant, dir + target, fs::copy_options::overwrite_existing);
     DcpSourceOptions so;
     so.model = FixtureModel(c.fixture);
-    auto src = DcpSource::Open(dir, so);
+    auto src = Open(dir, so);
     ASSERT_FALSE(src.ok());
     EXPECT_EQ(src.status().code(), ErrorCode::kDataLoss) << src.status().ToString();
     ExpectNames(src.status().message(), c.needles);
