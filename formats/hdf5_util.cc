@@ -48,6 +48,12 @@ size_t ZstdFilter(unsigned int flags, size_t cd_nelmts, const unsigned int cd_va
 }
 
 void InitOnce() {
+  // No library shutdown at exit: a file whose close failed (a full disk fails the flush) stays
+  // in HDF5's tables, and HDF5 1.10's atexit shutdown then crashes closing it again, turning a
+  // clean "No space left on device" exit into SIGSEGV. Every file we write is closed (and
+  // fsynced) explicitly before a commit; one left open after an error is in a staging directory
+  // that is removed, so nothing is lost by not flushing it at exit.
+  H5dont_atexit();
   H5open();
   // Errors come back to us as negative return values, which we turn into Status messages;
   // HDF5's own stack printing would only spam stderr.

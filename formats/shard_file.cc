@@ -29,6 +29,10 @@ constexpr std::int64_t kStreamBlock = std::int64_t{256} << 10;
 
 std::string Errno(const char* op) { return std::string(op) + ": " + std::strerror(errno); }
 
+// The operating system's reason for a failed HDF5 call, when it left one in errno (set to 0
+// before the call): HDF5's own message is only "write failed", and a full disk must say so.
+std::string OsReason() { return errno != 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string(); }
+
 // Chunks decoded (or encoded) ahead of the in-order consumer, kept in a bounded window so
 // memory stays at a few chunks per worker whatever the shard size.
 struct ChunkSlots {
@@ -543,8 +547,9 @@ Status DatasetWriter::WriteOldest() {
   }
   const hsize_t offset[1] = {static_cast<hsize_t>(p.index) * static_cast<hsize_t>(chunk_)};
   auto lock = h5::Lock();
+  errno = 0;
   if (H5Dwrite_chunk(dset_, h5::kDefault, c.raw ? 1u : 0u, offset, c.data.size(), c.data.data()) < 0) {
-    error_ = IoError(what_ + ": H5Dwrite_chunk of chunk " + std::to_string(p.index) + " failed");
+    error_ = IoError(what_ + ": H5Dwrite_chunk of chunk " + std::to_string(p.index) + " failed" + OsReason());
     return error_;
   }
   stored_ += static_cast<std::int64_t>(c.data.size());
@@ -578,9 +583,10 @@ Result<DatasetWriter::Written> DatasetWriter::Finish() {
     RS_ASSIGN_OR_RETURN(table_checksum, WriteTable());
     {
       auto lock = h5::Lock();
+      errno = 0;
       const herr_t rc = H5Dclose(static_cast<hid_t>(dset_));
       dset_ = -1;
-      if (rc < 0) return IoError(what_ + ": H5Dclose failed");
+      if (rc < 0) return IoError(what_ + ": H5Dclose failed" + OsReason());
     }
     file_->ReleaseTurn(seq_);
     turn_released_ = true;
@@ -612,9 +618,10 @@ Status ShardFileWriter::Close() {
   if (file_id_ < 0) return Status::Ok();
   {
     auto lock = h5::Lock();
+    errno = 0;
     const herr_t rc = H5Fclose(file_id_);
     file_id_ = -1;
-    if (rc < 0) return IoError(path_ + ": H5Fclose failed");
+    if (rc < 0) return IoError(path_ + ": H5Fclose failed" + OsReason());
   }
   // HDF5 does not fsync; the commit protocol needs the data durable before the manifest.
   const int rc = ::fsync(sync_fd_);

@@ -39,8 +39,8 @@ MegatronStateKey SplitMegatronStateKey(const std::string& fqn) {
   const std::string_view megatron = std::string_view(fqn).substr(kPrefix.size(), dot - kPrefix.size());
   k.state = StateName(megatron);
   if (k.state.empty()) {
-    k.why = "optimizer state '" + std::string(megatron) +
-            "' (only fp32_param / param, exp_avg and exp_avg_sq are mapped)";
+    k.why =
+        "optimizer state '" + std::string(megatron) + "' (only fp32_param / param, exp_avg and exp_avg_sq are mapped)";
     return k;
   }
   k.key = fqn.substr(dot + 1);

@@ -1,0 +1,94 @@
+// Faults a cluster hits, through the built binary. A full disk: every command that writes is run
+// under a file-size limit (`ulimit -f` with SIGXFSZ ignored, so a write past it fails with EFBIG,
+// as one on a full disk fails with ENOSPC) and must exit 1 naming the file – not die of a
+// signal after printing the error (HDF5's exit-time shutdown used to crash closing a file whose
+// close had failed: exit 139) – leaving no staging directory, nothing that looks like a
+// checkpoint, and its source as it was.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tests/cli/cli_test_util.h"
+
+namespace rs {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CommandResult;
+using testing::RunCli;
+using testing::RunShell;
+using testing::TempDir;
+
+std::string Slurp(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Every regular file under `dir` (relative name -> bytes).
+std::map<std::string, std::string> Files(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = Slurp(e.path());
+  }
+  return out;
+}
+
+// What a failed write may not leave under `dir`: staging directories (`<name>.tmp-<pid>-...`)
+// and manifests.
+std::vector<std::string> Leftovers(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".tmp-") != std::string::npos || name == "manifest.json") out.push_back(e.path().string());
+  }
+  return out;
+}
+
+TEST(Faults, FullDiskEveryWriterExitsOneAndLeavesNothing) {
+  TempDir tmp;
+  const std::string src = tmp / "src";
+  ASSERT_EQ(RunCli("example --model tiny-moe --layout tp=2 -o " + src).exit_code, 0);
+  const std::string hf = std::string(RS_SOURCE_DIR) + "/tests/fixtures/hf/qwen3_moe_tiny";
+  const auto before = Files(src);
+  const auto hf_before = Files(hf);
+  fs::create_directories(tmp / "out");
+  const std::string out = tmp / "out";
+  const struct {
+    const char* what;
+    std::string args;
+    std::string target;  // must not exist afterwards ("" = see below)
+  } cases[] = {
+      {"convert", "convert " + src + " --to tp=1 --threads 1 -o " + out + "/c1", out + "/c1"},
+      {"convert, 2 threads", "convert " + src + " --to tp=1 --threads 2 -o " + out + "/c2", out + "/c2"},
+      {"convert, zstd", "convert " + src + " --to tp=1 --codec zstd -o " + out + "/c3", out + "/c3"},
+      {"example", "example --model tiny-moe --layout tp=2 -o " + out + "/ex", out + "/ex"},
+      {"export", "export " + src + " --format hf -o " + out + "/hf", out + "/hf"},
+      {"import", "import " + hf + " --format hf --layout tp=1 -o " + out + "/imp", out + "/imp"},
+      // The run directory itself may exist; no step in it may.
+      {"train --save", "train --model tiny-moe --steps 2 --threads 1 --save " + out + "/run", ""},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    // 512 KiB: every output here is larger.
+    const CommandResult r =
+        RunShell("bash -c \"trap '' XFSZ; ulimit -f 512; exec " + std::string(RS_CLI) + " " + c.args + "\"");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("File too large"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(out), std::string::npos) << "the error names the file: " << r.output;
+    if (!c.target.empty()) {
+      EXPECT_FALSE(fs::exists(c.target));
+    }
+  }
+  EXPECT_TRUE(Leftovers(out).empty()) << Leftovers(out).front();
+  // The sources are as they were, and still sound.
+  EXPECT_TRUE(Files(src) == before);
+  EXPECT_TRUE(Files(hf) == hf_before);
+  EXPECT_EQ(RunCli("verify " + src).exit_code, 0);
+}
+
+}  // namespace
+}  // namespace rs
