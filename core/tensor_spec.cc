@@ -181,6 +181,12 @@ Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j) {
     } else {
       RS_ASSIGN_OR_RETURN(t.place.layer, f.Int(p, "place"));
       if (t.place.layer < 0) return f.Error("place", "layer index must be >= 0");
+      // Bounded where it is read: layer counts are summed and compared downstream.
+      constexpr std::int64_t kMaxLayerIndex = (std::int64_t{1} << 24) - 1;
+      if (t.place.layer > kMaxLayerIndex) {
+        return f.Error("place", "layer index " + std::to_string(t.place.layer) + " is beyond any model (at most " +
+                                    std::to_string(kMaxLayerIndex + 1) + " layers)");
+      }
     }
   }
   if (j.contains("expert")) {

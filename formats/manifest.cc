@@ -14,6 +14,7 @@
 
 #include "core/dtype.h"
 #include "core/file.h"
+#include "core/model.h"
 #include "core/text.h"
 
 namespace rs {
@@ -405,10 +406,31 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
     if (!it->is_object()) return ctx.Bad("field 'metadata' must be an object");
     m.metadata = *it;
   }
+  // A tensor's pipeline place is one of the recorded model's layers (when the manifest records a
+  // model we can read): planning places it on a stage by that count.
+  if (const auto model = m.metadata.find("model"); model != m.metadata.end() && model->is_object()) {
+    if (const Result<ModelConfig> cfg = ModelConfigFromJson(*model); cfg.ok()) {
+      for (std::size_t i = 0; i < m.tensors.size(); ++i) {
+        const std::int64_t layer = m.tensors[i].place.layer;
+        if (layer >= cfg->n_layers) {
+          return ctx.Bad("tensors[" + std::to_string(i) + "] (tensor " + Quote(m.tensors[i].name) +
+                         "): field 'place' is layer " + std::to_string(layer) + ", but the model of field " +
+                         "'metadata.model' has " + std::to_string(cfg->n_layers) + " layers");
+        }
+      }
+    }
+  }
   return m;
 }
 
 Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
+  // One JSON document and nothing after it but whitespace. The parser would stop at a NUL byte
+  // as at the end of the text, and accept a manifest followed by anything after one; no JSON
+  // text holds a NUL byte (not even inside a string, where control characters are escaped).
+  if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    return DataLoss(std::string(source) + ": a NUL byte at offset " + std::to_string(nul) + " of " +
+                    std::to_string(text.size()) + " (a manifest is one JSON document and nothing after it)");
+  }
   json j = json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
     // Re-parse with exceptions only to get the position of the error for the message.

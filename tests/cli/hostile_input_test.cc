@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -274,6 +275,46 @@ TEST_F(HostileInput, InvalidUtf8InManifest) {
            },
            kAllCmds,
            {"manifest.json", "UTF-8"}});
+}
+
+// Issue 34: a manifest followed by NUL bytes parsed as the manifest alone and verified SOUND;
+// one whose NUL comes first ends the JSON early.
+TEST_F(HostileInput, BytesAfterTheManifest) {
+  RunCase({"nul-tail",
+           false,
+           [](const std::string& dir) {
+             WriteText(dir + "/manifest.json", ReadText(dir + "/manifest.json") + std::string(4096, '\0'));
+           },
+           kAllCmds,
+           {"manifest.json", "NUL byte", "nothing after it"}});
+  RunCase({"text-tail",
+           false,
+           [](const std::string& dir) { WriteText(dir + "/manifest.json", ReadText(dir + "/manifest.json") + " {}"); },
+           kAllCmds,
+           {"manifest.json"}});
+}
+
+// Issue 34: a pipeline place of 2^63 - 1 made plan and convert abort on a CHECK; a place
+// beyond the recorded model's layers was taken as it was.
+TEST_F(HostileInput, PipelinePlaceBeyondTheModel) {
+  RunCase({"place-max",
+           false,
+           [](const std::string& dir) {
+             json m = ReadManifest(dir);
+             TensorEntry(m, "layers.0.attn.qkv.weight")["place"] = std::numeric_limits<std::int64_t>::max();
+             WriteManifest(dir, m);
+           },
+           kAllCmds,
+           {"manifest.json", "layers.0.attn.qkv.weight", "place", "beyond any model"}});
+  RunCase({"place-layers",
+           false,
+           [](const std::string& dir) {
+             json m = ReadManifest(dir);
+             TensorEntry(m, "layers.0.attn.qkv.weight")["place"] = 7;
+             WriteManifest(dir, m);
+           },
+           kAllCmds,
+           {"manifest.json", "layers.0.attn.qkv.weight", "'place' is layer 7", "has 2 layers"}});
 }
 
 TEST_F(HostileInput, ControlCharactersInNames) {
