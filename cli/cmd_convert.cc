@@ -69,7 +69,9 @@ Result<Setup> Prepare(const ConvertArgs& a) {
     if (!t) return InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'");
     o.param_dtype = *t;
   }
-  RS_ASSIGN_OR_RETURN(s.plan, PlanReshard(s.source->manifest(), target, o));
+  auto plan = PlanReshard(s.source->manifest(), target, o);
+  if (!plan.ok()) return plan.status().WithContext(SourceIndexPath(*s.source));
+  s.plan = std::move(*plan);
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
   s.writer.producer = "reshard convert";

@@ -52,7 +52,7 @@ void RunPlan(const PlanArgs& a) {
     o.param_dtype = *t;
   }
   auto plan = PlanReshard(*manifest, *target, o);
-  if (!plan.ok()) Fail("plan", plan.status());
+  if (!plan.ok()) Fail("plan", plan.status().WithContext(SourceIndexPath(**source)));
   if (a.json) {
     nlohmann::json j = *plan;
     PrintJson(j);

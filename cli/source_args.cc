@@ -41,4 +41,10 @@ Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const So
   return std::unique_ptr<ShardSource>(std::make_unique<CheckpointSource>(std::move(reader)));
 }
 
+std::string SourceIndexPath(const ShardSource& source) {
+  return source.dir() + "/" +
+         (source.manifest().format == "pytorch-dcp" ? std::string(kDcpMetadataFileName)
+                                                    : std::string(kManifestFileName));
+}
+
 }  // namespace rs::cli

@@ -26,4 +26,8 @@ struct SourceArgs {
 // needed.
 Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const SourceArgs& args);
 
+// The file a source's tensors and shards come from: its manifest.json, or a DCP directory's
+// .metadata (errors about what the source holds name it).
+std::string SourceIndexPath(const ShardSource& source);
+
 }  // namespace rs::cli

@@ -317,6 +317,29 @@ TEST_F(HostileInput, PipelinePlaceBeyondTheModel) {
            {"manifest.json", "layers.0.attn.qkv.weight", "'place' is layer 7", "has 2 layers"}});
 }
 
+// Issue 34: plan's and convert's error for a gap in the source named the tensor, not the file.
+TEST_F(HostileInput, GapNamesTheManifest) {
+  RunCase({"gap",
+           false,
+           [](const std::string& dir) {
+             json m = ReadManifest(dir);
+             json kept = json::array();
+             bool dropped = false;
+             for (json& sh : m["shards"]) {
+               if (!dropped && sh["tensor"] == "layers.0.attn.qkv.weight") {
+                 dropped = true;
+                 continue;
+               }
+               kept.push_back(sh);
+             }
+             m["shards"] = kept;
+             WriteManifest(dir, m);
+           },
+           {Cmd::kVerify, Cmd::kVerifyJson, Cmd::kPlan, Cmd::kConvert},
+           {"layers.0.attn.qkv.weight"},
+           {{Cmd::kPlan, {"case-gap/manifest.json"}}, {Cmd::kConvert, {"case-gap/manifest.json"}}}});
+}
+
 TEST_F(HostileInput, ControlCharactersInNames) {
   // Valid JSON whose names hold an escape sequence, a C1 CSI and a newline; one shard of the
   // tensor is dropped so that the commands that check coverage fail and print the name.
