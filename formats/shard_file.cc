@@ -1180,12 +1180,18 @@ Result<std::optional<std::string>> ShardFileReader::ReadStringAttribute(const st
     return DataLoss(what + ": attribute '" + attr + "' of " + std::to_string(size) + " bytes (at most " +
                     std::to_string(kMaxAttributeBytes) + ")");
   }
+  // Read as null-padded text of the stored size: a null-terminated memory type of the same size
+  // would make HDF5 drop the last character of a null- or space-padded string (h5py writes
+  // those) to fit the terminator. Then the padding is taken off: NULs, or the spaces of a
+  // space-padded string.
   h5::Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
   std::string text(size, '\0');
-  if (!mem.valid() || H5Tset_size(mem.get(), size) < 0 || H5Aread(a.get(), mem.get(), text.data()) < 0) {
+  if (!mem.valid() || H5Tset_size(mem.get(), size) < 0 || H5Tset_strpad(mem.get(), H5T_STR_NULLPAD) < 0 ||
+      H5Aread(a.get(), mem.get(), text.data()) < 0) {
     return DataLoss(what + ": attribute '" + attr + "' cannot be read");
   }
-  while (!text.empty() && text.back() == '\0') text.pop_back();
+  const bool spaces = H5Tget_strpad(type.get()) == H5T_STR_SPACEPAD;
+  while (!text.empty() && (text.back() == '\0' || (spaces && text.back() == ' '))) text.pop_back();
   return std::optional<std::string>(std::move(text));
 }
 

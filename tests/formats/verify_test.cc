@@ -7,8 +7,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include "formats/checkpoint_writer.h"
+#include "formats/hdf5_util.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {
@@ -24,6 +26,103 @@ WriterOptions Opts() {
   WriterOptions o;
   o.threads = 2;
   return o;
+}
+
+// A small sound checkpoint of one tensor in two shards, format version `version`.
+std::string TwoShards(const ScratchDir& tmp, std::int64_t version) {
+  const std::string dir = tmp / ("c" + std::to_string(version));
+  const TensorSpec t = Spec("emb", DType::kF32, {8, 16});
+  const auto full = testing::TensorBytes(t, 1);
+  WriterOptions o = Opts();
+  o.format_version = version;
+  auto w = CheckpointWriter::Create(dir, o);
+  EXPECT_TRUE(w.ok());
+  EXPECT_TRUE((*w)->AddTensor(t).ok());
+  const Piece top = BoxPiece({0, 0}, {4, 16}), bottom = BoxPiece({4, 0}, {4, 16});
+  EXPECT_TRUE((*w)->WriteShard(0, "emb", top, Cut(t, full, top)).ok());
+  EXPECT_TRUE((*w)->WriteShard(1, "emb", bottom, Cut(t, full, bottom)).ok());
+  EXPECT_TRUE((*w)->Commit().ok());
+  EXPECT_TRUE(VerifyCheckpoint(dir).sound());
+  return dir;
+}
+
+json ReadJsonFile(const std::string& path) {
+  std::ifstream in(path);
+  return json::parse(in);
+}
+void WriteJsonFile(const std::string& path, const json& j) {
+  std::ofstream out(path, std::ios::trunc);
+  out << j.dump(1);
+}
+
+// Issue 34: readers find a shard's block table by its offset alone, so a manifest naming a
+// dataset the file lacks verified SOUND (FORMAT.md §4.4 names the dataset; verify checks HDF5
+// agrees on where its bytes are).
+TEST(Verify, BlockTableDatasetMustBeWhereTheManifestSays) {
+  ScratchDir tmp;
+  const std::string dir = TwoShards(tmp, 2);
+  json m = ReadJsonFile(dir + "/manifest.json");
+  const std::string real = m["shards"][0]["block_table"]["dataset"];
+  m["shards"][0]["block_table"]["dataset"] = "no-such-table";
+  WriteJsonFile(dir + "/manifest.json", m);
+  const VerifyReport rep = VerifyCheckpoint(dir);
+  EXPECT_FALSE(rep.sound()) << rep.ToText();
+  ASSERT_EQ(rep.findings.size(), 1u) << rep.ToText();
+  testing::ExpectNames(rep.findings[0].message, {"rank-00000.h5", "block table 'no-such-table'", "missing"});
+  // A dataset of the file, but not the table: the shard's own data.
+  m["shards"][0]["block_table"]["dataset"] = m["shards"][0]["dataset"];
+  WriteJsonFile(dir + "/manifest.json", m);
+  const VerifyReport data = VerifyCheckpoint(dir);
+  EXPECT_FALSE(data.sound()) << data.ToText();
+  // Named right again: sound.
+  m["shards"][0]["block_table"]["dataset"] = real;
+  WriteJsonFile(dir + "/manifest.json", m);
+  EXPECT_TRUE(VerifyCheckpoint(dir).sound());
+}
+
+// Issue 34: the informative attribute written as h5py does it – a null- or space-padded
+// fixed-length string – lost its last character to HDF5's conversion, so a contradicting
+// attribute no longer parsed as JSON, and a value that is not JSON compared unequal to nothing:
+// both verified SOUND. (Version 1 files: their bytes outside the data carry no checksum.)
+TEST(Verify, PaddedOrNonJsonAttributeIsCompared) {
+  ScratchDir tmp;
+  const std::string dir = TwoShards(tmp, 1);
+  const json m = ReadJsonFile(dir + "/manifest.json");
+  const std::string file = dir + "/" + m["shards"][0]["file"].get<std::string>();
+  const std::string dataset = m["shards"][0]["dataset"];
+  const auto rewrite = [&](const std::string& text, H5T_str_t pad, std::size_t extra) {
+    auto lock = h5::Lock();
+    h5::Handle f(H5Fopen(file.c_str(), H5F_ACC_RDWR, h5::kDefault), H5Fclose);
+    ASSERT_TRUE(f.valid());
+    h5::Handle d(H5Dopen2(f.get(), dataset.c_str(), h5::kDefault), H5Dclose);
+    ASSERT_TRUE(d.valid());
+    ASSERT_GE(H5Adelete(d.get(), "rs_shard"), 0);
+    h5::Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+    std::string padded = text + std::string(extra, pad == H5T_STR_SPACEPAD ? ' ' : '\0');
+    ASSERT_GE(H5Tset_size(type.get(), padded.size()), 0);
+    ASSERT_GE(H5Tset_strpad(type.get(), pad), 0);
+    h5::Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+    h5::Handle a(H5Acreate2(d.get(), "rs_shard", type.get(), space.get(), h5::kDefault, h5::kDefault), H5Aclose);
+    ASSERT_TRUE(a.valid());
+    ASSERT_GE(H5Awrite(a.get(), type.get(), padded.data()), 0);
+  };
+  const std::string contradicting =
+      R"({"box_offset":[2,0],"box_shape":[4,16],"dtype":"f32","tensor":"emb"})";  // rows 0..3 in truth
+  for (const auto& [text, pad, extra, needle] :
+       {std::tuple{contradicting, H5T_STR_NULLPAD, std::size_t{0}, std::string("\"box_offset\":[2,0]")},
+        std::tuple{contradicting, H5T_STR_SPACEPAD, std::size_t{3}, std::string("\"box_offset\":[2,0]")},
+        std::tuple{std::string("not json at all"), H5T_STR_NULLPAD, std::size_t{2}, std::string("not json at all")}}) {
+    SCOPED_TRACE(text);
+    rewrite(text, pad, extra);
+    const VerifyReport rep = VerifyCheckpoint(dir);
+    ASSERT_EQ(rep.Count(FindingKind::kAttribute), 1) << rep.ToText();
+    EXPECT_EQ(rep.findings.size(), 1u) << rep.ToText();
+    testing::ExpectNames(rep.findings[0].message, {"rank-00000.h5", "rs_shard", needle});
+  }
+  // Written again as it was (null-padded, exactly the writer's text): sound again.
+  const std::string original = R"({"box_offset":[0,0],"box_shape":[4,16],"dtype":"f32","tensor":"emb"})";
+  rewrite(original, H5T_STR_NULLPAD, 0);
+  EXPECT_TRUE(VerifyCheckpoint(dir).sound()) << VerifyCheckpoint(dir).ToText();
 }
 
 TEST(Verify, ReplicasMustMatchTheirMainCopy) {
