@@ -3,8 +3,10 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "cli/signals.h"
 
 int main(int argc, char** argv) {
+  rs::cli::InstallSignalCleanup();
   CLI::App app{"reshard: MoE checkpoint and optimizer-state resharding toolkit with a training core"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "reshard 0.1.0");

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "core/check.h"
+#include "core/cleanup.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "formats/checkpoint_reader.h"
@@ -179,6 +180,7 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(const std::st
     w->done_ = true;  // nothing of ours to clean up
     return IoError(Errno(w->staging_ + ": mkdir"));
   }
+  RegisterCleanupPath(w->staging_);  // removed if a signal ends the process
   RS_RETURN_IF_ERROR(w->LockStaging());
   CleanParent(dir);
   w->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
@@ -205,6 +207,8 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::CreateStaged(const s
     w->done_ = true;
     return IoError(Errno(w->staging_ + ": mkdir"));
   }
+  // A signal ends this process's part of the write, and so the write: the staging goes.
+  RegisterCleanupPath(w->staging_);
   RS_RETURN_IF_ERROR(w->LockStaging());
   if (fragment_id == 0) CleanParent(dir);
   w->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
@@ -239,6 +243,7 @@ std::vector<std::string> RemoveStaleStaging(const std::string& parent, std::chro
 }
 
 CheckpointWriter::~CheckpointWriter() {
+  UnregisterCleanupPath(staging_);
   std::vector<std::string> own_files;
   for (const auto& [rank, f] : files_) own_files.push_back(staging_ + "/" + RankFileName(rank));
   files_.clear();  // closes the HDF5 files before they are removed
@@ -465,6 +470,7 @@ Status CheckpointWriter::Commit() {
   RS_RETURN_IF_ERROR(CloseFiles());
   RS_RETURN_IF_ERROR(Publish(staging_, dir_, BuildManifest()));
   done_ = true;
+  UnregisterCleanupPath(staging_);  // published under its name: nothing to remove
   return Status::Ok();
 }
 

@@ -13,6 +13,7 @@
 #include <set>
 #include <tuple>
 
+#include "core/cleanup.h"
 #include "formats/durable_file.h"
 
 namespace rs {
@@ -320,6 +321,7 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   w->data_start_ = 8 + static_cast<std::int64_t>(header.size());
   w->fd_ = ::open(w->tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (w->fd_ < 0) return IoError(Errno(w->tmp_ + ": create"));
+  RegisterCleanupPath(w->tmp_);  // removed if a signal ends the process
   std::array<std::byte, 8> len{};
   auto n = static_cast<std::uint64_t>(header.size());
   for (std::size_t i = 0; i < 8; ++i, n >>= 8) len[i] = static_cast<std::byte>(n & 0xff);
@@ -329,6 +331,7 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
+  UnregisterCleanupPath(tmp_);
   if (fd_ >= 0) ::close(fd_);
   if (!finished_ && !tmp_.empty()) ::unlink(tmp_.c_str());
 }

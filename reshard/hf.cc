@@ -13,6 +13,7 @@
 #include <set>
 
 #include "core/check.h"
+#include "core/cleanup.h"
 #include "formats/checkpoint_writer.h"
 #include "formats/durable_file.h"
 #include "formats/safetensors.h"
@@ -61,13 +62,17 @@ Result<nlohmann::json> ReadJson(const std::string& path) {
 // Removes a staging directory unless released.
 class StagingGuard {
  public:
-  explicit StagingGuard(std::string dir) : dir_(std::move(dir)) {}
+  explicit StagingGuard(std::string dir) : dir_(std::move(dir)) { RegisterCleanupPath(dir_); }
   ~StagingGuard() {
     if (dir_.empty()) return;
+    UnregisterCleanupPath(dir_);
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
-  void Release() { dir_.clear(); }
+  void Release() {
+    UnregisterCleanupPath(dir_);
+    dir_.clear();
+  }
   StagingGuard(const StagingGuard&) = delete;
   StagingGuard& operator=(const StagingGuard&) = delete;
 

@@ -1,4 +1,6 @@
-// Faults a cluster hits, through the built binary. A full disk: every command that writes is run
+// Faults a cluster hits, through the built binary. Signals: SIGTERM (a scheduler's time limit),
+// SIGINT (Ctrl-C) and SIGHUP during a write end it with 128 + the signal's number and remove
+// its partial output. A full disk: every command that writes is run
 // under a file-size limit (`ulimit -f` with SIGXFSZ ignored, so a write past it fails with EFBIG,
 // as one on a full disk fails with ENOSPC) and must exit 1 naming the file – not die of a
 // signal after printing the error (HDF5's exit-time shutdown used to crash closing a file whose
@@ -88,6 +90,52 @@ TEST(Faults, FullDiskEveryWriterExitsOneAndLeavesNothing) {
   EXPECT_TRUE(Files(src) == before);
   EXPECT_TRUE(Files(hf) == hf_before);
   EXPECT_EQ(RunCli("verify " + src).exit_code, 0);
+}
+
+// Runs `args` in the background of a shell with job control (so SIGINT is not ignored), waits
+// until the write's staging path appears next to `out`, sends `sig`, and returns the exit code
+// and output.
+CommandResult Interrupted(const std::string& args, const std::string& out, const char* sig) {
+  const std::string script = "set -m; " + std::string(RS_CLI) + " " + args + " & pid=$!; for i in $(seq 1 1000); do " +
+                             "ls -d " + out + ".tmp-* > /dev/null 2>&1 && break; sleep 0.01; done; kill -" + sig +
+                             " $pid; wait $pid";
+  return RunShell("bash -c '" + script + "'");
+}
+
+TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
+  TempDir tmp;
+  // 270 MB, converted with one thread, zstd and an 8 MiB budget: seconds, so the signal comes
+  // in the middle.
+  {
+    std::ofstream m(tmp / "model.json");
+    m << R"({"name": "sig", "vocab_size": 8192, "d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+            "head_dim": 64, "dense_ffn": 512, "n_experts": 8, "top_k": 2, "moe_ffn": 512, "max_seq_len": 64})";
+  }
+  const std::string src = tmp / "src";
+  ASSERT_EQ(RunCli("example --model " + (tmp / "model.json") + " --layout tp=2 -o " + src).exit_code, 0);
+  const auto before = Files(src);
+  const struct {
+    const char* sig;
+    int code;
+  } signals[] = {{"TERM", 143}, {"INT", 130}, {"HUP", 129}};
+  for (const auto& s : signals) {
+    SCOPED_TRACE(s.sig);
+    const std::string out = tmp / (std::string("out-") + s.sig);
+    const CommandResult r = Interrupted(
+        "convert " + src + " --to tp=1 --threads 1 --codec zstd --memory-budget 8MiB -o " + out, out, s.sig);
+    EXPECT_EQ(r.exit_code, s.code) << r.output;
+    EXPECT_NE(r.output.find(std::string("ended by SIG") + s.sig), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(out));
+  }
+  // Export's staging directory and its safetensors file being written.
+  const std::string hf = tmp / "hf";
+  const CommandResult e = Interrupted("export " + src + " --format hf --memory-budget 8MiB -o " + hf, hf, "TERM");
+  EXPECT_EQ(e.exit_code, 143) << e.output;
+  EXPECT_FALSE(fs::exists(hf));
+  for (const std::string& left : Leftovers(tmp.path())) {
+    EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;  // only the source's manifest
+  }
+  EXPECT_TRUE(Files(src) == before);
 }
 
 }  // namespace
