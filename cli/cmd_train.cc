@@ -2,9 +2,15 @@
 // process or as `mpirun -np N reshard train --layout L` (one process per rank of L's mesh).
 // train/MODEL.md defines the model, the data and what eval computes. Under mpirun rank 0
 // prints and logs; a failure on any rank ends every rank (MPI_Abort) with a message naming it.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -59,6 +65,24 @@ std::string StepDir(const std::string& root, std::int64_t step) {
 }
 
 // --resume accepts a checkpoint directory, or a --save directory (its latest step-* is used).
+// One run saves into a --save directory at a time: two would interleave their step-*
+// checkpoints (each sound, the directory a mix of two runs). The lead rank holds an exclusive
+// lock on DIR/.reshard-train.lock for the whole run; a second run fails before training.
+Result<int> LockSaveDir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return IoError(dir + ": cannot create directory: " + ec.message());
+  const std::string path = dir + "/.reshard-train.lock";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return IoError(path + ": " + std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return FailedPrecondition(dir + " is being saved into by another `reshard train` run (it holds " + path +
+                              "); two runs would interleave their checkpoints: choose another --save directory");
+  }
+  return fd;  // held until the process ends
+}
+
 Result<std::string> ResolveResume(const std::string& dir) {
   std::error_code ec;
   if (fs::exists(fs::path(dir) / "manifest.json", ec)) return dir;
@@ -116,6 +140,13 @@ void RunTrain(TrainArgs& a) {
                              std::to_string(layout->layout.num_ranks())));
   }
   const train::TrainParallel parallel{*layout, &world.comm()};
+  if (!a.save.empty()) {
+    Status locked = Status::Ok();
+    if (lead) locked = LockSaveDir(a.save).status();
+    if (!world.AllOk(locked.ok())) {
+      fail_all(locked.ok() ? FailedPrecondition("the lead rank could not lock --save " + a.save) : locked);
+    }
+  }
 
   std::unique_ptr<train::Trainer> trainer;
   if (!a.resume.empty()) {

@@ -1,4 +1,5 @@
-// Faults a cluster hits, through the built binary. Signals: SIGTERM (a scheduler's time limit),
+// Faults a cluster hits, through the built binary. Two writers, one target: one wins, the other
+// fails clearly, the result verifies, never a mixed directory. Signals: SIGTERM (a scheduler's time limit),
 // SIGINT (Ctrl-C) and SIGHUP during a write end it with 128 + the signal's number and remove
 // its partial output. A full disk: every command that writes is run
 // under a file-size limit (`ulimit -f` with SIGXFSZ ignored, so a write past it fails with EFBIG,
@@ -136,6 +137,42 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
     EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;  // only the source's manifest
   }
   EXPECT_TRUE(Files(src) == before);
+}
+
+TEST(Faults, TwoWritersOneTarget) {
+  TempDir tmp;
+  const std::string src = tmp / "src";
+  ASSERT_EQ(RunCli("example --model tiny-moe --layout tp=2 -o " + src).exit_code, 0);
+  // Two conversions into one directory, started together: one commits, the other is refused
+  // (the target appeared while it wrote, or existed when it started).
+  for (int trial = 0; trial < 3; ++trial) {
+    const std::string out = tmp / ("out" + std::to_string(trial));
+    const CommandResult r = RunShell("bash -c '" + std::string(RS_CLI) + " convert " + src + " --to tp=1 -o " + out +
+                                     " > " + out + ".a 2>&1 & a=$!; " + RS_CLI + " convert " + src + " --to tp=2 -o " +
+                                     out + " > " + out + ".b 2>&1 & b=$!; wait $a; ra=$?; wait $b; rb=$?; " +
+                                     "echo codes $ra $rb; cat " + out + ".a " + out + ".b'");
+    const bool one_won =
+        r.output.find("codes 0 1") != std::string::npos || r.output.find("codes 1 0") != std::string::npos;
+    EXPECT_TRUE(one_won) << r.output;
+    EXPECT_TRUE(r.output.find("appeared while writing") != std::string::npos ||
+                r.output.find("exists") != std::string::npos)
+        << r.output;
+    EXPECT_EQ(RunCli("verify " + out).exit_code, 0);
+  }
+  // Two training runs saving into one directory: the second is refused before it trains.
+  const std::string run = tmp / "run";
+  const CommandResult t = RunShell(
+      "bash -c '" + std::string(RS_CLI) + " train --model tiny-moe --steps 40 --threads 1 --save " + run + " > " + run +
+      ".a 2>&1 & a=$!; for i in $(seq 1 1000); do [ -e " + run + "/.reshard-train.lock ] && break; sleep 0.01; done; " +
+      RS_CLI + " train --model tiny-moe --steps 2 --seed 7 " + "--save-every 1 --threads 1 --save " + run +
+      "; rb=$?; wait $a; echo codes $? $rb'");
+  EXPECT_NE(t.output.find("codes 0 1"), std::string::npos) << t.output;
+  EXPECT_NE(t.output.find("is being saved into by another `reshard train` run"), std::string::npos) << t.output;
+  std::vector<std::string> steps;
+  for (const auto& e : fs::directory_iterator(run)) {
+    if (e.path().filename().string().rfind("step-", 0) == 0) steps.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(steps, std::vector<std::string>{"step-00000040"});  // the first run's only
 }
 
 }  // namespace
