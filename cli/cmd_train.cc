@@ -140,13 +140,6 @@ void RunTrain(TrainArgs& a) {
                              std::to_string(layout->layout.num_ranks())));
   }
   const train::TrainParallel parallel{*layout, &world.comm()};
-  if (!a.save.empty()) {
-    Status locked = Status::Ok();
-    if (lead) locked = LockSaveDir(a.save).status();
-    if (!world.AllOk(locked.ok())) {
-      fail_all(locked.ok() ? FailedPrecondition("the lead rank could not lock --save " + a.save) : locked);
-    }
-  }
 
   std::unique_ptr<train::Trainer> trainer;
   if (!a.resume.empty()) {
@@ -207,6 +200,15 @@ void RunTrain(TrainArgs& a) {
     // A resumed run continues its log; a fresh run starts a new one.
     log.open(a.log, a.resume.empty() ? std::ios::trunc : std::ios::app);
     if (!log) fail_one(IoError("cannot open log file '" + a.log + "'"));
+  }
+  // Locked once everything else is set up (a run refused for its options or its device
+  // creates nothing), before the first step.
+  if (!a.save.empty()) {
+    Status locked = Status::Ok();
+    if (lead) locked = LockSaveDir(a.save).status();
+    if (!world.AllOk(locked.ok())) {
+      fail_all(locked.ok() ? FailedPrecondition("the lead rank could not lock --save " + a.save) : locked);
+    }
   }
   auto save = [&] {
     const std::string dir = StepDir(a.save, trainer->step());

@@ -139,6 +139,38 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
   EXPECT_TRUE(Files(src) == before);
 }
 
+// A source data file that shrinks while a conversion reads it (another job truncating it, a
+// failing file system): exit 1 naming the file, nothing written. With `--no-verify` reads may
+// go through memory maps, where touching a page past the new end would be SIGBUS.
+TEST(Faults, SourceShrinksDuringConvert) {
+  TempDir tmp;
+  {
+    std::ofstream m(tmp / "model.json");
+    m << R"({"name": "shrink", "vocab_size": 8192, "d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+            "head_dim": 64, "dense_ffn": 512, "n_experts": 8, "top_k": 2, "moe_ffn": 512, "max_seq_len": 64})";
+  }
+  const std::string src = tmp / "src";
+  ASSERT_EQ(RunCli("example --model " + (tmp / "model.json") + " --layout tp=2 -o " + src).exit_code, 0);
+  for (const char* mode : {"", "--no-verify"}) {
+    SCOPED_TRACE(mode);
+    const std::string copy = tmp / "copy", out = tmp / "out";
+    fs::remove_all(copy);
+    fs::copy(src, copy, fs::copy_options::recursive);
+    const std::string script = "set -m; " + std::string(RS_CLI) + " convert " + copy +
+                               " --to tp=1 --threads 1 --codec zstd --memory-budget 8MiB " + mode + " -o " + out +
+                               " & pid=$!; for i in $(seq 1 1000); do ls -d " + out +
+                               ".tmp-* > /dev/null 2>&1 && break; sleep 0.01; done; truncate -s 1000000 " + copy +
+                               "/rank-00000.h5 " + copy + "/rank-00001.h5; wait $pid";
+    const CommandResult r = RunShell("bash -c '" + script + "'");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(copy + "/rank-0000"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(out));
+    for (const std::string& left : Leftovers(tmp.path())) {
+      EXPECT_NE(left.rfind(out, 0), 0u) << "left behind: " << left;
+    }
+  }
+}
+
 TEST(Faults, TwoWritersOneTarget) {
   TempDir tmp;
   const std::string src = tmp / "src";
