@@ -39,6 +39,11 @@ Result<int> OpenRegularFile(const std::string& path, std::int64_t* size) {
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return NotFound(path + ": no such file");
+    if (err == EMFILE || err == ENFILE) {
+      // Not damage: the limit on open files is too low for what is being read.
+      return Unavailable(path + ": open: " + std::strerror(err) +
+                         " (readers keep each data file of a checkpoint open: raise the open-file limit, ulimit -n)");
+    }
     return IoError(path + ": open: " + std::strerror(err));
   }
   if (::fstat(fd, &st) != 0) {
