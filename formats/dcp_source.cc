@@ -365,8 +365,7 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   std::vector<const MappedTensor*> tensor_of;  // per manifest tensor; nullptr for the step
 
   if (options.model) {
-    const ModelConfig& cfg = *options.model;
-    RS_RETURN_IF_ERROR(cfg.Validate());
+    const ModelConfig& cfg = *options.model;  // validated before the mapping
     // States in AdamW's order when they are AdamW's, else sorted.
     std::vector<std::string> state_list;
     for (const std::string& st : AdamStateNames()) {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <string_view>
 
-#include "core/dtype.h"
 #include "core/model.h"
 
 namespace rs {

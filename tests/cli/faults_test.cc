@@ -94,26 +94,34 @@ TEST(Faults, FullDiskEveryWriterExitsOneAndLeavesNothing) {
 }
 
 // Runs `args` in the background of a shell with job control (so SIGINT is not ignored), waits
-// until the write's staging path appears next to `out`, sends `sig`, and returns the exit code
-// and output.
-CommandResult Interrupted(const std::string& args, const std::string& out, const char* sig) {
+// until the write's staging path appears next to `out`, runs the shell command `then` ($pid is
+// the writer) and waits for the writer: its exit code and output.
+CommandResult WhenStaging(const std::string& args, const std::string& out, const std::string& then) {
   const std::string script = "set -m; " + std::string(RS_CLI) + " " + args + " & pid=$!; for i in $(seq 1 1000); do " +
-                             "ls -d " + out + ".tmp-* > /dev/null 2>&1 && break; sleep 0.01; done; kill -" + sig +
-                             " $pid; wait $pid";
+                             "ls -d " + out + ".tmp-* > /dev/null 2>&1 && break; sleep 0.01; done; " + then +
+                             "; wait $pid";
   return RunShell("bash -c '" + script + "'");
+}
+
+// A 270 MB checkpoint under `tmp`/src ("" if it could not be made): converted with one thread,
+// zstd and an 8 MiB budget it takes seconds, so a fault injected once the write has begun comes
+// in the middle of it.
+std::string MediumSource(const TempDir& tmp) {
+  {
+    std::ofstream m(tmp / "model.json");
+    m << R"({"name": "medium", "vocab_size": 8192, "d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+            "head_dim": 64, "dense_ffn": 512, "n_experts": 8, "top_k": 2, "moe_ffn": 512, "max_seq_len": 64})";
+  }
+  const std::string src = tmp / "src";
+  const CommandResult r = RunCli("example --model " + (tmp / "model.json") + " --layout tp=2 -o " + src);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return r.exit_code == 0 ? src : "";
 }
 
 TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
   TempDir tmp;
-  // 270 MB, converted with one thread, zstd and an 8 MiB budget: seconds, so the signal comes
-  // in the middle.
-  {
-    std::ofstream m(tmp / "model.json");
-    m << R"({"name": "sig", "vocab_size": 8192, "d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
-            "head_dim": 64, "dense_ffn": 512, "n_experts": 8, "top_k": 2, "moe_ffn": 512, "max_seq_len": 64})";
-  }
-  const std::string src = tmp / "src";
-  ASSERT_EQ(RunCli("example --model " + (tmp / "model.json") + " --layout tp=2 -o " + src).exit_code, 0);
+  const std::string src = MediumSource(tmp);
+  ASSERT_FALSE(src.empty());
   const auto before = Files(src);
   const struct {
     const char* sig;
@@ -122,15 +130,17 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
   for (const auto& s : signals) {
     SCOPED_TRACE(s.sig);
     const std::string out = tmp / (std::string("out-") + s.sig);
-    const CommandResult r = Interrupted(
-        "convert " + src + " --to tp=1 --threads 1 --codec zstd --memory-budget 8MiB -o " + out, out, s.sig);
+    const CommandResult r =
+        WhenStaging("convert " + src + " --to tp=1 --threads 1 --codec zstd --memory-budget 8MiB -o " + out, out,
+                    std::string("kill -") + s.sig + " $pid");
     EXPECT_EQ(r.exit_code, s.code) << r.output;
     EXPECT_NE(r.output.find(std::string("ended by SIG") + s.sig), std::string::npos) << r.output;
     EXPECT_FALSE(fs::exists(out));
   }
   // Export's staging directory and its safetensors file being written.
   const std::string hf = tmp / "hf";
-  const CommandResult e = Interrupted("export " + src + " --format hf --memory-budget 8MiB -o " + hf, hf, "TERM");
+  const CommandResult e =
+      WhenStaging("export " + src + " --format hf --memory-budget 8MiB -o " + hf, hf, "kill -TERM $pid");
   EXPECT_EQ(e.exit_code, 143) << e.output;
   EXPECT_FALSE(fs::exists(hf));
   for (const std::string& left : Leftovers(tmp.path())) {
@@ -144,24 +154,16 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
 // go through memory maps, where touching a page past the new end would be SIGBUS.
 TEST(Faults, SourceShrinksDuringConvert) {
   TempDir tmp;
-  {
-    std::ofstream m(tmp / "model.json");
-    m << R"({"name": "shrink", "vocab_size": 8192, "d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
-            "head_dim": 64, "dense_ffn": 512, "n_experts": 8, "top_k": 2, "moe_ffn": 512, "max_seq_len": 64})";
-  }
-  const std::string src = tmp / "src";
-  ASSERT_EQ(RunCli("example --model " + (tmp / "model.json") + " --layout tp=2 -o " + src).exit_code, 0);
+  const std::string src = MediumSource(tmp);
+  ASSERT_FALSE(src.empty());
   for (const char* mode : {"", "--no-verify"}) {
     SCOPED_TRACE(mode);
     const std::string copy = tmp / "copy", out = tmp / "out";
     fs::remove_all(copy);
     fs::copy(src, copy, fs::copy_options::recursive);
-    const std::string script = "set -m; " + std::string(RS_CLI) + " convert " + copy +
-                               " --to tp=1 --threads 1 --codec zstd --memory-budget 8MiB " + mode + " -o " + out +
-                               " & pid=$!; for i in $(seq 1 1000); do ls -d " + out +
-                               ".tmp-* > /dev/null 2>&1 && break; sleep 0.01; done; truncate -s 1000000 " + copy +
-                               "/rank-00000.h5 " + copy + "/rank-00001.h5; wait $pid";
-    const CommandResult r = RunShell("bash -c '" + script + "'");
+    const CommandResult r = WhenStaging(
+        "convert " + copy + " --to tp=1 --threads 1 --codec zstd --memory-budget 8MiB " + mode + " -o " + out, out,
+        "truncate -s 1000000 " + copy + "/rank-00000.h5 " + copy + "/rank-00001.h5");
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find(copy + "/rank-0000"), std::string::npos) << r.output;
     EXPECT_FALSE(fs::exists(out));
@@ -169,6 +171,24 @@ TEST(Faults, SourceShrinksDuringConvert) {
       EXPECT_NE(left.rfind(out, 0), 0u) << "left behind: " << left;
     }
   }
+}
+
+// Too few file descriptors for a checkpoint of many files (readers keep each data file open:
+// README, Status and limits): an error that says so and what to do, not an I/O error, nothing
+// written.
+TEST(Faults, OpenFileLimitIsNamed) {
+  TempDir tmp;
+  const std::string src = tmp / "src", out = tmp / "out";
+  ASSERT_EQ(RunCli("example --model tiny-moe --layout fsdp=24,fsdp_form=flat -o " + src).exit_code, 0);
+  const CommandResult r =
+      RunShell("bash -c 'ulimit -n 16; exec " + std::string(RS_CLI) + " convert " + src + " --to tp=1 -o " + out + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("Unavailable"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Too many open files"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ulimit -n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(src + "/rank-"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(out));
+  EXPECT_TRUE(Leftovers(tmp.path()).size() == 1) << "only the source's manifest";
 }
 
 TEST(Faults, TwoWritersOneTarget) {

@@ -138,5 +138,29 @@ TEST(TitanNames, MissingPartOrUnknownKeyIsRefused) {
       << src.status().ToString();
 }
 
+// A mapper's part whose box does not fit the model's tensor (a bad table of a caller) is an
+// error naming the key, never an out-of-bounds piece.
+TEST(TitanNames, APartOfAnotherRankIsRefused) {
+  DcpSourceOptions o;
+  o.model = FixtureModel();
+  auto titan = TitanKeyMapper(*o.model);
+  ASSERT_TRUE(titan.ok());
+  o.key_mapper = [&](const std::string& name) -> Result<std::optional<DcpKeyPart>> {
+    if (name != "tok_embeddings.weight") return (*titan)(name);
+    DcpKeyPart p;
+    p.param = "embedding.weight";
+    p.box = Box{{0, 0, 0}, {1, 256, 32}};  // rank 3 for a rank-2 tensor
+    p.label = "rows";
+    p.labels = {"rows"};
+    return std::optional<DcpKeyPart>(p);
+  };
+  auto src = DcpSource::Open(kTitan + "/qwen3_moe_tiny", o);
+  ASSERT_FALSE(src.ok());
+  EXPECT_EQ(src.status().code(), ErrorCode::kFailedPrecondition);
+  EXPECT_NE(src.status().message().find("'tok_embeddings.weight' is named a part of 'embedding.weight'"),
+            std::string::npos)
+      << src.status().ToString();
+}
+
 }  // namespace
 }  // namespace rs
