@@ -152,6 +152,18 @@ Result<const ShardFileReader*> CheckpointReader::File(const std::string& file) {
       if (f.status().code() == ErrorCode::kNotFound) return DataLoss(f.status().message());
       return f.status();
     }
+    if (manifest_.version < 2) {
+      // Nothing covers a version-1 file's HDF5 metadata: HDF5 parses it in a child process first.
+      if (shards_in_file_.empty()) {
+        for (std::size_t i = 0; i < manifest_.shards.size(); ++i) shards_in_file_[manifest_.shards[i].file].push_back(i);
+      }
+      std::vector<ShardFileReader::Hdf5Query> queries;
+      for (const std::size_t i : shards_in_file_[file]) {
+        const ShardEntry& s = manifest_.shards[i];
+        queries.push_back({s.dataset, s.codec, s.nbytes});
+      }
+      (*f)->IsolateHdf5(std::move(queries));
+    }
     it = files_.emplace(file, std::move(f).value()).first;
   }
   return it->second.get();

@@ -129,6 +129,7 @@ class CheckpointReader {
   std::map<std::string, std::unique_ptr<ShardFileReader>> files_;
   std::vector<std::optional<ShardLocation>> locations_;
   std::map<std::string, Status> checked_files_;  // CheckFile results
+  std::map<std::string, std::vector<std::size_t>> shards_in_file_;  // version 1, built on first use
   std::vector<unsigned char> verified_;
 };
 

@@ -15,6 +15,7 @@
 
 #include "core/check.h"
 #include "core/file.h"
+#include "core/isolate.h"
 #include "core/shape.h"
 #include "formats/hdf5_util.h"
 
@@ -666,17 +667,51 @@ Status ShardFileReader::CheckHdf5() const {
   return OpenHdf5();
 }
 
+void ShardFileReader::IsolateHdf5(std::vector<Hdf5Query> queries) {
+  isolate_ = true;
+  queries_ = std::move(queries);
+}
+
 Status ShardFileReader::OpenHdf5() const {
-  if (!hdf5_tried_) {
-    hdf5_tried_ = true;
+  if (hdf5_tried_) return hdf5_error_;
+  hdf5_tried_ = true;
+  const auto open = [this] {
     const hid_t fid = H5Fopen(h5_path_.c_str(), H5F_ACC_RDONLY, h5::kDefault);
     if (fid < 0) {
-      hdf5_error_ = DataLoss(path_ + ": cannot be opened as an HDF5 file (" + std::to_string(file_size_) +
-                             " bytes; truncated or corrupt)");
+      hdf5_reason_ = "cannot be opened as an HDF5 file (" + std::to_string(file_size_) + " bytes; truncated or corrupt)";
+      hdf5_error_ = DataLoss(path_ + ": " + hdf5_reason_);
     } else {
       file_id_ = fid;
     }
+  };
+  if (isolate_) {
+    // The caller holds the HDF5 lock, so no other thread is inside the library while the child
+    // is forked: the child's copy of HDF5's state is consistent, and its copy of the lock is
+    // held by the thread that runs there. The child repeats what this process will do.
+    Result<std::string> child = RunIsolated([&] {
+      open();
+      if (hdf5_error_.ok()) {
+        for (const Hdf5Query& q : queries_) {
+          (void)LocateLocked(q.dataset, q.codec, q.nbytes, path_);
+          (void)ReadStringAttributeLocked(q.dataset, "rs_shard", path_);
+        }
+      }
+      return std::string();
+    });
+    if (!child.ok()) {
+      if (child.status().code() != ErrorCode::kDataLoss) {
+        hdf5_error_ = child.status().WithContext(path_ + ": parsing its HDF5 metadata in a separate process");
+        hdf5_reason_ = "cannot be parsed in a separate process (" + child.status().message() + ")";
+        return hdf5_error_;
+      }
+      hdf5_reason_ = "is damaged: HDF5 " + child.status().message() +
+                     " parsing its metadata in a separate process (format version 1 has no checksum over a "
+                     "file's metadata that could be checked first)";
+      hdf5_error_ = DataLoss(path_ + ": " + hdf5_reason_);
+      return hdf5_error_;
+    }
   }
+  open();
   return hdf5_error_;
 }
 
@@ -691,9 +726,14 @@ ShardFileReader::~ShardFileReader() {
 Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec codec, std::int64_t nbytes,
                                               const std::string& what) const {
   auto lock = h5::Lock();
+  return LocateLocked(name, codec, nbytes, what);
+}
+
+Result<ShardLocation> ShardFileReader::LocateLocked(const std::string& name, Codec codec, std::int64_t nbytes,
+                                                    const std::string& what) const {
   if (Status st = OpenHdf5(); !st.ok()) {
-    return DataLoss(what + ": the file cannot be opened as an HDF5 file (" + std::to_string(file_size_) +
-                    " bytes; truncated or corrupt)");
+    if (st.code() != ErrorCode::kDataLoss) return st.WithContext(what);
+    return DataLoss(what + ": the file " + hdf5_reason_);
   }
   ShardLocation loc;
   loc.codec = codec;
@@ -1160,8 +1200,14 @@ Result<ShardLocation> ShardFileReader::LocateFromTable(const TableRef& ref, cons
 Result<std::optional<std::string>> ShardFileReader::ReadStringAttribute(const std::string& name,
                                                                         const std::string& attr,
                                                                         const std::string& what) const {
-  constexpr hsize_t kMaxAttributeBytes = hsize_t{64} << 10;
   auto lock = h5::Lock();
+  return ReadStringAttributeLocked(name, attr, what);
+}
+
+Result<std::optional<std::string>> ShardFileReader::ReadStringAttributeLocked(const std::string& name,
+                                                                              const std::string& attr,
+                                                                              const std::string& what) const {
+  constexpr hsize_t kMaxAttributeBytes = hsize_t{64} << 10;
   RS_RETURN_IF_ERROR(OpenHdf5());
   h5::Handle dset(H5Dopen2(static_cast<hid_t>(file_id_), name.c_str(), h5::kDefault), H5Dclose);
   if (!dset.valid()) return DataLoss(what + ": dataset is missing from the file");

@@ -287,6 +287,23 @@ class ShardFileReader {
   // Whether HDF5 can open the file at all (DataLoss naming the file if not).
   Status CheckHdf5() const;
 
+  // Format version 1 (FORMAT.md §9): no checksum covers a file's HDF5 metadata, so nothing can
+  // be checked before HDF5 parses it, and libhdf5 1.10 crashes (SIGFPE, SIGSEGV) or allocates
+  // without bound on some damaged metadata (fuzz/hdf5/). After this call, the first use of HDF5
+  // on the file (Locate, ReadStringAttribute, CheckHdf5) first does in a child process
+  // (core/isolate.h: at most 1 GiB of memory and 60 s) what this process will then do: HDF5
+  // opens the file and, for each query, Locate and ReadStringAttribute(dataset, "rs_shard").
+  // If the child crashes, runs out of memory or hangs, every HDF5 use of the file is DataLoss
+  // naming the file and what happened, and this process never hands the file to HDF5. HDF5 is
+  // deterministic: the same calls on the same bytes do here what they did in the child. Calls
+  // beyond the queries run in this process unprotected: list every dataset that will be used.
+  struct Hdf5Query {
+    std::string dataset;
+    Codec codec = Codec::kNone;
+    std::int64_t nbytes = 0;
+  };
+  void IsolateHdf5(std::vector<Hdf5Query> queries);
+
   // Version 2: a shard's location from what the manifest says (`ref`) and its block table, read
   // with pread and checked against `ref.checksum` - nothing from HDF5 (FORMAT.md §4.4). Every
   // extent is bounded by the file before it is read or allocated. DataLoss naming `what`, the
@@ -340,13 +357,22 @@ class ShardFileReader {
   // Reads block `index` of a codec-none shard into `out` (exactly the block) and checks it.
   Status ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
                    const std::string& what) const;
-  // Opens the file with HDF5 once (with the HDF5 lock held); DataLoss if HDF5 cannot.
+  // Opens the file with HDF5 once (with the HDF5 lock held; IsolateHdf5: after a child process
+  // did the same); DataLoss if HDF5 cannot.
   Status OpenHdf5() const;
+  // Locate and ReadStringAttribute with the HDF5 lock held.
+  Result<ShardLocation> LocateLocked(const std::string& name, Codec codec, std::int64_t nbytes,
+                                     const std::string& what) const;
+  Result<std::optional<std::string>> ReadStringAttributeLocked(const std::string& name, const std::string& attr,
+                                                               const std::string& what) const;
   std::string path_;
   std::string h5_path_;  // the name HDF5 opens: our descriptor's /proc name when there is one
   mutable std::int64_t file_id_ = -1;
   mutable bool hdf5_tried_ = false;
   mutable Status hdf5_error_;
+  mutable std::string hdf5_reason_;  // why HDF5 cannot open the file, after "the file "
+  bool isolate_ = false;
+  std::vector<Hdf5Query> queries_;
   int fd_ = -1;
   std::int64_t file_size_ = 0;
 };

@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
+#include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
 #include "formats/manifest.h"
 #include "formats/verify.h"
@@ -79,6 +81,60 @@ TEST(FuzzRegression, VerifyTotalOfHugeShardsDoesNotOverflow) {
   EXPECT_GT(last_total, 0);  // the small shard was checked
   EXPECT_EQ(rep.Count(FindingKind::kMissingFile), 1) << rep.ToText();
   EXPECT_EQ(rep.Count(FindingKind::kOverlap), 1) << rep.ToText();
+}
+
+// fuzz_shard_file (fuzz/hdf5/): damaged data files on which libhdf5 1.10 itself crashes or
+// allocates without end. A version-1 checkpoint has no checksum over a file's metadata that
+// could be checked first, so HDF5 parses such a file in a child process before this one does
+// (ShardFileReader::IsolateHdf5): verify reports the file, a read fails naming it, and the
+// process goes on. Against the code before, each of these killed the test binary.
+TEST(FuzzRegression, DamagedVersion1FilesThatCrashHdf5AreErrors) {
+  const std::string src = RS_SOURCE_DIR;
+  const std::pair<const char*, const char*> cases[] = {
+      {"local_heap_segv.h5", "HDF5 crashed (SIGSEGV"},
+      {"chunk_layout_sigfpe.h5", "HDF5 crashed (SIGFPE"},
+      {"local_heap_unbounded_memory.h5", "HDF5 ran out of its memory budget"},
+  };
+  for (const auto& [bad, text] : cases) {
+    SCOPED_TRACE(bad);
+    testing::ScratchDir tmp;
+    const std::string dir = tmp / "ckpt";
+    std::filesystem::create_directories(dir);
+    for (int r = 0; r < 4; ++r) {
+      const std::string name = "rank-0000" + std::to_string(r) + ".h5";
+      std::filesystem::copy_file(src + "/fuzz/corpus/shard_file/v1_" + name, dir + "/" + name);
+    }
+    std::filesystem::copy_file(src + "/fuzz/corpus/checkpoint/v1_valid.json", dir + "/manifest.json");
+    ASSERT_TRUE(VerifyCheckpoint(dir).sound()) << VerifyCheckpoint(dir).ToText();
+
+    std::filesystem::copy_file(src + "/fuzz/hdf5/" + std::string(bad), dir + "/rank-00002.h5",
+                               std::filesystem::copy_options::overwrite_existing);
+    VerifyOptions o;
+    o.threads = 2;
+    const VerifyReport rep = VerifyCheckpoint(dir, o);
+    EXPECT_FALSE(rep.sound());
+    ASSERT_EQ(rep.Count(FindingKind::kBadFile), 1) << rep.ToText();
+    EXPECT_NE(rep.ToText().find(dir + "/rank-00002.h5: is damaged: " + std::string(text)), std::string::npos)
+        << rep.ToText();
+
+    // A reader: the tensors of the other files read, those of the damaged one fail naming it.
+    auto reader = CheckpointReader::Open(dir);
+    ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+    int failed = 0;
+    for (std::size_t i = 0; i < (*reader)->manifest().shards.size(); ++i) {
+      const Result<ShardLocation> loc = (*reader)->LocateShard(i);
+      if ((*reader)->manifest().shards[i].file != "rank-00002.h5") {
+        EXPECT_TRUE(loc.ok()) << loc.status().ToString();
+        continue;
+      }
+      ++failed;
+      ASSERT_FALSE(loc.ok());
+      EXPECT_EQ(loc.status().code(), ErrorCode::kDataLoss);
+      EXPECT_NE(loc.status().message().find("rank-00002.h5"), std::string::npos) << loc.status().message();
+      EXPECT_NE(loc.status().message().find(text), std::string::npos) << loc.status().message();
+    }
+    EXPECT_GT(failed, 0);
+  }
 }
 
 }  // namespace
