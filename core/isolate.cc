@@ -18,6 +18,7 @@ namespace {
 // Exit statuses of the child besides 0 (done, the result written).
 constexpr int kOutOfMemoryExit = 121;
 constexpr int kExceptionExit = 122;
+constexpr int kWriteFailedExit = 123;
 
 // A field of /proc/self/status in bytes ("VmData", "VmSize", "VmPeak"), or -1 if unknown.
 std::int64_t ProcStatusBytes(const char* field) {
@@ -77,7 +78,7 @@ bool WriteAll(int fd, const char* p, std::size_t n) {
   return true;
 }
 
-[[noreturn]] void RunChild(const std::function<std::string()>& fn, const IsolationLimits& limits, int out_fd) {
+[[noreturn]] void RunChild(const std::function<void(const Emit&)>& fn, const IsolationLimits& limits, int out_fd) {
   for (const int sig : {SIGTERM, SIGINT, SIGHUP, SIGALRM, SIGPIPE}) ::signal(sig, SIG_DFL);
   if (const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC); null >= 0) {
     ::dup2(null, STDERR_FILENO);
@@ -103,22 +104,31 @@ bool WriteAll(int fd, const char* p, std::size_t n) {
     ::setitimer(ITIMER_PROF, &every, nullptr);
   }
   std::set_new_handler([] { ::_exit(kOutOfMemoryExit); });
-  ::alarm(static_cast<unsigned>(limits.seconds > 0 ? limits.seconds : 1));
-  std::string result;
-  try {
-    result = fn();
-  } catch (...) {
-    ::_exit(kExceptionExit);
-  }
+  const auto seconds = static_cast<unsigned>(limits.seconds > 0 ? limits.seconds : 1);
+  ::alarm(seconds);
   // A C library that gets null from malloc (HDF5) fails with an error of its own, where the
   // parent, without the limit, would have gone on - the child's run would not be the parent's.
   // The data segment's peak is not reported, the address space's is: growth that came within an
-  // eighth of the budget counts as running out.
-  const std::int64_t peak = ProcStatusBytes("VmPeak");
-  if (size_at_start >= 0 && peak >= 0 && peak - size_at_start > limits.memory_bytes - limits.memory_bytes / 8) {
-    ::_exit(kOutOfMemoryExit);
+  // eighth of the budget counts as running out. Checked before each emit (so that what was
+  // emitted was done within the budget) and at the end.
+  const auto check_peak = [&] {
+    const std::int64_t peak = ProcStatusBytes("VmPeak");
+    if (size_at_start >= 0 && peak >= 0 && peak - size_at_start > limits.memory_bytes - limits.memory_bytes / 8) {
+      ::_exit(kOutOfMemoryExit);
+    }
+  };
+  const Emit emit = [&](std::string_view bytes) {
+    check_peak();
+    if (!WriteAll(out_fd, bytes.data(), bytes.size())) ::_exit(kWriteFailedExit);
+    ::alarm(seconds);
+  };
+  try {
+    fn(emit);
+  } catch (...) {
+    ::_exit(kExceptionExit);
   }
-  ::_exit(WriteAll(out_fd, result.data(), result.size()) ? 0 : 1);
+  check_peak();
+  ::_exit(0);
 }
 
 std::string SignalText(int sig) {
@@ -128,57 +138,69 @@ std::string SignalText(int sig) {
 
 }  // namespace
 
-Result<std::string> RunIsolated(const std::function<std::string()>& fn, const IsolationLimits& limits) {
+IsolatedResult RunIsolated(const std::function<void(const Emit&)>& fn, const IsolationLimits& limits) {
+  IsolatedResult out;
   int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) return IoError(std::string("pipe: ") + std::strerror(errno));
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    out.status = IoError(std::string("pipe: ") + std::strerror(errno));
+    return out;
+  }
   const pid_t pid = ::fork();
   if (pid < 0) {
     const int err = errno;
     ::close(fds[0]);
     ::close(fds[1]);
-    return IoError(std::string("fork: ") + std::strerror(err));
+    out.status = IoError(std::string("fork: ") + std::strerror(err));
+    return out;
   }
   if (pid == 0) {
     ::close(fds[0]);
     RunChild(fn, limits, fds[1]);
   }
   ::close(fds[1]);
-  std::string result;
   bool too_long = false;
   char buf[65536];
   for (;;) {
     const ssize_t got = ::read(fds[0], buf, sizeof buf);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) break;
-    if (result.size() + static_cast<std::size_t>(got) > limits.max_result_bytes) {
+    if (out.output.size() + static_cast<std::size_t>(got) > limits.max_output_bytes) {
       too_long = true;
       ::kill(pid, SIGKILL);
       break;
     }
-    result.append(buf, static_cast<std::size_t>(got));
+    out.output.append(buf, static_cast<std::size_t>(got));
   }
   ::close(fds[0]);
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return IoError(std::string("waitpid: ") + std::strerror(errno));
+    if (errno != EINTR) {
+      out.status = IoError(std::string("waitpid: ") + std::strerror(errno));
+      return out;
+    }
   }
-  if (too_long) return DataLoss("returned more than " + std::to_string(limits.max_result_bytes) + " bytes");
-  if (WIFSIGNALED(status)) {
+  if (too_long) {
+    out.status = DataLoss("emitted more than " + std::to_string(limits.max_output_bytes) + " bytes");
+  } else if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
-    if (sig == SIGALRM) return DataLoss("did not finish within " + std::to_string(limits.seconds) + " s");
-    return DataLoss("crashed (" + SignalText(sig) + ")");
+    out.status = sig == SIGALRM ? DataLoss("made no progress for " + std::to_string(limits.seconds) + " s")
+                                : DataLoss("crashed (" + SignalText(sig) + ")");
+  } else {
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    switch (code) {
+      case 0:
+        break;
+      case kOutOfMemoryExit:
+        out.status = DataLoss("ran out of its memory budget of " + std::to_string(limits.memory_bytes >> 20) + " MiB");
+        break;
+      case kExceptionExit:
+        out.status = DataLoss("threw an exception");
+        break;
+      default:
+        out.status = DataLoss("exited with status " + std::to_string(code));
+    }
   }
-  const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  switch (code) {
-    case 0:
-      return result;
-    case kOutOfMemoryExit:
-      return DataLoss("ran out of its memory budget of " + std::to_string(limits.memory_bytes >> 20) + " MiB");
-    case kExceptionExit:
-      return DataLoss("threw an exception");
-    default:
-      return DataLoss("exited with status " + std::to_string(code));
-  }
+  return out;
 }
 
 }  // namespace rs

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "core/status.h"
 
@@ -22,19 +23,32 @@ struct IsolationLimits {
   // Heap the child may allocate beyond what the parent had mapped when it forked (RLIMIT_DATA):
   // past it, malloc returns null and `new` ends the child ("out of memory").
   std::int64_t memory_bytes = std::int64_t{1} << 30;
-  // Wall-clock time the child may run (alarm()); past it the child is killed.
+  // Wall-clock seconds the child may run without emitting anything (alarm(), restarted by every
+  // emit); past them the child is killed.
   int seconds = 60;
-  // The largest result the child may return; a larger one is an error.
-  std::size_t max_result_bytes = std::size_t{1} << 20;
+  // The most bytes the child may emit in all; more is an error.
+  std::size_t max_output_bytes = std::size_t{1} << 20;
 };
 
-// Runs `fn` in a child process and returns the string it returned. The child's stderr is
-// /dev/null (a sanitizer's or the library's report of the crash would only interleave with the
-// parent's output), it writes no core file, and SIGTERM/SIGINT/SIGHUP/SIGALRM have their default
+// Sends bytes from the child to the parent as they are produced, so that the parent knows how
+// far the child got when it crashed.
+using Emit = std::function<void(std::string_view)>;
+
+struct IsolatedResult {
+  // Ok, or how the child ended: DataLoss saying what happened - "crashed (SIGFPE, signal 8)",
+  // "ran out of its memory budget of 1024 MiB", "made no progress for 60 s", "threw an
+  // exception", "exited with status N", "emitted more than N bytes"; IoError if the child could
+  // not be started (fork, pipe).
+  Status status;
+  std::string output;  // everything emitted, in order (also when the child crashed)
+};
+
+// Runs `fn` in a child process and returns what it emitted. The child's stderr is /dev/null (a
+// sanitizer's or the library's report of the crash would only interleave with the parent's
+// output), it writes no core file, and SIGTERM/SIGINT/SIGHUP/SIGALRM/SIGPIPE have their default
 // action there (a handler of the parent's, e.g. cli/signals.h, must not run in the child).
-// Errors: DataLoss saying what happened to the child - "crashed (SIGFPE, signal 8)", "ran out of
-// its memory budget of 1024 MiB", "did not finish within 60 s", "threw an exception", "returned
-// more than N bytes"; IoError if the child cannot be started (fork, pipe).
-Result<std::string> RunIsolated(const std::function<std::string()>& fn, const IsolationLimits& limits = {});
+// A fork copies the parent's page tables and makes its next write to each page fault: costly
+// for a large process, so callers fork once for a batch of work, not once per item.
+IsolatedResult RunIsolated(const std::function<void(const Emit& emit)>& fn, const IsolationLimits& limits = {});
 
 }  // namespace rs

@@ -153,16 +153,27 @@ Result<const ShardFileReader*> CheckpointReader::File(const std::string& file) {
       return f.status();
     }
     if (manifest_.version < 2) {
-      // Nothing covers a version-1 file's HDF5 metadata: HDF5 parses it in a child process first.
-      if (shards_in_file_.empty()) {
-        for (std::size_t i = 0; i < manifest_.shards.size(); ++i) shards_in_file_[manifest_.shards[i].file].push_back(i);
+      // Nothing covers a version-1 file's HDF5 metadata: HDF5 parses every file of the
+      // checkpoint in a child process first, once, the first time one is opened.
+      if (!hdf5_probed_) {
+        hdf5_probed_ = true;
+        std::map<std::string, std::vector<Hdf5Query>> queries;
+        for (const ShardEntry& s : manifest_.shards) queries[s.file].push_back({s.dataset, s.codec, s.nbytes});
+        std::vector<Hdf5Probe> probes;
+        for (auto& [name, q] : queries) probes.push_back({dir_ + "/" + name, std::move(q)});
+        Result<std::vector<std::string>> reasons = ProbeHdf5(probes);
+        if (!reasons.ok()) {
+          hdf5_probe_error_ = reasons.status().WithContext(dir_ + ": checking the data files' HDF5 metadata");
+        } else {
+          std::size_t i = 0;
+          for (const auto& [name, q] : queries) {
+            if (!(*reasons)[i].empty()) hdf5_damaged_[name] = (*reasons)[i];
+            ++i;
+          }
+        }
       }
-      std::vector<ShardFileReader::Hdf5Query> queries;
-      for (const std::size_t i : shards_in_file_[file]) {
-        const ShardEntry& s = manifest_.shards[i];
-        queries.push_back({s.dataset, s.codec, s.nbytes});
-      }
-      (*f)->IsolateHdf5(std::move(queries));
+      RS_RETURN_IF_ERROR(hdf5_probe_error_);
+      if (const auto it = hdf5_damaged_.find(file); it != hdf5_damaged_.end()) (*f)->MarkHdf5Damaged(it->second);
     }
     it = files_.emplace(file, std::move(f).value()).first;
   }

@@ -129,7 +129,10 @@ class CheckpointReader {
   std::map<std::string, std::unique_ptr<ShardFileReader>> files_;
   std::vector<std::optional<ShardLocation>> locations_;
   std::map<std::string, Status> checked_files_;  // CheckFile results
-  std::map<std::string, std::vector<std::size_t>> shards_in_file_;  // version 1, built on first use
+  // Version 1: whether ProbeHdf5 ran over the data files, and the files it found damaged.
+  bool hdf5_probed_ = false;
+  std::map<std::string, std::string> hdf5_damaged_;
+  Status hdf5_probe_error_;  // no child process could be started
   std::vector<unsigned char> verified_;
 };
 

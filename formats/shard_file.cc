@@ -667,52 +667,87 @@ Status ShardFileReader::CheckHdf5() const {
   return OpenHdf5();
 }
 
+Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files);
+
 void ShardFileReader::IsolateHdf5(std::vector<Hdf5Query> queries) {
   isolate_ = true;
   queries_ = std::move(queries);
 }
 
+void ShardFileReader::MarkHdf5Damaged(std::string reason) {
+  hdf5_tried_ = true;
+  hdf5_reason_ = std::move(reason);
+  hdf5_error_ = DataLoss(path_ + ": " + hdf5_reason_);
+}
+
 Status ShardFileReader::OpenHdf5() const {
   if (hdf5_tried_) return hdf5_error_;
-  hdf5_tried_ = true;
-  const auto open = [this] {
-    const hid_t fid = H5Fopen(h5_path_.c_str(), H5F_ACC_RDONLY, h5::kDefault);
-    if (fid < 0) {
-      hdf5_reason_ = "cannot be opened as an HDF5 file (" + std::to_string(file_size_) + " bytes; truncated or corrupt)";
-      hdf5_error_ = DataLoss(path_ + ": " + hdf5_reason_);
-    } else {
-      file_id_ = fid;
-    }
-  };
   if (isolate_) {
-    // The caller holds the HDF5 lock, so no other thread is inside the library while the child
-    // is forked: the child's copy of HDF5's state is consistent, and its copy of the lock is
-    // held by the thread that runs there. The child repeats what this process will do.
-    Result<std::string> child = RunIsolated([&] {
-      open();
-      if (hdf5_error_.ok()) {
-        for (const Hdf5Query& q : queries_) {
-          (void)LocateLocked(q.dataset, q.codec, q.nbytes, path_);
-          (void)ReadStringAttributeLocked(q.dataset, "rs_shard", path_);
-        }
-      }
-      return std::string();
-    });
-    if (!child.ok()) {
-      if (child.status().code() != ErrorCode::kDataLoss) {
-        hdf5_error_ = child.status().WithContext(path_ + ": parsing its HDF5 metadata in a separate process");
-        hdf5_reason_ = "cannot be parsed in a separate process (" + child.status().message() + ")";
-        return hdf5_error_;
-      }
-      hdf5_reason_ = "is damaged: HDF5 " + child.status().message() +
-                     " parsing its metadata in a separate process (format version 1 has no checksum over a "
-                     "file's metadata that could be checked first)";
-      hdf5_error_ = DataLoss(path_ + ": " + hdf5_reason_);
+    Result<std::vector<std::string>> probe = ProbeHdf5Locked({{path_, queries_}});
+    if (!probe.ok()) {
+      hdf5_tried_ = true;
+      hdf5_reason_ = "cannot be checked in a separate process before HDF5 parses it (" + probe.status().message() + ")";
+      hdf5_error_ = probe.status().WithContext(path_);
+      return hdf5_error_;
+    }
+    if (!probe->front().empty()) {
+      const_cast<ShardFileReader*>(this)->MarkHdf5Damaged(probe->front());
       return hdf5_error_;
     }
   }
-  open();
+  hdf5_tried_ = true;
+  const hid_t fid = H5Fopen(h5_path_.c_str(), H5F_ACC_RDONLY, h5::kDefault);
+  if (fid < 0) {
+    hdf5_reason_ = "cannot be opened as an HDF5 file (" + std::to_string(file_size_) + " bytes; truncated or corrupt)";
+    hdf5_error_ = DataLoss(path_ + ": " + hdf5_reason_);
+  } else {
+    file_id_ = fid;
+  }
   return hdf5_error_;
+}
+
+void ShardFileReader::AskInProbe(const std::vector<Hdf5Query>& queries) const {
+  if (OpenHdf5().ok()) {
+    for (const Hdf5Query& q : queries) {
+      (void)LocateLocked(q.dataset, q.codec, q.nbytes, path_);
+      (void)ReadStringAttributeLocked(q.dataset, "rs_shard", path_);
+    }
+  }
+  // Closed here: the destructor would take the HDF5 lock, which this thread already holds.
+  if (file_id_ >= 0) H5Fclose(file_id_);
+  file_id_ = -1;
+}
+
+// The HDF5 lock is held: no other thread is inside the library while a child is forked, so the
+// child's copy of HDF5's state is consistent, and its copy of the lock is held by the one thread
+// that runs there.
+Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files) {
+  std::vector<std::string> reasons(files.size());
+  std::size_t next = 0;
+  while (next < files.size()) {
+    const std::size_t first = next;
+    const IsolatedResult r = RunIsolated([&](const Emit& emit) {
+      for (std::size_t i = first; i < files.size(); ++i) {
+        if (Result<std::unique_ptr<ShardFileReader>> f = ShardFileReader::Open(files[i].path); f.ok()) {
+          (*f)->AskInProbe(files[i].queries);
+        }
+        emit(".");  // file i came through
+      }
+    });
+    next = first + r.output.size();
+    if (r.status.ok()) break;
+    if (r.status.code() != ErrorCode::kDataLoss) return r.status;
+    reasons[next] = "is damaged: HDF5 " + r.status.message() +
+                    " parsing its metadata in a separate process (format version 1 has no checksum over a file's "
+                    "metadata that could be checked first)";
+    ++next;
+  }
+  return reasons;
+}
+
+Result<std::vector<std::string>> ProbeHdf5(const std::vector<Hdf5Probe>& files) {
+  auto lock = h5::Lock();
+  return ProbeHdf5Locked(files);
 }
 
 ShardFileReader::~ShardFileReader() {

@@ -261,6 +261,31 @@ class ShardFileWriter {
   std::map<std::int64_t, std::thread::id> unfinished_;  // datasets begun and not released, by seq
 };
 
+// One HDF5 question a reader will ask about a dataset of a file (see ProbeHdf5).
+struct Hdf5Query {
+  std::string dataset;
+  Codec codec = Codec::kNone;
+  std::int64_t nbytes = 0;
+};
+
+// Format version 1 (FORMAT.md §9): no checksum covers a file's HDF5 metadata, so nothing can be
+// checked before HDF5 parses it, and libhdf5 1.10 crashes (SIGFPE, SIGSEGV) or allocates
+// without bound on some damaged metadata (fuzz/hdf5/). ProbeHdf5 does first, in a child process
+// (core/isolate.h: at most 1 GiB of memory, 60 s per file), what the reader will then do in
+// this one: HDF5 opens each file and, for each query, ShardFileReader::Locate and
+// ReadStringAttribute(dataset, "rs_shard"). HDF5 is deterministic: the same calls on the same
+// bytes do here what they did there; calls beyond the queries are not covered. One child probes
+// every file in turn (a fork costs in proportion to the parent's memory); after a file that
+// ended it, a new child goes on with the next. Returns, per file, "" if HDF5 came through, or
+// why not ("is damaged: HDF5 crashed (SIGFPE, signal 8) parsing its metadata in a separate
+// process ..."), for ShardFileReader::MarkHdf5Damaged. A file that cannot be opened at all is
+// left to the reader's own errors (""). IoError if no child process can be started.
+struct Hdf5Probe {
+  std::string path;
+  std::vector<Hdf5Query> queries;
+};
+Result<std::vector<std::string>> ProbeHdf5(const std::vector<Hdf5Probe>& files);
+
 class ShardFileReader {
  public:
   // Opens `path` read-only. NotFound if it is missing; DataLoss if it is not a regular file (a
@@ -287,22 +312,15 @@ class ShardFileReader {
   // Whether HDF5 can open the file at all (DataLoss naming the file if not).
   Status CheckHdf5() const;
 
-  // Format version 1 (FORMAT.md §9): no checksum covers a file's HDF5 metadata, so nothing can
-  // be checked before HDF5 parses it, and libhdf5 1.10 crashes (SIGFPE, SIGSEGV) or allocates
-  // without bound on some damaged metadata (fuzz/hdf5/). After this call, the first use of HDF5
-  // on the file (Locate, ReadStringAttribute, CheckHdf5) first does in a child process
-  // (core/isolate.h: at most 1 GiB of memory and 60 s) what this process will then do: HDF5
-  // opens the file and, for each query, Locate and ReadStringAttribute(dataset, "rs_shard").
-  // If the child crashes, runs out of memory or hangs, every HDF5 use of the file is DataLoss
-  // naming the file and what happened, and this process never hands the file to HDF5. HDF5 is
-  // deterministic: the same calls on the same bytes do here what they did in the child. Calls
-  // beyond the queries run in this process unprotected: list every dataset that will be used.
-  struct Hdf5Query {
-    std::string dataset;
-    Codec codec = Codec::kNone;
-    std::int64_t nbytes = 0;
-  };
+  // Format version 1 (see ProbeHdf5 below): the first use of HDF5 on the file (Locate,
+  // ReadStringAttribute, CheckHdf5) first runs ProbeHdf5 on it with `queries`, and fails as
+  // MarkHdf5Damaged says if HDF5 did not survive it. (Readers of many files probe them all at
+  // once with ProbeHdf5 instead: one fork for all.)
   void IsolateHdf5(std::vector<Hdf5Query> queries);
+  // After ProbeHdf5 found the file damaged (`reason`, e.g. "is damaged: HDF5 crashed (SIGFPE,
+  // signal 8) ..."): every use of HDF5 on the file is DataLoss naming the file and the reason,
+  // and HDF5 never parses it in this process.
+  void MarkHdf5Damaged(std::string reason);
 
   // Version 2: a shard's location from what the manifest says (`ref`) and its block table, read
   // with pread and checked against `ref.checksum` - nothing from HDF5 (FORMAT.md §4.4). Every
@@ -357,9 +375,12 @@ class ShardFileReader {
   // Reads block `index` of a codec-none shard into `out` (exactly the block) and checks it.
   Status ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
                    const std::string& what) const;
+  friend Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files);
   // Opens the file with HDF5 once (with the HDF5 lock held; IsolateHdf5: after a child process
   // did the same); DataLoss if HDF5 cannot.
   Status OpenHdf5() const;
+  // In a probing child (HDF5 lock held): opens the file, asks `queries`, closes it.
+  void AskInProbe(const std::vector<Hdf5Query>& queries) const;
   // Locate and ReadStringAttribute with the HDF5 lock held.
   Result<ShardLocation> LocateLocked(const std::string& name, Codec codec, std::int64_t nbytes,
                                      const std::string& what) const;

@@ -137,5 +137,30 @@ TEST(FuzzRegression, DamagedVersion1FilesThatCrashHdf5AreErrors) {
   }
 }
 
+// One child process probes every file of a version-1 checkpoint; after a file that crashed it,
+// the next child goes on with the next file: two damaged files are both found, the others read.
+TEST(FuzzRegression, EveryDamagedVersion1FileIsFoundInOneProbe) {
+  const std::string src = RS_SOURCE_DIR;
+  testing::ScratchDir tmp;
+  const std::string dir = tmp / "ckpt";
+  std::filesystem::create_directories(dir);
+  for (int r = 0; r < 4; ++r) {
+    const std::string name = "rank-0000" + std::to_string(r) + ".h5";
+    std::filesystem::copy_file(src + "/fuzz/corpus/shard_file/v1_" + name, dir + "/" + name);
+  }
+  std::filesystem::copy_file(src + "/fuzz/corpus/checkpoint/v1_valid.json", dir + "/manifest.json");
+  std::filesystem::copy_file(src + "/fuzz/hdf5/chunk_layout_sigfpe.h5", dir + "/rank-00000.h5",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(src + "/fuzz/hdf5/local_heap_segv.h5", dir + "/rank-00002.h5",
+                             std::filesystem::copy_options::overwrite_existing);
+  const VerifyReport rep = VerifyCheckpoint(dir);
+  ASSERT_EQ(rep.Count(FindingKind::kBadFile), 2) << rep.ToText();
+  EXPECT_NE(rep.ToText().find("rank-00000.h5: is damaged: HDF5 crashed (SIGFPE"), std::string::npos) << rep.ToText();
+  EXPECT_NE(rep.ToText().find("rank-00002.h5: is damaged: HDF5 crashed (SIGSEGV"), std::string::npos) << rep.ToText();
+  for (const Finding& f : rep.findings) {
+    EXPECT_TRUE(f.file == "rank-00000.h5" || f.file == "rank-00002.h5") << f.message;
+  }
+}
+
 }  // namespace
 }  // namespace rs
