@@ -1,6 +1,7 @@
 #include "core/file.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +20,16 @@ std::string FileKindName(unsigned mode) {
   if (S_ISSOCK(m)) return "socket";
   if (S_ISLNK(m)) return "symbolic link";
   return "special file";
+}
+
+std::string OpenFileLimitHint(int err) {
+  rlimit lim{};
+  const std::string limit = ::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY
+                                ? " of " + std::to_string(lim.rlim_cur)
+                                : "";
+  return std::string(std::strerror(err)) + " (the process reached its open-file limit" + limit +
+         ": readers keep at most a quarter of it open, writers two per data file being written until the commit; "
+         "raise it with ulimit -n)";
 }
 
 Result<int> OpenRegularFile(const std::string& path, std::int64_t* size) {
@@ -41,8 +52,7 @@ Result<int> OpenRegularFile(const std::string& path, std::int64_t* size) {
     if (err == ENOENT) return NotFound(path + ": no such file");
     if (err == EMFILE || err == ENFILE) {
       // Not damage: the limit on open files is too low for what is being read.
-      return Unavailable(path + ": open: " + std::strerror(err) +
-                         " (readers keep each data file of a checkpoint open: raise the open-file limit, ulimit -n)");
+      return Unavailable(path + ": open: " + OpenFileLimitHint(err));
     }
     return IoError(path + ": open: " + std::strerror(err));
   }

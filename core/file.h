@@ -20,6 +20,10 @@ std::string FileKindName(unsigned mode);
 // descriptor, which the caller closes. NotFound if `path` does not exist; FailedPrecondition
 // naming the path and the kind of file if it is not a regular file; IoError otherwise.
 // `size` (if not null) gets the file's size.
+// The text for an open() that failed with EMFILE or ENFILE (`err`): the error, the process's
+// open-file limit and what to do ("raise it with ulimit -n").
+std::string OpenFileLimitHint(int err);
+
 Result<int> OpenRegularFile(const std::string& path, std::int64_t* size = nullptr);
 
 }  // namespace rs

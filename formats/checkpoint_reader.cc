@@ -108,11 +108,14 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
     r->tensor_index_.emplace(r->manifest_.tensors[i].name, i);
   for (std::size_t i = 0; i < r->manifest_.shards.size(); ++i) {
     r->shards_of_[r->tensor_index_.at(r->manifest_.shards[i].tensor)].push_back(i);
+    r->shards_in_file_[r->manifest_.shards[i].file].push_back(i);
   }
   r->locations_.resize(r->manifest_.shards.size());
   r->verified_.assign(r->manifest_.shards.size(), 0);
   r->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
   r->cache_ = std::make_unique<BlockCache>(std::max<std::int64_t>(0, options.cache_bytes));
+  r->files_ = std::make_unique<OpenFileCache<ShardFileReader>>(
+      options.max_open_files > 0 ? options.max_open_files : DefaultOpenFileBudget());
   return r;
 }
 
@@ -137,56 +140,67 @@ const std::vector<std::size_t>& CheckpointReader::ShardsOf(const std::string& te
   return it == tensor_index_.end() ? kNone : shards_of_[it->second];
 }
 
+const std::vector<std::size_t>& CheckpointReader::ShardsInFile(const std::string& file) const {
+  static const std::vector<std::size_t> kNone;
+  const auto it = shards_in_file_.find(file);
+  return it == shards_in_file_.end() ? kNone : it->second;
+}
+
 std::string CheckpointReader::DescribeShard(std::size_t index) const {
   const ShardEntry& s = manifest_.shards[index];
   return dir_ + "/" + s.file + ", dataset '" + s.dataset + "' (tensor '" + s.tensor + "')";
 }
 
-Result<const ShardFileReader*> CheckpointReader::File(const std::string& file) {
+Result<std::shared_ptr<const ShardFileReader>> CheckpointReader::File(const std::string& file) {
   // Called with mu_ held.
-  auto it = files_.find(file);
-  if (it == files_.end()) {
-    Result<std::unique_ptr<ShardFileReader>> f = ShardFileReader::Open(dir_ + "/" + file);
-    if (!f.ok()) {
-      // A file the manifest lists but the directory lacks is corruption of the checkpoint.
-      if (f.status().code() == ErrorCode::kNotFound) return DataLoss(f.status().message());
-      return f.status();
-    }
-    if (manifest_.version < 2) {
-      // Nothing covers a version-1 file's HDF5 metadata: HDF5 parses every file of the
-      // checkpoint in a child process first, once, the first time one is opened.
-      if (!hdf5_probed_) {
-        hdf5_probed_ = true;
-        std::map<std::string, std::vector<Hdf5Query>> queries;
-        for (const ShardEntry& s : manifest_.shards) queries[s.file].push_back({s.dataset, s.codec, s.nbytes});
-        std::vector<Hdf5Probe> probes;
-        for (auto& [name, q] : queries) probes.push_back({dir_ + "/" + name, std::move(q)});
-        Result<std::vector<std::string>> reasons = ProbeHdf5(probes);
-        if (!reasons.ok()) {
-          hdf5_probe_error_ = reasons.status().WithContext(dir_ + ": checking the data files' HDF5 metadata");
-        } else {
-          std::size_t i = 0;
-          for (const auto& [name, q] : queries) {
-            if (!(*reasons)[i].empty()) hdf5_damaged_[name] = (*reasons)[i];
-            ++i;
-          }
-        }
+  if (manifest_.version < 2 && !hdf5_probed_) {
+    // Nothing covers a version-1 file's HDF5 metadata: HDF5 parses every data file of the
+    // checkpoint in a child process first, once, the first time one is opened.
+    hdf5_probed_ = true;
+    std::vector<Hdf5Probe> probes;
+    for (const auto& [name, shards] : shards_in_file_) {
+      probes.push_back({dir_ + "/" + name, {}});
+      for (const std::size_t i : shards) {
+        const ShardEntry& s = manifest_.shards[i];
+        probes.back().queries.push_back({s.dataset, s.codec, s.nbytes});
       }
-      RS_RETURN_IF_ERROR(hdf5_probe_error_);
-      if (const auto it = hdf5_damaged_.find(file); it != hdf5_damaged_.end()) (*f)->MarkHdf5Damaged(it->second);
     }
-    it = files_.emplace(file, std::move(f).value()).first;
+    Result<std::vector<std::string>> reasons = ProbeHdf5(probes);
+    if (!reasons.ok()) {
+      hdf5_probe_error_ = reasons.status().WithContext(dir_ + ": checking the data files' HDF5 metadata");
+    } else {
+      for (std::size_t i = 0; i < probes.size(); ++i) {
+        if (!(*reasons)[i].empty()) hdf5_damaged_[probes[i].path.substr(dir_.size() + 1)] = (*reasons)[i];
+      }
+    }
   }
-  return it->second.get();
+  RS_RETURN_IF_ERROR(hdf5_probe_error_);
+  RS_ASSIGN_OR_RETURN(std::shared_ptr<ShardFileReader> f,
+                      files_->Get(file, [&]() -> Result<std::shared_ptr<ShardFileReader>> {
+                        Result<std::unique_ptr<ShardFileReader>> opened = ShardFileReader::Open(dir_ + "/" + file);
+                        if (!opened.ok()) {
+                          // A file the manifest lists but the directory lacks is corruption of
+                          // the checkpoint.
+                          if (opened.status().code() == ErrorCode::kNotFound) {
+                            return DataLoss(opened.status().message());
+                          }
+                          return opened.status();
+                        }
+                        if (const auto damaged = hdf5_damaged_.find(file); damaged != hdf5_damaged_.end()) {
+                          (*opened)->MarkHdf5Damaged(damaged->second);
+                        }
+                        return std::shared_ptr<ShardFileReader>(std::move(opened).value());
+                      }));
+  return std::shared_ptr<const ShardFileReader>(std::move(f));
 }
 
 Result<std::int64_t> CheckpointReader::FileSize(const std::string& file) {
   std::lock_guard<std::mutex> lock(mu_);
-  RS_ASSIGN_OR_RETURN(const ShardFileReader* f, File(file));
+  RS_ASSIGN_OR_RETURN(const std::shared_ptr<const ShardFileReader> f, File(file));
   return f->file_size();
 }
 
-Result<const ShardFileReader*> CheckpointReader::OpenFile(const std::string& file) {
+Result<std::shared_ptr<const ShardFileReader>> CheckpointReader::OpenFile(const std::string& file) {
   std::lock_guard<std::mutex> lock(mu_);
   return File(file);
 }
@@ -196,7 +210,7 @@ Result<const ShardLocation*> CheckpointReader::LocatedFromTable(std::size_t inde
   std::lock_guard<std::mutex> lock(mu_);
   if (locations_[index]) return &*locations_[index];
   const ShardEntry& s = manifest_.shards[index];
-  Result<const ShardFileReader*> f = File(s.file);
+  Result<std::shared_ptr<const ShardFileReader>> f = File(s.file);
   if (!f.ok()) return f.status().WithContext("tensor '" + s.tensor + "'");
   if (manifest_.version >= 2) {
     RS_ASSIGN_OR_RETURN(ShardLocation loc,
@@ -229,7 +243,7 @@ Status CheckpointReader::CheckFile(const std::string& file) {
     const std::string path = dir_ + "/" + file;
     const DataFileEntry* entry = manifest_.FindFile(file);
     RS_CHECK(entry != nullptr);  // the manifest lists every data file (ManifestFromJson)
-    const ShardFileReader* f = nullptr;
+    std::shared_ptr<const ShardFileReader> f;
     {
       std::lock_guard<std::mutex> lock(mu_);
       RS_ASSIGN_OR_RETURN(f, File(file));
@@ -239,9 +253,8 @@ Status CheckpointReader::CheckFile(const std::string& file) {
                       std::to_string(entry->size) + (f->file_size() < entry->size ? " (truncated)" : " (extended)"));
     }
     std::vector<Extent> extents;
-    for (std::size_t i = 0; i < manifest_.shards.size(); ++i) {
+    for (const std::size_t i : ShardsInFile(file)) {
       const ShardEntry& s = manifest_.shards[i];
-      if (s.file != file) continue;
       RS_ASSIGN_OR_RETURN(const ShardLocation* loc, LocatedFromTable(i));
       for (Extent& e : DataExtents(*loc)) {
         e.owner = "dataset '" + s.dataset + "' (tensor '" + s.tensor + "')";
@@ -286,10 +299,10 @@ Status CheckpointReader::CheckHash(std::size_t index, const ShardLocation& loc, 
 Result<std::uint64_t> CheckpointReader::HashShard(std::size_t index) {
   // The shard's own blocks: whether the rest of its file is sound is CheckFile's business.
   RS_ASSIGN_OR_RETURN(const ShardLocation* loc, LocatedFromTable(index));
-  const ShardFileReader* f = nullptr;
+  std::shared_ptr<const ShardFileReader> f;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    f = files_.at(manifest_.shards[index].file).get();
+    RS_ASSIGN_OR_RETURN(f, File(manifest_.shards[index].file));
   }
   Xxh3Stream hash;
   RS_RETURN_IF_ERROR(f->Stream(
@@ -331,10 +344,10 @@ Status CheckpointReader::ReadShardRange(std::size_t index, std::int64_t byte_beg
   }
   RS_ASSIGN_OR_RETURN(const ShardLocation* locp, Located(index));
   const ShardLocation& loc = *locp;
-  const ShardFileReader* f = nullptr;
+  std::shared_ptr<const ShardFileReader> f;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    f = files_.at(s.file).get();
+    RS_ASSIGN_OR_RETURN(f, File(s.file));
   }
   if (manifest_.version >= 2) {
     // Each block is checked as it is read, whatever part of the shard is asked for. Blocks
@@ -377,10 +390,10 @@ Result<std::vector<std::byte>> CheckpointReader::ReadShard(std::size_t index) {
   RS_ASSIGN_OR_RETURN(const ShardLocation* loc, Located(index));
   RS_RETURN_IF_ERROR(CheckMemory(manifest_.shards[index].nbytes, DescribeShard(index)));
   std::vector<std::byte> out(static_cast<std::size_t>(manifest_.shards[index].nbytes));
-  const ShardFileReader* f = nullptr;
+  std::shared_ptr<const ShardFileReader> f;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    f = files_.at(manifest_.shards[index].file).get();
+    RS_ASSIGN_OR_RETURN(f, File(manifest_.shards[index].file));
   }
   // Version 2: every block is checked as it is read; version 1: the whole shard afterwards.
   RS_RETURN_IF_ERROR(f->ReadRange(*loc, 0, out, pool_.get(), DescribeShard(index), loc->has_blocks()));

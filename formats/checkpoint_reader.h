@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/open_files.h"
 #include "core/shape.h"
 #include "core/status.h"
 #include "core/tensor_spec.h"
@@ -38,6 +39,10 @@ struct ReaderOptions {
   ChecksumPolicy checksums = ChecksumPolicy::kVerify;
   // Verified blocks kept for reads that need part of one again (version 2, kVerify).
   std::int64_t cache_bytes = std::int64_t{16} << 20;
+  // Data files kept open at once (core/open_files.h); 0 = DefaultOpenFileBudget(), a quarter
+  // of `ulimit -n`. A checkpoint with more files is read all the same: the least recently
+  // used file that no thread is reading is closed when another must be opened.
+  std::size_t max_open_files = 0;
 };
 
 class CheckpointReader {
@@ -56,6 +61,8 @@ class CheckpointReader {
   Result<const TensorSpec*> FindTensor(const std::string& name) const;
   // Indices into manifest().shards of the tensor's shards (main replicas and replicas).
   const std::vector<std::size_t>& ShardsOf(const std::string& tensor) const;
+  // Indices into manifest().shards of the shards stored in data file `file`, in manifest order.
+  const std::vector<std::size_t>& ShardsInFile(const std::string& file) const;
 
   // Reads `piece` of `tensor` into `out` (piece.numel() * dtype size bytes, row-major,
   // little-endian), from the main-replica shards that overlap it. NotFound: unknown tensor;
@@ -94,8 +101,11 @@ class CheckpointReader {
   // Ok for version 1 (nothing to check).
   Status CheckFile(const std::string& file);
   // The open reader of data file `file` (as shards name it); DataLoss if it is missing or not
-  // an HDF5 file. For whole-file checks (verify).
-  Result<const ShardFileReader*> OpenFile(const std::string& file);
+  // a regular file. For whole-file checks (verify). Hold it only while using it: a file nobody
+  // holds may be closed to open another (ReaderOptions::max_open_files).
+  Result<std::shared_ptr<const ShardFileReader>> OpenFile(const std::string& file);
+  // The bounded set of open data files, for tests and statistics.
+  const OpenFileCache<ShardFileReader>& open_files() const { return *files_; }
   // Blocks read whole for partial reads and found again in the cache (version 2).
   const BlockCache& cache() const { return *cache_; }
   // LocateShard without the copy: the cached location, valid as long as the reader.
@@ -108,7 +118,7 @@ class CheckpointReader {
 
  private:
   CheckpointReader() = default;
-  Result<const ShardFileReader*> File(const std::string& file);
+  Result<std::shared_ptr<const ShardFileReader>> File(const std::string& file);
   // The cached location of shard `index` (located on first use); never changes afterwards.
   Result<const ShardLocation*> Located(std::size_t index);
   // Version 2: the location from the manifest and the block table, without CheckFile.
@@ -122,11 +132,12 @@ class CheckpointReader {
   Manifest manifest_;
   std::map<std::string, std::size_t> tensor_index_;
   std::vector<std::vector<std::size_t>> shards_of_;  // per tensor
+  std::map<std::string, std::vector<std::size_t>> shards_in_file_;
 
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<BlockCache> cache_;
   std::mutex mu_;  // guards the caches below
-  std::map<std::string, std::unique_ptr<ShardFileReader>> files_;
+  std::unique_ptr<OpenFileCache<ShardFileReader>> files_;
   std::vector<std::optional<ShardLocation>> locations_;
   std::map<std::string, Status> checked_files_;  // CheckFile results
   // Version 1: whether ProbeHdf5 ran over the data files, and the files it found damaged.

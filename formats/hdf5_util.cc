@@ -91,4 +91,21 @@ std::unique_lock<std::mutex> Lock() {
   return lock;
 }
 
+int LastSystemErrno() {
+  int found = 0;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      [](unsigned, const H5E_error2_t* e, void* data) -> herr_t {
+        if (e->desc != nullptr) {
+          if (const char* at = std::strstr(e->desc, "errno = "); at != nullptr) {
+            *static_cast<int*>(data) = std::atoi(at + 8);
+            return 1;  // the innermost one
+          }
+        }
+        return 0;
+      },
+      &found);
+  return found;
+}
+
 }  // namespace rs::h5

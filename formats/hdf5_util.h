@@ -16,6 +16,11 @@ namespace rs::h5 {
 // Locks the process-wide HDF5 mutex and makes sure the library is set up.
 std::unique_lock<std::mutex> Lock();
 
+// The operating system's errno that HDF5 recorded for the call that just failed (its error
+// stack's "errno = N" from the file driver), or 0 if none: errno itself is often overwritten by
+// the calls HDF5 makes while unwinding. With the lock held, right after the failed call.
+int LastSystemErrno();
+
 // H5P_DEFAULT / H5S_ALL without the old-style casts of the HDF5 macros.
 inline constexpr hid_t kDefault = 0;
 inline constexpr hid_t kAll = 0;

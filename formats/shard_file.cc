@@ -6,6 +6,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -224,12 +225,24 @@ Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::stri
   // H5F_ACC_EXCL: a second writer of the same rank file is a bug upstream, never an overwrite.
   // Default library-version bounds keep the file readable by every HDF5 1.8+ tool.
   const hid_t fid = H5Fcreate(path.c_str(), H5F_ACC_EXCL, fcpl.get(), h5::kDefault);
-  if (fid < 0) return IoError(path + ": cannot create HDF5 file (does it exist already?)");
+  if (fid < 0) {
+    const int err = h5::LastSystemErrno();
+    if (err == EMFILE || err == ENFILE) return Unavailable(path + ": create: " + OpenFileLimitHint(err));
+    if (err == 0 || err == EEXIST) return IoError(path + ": cannot create HDF5 file (does it exist already?)");
+    return IoError(path + ": cannot create HDF5 file (" + std::strerror(err) + ")");
+  }
+  const int sync_fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (sync_fd < 0) {
+    const int err = errno;
+    // Closed here, under the lock this function holds (the destructor would take it again).
+    H5Fclose(fid);
+    if (err == EMFILE || err == ENFILE) return Unavailable(path + ": open: " + OpenFileLimitHint(err));
+    return IoError(path + ": open: " + std::strerror(err));
+  }
   std::unique_ptr<ShardFileWriter> w(new ShardFileWriter());
   w->path_ = path;
   w->file_id_ = fid;
-  w->sync_fd_ = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-  if (w->sync_fd_ < 0) return IoError(path + ": " + Errno("open"));
+  w->sync_fd_ = sync_fd;
   return w;
 }
 
@@ -652,7 +665,9 @@ Result<std::unique_ptr<ShardFileReader>> ShardFileReader::Open(const std::string
     }
   }
   std::unique_ptr<ShardFileReader> r(new ShardFileReader());
+  static std::atomic<std::uint64_t> next_id{1};
   r->path_ = path;
+  r->id_ = next_id.fetch_add(1);
   r->fd_ = *fd;
   r->file_size_ = size;
   // HDF5 opens the file by name itself. Handing it our descriptor's /proc name makes it open
@@ -667,11 +682,12 @@ Status ShardFileReader::CheckHdf5() const {
   return OpenHdf5();
 }
 
-Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files);
+Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files, const IsolationLimits& limits);
 
-void ShardFileReader::IsolateHdf5(std::vector<Hdf5Query> queries) {
+void ShardFileReader::IsolateHdf5(std::vector<Hdf5Query> queries, const IsolationLimits& limits) {
   isolate_ = true;
   queries_ = std::move(queries);
+  limits_ = limits;
 }
 
 void ShardFileReader::MarkHdf5Damaged(std::string reason) {
@@ -683,7 +699,7 @@ void ShardFileReader::MarkHdf5Damaged(std::string reason) {
 Status ShardFileReader::OpenHdf5() const {
   if (hdf5_tried_) return hdf5_error_;
   if (isolate_) {
-    Result<std::vector<std::string>> probe = ProbeHdf5Locked({{path_, queries_}});
+    Result<std::vector<std::string>> probe = ProbeHdf5Locked({{path_, queries_}}, limits_);
     if (!probe.ok()) {
       hdf5_tried_ = true;
       hdf5_reason_ = "cannot be checked in a separate process before HDF5 parses it (" + probe.status().message() + ")";
@@ -695,8 +711,13 @@ Status ShardFileReader::OpenHdf5() const {
       return hdf5_error_;
     }
   }
-  hdf5_tried_ = true;
   const hid_t fid = H5Fopen(h5_path_.c_str(), H5F_ACC_RDONLY, h5::kDefault);
+  if (fid < 0) {
+    if (const int err = h5::LastSystemErrno(); err == EMFILE || err == ENFILE) {
+      return Unavailable(path_ + ": HDF5 open: " + OpenFileLimitHint(err));  // not the file's fault; tried again
+    }
+  }
+  hdf5_tried_ = true;
   if (fid < 0) {
     hdf5_reason_ = "cannot be opened as an HDF5 file (" + std::to_string(file_size_) + " bytes; truncated or corrupt)";
     hdf5_error_ = DataLoss(path_ + ": " + hdf5_reason_);
@@ -721,7 +742,7 @@ void ShardFileReader::AskInProbe(const std::vector<Hdf5Query>& queries) const {
 // The HDF5 lock is held: no other thread is inside the library while a child is forked, so the
 // child's copy of HDF5's state is consistent, and its copy of the lock is held by the one thread
 // that runs there.
-Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files) {
+Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files, const IsolationLimits& limits) {
   std::vector<std::string> reasons(files.size());
   std::size_t next = 0;
   while (next < files.size()) {
@@ -733,7 +754,7 @@ Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& f
         }
         emit(".");  // file i came through
       }
-    });
+    }, limits);
     next = first + r.output.size();
     if (r.status.ok()) break;
     if (r.status.code() != ErrorCode::kDataLoss) return r.status;
@@ -745,9 +766,9 @@ Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& f
   return reasons;
 }
 
-Result<std::vector<std::string>> ProbeHdf5(const std::vector<Hdf5Probe>& files) {
+Result<std::vector<std::string>> ProbeHdf5(const std::vector<Hdf5Probe>& files, const IsolationLimits& limits) {
   auto lock = h5::Lock();
-  return ProbeHdf5Locked(files);
+  return ProbeHdf5Locked(files, limits);
 }
 
 ShardFileReader::~ShardFileReader() {
@@ -997,7 +1018,7 @@ Status ShardFileReader::ReadRange(const ShardLocation& loc, std::int64_t begin, 
   std::mutex mu;
   Status first_error;
   auto whole_block = [&](std::int64_t i) -> BlockCache::Block {
-    BlockCache::Key key{this, 0, 0, verify ? loc.blocks[static_cast<std::size_t>(i)] : 0, loc.codec};
+    BlockCache::Key key{id_, 0, 0, verify ? loc.blocks[static_cast<std::size_t>(i)] : 0, loc.codec};
     if (loc.codec == Codec::kNone) {
       key.offset = loc.offset + i * bs;
       key.length = std::min(bs, loc.nbytes - i * bs);

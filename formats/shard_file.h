@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/isolate.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 #include "formats/codec.h"
@@ -108,7 +109,7 @@ class BlockCache {
   // What identifies a block: its file (reader), the extent it was read from, the checksum it
   // was checked against and how it was decoded.
   struct Key {
-    const void* file = nullptr;
+    std::uint64_t file = 0;  // ShardFileReader::id(): never reused, unlike an address
     std::int64_t offset = 0;
     std::int64_t length = 0;
     std::uint64_t checksum = 0;
@@ -284,7 +285,7 @@ struct Hdf5Probe {
   std::string path;
   std::vector<Hdf5Query> queries;
 };
-Result<std::vector<std::string>> ProbeHdf5(const std::vector<Hdf5Probe>& files);
+Result<std::vector<std::string>> ProbeHdf5(const std::vector<Hdf5Probe>& files, const IsolationLimits& limits = {});
 
 class ShardFileReader {
  public:
@@ -299,6 +300,9 @@ class ShardFileReader {
 
   const std::string& path() const { return path_; }
   std::int64_t file_size() const { return file_size_; }
+  // Unique in the process: what identifies this open file's blocks in a BlockCache (a file
+  // closed and opened again gets a new id, and so does a new reader at a freed address).
+  std::uint64_t id() const { return id_; }
 
   // Finds dataset `name` and checks it against the manifest: a 1-D 1-byte integer dataset of
   // `nbytes` elements; contiguous for codec none, chunked with filter 32015 for zstd; every
@@ -316,7 +320,7 @@ class ShardFileReader {
   // ReadStringAttribute, CheckHdf5) first runs ProbeHdf5 on it with `queries`, and fails as
   // MarkHdf5Damaged says if HDF5 did not survive it. (Readers of many files probe them all at
   // once with ProbeHdf5 instead: one fork for all.)
-  void IsolateHdf5(std::vector<Hdf5Query> queries);
+  void IsolateHdf5(std::vector<Hdf5Query> queries, const IsolationLimits& limits = {});
   // After ProbeHdf5 found the file damaged (`reason`, e.g. "is damaged: HDF5 crashed (SIGFPE,
   // signal 8) ..."): every use of HDF5 on the file is DataLoss naming the file and the reason,
   // and HDF5 never parses it in this process.
@@ -375,7 +379,8 @@ class ShardFileReader {
   // Reads block `index` of a codec-none shard into `out` (exactly the block) and checks it.
   Status ReadBlock(const ShardLocation& loc, std::int64_t index, std::span<std::byte> out,
                    const std::string& what) const;
-  friend Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files);
+  friend Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& files,
+                                                          const IsolationLimits& limits);
   // Opens the file with HDF5 once (with the HDF5 lock held; IsolateHdf5: after a child process
   // did the same); DataLoss if HDF5 cannot.
   Status OpenHdf5() const;
@@ -394,8 +399,10 @@ class ShardFileReader {
   mutable std::string hdf5_reason_;  // why HDF5 cannot open the file, after "the file "
   bool isolate_ = false;
   std::vector<Hdf5Query> queries_;
+  IsolationLimits limits_;
   int fd_ = -1;
   std::int64_t file_size_ = 0;
+  std::uint64_t id_ = 0;
 };
 
 }  // namespace rs

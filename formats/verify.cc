@@ -279,9 +279,12 @@ void CheckReplicas(CheckpointReader& r, const TensorSpec& t, const VerifyOptions
 }
 
 void CheckOptimizerStates(const Manifest& m, const std::string& manifest_path, Findings& out) {
+  std::map<std::string_view, std::int64_t> index;
+  for (std::size_t i = 0; i < m.tensors.size(); ++i) index.emplace(m.tensors[i].name, static_cast<std::int64_t>(i));
   for (const TensorSpec& t : m.tensors) {
     if (t.role != TensorRole::kOptimizerState) continue;
-    const std::int64_t p = m.TensorIndex(t.param);
+    const auto found = index.find(t.param);
+    const std::int64_t p = found == index.end() ? -1 : found->second;
     if (p < 0) {
       out.Add(FindingKind::kOptimizerState, ErrorCode::kDataLoss, t.name, manifest_path,
               "optimizer state '" + t.name + "' (state '" + t.state + "') belongs to parameter '" + t.param +
@@ -444,7 +447,7 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
       bad_files.insert(file);
       continue;
     }
-    Result<const ShardFileReader*> f = r.OpenFile(file);
+    Result<std::shared_ptr<const ShardFileReader>> f = r.OpenFile(file);
     const Status opened = !f.ok() ? f.status() : m.version < 2 ? (*f)->CheckHdf5() : Status::Ok();
     if (!opened.ok()) {
       out.Add(FindingKind::kBadFile, opened.code(), *tensors.begin(), file,
@@ -516,9 +519,7 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
         continue;
       }
       std::int64_t outside = m.FindFile(file)->size;
-      for (std::size_t i = 0; i < n; ++i) {
-        if (m.shards[i].file == file) outside -= located[i]->stored_bytes();
-      }
+      for (const std::size_t i : r.ShardsInFile(file)) outside -= located[i]->stored_bytes();
       report.counts.outside_bytes += outside;
     }
   }
@@ -537,7 +538,7 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
       group.Run([&, i] {
         const ShardEntry& s = m.shards[i];
         const std::string what = r.DescribeShard(i);
-        Result<const ShardFileReader*> f = r.OpenFile(s.file);
+        Result<std::shared_ptr<const ShardFileReader>> f = r.OpenFile(s.file);
         bool dataset_ok = f.ok() && hdf5_unsafe.count(s.file) == 0;
         if (dataset_ok && m.version >= 2) {
           Result<ShardLocation> hdf5 = (*f)->Locate(s.dataset, s.codec, s.nbytes, what);
@@ -568,7 +569,7 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
         }
         if (dataset_ok) {
           Result<std::optional<std::string>> attr = (*f)->ReadStringAttribute(s.dataset, "rs_shard", what);
-          const TensorSpec& t = m.tensors[static_cast<std::size_t>(m.TensorIndex(s.tensor))];
+          const TensorSpec& t = **r.FindTensor(s.tensor);  // every shard's tensor exists (ReadManifest)
           if (!attr.ok()) {
             shard_findings[i].push_back(
                 {FindingKind::kAttribute, attr.status().code(), s.tensor, s.file, attr.status().message()});

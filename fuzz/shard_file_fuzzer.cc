@@ -7,6 +7,9 @@
 // Properties: no crash, no sanitizer report, no uncaught exception, no hang, no allocation
 // beyond what the bounded sizes allow; errors are DataLoss (or IoError); a located shard
 // reads the same bytes whether streamed or read by ranges, with or without worker threads.
+// HDF5 parses each input in a child process first, as a version-1 checkpoint's reader makes it
+// do (ShardFileReader::IsolateHdf5): a crash of libhdf5 itself on a damaged file (fuzz/hdf5/)
+// is then the reader's DataLoss, and any crash of this process is a failure.
 //
 // Built twice: fuzz_shard_file mutates freely (libFuzzer's own mutations: inserting, erasing,
 // crossing files over); fuzz_shard_file_inplace (RS_FUZZ_INPLACE) only overwrites bytes of a
@@ -16,10 +19,12 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/check.h"
+#include "core/isolate.h"
 #include "core/thread_pool.h"
 #include "formats/codec.h"
 #include "formats/hdf5_util.h"
@@ -37,31 +42,45 @@ struct Dataset {
   std::int64_t nbytes = 0;
 };
 
-// The 1-D datasets of the root group and their lengths, as a manifest would list them; HDF5
-// opens the file here on its own (a separate open from the reader's).
+// The 1-D datasets of the root group and their lengths, as a manifest would list them. HDF5
+// lists them in a child process (core/isolate.h): a damaged file can crash libhdf5 itself
+// (fuzz/hdf5/), and every HDF5 call of this process must be one that a child made first, as
+// the reader's own are (ShardFileReader::IsolateHdf5). None if the child did not come through.
 std::vector<Dataset> ListDatasets(const std::string& path) {
-  std::vector<Dataset> out;
   auto lock = rs::h5::Lock();
-  rs::h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, rs::h5::kDefault), H5Fclose);
-  if (!file.valid()) return out;
-  H5G_info_t info{};
-  if (H5Gget_info(file.get(), &info) < 0) return out;
-  for (hsize_t i = 0; i < info.nlinks && out.size() < kMaxDatasets; ++i) {
-    char name[64] = {};
-    const ssize_t len =
-        H5Lget_name_by_idx(file.get(), ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, rs::h5::kDefault);
-    if (len <= 0 || static_cast<std::size_t>(len) >= sizeof name) continue;
-    rs::h5::Handle dset(H5Dopen2(file.get(), name, rs::h5::kDefault), H5Dclose);
-    if (!dset.valid()) continue;
-    rs::h5::Handle space(H5Dget_space(dset.get()), H5Sclose);
-    hsize_t dims[1] = {0};
-    if (!space.valid() || H5Sget_simple_extent_ndims(space.get()) != 1 ||
-        H5Sget_simple_extent_dims(space.get(), dims, nullptr) != 1) {
-      out.push_back({name, 0});  // still located: the reader must refuse it
-      continue;
+  rs::IsolationLimits limits;
+  limits.memory_bytes = std::int64_t{256} << 20;
+  limits.seconds = 3;
+  const rs::IsolatedResult listed = rs::RunIsolated([&](const rs::Emit& emit) {
+    rs::h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, rs::h5::kDefault), H5Fclose);
+    if (!file.valid()) return;
+    H5G_info_t info{};
+    if (H5Gget_info(file.get(), &info) < 0) return;
+    std::size_t n = 0;
+    for (hsize_t i = 0; i < info.nlinks && n < kMaxDatasets; ++i) {
+      char name[64] = {};
+      const ssize_t len =
+          H5Lget_name_by_idx(file.get(), ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, rs::h5::kDefault);
+      if (len <= 0 || static_cast<std::size_t>(len) >= sizeof name) continue;
+      rs::h5::Handle dset(H5Dopen2(file.get(), name, rs::h5::kDefault), H5Dclose);
+      if (!dset.valid()) continue;
+      rs::h5::Handle space(H5Dget_space(dset.get()), H5Sclose);
+      hsize_t dims[1] = {0};
+      std::int64_t nbytes = 0;  // not 1-D: still located, the reader must refuse it
+      if (space.valid() && H5Sget_simple_extent_ndims(space.get()) == 1 &&
+          H5Sget_simple_extent_dims(space.get(), dims, nullptr) == 1) {
+        if (dims[0] > static_cast<hsize_t>(kMaxDatasetBytes)) continue;
+        nbytes = static_cast<std::int64_t>(dims[0]);
+      }
+      emit(std::string(name) + "\n" + std::to_string(nbytes) + "\n");
+      ++n;
     }
-    if (dims[0] > static_cast<hsize_t>(kMaxDatasetBytes)) continue;
-    out.push_back({name, static_cast<std::int64_t>(dims[0])});
+  }, limits);
+  std::vector<Dataset> out;
+  if (!listed.status.ok()) return out;
+  std::istringstream lines(listed.output);
+  for (std::string name, nbytes; std::getline(lines, name) && std::getline(lines, nbytes);) {
+    out.push_back({name, std::stoll(nbytes)});
   }
   return out;
 }
@@ -126,6 +145,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     CheckError(reader.status());
     return 0;
   }
+  // Every question ReadDataset and the lookup below ask HDF5, as a version-1 checkpoint's
+  // reader does: HDF5 parses the file in a child process first.
+  std::vector<rs::Hdf5Query> queries{{"no-such-dataset", rs::Codec::kNone, 0}};
+  for (const Dataset& d : datasets) {
+    for (const rs::Codec codec : {rs::Codec::kNone, rs::Codec::kZstd}) {
+      queries.push_back({d.name, codec, d.nbytes});
+      queries.push_back({d.name, codec, d.nbytes + 1});
+    }
+  }
+  // Within libFuzzer's -timeout=10 and -rss_limit_mb: a child that takes more is this input's
+  // DataLoss, as the reader's 1 GiB and 60 s would be.
+  rs::IsolationLimits limits;
+  limits.memory_bytes = std::int64_t{256} << 20;
+  limits.seconds = 3;
+  (*reader)->IsolateHdf5(std::move(queries), limits);
   RS_CHECK((*reader)->file_size() == static_cast<std::int64_t>(size));
   for (const Dataset& d : datasets) {
     for (const rs::Codec codec : {rs::Codec::kNone, rs::Codec::kZstd}) ReadDataset(**reader, d, codec, &pool);
