@@ -222,22 +222,24 @@ Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::stri
   if (!fcpl.valid() || H5Pset_obj_track_times(fcpl.get(), 0) < 0) {
     return IoError(path + ": cannot set up the file creation properties");
   }
-  // H5F_ACC_EXCL: a second writer of the same rank file is a bug upstream, never an overwrite.
-  // Default library-version bounds keep the file readable by every HDF5 1.8+ tool.
-  const hid_t fid = H5Fcreate(path.c_str(), H5F_ACC_EXCL, fcpl.get(), h5::kDefault);
-  if (fid < 0) {
-    const int err = h5::LastSystemErrno();
-    if (err == EMFILE || err == ENFILE) return Unavailable(path + ": create: " + OpenFileLimitHint(err));
-    if (err == 0 || err == EEXIST) return IoError(path + ": cannot create HDF5 file (does it exist already?)");
-    return IoError(path + ": cannot create HDF5 file (" + std::strerror(err) + ")");
-  }
-  const int sync_fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  // O_EXCL: a second writer of the same rank file is a bug upstream, never an overwrite. The
+  // file is created here rather than by H5Fcreate's H5F_ACC_EXCL, whose errno HDF5 does not keep
+  // (when it runs out of descriptors after creating the file, its retry reports "File exists").
+  // The descriptor is also ours for early writeback and fsync.
+  const int sync_fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (sync_fd < 0) {
     const int err = errno;
-    // Closed here, under the lock this function holds (the destructor would take it again).
-    H5Fclose(fid);
-    if (err == EMFILE || err == ENFILE) return Unavailable(path + ": open: " + OpenFileLimitHint(err));
-    return IoError(path + ": open: " + std::strerror(err));
+    if (err == EMFILE || err == ENFILE) return Unavailable(path + ": create: " + OpenFileLimitHint(err));
+    if (err == EEXIST) return IoError(path + ": cannot create HDF5 file: it exists already");
+    return IoError(path + ": cannot create HDF5 file: " + std::strerror(err));
+  }
+  // Default library-version bounds keep the file readable by every HDF5 1.8+ tool.
+  const hid_t fid = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl.get(), h5::kDefault);
+  if (fid < 0) {
+    const int err = h5::LastSystemErrno();
+    ::close(sync_fd);
+    if (err == EMFILE || err == ENFILE) return Unavailable(path + ": HDF5 create: " + OpenFileLimitHint(err));
+    return IoError(path + ": HDF5 cannot create the file" + (err != 0 ? std::string(" (") + std::strerror(err) + ")" : ""));
   }
   std::unique_ptr<ShardFileWriter> w(new ShardFileWriter());
   w->path_ = path;
