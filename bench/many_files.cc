@@ -11,6 +11,7 @@
 //   --tensors  tensors, each with one shard per file
 //   --nofile   RLIMIT_NOFILE (ulimit -n) of the measured commands
 //   --reshard  the reshard binary (default: ../cli/reshard next to this program)
+//   (peak RSS is measured with GNU time, /usr/bin/time: Debian package `time`)
 //   --v1-files size of a format-version-1 checkpoint on which the cost of opening each file's
 //              HDF5 metadata in a child process first (ShardFileReader::IsolateHdf5) is measured
 //              in this process, against opening it here directly (0: skip)
@@ -54,9 +55,12 @@ struct Run {
   int exit_code = -1;
 };
 
-// Runs argv with RLIMIT_NOFILE = nofile, stdout/stderr to `log`; wall time and peak RSS.
+// Runs argv with RLIMIT_NOFILE = nofile, stdout/stderr to `log`; wall time, and peak RSS as
+// GNU time reports it for the command alone (a fork of this process would count this
+// process's own pages, which the child shares until it execs).
 Run Measure(const std::vector<std::string>& args, rlim_t nofile, const std::string& log) {
   std::fflush(stdout);
+  const std::string rss_file = log + ".rss";
   const auto t0 = Clock::now();
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -64,19 +68,27 @@ Run Measure(const std::vector<std::string>& args, rlim_t nofile, const std::stri
     ::setrlimit(RLIMIT_NOFILE, &lim);
     if (std::freopen(log.c_str(), "w", stdout) == nullptr) ::_exit(126);
     ::dup2(STDOUT_FILENO, STDERR_FILENO);
+    std::vector<std::string> full = {"/usr/bin/time", "-f", "%M", "-o", rss_file};
+    full.insert(full.end(), args.begin(), args.end());
     std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    for (const std::string& a : full) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
   int status = 0;
-  rusage ru{};
-  ::wait4(pid, &status, 0, &ru);
+  ::waitpid(pid, &status, 0);
   Run r;
   r.seconds = Since(t0);
-  r.max_rss_mib = static_cast<double>(ru.ru_maxrss) / 1024.0;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (FILE* f = std::fopen(rss_file.c_str(), "r"); f != nullptr) {
+    // The last line is the peak in KiB ("Command exited with non-zero status N" may precede it).
+    char line[256];
+    long long kib = 0;
+    while (std::fgets(line, sizeof line, f) != nullptr) kib = std::atoll(line);
+    std::fclose(f);
+    r.max_rss_mib = static_cast<double>(kib) / 1024.0;
+  }
   return r;
 }
 
@@ -139,8 +151,8 @@ int main(int argc, char** argv) {
 
   std::printf("bench_many_files: %lld tensors, one shard of each per file; commands under ulimit -n %llu\n",
               static_cast<long long>(tensors), static_cast<unsigned long long>(nofile));
-  std::printf("%8s %9s %8s | %9s %9s %7s | %9s %9s %7s\n", "files", "entries", "gen s", "verify s", "RSS MiB",
-              "growth", "convert s", "RSS MiB", "growth");
+  std::printf("%8s %9s %8s | %9s %9s %7s | %9s %9s %7s\n", "files", "entries", "gen s", "verify s", "RSS MiB", "growth",
+              "convert s", "RSS MiB", "growth");
   double verify0 = 0, convert0 = 0;
   std::int64_t files0 = 0;
   bool failed = false;
@@ -157,8 +169,8 @@ int main(int argc, char** argv) {
     const double gen = Since(t0);
     const Run v = Measure({reshard, "verify", src, "--threads", "2"}, nofile, base + "/verify.log");
     const std::string out = base + "/out-" + std::to_string(files);
-    const Run cv =
-        Measure({reshard, "convert", src, "--to", "fsdp=8", "-o", out, "--threads", "2"}, nofile, base + "/convert.log");
+    const Run cv = Measure({reshard, "convert", src, "--to", "fsdp=8", "-o", out, "--threads", "2"}, nofile,
+                           base + "/convert.log");
     if (v.exit_code != 0 || cv.exit_code != 0) {
       std::fprintf(stderr, "verify exit %d, convert exit %d: see %s/verify.log, %s/convert.log\n", v.exit_code,
                    cv.exit_code, base.c_str(), base.c_str());

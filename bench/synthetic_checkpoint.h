@@ -66,7 +66,8 @@ inline Status WriteSyntheticCheckpoint(const std::string& dir, const SyntheticCh
         for (std::int64_t r = 0; r < box->shape[0]; ++r) {
           for (std::int64_t k = 0; k < box->shape[1]; ++k) {
             const std::int64_t item = (box->offset[0] + r) * c.cols + box->offset[1] + k;
-            values[static_cast<std::size_t>(r * box->shape[1] + k)] = SyntheticValue(static_cast<std::int64_t>(t), item);
+            values[static_cast<std::size_t>(r * box->shape[1] + k)] =
+                SyntheticValue(static_cast<std::int64_t>(t), item);
           }
         }
         RS_RETURN_IF_ERROR(w->WriteShard(rank, specs[t].name, Piece{*box, std::nullopt},

@@ -86,15 +86,15 @@ Status UnlinkStagingLock(const std::string& staging) {
 // Writes manifest.json into the staging directory, makes it durable, and renames the staging
 // directory to `dir` without replacing anything.
 Status Publish(const std::string& staging, const std::string& dir, const Manifest& m) {
-  const nlohmann::json j = ManifestToJson(m);
+  const std::string text = ManifestText(m);
   // Re-parse what we are about to publish: the writer must never produce a manifest its own
   // reader rejects.
   const std::string path = staging + "/" + std::string(kManifestFileName);
-  if (Result<Manifest> check = ManifestFromJson(j, path); !check.ok()) {
+  if (Result<Manifest> check = ParseManifest(text, path); !check.ok()) {
     return Internal("refusing to publish an invalid manifest: " + check.status().message());
   }
   RS_RETURN_IF_ERROR(UnlinkStagingLock(staging));
-  RS_RETURN_IF_ERROR(WriteNewFileDurably(path, j.dump(1)));
+  RS_RETURN_IF_ERROR(WriteNewFileDurably(path, text));
   RS_RETURN_IF_ERROR(FsyncPath(staging, /*directory=*/true));
   // RENAME_NOREPLACE closes the race between our existence check and the rename: plain
   // rename(2) would silently replace an empty directory that appeared meanwhile.

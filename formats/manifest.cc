@@ -12,10 +12,12 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "core/check.h"
 #include "core/dtype.h"
 #include "core/file.h"
 #include "core/model.h"
 #include "core/text.h"
+#include "formats/codec.h"
 
 namespace rs {
 namespace {
@@ -423,6 +425,25 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
   return m;
 }
 
+namespace {
+constexpr std::string_view kChecksumLinePrefix = "{\"manifest_checksum\": \"xxh3-64:";
+constexpr std::string_view kChecksumLineSuffix = "\",\n";
+constexpr std::size_t kChecksumHexDigits = 16;
+
+std::uint64_t TextChecksum(std::string_view text) {
+  return Xxh3(std::as_bytes(std::span<const char>(text.data(), text.size())));
+}
+}  // namespace
+
+std::string ManifestText(const Manifest& m) {
+  const std::string body = ManifestToJson(m).dump(1);  // "{\n \"block_bytes\": ..."
+  RS_CHECK(body.size() > 2 && body.compare(0, 2, "{\n") == 0);
+  const std::string_view rest = std::string_view(body).substr(2);
+  const std::string sum = ChecksumToString(TextChecksum(rest));  // "xxh3-64:<hex>"
+  return std::string(kChecksumLinePrefix) + sum.substr(sum.size() - kChecksumHexDigits) +
+         std::string(kChecksumLineSuffix) + std::string(rest);
+}
+
 Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
   // One JSON document and nothing after it but whitespace. The parser would stop at a NUL byte
   // as at the end of the text, and accept a manifest followed by anything after one; no JSON
@@ -430,6 +451,31 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
   if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos) {
     return DataLoss(std::string(source) + ": a NUL byte at offset " + std::to_string(nul) + " of " +
                     std::to_string(text.size()) + " (a manifest is one JSON document and nothing after it)");
+  }
+  // The manifest's own checksum (FORMAT.md §3.4), checked before anything is parsed: a flipped
+  // digit that still parses (a step, a learning rate, a mesh size) is found here.
+  bool has_checksum = false;
+  if (text.substr(0, kChecksumLinePrefix.size()) == kChecksumLinePrefix) {
+    const std::size_t line_end = kChecksumLinePrefix.size() + kChecksumHexDigits + kChecksumLineSuffix.size();
+    const std::optional<std::uint64_t> want =
+        text.size() >= line_end && text.substr(kChecksumLinePrefix.size() + kChecksumHexDigits,
+                                               kChecksumLineSuffix.size()) == kChecksumLineSuffix
+            ? ParseChecksum(text.substr(kChecksumLinePrefix.size() - 8, 8 + kChecksumHexDigits))
+            : std::nullopt;
+    if (!want) {
+      return DataLoss(std::string(source) +
+                      ": the first line opens field 'manifest_checksum' but is not {\"manifest_checksum\": "
+                      "\"xxh3-64:<16 hex digits>\", (FORMAT.md §3.4)");
+    }
+    const std::uint64_t got = TextChecksum(text.substr(line_end));
+    if (got != *want) {
+      return DataLoss(std::string(source) + ": checksum " + ChecksumToString(got) + " of the " +
+                      std::to_string(text.size() - line_end) +
+                      " bytes after the first line, field 'manifest_checksum' says " + ChecksumToString(*want) +
+                      ": the manifest changed after it was written (one edited on purpose must drop the field "
+                      "'manifest_checksum' from its first line)");
+    }
+    has_checksum = true;
   }
   json j = json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
@@ -446,7 +492,14 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
     }
     return DataLoss(std::string(source) + ": " + detail);
   }
-  return ManifestFromJson(j, source);
+  if (!has_checksum && j.is_object() && j.contains("manifest_checksum")) {
+    return DataLoss(std::string(source) +
+                    ": field 'manifest_checksum' is not on the first line, where the writer puts it: the manifest was "
+                    "rewritten after it was written (one edited on purpose must lose the field)");
+  }
+  RS_ASSIGN_OR_RETURN(Manifest m, ManifestFromJson(j, source));
+  m.has_checksum = has_checksum;
+  return m;
 }
 
 Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes) {

@@ -72,6 +72,9 @@ struct Manifest {
   std::vector<DataFileEntry> files;                    // version 2: one per data file, sorted by name
   nlohmann::json layout;                               // opaque (Layout::ToJson); null if absent
   nlohmann::json metadata = nlohmann::json::object();  // free: step, model config, ...
+  // Whether the text it was parsed from carried its own checksum (FORMAT.md §3.4), which
+  // ParseManifest then checked. Not a field of ManifestToJson: ManifestText adds it.
+  bool has_checksum = false;
 
   // Index of the tensor named `name` in `tensors`, or -1. Linear; callers that look up many
   // names build their own map.
@@ -81,6 +84,10 @@ struct Manifest {
 };
 
 nlohmann::json ManifestToJson(const Manifest& m);
+// The text of manifest.json as the writer publishes it (FORMAT.md §3.4): ManifestToJson, with
+// a first line {"manifest_checksum": "xxh3-64:<16 hex digits>", that holds the XXH3-64 of every
+// byte after that line.
+std::string ManifestText(const Manifest& m);
 
 // Validates and converts a parsed manifest document. `source` (the file path) starts every
 // error message. Errors:
@@ -94,7 +101,10 @@ nlohmann::json ManifestToJson(const Manifest& m);
 //    list that does not name every data file of the shards exactly once (or names others).
 //    Messages name the tensor, the shard index, the data file and the field.
 Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view source);
-// Parses manifest text (malformed JSON is DataLoss), then ManifestFromJson.
+// Parses manifest text (malformed JSON is DataLoss), then ManifestFromJson. A text whose first
+// line carries the manifest's checksum (ManifestText) is checked against it first: DataLoss
+// naming both checksums if the bytes after that line changed, and if a "manifest_checksum" field
+// is anywhere but on the first line (the manifest was rewritten by another tool).
 Result<Manifest> ParseManifest(std::string_view text, std::string_view source);
 // Reads "<dir>/manifest.json". NotFound if it does not exist (no checkpoint at `dir`);
 // IoError if it cannot be read; DataLoss if it is not a regular file (a FIFO, a device: refused

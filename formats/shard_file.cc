@@ -238,8 +238,10 @@ Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::stri
   if (fid < 0) {
     const int err = h5::LastSystemErrno();
     ::close(sync_fd);
+    ::unlink(path.c_str());  // what this call created: a retry meets the same error, not EEXIST
     if (err == EMFILE || err == ENFILE) return Unavailable(path + ": HDF5 create: " + OpenFileLimitHint(err));
-    return IoError(path + ": HDF5 cannot create the file" + (err != 0 ? std::string(" (") + std::strerror(err) + ")" : ""));
+    return IoError(path + ": HDF5 cannot create the file" +
+                   (err != 0 ? std::string(" (") + std::strerror(err) + ")" : ""));
   }
   std::unique_ptr<ShardFileWriter> w(new ShardFileWriter());
   w->path_ = path;
@@ -749,14 +751,16 @@ Result<std::vector<std::string>> ProbeHdf5Locked(const std::vector<Hdf5Probe>& f
   std::size_t next = 0;
   while (next < files.size()) {
     const std::size_t first = next;
-    const IsolatedResult r = RunIsolated([&](const Emit& emit) {
-      for (std::size_t i = first; i < files.size(); ++i) {
-        if (Result<std::unique_ptr<ShardFileReader>> f = ShardFileReader::Open(files[i].path); f.ok()) {
-          (*f)->AskInProbe(files[i].queries);
-        }
-        emit(".");  // file i came through
-      }
-    }, limits);
+    const IsolatedResult r = RunIsolated(
+        [&](const Emit& emit) {
+          for (std::size_t i = first; i < files.size(); ++i) {
+            if (Result<std::unique_ptr<ShardFileReader>> f = ShardFileReader::Open(files[i].path); f.ok()) {
+              (*f)->AskInProbe(files[i].queries);
+            }
+            emit(".");  // file i came through
+          }
+        },
+        limits);
     next = first + r.output.size();
     if (r.status.ok()) break;
     if (r.status.code() != ErrorCode::kDataLoss) return r.status;

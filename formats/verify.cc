@@ -361,6 +361,7 @@ nlohmann::json VerifyReport::ToJson() const {
   j["dir"] = dir;
   j["sound"] = sound();
   j["format_version"] = counts.format_version;
+  j["manifest_checksum"] = counts.manifest_checksum;
   j["counts"] = {{"tensors", counts.tensors},
                  {"shards", counts.shards},
                  {"replicas", counts.replicas},
@@ -390,6 +391,10 @@ std::string VerifyReport::ToText() const {
   // One line per finding, whatever a name from the manifest holds (newlines, escapes).
   for (const Finding& f : findings) os << FindingKindName(f.kind) << ": " << SafeText(f.message) << "\n";
   if (findings_omitted > 0) os << "(" << findings_omitted << " more findings omitted)\n";
+  if (counts.format_version > 0 && !counts.manifest_checksum) {
+    os << "note: manifest.json carries no checksum of its own (written by an older writer, or edited): a changed "
+          "value that other checks do not cover (a step, a learning rate) would go unseen\n";
+  }
   if (counts.format_version == 1) {
     os << "note: format version 1: no block tables or file checksums; bytes outside the shards' data are not "
           "checked\n";
@@ -427,6 +432,7 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
   report.counts.tensors = static_cast<std::int64_t>(m.tensors.size());
   report.counts.shards = static_cast<std::int64_t>(m.shards.size());
   report.counts.format_version = m.version;
+  report.counts.manifest_checksum = m.has_checksum;
 
   // Files: present, and of the size the manifest says (version 2), or openable by HDF5
   // (version 1). A missing or broken file is one finding that names the tensors it holds, not

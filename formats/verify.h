@@ -58,6 +58,7 @@ struct VerifyCounts {
   std::int64_t stored_bytes = 0;    // bytes in data files (compressed)
   std::int64_t outside_bytes = 0;   // version 2: bytes outside the shards' data, checksummed
   std::int64_t format_version = 0;  // of the manifest (0 if it could not be read)
+  bool manifest_checksum = false;   // the manifest carried its own checksum (checked: FORMAT.md §3.4)
 };
 
 struct VerifyReport {

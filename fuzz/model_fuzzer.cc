@@ -1,12 +1,16 @@
 // libFuzzer target: the model-description parsers. The input, when it is JSON, is read as a
 // model config (ModelConfigFromJson with both dtype spellings: `--model FILE.json` and a
-// checkpoint's metadata) and as a parameter list of the bucket planner (FsdpParamsFromJson:
-// `buckets --model FILE.json`). What parses is used as the commands use it: the parameter
-// count, the tensor list, placement under a flat FSDP layout (placement.h), bucket plans.
+// checkpoint's metadata), as a parameter list of the bucket planner (FsdpParamsFromJson:
+// `buckets --model FILE.json`) and as a Hugging Face config.json by every registered model
+// family's binder (models/: `import`, and `--model` given a config.json), the family chosen as
+// `import` chooses it (FindHfModelFamily) and each family's binder tried directly. What parses is used as the commands
+// use it: the parameter count, the tensor list, placement under a flat FSDP layout (placement.h), bucket plans.
 //
 // Properties: no crash, no sanitizer report, no uncaught exception, no hang; errors are
-// InvalidArgument (or NotFound); a config's to_json reads back to the same JSON; the parameter
-// count equals the items of the tensor list; bucket plans pass CheckBucketPlan.
+// InvalidArgument (or NotFound, or FailedPrecondition for what a family cannot express); a
+// config's to_json reads back to the same JSON; the parameter count equals the items of the
+// tensor list; bucket plans pass CheckBucketPlan; a config.json a family reads and writes back
+// reads again to the same model.
 #include <cstddef>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -18,6 +22,7 @@
 #include "core/model.h"
 #include "fuzz/placement.h"
 #include "layout/physical_layout.h"
+#include "models/family.h"
 
 namespace {
 
@@ -77,6 +82,30 @@ void CheckParams(const std::vector<FsdpParam>& params) {
   }
 }
 
+// A config.json through a family's binder; what it reads is a valid model that the family
+// writes back (when it exports) and reads again to the same config.
+void CheckHfConfig(const ModelFamily& family, const nlohmann::json& j) {
+  if (!family.read_hf_config) return;
+  Result<ModelConfig> c = family.read_hf_config(HfConfigFields(j, "config.json"));
+  if (!c.ok()) {
+    fuzz::CheckError(c.status(), "read_hf_config");
+    return;
+  }
+  CheckModel(*c);
+  if (!family.write_hf_config) return;
+  Result<nlohmann::json> written = family.write_hf_config(*c, DType::kBF16);
+  if (!written.ok()) {
+    fuzz::CheckError(written.status(), "write_hf_config");
+    return;
+  }
+  Result<ModelConfig> again = family.read_hf_config(HfConfigFields(*written, "config.json (written back)"));
+  RS_CHECK_MSG(again.ok(), family.name << ": " << again.status().ToString() << "\n" << written->dump());
+  nlohmann::json a, b;
+  to_json(a, *c);
+  to_json(b, *again);
+  RS_CHECK_MSG(a == b, family.name << ": config.json round trip changed the model: " << a.dump() << " vs " << b.dump());
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -89,6 +118,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     } else {
       fuzz::CheckError(c.status(), "ModelConfigFromJson");
     }
+  }
+  if (j.is_object()) {
+    Result<const ModelFamily*> family = FindHfModelFamily(j, "config.json");
+    if (family.ok()) {
+      CheckHfConfig(**family, j);
+    } else {
+      fuzz::CheckError(family.status(), "FindHfModelFamily");
+    }
+    for (const ModelFamily* f : ModelFamilies()) CheckHfConfig(*f, j);
   }
   Result<std::vector<FsdpParam>> params = FsdpParamsFromJson(j);
   if (params.ok()) {

@@ -51,31 +51,33 @@ std::vector<Dataset> ListDatasets(const std::string& path) {
   rs::IsolationLimits limits;
   limits.memory_bytes = std::int64_t{256} << 20;
   limits.seconds = 3;
-  const rs::IsolatedResult listed = rs::RunIsolated([&](const rs::Emit& emit) {
-    rs::h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, rs::h5::kDefault), H5Fclose);
-    if (!file.valid()) return;
-    H5G_info_t info{};
-    if (H5Gget_info(file.get(), &info) < 0) return;
-    std::size_t n = 0;
-    for (hsize_t i = 0; i < info.nlinks && n < kMaxDatasets; ++i) {
-      char name[64] = {};
-      const ssize_t len =
-          H5Lget_name_by_idx(file.get(), ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, rs::h5::kDefault);
-      if (len <= 0 || static_cast<std::size_t>(len) >= sizeof name) continue;
-      rs::h5::Handle dset(H5Dopen2(file.get(), name, rs::h5::kDefault), H5Dclose);
-      if (!dset.valid()) continue;
-      rs::h5::Handle space(H5Dget_space(dset.get()), H5Sclose);
-      hsize_t dims[1] = {0};
-      std::int64_t nbytes = 0;  // not 1-D: still located, the reader must refuse it
-      if (space.valid() && H5Sget_simple_extent_ndims(space.get()) == 1 &&
-          H5Sget_simple_extent_dims(space.get(), dims, nullptr) == 1) {
-        if (dims[0] > static_cast<hsize_t>(kMaxDatasetBytes)) continue;
-        nbytes = static_cast<std::int64_t>(dims[0]);
-      }
-      emit(std::string(name) + "\n" + std::to_string(nbytes) + "\n");
-      ++n;
-    }
-  }, limits);
+  const rs::IsolatedResult listed = rs::RunIsolated(
+      [&](const rs::Emit& emit) {
+        rs::h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, rs::h5::kDefault), H5Fclose);
+        if (!file.valid()) return;
+        H5G_info_t info{};
+        if (H5Gget_info(file.get(), &info) < 0) return;
+        std::size_t n = 0;
+        for (hsize_t i = 0; i < info.nlinks && n < kMaxDatasets; ++i) {
+          char name[64] = {};
+          const ssize_t len =
+              H5Lget_name_by_idx(file.get(), ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, rs::h5::kDefault);
+          if (len <= 0 || static_cast<std::size_t>(len) >= sizeof name) continue;
+          rs::h5::Handle dset(H5Dopen2(file.get(), name, rs::h5::kDefault), H5Dclose);
+          if (!dset.valid()) continue;
+          rs::h5::Handle space(H5Dget_space(dset.get()), H5Sclose);
+          hsize_t dims[1] = {0};
+          std::int64_t nbytes = 0;  // not 1-D: still located, the reader must refuse it
+          if (space.valid() && H5Sget_simple_extent_ndims(space.get()) == 1 &&
+              H5Sget_simple_extent_dims(space.get(), dims, nullptr) == 1) {
+            if (dims[0] > static_cast<hsize_t>(kMaxDatasetBytes)) continue;
+            nbytes = static_cast<std::int64_t>(dims[0]);
+          }
+          emit(std::string(name) + "\n" + std::to_string(nbytes) + "\n");
+          ++n;
+        }
+      },
+      limits);
   std::vector<Dataset> out;
   if (!listed.status.ok()) return out;
   std::istringstream lines(listed.output);

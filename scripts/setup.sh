@@ -13,6 +13,8 @@ PACKAGES=(build-essential cmake pkg-config libhdf5-dev libzstd-dev libxxhash-dev
 PACKAGES+=(clang-14 libclang-rt-14-dev llvm-14)
 # The format check of CI (scripts/format.sh --check).
 PACKAGES+=(clang-format-14)
+# Peak memory of the commands bench_many_files measures (GNU time).
+PACKAGES+=(time)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -150,6 +150,78 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
   EXPECT_TRUE(Files(src) == before);
 }
 
+// Reads that fail (EIO: a disk with bad sectors, a failing network file system), injected with
+// an LD_PRELOAD library into every read of one source data file - from its first byte, or only
+// past its first 4 KiB (the HDF5 superblock reads fine, the rest does not): every reading command
+// exits 1 naming the file and the OS error, writes nothing, and the source is untouched.
+TEST(Faults, ReadsThatFailWithEio) {
+  TempDir tmp;
+  const std::string src = tmp / "src";
+  ASSERT_EQ(RunCli("example --model tiny-moe --layout tp=2 -o " + src).exit_code, 0);
+  const auto before = Files(src);
+  for (const char* from : {"0", "4096"}) {
+    SCOPED_TRACE(std::string("EIO from offset ") + from);
+    const std::string env = "LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) +
+                            " RS_EIO_FILE=/rank-00001.h5 RS_EIO_FROM=" + from + " " + std::string(RS_CLI) + " ";
+    const std::string out = tmp / "out", hf = tmp / "hf";
+    for (const std::string& args :
+         {"convert " + src + " --to tp=1 -o " + out, "convert " + src + " --to tp=1 --no-verify -o " + out,
+          "export " + src + " --format hf -o " + hf, "verify " + src}) {
+      SCOPED_TRACE(args);
+      const CommandResult r = RunShell(env + args);
+      EXPECT_EQ(r.exit_code, 1) << r.output;
+      EXPECT_NE(r.output.find(src + "/rank-00001.h5"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("Input/output error"), std::string::npos) << r.output;
+      EXPECT_FALSE(fs::exists(out));
+      EXPECT_FALSE(fs::exists(hf));
+    }
+  }
+  for (const std::string& left : Leftovers(tmp.path())) {
+    EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;
+  }
+  EXPECT_TRUE(Files(src) == before);
+  EXPECT_EQ(RunCli("verify " + src).exit_code, 0);  // without the failing reads, all is well
+}
+
+// SIGTERM to `train --save-every 1`, at a few moments after its first checkpoint (between
+// steps, or while a save is being written): exit 143, no staging directory or partial
+// checkpoint left, every committed checkpoint sound, and the next run can take the directory.
+TEST(Faults, SigtermDuringTrainingSaves) {
+  TempDir tmp;
+  std::string save;
+  for (const char* delay : {"0", "0.05", "0.2"}) {
+    SCOPED_TRACE(std::string("kill after ") + delay + " s");
+    save = tmp / (std::string("run-") + delay);
+    const std::string script = "set -m; " + std::string(RS_CLI) +
+                               " train --model tiny-moe --steps 100000 --batch-size 4 --threads 1 --save-every 1 "
+                               "--save " +
+                               save + " & pid=$!; for i in $(seq 1 3000); do ls -d " + save +
+                               "/step-* 2>/dev/null | grep -qv \\.tmp- && break; sleep 0.01; done; sleep " + delay +
+                               "; kill -TERM $pid; wait $pid";
+    const CommandResult r = RunShell("bash -c '" + script + "'");
+    EXPECT_EQ(r.exit_code, 143) << r.output;
+    int committed = 0;
+    for (const auto& e : fs::directory_iterator(save)) {
+      const std::string name = e.path().filename().string();
+      EXPECT_EQ(name.find(".tmp-"), std::string::npos) << "left behind: " << name;
+      if (name.rfind("step-", 0) != 0) continue;
+      ++committed;
+      const CommandResult v = RunCli("verify " + e.path().string());
+      EXPECT_EQ(v.exit_code, 0) << v.output;
+    }
+    EXPECT_GE(committed, 1);
+  }
+  // The lock of the killed runs is free: a resumed run trains one more step and saves it.
+  std::int64_t last = 0;
+  for (const auto& e : fs::directory_iterator(save)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0) last = std::max<std::int64_t>(last, std::stoll(name.substr(5)));
+  }
+  const CommandResult resumed =
+      RunCli("train --threads 1 --steps " + std::to_string(last + 1) + " --resume " + save + " --save " + save);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+}
+
 // A source data file that shrinks while a conversion reads it (another job truncating it, a
 // failing file system): exit 1 naming the file, nothing written. With `--no-verify` reads may
 // go through memory maps, where touching a page past the new end would be SIGBUS.

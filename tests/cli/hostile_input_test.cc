@@ -24,6 +24,7 @@
 #include "formats/codec.h"
 #include "formats/hdf5_util.h"
 #include "tests/cli/cli_test_util.h"
+#include "tests/manifest_edit.h"
 
 namespace rs {
 namespace {
@@ -52,7 +53,9 @@ void WriteText(const std::string& path, const std::string& text) {
   out << text;
 }
 json ReadManifest(const std::string& dir) { return json::parse(ReadText(dir + "/manifest.json")); }
-void WriteManifest(const std::string& dir, const json& m) { WriteText(dir + "/manifest.json", m.dump(1)); }
+void WriteManifest(const std::string& dir, const json& m) {
+  WriteText(dir + "/manifest.json", testing::EditedManifestText(m));
+}
 
 json& TensorEntry(json& m, const std::string& name) {
   for (json& t : m["tensors"]) {
@@ -271,10 +274,35 @@ TEST_F(HostileInput, InvalidUtf8InManifest) {
              const std::size_t at = text.find("\"embedding.weight\"");
              ASSERT_NE(at, std::string::npos);
              text[at + 1] = '\xFF';
-             WriteText(dir + "/manifest.json", text);
+             WriteText(dir + "/manifest.json", testing::WithoutManifestChecksum(text));
            },
            kAllCmds,
            {"manifest.json", "UTF-8"}});
+}
+
+// Issue 34: a flipped digit that still parses, where no other check looks (the step a resume
+// continues from): the manifest's own checksum (FORMAT.md §3.4) finds it; a manifest rewritten
+// by another tool (its checksum field moved off the first line) is named as such.
+TEST_F(HostileInput, ManifestChangedAfterItWasWritten) {
+  RunCase({"flipped-step",
+           false,
+           [](const std::string& dir) {
+             std::string text = ReadText(dir + "/manifest.json");
+             const std::size_t at = text.find("\"step\": ");
+             ASSERT_NE(at, std::string::npos);
+             const std::size_t digit = at + 8;
+             ASSERT_TRUE(text[digit] >= '0' && text[digit] <= '9');
+             text[digit] = text[digit] == '9' ? '8' : static_cast<char>(text[digit] + 1);
+             WriteText(dir + "/manifest.json", text);
+           },
+           kAllCmds,
+           {"manifest.json", "checksum", "after the first line", "field 'manifest_checksum' says",
+            "changed after it was written"}});
+  RunCase({"rewritten",
+           false,
+           [](const std::string& dir) { WriteText(dir + "/manifest.json", ReadManifest(dir).dump(2)); },
+           kAllCmds,
+           {"manifest.json", "'manifest_checksum' is not on the first line", "rewritten"}});
 }
 
 // Issue 34: a manifest followed by NUL bytes parsed as the manifest alone and verified SOUND;

@@ -20,6 +20,7 @@
 #include "formats/hdf5_util.h"
 #include "formats/verify.h"
 #include "tests/formats/test_util.h"
+#include "tests/manifest_edit.h"
 
 namespace rs {
 namespace {
@@ -66,10 +67,10 @@ struct Corpus {
     std::ifstream in(dir + "/manifest.json");
     return json::parse(in);
   }
-  void SetManifest(const json& j) const { SetManifestText(j.dump(1)); }
+  void SetManifest(const json& j) const { SetManifestText(testing::EditedManifestText(j)); }
   void SetManifestText(const std::string& text) const {
     std::ofstream out(dir + "/manifest.json", std::ios::trunc);
-    out << text;
+    out << testing::WithoutManifestChecksum(text);
   }
 };
 

@@ -12,6 +12,7 @@
 #include "formats/checkpoint_writer.h"
 #include "formats/hdf5_util.h"
 #include "tests/formats/test_util.h"
+#include "tests/manifest_edit.h"
 
 namespace rs {
 namespace {
@@ -52,7 +53,7 @@ json ReadJsonFile(const std::string& path) {
 }
 void WriteJsonFile(const std::string& path, const json& j) {
   std::ofstream out(path, std::ios::trunc);
-  out << j.dump(1);
+  out << testing::EditedManifestText(j);
 }
 
 // Issue 34: readers find a shard's block table by its offset alone, so a manifest naming a
