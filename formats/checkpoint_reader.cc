@@ -165,7 +165,7 @@ Result<std::shared_ptr<const ShardFileReader>> CheckpointReader::File(const std:
         probes.back().queries.push_back({s.dataset, s.codec, s.nbytes});
       }
     }
-    Result<std::vector<std::string>> reasons = ProbeHdf5(probes);
+    Result<std::vector<std::string>> reasons = ProbeHdf5(probes, options_.hdf5_probe);
     if (!reasons.ok()) {
       hdf5_probe_error_ = reasons.status().WithContext(dir_ + ": checking the data files' HDF5 metadata");
     } else {

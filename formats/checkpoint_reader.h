@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/isolate.h"
 #include "core/open_files.h"
 #include "core/shape.h"
 #include "core/status.h"
@@ -43,6 +44,9 @@ struct ReaderOptions {
   // of `ulimit -n`. A checkpoint with more files is read all the same: the least recently
   // used file that no thread is reading is closed when another must be opened.
   std::size_t max_open_files = 0;
+  // Version 1: the limits of the child process in which HDF5 parses the data files first
+  // (ProbeHdf5).
+  IsolationLimits hdf5_probe{};
 };
 
 class CheckpointReader {

@@ -411,6 +411,7 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
   ReaderOptions ro;
   ro.threads = options.threads;
   ro.checksums = ChecksumPolicy::kSkip;  // verified explicitly, each shard once
+  ro.hdf5_probe = options.hdf5_probe;
   Result<std::unique_ptr<CheckpointReader>> opened = CheckpointReader::Open(dir, ro);
   if (!opened.ok()) {
     VerifyReport report;

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/isolate.h"
 #include "core/status.h"
 
 namespace rs {
@@ -90,6 +91,8 @@ struct VerifyOptions {
   // Called after each shard's checksum with (uncompressed bytes checked so far, total), from
   // worker threads but never concurrently; for a progress line. May be empty.
   std::function<void(std::int64_t, std::int64_t)> progress;
+  // Version 1: limits of HDF5's parse of the data files in a child process (ProbeHdf5).
+  IsolationLimits hdf5_probe{};
 };
 
 VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options = {});
