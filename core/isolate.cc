@@ -12,6 +12,9 @@
 #include <cstring>
 #include <new>
 
+// A sanitizer build's hook for its fatal reports (weak: null in other builds).
+extern "C" void __sanitizer_set_death_callback(void (*callback)(void)) __attribute__((weak));
+
 namespace rs {
 namespace {
 
@@ -19,6 +22,7 @@ namespace {
 constexpr int kOutOfMemoryExit = 121;
 constexpr int kExceptionExit = 122;
 constexpr int kWriteFailedExit = 123;
+constexpr int kSanitizerExit = 124;
 
 // A field of /proc/self/status in bytes ("VmData", "VmSize", "VmPeak"), or -1 if unknown.
 std::int64_t ProcStatusBytes(const char* field) {
@@ -80,6 +84,11 @@ bool WriteAll(int fd, const char* p, std::size_t n) {
 
 [[noreturn]] void RunChild(const std::function<void(const Emit&)>& fn, const IsolationLimits& limits, int out_fd) {
   for (const int sig : {SIGTERM, SIGINT, SIGHUP, SIGALRM, SIGPIPE}) ::signal(sig, SIG_DFL);
+  // A crash is the child's end, nothing more: no handler of the parent's (a sanitizer's report,
+  // libFuzzer's writing of a crash input) runs for it, and a sanitizer's own fatal report ends
+  // the child at once.
+  for (const int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP}) ::signal(sig, SIG_DFL);
+  if (__sanitizer_set_death_callback != nullptr) __sanitizer_set_death_callback([] { ::_exit(kSanitizerExit); });
   if (const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC); null >= 0) {
     ::dup2(null, STDERR_FILENO);
     ::close(null);
@@ -195,6 +204,9 @@ IsolatedResult RunIsolated(const std::function<void(const Emit&)>& fn, const Iso
         break;
       case kExceptionExit:
         out.status = DataLoss("threw an exception");
+        break;
+      case kSanitizerExit:
+        out.status = DataLoss("crashed (a sanitizer's report)");
         break;
       default:
         out.status = DataLoss("exited with status " + std::to_string(code));

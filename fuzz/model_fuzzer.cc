@@ -91,6 +91,11 @@ void CheckHfConfig(const ModelFamily& family, const nlohmann::json& j) {
     fuzz::CheckError(c.status(), "read_hf_config");
     return;
   }
+  // As `import` does (ParseHfConfig): a binder reads fields, the model's own checks judge them.
+  if (const Status valid = c->Validate(); !valid.ok()) {
+    fuzz::CheckError(valid, "ModelConfig::Validate");
+    return;
+  }
   CheckModel(*c);
   if (!family.write_hf_config) return;
   Result<nlohmann::json> written = family.write_hf_config(*c, DType::kBF16);
