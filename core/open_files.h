@@ -20,7 +20,7 @@
 namespace rs {
 
 // How many files a reader keeps open by default: a quarter of the soft RLIMIT_NOFILE (each
-// open data file can take two descriptors: ours and HDF5's), at least 4 and at most 4096.
+// open data file can take two descriptors: ours and HDF5's), at least 2 and at most 4096.
 std::size_t DefaultOpenFileBudget();
 
 template <typename T>

@@ -457,8 +457,10 @@ Result<std::unique_ptr<DcpCheckpoint>> DcpCheckpoint::Open(const std::string& di
   return c;
 }
 
-DcpCheckpoint::~DcpCheckpoint() {
-  for (auto& [name, f] : files_) ::close(f.fd);
+DcpCheckpoint::~DcpCheckpoint() = default;
+
+DcpCheckpoint::File::~File() {
+  if (fd >= 0) ::close(fd);
 }
 
 std::string DcpCheckpoint::metadata_path() const { return dir_ + "/" + std::string(kDcpMetadataFileName); }
@@ -476,41 +478,36 @@ std::string DcpCheckpoint::DescribeChunk(std::size_t tensor, std::size_t chunk) 
          ", +" + std::to_string(s.length) + "))";
 }
 
-Result<DcpCheckpoint::File> DcpCheckpoint::OpenFile(const std::string& file) {
-  const auto it = files_.find(file);
-  if (it != files_.end()) return it->second;
-  File f;
-  const std::string path = dir_ + "/" + file;
-  Result<int> fd = OpenRegularFile(path, &f.size);
-  if (!fd.ok()) {
-    if (fd.status().code() == ErrorCode::kNotFound) {
-      return DataLoss(path + ": data file named by " + metadata_path() + " does not exist");
+Result<std::shared_ptr<DcpCheckpoint::File>> DcpCheckpoint::OpenFile(const std::string& file) {
+  return files_.Get(file, [&]() -> Result<std::shared_ptr<File>> {
+    auto f = std::make_shared<File>();
+    const std::string path = dir_ + "/" + file;
+    Result<int> fd = OpenRegularFile(path, &f->size);
+    if (!fd.ok()) {
+      if (fd.status().code() == ErrorCode::kNotFound) {
+        return DataLoss(path + ": data file named by " + metadata_path() + " does not exist");
+      }
+      if (fd.status().code() == ErrorCode::kFailedPrecondition) return DataLoss(fd.status().message());
+      return fd.status();
     }
-    if (fd.status().code() == ErrorCode::kFailedPrecondition) return DataLoss(fd.status().message());
-    return fd.status();
-  }
-  f.fd = *fd;
-  files_.emplace(file, f);
-  return f;
+    f->fd = *fd;
+    return f;
+  });
 }
 
 Result<std::int64_t> DcpCheckpoint::FileSize(const std::string& file) {
   std::lock_guard lock(mu_);
-  RS_ASSIGN_OR_RETURN(const File f, OpenFile(file));
-  return f.size;
+  RS_ASSIGN_OR_RETURN(const std::shared_ptr<File> f, OpenFile(file));
+  return f->size;
 }
 
 Status DcpCheckpoint::ReadAt(const std::string& file, std::int64_t offset, std::span<std::byte> out,
                              const std::string& what) {
-  File f;
-  {
-    std::lock_guard lock(mu_);
-    RS_ASSIGN_OR_RETURN(f, OpenFile(file));
-  }
+  RS_ASSIGN_OR_RETURN(const std::shared_ptr<File> f, OpenFile(file));
   std::size_t done = 0;
   while (done < out.size()) {
     const std::size_t n = std::min<std::size_t>(out.size() - done, std::size_t{4} << 20);
-    const ssize_t r = ::pread(f.fd, out.data() + done, n, static_cast<off_t>(offset) + static_cast<off_t>(done));
+    const ssize_t r = ::pread(f->fd, out.data() + done, n, static_cast<off_t>(offset) + static_cast<off_t>(done));
     if (r < 0) {
       if (errno == EINTR) continue;
       return IoError(Errno(what + ": read at file offset " + std::to_string(offset + static_cast<std::int64_t>(done))));
@@ -554,9 +551,9 @@ Result<DcpChunkLocation> DcpCheckpoint::Locate(std::size_t ti, std::size_t ci) {
   std::int64_t file_size = 0;
   {
     std::lock_guard lock(mu_);
-    Result<File> f = OpenFile(s.file);
+    Result<std::shared_ptr<File>> f = OpenFile(s.file);
     if (!f.ok()) return Status(f.status().code(), f.status().message() + " (item " + key + ")");
-    file_size = f->size;
+    file_size = (*f)->size;
   }
   if (s.offset > file_size || s.length > file_size - s.offset) {
     return DataLoss(where + ": the item runs past the end of the file (" + std::to_string(file_size) +

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/open_files.h"
 #include "core/shape.h"
 #include "core/status.h"
 #include "formats/pickle.h"
@@ -153,11 +154,17 @@ class DcpCheckpoint {
 
  private:
   DcpCheckpoint() = default;
+  // An open data file; closed when the last holder drops it (core/open_files.h: at most a
+  // quarter of `ulimit -n` are kept open).
   struct File {
     int fd = -1;
     std::int64_t size = 0;
+    File() = default;
+    File(const File&) = delete;
+    File& operator=(const File&) = delete;
+    ~File();
   };
-  Result<File> OpenFile(const std::string& file);  // mu_ held
+  Result<std::shared_ptr<File>> OpenFile(const std::string& file);
   Status ReadAt(const std::string& file, std::int64_t offset, std::span<std::byte> out, const std::string& what);
   Result<DcpChunkLocation> Locate(std::size_t tensor, std::size_t chunk);
 
@@ -165,7 +172,7 @@ class DcpCheckpoint {
   DcpMetadata meta_;
   std::map<std::string, std::size_t> tensor_index_;
   std::mutex mu_;
-  std::map<std::string, File> files_;
+  OpenFileCache<File> files_{DefaultOpenFileBudget()};
   std::map<std::pair<std::size_t, std::size_t>, DcpChunkLocation> locations_;
 };
 

@@ -129,7 +129,7 @@ TEST(OpenFiles, DefaultBudgetIsAQuarterOfTheOpenFileLimit) {
   EXPECT_EQ(DefaultOpenFileBudget(), 25u);
   lim.rlim_cur = 8;
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &lim), 0);
-  EXPECT_EQ(DefaultOpenFileBudget(), 4u);
+  EXPECT_EQ(DefaultOpenFileBudget(), 2u);
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
