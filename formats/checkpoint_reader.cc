@@ -169,8 +169,10 @@ Result<std::shared_ptr<const ShardFileReader>> CheckpointReader::File(const std:
     if (!reasons.ok()) {
       hdf5_probe_error_ = reasons.status().WithContext(dir_ + ": checking the data files' HDF5 metadata");
     } else {
-      for (std::size_t i = 0; i < probes.size(); ++i) {
-        if (!(*reasons)[i].empty()) hdf5_damaged_[probes[i].path.substr(dir_.size() + 1)] = (*reasons)[i];
+      std::size_t i = 0;
+      for (const auto& [name, shards] : shards_in_file_) {  // the order of `probes`
+        if (!(*reasons)[i].empty()) hdf5_damaged_[name] = (*reasons)[i];
+        ++i;
       }
     }
   }

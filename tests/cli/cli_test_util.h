@@ -7,6 +7,8 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 
@@ -32,6 +34,12 @@ inline CommandResult RunShell(const std::string& command) {
 }
 
 inline CommandResult RunCli(const std::string& args) { return RunShell(std::string(RS_CLI) + " " + args); }
+
+// A whole file's bytes ("" if it cannot be read).
+inline std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
 
 // A fresh directory under the system temp dir, removed when the object goes away.
 class TempDir {

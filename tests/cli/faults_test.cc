@@ -25,18 +25,14 @@ namespace fs = std::filesystem;
 using testing::CommandResult;
 using testing::RunCli;
 using testing::RunShell;
+using testing::Slurp;
 using testing::TempDir;
-
-std::string Slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 // Every regular file under `dir` (relative name -> bytes).
 std::map<std::string, std::string> Files(const fs::path& dir) {
   std::map<std::string, std::string> out;
   for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = Slurp(e.path());
+    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = Slurp(e.path().string());
   }
   return out;
 }

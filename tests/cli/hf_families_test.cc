@@ -23,15 +23,11 @@ namespace fs = std::filesystem;
 using testing::CommandResult;
 using testing::RunCli;
 using testing::RunShell;
+using testing::Slurp;
 using testing::TempDir;
 
 const std::string kFixtures = std::string(RS_SOURCE_DIR) + "/tests/fixtures/hf";
 const std::string kData = kFixtures + "/data.txt";
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 nlohmann::json ReadJson(const std::string& path) { return nlohmann::json::parse(Slurp(path)); }
 

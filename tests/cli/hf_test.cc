@@ -37,12 +37,8 @@ namespace fs = std::filesystem;
 using testing::CommandResult;
 using testing::RunCli;
 using testing::RunShell;
+using testing::Slurp;
 using testing::TempDir;
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 void WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);

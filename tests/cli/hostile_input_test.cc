@@ -298,6 +298,16 @@ TEST_F(HostileInput, ManifestChangedAfterItWasWritten) {
            kAllCmds,
            {"manifest.json", "checksum", "after the first line", "field 'manifest_checksum' says",
             "changed after it was written"}});
+  RunCase({"checksum-line",
+           false,
+           [](const std::string& dir) {
+             std::string text = ReadText(dir + "/manifest.json");
+             ASSERT_EQ(text.rfind("{\"manifest_checksum\": \"xxh3-64:", 0), 0u);
+             text[31] = 'g';  // the first hex digit
+             WriteText(dir + "/manifest.json", text);
+           },
+           kAllCmds,
+           {"manifest.json", "the first line opens field 'manifest_checksum' but is not", "16 hex digits"}});
   RunCase({"rewritten",
            false,
            [](const std::string& dir) { WriteText(dir + "/manifest.json", ReadManifest(dir).dump(2)); },

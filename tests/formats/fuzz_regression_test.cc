@@ -83,6 +83,18 @@ TEST(FuzzRegression, VerifyTotalOfHugeShardsDoesNotOverflow) {
   EXPECT_EQ(rep.Count(FindingKind::kOverlap), 1) << rep.ToText();
 }
 
+// The version-1 checkpoint of the fuzz seeds (fuzz/corpus: 4 data files and their manifest),
+// copied to `dir`.
+void CopyVersion1Seeds(const std::string& dir) {
+  const std::string src = RS_SOURCE_DIR;
+  std::filesystem::create_directories(dir);
+  for (int r = 0; r < 4; ++r) {
+    const std::string name = "rank-0000" + std::to_string(r) + ".h5";
+    std::filesystem::copy_file(src + "/fuzz/corpus/shard_file/v1_" + name, dir + "/" + name);
+  }
+  std::filesystem::copy_file(src + "/fuzz/corpus/checkpoint/v1_valid.json", dir + "/manifest.json");
+}
+
 // fuzz_shard_file (fuzz/hdf5/): damaged data files on which libhdf5 1.10 itself crashes or
 // allocates without end. A version-1 checkpoint has no checksum over a file's metadata that
 // could be checked first, so HDF5 parses such a file in a child process before this one does
@@ -99,12 +111,7 @@ TEST(FuzzRegression, DamagedVersion1FilesThatCrashHdf5AreErrors) {
     SCOPED_TRACE(bad);
     testing::ScratchDir tmp;
     const std::string dir = tmp / "ckpt";
-    std::filesystem::create_directories(dir);
-    for (int r = 0; r < 4; ++r) {
-      const std::string name = "rank-0000" + std::to_string(r) + ".h5";
-      std::filesystem::copy_file(src + "/fuzz/corpus/shard_file/v1_" + name, dir + "/" + name);
-    }
-    std::filesystem::copy_file(src + "/fuzz/corpus/checkpoint/v1_valid.json", dir + "/manifest.json");
+    CopyVersion1Seeds(dir);
     ASSERT_TRUE(VerifyCheckpoint(dir).sound()) << VerifyCheckpoint(dir).ToText();
 
     std::filesystem::copy_file(src + "/fuzz/hdf5/" + std::string(bad), dir + "/rank-00002.h5",
@@ -143,12 +150,7 @@ TEST(FuzzRegression, EveryDamagedVersion1FileIsFoundInOneProbe) {
   const std::string src = RS_SOURCE_DIR;
   testing::ScratchDir tmp;
   const std::string dir = tmp / "ckpt";
-  std::filesystem::create_directories(dir);
-  for (int r = 0; r < 4; ++r) {
-    const std::string name = "rank-0000" + std::to_string(r) + ".h5";
-    std::filesystem::copy_file(src + "/fuzz/corpus/shard_file/v1_" + name, dir + "/" + name);
-  }
-  std::filesystem::copy_file(src + "/fuzz/corpus/checkpoint/v1_valid.json", dir + "/manifest.json");
+  CopyVersion1Seeds(dir);
   std::filesystem::copy_file(src + "/fuzz/hdf5/chunk_layout_sigfpe.h5", dir + "/rank-00000.h5",
                              std::filesystem::copy_options::overwrite_existing);
   std::filesystem::copy_file(src + "/fuzz/hdf5/local_heap_segv.h5", dir + "/rank-00002.h5",
