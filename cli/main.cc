@@ -5,8 +5,9 @@
 #include "cli/commands.h"
 #include "cli/signals.h"
 
-int main(int argc, char** argv) {
-  rs::cli::InstallSignalCleanup();
+namespace {
+
+int Run(int argc, char** argv) {
   CLI::App app{"reshard: MoE checkpoint and optimizer-state resharding toolkit with a training core"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "reshard 0.1.0");
@@ -31,4 +32,13 @@ int main(int argc, char** argv) {
     return rc == 0 ? rs::cli::kExitOk : rs::cli::kExitUsage;
   }
   return rs::cli::kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  rs::cli::InstallSignalCleanup();
+  const int rc = Run(argc, argv);
+  rs::cli::WaitIfSignalled();
+  return rc;
 }

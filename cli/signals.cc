@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -15,10 +16,13 @@ namespace rs::cli {
 namespace {
 
 int g_pipe[2] = {-1, -1};
+std::atomic<int> g_signal{0};  // lock-free, so setting it is async-signal-safe
+static_assert(std::atomic<int>::is_always_lock_free);
 
 // Async-signal-safe: one byte down the pipe; the cleanup thread does the rest.
 void OnSignal(int sig) {
   const int saved = errno;
+  g_signal.store(sig);
   const auto b = static_cast<unsigned char>(sig);
   [[maybe_unused]] const ssize_t n = ::write(g_pipe[1], &b, 1);
   errno = saved;
@@ -54,6 +58,11 @@ void InstallSignalCleanup() {
     any = ::sigaction(sig, &sa, nullptr) == 0 || any;
   }
   if (any) std::thread(CleanupThread).detach();
+}
+
+void WaitIfSignalled() {
+  if (g_signal.load() == 0) return;
+  for (;;) ::pause();  // the clean-up thread ends the process with 128 + the signal's number
 }
 
 }  // namespace rs::cli

@@ -9,4 +9,9 @@ namespace rs::cli {
 // Call once, first thing in main.
 void InstallSignalCleanup();
 
+// Call before main returns: once a signal has arrived, the clean-up thread owns the exit (its
+// code is 128 + the signal's number), so an error that the clean-up itself caused in the main
+// thread (a publish it refused, a file it removed) does not race it with exit code 1.
+void WaitIfSignalled();
+
 }  // namespace rs::cli

@@ -98,7 +98,8 @@ Status Publish(const std::string& staging, const std::string& dir, const Manifes
   RS_RETURN_IF_ERROR(FsyncPath(staging, /*directory=*/true));
   // RENAME_NOREPLACE closes the race between our existence check and the rename: plain
   // rename(2) would silently replace an empty directory that appeared meanwhile.
-  if (Status st = RenameNoReplace(staging, dir); !st.ok()) {
+  // Under the clean-up registry's lock: a signal's clean-up never removes half of it.
+  if (Status st = PublishCleanupPath(staging, [&] { return RenameNoReplace(staging, dir); }); !st.ok()) {
     if (st.code() == ErrorCode::kAlreadyExists) return AlreadyExists(dir + " appeared while writing; not replaced");
     return st;
   }
@@ -176,11 +177,11 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(const std::st
   w->dir_ = dir;
   w->options_ = options;
   w->staging_ = StagingPath(dir, UniqueSuffix());
-  if (::mkdir(w->staging_.c_str(), 0755) != 0) {
+  // Registered as it is created: removed if a signal ends the process.
+  if (Status st = CreateCleanupDir(w->staging_); !st.ok()) {
     w->done_ = true;  // nothing of ours to clean up
-    return IoError(Errno(w->staging_ + ": mkdir"));
+    return st;
   }
-  RegisterCleanupPath(w->staging_);  // removed if a signal ends the process
   RS_RETURN_IF_ERROR(w->LockStaging());
   CleanParent(dir);
   w->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
@@ -203,12 +204,11 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::CreateStaged(const s
   w->fragment_id_ = fragment_id;
   w->staging_ = StagingPath(dir, txn);
   // Every process of the write calls this; whoever comes first creates the directory.
-  if (::mkdir(w->staging_.c_str(), 0755) != 0 && errno != EEXIST) {
-    w->done_ = true;
-    return IoError(Errno(w->staging_ + ": mkdir"));
-  }
   // A signal ends this process's part of the write, and so the write: the staging goes.
-  RegisterCleanupPath(w->staging_);
+  if (Status st = CreateCleanupDir(w->staging_, /*may_exist=*/true); !st.ok()) {
+    w->done_ = true;
+    return st;
+  }
   RS_RETURN_IF_ERROR(w->LockStaging());
   if (fragment_id == 0) CleanParent(dir);
   w->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
@@ -468,9 +468,8 @@ Status CheckpointWriter::Commit() {
   if (done_) return FailedPrecondition("checkpoint " + dir_ + " already committed");
   if (open_sinks_ > 0) return FailedPrecondition(std::to_string(open_sinks_) + " shards are still being written");
   RS_RETURN_IF_ERROR(CloseFiles());
-  RS_RETURN_IF_ERROR(Publish(staging_, dir_, BuildManifest()));
+  RS_RETURN_IF_ERROR(Publish(staging_, dir_, BuildManifest()));  // unregisters staging_
   done_ = true;
-  UnregisterCleanupPath(staging_);  // published under its name: nothing to remove
   return Status::Ok();
 }
 

@@ -310,7 +310,6 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   if (PathExists(path)) return AlreadyExists(path + " exists; not replaced");
   auto w = std::unique_ptr<SafetensorsWriter>(new SafetensorsWriter());
   w->path_ = path;
-  w->tmp_ = path + ".tmp-" + UniqueSuffix();
   w->tensors_ = std::move(tensors);
   std::int64_t end = 0;
   for (const SafetensorsEntry& t : w->tensors_) {
@@ -319,9 +318,11 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   }
   w->data_bytes_ = end;
   w->data_start_ = 8 + static_cast<std::int64_t>(header.size());
-  w->fd_ = ::open(w->tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (w->fd_ < 0) return IoError(Errno(w->tmp_ + ": create"));
-  RegisterCleanupPath(w->tmp_);  // removed if a signal ends the process
+  // Registered as it is created: removed if a signal ends the process. tmp_ is set only once
+  // the file is ours (the destructor removes it).
+  const std::string tmp = path + ".tmp-" + UniqueSuffix();
+  RS_ASSIGN_OR_RETURN(w->fd_, CreateCleanupFile(tmp));
+  w->tmp_ = tmp;
   std::array<std::byte, 8> len{};
   auto n = static_cast<std::uint64_t>(header.size());
   for (std::size_t i = 0; i < 8; ++i, n >>= 8) len[i] = static_cast<std::byte>(n & 0xff);
@@ -372,7 +373,7 @@ Status SafetensorsWriter::Finish() {
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) return IoError(Errno(tmp_ + ": close"));
-  RS_RETURN_IF_ERROR(RenameNoReplace(tmp_, path_));
+  RS_RETURN_IF_ERROR(PublishCleanupPath(tmp_, [&] { return RenameNoReplace(tmp_, path_); }));
   finished_ = true;
   return FsyncParentDir(path_);
 }

@@ -59,10 +59,10 @@ Result<nlohmann::json> ReadJson(const std::string& path) {
   return j;
 }
 
-// Removes a staging directory unless released.
+// Removes a staging directory (created by CreateCleanupDir) unless released.
 class StagingGuard {
  public:
-  explicit StagingGuard(std::string dir) : dir_(std::move(dir)) { RegisterCleanupPath(dir_); }
+  explicit StagingGuard(std::string dir) : dir_(std::move(dir)) {}
   ~StagingGuard() {
     if (dir_.empty()) return;
     UnregisterCleanupPath(dir_);
@@ -216,8 +216,7 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   std::string trimmed = out;
   while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
   const std::string staging = trimmed + ".tmp-" + UniqueSuffix();
-  std::error_code ec;
-  if (!fs::create_directory(staging, ec) || ec) return IoError(staging + ": cannot create directory: " + ec.message());
+  RS_RETURN_IF_ERROR(CreateCleanupDir(staging));  // removed if a signal ends the process
   StagingGuard guard(staging);
 
   RS_RETURN_IF_ERROR(WriteNewFileDurably(staging + "/config.json", config_json.dump(2) + "\n"));
@@ -265,7 +264,7 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   const nlohmann::json index{{"metadata", {{"total_size", result.total_bytes}}}, {"weight_map", weight_map}};
   RS_RETURN_IF_ERROR(WriteNewFileDurably(staging + "/model.safetensors.index.json", index.dump(2) + "\n"));
   RS_RETURN_IF_ERROR(FsyncPath(staging, /*directory=*/true));
-  RS_RETURN_IF_ERROR(RenameNoReplace(staging, trimmed));
+  RS_RETURN_IF_ERROR(PublishCleanupPath(staging, [&] { return RenameNoReplace(staging, trimmed); }));
   guard.Release();
   RS_RETURN_IF_ERROR(FsyncParentDir(trimmed));
   result.files = static_cast<std::int64_t>(files.size());
