@@ -1,5 +1,5 @@
 // `reshard buckets --model PRESET|FILE.json --dp N [--ep N] [--policy lcm|split|best]
-// [--granularity element|matrix] [--merge-units] [--compare] [--json]`: plans FSDP buckets
+// [--granularity element|matrix] [--merge-units] [--compare] [--json] [--svg FILE]`: plans FSDP buckets
 // (core/fsdp_buckets.h) and reports their padding, all-gather traffic and largest bucket.
 #include <algorithm>
 #include <cmath>
@@ -8,6 +8,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "cli/commands.h"
@@ -15,8 +16,10 @@
 #include "core/fsdp_buckets.h"
 #include "core/fsdp_presets.h"
 #include "core/model.h"
+#include "formats/durable_file.h"
 #include "formats/manifest.h"
 #include "layout/physical_layout.h"
+#include "reshard/pictures.h"
 
 namespace rs::cli {
 namespace {
@@ -38,6 +41,7 @@ struct BucketsArgs {
   bool compare = false;
   bool summary = false;
   bool json = false;
+  std::string svg;
 };
 
 constexpr const char* kFileHelp = R"(
@@ -251,8 +255,14 @@ void RunBuckets(const BucketsArgs& a) {
   o.granularity = *granularity;
   o.align_bytes = a.align_bytes;
 
+  const auto draw = [&a](std::span<const BucketPlan> plans) {
+    if (a.svg.empty()) return;
+    if (Status st = ReplaceFileDurably(a.svg, BucketsSvg(plans, a.model)); !st.ok()) Fail("buckets", st);
+    PrintErr("wrote %s\n", a.svg.c_str());
+  };
   if (a.compare) {
     nlohmann::json all = nlohmann::json::array();
+    std::vector<BucketPlan> drawn;  // the three policies at --granularity, side by side
     if (!a.json) {
       Print("%s dp %lld ep %lld%s\n", a.model.c_str(), static_cast<long long>(a.dp), static_cast<long long>(a.ep),
             a.merge_units ? ", units merged" : ", one bucket per unit");
@@ -268,8 +278,10 @@ void RunBuckets(const BucketsArgs& a) {
         } else {
           PrintTotals(*plan);
         }
+        if (g == *granularity) drawn.push_back(std::move(plan).value());
       }
     }
+    draw(drawn);
     if (a.json) {
       PrintJson(nlohmann::json{{"model", a.model}, {"dp", a.dp}, {"ep", a.ep}, {"policies", all}});
     }
@@ -286,6 +298,7 @@ void RunBuckets(const BucketsArgs& a) {
   }
   auto plan = PlanBuckets(std::move(*params), o);
   if (!plan.ok()) Fail("buckets", plan.status());
+  draw(std::span<const BucketPlan>(&*plan, 1));
   if (a.json) {
     nlohmann::json j = *plan;
     if (apart) {
@@ -356,6 +369,9 @@ void RegisterBuckets(CLI::App& app) {
   cmd->add_flag("--compare", a->compare, "Print the totals of all three policies");
   cmd->add_flag("--summary", a->summary, "Totals only, no per-bucket listing");
   cmd->add_flag("--json", a->json, "Machine-readable output (key padding_fraction holds the total)");
+  cmd->add_option("--svg", a->svg,
+                  "Also draw the buckets (bars cut into dp shards, members, padding) to this SVG file; with --compare "
+                  "the three policies at --granularity side by side");
   cmd->callback([a] { RunBuckets(*a); });
 }
 

@@ -1,4 +1,4 @@
-// `reshard inspect DIR [--json] [--tensor NAME]`: what a checkpoint holds and where.
+// `reshard inspect DIR [--json] [--tensor NAME [--svg FILE]]`: what a checkpoint holds and where.
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -9,7 +9,9 @@
 #include "cli/source_args.h"
 #include "cli/util.h"
 #include "core/layout.h"
+#include "formats/durable_file.h"
 #include "formats/manifest.h"
+#include "reshard/pictures.h"
 
 namespace rs::cli {
 namespace {
@@ -19,6 +21,7 @@ struct InspectOptions {
   bool json = false;
   std::string tensor;
   std::string model;
+  std::string svg;
 };
 
 struct TensorStats {
@@ -52,7 +55,20 @@ nlohmann::json ShardJson(const ShardEntry& s) {
   return j;
 }
 
-void InspectTensor(const Manifest& m, const std::string& name, bool json) {
+// The shard map of one tensor as a picture (reshard/pictures.h).
+void WriteShardMap(const Manifest& m, const TensorSpec& t, const std::vector<const ShardEntry*>& shards,
+                   const InspectOptions& o) {
+  std::optional<Layout> layout;
+  if (!m.layout.is_null()) {
+    if (auto l = Layout::FromJson(m.layout); l.ok()) layout = std::move(l).value();
+  }
+  const std::string picture = ShardMapSvg(t, shards, layout, o.dir);
+  if (Status st = ReplaceFileDurably(o.svg, picture); !st.ok()) Fail("inspect", st);
+  PrintErr("wrote %s (%zu shards of %s)\n", o.svg.c_str(), shards.size(), SafeText(t.name).c_str());
+}
+
+void InspectTensor(const Manifest& m, const std::string& name, const InspectOptions& o) {
+  const bool json = o.json;
   const std::int64_t index = m.TensorIndex(name);
   if (index < 0) Fail("inspect", NotFound("checkpoint has no tensor '" + name + "'"));
   const TensorSpec& t = m.tensors[static_cast<std::size_t>(index)];
@@ -60,6 +76,7 @@ void InspectTensor(const Manifest& m, const std::string& name, bool json) {
   for (const auto& s : m.shards) {
     if (s.tensor == name) shards.push_back(&s);
   }
+  if (!o.svg.empty()) WriteShardMap(m, t, shards, o);
   if (json) {
     nlohmann::json j = {{"tensor", t}, {"shards", nlohmann::json::array()}};
     for (const auto* s : shards) j["shards"].push_back(ShardJson(*s));
@@ -100,8 +117,10 @@ void RunInspect(const InspectOptions& o) {
   }
   if (!manifest.ok()) Fail("inspect", manifest.status());
   const Manifest& m = *manifest;
+  if (!o.svg.empty() && o.tensor.empty())
+    Fail("inspect", InvalidArgument("--svg draws one tensor: give --tensor NAME"));
   if (!o.tensor.empty()) {
-    InspectTensor(m, o.tensor, o.json);
+    InspectTensor(m, o.tensor, o);
     return;
   }
 
@@ -175,6 +194,9 @@ void RegisterInspect(CLI::App& app) {
   cmd->add_option("dir", opts->dir, "Checkpoint directory (ours or PyTorch DCP)")->required();
   cmd->add_flag("--json", opts->json, "Machine-readable output");
   cmd->add_option("--tensor", opts->tensor, "Show which rank holds which box of this tensor");
+  cmd->add_option("--svg", opts->svg,
+                  "With --tensor: also draw its shard map (boxes by rank, replicas, fused component boundaries, "
+                  "mesh coordinates) to this SVG file");
   cmd->add_option("--model", opts->model,
                   "PyTorch DCP directories: the model (preset or JSON file), to check and place the tensors");
   cmd->callback([opts] { RunInspect(*opts); });

@@ -1,4 +1,4 @@
-// `reshard plan SRC --to LAYOUT [--json]`: what a conversion would read and write – per target
+// `reshard plan SRC --to LAYOUT [--json] [--svg FILE]`: what a conversion would read and write – per target
 // rank, read amplification, copy operations, peak buffer – without touching any data file.
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -7,6 +7,8 @@
 #include "cli/reshard_args.h"
 #include "cli/source_args.h"
 #include "cli/util.h"
+#include "formats/durable_file.h"
+#include "reshard/pictures.h"
 #include "reshard/plan.h"
 
 namespace rs::cli {
@@ -24,6 +26,7 @@ struct PlanArgs {
   bool json = false;
   bool detail = false;
   std::string model;
+  std::string svg;
 };
 
 void RunPlan(const PlanArgs& a) {
@@ -53,6 +56,11 @@ void RunPlan(const PlanArgs& a) {
   }
   auto plan = PlanReshard(*manifest, *target, o);
   if (!plan.ok()) Fail("plan", plan.status().WithContext(SourceIndexPath(**source)));
+  if (!a.svg.empty()) {
+    const std::string picture = PlanSvg(*manifest, *plan, a.src, (*target).ToString());
+    if (Status st = ReplaceFileDurably(a.svg, picture); !st.ok()) Fail("plan", st);
+    PrintErr("wrote %s\n", a.svg.c_str());
+  }
   if (a.json) {
     nlohmann::json j = *plan;
     PrintJson(j);
@@ -79,6 +87,8 @@ void RegisterPlan(CLI::App& app) {
   cmd->add_flag("--with-replicas", a->with_replicas, "As for convert");
   cmd->add_flag("--json", a->json, "Machine-readable output");
   cmd->add_flag("--detail", a->detail, "List every target shard and its transfers");
+  cmd->add_option("--svg", a->svg,
+                  "Also draw a source-rank x target-rank heat map of the bytes moved to this SVG file");
   cmd->add_option("--model", a->model, "PyTorch DCP sources: the model (preset or JSON file) whose tensors they hold");
   cmd->callback([a] { RunPlan(*a); });
 }

@@ -25,5 +25,6 @@ void RegisterDiff(CLI::App& app);     // cmd_diff.cc
 void RegisterExport(CLI::App& app);   // cmd_hf.cc
 void RegisterImport(CLI::App& app);   // cmd_hf.cc
 void RegisterModels(CLI::App& app);   // cmd_models.cc
+void RegisterPlot(CLI::App& app);     // cmd_plot.cc
 
 }  // namespace rs::cli

@@ -22,6 +22,7 @@ int Run(int argc, char** argv) {
   rs::cli::RegisterExport(app);
   rs::cli::RegisterImport(app);
   rs::cli::RegisterModels(app);
+  rs::cli::RegisterPlot(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

@@ -82,19 +82,6 @@ void Fail(const std::string& command, const Status& status) {
   Exit(status.code() == ErrorCode::kInvalidArgument ? kExitUsage : kExitFailed);
 }
 
-std::string HumanBytes(std::int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  auto v = static_cast<double>(bytes);
-  std::size_t u = 0;
-  while (v >= 1024.0 && u + 1 < std::size(units)) {
-    v /= 1024.0;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
-  return buf;
-}
-
 Result<nlohmann::json> ReadJsonFile(const std::string& path) {
   RS_ASSIGN_OR_RETURN(auto text, ReadSmallFile(path, std::int64_t{64} << 20));
   auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);

@@ -11,6 +11,7 @@
 #include "core/layout.h"
 #include "core/model.h"
 #include "core/status.h"
+#include "core/text.h"  // HumanBytes, SafeText
 
 namespace rs::cli {
 
@@ -32,8 +33,6 @@ std::string JsonText(const nlohmann::json& j, int indent = 2);
 [[noreturn]] void Fail(const std::string& command, const Status& status);
 // Ends the command with `code` (no message).
 [[noreturn]] void Exit(int code);
-
-std::string HumanBytes(std::int64_t bytes);  // "1.50 GiB"
 
 // --model PRESET|FILE.json: a built-in preset name, or a JSON model description file.
 Result<ModelConfig> LoadModelArg(const std::string& arg);

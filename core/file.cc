@@ -75,4 +75,29 @@ Result<int> OpenRegularFile(const std::string& path, std::int64_t* size) {
   return fd;
 }
 
+Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes) {
+  std::int64_t size = 0;
+  RS_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &size));
+  if (size > max_bytes) {
+    ::close(fd);
+    return DataLoss(path + ": " + std::to_string(size) + " bytes, larger than the limit of " +
+                    std::to_string(max_bytes));
+  }
+  std::string text(static_cast<std::size_t>(size), '\0');
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::pread(fd, text.data() + done, text.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      return n < 0 ? IoError(path + ": read failed at byte " + std::to_string(done) + ": " + std::strerror(err))
+                   : DataLoss(path + ": file shrank while read");
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  return text;
+}
+
 }  // namespace rs

@@ -26,4 +26,9 @@ std::string OpenFileLimitHint(int err);
 
 Result<int> OpenRegularFile(const std::string& path, std::int64_t* size = nullptr);
 
+// The whole of a small regular file (at most `max_bytes`): OpenRegularFile's errors (a FIFO or
+// device is refused before it could block the read); DataLoss naming the size and the limit
+// when it is larger, or when it shrinks while read; IoError naming the byte a read failed at.
+Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes);
+
 }  // namespace rs

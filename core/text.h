@@ -4,6 +4,7 @@
 // through SafeText (cli/util.h); JSON output replaces invalid UTF-8 instead.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -16,5 +17,8 @@ bool IsValidUtf8(std::string_view s);
 // every control character (C0 except, with `keep_newlines`, '\n' and '\t'; DEL; C1 U+0080..U+009F)
 // written as "\xNN" / "\u00NN". A backslash stays as it is. Valid printable UTF-8 is unchanged.
 std::string SafeText(std::string_view s, bool keep_newlines = false);
+
+// "1.50 GiB", "512 B": binary units, two decimals above bytes.
+std::string HumanBytes(std::int64_t bytes);
 
 }  // namespace rs

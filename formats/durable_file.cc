@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <random>
 
+#include "core/cleanup.h"
+
 namespace rs {
 namespace fs = std::filesystem;
 namespace {
@@ -54,12 +56,10 @@ std::string UniqueSuffix() {
   return buf;
 }
 
-Status WriteNewFileDurably(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    if (errno == EEXIST) return AlreadyExists(path + " exists; not replaced");
-    return IoError(Errno(path + ": create"));
-  }
+namespace {
+
+// Writes `text` to `fd`, fsyncs and closes it (closed on every path); errors name `path`.
+Status WriteSyncClose(int fd, const std::string& path, const std::string& text) {
   std::size_t done = 0;
   while (done < text.size()) {
     const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
@@ -78,6 +78,37 @@ Status WriteNewFileDurably(const std::string& path, const std::string& text) {
   }
   if (::close(fd) != 0) return IoError(Errno(path + ": close"));
   return Status::Ok();
+}
+
+}  // namespace
+
+Status WriteNewFileDurably(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    if (errno == EEXIST) return AlreadyExists(path + " exists; not replaced");
+    return IoError(Errno(path + ": create"));
+  }
+  return WriteSyncClose(fd, path, text);
+}
+
+Status ReplaceFileDurably(const std::string& path, const std::string& text) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return InvalidArgument(path + " is a directory; expected a file name");
+  const std::string tmp = path + ".tmp-" + UniqueSuffix();
+  RS_ASSIGN_OR_RETURN(const int fd, CreateCleanupFile(tmp));  // removed if a signal ends the process
+  Status st = WriteSyncClose(fd, tmp, text);
+  if (st.ok()) {
+    st = PublishCleanupPath(tmp, [&] {
+      if (::rename(tmp.c_str(), path.c_str()) != 0) return IoError(Errno(path + ": rename from " + tmp));
+      return Status::Ok();
+    });
+  }
+  if (!st.ok()) {
+    ::unlink(tmp.c_str());
+    UnregisterCleanupPath(tmp);
+    return st;
+  }
+  return FsyncParentDir(path);
 }
 
 }  // namespace rs

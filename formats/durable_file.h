@@ -21,6 +21,10 @@ Status FsyncParentDir(const std::string& path);
 std::string UniqueSuffix();
 // Creates `path` (AlreadyExists if it exists), writes `text`, fsyncs and closes it.
 Status WriteNewFileDurably(const std::string& path, const std::string& text);
+// Writes `text` to a new file next to `path`, fsyncs it and renames it over `path`: readers see
+// the old file or the new one, never a part (for outputs that may be replaced, such as a
+// picture). InvalidArgument if `path` is a directory; IoError naming the path otherwise.
+Status ReplaceFileDurably(const std::string& path, const std::string& text);
 // True if anything (even a dangling symlink) exists at `path`.
 bool PathExists(const std::string& path);
 

@@ -502,30 +502,6 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
   return m;
 }
 
-Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes) {
-  // A FIFO or device at `path` is refused before it could block the read (core/file.h).
-  std::int64_t size = 0;
-  RS_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &size));
-  if (size > max_bytes) {
-    ::close(fd);
-    return DataLoss(path + ": " + std::to_string(size) + " bytes, larger than the limit of " +
-                    std::to_string(max_bytes));
-  }
-  std::string text(static_cast<std::size_t>(size), '\0');
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      ::close(fd);
-      return IoError(path + ": read failed at byte " + std::to_string(done));
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  ::close(fd);
-  return text;
-}
-
 Result<Manifest> ReadManifest(const std::string& dir) {
   const std::string path = dir + "/" + std::string(kManifestFileName);
   Result<std::string> text = ReadSmallFile(path, kMaxManifestBytes);

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/file.h"  // ReadSmallFile
 #include "core/shape.h"
 #include "core/status.h"
 #include "core/tensor_spec.h"
@@ -110,10 +111,6 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source);
 // IoError if it cannot be read; DataLoss if it is not a regular file (a FIFO, a device: refused
 // without blocking) or larger than kMaxManifestBytes; else as ParseManifest.
 Result<Manifest> ReadManifest(const std::string& dir);
-
-// Reads a whole small file (at most `max_bytes`). NotFound / IoError / DataLoss (too large) /
-// FailedPrecondition (not a regular file: never opened in a way that could block).
-Result<std::string> ReadSmallFile(const std::string& path, std::int64_t max_bytes);
 
 // Formats an item index of a tensor of shape `shape` as coordinates, e.g. "[3, 17]".
 std::string FlatToCoords(const Shape& shape, std::int64_t flat);

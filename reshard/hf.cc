@@ -14,6 +14,7 @@
 
 #include "core/check.h"
 #include "core/cleanup.h"
+#include "core/file.h"
 #include "formats/checkpoint_writer.h"
 #include "formats/durable_file.h"
 #include "formats/safetensors.h"
@@ -22,37 +23,8 @@ namespace rs {
 namespace fs = std::filesystem;
 namespace {
 
-// Reads a small regular file (no FIFOs: stat first, open non-blocking).
-Result<std::string> ReadRegularFile(const std::string& path, std::int64_t max_bytes) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return NotFound(path + ": no such file");
-    return IoError(path + ": stat: " + std::strerror(errno));
-  }
-  if (!S_ISREG(st.st_mode)) return DataLoss(path + ": not a regular file");
-  if (st.st_size > max_bytes) {
-    return DataLoss(path + ": " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
-                    " read for it");
-  }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) return IoError(path + ": open: " + std::strerror(errno));
-  std::string text(static_cast<std::size_t>(st.st_size), '\0');
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::pread(fd, text.data() + done, text.size() - done, static_cast<off_t>(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      ::close(fd);
-      return n < 0 ? IoError(path + ": read: " + std::strerror(errno)) : DataLoss(path + ": file shrank while read");
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  ::close(fd);
-  return text;
-}
-
 Result<nlohmann::json> ReadJson(const std::string& path) {
-  RS_ASSIGN_OR_RETURN(const std::string text, ReadRegularFile(path, std::int64_t{64} << 20));
+  RS_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, std::int64_t{64} << 20));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return DataLoss(path + ": not valid JSON");
   if (!j.is_object()) return DataLoss(path + ": not a JSON object");

@@ -15,6 +15,8 @@ PACKAGES+=(clang-14 libclang-rt-14-dev llvm-14)
 PACKAGES+=(clang-format-14)
 # Peak memory of the commands bench_many_files measures (GNU time).
 PACKAGES+=(time)
+# The picture tests render every SVG the tool writes with a real renderer (rsvg-convert).
+PACKAGES+=(librsvg2-bin)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
