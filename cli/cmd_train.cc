@@ -6,7 +6,9 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -15,14 +17,18 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cli/commands.h"
 #include "cli/cuda_plugin.h"
 #include "cli/reshard_args.h"
 #include "cli/util.h"
 #include "comm/mpi.h"
+#include "formats/tensorboard.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/eval.h"
@@ -44,6 +50,7 @@ struct TrainArgs {
   std::int64_t save_every = 0;
   std::string resume;
   std::string log;
+  std::string tensorboard;
   train::TrainConfig config;
   std::string dispatch = "fused";
   int threads = 0;
@@ -57,6 +64,71 @@ struct TrainArgs {
   // Options that define the run; with --resume they come from the checkpoint instead.
   std::vector<CLI::Option*> run_defining;
 };
+
+// What a step reports, as (key, value) in the order the log writes them; "a.b" is field b of
+// object a in the JSON log. The same list feeds the TensorBoard scalars (tag "train/a/b"), so
+// the two never disagree.
+std::vector<std::pair<std::string, nlohmann::json>> StepFields(const train::StepReport& r) {
+  return {{"step", r.step},
+          {"loss", r.losses.total},
+          {"ce", r.losses.ce},
+          {"aux_loss", r.losses.aux},
+          {"z_loss", r.losses.z},
+          {"lr", r.update.lr},
+          {"grad_norm", r.update.grad_norm},
+          {"tokens", r.tokens},
+          {"tokens_per_s", static_cast<double>(r.tokens) / r.seconds},
+          {"seconds", r.seconds},
+          {"comm_seconds", r.comm_seconds},
+          {"collective_seconds", r.comm.seconds},
+          {"comm_bytes.allreduce", r.comm.allreduce_bytes},
+          {"comm_bytes.allgather", r.comm.allgather_bytes},
+          {"comm_bytes.reduce_scatter", r.comm.reduce_scatter_bytes},
+          {"comm_bytes.alltoall", r.comm.alltoall_bytes},
+          {"comm_bytes.broadcast", r.comm.broadcast_bytes}};
+}
+
+nlohmann::json LogLine(const std::vector<std::pair<std::string, nlohmann::json>>& fields) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [key, value] : fields) {
+    std::string pointer = "/" + key;
+    std::replace(pointer.begin(), pointer.end(), '.', '/');
+    j[nlohmann::json::json_pointer(pointer)] = value;
+  }
+  return j;
+}
+
+double WallTime() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+// One step in TensorBoard: every log field but the step as a scalar "train/<key>", and per MoE
+// layer the histogram of the experts its router chose ("router/expert_load/layer_<i>": bucket
+// e counts the (token, slot) assignments to expert e over the global batch) and its imbalance
+// ("router/max_load_over_mean/layer_<i>": 1 is perfect balance).
+Status WriteTensorBoardStep(EventFileWriter& tb, const train::StepReport& r,
+                            const std::vector<std::pair<std::string, nlohmann::json>>& fields) {
+  const double now = WallTime();
+  std::vector<std::pair<std::string, float>> scalars;
+  for (const auto& [key, value] : fields) {
+    if (key == "step") continue;
+    std::string tag = "train/" + key;
+    std::replace(tag.begin(), tag.end(), '.', '/');
+    scalars.emplace_back(tag, static_cast<float>(value.get<double>()));
+  }
+  for (std::size_t layer = 0; layer < r.losses.loads.size(); ++layer) {
+    const std::vector<std::int64_t>& loads = r.losses.loads[layer];
+    if (loads.empty()) continue;  // a dense layer
+    const std::string suffix = "/layer_" + std::to_string(layer);
+    RS_RETURN_IF_ERROR(tb.AddHistogram(r.step, now, "router/expert_load" + suffix, CategoricalHistogram(loads)));
+    const double total = static_cast<double>(std::accumulate(loads.begin(), loads.end(), std::int64_t{0}));
+    const double most = static_cast<double>(*std::max_element(loads.begin(), loads.end()));
+    if (total > 0) {
+      scalars.emplace_back("router/max_load_over_mean" + suffix,
+                           static_cast<float>(most * static_cast<double>(loads.size()) / total));
+    }
+  }
+  RS_RETURN_IF_ERROR(tb.AddScalars(r.step, now, scalars));
+  return tb.Flush();
+}
 
 std::string StepDir(const std::string& root, std::int64_t step) {
   char buf[32];
@@ -201,6 +273,13 @@ void RunTrain(TrainArgs& a) {
     log.open(a.log, a.resume.empty() ? std::ios::trunc : std::ios::app);
     if (!log) fail_one(IoError("cannot open log file '" + a.log + "'"));
   }
+  // A new event file per run (a resumed run adds one; TensorBoard reads them all in order).
+  std::unique_ptr<EventFileWriter> tb;
+  if (lead && !a.tensorboard.empty()) {
+    auto w = EventFileWriter::Create(a.tensorboard, WallTime());
+    if (!w.ok()) fail_one(w.status().WithContext("--tensorboard"));
+    tb = std::move(w).value();
+  }
   // Locked once everything else is set up (a run refused for its options or its device
   // creates nothing), before the first step.
   if (!a.save.empty()) {
@@ -244,29 +323,14 @@ void RunTrain(TrainArgs& a) {
       if (world.active()) Print(" | comm %s", HumanBytes(r.comm.total()).c_str());
       Print("\n");
       std::fflush(stdout);
+      const auto fields = StepFields(r);
       if (log.is_open()) {
-        log << nlohmann::json{{"step", r.step},
-                              {"loss", r.losses.total},
-                              {"ce", r.losses.ce},
-                              {"aux_loss", r.losses.aux},
-                              {"z_loss", r.losses.z},
-                              {"lr", r.update.lr},
-                              {"grad_norm", r.update.grad_norm},
-                              {"tokens", r.tokens},
-                              {"tokens_per_s", tps},
-                              {"seconds", r.seconds},
-                              {"comm_seconds", r.comm_seconds},
-                              {"collective_seconds", r.comm.seconds},
-                              {"comm_bytes",
-                               {{"allreduce", r.comm.allreduce_bytes},
-                                {"allgather", r.comm.allgather_bytes},
-                                {"reduce_scatter", r.comm.reduce_scatter_bytes},
-                                {"alltoall", r.comm.alltoall_bytes},
-                                {"broadcast", r.comm.broadcast_bytes}}}}
-                   .dump()  // numbers only
-            << '\n';
+        log << LogLine(fields).dump() << '\n';  // numbers only
         log.flush();
         if (!log) fail_one(IoError("cannot write log file '" + a.log + "'"));
+      }
+      if (tb != nullptr) {
+        if (Status st = WriteTensorBoardStep(*tb, r, fields); !st.ok()) fail_one(st);
       }
     }
     const bool last = trainer->step() == a.steps;
@@ -356,6 +420,9 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--save-every", a->save_every, "Also save every K steps");
   cmd->add_option("--resume", a->resume, "Continue from a checkpoint (or the latest in a --save directory)");
   cmd->add_option("--log", a->log, "JSON-lines log, one object per step");
+  cmd->add_option("--tensorboard", a->tensorboard,
+                  "Also write TensorBoard event files to this directory (rank 0): every log field as a scalar "
+                  "train/<field>, per MoE layer the expert-load histogram and max/mean load");
   cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
   cmd->add_option(
          "--layout", a->layout,

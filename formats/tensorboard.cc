@@ -17,6 +17,7 @@
 
 #include "core/check.h"
 #include "core/crc32c.h"
+#include "core/file.h"
 
 namespace rs {
 namespace {
@@ -391,53 +392,6 @@ Result<Event> DecodeEvent(Decoder d) {
   return e;
 }
 
-// The whole file, read to its end rather than to the size fstat reported: the file may be
-// growing while a training run writes it.
-Result<std::string> ReadWholeFile(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return NotFound(path + ": no such file");
-    return IoError(Errno(path + ": stat"));
-  }
-  if (!S_ISREG(st.st_mode)) return FailedPrecondition(path + ": not a regular file; refusing to read it as events");
-  // O_NONBLOCK: should the path have become a FIFO since the stat, opening it does not wait.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) return IoError(Errno(path + ": open"));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  if (::fstat(fd, &st) != 0) return IoError(Errno(path + ": fstat"));
-  if (!S_ISREG(st.st_mode)) return FailedPrecondition(path + ": not a regular file; refusing to read it as events");
-  std::string bytes;
-  // Read in one piece of the size fstat saw plus a byte (to see the end in the same read),
-  // then 1 MiB at a time should the file have grown since.
-  const auto expected = static_cast<std::size_t>(std::min<std::int64_t>(st.st_size, kEventFileMaxBytes)) + 1;
-  bytes.reserve(expected);
-  constexpr std::size_t kPiece = std::size_t{1} << 20;
-  while (true) {
-    const std::size_t have = bytes.size();
-    if (have > static_cast<std::size_t>(kEventFileMaxBytes)) {
-      std::string m = path;
-      m += ": larger than the ";
-      m += std::to_string(kEventFileMaxBytes);
-      m += "-byte limit of the event file reader";
-      return FailedPrecondition(std::move(m));
-    }
-    const std::size_t piece = have < expected ? expected - have : kPiece;
-    bytes.resize(have + piece);
-    const ssize_t n = ::read(fd, bytes.data() + have, piece);
-    if (n < 0 && errno == EINTR) {
-      bytes.resize(have);
-      continue;
-    }
-    if (n < 0) return IoError(Errno(path + ": read"));
-    bytes.resize(have + static_cast<std::size_t>(n));
-    if (n == 0) break;
-  }
-  return bytes;
-}
-
 std::atomic<std::uint64_t> g_next_file_index{0};
 
 }  // namespace
@@ -571,7 +525,7 @@ Status EventFileWriter::Flush() {
 }
 
 Result<std::vector<Event>> ReadEventFile(const std::string& path) {
-  RS_ASSIGN_OR_RETURN(const std::string file, ReadWholeFile(path));
+  RS_ASSIGN_OR_RETURN(const std::string file, ReadSmallFile(path, kEventFileMaxBytes));
   const std::span<const std::byte> bytes = AsBytes(file);
   std::vector<Event> events;
   std::size_t off = 0;

@@ -23,7 +23,7 @@
 namespace rs {
 
 // ReadEventFile reads files up to this size (1 GiB) whole into memory; a larger file is
-// refused (FailedPrecondition) instead of exhausting memory. A training run that logs a few
+// refused (DataLoss) instead of exhausting memory. A training run that logs a few
 // scalars and histograms per step writes well under 1 KiB per step.
 inline constexpr std::int64_t kEventFileMaxBytes = std::int64_t{1} << 30;
 
@@ -106,8 +106,8 @@ class EventFileWriter {
 // Reads and decodes every event of `path` (see the file comment). A file that ends exactly
 // between two records is complete (TensorBoard reads files that are still being written);
 // one that ends inside a record is DataLoss naming that record's offset, as is a CRC mismatch
-// or malformed protobuf. NotFound if `path` does not exist; FailedPrecondition if it is larger
-// than kEventFileMaxBytes; IoError.
+// or malformed protobuf. NotFound if `path` does not exist; FailedPrecondition if it is not a
+// regular file; DataLoss if it is larger than kEventFileMaxBytes; IoError.
 Result<std::vector<Event>> ReadEventFile(const std::string& path);
 
 }  // namespace rs
