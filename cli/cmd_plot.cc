@@ -1,7 +1,11 @@
-// `reshard plot LOG --svg FILE`: training curves from `train --log`'s JSON lines, drawn without
-// TensorBoard: loss and cross-entropy, aux and z losses, learning rate, gradient norm,
-// throughput, step and collective seconds, bytes per collective – plus a panel for every other
-// numeric field a log line carries.
+// `reshard plot LOG --svg FILE`: training curves drawn without TensorBoard, from `train --log`'s
+// JSON lines or from `train --tensorboard`'s event files (a directory of them, or one file):
+// loss and cross-entropy, aux and z losses, learning rate, gradient norm, throughput, step and
+// collective seconds, bytes per collective – plus a panel for every other numeric field (event
+// files: every other scalar tag, grouped by the tag's parent, e.g. one panel for
+// router/max_load_over_mean with a line per layer).
+#include <algorithm>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -12,10 +16,13 @@
 #include "cli/util.h"
 #include "core/file.h"
 #include "formats/durable_file.h"
+#include "formats/tensorboard.h"
 #include "reshard/pictures.h"
 
 namespace rs::cli {
 namespace {
+
+namespace fs = std::filesystem;
 
 struct PlotArgs {
   std::string log;
@@ -75,48 +82,107 @@ std::vector<CurvePanel> Panels(const std::map<std::string, std::vector<std::pair
     }
     if (!panel.series.empty()) panels.push_back(std::move(panel));
   }
+  // The rest: fields "a.b" grouped by their parent "a" (one line per child), others alone.
+  std::map<std::string, std::size_t> by_parent;
   for (const auto& [k, pts] : fields) {
-    if (used.count(k) == 0) panels.push_back({k, {{k, pts}}});
+    if (used.count(k) != 0) continue;
+    const std::size_t dot = k.rfind('.');
+    if (dot == std::string::npos) {
+      panels.push_back({k, {{k, pts}}});
+      continue;
+    }
+    const std::string parent = k.substr(0, dot);
+    const auto [it, added] = by_parent.emplace(parent, panels.size());
+    if (added) panels.push_back({parent, {}});
+    panels[it->second].series.push_back({k.substr(dot + 1), pts});
   }
   return panels;
 }
 
-void RunPlot(const PlotArgs& a) {
-  auto text = ReadSmallFile(a.log, kMaxLogBytes);
-  if (!text.ok()) Fail("plot", text.status());
-  std::map<std::string, std::vector<std::pair<double, double>>> fields;
+using Fields = std::map<std::string, std::vector<std::pair<double, double>>>;
+
+// The JSON lines of `train --log`: one object per line with a numeric "step".
+Result<std::int64_t> ReadJsonLog(const std::string& path, Fields& fields) {
+  RS_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, kMaxLogBytes));
   std::int64_t lines = 0;
   std::size_t at = 0;
-  for (std::int64_t line_no = 1; at < text->size(); ++line_no) {
-    std::size_t end = text->find('\n', at);
-    if (end == std::string::npos) end = text->size();
-    const std::string_view line(text->data() + at, end - at);
+  for (std::int64_t line_no = 1; at < text.size(); ++line_no) {
+    std::size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view line(text.data() + at, end - at);
     at = end + 1;
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    const std::string where = a.log + ":" + std::to_string(line_no);
+    const std::string where = path + ":" + std::to_string(line_no);
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) Fail("plot", DataLoss(where + ": not a JSON object (a `train --log` file has one per line)"));
-    if (!j.is_object()) Fail("plot", DataLoss(where + ": not a JSON object"));
-    if (!j.contains("step") || !j["step"].is_number()) Fail("plot", DataLoss(where + ": no numeric field 'step'"));
+    if (!j.is_object()) return DataLoss(where + ": not a JSON object (a `train --log` file has one per line)");
+    if (!j.contains("step") || !j["step"].is_number()) return DataLoss(where + ": no numeric field 'step'");
     std::map<std::string, double> values;
     Flatten(j, "", values);
     const double step = values.at("step");
     for (const auto& [k, v] : values) fields[k].emplace_back(step, v);
     ++lines;
   }
-  if (lines == 0) Fail("plot", DataLoss(a.log + ": no log lines"));
+  return lines;
+}
+
+bool IsEventFileName(const std::string& path) {
+  return fs::path(path).filename().string().rfind("events.out.tfevents.", 0) == 0;
+}
+
+// TensorBoard event files: every scalar, keyed as the log keys them ("train/comm_bytes/
+// allreduce" -> "comm_bytes.allreduce"; other tags with '/' as '.'). Files in name order
+// (their names start with the time they were created: a resumed run's come later).
+Result<std::int64_t> ReadEvents(const std::string& path, Fields& fields) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      if (IsEventFileName(e.path().string())) files.push_back(e.path().string());
+    }
+    if (ec) return IoError(path + ": " + ec.message());
+    if (files.empty()) return NotFound(path + ": no events.out.tfevents.* files in this directory");
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  std::set<std::int64_t> steps;
+  for (const std::string& f : files) {
+    RS_ASSIGN_OR_RETURN(const std::vector<Event> events, ReadEventFile(f));
+    for (const Event& e : events) {
+      for (const ScalarValue& v : e.scalars) {
+        std::string key = v.tag.rfind("train/", 0) == 0 ? v.tag.substr(6) : v.tag;
+        std::replace(key.begin(), key.end(), '/', '.');
+        fields[key].emplace_back(static_cast<double>(e.step), static_cast<double>(v.value));
+        steps.insert(e.step);
+      }
+    }
+  }
+  return static_cast<std::int64_t>(steps.size());
+}
+
+void RunPlot(const PlotArgs& a) {
+  Fields fields;
+  std::error_code ec;
+  const bool events = fs::is_directory(a.log, ec) || IsEventFileName(a.log);
+  Result<std::int64_t> lines = events ? ReadEvents(a.log, fields) : ReadJsonLog(a.log, fields);
+  if (!lines.ok()) Fail("plot", lines.status());
+  if (*lines == 0) Fail("plot", DataLoss(a.log + (events ? ": no scalars" : ": no log lines")));
   const std::vector<CurvePanel> panels = Panels(fields);
   const std::string title = a.title.empty() ? "training curves of " + a.log : a.title;
   if (Status st = ReplaceFileDurably(a.svg, CurvesSvg(title, panels)); !st.ok()) Fail("plot", st);
-  PrintErr("wrote %s (%lld steps, %zu panels)\n", a.svg.c_str(), static_cast<long long>(lines), panels.size());
+  PrintErr("wrote %s (%lld steps, %zu panels)\n", a.svg.c_str(), static_cast<long long>(*lines), panels.size());
 }
 
 }  // namespace
 
 void RegisterPlot(CLI::App& app) {
   auto a = std::make_shared<PlotArgs>();
-  auto* cmd = app.add_subcommand("plot", "Draw the training curves of a `train --log` file as an SVG picture");
-  cmd->add_option("log", a->log, "JSON-lines log written by `reshard train --log`")->required();
+  auto* cmd =
+      app.add_subcommand("plot", "Draw the training curves of a training log or TensorBoard run as an SVG picture");
+  cmd->add_option("log", a->log,
+                  "JSON-lines log written by `reshard train --log`, or the event files of `train --tensorboard` "
+                  "(their directory or one events.out.tfevents.* file)")
+      ->required();
   cmd->add_option("--svg", a->svg, "The picture to write (replaced if it exists)")->required();
   cmd->add_option("--title", a->title, "Title (default: the log's path)");
   cmd->callback([a] { RunPlot(*a); });

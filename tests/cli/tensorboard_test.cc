@@ -13,8 +13,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "tests/cli/cli_test_util.h"
@@ -205,6 +205,49 @@ TEST(TrainTensorBoard, OnlyRankZeroWrites) {
     }
   }
   EXPECT_EQ(compared, 3 * 16);
+}
+
+// `plot` draws a run from its event files with the values the log has (as float32), and
+// refuses a truncated event file naming the file and the offset of the cut record.
+TEST(TrainTensorBoard, PlotReadsTheEventFilesAndRefusesATruncatedOne) {
+  TempDir tmp;
+  const std::string log = tmp / "log.jsonl", tb = tmp / "tb", svg = tmp / "tb.svg";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 3 --batch-size 2 --threads 1 --log " + log + " --tensorboard " + tb)
+                .exit_code,
+            0);
+  const CommandResult r = RunCli("plot " + tb + " --svg " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const CommandResult read =
+      RunShell("python3 " + std::string(RS_SOURCE_DIR) + "/tests/cli/svg_read.py " + svg + " 2>&1");
+  ASSERT_EQ(read.exit_code, 0) << read.output;
+  const auto logged = ReadLog(log);
+  int series = 0;
+  const json drawn = json::parse(read.output);
+  for (const json& e : drawn["elements"]) {
+    if (e["class"] != "series") continue;
+    const json& a = e["attrs"];
+    const std::string name = a["data-name"];
+    if (logged.at(1).count(name) == 0) continue;  // router panels
+    ++series;
+    std::stringstream values(a["data-values"].get<std::string>());
+    std::int64_t step = 1;
+    for (std::string v; std::getline(values, v, ','); ++step) {
+      EXPECT_NEAR(std::stod(v), static_cast<float>(logged.at(step).at(name)),
+                  std::abs(logged.at(step).at(name)) * 1e-6 + 1e-12)
+          << name << " at step " << step;
+    }
+    EXPECT_EQ(step, 4) << name;
+  }
+  EXPECT_GE(series, 8);
+  // Cut the file inside its last record.
+  const std::string file = EventFiles(tb).at(0);
+  const auto size = fs::file_size(file);
+  fs::resize_file(file, size - 3);
+  const CommandResult bad = RunCli("plot " + tb + " --svg " + (tmp / "bad.svg"));
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find(file), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("record at offset"), std::string::npos) << bad.output;
+  EXPECT_FALSE(fs::exists(tmp / "bad.svg"));
 }
 
 }  // namespace
