@@ -460,10 +460,10 @@ std::string PlanSvg(const Manifest& source, const ReshardPlan& plan, std::string
 std::string BucketsSvg(std::span<const BucketPlan> plans, std::string_view model) {
   std::size_t most_buckets = 0;
   for (const BucketPlan& p : plans) most_buckets = std::max(most_buckets, p.buckets.size());
-  const double label_w = 150;
+  const double label_w = 180;
   const double col_gap = 24;
   const auto ncols = static_cast<double>(std::max<std::size_t>(1, plans.size()));
-  const double col_w = std::max(420.0, (kWidth - col_gap * (ncols - 1)) / ncols);
+  const double col_w = std::max(450.0, (kWidth - col_gap * (ncols - 1)) / ncols);
   const double bar_w = col_w - label_w;
   const double row_h = 16;
   const double top = kMargin + 2 * kLineHeight + 5 * kLineHeight + 10;
@@ -640,7 +640,8 @@ std::string CurvesSvg(std::string_view title, std::span<const CurvePanel> panels
       y_min -= d, y_max += d;
     }
     const double pad = (y_max - y_min) * 0.05;
-    y_min -= pad, y_max += pad;
+    y_min = y_min >= 0 && y_min - pad < 0 ? 0 : y_min - pad;  // no negative axis for data that has none
+    y_max += pad;
     const double px = x0 + plot_left, py = y0 + plot_top, w = pw - plot_left - 8, h = ph - plot_top - plot_bottom;
     const auto X = [&](double x) { return px + w * (x - x_min) / (x_max - x_min); };
     const auto Y = [&](double y) { return py + h * (1 - (y - y_min) / (y_max - y_min)); };
