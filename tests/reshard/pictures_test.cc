@@ -7,11 +7,14 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <random>
 #include <set>
 #include <tuple>
 
 #include "core/svg.h"
+#include "tests/layout/test_models.h"
+#include "tests/reshard/test_manifest.h"
 
 namespace rs {
 namespace {
@@ -160,6 +163,81 @@ TEST(Pictures, ManyPanelsAreGroupedAndCurvesAreBinned) {
   EXPECT_EQ(curves.find("data-values"), std::string::npos);
   EXPECT_NE(curves.find("1 non-finite values not drawn"), std::string::npos);
   EXPECT_LT(curves.size(), std::size_t{200} << 10);
+}
+
+// The numbers in the data-bytes attributes of a plan picture's cells, with their rank ranges.
+struct Cell {
+  std::int64_t s0, s1, t0, t1, bytes;
+};
+std::vector<Cell> CellsOf(const std::string& svg) {
+  std::vector<Cell> cells;
+  const auto attr = [&svg](std::size_t from, const std::string& name) {
+    const std::size_t at = svg.find(name + "=\"", from) + name.size() + 2;
+    return std::stoll(svg.substr(at, svg.find('"', at) - at));
+  };
+  for (std::size_t at = svg.find("class=\"cell\""); at != std::string::npos; at = svg.find("class=\"cell\"", at + 1)) {
+    cells.push_back({attr(at, "data-source-begin"), attr(at, "data-source-end"), attr(at, "data-target-begin"),
+                     attr(at, "data-target-end"), attr(at, "data-bytes")});
+  }
+  return cells;
+}
+
+// Random layout pairs: the heat map's cells hold every byte the plan needs, each source rank's
+// row the bytes of its main shards, each target rank's column the plan's bytes needed for it.
+TEST(Pictures, PlanHeatMapHoldsEveryPlannedByte) {
+  std::mt19937_64 rng(7);
+  int drawn = 0;
+  for (int iter = 0; iter < 40; ++iter) {
+    const ModelConfig model = testing::RandomModel(rng);
+    const auto tensors = ModelCheckpointTensors(model, {"exp_avg"});
+    auto a = PhysicalMap::Create(testing::RandomPhysicalLayout(rng, model), tensors);
+    if (!a.ok()) continue;
+    const Manifest src = testing::ManifestOf(*a);
+    auto plan = PlanReshard(src, testing::RandomPhysicalLayout(rng, model), {});
+    if (!plan.ok()) continue;
+    ++drawn;
+    std::map<std::int64_t, std::int64_t> rows, cols, source_bytes;
+    for (const ShardEntry& s : src.shards) source_bytes[s.rank] += s.nbytes;
+    std::int64_t total = 0;
+    for (const Cell& c : CellsOf(PlanSvg(src, *plan, "a", "b"))) {
+      ASSERT_EQ(c.s1 - c.s0, 1);  // at most 16 ranks: no binning
+      ASSERT_EQ(c.t1 - c.t0, 1);
+      rows[c.s0] += c.bytes;
+      cols[c.t0] += c.bytes;
+      total += c.bytes;
+    }
+    EXPECT_EQ(total, plan->Total().bytes_needed);
+    for (const auto& [rank, bytes] : source_bytes) EXPECT_EQ(rows[rank], bytes) << "source rank " << rank;
+    for (std::size_t t = 0; t < plan->ranks.size(); ++t) {
+      EXPECT_EQ(cols[static_cast<std::int64_t>(t)], plan->ranks[t].bytes_needed) << "target rank " << t;
+    }
+  }
+  EXPECT_GT(drawn, 20);
+}
+
+// 128 source ranks to 100 target ranks: cells of 2 x 2 ranks, still every byte.
+TEST(Pictures, PlanHeatMapBinsManyRanks) {
+  TensorSpec t;
+  t.name = "w";
+  t.shape = {1024, 64};
+  t.axes = {"vocab", "embed"};
+  const RuleSet rules = *BuiltinRuleSet("megatron");
+  auto a = PhysicalMap::Create(*PhysicalLayout::Parse("tp=128", rules), {t});
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  const Manifest src = testing::ManifestOf(*a);
+  auto plan = PlanReshard(src, *PhysicalLayout::Parse("tp=100", rules), {});
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  const std::string svg = PlanSvg(src, *plan, "a", "b");
+  const auto cells = CellsOf(svg);
+  EXPECT_EQ(cells.size(), 64u * 50u);
+  std::int64_t total = 0;
+  for (const Cell& c : cells) {
+    EXPECT_EQ(c.s1 - c.s0, 2);
+    EXPECT_EQ(c.t1 - c.t0, 2);
+    total += c.bytes;
+  }
+  EXPECT_EQ(total, 1024 * 64 * 4);
+  EXPECT_NE(svg.find("cells of 2 source x 2 target ranks"), std::string::npos);
 }
 
 }  // namespace

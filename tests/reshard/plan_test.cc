@@ -9,9 +9,12 @@
 
 #include "reshard/source_index.h"
 #include "tests/layout/test_models.h"
+#include "tests/reshard/test_manifest.h"
 
 namespace rs {
 namespace {
+
+using testing::ManifestOf;
 
 TEST(PieceIndexTest, MatchesBruteForce) {
   std::mt19937_64 rng(5);
@@ -49,24 +52,6 @@ TEST(PieceIndexTest, MatchesBruteForce) {
       ASSERT_EQ(index.Overlapping(query), expected) << "query " << query;
     }
   }
-}
-
-// A manifest whose shards are the main pieces of `map`'s layout (no data files).
-Manifest ManifestOf(const PhysicalMap& map) {
-  Manifest m;
-  m.tensors = map.tensors();
-  for (const PlacedShard& s : map.PlacePieces(Replicas::kMainOnly)) {
-    const TensorSpec& t = m.tensors[s.tensor];
-    ShardEntry e;
-    e.tensor = t.name;
-    e.piece = s.piece;
-    e.file = "rank-x.h5";
-    e.dataset = "d";
-    e.nbytes = s.piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
-    e.rank = s.rank;
-    m.shards.push_back(std::move(e));
-  }
-  return m;
 }
 
 // Executes `plan` in memory on buffers that hold each item's global index.
