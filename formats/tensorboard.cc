@@ -108,7 +108,8 @@ std::string EncodeHistogram(const Histogram& h) {
   return m;
 }
 
-// TFRecord framing of one record.
+}  // namespace
+
 void AppendRecord(std::string& out, std::string_view data) {
   std::string length;
   PutLe(length, data.size(), 8);
@@ -117,6 +118,8 @@ void AppendRecord(std::string& out, std::string_view data) {
   out += data;
   PutLe(out, MaskedCrc32c(AsBytes(data)), 4);
 }
+
+namespace {
 
 // ---- Protobuf decoding. ----
 
@@ -526,6 +529,10 @@ Status EventFileWriter::Flush() {
 
 Result<std::vector<Event>> ReadEventFile(const std::string& path) {
   RS_ASSIGN_OR_RETURN(const std::string file, ReadSmallFile(path, kEventFileMaxBytes));
+  return ParseEventFile(file, path);
+}
+
+Result<std::vector<Event>> ParseEventFile(std::string_view file, const std::string& path) {
   const std::span<const std::byte> bytes = AsBytes(file);
   std::vector<Event> events;
   std::size_t off = 0;

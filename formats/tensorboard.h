@@ -109,5 +109,9 @@ class EventFileWriter {
 // or malformed protobuf. NotFound if `path` does not exist; FailedPrecondition if it is not a
 // regular file; DataLoss if it is larger than kEventFileMaxBytes; IoError.
 Result<std::vector<Event>> ReadEventFile(const std::string& path);
+// The same for a file's bytes already in memory (`path` names them in errors).
+Result<std::vector<Event>> ParseEventFile(std::string_view file, const std::string& path);
+// Appends one TFRecord holding `data` (length, its masked CRC-32C, data, their masked CRC-32C).
+void AppendRecord(std::string& out, std::string_view data);
 
 }  // namespace rs

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "core/layout.h"
 #include "core/model.h"
 #include "formats/manifest.h"
+#include "formats/tensorboard.h"
 #include "fuzz/fuzz_checkpoint.h"
 #include "layout/physical_layout.h"
 
@@ -247,6 +249,26 @@ int main(int argc, char** argv) {
   Write(out / "model" / "params_bad_dim.json", R"({"params": [{"name": "w", "shape": [-1, 4]}]})");
   Write(out / "model" / "params_big.json", R"([{"name": "a", "shape": [4611686018427387904]},)"
                                            R"( {"name": "b", "shape": [3, 5, 7], "dtype": "f8_e4m3", "unit": -1}])");
+  // --- events: TensorBoard event files as `train --tensorboard` writes them, whole, cut inside
+  // the last record, and with a flipped byte.
+  {
+    auto w = rs::EventFileWriter::Create((scratch / "tb").string(), 1.7e9);
+    RS_CHECK_MSG(w.ok(), w.status().ToString());
+    const std::vector<std::int64_t> loads = {74, 59, 36, 87};
+    for (std::int64_t step = 1; step <= 2; ++step) {
+      RS_CHECK((*w)->AddScalars(step, 1.7e9 + step, {{"train/loss", 5.5f}, {"train/lr", 1.5e-4f}}).ok());
+      RS_CHECK(
+          (*w)->AddHistogram(step, 1.7e9 + step, "router/expert_load/layer_0", rs::CategoricalHistogram(loads)).ok());
+    }
+    RS_CHECK((*w)->Flush().ok());
+    std::ifstream in((*w)->path(), std::ios::binary);
+    const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    Write(out / "events" / "valid.tfevents", bytes);
+    Write(out / "events" / "bad_truncated.tfevents", bytes.substr(0, bytes.size() - 3));
+    std::string flipped = bytes;
+    flipped[flipped.size() / 2] = static_cast<char>(flipped[flipped.size() / 2] ^ 0x10);
+    Write(out / "events" / "bad_flipped.tfevents", flipped);
+  }
   fs::remove_all(scratch);
   return 0;
 }

@@ -14,7 +14,7 @@ SECONDS_EACH=${1:-60}
 [ $# -gt 0 ] && shift
 BUILD=${BUILD_DIR:-build-fuzz}
 JOBS=${JOBS:-2}
-ALL=(fuzz_manifest fuzz_checkpoint fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model)
+ALL=(fuzz_manifest fuzz_checkpoint fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model fuzz_events)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL[@]}")
 
