@@ -103,9 +103,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     } else {
       CheckReadError(got.status());
       // (A probe child that blocked, see above, fails one run and not the other.)
-      const bool probe = got.status().message().find("in a separate process") != std::string::npos;
-      RS_CHECK_MSG(probe || !report.sound(), "verify found the checkpoint sound, but reading tensor '"
-                                                 << t.name << "' fails: " << got.status().ToString());
+      const bool probe_failed = got.status().message().find("in a separate process") != std::string::npos;
+      RS_CHECK_MSG(probe_failed || !report.sound(), "verify found the checkpoint sound, but reading tensor '"
+                                                        << t.name << "' fails: " << got.status().ToString());
     }
   }
   for (std::size_t i = 0; i < r.manifest().shards.size(); ++i) {

@@ -256,9 +256,9 @@ int main(int argc, char** argv) {
     RS_CHECK_MSG(w.ok(), w.status().ToString());
     const std::vector<std::int64_t> loads = {74, 59, 36, 87};
     for (std::int64_t step = 1; step <= 2; ++step) {
-      RS_CHECK((*w)->AddScalars(step, 1.7e9 + step, {{"train/loss", 5.5f}, {"train/lr", 1.5e-4f}}).ok());
-      RS_CHECK(
-          (*w)->AddHistogram(step, 1.7e9 + step, "router/expert_load/layer_0", rs::CategoricalHistogram(loads)).ok());
+      const double wall = 1.7e9 + static_cast<double>(step);
+      RS_CHECK((*w)->AddScalars(step, wall, {{"train/loss", 5.5f}, {"train/lr", 1.5e-4f}}).ok());
+      RS_CHECK((*w)->AddHistogram(step, wall, "router/expert_load/layer_0", rs::CategoricalHistogram(loads)).ok());
     }
     RS_CHECK((*w)->Flush().ok());
     std::ifstream in((*w)->path(), std::ios::binary);

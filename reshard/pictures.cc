@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "core/arith.h"
 #include "core/svg.h"
@@ -118,33 +119,50 @@ std::vector<GridRect> PieceRects(const Piece& piece, const Shape& global) {
   }
   std::int64_t lead_count = 1;
   for (const std::int64_t d : lead_shape) lead_count = SaturatingMul(lead_count, d);
+  if (lead_count == 0 || in.rows == 0 || in.cols == 0) return out;
+  // Box-local leading index -> global flat leading index. Consecutive local indices along the
+  // box's last leading dim are consecutive globally too.
+  const std::int64_t last = lead_shape.empty() ? 1 : lead_shape.back();
   const auto global_lead = [&](std::int64_t li) {
     Shape c = Unravel(li, lead_shape);
     for (std::size_t i = 0; i < c.size(); ++i) c[i] += lead_off[i];
     return Ravel(c, grid.lead);
   };
+  // The whole inner rectangle over local leading indices [begin, end), one rect per run.
+  const auto whole = [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t k = begin / last; k * last < end; ++k) {
+      const std::int64_t b = std::max(begin, k * last), e = std::min(end, (k + 1) * last);
+      if (e > b) out.push_back({global_lead(b), e - b, in.row0, in.rows, in.col0, in.cols});
+    }
+  };
   if (!piece.range) {
-    for (std::int64_t li = 0; li < lead_count; ++li)
-      out.push_back({global_lead(li), in.row0, in.rows, in.col0, in.cols});
+    whole(0, lead_count);
     return out;
   }
-  const std::int64_t block = in.rows * in.cols;
-  if (block <= 0 || piece.range->empty()) return out;
-  const std::int64_t b = piece.range->begin, e = piece.range->end;
-  for (std::int64_t li = b / block; li <= (e - 1) / block && li < lead_count; ++li) {
-    const std::int64_t x = std::max(b, li * block) - li * block;
-    const std::int64_t y = std::min(e, (li + 1) * block) - li * block;  // [x, y) within the block
+  // Items [x, y) of the inner rectangle of local leading index li.
+  const std::int64_t c = in.cols, block = in.rows * in.cols;
+  const auto part = [&](std::int64_t li, std::int64_t x, std::int64_t y) {
     const std::int64_t lead = global_lead(li);
-    const std::int64_t c = in.cols;
     if (x / c == (y - 1) / c) {
-      out.push_back({lead, in.row0 + x / c, 1, in.col0 + x % c, (y - 1) % c + 1 - x % c});
-      continue;
+      out.push_back({lead, 1, in.row0 + x / c, 1, in.col0 + x % c, (y - 1) % c + 1 - x % c});
+      return;
     }
     const std::int64_t first_full = (x + c - 1) / c, end_full = y / c;
-    if (x % c != 0) out.push_back({lead, in.row0 + x / c, 1, in.col0 + x % c, c - x % c});
-    if (end_full > first_full) out.push_back({lead, in.row0 + first_full, end_full - first_full, in.col0, c});
-    if (y % c != 0) out.push_back({lead, in.row0 + y / c, 1, in.col0, y % c});
+    if (x % c != 0) out.push_back({lead, 1, in.row0 + x / c, 1, in.col0 + x % c, c - x % c});
+    if (end_full > first_full) out.push_back({lead, 1, in.row0 + first_full, end_full - first_full, in.col0, c});
+    if (y % c != 0) out.push_back({lead, 1, in.row0 + y / c, 1, in.col0, y % c});
+  };
+  if (piece.range->empty()) return out;
+  const std::int64_t b = piece.range->begin, e = piece.range->end;
+  const std::int64_t first = b / block, final = (e - 1) / block;
+  if (first == final) {
+    part(first, b - first * block, e - first * block);
+    return out;
   }
+  std::int64_t whole_begin = first, whole_end = final + 1;
+  if (b % block != 0) part(first, b % block, block), whole_begin = first + 1;
+  if (e % block != 0) part(final, 0, e % block), whole_end = final;
+  whole(whole_begin, whole_end);
   return out;
 }
 
@@ -154,8 +172,10 @@ std::string ShardMapSvg(const TensorSpec& t, std::span<const ShardEntry* const> 
   // Leading indices per panel: at most kMaxPanels panels; beyond, each panel stands for a
   // run of consecutive leading indices (experts 0-3, ...).
   constexpr std::int64_t kMaxPanels = 256;
-  constexpr std::int64_t kMaxLeading = std::int64_t{1} << 20;
-  const bool drawable = grid.panels <= kMaxLeading;
+  // A 3-D tensor is a few rectangles per shard whatever its leading dim; with more leading dims
+  // a shard may be one run per index of its outer leading dims, so those are bounded.
+  constexpr std::int64_t kMaxLeading = std::int64_t{1} << 16;
+  const bool drawable = grid.lead.size() <= 1 || grid.panels <= kMaxLeading;
   const std::int64_t group = drawable ? CeilDiv(grid.panels, kMaxPanels) : 1;
   const std::int64_t panels = drawable ? CeilDiv(grid.panels, group) : 0;
   const std::int64_t columns = panels <= 1 ? 1
@@ -277,11 +297,17 @@ std::string ShardMapSvg(const TensorSpec& t, std::span<const ShardEntry* const> 
       doc.Tooltip(tip + " " + s->file + " " + HumanBytes(s->nbytes));
       bool labelled = !main;
       if (drawable) {
+        // Each rectangle once per panel (a panel may stand for several leading indices).
+        std::set<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>> drawn;
         for (const GridRect& c : PieceRects(s->piece, t.shape)) {
-          if (c.lead < 0 || c.lead >= grid.panels) continue;
-          const std::int64_t p = c.lead / group;
-          const double x = x_of(p, c.col0), y = y_of(p, c.row0);
-          const double w = x_of(p, c.col0 + c.cols) - x, h = y_of(p, c.row0 + c.rows) - y;
+          if (c.lead < 0 || c.leads < 1 || c.lead + c.leads > grid.panels) continue;
+          for (std::int64_t p = c.lead / group; p <= (c.lead + c.leads - 1) / group; ++p) {
+            drawn.emplace(p, c.row0, c.rows, c.col0, c.cols);
+          }
+        }
+        for (const auto& [p, row0, rows, col0, cols] : drawn) {
+          const double x = x_of(p, col0), y = y_of(p, row0);
+          const double w = x_of(p, col0 + cols) - x, h = y_of(p, row0 + rows) - y;
           doc.Rect(x, y, std::max(w, 0.5), std::max(h, 0.5));
           if (!labelled && w >= 16 && h >= 11) {
             doc.Text(x + 3, y + 11, std::to_string(s->rank),

@@ -27,15 +27,19 @@ namespace rs {
 // A tensor of any rank seen as panels of 2-D grids, as ShardMapSvg draws it: the leading dims
 // (all but the last two) index the panels, flattened row-major; the last two are rows and
 // columns (a 1-D tensor is one row, a 0-D one cell). A piece of the tensor is a set of
-// rectangles of that view: one per leading index of its box, or, for a flat range, up to three
-// per leading index (a partial first row, whole rows, a partial last row).
+// rectangles of that view, each repeated over a run of consecutive leading indices: the box's
+// rectangle over each run of its leading box along the last leading dim, or, for a flat range,
+// whole-box rectangles over the runs it covers entirely plus up to three rectangles (a partial
+// first row, whole rows, a partial last row) in each of the at most two blocks it cuts. So a
+// piece is a few rectangles however many experts it spans.
 struct GridRect {
-  std::int64_t lead = 0;  // flat index over the leading dims: the panel
+  std::int64_t lead = 0;   // first flat index over the leading dims
+  std::int64_t leads = 1;  // how many consecutive leading indices, from `lead`, it covers
   std::int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
   friend bool operator==(const GridRect&, const GridRect&) = default;
 };
 // The rectangles covering exactly the items of `piece` (its box within `global`, checked by the
-// caller, as a manifest's are).
+// caller, as a manifest's are), each item once.
 std::vector<GridRect> PieceRects(const Piece& piece, const Shape& global);
 
 // The shard map of tensor `t`: its global shape (2-D as is, 1-D as one row, 3-D and more as

@@ -53,12 +53,13 @@ TEST(Pictures, PieceRectsCoverExactlyThePiecesItems) {
     return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
   };
   for (int round = 0; round < 3000; ++round) {
-    const auto rank = static_cast<std::size_t>(pick(0, 4));
+    const auto rank = static_cast<std::size_t>(pick(0, 5));
+    const bool full = pick(0, 2) == 0;  // whole tensors: ranges over many leading indices
     Shape global(rank), offset(rank), shape(rank);
     for (std::size_t d = 0; d < rank; ++d) {
       global[d] = pick(1, 7);
-      offset[d] = pick(0, global[d] - 1);
-      shape[d] = pick(1, global[d] - offset[d]);
+      offset[d] = full ? 0 : pick(0, global[d] - 1);
+      shape[d] = full ? global[d] : pick(1, global[d] - offset[d]);
     }
     Piece p{Box{offset, shape}, std::nullopt};
     if (pick(0, 1) == 1) {
@@ -69,15 +70,32 @@ TEST(Pictures, PieceRectsCoverExactlyThePiecesItems) {
     std::set<std::tuple<std::int64_t, std::int64_t, std::int64_t>> drawn;
     std::int64_t drawn_items = 0;
     for (const GridRect& g : PieceRects(p, global)) {
-      for (std::int64_t row = g.row0; row < g.row0 + g.rows; ++row) {
-        for (std::int64_t col = g.col0; col < g.col0 + g.cols; ++col) drawn.emplace(g.lead, row, col);
+      for (std::int64_t lead = g.lead; lead < g.lead + g.leads; ++lead) {
+        for (std::int64_t row = g.row0; row < g.row0 + g.rows; ++row) {
+          for (std::int64_t col = g.col0; col < g.col0 + g.cols; ++col) drawn.emplace(lead, row, col);
+        }
       }
-      drawn_items += g.rows * g.cols;
+      drawn_items += g.leads * g.rows * g.cols;
     }
     const auto expected = ItemsOf(p, global);
     ASSERT_EQ(drawn, expected) << "global " << ShapeToString(global) << " piece " << p;
     ASSERT_EQ(drawn_items, static_cast<std::int64_t>(expected.size())) << "rectangles overlap: " << p;
   }
+}
+
+// However many experts a piece spans, it is a handful of rectangles: a flat FSDP range over
+// most of DeepSeek-V3's routed experts, and a box over 2^30 leading indices.
+TEST(Pictures, PiecesOfManyExpertsAreFewRectangles) {
+  const Shape fc1 = {256, 4096, 7168};
+  const std::int64_t per_expert = 4096 * 7168;
+  const Piece flat{Box::Full(fc1), ItemRange{per_expert / 3, 250 * per_expert + 12345}};
+  const auto rects = PieceRects(flat, fc1);
+  EXPECT_LE(rects.size(), 7u);
+  std::int64_t items = 0;
+  for (const GridRect& g : rects) items += g.leads * g.rows * g.cols;
+  EXPECT_EQ(items, flat.range->size());
+  const Shape huge = {std::int64_t{1} << 30, 8, 8};
+  EXPECT_EQ(PieceRects(Piece{Box::Full(huge), std::nullopt}, huge).size(), 1u);
 }
 
 TEST(Pictures, NumbersAreShortAndNeverExponents) {
