@@ -6,7 +6,13 @@
 #include "reshard/pictures.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <set>
@@ -18,6 +24,24 @@
 
 namespace rs {
 namespace {
+
+// A file holding `text`, removed at the end of the test.
+class ScratchFile {
+ public:
+  explicit ScratchFile(const std::string& text)
+      : path_((std::filesystem::temp_directory_path() / ("rs-pictures-" + std::to_string(::getpid()) + ".svg"))
+                  .string()) {
+    std::ofstream(path_, std::ios::binary) << text;
+  }
+  ~ScratchFile() {
+    std::remove(path_.c_str());
+    std::remove((path_ + ".json").c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 std::int64_t CountOf(const std::string& text, const std::string& what) {
   std::int64_t n = 0;
@@ -114,6 +138,33 @@ TEST(Pictures, TextIsEscapedAndHostileBytesBecomeVisibleText) {
   const std::string e = svg::Escape(hostile);
   for (const char c : e) EXPECT_TRUE(static_cast<unsigned char>(c) >= 0x20) << e;
   EXPECT_NE(e.find("\\x"), std::string::npos) << e;
+}
+
+// Names from a hostile manifest (markup, quotes, control characters, bytes that are not UTF-8)
+// in a tensor, a file and a layout still give a well-formed document: a real XML parser reads
+// it and finds the shard's attributes.
+TEST(Pictures, HostileNamesStayWellFormedXml) {
+  TensorSpec t;
+  t.name = "w</text><script>\"'&\x01\x1b[2J\xff\xfe";
+  t.shape = {4, 0, 8};  // an empty dim as well
+  t.axes = {"exp<", "", "e&"};
+  t.components.dim = 2;
+  t.components.components = {{"a\"b", 4}, {"<c>", 4}};
+  ShardEntry s;
+  s.tensor = t.name;
+  s.rank = 3;
+  s.piece.box = Box{{0, 0, 0}, {4, 0, 8}};
+  s.file = "f\x02<'>.h5";
+  s.dataset = "]]>&";
+  const ShardEntry* p = &s;
+  const std::string svg = ShardMapSvg(t, std::span<const ShardEntry* const>(&p, 1), std::nullopt, "src\x7f&");
+  ScratchFile f(svg);
+  const std::string cmd =
+      "python3 " + std::string(RS_SOURCE_DIR) + "/tests/cli/svg_read.py " + f.path() + " > " + f.path() + ".json";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << svg;
+  std::ifstream in(f.path() + ".json");
+  const std::string out{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  EXPECT_NE(out.find("\"data-rank\": \"3\""), std::string::npos) << out;
 }
 
 TEST(Pictures, ColoursAreDeterministicAndDistinctForNeighbours) {
