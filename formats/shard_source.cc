@@ -15,11 +15,26 @@ Status ShardSource::CheckMappedBlock(std::size_t index, std::int64_t, std::span<
   return Internal(DescribeShard(index) + ": this source hands out no checked extents");
 }
 
+const ShardSource::TensorShards* ShardSource::FindTensorShards(const std::string& tensor) {
+  std::call_once(index_once_, [this] {
+    const Manifest& m = manifest();
+    index_.reserve(m.tensors.size());
+    for (std::size_t i = 0; i < m.tensors.size(); ++i) index_.emplace(m.tensors[i].name, TensorShards{i, {}});
+    for (std::size_t i = 0; i < m.shards.size(); ++i) {
+      const ShardEntry& s = m.shards[i];
+      if (s.replica != ReplicaKind::kMain) continue;
+      if (const auto it = index_.find(s.tensor); it != index_.end()) it->second.main.push_back(i);
+    }
+  });
+  const auto it = index_.find(tensor);
+  return it == index_.end() ? nullptr : &it->second;
+}
+
 Status ShardSource::ReadPiece(const std::string& tensor, const Piece& piece, std::span<std::byte> out) {
   const Manifest& m = manifest();
-  const std::int64_t ti = m.TensorIndex(tensor);
-  if (ti < 0) return NotFound(dir() + ": checkpoint has no tensor '" + tensor + "'");
-  const TensorSpec& t = m.tensors[static_cast<std::size_t>(ti)];
+  const TensorShards* ts = FindTensorShards(tensor);
+  if (ts == nullptr) return NotFound(dir() + ": checkpoint has no tensor '" + tensor + "'");
+  const TensorSpec& t = m.tensors[ts->tensor];
   const std::string where = dir() + ": tensor '" + tensor + "' " + ShapeToString(t.shape);
   if (!piece.box.Within(t.shape) || (piece.range && (piece.range->begin < 0 || piece.range->begin > piece.range->end ||
                                                      piece.range->end > piece.box.numel()))) {
@@ -37,9 +52,8 @@ Status ShardSource::ReadPiece(const std::string& tensor, const Piece& piece, std
     std::int64_t src;  // item in the shard
   };
   std::vector<Part> parts;
-  for (std::size_t i = 0; i < m.shards.size(); ++i) {
+  for (const std::size_t i : ts->main) {
     const ShardEntry& s = m.shards[i];
-    if (s.tensor != tensor || s.replica != ReplicaKind::kMain) continue;
     for (const Overlap& o : IntersectPieces(t.shape, piece, s.piece)) {
       parts.push_back({o.a_local, o.a_local + o.length, i, o.b_local});
     }

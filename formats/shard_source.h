@@ -8,9 +8,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "core/shape.h"
 #include "core/status.h"
@@ -52,6 +55,18 @@ class ShardSource {
   // Reads `piece` of `tensor` from the main shards that cover it (see CheckpointReader::
   // ReadPiece for the errors). The default assembles it from ReadShardRange.
   virtual Status ReadPiece(const std::string& tensor, const Piece& piece, std::span<std::byte> out);
+
+ private:
+  // A tensor's index in manifest().tensors and its main shards, found through an index built
+  // on the first ReadPiece (the manifest does not change afterwards): reading every tensor of a
+  // checkpoint costs O(shards), not O(tensors x shards).
+  struct TensorShards {
+    std::size_t tensor = 0;
+    std::vector<std::size_t> main;
+  };
+  const TensorShards* FindTensorShards(const std::string& tensor);
+  std::once_flag index_once_;
+  std::unordered_map<std::string, TensorShards> index_;
 };
 
 // Our format through CheckpointReader (which the caller keeps alive, or hands over).

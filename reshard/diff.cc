@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <unordered_map>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -131,6 +132,13 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
     report.tensors.push_back(std::move(d));
   }
 
+  // Tensor name -> index, per side (looked up once per window).
+  const auto index_of = [](const Manifest& m) {
+    std::unordered_map<std::string, std::size_t> index;
+    for (std::size_t i = 0; i < m.tensors.size(); ++i) index.emplace(m.tensors[i].name, i);
+    return index;
+  };
+  const auto index_a = index_of(a.manifest()), index_b = index_of(b.manifest());
   std::mutex mu;
   Status first_error;
   std::atomic<std::size_t> next{0};
@@ -140,8 +148,8 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
     for (std::size_t i = next++; i < work.size(); i = next++) {
       const Work& w = work[i];
       const std::string& name = report.tensors[w.diff].name;
-      const TensorSpec& ta = a.manifest().tensors[static_cast<std::size_t>(a.manifest().TensorIndex(name))];
-      const TensorSpec& tb = b.manifest().tensors[static_cast<std::size_t>(b.manifest().TensorIndex(name))];
+      const TensorSpec& ta = a.manifest().tensors[index_a.at(name)];
+      const TensorSpec& tb = b.manifest().tensors[index_b.at(name)];
       const Piece piece{Box::Full(ta.shape), w.window};
       ba.resize(static_cast<std::size_t>(w.window.size()) * DTypeSize(ta.dtype));
       bb.resize(static_cast<std::size_t>(w.window.size()) * DTypeSize(tb.dtype));
