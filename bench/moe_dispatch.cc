@@ -93,9 +93,13 @@ void Row(const char* op, const char* kind, const Measured& fused, const Measured
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto arg = [&](int i, std::int64_t def) { return argc > i ? std::atoll(argv[i]) : def; };
-  const std::int64_t t = arg(1, 4096), d = arg(2, 2048), e = arg(3, 64), k = arg(4, 8);
-  const int reps = static_cast<int>(arg(5, 5));
+  const rs::bench::BenchArgs args(
+      argc, argv,
+      "bench_moe_dispatch [T] [d] [E] [k] [reps]   defaults: 4096 2048 64 8 5\n"
+      "Fused against unfused MoE dispatch copies (permute+pad, unpermute+unpad), one thread.");
+  const std::int64_t t = args.Int(1, "T", 4096), d = args.Int(2, "d", 2048), e = args.Int(3, "E", 64),
+                     k = args.Int(4, "k", 8);
+  const int reps = static_cast<int>(args.Int(5, "reps", 5));
   std::printf("MoE dispatch, CPU, f32: T=%lld d=%lld E=%lld k=%lld, best of %d runs, 1 thread\n",
               static_cast<long long>(t), static_cast<long long>(d), static_cast<long long>(e),
               static_cast<long long>(k), reps);

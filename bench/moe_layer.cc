@@ -18,15 +18,18 @@
 #include "train/rng.h"
 
 int main(int argc, char** argv) {
-  auto arg = [&](int i, std::int64_t def) { return argc > i ? std::atoll(argv[i]) : def; };
+  const rs::bench::BenchArgs args(
+      argc, argv,
+      "bench_moe_layer [T] [d] [E] [k] [f] [align] [reps]   defaults: 4096 512 16 2 512 16 5\n"
+      "One MoE layer forward + backward on the CPU against the sgemm peak of this machine.");
   rs::ModelConfig c = rs::ModelPreset("small-moe").value();
-  const std::int64_t t = arg(1, 4096);
-  c.d_model = arg(2, 512);
-  c.n_experts = arg(3, 16);
-  c.top_k = arg(4, 2);
-  c.moe_ffn = arg(5, 512);
-  const std::int64_t align = arg(6, 16);
-  const int reps = static_cast<int>(arg(7, 5));
+  const std::int64_t t = args.Int(1, "T", 4096);
+  c.d_model = args.Int(2, "d", 512);
+  c.n_experts = args.Int(3, "E", 16);
+  c.top_k = args.Int(4, "k", 2);
+  c.moe_ffn = args.Int(5, "f", 512);
+  const std::int64_t align = args.Int(6, "align", 16);
+  const int reps = static_cast<int>(args.Int(7, "reps", 5));
   const std::int64_t d = c.d_model, e = c.n_experts, f = c.moe_ffn;
 
   double peak = rs::bench::SgemmPeakGflops(2048, 10);

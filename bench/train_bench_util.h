@@ -7,12 +7,53 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
+#include "train/blas_kernels.h"
 #include "train/gemm.h"
 #include "train/rng.h"
 
 namespace rs::bench {
+
+// The start of every training-core benchmark's main: positional arguments, the GEMM kernels
+// this CPU allows (train/blas_kernels.h: may execute the program again with OPENBLAS_CORETYPE
+// set), and a line saying which kernels the numbers are of. `-h` / `--help` prints `usage` and
+// exits 0; an argument that is not a positive integer where one is expected exits 2 naming it
+// (reading "--help" as the number 0 used to end in a failed CHECK).
+class BenchArgs {
+ public:
+  BenchArgs(int argc, char** argv, const char* usage) : argc_(argc), argv_(argv) {
+    for (int i = 1; i < argc; ++i) {
+      if (std::strcmp(argv[i], "-h") == 0 || std::strcmp(argv[i], "--help") == 0) {
+        std::printf("%s\n", usage);
+        std::exit(0);
+      }
+    }
+    train::SelectBlasKernels(argv);
+    std::printf("%s\n", train::DescribeBlasKernels().line.c_str());
+    if (const std::string w = train::DescribeBlasKernels().warning; !w.empty()) std::printf("%s\n", w.c_str());
+  }
+  // Positional argument i (1-based), a positive integer, or `def` when absent.
+  std::int64_t Int(int i, const char* name, std::int64_t def) const {
+    if (i >= argc_) return def;
+    char* end = nullptr;
+    const long long v = std::strtoll(argv_[i], &end, 10);
+    if (end == argv_[i] || *end != '\0' || v <= 0) {
+      std::fprintf(stderr, "%s: argument %d (%s) must be a positive integer, not '%s' (--help)\n", argv_[0], i, name,
+                   argv_[i]);
+      std::exit(2);
+    }
+    return v;
+  }
+  std::string Str(int i, const char* def) const { return i < argc_ ? argv_[i] : def; }
+
+ private:
+  int argc_;
+  char** argv_;
+};
 
 inline double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -21,7 +21,11 @@
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
-  const std::string model = argc > 1 ? argv[1] : "small-moe";
+  const rs::bench::BenchArgs args(
+      argc, argv,
+      "bench_train_step [preset|FILE.json] [batch] [seq] [steps]   defaults: small-moe 8 256 3\n"
+      "Full training steps of a model on the CPU against the sgemm peak of this machine.");
+  const std::string model = args.Str(1, "small-moe");
   rs::Result<rs::ModelConfig> mc = rs::ModelPreset(model);
   if (!mc.ok()) {
     std::ifstream in(model);
@@ -37,9 +41,9 @@ int main(int argc, char** argv) {
   }
   const rs::ModelConfig c = *mc;
   rs::train::TrainConfig tc;
-  tc.batch_size = argc > 2 ? std::atoll(argv[2]) : 8;
-  tc.seq_len = argc > 3 ? std::atoll(argv[3]) : std::min<std::int64_t>(256, c.max_seq_len);
-  const int steps = argc > 4 ? std::atoi(argv[4]) : 3;
+  tc.batch_size = args.Int(2, "batch", 8);
+  tc.seq_len = args.Int(3, "seq", std::min<std::int64_t>(256, c.max_seq_len));
+  const int steps = static_cast<int>(args.Int(4, "steps", 3));
 
   const double peak = rs::bench::SgemmPeakGflops(2048, 10);
   std::printf("sgemm peak (2048^3, OpenBLAS default threads, best of 10): %.1f GFLOP/s\n", peak);

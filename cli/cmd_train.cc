@@ -29,6 +29,7 @@
 #include "cli/util.h"
 #include "comm/mpi.h"
 #include "formats/tensorboard.h"
+#include "train/blas_kernels.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/eval.h"
@@ -258,6 +259,11 @@ void RunTrain(TrainArgs& a) {
   }
   const ModelConfig& mc = trainer->model_config();
   if (lead && trainer->engine() != nullptr) PrintErr("device: %s\n", trainer->engine()->Describe().c_str());
+  if (lead && trainer->engine() == nullptr) {
+    const train::BlasReport blas = train::DescribeBlasKernels();
+    PrintErr("%s\n", blas.line.c_str());
+    if (!blas.warning.empty()) PrintErr("%s\n", blas.warning.c_str());
+  }
   if (lead) {
     PrintErr("model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64
              " tokens; data %s (%zu bytes); "
