@@ -94,7 +94,48 @@ AdamW::AdamW(const OptimizerConfig& c, std::vector<ParamSegment> segments, std::
       m_(static_cast<std::size_t>(num_params), 0.0f),
       v_(static_cast<std::size_t>(num_params), 0.0f) {
   for (const auto& s : segments_) RS_CHECK(s.offset >= 0 && s.size >= 0 && s.offset + s.size <= num_params);
+  // Per item first (later segments win), then runs of equal treatment.
+  std::vector<std::uint8_t> treat(static_cast<std::size_t>(num_params), 0);  // bit 0 update, 1 decay, 2 norm
+  for (const auto& s : segments_) {
+    const auto t = static_cast<std::uint8_t>(!s.trainable ? 0 : (1 | (s.decay ? 2 : 0) | (s.counts_in_norm ? 4 : 0)));
+    std::fill_n(treat.begin() + s.offset, s.size, t);
+  }
+  for (std::int64_t i = 0; i < num_params;) {
+    std::int64_t j = i + 1;
+    while (j < num_params && treat[static_cast<std::size_t>(j)] == treat[static_cast<std::size_t>(i)]) ++j;
+    const std::uint8_t t = treat[static_cast<std::size_t>(i)];
+    if (t != 0) runs_.push_back({i, j, (t & 1) != 0, (t & 2) != 0, (t & 4) != 0});
+    i = j;
+  }
 }
+
+namespace {
+
+struct AdamWScalars {
+  float clip, b1, b2, bc1, bc2, lr, eps, wd;
+};
+
+// The update of n consecutive items, in the same expression and order as the definition
+// (moments, bias corrections, then the step with decoupled decay). It vectorises: this file is
+// compiled with -fno-math-errno so that sqrt does, and target_clones adds an AVX2 version chosen
+// at run time. Multiplication, division and square root are exactly rounded in every version
+// and no version contracts into FMA (the clones target avx2 only), so every path gives the
+// same bits as the scalar loop.
+__attribute__((target_clones("avx2", "default"))) void AdamWItems(float* __restrict p, const float* __restrict g,
+                                                                  float* __restrict m, float* __restrict v,
+                                                                  std::int64_t n, const AdamWScalars& s) {
+  const AdamWScalars k = s;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * k.clip;
+    m[i] = k.b1 * m[i] + (1.0f - k.b1) * gi;
+    v[i] = k.b2 * v[i] + (1.0f - k.b2) * gi * gi;
+    const float mhat = m[i] / k.bc1;
+    const float vhat = v[i] / k.bc2;
+    p[i] -= k.lr * (mhat / (std::sqrt(vhat) + k.eps) + k.wd * p[i]);
+  }
+}
+
+}  // namespace
 
 UpdateInfo AdamW::Update(std::span<float> params, std::span<const float> grads, std::int64_t step) {
   auto info = Update(params, grads, step, [](double sq) -> Result<double> { return sq; });
@@ -105,17 +146,6 @@ UpdateInfo AdamW::Update(std::span<float> params, std::span<const float> grads, 
 Result<UpdateInfo> AdamW::Update(std::span<float> params, std::span<const float> grads, std::int64_t step,
                                  const NormReducer& reduce) {
   RS_CHECK(params.size() == m_.size() && grads.size() == m_.size() && step >= 0);
-  // Per-element treatment of the flat vector: 0 = skipped (buffers), 1 = no decay, 2 = decay.
-  if (kind_.size() != m_.size()) {
-    kind_.assign(m_.size(), 0);
-    for (const auto& s : segments_) {
-      std::fill_n(kind_.begin() + s.offset, s.size, static_cast<std::uint8_t>(!s.trainable ? 0 : s.decay ? 2 : 1));
-    }
-    in_norm_.assign(m_.size(), 0);
-    for (const auto& s : segments_) {
-      std::fill_n(in_norm_.begin() + s.offset, s.size, static_cast<std::uint8_t>(s.trainable && s.counts_in_norm));
-    }
-  }
   UpdateInfo info;
   info.lr = LearningRate(c_, step);
   const auto n = static_cast<std::int64_t>(m_.size());
@@ -123,13 +153,23 @@ Result<UpdateInfo> AdamW::Update(std::span<float> params, std::span<const float>
   // value does not depend on the number of threads.
   constexpr std::int64_t kChunk = std::int64_t{1} << 16;
   std::vector<double> partial(static_cast<std::size_t>((n + kChunk - 1) / kChunk), 0.0);
+  // The runs that meet items [begin, end), each clipped to them, in order.
+  const auto for_runs = [this](std::int64_t begin, std::int64_t end, auto&& f) {
+    auto it =
+        std::upper_bound(runs_.begin(), runs_.end(), begin, [](std::int64_t x, const Run& r) { return x < r.end; });
+    for (; it != runs_.end() && it->begin < end; ++it) f(*it, std::max(begin, it->begin), std::min(end, it->end));
+  };
   ParallelChunks(n, kChunk, [&](std::int64_t c, std::int64_t begin, std::int64_t end) {
+    // In item order, as a loop over every item that adds 0 for the others would (adding +0.0
+    // to a sum of squares changes nothing): the same bits.
     double sq = 0;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      const double g = in_norm_[k] != 0 ? static_cast<double>(grads[k]) : 0.0;
-      sq += g * g;
-    }
+    for_runs(begin, end, [&](const Run& r, std::int64_t lo, std::int64_t hi) {
+      if (!r.in_norm) return;
+      for (std::int64_t i = lo; i < hi; ++i) {
+        const auto g = static_cast<double>(grads[static_cast<std::size_t>(i)]);
+        sq += g * g;
+      }
+    });
     partial[static_cast<std::size_t>(c)] = sq;
   });
   double sq = 0;
@@ -144,22 +184,13 @@ Result<UpdateInfo> AdamW::Update(std::span<float> params, std::span<const float>
   const auto lr = static_cast<float>(info.lr);
   const auto eps = static_cast<float>(c_.eps);
   const auto clip = static_cast<float>(info.clip_scale);
-  const float wd_by_kind[3] = {0.0f, 0.0f, static_cast<float>(c_.weight_decay)};
-  float* __restrict p = params.data();
-  const float* __restrict g = grads.data();
-  float* __restrict m = m_.data();
-  float* __restrict v = v_.data();
-  const std::uint8_t* __restrict kind = kind_.data();
+  AdamWScalars k{clip, b1, b2, bc1, bc2, lr, eps, 0.0f};
   ParallelChunks(n, kChunk, [&](std::int64_t, std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) {
-      if (kind[i] == 0) continue;
-      const float gi = g[i] * clip;
-      m[i] = b1 * m[i] + (1.0f - b1) * gi;
-      v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-      const float mhat = m[i] / bc1;
-      const float vhat = v[i] / bc2;
-      p[i] -= lr * (mhat / (std::sqrt(vhat) + eps) + wd_by_kind[kind[i]] * p[i]);
-    }
+    for_runs(begin, end, [&](const Run& r, std::int64_t lo, std::int64_t hi) {
+      AdamWScalars run = k;
+      run.wd = r.decay ? static_cast<float>(c_.weight_decay) : 0.0f;
+      AdamWItems(params.data() + lo, grads.data() + lo, m_.data() + lo, v_.data() + lo, hi - lo, run);
+    });
   });
   return info;
 }

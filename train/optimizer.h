@@ -84,8 +84,16 @@ class AdamW {
   OptimizerConfig c_;
   std::vector<ParamSegment> segments_;
   std::vector<float> m_, v_;
-  std::vector<std::uint8_t> kind_;     // per element: 0 skip, 1 no decay, 2 decay (built lazily)
-  std::vector<std::uint8_t> in_norm_;  // per element: counts in the gradient norm (built lazily)
+  // The vector as disjoint runs in increasing offset order, each with one treatment: what the
+  // segments say per item (a later segment overrides an earlier one where they overlap; items
+  // in no segment are skipped). The passes loop over runs, not items, with no per-item branch.
+  struct Run {
+    std::int64_t begin = 0, end = 0;
+    bool update = false;   // trainable
+    bool decay = false;    // weight decay applies
+    bool in_norm = false;  // counts in the global gradient norm
+  };
+  std::vector<Run> runs_;
 };
 
 }  // namespace rs::train
