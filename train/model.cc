@@ -1,6 +1,7 @@
 #include "train/model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 
@@ -209,6 +210,14 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   inputs_.assign(inputs, inputs + n);
   Losses losses;
   losses.loads.resize(layers_.size());
+  // Phase timing: lap(slot) adds the time since the previous lap to one part.
+  phases_ = PhaseSeconds{};
+  auto mark = std::chrono::steady_clock::now();
+  const auto lap = [&mark](double& slot) {
+    const auto now = std::chrono::steady_clock::now();
+    slot += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
 
   Buffer<T> h(nd), tmp(nd);
   for (std::int64_t t = 0; t < n; ++t) {
@@ -223,21 +232,25 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     }
   }
   par_->AllReduceTp(std::span<T>(h.data(), nd));
+  lap(phases_.embedding);
   for (std::size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = *layers_[li];
     l.h_in.assign(h.begin(), h.end());
     l.xn1.resize(nd);
     l.rstd1.resize(static_cast<std::size_t>(n));
     RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data());
+    lap(phases_.norms);
     typename Attention<T>::QkNorm qk;
     if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps};
     l.attn.Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
     par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // attention out is row-parallel
+    lap(phases_.attention);
     AddInto(h.data(), tmp.data(), nd);
     l.h_mid.assign(h.begin(), h.end());
     l.xn2.resize(nd);
     l.rstd2.resize(static_cast<std::size_t>(n));
     RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, l.xn2.data(), l.rstd2.data());
+    lap(phases_.norms);
     if (l.moe) {
       const MoeWeights<T> w{P(l.router), l.bias != kNone ? P(l.bias) : nullptr, P(l.efc1),
                             P(l.efc2),   l.sfc1 != kNone ? P(l.sfc1) : nullptr, l.sfc2 != kNone ? P(l.sfc2) : nullptr};
@@ -250,7 +263,9 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
       l.dense->Forward(l.xn2.data(), rows, P(l.fc1), P(l.fc2), tmp.data());
       par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // fc2 is row-parallel
     }
+    lap(phases_.mlp);
     AddInto(h.data(), tmp.data(), nd);
+    lap(phases_.norms);
   }
   h_final_ = std::move(h);
   x_final_.resize(nd);
@@ -266,6 +281,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   par_->AllReduceData(std::span<double>(&ce, 1));
   losses.ce = ce * inv_rows;
   losses.total = losses.ce + losses.aux + losses.z;
+  lap(phases_.output);
   if (!backward) return losses;
 
   // Backward, in reverse. Inputs of column-parallel blocks get partial gradients on each tp
@@ -275,6 +291,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   Gemm<T>(Trans::kYes, Trans::kNo, vl, d, n, T(1), dlogits_.data(), vl, x_final_.data(), d, T(1), G(output_), d);
   par_->AllReduceTp(std::span<T>(dx.data(), nd));
   RmsNormBackward(dx.data(), h_final_.data(), P(final_norm_), rstd_final_.data(), n, d, dh.data(), G(final_norm_));
+  lap(phases_.output);
   for (std::size_t li = layers_.size(); li-- > 0;) {
     Layer& l = *layers_[li];
     if (l.moe) {
@@ -287,19 +304,24 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
       l.dense->Backward(dh.data(), P(l.fc1), P(l.fc2), dx.data(), G(l.fc1), G(l.fc2));
       par_->AllReduceTp(std::span<T>(dx.data(), nd));
     }
+    lap(phases_.mlp);
     RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm));
     AddInto(dh.data(), tmp.data(), nd);
+    lap(phases_.norms);
     l.attn.Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out),
                     l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr);
     par_->AllReduceTp(std::span<T>(dx.data(), nd));
+    lap(phases_.attention);
     RmsNormBackward(dx.data(), l.h_in.data(), P(l.attn_norm), l.rstd1.data(), n, d, tmp.data(), G(l.attn_norm));
     AddInto(dh.data(), tmp.data(), nd);
+    lap(phases_.norms);
   }
   T* demb = G(embedding_);
   for (std::int64_t t = 0; t < n; ++t) {
     const std::int64_t row = inputs_[static_cast<std::size_t>(t)] - voff;
     if (row >= 0 && row < vl) AddInto(demb + row * d, dh.data() + t * d, static_cast<std::size_t>(d));
   }
+  lap(phases_.embedding);
   return losses;
 }
 

@@ -23,6 +23,18 @@
 
 namespace rs::train {
 
+// Wall seconds of the last Run by part of the model, forward and backward together; each
+// part's tensor-parallel collectives are in it. The trainer reports them per step
+// (StepReport::phases) and bench_train_step prints their shares.
+struct PhaseSeconds {
+  double embedding = 0;  // token lookup and its gradient
+  double attention = 0;  // projections, RoPE, scores, softmax, output projection
+  double mlp = 0;        // MoE blocks (router, dispatch, experts, combine) or dense MLPs
+  double norms = 0;      // RMSNorms and residual additions
+  double output = 0;     // final norm, logits, cross-entropy and their gradients
+  double total() const { return embedding + attention + mlp + norms + output; }
+};
+
 struct Losses {
   double total = 0;                              // ce + aux + z: what the backward pass differentiates
   double ce = 0;                                 // mean next-token cross-entropy (nats)
@@ -89,6 +101,7 @@ class Transformer {
   void ZeroGrads();
   // sigmoid_bias: b += u · sign(mean load − load) per MoE layer, from `losses.loads`.
   void UpdateExpertBiases(const Losses& losses);
+  const PhaseSeconds& phase_seconds() const { return phases_; }
 
  private:
   struct Layer;
@@ -107,6 +120,7 @@ class Transformer {
   // Activations of the last forward pass that the backward pass needs.
   std::vector<std::int32_t> inputs_;
   Buffer<T> h_final_, x_final_, rstd_final_, dlogits_;
+  PhaseSeconds phases_;
 };
 
 }  // namespace rs::train

@@ -181,13 +181,16 @@ Result<StepReport> Trainer::Step() {
   par_.status = Status::Ok();
   r.losses = model_.Run(inputs.data(), targets.data(), rows, seq, Transformer<float>::Pass::kForwardBackward);
   if (!par_.status.ok()) return par_.status.WithContext(at + "forward/backward");
+  r.phases = model_.phase_seconds();
   // Phase 3: gradients of the whole batch (kv replicas, fsdp reduce-scatter, dp all-reduce).
   t0 = Clock::now();
   if (Status s = state_->ReduceGradients(groups_, model_); !s.ok()) return s.WithContext(at + "reduce gradients");
   r.comm_seconds += since(t0);
   // Phase 4: global norm, clip, AdamW on the owned items.
+  t0 = Clock::now();
   auto update = state_->Update(groups_, step_);
   if (!update.ok()) return update.status().WithContext(at + "optimizer update");
+  r.optimizer_seconds = since(t0);
   r.update = *update;
   // Phase 5: the bias follows the loads of this step's forward pass (DeepSeek-V3's per-step
   // update); loads are those of the whole batch, so every rank moves its copy the same way.

@@ -62,6 +62,11 @@ struct StepReport {
   double comm_seconds = 0;  // of which in gradient/parameter collectives outside the model
   // (comm.seconds: in every collective, those inside forward/backward included)
   comm::CommStats comm;  // bytes this rank received during the step
+  // Where the step's time went on this rank (CPU path; zeros when an engine ran the step):
+  // forward and backward by part of the model, and the optimizer update (global norm, clip,
+  // AdamW); comm_seconds holds the gradient/parameter phases.
+  PhaseSeconds phases;
+  double optimizer_seconds = 0;
 };
 
 class Trainer;

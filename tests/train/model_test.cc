@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <ostream>
@@ -224,6 +225,33 @@ TEST(ModelGradTest, WholeDenseModel) {
   c.vocab_size = 20;
   c.n_experts = 0;
   CheckWholeModel(c, 3);
+}
+
+// The phase clocks of a Run: every part measured, none negative, together no more than the
+// Run's own wall time (they are laps of one clock), and reset by the next Run.
+TEST(ModelTest, PhaseSecondsAddUpToTheRun) {
+  ModelConfig c = ModelPreset("tiny-moe").value();
+  Transformer<float> m(c, DispatchOptions{});
+  m.Initialize(1, 0.02);
+  const std::int64_t b = 4, s = 64;
+  Rng rng(3);
+  std::vector<std::int32_t> in(b * s), tg(b * s);
+  for (auto& t : in) t = static_cast<std::int32_t>(rng.Below(256));
+  for (auto& t : tg) t = static_cast<std::int32_t>(rng.Below(256));
+  for (const auto pass : {Transformer<float>::Pass::kForwardBackward, Transformer<float>::Pass::kForward}) {
+    m.ZeroGrads();
+    const auto start = std::chrono::steady_clock::now();
+    m.Run(in.data(), tg.data(), b, s, pass);
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const PhaseSeconds& p = m.phase_seconds();
+    for (const double x : {p.embedding, p.attention, p.mlp, p.norms, p.output}) EXPECT_GE(x, 0.0);
+    EXPECT_GT(p.attention, 0.0);
+    EXPECT_GT(p.mlp, 0.0);
+    EXPECT_GT(p.norms, 0.0);
+    EXPECT_GT(p.output, 0.0);
+    EXPECT_LE(p.total(), wall);
+    EXPECT_GT(p.total(), 0.5 * wall);  // the laps cover the Run, not a part of it
+  }
 }
 
 TEST(ModelTest, FloatAndDoubleAgreeAndInitialLossIsNearLogVocab) {
