@@ -33,8 +33,9 @@ class BenchArgs {
       }
     }
     train::SelectBlasKernels(argv);
-    std::printf("%s\n", train::DescribeBlasKernels().line.c_str());
-    if (const std::string w = train::DescribeBlasKernels().warning; !w.empty()) std::printf("%s\n", w.c_str());
+    const train::BlasReport blas = train::DescribeBlasKernels();
+    std::printf("%s\n", blas.line.c_str());
+    if (!blas.warning.empty()) std::printf("%s\n", blas.warning.c_str());
   }
   // Positional argument i (1-based), a positive integer, or `def` when absent.
   std::int64_t Int(int i, const char* name, std::int64_t def) const {

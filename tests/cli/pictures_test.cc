@@ -17,6 +17,7 @@
 #include <tuple>
 
 #include "tests/cli/cli_test_util.h"
+#include "tests/cli/picture_test_util.h"
 
 namespace rs {
 namespace {
@@ -24,27 +25,13 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using testing::CommandResult;
+using testing::OfClass;
+using testing::ReadLog;
+using testing::ReadSvg;
 using testing::RunCli;
 using testing::RunShell;
 using testing::Slurp;
 using testing::TempDir;
-
-// The classed elements of an SVG file, as tests/cli/svg_read.py prints them.
-json ReadSvg(const std::string& path) {
-  const CommandResult r =
-      RunShell("python3 " + std::string(RS_SOURCE_DIR) + "/tests/cli/svg_read.py " + path + " 2>&1");
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  if (r.exit_code != 0) return json::object({{"elements", json::array()}});
-  return json::parse(r.output);
-}
-
-std::vector<json> OfClass(const json& svg, const std::string& cls) {
-  std::vector<json> out;
-  for (const json& e : svg["elements"]) {
-    if (e["class"] == cls) out.push_back(e);
-  }
-  return out;
-}
 
 // Renders with rsvg-convert: exit 0 and a non-empty PNG.
 void ExpectRenders(const std::string& svg) {
@@ -312,13 +299,9 @@ TEST(Pictures, PlotDrawsTheLogsValues) {
   const CommandResult r = RunCli("plot " + log + " --svg " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ExpectRenders(svg);
-  std::map<std::string, std::vector<double>> expected;
-  std::stringstream lines(Slurp(log));
-  for (std::string line; std::getline(lines, line);) {
-    const json j = json::parse(line);
-    for (const auto& [k, v] : j.items()) {
-      if (v.is_number()) expected[k].push_back(v.get<double>());
-    }
+  std::map<std::string, std::vector<double>> expected;  // field -> its value at steps 1, 2, ...
+  for (const auto& [step, fields] : ReadLog(log)) {
+    for (const auto& [k, v] : fields) expected[k].push_back(v);
   }
   std::set<std::string> panels, series;
   for (const json& p : OfClass(ReadSvg(svg), "series")) {
@@ -350,6 +333,10 @@ TEST(Pictures, PlotDrawsTheLogsValues) {
   EXPECT_NE(bad.output.find(log + ":8"), std::string::npos) << bad.output;
   EXPECT_EQ(Slurp(svg), before);
   EXPECT_NE(RunCli("plot " + (tmp / "missing.jsonl") + " --svg " + svg).exit_code, 0);
+  std::ofstream(tmp / "nostep.jsonl") << "{\"step\": 1, \"loss\": 2}\n{\"loss\": 1}\n";
+  const CommandResult nostep = RunCli("plot " + (tmp / "nostep.jsonl") + " --svg " + svg);
+  EXPECT_EQ(nostep.exit_code, 1) << nostep.output;
+  EXPECT_NE(nostep.output.find(tmp / "nostep.jsonl:2: no numeric field 'step'"), std::string::npos) << nostep.output;
   EXPECT_NE(RunCli("plot " + log + " --svg " + tmp.path().string()).exit_code, 0);  // a directory is not a picture
 }
 

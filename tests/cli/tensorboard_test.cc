@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "tests/cli/cli_test_util.h"
+#include "tests/cli/picture_test_util.h"
 
 namespace rs {
 namespace {
@@ -25,27 +26,13 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using testing::CommandResult;
+using testing::OfClass;
+using testing::ReadLog;
+using testing::ReadSvg;
 using testing::RunCli;
 using testing::RunShell;
 using testing::Slurp;
 using testing::TempDir;
-
-// step -> field -> value, with "a.b" for nested fields, from a `train --log` file.
-std::map<std::int64_t, std::map<std::string, double>> ReadLog(const std::string& path) {
-  std::map<std::int64_t, std::map<std::string, double>> out;
-  std::stringstream lines(Slurp(path));
-  for (std::string line; std::getline(lines, line);) {
-    const json j = json::parse(line);
-    auto& fields = out[j["step"].get<std::int64_t>()];
-    for (const auto& [k, v] : j.items()) {
-      if (v.is_number()) fields[k] = v.get<double>();
-      if (v.is_object()) {
-        for (const auto& [k2, v2] : v.items()) fields[k + "." + k2] = v2.get<double>();
-      }
-    }
-  }
-  return out;
-}
 
 std::vector<std::string> EventFiles(const std::string& dir) {
   std::vector<std::string> files;
@@ -217,14 +204,9 @@ TEST(TrainTensorBoard, PlotReadsTheEventFilesAndRefusesATruncatedOne) {
             0);
   const CommandResult r = RunCli("plot " + tb + " --svg " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const CommandResult read =
-      RunShell("python3 " + std::string(RS_SOURCE_DIR) + "/tests/cli/svg_read.py " + svg + " 2>&1");
-  ASSERT_EQ(read.exit_code, 0) << read.output;
   const auto logged = ReadLog(log);
   int series = 0;
-  const json drawn = json::parse(read.output);
-  for (const json& e : drawn["elements"]) {
-    if (e["class"] != "series") continue;
+  for (const json& e : OfClass(ReadSvg(svg), "series")) {
     const json& a = e["attrs"];
     const std::string name = a["data-name"];
     if (logged.at(1).count(name) == 0) continue;  // router panels
@@ -248,6 +230,11 @@ TEST(TrainTensorBoard, PlotReadsTheEventFilesAndRefusesATruncatedOne) {
   EXPECT_NE(bad.output.find(file), std::string::npos) << bad.output;
   EXPECT_NE(bad.output.find("record at offset"), std::string::npos) << bad.output;
   EXPECT_FALSE(fs::exists(tmp / "bad.svg"));
+  // A directory without event files is named as such.
+  fs::create_directories(tmp / "empty");
+  const CommandResult empty = RunCli("plot " + (tmp / "empty") + " --svg " + (tmp / "bad.svg"));
+  EXPECT_EQ(empty.exit_code, 1) << empty.output;
+  EXPECT_NE(empty.output.find("no events.out.tfevents.* files"), std::string::npos) << empty.output;
 }
 
 }  // namespace

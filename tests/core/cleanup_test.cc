@@ -4,9 +4,7 @@
 #include "core/cleanup.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -15,31 +13,14 @@
 #include <string>
 #include <thread>
 
+#include "tests/cli/cli_test_util.h"
+
 namespace rs {
 namespace {
 
 namespace fs = std::filesystem;
 
-class Scratch {
- public:
-  Scratch() {
-    path_ = fs::temp_directory_path() / ("rs-cleanup-" + std::to_string(::getpid()) + "-" + std::to_string(Next()));
-    fs::create_directories(path_);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  static int Next() {
-    static std::atomic<int> n{0};
-    return n++;
-  }
-  fs::path path_;
-};
+using Scratch = testing::TempDir;
 
 void WriteFiles(const std::string& dir, int files) {
   for (int i = 0; i < files; ++i) std::ofstream(dir + "/f" + std::to_string(i)) << i;

@@ -6,42 +6,21 @@
 #include "reshard/pictures.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <random>
 #include <set>
 #include <tuple>
 
 #include "core/svg.h"
+#include "tests/cli/picture_test_util.h"
 #include "tests/layout/test_models.h"
 #include "tests/reshard/test_manifest.h"
 
 namespace rs {
 namespace {
-
-// A file holding `text`, removed at the end of the test.
-class ScratchFile {
- public:
-  explicit ScratchFile(const std::string& text)
-      : path_((std::filesystem::temp_directory_path() / ("rs-pictures-" + std::to_string(::getpid()) + ".svg"))
-                  .string()) {
-    std::ofstream(path_, std::ios::binary) << text;
-  }
-  ~ScratchFile() {
-    std::remove(path_.c_str());
-    std::remove((path_ + ".json").c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::int64_t CountOf(const std::string& text, const std::string& what) {
   std::int64_t n = 0;
@@ -158,13 +137,13 @@ TEST(Pictures, HostileNamesStayWellFormedXml) {
   s.dataset = "]]>&";
   const ShardEntry* p = &s;
   const std::string svg = ShardMapSvg(t, std::span<const ShardEntry* const>(&p, 1), std::nullopt, "src\x7f&");
-  ScratchFile f(svg);
-  const std::string cmd =
-      "python3 " + std::string(RS_SOURCE_DIR) + "/tests/cli/svg_read.py " + f.path() + " > " + f.path() + ".json";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << svg;
-  std::ifstream in(f.path() + ".json");
-  const std::string out{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  EXPECT_NE(out.find("\"data-rank\": \"3\""), std::string::npos) << out;
+  testing::TempDir tmp;
+  const std::string path = tmp / "hostile.svg";
+  std::ofstream(path, std::ios::binary) << svg;
+  const auto shards = testing::OfClass(testing::ReadSvg(path), "shard");
+  ASSERT_EQ(shards.size(), 1u) << svg;
+  EXPECT_EQ(shards[0]["attrs"]["data-rank"], "3");
+  EXPECT_EQ(shards[0]["attrs"]["data-file"], "f\\x02<'>.h5");  // the control byte as visible text
 }
 
 TEST(Pictures, ColoursAreDeterministicAndDistinctForNeighbours) {

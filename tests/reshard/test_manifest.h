@@ -1,6 +1,8 @@
 // Manifests for tests of planning and drawing, without data files.
 #pragma once
 
+#include <string>
+
 #include "formats/manifest.h"
 #include "layout/physical_layout.h"
 
@@ -15,8 +17,8 @@ inline Manifest ManifestOf(const PhysicalMap& map) {
     ShardEntry e;
     e.tensor = t.name;
     e.piece = s.piece;
-    e.file = "rank-x.h5";
-    e.dataset = "d";
+    e.file = std::string("rank-x.h5");  // (assigning the literal trips GCC 12's -Wrestrict)
+    e.dataset = std::string("d");
     e.nbytes = s.piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
     e.rank = s.rank;
     m.shards.push_back(std::move(e));
