@@ -782,7 +782,7 @@ Result<PickleTree> DcpCheckpoint::ReadObject(const std::string& fqn, std::int64_
   std::vector<std::byte> item(static_cast<std::size_t>(s.length));
   RS_RETURN_IF_ERROR(ReadAt(s.file, s.offset, item, where));
   const ZipReadFn read = [&](std::int64_t off, std::span<std::byte> out) {
-    std::memcpy(out.data(), item.data() + off, out.size());
+    if (!out.empty()) std::memcpy(out.data(), item.data() + off, out.size());  // out.data() may be null
     return Status::Ok();
   };
   RS_ASSIGN_OR_RETURN(const StoredZip zip, StoredZip::Open(read, s.length, where));

@@ -74,7 +74,7 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
         static_cast<std::int64_t>(out.size()) > static_cast<std::int64_t>(data.size()) - off) {
       return DataLoss(path + ": read past the end of the file");
     }
-    std::memcpy(out.data(), data.data() + off, out.size());
+    if (!out.empty()) std::memcpy(out.data(), data.data() + off, out.size());  // out.data() may be null
     return Status::Ok();
   };
   RS_ASSIGN_OR_RETURN(const StoredZip zip, StoredZip::Open(read, static_cast<std::int64_t>(data.size()), path));

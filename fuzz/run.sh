@@ -6,7 +6,8 @@
 # that replays it. New inputs go to build-fuzz/fuzz-out/<target>/corpus, never into the repo.
 #
 # Usage: fuzz/run.sh [SECONDS] [TARGET...]      (targets: fuzz_manifest fuzz_checkpoint
-#        fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model; default all)
+#        fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model fuzz_events fuzz_safetensors
+#        fuzz_dcp_metadata fuzz_dcp_data fuzz_torch_save; default all)
 # Environment: BUILD_DIR (build-fuzz), JOBS (2), FUZZ_ARGS (extra libFuzzer flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,8 @@ SECONDS_EACH=${1:-60}
 [ $# -gt 0 ] && shift
 BUILD=${BUILD_DIR:-build-fuzz}
 JOBS=${JOBS:-2}
-ALL=(fuzz_manifest fuzz_checkpoint fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model fuzz_events)
+ALL=(fuzz_manifest fuzz_checkpoint fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model fuzz_events
+     fuzz_safetensors fuzz_dcp_metadata fuzz_dcp_data fuzz_torch_save)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL[@]}")
 
