@@ -138,7 +138,9 @@ void RunConvert(const ConvertArgs& a) {
       VerifyOptions vo;
       vo.threads = a.threads;
       const VerifyReport report = dcp ? VerifyDcp(a.src, vo) : VerifyCheckpoint(a.src, vo);
-      if (!report.sound()) {
+      if (!report.unable.ok()) {
+        sound = report.unable;
+      } else if (!report.sound()) {
         PrintErr("%s", report.ToText().c_str());
         sound = DataLoss(a.src + ": the source is not sound (--verify-source): " + report.findings.front().message);
       }

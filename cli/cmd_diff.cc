@@ -55,6 +55,7 @@ void RunDiff(const DiffArgs& args) {
       vo.checksums = ours != nullptr ? ChecksumCheck::kReplicasOnly : ChecksumCheck::kSkip;
       // Ours: the same reader, so files checked once are not checked again by the comparison.
       const VerifyReport report = ours != nullptr ? VerifyCheckpoint(ours->reader(), vo) : VerifyDcp(source->dir(), vo);
+      if (!report.unable.ok()) Fail("diff", report.unable);
       if (!report.sound()) {
         if (!args.json) PrintErr("%s", report.ToText().c_str());
         Fail("diff", DataLoss(source->dir() + " is not sound (" + std::to_string(report.findings.size()) +

@@ -37,6 +37,7 @@ void RunVerify(const VerifyArgs& a) {
     Print("%s", report.ToText().c_str());
   }
   std::fflush(stdout);
+  if (!report.unable.ok()) Fail("verify", report.unable);  // a resource, not the checkpoint
   if (!report.sound()) Exit(kExitFailed);
 }
 

@@ -4,6 +4,11 @@
 // using when they need another. A file in use is never closed under its user (users hold a
 // shared_ptr); while every open file is in use the set grows past its capacity, by at most the
 // number of concurrent users.
+//
+// The budget belongs to the process, not to one reader: `diff` and `convert` hold two or more
+// readers at once, and each keeping a quarter of `ulimit -n` open would overrun it. A cache made
+// without a capacity shares DefaultOpenFileBudget() equally with every other such cache alive
+// at the time it opens a file.
 #pragma once
 
 #include <cstddef>
@@ -19,14 +24,29 @@
 
 namespace rs {
 
-// How many files a reader keeps open by default: a quarter of the soft RLIMIT_NOFILE (each
-// open data file can take two descriptors: ours and HDF5's), at least 2 and at most 4096.
+// How many files the process's readers keep open by default, together: a quarter of the soft
+// RLIMIT_NOFILE (each open data file can take two descriptors: ours and HDF5's), at least 2
+// and at most 4096.
 std::size_t DefaultOpenFileBudget();
+
+// The share of DefaultOpenFileBudget() of each of the caches that share it (at least 1), and
+// their registration (OpenFileCache's constructor and destructor).
+std::size_t SharedOpenFileShare();
+void JoinSharedOpenFileBudget();
+void LeaveSharedOpenFileBudget();
 
 template <typename T>
 class OpenFileCache {
  public:
-  explicit OpenFileCache(std::size_t capacity) : capacity_(capacity < 1 ? 1 : capacity) {}
+  // `capacity` files at most; 0: a share of the process's budget (see the file comment).
+  explicit OpenFileCache(std::size_t capacity = 0) : capacity_(capacity) {
+    if (capacity_ == 0) JoinSharedOpenFileBudget();
+  }
+  ~OpenFileCache() {
+    if (capacity_ == 0) LeaveSharedOpenFileBudget();
+  }
+  OpenFileCache(const OpenFileCache&) = delete;
+  OpenFileCache& operator=(const OpenFileCache&) = delete;
 
   // The open file `key`, opened with `open` if it is not open (or was closed meanwhile).
   Result<std::shared_ptr<T>> Get(const std::string& key, const std::function<Result<std::shared_ptr<T>>()>& open) {
@@ -37,7 +57,8 @@ class OpenFileCache {
     }
     // Close files nobody uses until there is room: use_count() can only overstate the users
     // (a copy dropped concurrently), which keeps a file open, never closes one in use.
-    for (auto victim = lru_.end(); open_.size() >= capacity_ && victim != lru_.begin();) {
+    const std::size_t limit = capacity();
+    for (auto victim = lru_.end(); open_.size() >= limit && victim != lru_.begin();) {
       --victim;
       const auto it = open_.find(*victim);
       if (it->second.file.use_count() > 1) continue;
@@ -52,7 +73,7 @@ class OpenFileCache {
     return file;
   }
 
-  std::size_t capacity() const { return capacity_; }
+  std::size_t capacity() const { return capacity_ > 0 ? capacity_ : SharedOpenFileShare(); }
   std::size_t open_count() const {
     std::lock_guard<std::mutex> lock(mu_);
     return open_.size();
@@ -73,7 +94,7 @@ class OpenFileCache {
     std::list<std::string>::iterator pos;  // in lru_
   };
   mutable std::mutex mu_;
-  std::size_t capacity_;
+  std::size_t capacity_;  // 0: shared
   std::map<std::string, Entry> open_;
   std::list<std::string> lru_;  // most recently used first
   std::int64_t opened_ = 0;

@@ -114,8 +114,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
   r->verified_.assign(r->manifest_.shards.size(), 0);
   r->pool_ = std::make_unique<ThreadPool>(static_cast<std::size_t>(std::max(0, options.threads)));
   r->cache_ = std::make_unique<BlockCache>(std::max<std::int64_t>(0, options.cache_bytes));
-  r->files_ = std::make_unique<OpenFileCache<ShardFileReader>>(options.max_open_files > 0 ? options.max_open_files
-                                                                                          : DefaultOpenFileBudget());
+  r->files_ = std::make_unique<OpenFileCache<ShardFileReader>>(options.max_open_files);
   return r;
 }
 

@@ -40,9 +40,9 @@ struct ReaderOptions {
   ChecksumPolicy checksums = ChecksumPolicy::kVerify;
   // Verified blocks kept for reads that need part of one again (version 2, kVerify).
   std::int64_t cache_bytes = std::int64_t{16} << 20;
-  // Data files kept open at once (core/open_files.h); 0 = DefaultOpenFileBudget(), a quarter
-  // of `ulimit -n`. A checkpoint with more files is read all the same: the least recently
-  // used file that no thread is reading is closed when another must be opened.
+  // Data files kept open at once (core/open_files.h); 0 = a share of the process's budget, a
+  // quarter of `ulimit -n` divided among the readers open at the time. A checkpoint with more files is read all the
+  // same: the least recently used file that no thread is reading is closed when another must be opened.
   std::size_t max_open_files = 0;
   // Version 1: the limits of the child process in which HDF5 parses the data files first
   // (ProbeHdf5).

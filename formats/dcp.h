@@ -172,7 +172,7 @@ class DcpCheckpoint {
   DcpMetadata meta_;
   std::map<std::string, std::size_t> tensor_index_;
   std::mutex mu_;
-  OpenFileCache<File> files_{DefaultOpenFileBudget()};
+  OpenFileCache<File> files_;  // a share of the process's budget
   std::map<std::pair<std::size_t, std::size_t>, DcpChunkLocation> locations_;
 };
 

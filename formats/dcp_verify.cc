@@ -122,6 +122,7 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
   report.dir = dir;
   const std::string meta = dir + "/" + std::string(kDcpMetadataFileName);
   auto finish = [&]() -> VerifyReport {
+    SetAsideUnavailable(report);
     report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return std::move(report);
   };

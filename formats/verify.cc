@@ -382,6 +382,7 @@ nlohmann::json VerifyReport::ToJson() const {
   j["findings_by_kind"] = std::move(by_kind);
   j["findings"] = std::move(list);
   j["findings_omitted"] = findings_omitted;
+  if (!unable.ok()) j["unable"] = {{"checks", unable_count}, {"error", unable.ToString()}};
   j["seconds"] = seconds;
   return j;
 }
@@ -399,12 +400,30 @@ std::string VerifyReport::ToText() const {
     os << "note: format version 1: no block tables or file checksums; bytes outside the shards' data are not "
           "checked\n";
   }
-  os << (sound() ? "SOUND" : "NOT SOUND") << ": " << dir << ": " << counts.tensors << " tensors, " << counts.shards
-     << " shards (" << counts.replicas << " replicas) in " << counts.files << " files, " << counts.checked_bytes
-     << " bytes checksummed";
+  if (!unable.ok()) {
+    os << "UNFINISHED: " << unable_count << " checks could not run: " << SafeText(unable.ToString()) << "\n";
+  }
+  os << (sound()                            ? "SOUND"
+         : !unable.ok() && findings.empty() ? "NOT CHECKED"
+                                            : "NOT SOUND")
+     << ": " << dir << ": " << counts.tensors << " tensors, " << counts.shards << " shards (" << counts.replicas
+     << " replicas) in " << counts.files << " files, " << counts.checked_bytes << " bytes checksummed";
   if (counts.format_version >= 2) os << " (+ " << counts.outside_bytes << " outside the data)";
   os << ", " << findings.size() + static_cast<std::size_t>(findings_omitted) << " findings\n";
   return os.str();
+}
+
+void SetAsideUnavailable(VerifyReport& report) {
+  std::vector<Finding> kept;
+  for (Finding& f : report.findings) {
+    if (f.code != ErrorCode::kUnavailable) {
+      kept.push_back(std::move(f));
+      continue;
+    }
+    if (report.unable.ok()) report.unable = Unavailable(f.message);  // the message names the file
+    ++report.unable_count;
+  }
+  report.findings = std::move(kept);
 }
 
 VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options) {
@@ -419,6 +438,7 @@ VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& optio
     const bool version = opened.status().code() == ErrorCode::kVersionMismatch;
     report.findings.push_back({version ? FindingKind::kVersion : FindingKind::kManifest, opened.status().code(), "",
                                dir + "/" + std::string(kManifestFileName), opened.status().message()});
+    SetAsideUnavailable(report);
     return report;
   }
   return VerifyCheckpoint(**opened, options);
@@ -551,10 +571,10 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
           Result<ShardLocation> hdf5 = (*f)->Locate(s.dataset, s.codec, s.nbytes, what);
           const std::string diff = hdf5.ok() ? CompareLocations(*hdf5, *located[i]) : "";
           if (!hdf5.ok() || !diff.empty()) {
-            shard_findings[i].push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, s.tensor, s.file,
-                                         hdf5.ok()
-                                             ? what + ": the file's HDF5 metadata and the manifest disagree: " + diff
-                                             : hdf5.status().message()});
+            shard_findings[i].push_back(
+                {FindingKind::kBadFile, hdf5.ok() ? ErrorCode::kDataLoss : hdf5.status().code(), s.tensor, s.file,
+                 hdf5.ok() ? what + ": the file's HDF5 metadata and the manifest disagree: " + diff
+                           : hdf5.status().message()});
             dataset_ok = hdf5.ok();
           }
           // The block table is a dataset of the file too (FORMAT.md §4.4): named by the manifest,
@@ -566,11 +586,11 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
             const std::string table_what = what + ", block table '" + SafeText(s.block_table) + "'";
             Result<ShardLocation> table = (*f)->Locate(s.block_table, Codec::kNone, table_bytes, table_what);
             if (!table.ok() || table->offset != s.block_table_offset) {
-              shard_findings[i].push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, s.tensor, s.file,
-                                           table.ok() ? table_what + ": HDF5 has its bytes at offset " +
-                                                            std::to_string(table->offset) + ", the manifest says " +
-                                                            std::to_string(s.block_table_offset)
-                                                      : table.status().message()});
+              shard_findings[i].push_back(
+                  {FindingKind::kBadFile, table.ok() ? ErrorCode::kDataLoss : table.status().code(), s.tensor, s.file,
+                   table.ok() ? table_what + ": HDF5 has its bytes at offset " + std::to_string(table->offset) +
+                                    ", the manifest says " + std::to_string(s.block_table_offset)
+                              : table.status().message()});
             }
           }
         }
@@ -628,6 +648,7 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
     CheckReplicas(r, t, options, out);
   }
   CheckOptimizerStates(m, r.dir() + "/" + std::string(kManifestFileName), out);
+  SetAsideUnavailable(report);
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return report;
 }

@@ -68,8 +68,15 @@ struct VerifyReport {
   std::vector<Finding> findings;
   std::int64_t findings_omitted = 0;  // beyond VerifyOptions::max_findings_per_tensor
   double seconds = 0;
+  // Not Ok when the check could not be completed for a reason that is not the checkpoint's: the
+  // process ran out of a resource (Unavailable: its open-file limit, memory). Such errors are
+  // never findings (a resource limit is not damage); `unable` holds the first, `unable_count`
+  // how many checks it stopped. A report with `unable` set is neither sound nor not sound:
+  // callers end with this error.
+  Status unable = Status::Ok();
+  std::int64_t unable_count = 0;
 
-  bool sound() const { return findings.empty(); }
+  bool sound() const { return findings.empty() && unable.ok(); }
   std::int64_t Count(FindingKind k) const;
   nlohmann::json ToJson() const;
   std::string ToText() const;  // one line per finding plus a summary line
@@ -80,6 +87,10 @@ struct VerifyReport {
 // data of main replicas, for callers that read every byte of those themselves with checked
 // reads (`diff`).
 enum class ChecksumCheck : std::uint8_t { kAll, kSkip, kReplicasOnly };
+
+// Moves the findings whose error is Unavailable (a resource the process ran out of) out of
+// `report.findings` into `report.unable` / `unable_count`. Every verifier calls it last.
+void SetAsideUnavailable(VerifyReport& report);
 
 struct VerifyOptions {
   int threads = 0;  // 0 = hardware concurrency

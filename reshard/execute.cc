@@ -442,6 +442,7 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
     VerifyOptions vo;
     vo.threads = options.threads;
     const VerifyReport report = VerifyCheckpoint(*reader, vo);
+    if (!report.unable.ok()) return report.unable;
     if (!report.sound()) {
       return DataLoss(src + ": the source is not sound (" + std::to_string(report.findings.size()) +
                       " findings), first: " + report.findings.front().message);

@@ -140,6 +140,23 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
       WhenStaging("export " + src + " --format hf --memory-budget 8MiB -o " + hf, hf, "kill -TERM $pid");
   EXPECT_EQ(e.exit_code, 143) << e.output;
   EXPECT_FALSE(fs::exists(hf));
+  // example and import: the same writer, reached from a model or a Hugging Face directory.
+  const std::string ex = tmp / "ex";
+  const CommandResult x =
+      WhenStaging("example --model " + (tmp / "model.json") + " --layout tp=2 --threads 1 --codec zstd -o " + ex, ex,
+                  "kill -TERM $pid");
+  EXPECT_EQ(x.exit_code, 143) << x.output;
+  EXPECT_FALSE(fs::exists(ex));
+  const std::string hf_ok = tmp / "hf-ok";
+  ASSERT_EQ(RunCli("export " + src + " --format hf -o " + hf_ok).exit_code, 0);
+  const auto hf_before = Files(hf_ok);
+  const std::string imp = tmp / "imp";
+  const CommandResult i =
+      WhenStaging("import " + hf_ok + " --format hf --layout tp=2 --codec zstd --memory-budget 8MiB -o " + imp, imp,
+                  "kill -INT $pid");
+  EXPECT_EQ(i.exit_code, 130) << i.output;
+  EXPECT_FALSE(fs::exists(imp));
+  EXPECT_TRUE(Files(hf_ok) == hf_before);
   for (const std::string& left : Leftovers(tmp.path())) {
     EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;  // only the source's manifest
   }
@@ -172,11 +189,64 @@ TEST(Faults, ReadsThatFailWithEio) {
       EXPECT_FALSE(fs::exists(hf));
     }
   }
+  // import: every read of the model's safetensors file fails.
+  const std::string hf_src = tmp / "hf-src";
+  fs::copy(std::string(RS_SOURCE_DIR) + "/tests/fixtures/hf/qwen3_moe_tiny", hf_src);
+  const auto hf_before = Files(hf_src);
+  const std::string imp = tmp / "imp";
+  const CommandResult r =
+      RunShell("LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) + " RS_EIO_FILE=/model.safetensors RS_EIO_FROM=0 " +
+               std::string(RS_CLI) + " import " + hf_src + " --format hf --layout tp=2 -o " + imp);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(hf_src + "/model.safetensors"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Input/output error"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(imp));
+  EXPECT_TRUE(Files(hf_src) == hf_before);
   for (const std::string& left : Leftovers(tmp.path())) {
     EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;
   }
   EXPECT_TRUE(Files(src) == before);
   EXPECT_EQ(RunCli("verify " + src).exit_code, 0);  // without the failing reads, all is well
+}
+
+// A source file truncated to half by another process in the middle of a command's reads - on
+// its 5th read of that file, exactly (the preload library's RS_SHRINK_AT): every reading command
+// exits 1 naming the file, writes nothing, and none reports success on what it read before.
+TEST(Faults, SourceShrinksInTheMiddleOfEveryReader) {
+  TempDir tmp;
+  const std::string src = tmp / "src";
+  ASSERT_EQ(RunCli("example --model tiny-moe --layout tp=2 -o " + src).exit_code, 0);
+  const std::string hf = tmp / "hf";
+  ASSERT_EQ(RunCli("export " + src + " --format hf -o " + hf).exit_code, 0);
+  const std::string copy = tmp / "copy", hf_copy = tmp / "hf-copy", out = tmp / "out";
+  const struct {
+    std::string args;
+    std::string file;  // the file that shrinks
+  } cases[] = {
+      {"verify " + copy, copy + "/rank-00001.h5"},
+      {"diff " + copy + " " + src, copy + "/rank-00001.h5"},
+      {"eval " + copy + " --windows 2", copy + "/rank-00001.h5"},
+      {"export " + copy + " --format hf -o " + out, copy + "/rank-00001.h5"},
+      {"convert " + copy + " --to tp=1 -o " + out, copy + "/rank-00001.h5"},
+      {"convert " + copy + " --to tp=1 --no-verify -o " + out, copy + "/rank-00001.h5"},
+      {"import " + hf_copy + " --format hf --layout tp=2 -o " + out, hf_copy + "/model-00001-of-00001.safetensors"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.args);
+    for (const std::string& d : {copy, hf_copy}) fs::remove_all(d);
+    fs::copy(src, copy, fs::copy_options::recursive);
+    fs::copy(hf, hf_copy, fs::copy_options::recursive);
+    const auto size = fs::file_size(c.file);
+    const CommandResult r = RunShell("LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) + " RS_EIO_FILE=" + c.file +
+                                     " RS_SHRINK_AT=5 " + std::string(RS_CLI) + " " + c.args);
+    ASSERT_EQ(fs::file_size(c.file), size / 2) << "the injection did not happen";
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(c.file), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(out));
+  }
+  for (const std::string& left : Leftovers(tmp.path())) {
+    EXPECT_NE(left.rfind(out, 0), 0u) << "left behind: " << left;
+  }
 }
 
 // SIGTERM to `train --save-every 1`, at a few moments after its first checkpoint (between
@@ -265,7 +335,9 @@ TEST(Faults, ManyFilesUnderASmallOpenFileLimit) {
     const CommandResult cv = RunShell(limited + " convert " + src + " --to fsdp=2 -o " + out + "'");
     ASSERT_EQ(cv.exit_code, 0) << cv.output;
     EXPECT_EQ(RunCli("verify " + out).exit_code, 0);
-    const CommandResult d = RunCli("diff " + src + " " + out);
+    // Two readers in one process share the budget (each keeping a quarter of the limit open
+    // ran out of descriptors, and verify's part of diff called the source NOT SOUND).
+    const CommandResult d = RunShell(limited + " diff " + src + " " + out + "'");
     EXPECT_EQ(d.exit_code, 0) << d.output;
   }
 }
@@ -299,6 +371,14 @@ TEST(Faults, OpenFileLimitIsNamed) {
     EXPECT_FALSE(fs::exists(out));
     EXPECT_TRUE(Leftovers(tmp.path()).size() == 1) << "only the source's manifest";
   }
+  // verify: a resource the process lacks is not damage - no finding, no NOT SOUND, but an error.
+  const CommandResult v = RunShell("bash -c 'ulimit -n 6; exec " + std::string(RS_CLI) + " verify " + src + "'");
+  EXPECT_EQ(v.exit_code, 1) << v.output;
+  EXPECT_NE(v.output.find("UNFINISHED"), std::string::npos) << v.output;
+  EXPECT_NE(v.output.find("NOT CHECKED"), std::string::npos) << v.output;
+  EXPECT_EQ(v.output.find("NOT SOUND"), std::string::npos) << v.output;
+  EXPECT_EQ(v.output.find("bad_file"), std::string::npos) << v.output;
+  EXPECT_NE(v.output.find("ulimit -n"), std::string::npos) << v.output;
 }
 
 TEST(Faults, TwoWritersOneTarget) {

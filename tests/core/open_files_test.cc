@@ -133,5 +133,35 @@ TEST(OpenFiles, DefaultBudgetIsAQuarterOfTheOpenFileLimit) {
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
+// Caches without a capacity share the process's budget: two readers alive at once (diff,
+// convert) keep half each, so that together they stay within a quarter of ulimit -n.
+TEST(OpenFiles, CachesWithoutACapacityShareTheProcessBudget) {
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit lim = saved;
+  lim.rlim_cur = 64;  // budget 16
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &lim), 0);
+  {
+    OpenFileCache<Counted> a;
+    EXPECT_EQ(a.capacity(), 16u);
+    {
+      OpenFileCache<Counted> b;
+      OpenFileCache<Counted> fixed(5);  // an explicit capacity takes no share
+      EXPECT_EQ(a.capacity(), 8u);
+      EXPECT_EQ(b.capacity(), 8u);
+      EXPECT_EQ(fixed.capacity(), 5u);
+      for (int i = 0; i < 40; ++i) {
+        for (OpenFileCache<Counted>* c : {&a, &b}) {
+          const std::string name = Name("f", static_cast<unsigned long long>(i));
+          ASSERT_TRUE(c->Get(name, [&] { return OpenCounted(name); }).ok());
+        }
+      }
+      EXPECT_LE(a.open_count() + b.open_count(), 16u);
+    }
+    EXPECT_EQ(a.capacity(), 16u);  // b is gone
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+}
+
 }  // namespace
 }  // namespace rs
