@@ -28,6 +28,10 @@
 #include "cli/reshard_args.h"
 #include "cli/util.h"
 #include "comm/mpi.h"
+#include "core/file.h"
+#include "core/memory.h"
+#include "core/text.h"
+#include "formats/durable_file.h"
 #include "formats/tensorboard.h"
 #include "train/blas_kernels.h"
 #include "train/checkpoint.h"
@@ -49,6 +53,8 @@ struct TrainArgs {
   std::string data;
   std::string save;
   std::int64_t save_every = 0;
+  bool async_save = false;
+  std::int64_t keep_last = 0;
   std::string resume;
   std::string log;
   std::string tensorboard;
@@ -156,20 +162,71 @@ Result<int> LockSaveDir(const std::string& dir) {
   return fd;  // held until the process ends
 }
 
+// DIR/latest names the newest committed step-* of a --save directory (written atomically after
+// each commit), so that a resume finds it without listing the directory.
+constexpr const char* kLatestPointer = "latest";
+
+bool IsStepName(const std::string& name) {
+  if (name.size() != 13 || name.rfind("step-", 0) != 0) return false;
+  return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Committed step-* checkpoints of `dir`, oldest first.
+std::vector<std::string> CommittedSteps(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (IsStepName(name) && fs::exists(e.path() / "manifest.json", ec)) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 Result<std::string> ResolveResume(const std::string& dir) {
   std::error_code ec;
   if (fs::exists(fs::path(dir) / "manifest.json", ec)) return dir;
   if (!fs::is_directory(dir, ec)) return NotFound("--resume: '" + dir + "' does not exist");
-  std::string best;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("step-", 0) == 0 && name.find(".tmp") == std::string::npos &&
-        fs::exists(e.path() / "manifest.json") && name > best) {
-      best = name;
+  // The pointer, validated: a step-* name whose checkpoint is committed.
+  const std::string pointer = (fs::path(dir) / kLatestPointer).string();
+  if (fs::exists(pointer, ec)) {
+    Result<std::string> text = ReadSmallFile(pointer, 256);
+    std::string name = text.ok() ? *text : "";
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    if (IsStepName(name) && fs::exists(fs::path(dir) / name / "manifest.json", ec)) {
+      return (fs::path(dir) / name).string();
     }
+    PrintErr("note: %s does not name a committed checkpoint (%s); looking for the newest step-* instead\n",
+             pointer.c_str(), text.ok() ? ("'" + SafeText(name) + "'").c_str() : text.status().ToString().c_str());
   }
-  if (best.empty()) return NotFound("--resume: '" + dir + "' is neither a checkpoint nor holds step-* checkpoints");
-  return (fs::path(dir) / best).string();
+  const std::vector<std::string> steps = CommittedSteps(dir);
+  if (steps.empty()) return NotFound("--resume: '" + dir + "' is neither a checkpoint nor holds step-* checkpoints");
+  return (fs::path(dir) / steps.back()).string();
+}
+
+// After `committed` (a step-* of `root`) is published: the pointer names it, and with
+// --keep-last N only the newest N committed checkpoints remain (never `keep`, the checkpoint
+// this run resumed from, and never one newer than `committed`).
+Status AfterCommit(const std::string& root, const std::string& committed, std::int64_t keep_last,
+                   const std::string& keep) {
+  const std::string name = fs::path(committed).filename().string();
+  RS_RETURN_IF_ERROR(ReplaceFileDurably((fs::path(root) / kLatestPointer).string(), name + "\n"));
+  if (keep_last <= 0) return Status::Ok();
+  std::vector<std::string> steps = CommittedSteps(root);
+  std::erase_if(steps, [&](const std::string& s) { return s > name; });
+  std::error_code ec;
+  const fs::path keep_path = keep.empty() ? fs::path() : fs::weakly_canonical(keep, ec);
+  for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < steps.size(); ++i) {
+    const fs::path old = fs::path(root) / steps[i];
+    if (!keep.empty() && fs::weakly_canonical(old, ec) == keep_path) continue;
+    // Renamed away first, so that no reader ever sees a half-removed checkpoint as one.
+    const fs::path doomed = fs::path(root) / (steps[i] + ".removing");
+    fs::rename(old, doomed, ec);
+    if (ec) return IoError(old.string() + ": cannot remove (--keep-last): " + ec.message());
+    fs::remove_all(doomed, ec);
+    if (ec) return IoError(doomed.string() + ": cannot remove (--keep-last): " + ec.message());
+  }
+  return Status::Ok();
 }
 
 // The run's layout. Training keeps sharded data-parallel state as the bucket planner's flat
@@ -203,6 +260,10 @@ void RunTrain(TrainArgs& a) {
   }
   if (a.save_every < 0) fail_all(InvalidArgument("--save-every must be >= 0"));
   if (a.save_every > 0 && a.save.empty()) fail_all(InvalidArgument("--save-every needs --save DIR"));
+  if (a.keep_last < 0) fail_all(InvalidArgument("--keep-last must be >= 0"));
+  if ((a.async_save || a.keep_last > 0) && a.save.empty()) {
+    fail_all(InvalidArgument(std::string(a.async_save ? "--async-save" : "--keep-last") + " needs --save DIR"));
+  }
   const std::optional<std::string> data = a.data.empty() ? std::nullopt : std::optional<std::string>(a.data);
   auto layout = TrainLayoutArg(a);
   if (!layout.ok()) fail_all(layout.status());
@@ -215,6 +276,7 @@ void RunTrain(TrainArgs& a) {
   const train::TrainParallel parallel{*layout, &world.comm()};
 
   std::unique_ptr<train::Trainer> trainer;
+  std::string resumed_from;
   if (!a.resume.empty()) {
     for (const CLI::Option* o : a.run_defining) {
       if (o->count() > 0) {
@@ -224,6 +286,7 @@ void RunTrain(TrainArgs& a) {
     }
     auto dir = ResolveResume(a.resume);
     if (!dir.ok()) fail_all(dir.status());
+    resumed_from = *dir;
     auto t = train::ResumeFromCheckpoint(*dir, data, parallel);
     if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
     trainer = std::move(*t);
@@ -295,16 +358,54 @@ void RunTrain(TrainArgs& a) {
       fail_all(locked.ok() ? FailedPrecondition("the lead rank could not lock --save " + a.save) : locked);
     }
   }
+  std::unique_ptr<train::AsyncSaver> saver;
+  if (a.async_save) {
+    saver = std::make_unique<train::AsyncSaver>(*trainer, a.with_replicas);
+    const std::int64_t bytes = saver->snapshot_bytes();
+    // The snapshot is a copy of this rank's owned state, held while the background writer
+    // works: it must fit next to the run.
+    if (Status fits = CheckMemory(2 * bytes,
+                                  "--async-save (twice the snapshot of this rank's owned state: the "
+                                  "snapshot and headroom for the writer)");
+        !world.AllOk(fits.ok())) {
+      fail_all(fits.ok() ? FailedPrecondition("--async-save does not fit in another rank's memory") : fits);
+    }
+    if (lead)
+      PrintErr("async save: %s of staging memory per rank (a snapshot of its owned state)\n",
+               HumanBytes(bytes).c_str());
+  }
+  auto committed = [&](const std::string& dir) {
+    if (dir.empty()) return;
+    Status s = Status::Ok();
+    if (lead) {
+      PrintErr("saved %s\n", dir.c_str());
+      s = AfterCommit(a.save, dir, a.keep_last, resumed_from);
+    }
+    if (!world.AllOk(s.ok())) fail_all(s.ok() ? FailedPrecondition("rank 0 failed after the commit") : s);
+  };
+  // The background save's commit: polled at every step boundary, awaited at the end.
+  auto poll = [&](bool wait) {
+    if (saver == nullptr) return;
+    Result<std::string> dir = wait ? saver->Finish() : saver->Poll();
+    if (!dir.ok()) fail_all(dir.status());
+    committed(*dir);
+  };
   auto save = [&] {
     const std::string dir = StepDir(a.save, trainer->step());
+    if (saver != nullptr) {
+      poll(/*wait=*/true);  // at most one save in flight
+      if (Status s = saver->Start(dir); !s.ok()) fail_all(s);
+      return;
+    }
     if (Status s = train::SaveCheckpoint(dir, *trainer, a.with_replicas); !s.ok()) fail_all(s);
-    if (lead) PrintErr("saved %s\n", dir.c_str());
+    committed(dir);
   };
 
   if (trainer->step() >= a.steps) {
     // A fresh run with --steps 0 still writes its initial state when asked to (a checkpoint of
     // the initialisation); a resumed run already has its checkpoint.
     if (a.resume.empty() && !a.save.empty()) save();
+    poll(/*wait=*/true);
     if (lead) {
       PrintErr("at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(), a.steps);
     }
@@ -315,6 +416,7 @@ void RunTrain(TrainArgs& a) {
   std::int64_t tokens = 0;
   train::StepReport r;
   while (trainer->step() < a.steps) {
+    poll(/*wait=*/false);
     auto step = trainer->Step();
     if (!step.ok()) fail_one(step.status());
     r = std::move(*step);
@@ -341,6 +443,14 @@ void RunTrain(TrainArgs& a) {
     }
     const bool last = trainer->step() == a.steps;
     if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) save();
+  }
+  poll(/*wait=*/true);
+  if (saver != nullptr && lead) {
+    const auto& st = saver->stats();
+    PrintErr(
+        "async save: %lld saves; the step loop was blocked %.3f s taking snapshots and %.3f s waiting for an "
+        "earlier save; %.3f s of writing in the background\n",
+        static_cast<long long>(st.saves), st.stall_seconds, st.waited_seconds, st.write_seconds);
   }
   if (lead) {
     PrintErr("steps %" PRId64 "..%" PRId64
@@ -424,6 +534,12 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--data", a->data, "Text file to train on (default: the GPL-3 text)");
   cmd->add_option("--save", a->save, "Write checkpoints to DIR/step-NNNNNNNN (the last step always)");
   cmd->add_option("--save-every", a->save_every, "Also save every K steps");
+  cmd->add_flag("--async-save", a->async_save,
+                "Save in the background: snapshot the state at the step, write while training goes on, commit at a "
+                "later step (at most one save in flight)");
+  cmd->add_option(
+      "--keep-last", a->keep_last,
+      "Keep only the newest N committed step-* checkpoints of --save (0 = all; never the one resumed from)");
   cmd->add_option("--resume", a->resume, "Continue from a checkpoint (or the latest in a --save directory)");
   cmd->add_option("--log", a->log, "JSON-lines log, one object per step");
   cmd->add_option("--tensorboard", a->tensorboard,

@@ -21,4 +21,17 @@ namespace rs {
 Status WriteCheckpointTogether(comm::Communicator& world, const std::string& dir, const WriterOptions& options,
                                const std::function<Status(CheckpointWriter&)>& write);
 
+// WriteCheckpointTogether in its three parts, for a write that runs in the background while the
+// processes go on with collective work (train --async-save): the collectives stay on the
+// calling threads, at points every process reaches in the same order.
+//   BeginTogether   collective: the transaction id of the staging directory (rank 0's choice).
+//   WriteMyPart     local, any thread: this process's files, written, fsynced, fragment committed
+//                   (one process: the whole checkpoint, published).
+//   CommitTogether  collective: rank 0 publishes iff every process's part succeeded; the same
+//                   results as WriteCheckpointTogether (`mine` is this process's WriteMyPart).
+Result<std::string> BeginTogether(comm::Communicator& world);
+Status WriteMyPart(std::int64_t world_size, std::int64_t rank, const std::string& dir, const std::string& txn,
+                   const WriterOptions& options, const std::function<Status(CheckpointWriter&)>& write);
+Status CommitTogether(comm::Communicator& world, const std::string& dir, const std::string& txn, const Status& mine);
+
 }  // namespace rs

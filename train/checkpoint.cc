@@ -1,7 +1,9 @@
 #include "train/checkpoint.h"
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string_view>
@@ -79,26 +81,122 @@ Status CheckModelAgainstManifest(const ModelConfig& c, const Manifest& m, const 
 
 }  // namespace
 
-Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas) {
-  RS_RETURN_IF_ERROR(trainer.SyncToHost());  // a run on a device: its state, not the stale host copy
-  const ModelConfig& config = trainer.model_config();
-  const ShardedState& state = trainer.state();
-  const Corpus& corpus = trainer.corpus();
+namespace {
+
+WriterOptions TrainWriterOptions() {
   WriterOptions options;
   options.producer = "rs-train";
-  return WriteCheckpointTogether(*trainer.groups().world, dir, options, [&](CheckpointWriter& writer) {
-    for (const TensorSpec& t : state.map().tensors()) RS_RETURN_IF_ERROR(writer.AddTensor(t));
-    RS_RETURN_IF_ERROR(state.Save(writer, trainer.model(), trainer.step(), with_replicas));
-    writer.SetLayout(state.layout().layout.ToJson());
-    writer.SetMetadata(nlohmann::json{
-        {"producer", "rs-train"},
-        {"step", trainer.step()},
-        {"model", config},
-        {"train", trainer.train_config()},
-        {"physical_layout", state.layout().ToJson()},
-        {"data", {{"path", corpus.path}, {"bytes", corpus.bytes.size()}, {"fnv1a64", Hex64(corpus.fnv1a)}}}});
-    return Status::Ok();
+  return options;
+}
+
+nlohmann::json SaveMetadata(Trainer& trainer) {
+  const Corpus& corpus = trainer.corpus();
+  return nlohmann::json{
+      {"producer", "rs-train"},
+      {"step", trainer.step()},
+      {"model", trainer.model_config()},
+      {"train", trainer.train_config()},
+      {"physical_layout", trainer.state().layout().ToJson()},
+      {"data", {{"path", corpus.path}, {"bytes", corpus.bytes.size()}, {"fnv1a64", Hex64(corpus.fnv1a)}}}};
+}
+
+// The writer calls of a save: tensors, this rank's shards (from `shards`), layout, metadata.
+Status WriteSave(CheckpointWriter& writer, const ShardedState& state, const nlohmann::json& metadata,
+                 const std::function<Status(CheckpointWriter&)>& shards) {
+  for (const TensorSpec& t : state.map().tensors()) RS_RETURN_IF_ERROR(writer.AddTensor(t));
+  RS_RETURN_IF_ERROR(shards(writer));
+  writer.SetLayout(state.layout().layout.ToJson());
+  writer.SetMetadata(metadata);
+  return Status::Ok();
+}
+
+double Since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+}  // namespace
+
+Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas) {
+  RS_RETURN_IF_ERROR(trainer.SyncToHost());  // a run on a device: its state, not the stale host copy
+  const ShardedState& state = trainer.state();
+  const nlohmann::json metadata = SaveMetadata(trainer);
+  return WriteCheckpointTogether(*trainer.groups().world, dir, TrainWriterOptions(), [&](CheckpointWriter& writer) {
+    return WriteSave(writer, state, metadata, [&](CheckpointWriter& w) {
+      return state.Save(w, trainer.model(), trainer.step(), with_replicas);
+    });
   });
+}
+
+AsyncSaver::AsyncSaver(Trainer& trainer, bool with_replicas) : trainer_(trainer), with_replicas_(with_replicas) {}
+
+AsyncSaver::~AsyncSaver() {
+  if (worker_.joinable()) {
+    worker_.join();
+    // Not committed: a multi-process part stays in the staging directory, which the signal
+    // clean-up or the next run's writer never publishes; remove it here.
+    if (!txn_.empty() && result_.ok()) (void)CheckpointWriter::AbortStaged(dir_, txn_);
+  }
+}
+
+std::int64_t AsyncSaver::snapshot_bytes() const { return trainer_.state().SnapshotBytes(trainer_.model()); }
+
+Status AsyncSaver::Start(const std::string& dir) {
+  if (pending()) return FailedPrecondition("a save is still in flight: Finish it first (at most one at a time)");
+  const auto t = std::chrono::steady_clock::now();
+  RS_RETURN_IF_ERROR(trainer_.SyncToHost());
+  comm::Communicator& world = *trainer_.groups().world;
+  RS_ASSIGN_OR_RETURN(txn_, BeginTogether(world));
+  dir_ = dir;
+  auto snap =
+      std::make_shared<ShardedState::Snapshot>(trainer_.state().TakeSnapshot(trainer_.model(), trainer_.step()));
+  auto metadata = std::make_shared<nlohmann::json>(SaveMetadata(trainer_));
+  done_ = false;
+  result_ = Status::Ok();
+  const std::int64_t size = world.size(), rank = world.rank();
+  worker_ = std::thread([this, snap, metadata, size, rank] {
+    const auto w0 = std::chrono::steady_clock::now();
+    const ShardedState& state = trainer_.state();  // placements only: fixed for the run
+    result_ = WriteMyPart(size, rank, dir_, txn_, TrainWriterOptions(), [&](CheckpointWriter& writer) {
+      return WriteSave(writer, state, *metadata, [&](CheckpointWriter& w) {
+        return state.SaveSnapshot(w, trainer_.model(), *snap, with_replicas_);
+      });
+    });
+    stats_.write_seconds += Since(w0);
+    done_ = true;
+  });
+  ++stats_.saves;
+  stats_.stall_seconds += Since(t);
+  return Status::Ok();
+}
+
+Result<std::string> AsyncSaver::Commit() {
+  const bool was_done = done_;
+  const auto t = std::chrono::steady_clock::now();
+  worker_.join();
+  if (!was_done) stats_.waited_seconds += Since(t);
+  const std::string dir = dir_;
+  const Status committed = CommitTogether(*trainer_.groups().world, dir_, txn_, result_);
+  txn_.clear();
+  RS_RETURN_IF_ERROR(committed);
+  return dir;
+}
+
+Result<std::string> AsyncSaver::Poll() {
+  if (!pending()) return std::string();
+  std::int64_t done = done_ ? 1 : 0;
+  comm::Communicator& world = *trainer_.groups().world;
+  if (world.size() > 1) {
+    std::int64_t not_done = 1 - done;  // the sum of "still writing" over the ranks
+    RS_RETURN_IF_ERROR(world.AllReduce(std::span<std::int64_t>(&not_done, 1), comm::ReduceOp::kSum));
+    done = not_done == 0 ? 1 : 0;
+  }
+  if (done == 0) return std::string();
+  return Commit();
+}
+
+Result<std::string> AsyncSaver::Finish() {
+  if (!pending()) return std::string();
+  return Commit();
 }
 
 namespace {

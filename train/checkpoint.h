@@ -7,9 +7,11 @@
 //    "data": {"path": ..., "bytes": N, "fnv1a64": "<16 hex digits>"}}
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "core/model.h"
 #include "core/status.h"
@@ -24,6 +26,52 @@ namespace rs::train {
 // (formats/checkpoint_commit.h). Collective over the trainer's world. IoError from the file system; a
 // failure on any rank fails every rank and leaves nothing at `dir`.
 Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas = false);
+
+// Saves in the background (`train --async-save`). Start() takes a snapshot of this rank's
+// owned state at a step boundary (a host-memory copy of exactly what SaveCheckpoint writes:
+// ShardedState::Snapshot) and a background thread writes and fsyncs this rank's files from it
+// while training goes on. The commit happens at a later step boundary once every rank's files
+// are durable (Poll: one small all-reduce per step while a save is in flight), or when the
+// next save or the end of the run waits for it (Finish). At most one save is in flight: the
+// caller Finishes the previous one before it Starts the next (back-pressure: the time the step
+// loop spends waiting for a write is `waited_seconds`). The files are
+// byte for byte those SaveCheckpoint writes at the same step. Every method is collective over
+// the trainer's world: all ranks call it at the same step boundaries. A failed background
+// write is returned by the Poll / Finish / Start that commits it, on every rank (this rank's
+// own error naming its file, or "rank N failed to write its part"); nothing is published then.
+class AsyncSaver {
+ public:
+  AsyncSaver(Trainer& trainer, bool with_replicas);
+  ~AsyncSaver();  // waits for a write still running; it is not committed (its staging is removed)
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  // The staging memory one save takes on this rank (the snapshot).
+  std::int64_t snapshot_bytes() const;
+  Status Start(const std::string& dir);
+  // The directory committed by this call ("" when none was).
+  Result<std::string> Poll();
+  Result<std::string> Finish();
+  bool pending() const { return worker_.joinable(); }
+
+  struct Stats {
+    std::int64_t saves = 0;
+    double stall_seconds = 0;   // the step loop blocked by Start: snapshot + transaction id
+    double waited_seconds = 0;  // blocked in Finish while a save was still being written
+    double write_seconds = 0;   // background: serialise, checksum, write, fsync
+  };
+  const Stats& stats() const { return stats_; }
+
+ private:
+  Result<std::string> Commit();
+  Trainer& trainer_;
+  bool with_replicas_;
+  std::thread worker_;
+  std::atomic<bool> done_{false};
+  Status result_ = Status::Ok();
+  std::string dir_, txn_;
+  Stats stats_;
+};
 
 // Rebuilds a trainer from a checkpoint written by SaveCheckpoint at ANY layout, ready to run
 // its next step at `parallel`'s layout: each rank reads exactly the pieces of its own

@@ -699,8 +699,42 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model) {
   return Status::Ok();
 }
 
+namespace {
+
+bool HasBuffers(const std::vector<TensorSpec>& all) {
+  return std::any_of(all.begin(), all.end(), [](const TensorSpec& t) { return t.role == TensorRole::kBuffer; });
+}
+
+}  // namespace
+
+std::int64_t ShardedState::SnapshotBytes(const Transformer<float>& model) const {
+  const std::size_t params = HasBuffers(map_->tensors()) ? model.params().size() : 0;
+  return static_cast<std::int64_t>((3 * master_.size() + params) * sizeof(float));
+}
+
+ShardedState::Snapshot ShardedState::TakeSnapshot(const Transformer<float>& model, std::int64_t step) const {
+  Snapshot s;
+  s.step = step;
+  s.master = master_;
+  s.exp_avg.assign(opt_->exp_avg().begin(), opt_->exp_avg().end());
+  s.exp_avg_sq.assign(opt_->exp_avg_sq().begin(), opt_->exp_avg_sq().end());
+  if (HasBuffers(map_->tensors())) s.params.assign(model.params().begin(), model.params().end());
+  return s;
+}
+
 Status ShardedState::Save(CheckpointWriter& writer, const Transformer<float>& model, std::int64_t step,
                           bool with_replicas) const {
+  return SaveFrom(writer, model, {master_, opt_->exp_avg(), opt_->exp_avg_sq(), model.params(), step}, with_replicas);
+}
+
+Status ShardedState::SaveSnapshot(CheckpointWriter& writer, const Transformer<float>& model, const Snapshot& snap,
+                                  bool with_replicas) const {
+  return SaveFrom(writer, model, {snap.master, snap.exp_avg, snap.exp_avg_sq, snap.params, snap.step}, with_replicas);
+}
+
+Status ShardedState::SaveFrom(CheckpointWriter& writer, const Transformer<float>& model, const SavedValues& v,
+                              bool with_replicas) const {
+  const std::int64_t step = v.step;
   const auto& all = map_->tensors();
   const std::size_t n_params = tensors_.size();
   std::vector<std::byte> converted;
@@ -720,16 +754,17 @@ Status ShardedState::Save(CheckpointWriter& writer, const Transformer<float>& mo
       RS_CHECK(param < n_params);
       if (spec.role == TensorRole::kBuffer) {
         buffer.resize(static_cast<std::size_t>(p->buffer_numel()));
-        CopyRuns(tensors_[param].self, model.params().subspan(static_cast<std::size_t>(model.offset(param))), buffer,
+        RS_CHECK(v.params.size() == model.params().size());
+        CopyRuns(tensors_[param].self, v.params.subspan(static_cast<std::size_t>(model.offset(param))), buffer,
                  /*to_compute=*/false);
         src = buffer;
       } else if (spec.role == TensorRole::kParameter || spec.state == "master") {
-        src = Owned(master_, param);
+        src = Owned(v.master, param);
       } else if (spec.state == "exp_avg") {
-        src = Owned(opt_->exp_avg(), param);
+        src = Owned(v.exp_avg, param);
       } else {
         RS_CHECK_MSG(spec.state == "exp_avg_sq", "unknown optimizer state " << spec.state);
-        src = Owned(opt_->exp_avg_sq(), param);
+        src = Owned(v.exp_avg_sq, param);
       }
       RS_CHECK(static_cast<std::int64_t>(src.size()) == p->buffer_numel());
       converted.resize(src.size() * esize);

@@ -128,6 +128,26 @@ class ShardedState {
   // tensor into `writer`; parameters rounded from the master weights to their dtype.
   Status Save(CheckpointWriter& writer, const Transformer<float>& model, std::int64_t step, bool with_replicas) const;
 
+  // A copy of exactly what Save reads (the owned master weights and moments, and the model's
+  // parameters when the model has buffers), taken at a step boundary so that a background
+  // writer can write it while training goes on (`train --async-save`). bytes() is its size.
+  struct Snapshot {
+    std::int64_t step = 0;
+    std::vector<float> master, exp_avg, exp_avg_sq, params;
+    std::int64_t bytes() const {
+      return static_cast<std::int64_t>((master.size() + exp_avg.size() + exp_avg_sq.size() + params.size()) *
+                                       sizeof(float));
+    }
+  };
+  Snapshot TakeSnapshot(const Transformer<float>& model, std::int64_t step) const;
+  // Bytes TakeSnapshot would copy (for planning the staging memory before a run).
+  std::int64_t SnapshotBytes(const Transformer<float>& model) const;
+  // Save of a snapshot: the same calls into `writer`, the same bytes. Reads only the snapshot
+  // and this state's placements (fixed for the run), so it may run on another thread while
+  // this state trains. `model` gives the parameters' offsets only.
+  Status SaveSnapshot(CheckpointWriter& writer, const Transformer<float>& model, const Snapshot& snap,
+                      bool with_replicas) const;
+
   // Step phases.
   Status GatherParameters(ProcessGroups& groups, Transformer<float>& model);
   Status ReduceGradients(ProcessGroups& groups, Transformer<float>& model);
@@ -180,6 +200,13 @@ class ShardedState {
   // The owned items of model tensor `i` (its placement's buffer), or an empty span for
   // buffers (not trained).
   std::span<const float> Owned(std::span<const float> owned, std::size_t i) const;
+  // What Save writes from: the live state or a snapshot.
+  struct SavedValues {
+    std::span<const float> master, exp_avg, exp_avg_sq, params;
+    std::int64_t step = 0;
+  };
+  Status SaveFrom(CheckpointWriter& writer, const Transformer<float>& model, const SavedValues& v,
+                  bool with_replicas) const;
   std::span<float> Owned(std::span<float> owned, std::size_t i) const;
 
  private:
