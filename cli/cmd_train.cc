@@ -162,8 +162,13 @@ Result<int> LockSaveDir(const std::string& dir) {
   return fd;  // held until the process ends
 }
 
-// DIR/latest names the newest committed step-* of a --save directory (written atomically after
-// each commit), so that a resume finds it without listing the directory.
+// DIR/latest names the newest committed step-* of a --save directory, so that a resume finds it
+// without listing the directory. It is replaced (atomically, durably) just before each save
+// commits, never after: saves commit in step order, so a pointer whose checkpoint exists names
+// the newest one, and a pointer to a save that failed or was killed before its commit names
+// nothing, which a resume notices (it then lists the directory and says so). Written after the
+// commit instead, a crash between the two would leave a valid-looking pointer to an older
+// checkpoint.
 constexpr const char* kLatestPointer = "latest";
 
 bool IsStepName(const std::string& name) {
@@ -204,13 +209,12 @@ Result<std::string> ResolveResume(const std::string& dir) {
   return (fs::path(dir) / steps.back()).string();
 }
 
-// After `committed` (a step-* of `root`) is published: the pointer names it, and with
-// --keep-last N only the newest N committed checkpoints remain (never `keep`, the checkpoint
-// this run resumed from, and never one newer than `committed`).
-Status AfterCommit(const std::string& root, const std::string& committed, std::int64_t keep_last,
-                   const std::string& keep) {
+// With --keep-last N, after `committed` (a step-* of `root`) is published: only the newest N
+// committed checkpoints remain (never `keep`, the checkpoint this run resumed from, and never
+// one newer than `committed`).
+Status KeepLast(const std::string& root, const std::string& committed, std::int64_t keep_last,
+                const std::string& keep) {
   const std::string name = fs::path(committed).filename().string();
-  RS_RETURN_IF_ERROR(ReplaceFileDurably((fs::path(root) / kLatestPointer).string(), name + "\n"));
   if (keep_last <= 0) return Status::Ok();
   std::vector<std::string> steps = CommittedSteps(root);
   std::erase_if(steps, [&](const std::string& s) { return s > name; });
@@ -379,7 +383,7 @@ void RunTrain(TrainArgs& a) {
     Status s = Status::Ok();
     if (lead) {
       PrintErr("saved %s\n", dir.c_str());
-      s = AfterCommit(a.save, dir, a.keep_last, resumed_from);
+      s = KeepLast(a.save, dir, a.keep_last, resumed_from);
     }
     if (!world.AllOk(s.ok())) fail_all(s.ok() ? FailedPrecondition("rank 0 failed after the commit") : s);
   };
@@ -392,8 +396,15 @@ void RunTrain(TrainArgs& a) {
   };
   auto save = [&] {
     const std::string dir = StepDir(a.save, trainer->step());
+    if (saver != nullptr) poll(/*wait=*/true);  // at most one save in flight
+    Status pointed = Status::Ok();
+    if (lead) {
+      pointed =
+          ReplaceFileDurably((fs::path(a.save) / kLatestPointer).string(), fs::path(dir).filename().string() + "\n");
+    }
+    if (!world.AllOk(pointed.ok()))
+      fail_all(pointed.ok() ? FailedPrecondition("rank 0 failed to update " + std::string(kLatestPointer)) : pointed);
     if (saver != nullptr) {
-      poll(/*wait=*/true);  // at most one save in flight
       if (Status s = saver->Start(dir); !s.ok()) fail_all(s);
       return;
     }

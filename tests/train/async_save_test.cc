@@ -1,0 +1,175 @@
+// `train --async-save`, `--keep-last` and the `latest` pointer, through the built binary: an
+// asynchronous run writes the same files, byte for byte, and the same losses as a synchronous
+// one (one process, and two ranks under mpirun); a background write that fails ends every rank
+// with the file named and publishes nothing; retention keeps exactly the newest N and never the
+// checkpoint a run resumed from; a damaged or stale pointer is noticed and the directory listed.
+// (kill -9 during background writes: tests/train/kill_save_test.cc.)
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/cli/cli_test_util.h"
+
+namespace rs {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CommandResult;
+using testing::RunCli;
+using testing::RunShell;
+using testing::Slurp;
+using testing::TempDir;
+
+bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
+
+std::string Launcher(int np) {
+  return np == 1 ? "" : "mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) + " ";
+}
+
+// Every regular file below `dir` (relative name -> bytes), except the run's lock file.
+std::map<std::string, std::string> Files(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    const std::string rel = fs::relative(e.path(), dir).string();
+    if (e.is_regular_file() && rel != ".reshard-train.lock") out[rel] = Slurp(e.path().string());
+  }
+  return out;
+}
+
+// The losses of a --log file, in step order.
+std::vector<double> Losses(const std::string& log) {
+  std::vector<double> out;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+std::vector<std::string> Entries(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void SameAsSynchronous(int np, const std::string& layout) {
+  TempDir tmp;
+  std::map<std::string, std::string> files[2];
+  std::vector<double> losses[2];
+  for (int async = 0; async < 2; ++async) {
+    const std::string save = tmp / ("run" + std::to_string(async)), log = tmp / ("log" + std::to_string(async));
+    const CommandResult r =
+        RunShell(Launcher(np) + std::string(RS_CLI) + " train --model tiny-moe --steps 6 --threads 1" + layout +
+                 " --save-every 2 --save " + save + " --log " + log + (async ? " --async-save" : ""));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (async) {
+      EXPECT_NE(r.output.find("async save: 3 saves"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("of staging memory per rank"), std::string::npos) << r.output;
+    }
+    files[async] = Files(save);
+    losses[async] = Losses(log);
+  }
+  EXPECT_EQ(losses[0].size(), 6u);
+  EXPECT_EQ(losses[0], losses[1]);
+  ASSERT_EQ(files[0].size(), files[1].size());
+  for (const auto& [name, bytes] : files[0]) {
+    const auto it = files[1].find(name);
+    ASSERT_NE(it, files[1].end()) << name;
+    EXPECT_TRUE(it->second == bytes) << name << " differs";
+  }
+  EXPECT_EQ(files[1].at("latest"), "step-00000006\n");
+  EXPECT_EQ(files[1].count("step-00000002/manifest.json"), 1u);
+}
+
+TEST(AsyncSave, SameFilesAndLossesAsSynchronousOneProcess) { SameAsSynchronous(1, ""); }
+
+TEST(AsyncSave, SameFilesAndLossesAsSynchronousTwoRanks) {
+  if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
+  SameAsSynchronous(2, " --layout fsdp=2");
+}
+
+// A background write past a file-size limit (as on a full disk): every rank exits non-zero
+// naming the file, no checkpoint of the failed steps appears (nor any staging directory), and
+// the earlier checkpoint is untouched and resumes.
+void FailedBackgroundWrite(int np, const std::string& layout) {
+  TempDir tmp;
+  const std::string save = tmp / "run";
+  const std::string train = std::string(RS_CLI) + " train --threads 1" + layout;
+  ASSERT_EQ(RunShell(Launcher(np) + train + " --model tiny-moe --steps 2 --save " + save).exit_code, 0);
+  const auto before = Files(save);
+  const CommandResult r =
+      RunShell(Launcher(np) + "bash -c \"trap '' XFSZ; ulimit -f 512; exec " + train + " --resume " + save +
+               " --steps 5 --save-every 1 --async-save --save " + save + "\"");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("File too large"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(save + "/step-00000003"), std::string::npos) << "names the file: " << r.output;
+  for (const std::string& name : Entries(save)) {
+    EXPECT_TRUE(name == "step-00000002" || name == "latest" || name == ".reshard-train.lock") << "left: " << name;
+  }
+  auto after = Files(save);
+  after.erase("latest");  // it names the save that failed, which a resume notices
+  auto expected = before;
+  expected.erase("latest");
+  EXPECT_TRUE(after == expected) << "the earlier checkpoint changed";
+  const CommandResult resumed = RunCli("train --threads 1 --resume " + save + " --steps 3");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("does not name a committed checkpoint ('step-00000003')"), std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("step-00000002 at step 2"), std::string::npos) << resumed.output;
+}
+
+TEST(AsyncSave, FailedBackgroundWriteEndsTheRunOneProcess) { FailedBackgroundWrite(1, ""); }
+
+TEST(AsyncSave, FailedBackgroundWriteEndsEveryRank) {
+  if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
+  FailedBackgroundWrite(2, " --layout fsdp=2");
+}
+
+TEST(AsyncSave, KeepLastAndThePointer) {
+  TempDir tmp;
+  const std::string save = tmp / "run";
+  const CommandResult r = RunCli(
+      "train --model tiny-moe --steps 6 --threads 1 --save-every 1 --async-save --keep-last 2 "
+      "--save " +
+      save);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(Entries(save),
+            (std::vector<std::string>{".reshard-train.lock", "latest", "step-00000005", "step-00000006"}));
+  EXPECT_EQ(Slurp(save + "/latest"), "step-00000006\n");
+  EXPECT_EQ(RunCli("verify " + save + "/step-00000005").exit_code, 0);
+
+  // The pointer is used; damaged or naming a checkpoint that is gone, it is reported and the
+  // directory listed instead.
+  const CommandResult a = RunCli("train --threads 1 --resume " + save + " --steps 6");
+  EXPECT_NE(a.output.find("resumed " + save + "/step-00000006 at step 6"), std::string::npos) << a.output;
+  EXPECT_EQ(a.output.find("note:"), std::string::npos) << a.output;
+  for (const std::string& bad : {std::string("step-00000003\n"), std::string("../../etc\n"), std::string("\x01\xff")}) {
+    std::ofstream(save + "/latest", std::ios::trunc) << bad;
+    const CommandResult b = RunCli("train --threads 1 --resume " + save + " --steps 6");
+    EXPECT_EQ(b.exit_code, 0) << b.output;
+    EXPECT_NE(b.output.find("does not name a committed checkpoint"), std::string::npos) << b.output;
+    EXPECT_NE(b.output.find("resumed " + save + "/step-00000006 at step 6"), std::string::npos) << b.output;
+  }
+
+  // Resumed from step 6 itself with --keep-last 1: step 6 stays (the run read it), the others go
+  // as newer ones commit.
+  const CommandResult c = RunCli("train --threads 1 --resume " + save +
+                                 "/step-00000006 --steps 8 --save-every 1 --keep-last 1 --save " + save);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_EQ(Entries(save),
+            (std::vector<std::string>{".reshard-train.lock", "latest", "step-00000006", "step-00000008"}));
+  const CommandResult neg = RunCli("train --model tiny-moe --steps 1 --keep-last -1 --save " + (tmp / "x"));
+  EXPECT_EQ(neg.exit_code, 2) << neg.output;
+  EXPECT_NE(neg.output.find("--keep-last must be >= 0"), std::string::npos) << neg.output;
+  const CommandResult nosave = RunCli("train --model tiny-moe --steps 1 --async-save");
+  EXPECT_EQ(nosave.exit_code, 2) << nosave.output;
+  EXPECT_NE(nosave.output.find("--async-save needs --save DIR"), std::string::npos) << nosave.output;
+}
+
+}  // namespace
+}  // namespace rs
