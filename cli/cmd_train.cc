@@ -374,9 +374,11 @@ void RunTrain(TrainArgs& a) {
         !world.AllOk(fits.ok())) {
       fail_all(fits.ok() ? FailedPrecondition("--async-save does not fit in another rank's memory") : fits);
     }
-    if (lead)
-      PrintErr("async save: %s of staging memory per rank (a snapshot of its owned state)\n",
+    saver->Reserve();
+    if (lead) {
+      PrintErr("async save: %s of staging memory per rank (a snapshot of its owned state), reserved\n",
                HumanBytes(bytes).c_str());
+    }
   }
   auto committed = [&](const std::string& dir) {
     if (dir.empty()) return;
@@ -394,7 +396,16 @@ void RunTrain(TrainArgs& a) {
     if (!dir.ok()) fail_all(dir.status());
     committed(*dir);
   };
+  // Time the step loop spends in checkpointing (saves, polls, waits), whatever the mode.
+  double checkpoint_seconds = 0;
+  std::int64_t saves = 0;
+  const auto timed = [&](auto&& fn) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    checkpoint_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   auto save = [&] {
+    ++saves;
     const std::string dir = StepDir(a.save, trainer->step());
     if (saver != nullptr) poll(/*wait=*/true);  // at most one save in flight
     Status pointed = Status::Ok();
@@ -427,7 +438,7 @@ void RunTrain(TrainArgs& a) {
   std::int64_t tokens = 0;
   train::StepReport r;
   while (trainer->step() < a.steps) {
-    poll(/*wait=*/false);
+    timed([&] { poll(/*wait=*/false); });
     auto step = trainer->Step();
     if (!step.ok()) fail_one(step.status());
     r = std::move(*step);
@@ -453,9 +464,17 @@ void RunTrain(TrainArgs& a) {
       }
     }
     const bool last = trainer->step() == a.steps;
-    if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) save();
+    if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) timed(save);
   }
-  poll(/*wait=*/true);
+  const double in_loop = checkpoint_seconds;
+  timed([&] { poll(/*wait=*/true); });
+  if (saves > 0 && lead) {
+    PrintErr("checkpoints: %lld saves %s; the step loop was blocked %.3f s by them (%.1f ms per save)",
+             static_cast<long long>(saves), saver != nullptr ? "in the background" : "synchronous", in_loop,
+             1000.0 * in_loop / static_cast<double>(saves));
+    if (saver != nullptr) PrintErr(", and %.3f s at the end for the last one", checkpoint_seconds - in_loop);
+    PrintErr("\n");
+  }
   if (saver != nullptr && lead) {
     const auto& st = saver->stats();
     PrintErr(

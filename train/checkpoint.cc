@@ -140,6 +140,10 @@ AsyncSaver::~AsyncSaver() {
 
 std::int64_t AsyncSaver::snapshot_bytes() const { return trainer_.state().SnapshotBytes(trainer_.model()); }
 
+void AsyncSaver::Reserve() {
+  if (!pending()) trainer_.state().TakeSnapshot(trainer_.model(), trainer_.step(), snapshot_);
+}
+
 Status AsyncSaver::Start(const std::string& dir) {
   if (pending()) return FailedPrecondition("a save is still in flight: Finish it first (at most one at a time)");
   const auto t = std::chrono::steady_clock::now();
@@ -147,18 +151,17 @@ Status AsyncSaver::Start(const std::string& dir) {
   comm::Communicator& world = *trainer_.groups().world;
   RS_ASSIGN_OR_RETURN(txn_, BeginTogether(world));
   dir_ = dir;
-  auto snap =
-      std::make_shared<ShardedState::Snapshot>(trainer_.state().TakeSnapshot(trainer_.model(), trainer_.step()));
+  trainer_.state().TakeSnapshot(trainer_.model(), trainer_.step(), snapshot_);  // reuses the last one's memory
   auto metadata = std::make_shared<nlohmann::json>(SaveMetadata(trainer_));
   done_ = false;
   result_ = Status::Ok();
   const std::int64_t size = world.size(), rank = world.rank();
-  worker_ = std::thread([this, snap, metadata, size, rank] {
+  worker_ = std::thread([this, metadata, size, rank] {
     const auto w0 = std::chrono::steady_clock::now();
     const ShardedState& state = trainer_.state();  // placements only: fixed for the run
     result_ = WriteMyPart(size, rank, dir_, txn_, TrainWriterOptions(), [&](CheckpointWriter& writer) {
       return WriteSave(writer, state, *metadata, [&](CheckpointWriter& w) {
-        return state.SaveSnapshot(w, trainer_.model(), *snap, with_replicas_);
+        return state.SaveSnapshot(w, trainer_.model(), snapshot_, with_replicas_);
       });
     });
     stats_.write_seconds += Since(w0);

@@ -48,6 +48,10 @@ class AsyncSaver {
 
   // The staging memory one save takes on this rank (the snapshot).
   std::int64_t snapshot_bytes() const;
+  // Allocates the snapshot's memory and faults it in, before the step loop: the first
+  // snapshot otherwise pays for it (on a 2-core VM, 3 s for small-moe's 1.2 GiB against 0.15 s
+  // for each later one).
+  void Reserve();
   Status Start(const std::string& dir);
   // The directory committed by this call ("" when none was).
   Result<std::string> Poll();
@@ -70,6 +74,7 @@ class AsyncSaver {
   std::atomic<bool> done_{false};
   Status result_ = Status::Ok();
   std::string dir_, txn_;
+  ShardedState::Snapshot snapshot_;  // read by the worker while it runs; kept for the next save
   Stats stats_;
 };
 

@@ -139,7 +139,9 @@ class ShardedState {
                                        sizeof(float));
     }
   };
-  Snapshot TakeSnapshot(const Transformer<float>& model, std::int64_t step) const;
+  // Fills `into`, reusing its memory (a second snapshot into the same object copies without
+  // allocating or faulting in fresh pages: most of the first one's cost).
+  void TakeSnapshot(const Transformer<float>& model, std::int64_t step, Snapshot& into) const;
   // Bytes TakeSnapshot would copy (for planning the staging memory before a run).
   std::int64_t SnapshotBytes(const Transformer<float>& model) const;
   // Save of a snapshot: the same calls into `writer`, the same bytes. Reads only the snapshot
