@@ -39,13 +39,14 @@ cmd_of() {
     export) echo "export $T/$3 --format hf --memory-budget 8MiB -o $1" ;;
     import) echo "import $T/${3/src/hf} --format hf --layout tp=2 --codec zstd --memory-budget 8MiB -o $1" ;;
     train) echo "train --model tiny-moe --steps 3 --threads 1 --save-every 1 --save $1" ;;
+    train-async) echo "train --model tiny-moe --steps 3 --threads 1 --save-every 1 --save $1 --async-save" ;;
     verify) echo "verify $T/$3" ;;
     diff) echo "diff $T/$3 $T/$3" ;;
     eval) echo "eval $T/$3 --data $T/text.txt --windows 4" ;;
   esac
 }
-source_of() { case "$1" in import) echo "${2/src/hf}" ;; example | train) echo "" ;; *) echo "$2" ;; esac; }
-COMMANDS=(convert example export import train verify diff eval)
+source_of() { case "$1" in import) echo "${2/src/hf}" ;; example | train*) echo "" ;; *) echo "$2" ;; esac; }
+COMMANDS=(convert example export import train train-async verify diff eval)
 
 # What a run left: "nothing" or what looks like output.
 leftovers() {
@@ -80,23 +81,23 @@ run_fault() {  # fault-name command -> fills M
       src=$(source_of "$c" src)
       cmd=$(cmd_of "$out" "$c" src)
       bash -c "trap '' XFSZ; ulimit -f 512; exec $R $cmd" >"$log" 2>&1; rc=$?
-      M[$fault,$c]=$(cell $rc "$log" "$([ "$c" = train ] || echo "$out")" "$src" "$T/out-")
+      M[$fault,$c]=$(cell $rc "$log" "$(case $c in train*) ;; *) echo "$out" ;; esac)" "$src" "$T/out-")
       ;;
     sigterm)
       case "$c" in verify | diff | eval) M[$fault,$c]="–"; return ;; esac
       src=$(source_of "$c" msrc)
       cmd=$(cmd_of "$out" "$c" msrc)
-      if [ "$c" = train ]; then
+      if [[ $c == train* ]]; then
         # a save is being written: kill when the second step's staging appears
         bash -c "set -m; $R $cmd & pid=\$!; for i in \$(seq 1 3000); do ls -d $out/step-00000002.tmp-* >/dev/null 2>&1 && break; sleep 0.005; done; kill -TERM \$pid; wait \$pid" >"$log" 2>&1; rc=$?
       else
         bash -c "set -m; $R $cmd & pid=\$!; for i in \$(seq 1 1000); do ls -d $out.tmp-* >/dev/null 2>&1 && break; sleep 0.01; done; kill -TERM \$pid; wait \$pid" >"$log" 2>&1; rc=$?
       fi
-      M[$fault,$c]=$(cell $rc "$log" "$([ "$c" = train ] && echo "" || echo "$out")" "$src" "")
-      [ "$c" = train ] && M[$fault,$c]="${M[$fault,$c]}, $(ls -d "$out"/step-* 2>/dev/null | grep -c -v '\.tmp-') committed step(s), $(leftovers "$out")"
+      M[$fault,$c]=$(cell $rc "$log" "$([[ $c == train* ]] && echo "" || echo "$out")" "$src" "")
+      [[ $c == train* ]] && M[$fault,$c]="${M[$fault,$c]}, $(ls -d "$out"/step-* 2>/dev/null | grep -c -v '\.tmp-') committed step(s), $(leftovers "$out")"
       ;;
     eio)
-      case "$c" in example | train) M[$fault,$c]="–"; return ;; esac
+      case "$c" in example | train*) M[$fault,$c]="–"; return ;; esac
       local file=/rank-00001.h5
       [ "$c" = import ] && file=.safetensors
       cmd=$(cmd_of "$out" "$c" src)
@@ -104,7 +105,7 @@ run_fault() {  # fault-name command -> fills M
       M[$fault,$c]=$(cell $rc "$log" "$(case $c in verify | diff | eval) ;; *) echo "$out" ;; esac)" "$src" "$file")
       ;;
     truncate)
-      case "$c" in example | train) M[$fault,$c]="–"; return ;; esac
+      case "$c" in example | train*) M[$fault,$c]="–"; return ;; esac
       local copy="$T/trunc-$c" file=rank-00001.h5
       rm -rf "$copy"; cp -r "$T/$(source_of "$c" src)" "$copy"
       [ "$c" = import ] && file=$(cd "$copy" && ls -- *.safetensors | head -1)
@@ -116,13 +117,13 @@ run_fault() {  # fault-name command -> fills M
       M[$fault,$c]=$(cell $rc "$log" "$(case $c in verify | diff | eval) ;; *) echo "$out" ;; esac)" "" "$file")
       ;;
     second)
-      case "$c" in convert | example | export | import | train) ;; *) M[$fault,$c]="–"; return ;; esac
+      case "$c" in convert | example | export | import | train*) ;; *) M[$fault,$c]="–"; return ;; esac
       cmd=$(cmd_of "$out" "$c" src)
       "$R" $cmd >"$log.1" 2>&1 & pid=$!
       "$R" $cmd >"$log" 2>&1; rc=$?
       wait $pid; local rc1=$?
       local sound="result verifies"
-      if [ "$c" = train ]; then
+      if [[ $c == train* ]]; then
         for s in "$out"/step-*; do "$R" verify "$s" >/dev/null 2>&1 || sound="A STEP DOES NOT VERIFY"; done
       elif [ "$c" = export ]; then
         sound="result complete"
@@ -130,10 +131,10 @@ run_fault() {  # fault-name command -> fills M
       else
         "$R" verify "$out" >/dev/null 2>&1 || sound="RESULT DOES NOT VERIFY"
       fi
-      M[$fault,$c]="exits $rc1 and $rc ($(grep -h -o -m1 -E 'appeared while writing|exists; not replaced|already exists|lock[^;:)]*' "$log" "$log.1" | head -1)), $sound"
+      M[$fault,$c]="exits $rc1 and $rc ($(grep -h -o -m1 -E 'appeared while writing|exists; not replaced|already exists|is being saved into by another' "$log" "$log.1" | head -1)), $sound"
       ;;
     nofile)
-      case "$c" in example | train) M[$fault,$c]="–"; return ;; esac
+      case "$c" in example | train*) M[$fault,$c]="–"; return ;; esac
       cmd=$(cmd_of "$out" "$c" many)
       [ "$c" = import ] && { M[$fault,$c]="–"; return; }
       [ "$c" = export ] && cmd="export $T/many --format hf -o $out"
