@@ -291,10 +291,24 @@ void RunTrain(TrainArgs& a) {
     auto dir = ResolveResume(a.resume);
     if (!dir.ok()) fail_all(dir.status());
     resumed_from = *dir;
-    auto t = train::ResumeFromCheckpoint(*dir, data, parallel);
+    train::ResumeRead read;
+    auto t = train::ResumeFromCheckpoint(*dir, data, parallel, &read);
     if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
     trainer = std::move(*t);
-    if (lead) PrintErr("resumed %s at step %" PRId64 "\n", dir->c_str(), trainer->step());
+    // Read amplification: bytes read by all ranks against the checkpoint's stored bytes.
+    std::int64_t sum = read.bytes_read, most = read.bytes_read;
+    if (world.active()) {
+      if (Status s = world.comm().AllReduce(std::span<std::int64_t>(&sum, 1), comm::ReduceOp::kSum); !s.ok())
+        fail_one(s);
+      if (Status s = world.comm().AllReduce(std::span<std::int64_t>(&most, 1), comm::ReduceOp::kMax); !s.ok())
+        fail_one(s);
+    }
+    if (lead) {
+      PrintErr("resumed %s at step %" PRId64 "; read %s of its %s of data files (%.2fx; at most %s by one rank)\n",
+               dir->c_str(), trainer->step(), HumanBytes(sum).c_str(), HumanBytes(read.stored_bytes).c_str(),
+               read.stored_bytes > 0 ? static_cast<double>(sum) / static_cast<double>(read.stored_bytes) : 0.0,
+               HumanBytes(most).c_str());
+    }
   } else {
     auto model = LoadModelArg(a.model);
     if (!model.ok()) fail_all(model.status());

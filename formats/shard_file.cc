@@ -910,6 +910,14 @@ Result<ShardLocation> ShardFileReader::LocateLocked(const std::string& name, Cod
   return loc;
 }
 
+namespace {
+
+std::atomic<std::int64_t> g_bytes_read{0};
+
+}  // namespace
+
+std::int64_t ShardFileBytesRead() { return g_bytes_read.load(std::memory_order_relaxed); }
+
 Status ShardFileReader::ReadAt(std::int64_t offset, std::span<std::byte> out, const std::string& what) const {
   const auto len = static_cast<std::int64_t>(out.size());
   const auto end = CheckedAdd(offset, len);
@@ -926,6 +934,7 @@ Status ShardFileReader::ReadAt(std::int64_t offset, std::span<std::byte> out, co
                               static_cast<off_t>(offset) + static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return IoError(what + ": " + Errno("pread"));
+    g_bytes_read.fetch_add(n, std::memory_order_relaxed);
     if (n == 0) {
       return DataLoss(what + ": file ended at byte " + std::to_string(offset + static_cast<std::int64_t>(done)) +
                       " while reading offset " + std::to_string(offset) + ", length " + std::to_string(len));

@@ -287,6 +287,10 @@ struct Hdf5Probe {
 };
 Result<std::vector<std::string>> ProbeHdf5(const std::vector<Hdf5Probe>& files, const IsolationLimits& limits = {});
 
+// Bytes this process has read from data files through ShardFileReader (pread), since it
+// started: for read-amplification reports (`train --resume`).
+std::int64_t ShardFileBytesRead();
+
 class ShardFileReader {
  public:
   // Opens `path` read-only. NotFound if it is missing; DataLoss if it is not a regular file (a

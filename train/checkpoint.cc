@@ -16,6 +16,7 @@
 #include "formats/checkpoint_commit.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
+#include "formats/shard_file.h"
 
 namespace rs::train {
 namespace {
@@ -240,7 +241,8 @@ Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, co
 
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                                                       const std::optional<std::string>& data_path,
-                                                      const TrainParallel& parallel) {
+                                                      const TrainParallel& parallel, ResumeRead* read) {
+  const std::int64_t read_before = ShardFileBytesRead();
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
   RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
   auto ctx = [&](const Status& s) { return s.WithContext("checkpoint '" + dir + "' metadata"); };
@@ -265,7 +267,7 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                               data["fnv1a64"].get<std::string>() + "); pass the original with --data");
   }
   RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(*model_config, *train_config, std::move(corpus), parallel));
-  RS_RETURN_IF_ERROR(trainer->state().Load(*reader, trainer->model()));
+  RS_RETURN_IF_ERROR(trainer->state().LoadOncePerReplicaGroup(*reader, trainer->model(), trainer->groups().dp.get()));
   RS_ASSIGN_OR_RETURN(const TensorSpec* step_spec, reader->FindTensor("optimizer.step"));
   if (step_spec->dtype != DType::kI64 || step_spec->numel() != 1) {
     return DataLoss("checkpoint '" + dir + "': 'optimizer.step' must be one i64");
@@ -275,6 +277,11 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
   std::memcpy(&step, step_bytes.data(), sizeof step);
   if (step < 0) return DataLoss("checkpoint '" + dir + "': negative optimizer.step " + std::to_string(step));
   trainer->set_step(step);
+  if (read != nullptr) {
+    read->bytes_read = ShardFileBytesRead() - read_before;
+    read->stored_bytes = 0;
+    for (const DataFileEntry& f : reader->manifest().files) read->stored_bytes += f.size;
+  }
   return trainer;
 }
 

@@ -85,9 +85,17 @@ class AsyncSaver {
 // (FailedPrecondition otherwise: the batches would differ). NotFound / DataLoss /
 // VersionMismatch from reading; InvalidArgument if the metadata lacks the model or training
 // config.
+// `read` (optional) receives what this rank read: data-file bytes (formats/shard_file.h
+// ShardFileBytesRead) and the checkpoint's stored bytes, for a read-amplification report. The
+// ranks of a data-parallel group read the checkpoint once (its first rank) and share it by
+// broadcast (ShardedState::LoadOncePerReplicaGroup).
+struct ResumeRead {
+  std::int64_t bytes_read = 0;
+  std::int64_t stored_bytes = 0;  // the sizes of the checkpoint's data files
+};
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                                                       const std::optional<std::string>& data_path,
-                                                      const TrainParallel& parallel = {});
+                                                      const TrainParallel& parallel = {}, ResumeRead* read = nullptr);
 
 // The model config stored in a checkpoint's metadata (InvalidArgument if absent or invalid).
 Result<ModelConfig> CheckpointModelConfig(const std::string& dir);

@@ -700,6 +700,30 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model) {
   return Status::Ok();
 }
 
+Status ShardedState::LoadOncePerReplicaGroup(CheckpointReader& reader, Transformer<float>& model,
+                                             comm::Communicator* replicas) {
+  if (replicas == nullptr || replicas->size() == 1) return Load(reader, model);
+  const Status mine = replicas->rank() == 0 ? Load(reader, model) : Status::Ok();
+  std::int64_t failed = mine.ok() ? 0 : 1;
+  RS_RETURN_IF_ERROR(replicas->AllReduce(std::span<std::int64_t>(&failed, 1), comm::ReduceOp::kSum));
+  if (failed > 0) {
+    return mine.ok() ? FailedPrecondition(
+                           "the rank that reads the checkpoint for this rank's data-parallel group "
+                           "failed to read it")
+                     : mine;
+  }
+  const auto share = [&](std::span<float> v) { return replicas->Broadcast(std::as_writable_bytes(v), 0); };
+  RS_RETURN_IF_ERROR(share(master_));
+  RS_RETURN_IF_ERROR(share(opt_->exp_avg()));
+  RS_RETURN_IF_ERROR(share(opt_->exp_avg_sq()));
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (map_->tensors()[tensors_[i].ckpt].role == TensorRole::kParameter) continue;
+    RS_RETURN_IF_ERROR(share(
+        model.params().subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)))));
+  }
+  return Status::Ok();
+}
+
 namespace {
 
 bool HasBuffers(const std::vector<TensorSpec>& all) {

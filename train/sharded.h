@@ -124,6 +124,12 @@ class ShardedState {
   // checkpoint of any layout (each piece through the reader's overlap index). DataLoss when a
   // tensor is missing or has another shape (a checkpoint of another model).
   Status Load(CheckpointReader& reader, Transformer<float>& model);
+  // Load, read once per group of replicas: the first rank of `replicas` (the data-parallel
+  // group, whose ranks hold identical state) reads, and the others receive its owned state and
+  // buffers by broadcast, so the checkpoint's bytes are read once per replica group, not once
+  // per replica. Collective over `replicas` (nullptr or one rank: Load). A failed read fails
+  // every rank of the group (the reader's error, or FailedPrecondition naming the group).
+  Status LoadOncePerReplicaGroup(CheckpointReader& reader, Transformer<float>& model, comm::Communicator* replicas);
   // Writes this rank's shards (main replicas; all with `with_replicas`) of every checkpoint
   // tensor into `writer`; parameters rounded from the master weights to their dtype.
   Status Save(CheckpointWriter& writer, const Transformer<float>& model, std::int64_t step, bool with_replicas) const;

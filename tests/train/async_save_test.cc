@@ -171,5 +171,58 @@ TEST(AsyncSave, KeepLastAndThePointer) {
   EXPECT_NE(nosave.output.find("--async-save needs --save DIR"), std::string::npos) << nosave.output;
 }
 
+// The "(N.NNx" read amplification that `train --resume` prints.
+double Amplification(const std::string& output) {
+  const std::size_t at = output.find("x; at most");
+  if (at == std::string::npos) return -1;
+  const std::size_t open = output.rfind('(', at);
+  return std::stod(output.substr(open + 1, at - open - 1));
+}
+
+// A resume at dp = 2 or 4 reads the checkpoint once per data-parallel group, not once per
+// replica: about what one process reads (before, 2x and 4x), with the same losses; a damaged
+// checkpoint fails every rank of the group, none waits for a broadcast that never comes.
+TEST(ResumeRead, OncePerReplicaGroup) {
+  if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
+  TempDir tmp;
+  const std::string save = tmp / "run";
+  ASSERT_EQ(RunShell(Launcher(2) + std::string(RS_CLI) +
+                     " train --model tiny-moe --steps 2 --threads 1 --layout tp=2 --save " + save)
+                .exit_code,
+            0);
+  std::vector<double> losses;
+  double one = 0;
+  for (const int np : {1, 2, 4}) {
+    SCOPED_TRACE("dp=" + std::to_string(np));
+    const std::string log = tmp / ("log" + std::to_string(np));
+    const CommandResult r =
+        RunShell("timeout 120 " + Launcher(np) + std::string(RS_CLI) + " train --threads 1 --resume " + save +
+                 " --steps 3 --layout dp=" + std::to_string(np) + " --log " + log);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const double a = Amplification(r.output);
+    ASSERT_GT(a, 0) << r.output;
+    if (np == 1) one = a;
+    EXPECT_LT(a, 1.15 * one) << r.output;
+    losses.push_back(Losses(log).at(0));
+  }
+  // The same loss to float rounding (dp sums gradients in another order).
+  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+  EXPECT_NEAR(losses[2], losses[0], 1e-5 * losses[0]);
+
+  // A flipped data byte: the reading rank's checked read fails, its replica learns it.
+  const std::string file = save + "/step-00000002/rank-00001.h5";
+  const std::string bytes = Slurp(file);
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(bytes.size() / 2));
+    f.put(static_cast<char>(bytes[bytes.size() / 2] ^ 0x5a));
+  }
+  const CommandResult bad = RunShell("timeout 120 " + Launcher(2) + std::string(RS_CLI) +
+                                     " train --threads 1 --resume " + save + " --steps 3 --layout dp=2");
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.exit_code, 124) << "a rank waited for a broadcast that never came: " << bad.output;
+  EXPECT_NE(bad.output.find("rank-00001.h5"), std::string::npos) << bad.output;
+}
+
 }  // namespace
 }  // namespace rs
