@@ -225,6 +225,7 @@ Status KeepLast(const std::string& root, const std::string& committed, std::int6
     if (!keep.empty() && fs::weakly_canonical(old, ec) == keep_path) continue;
     // Renamed away first, so that no reader ever sees a half-removed checkpoint as one.
     const fs::path doomed = fs::path(root) / (steps[i] + ".removing");
+    fs::remove_all(doomed, ec);  // left by a removal that was killed
     fs::rename(old, doomed, ec);
     if (ec) return IoError(old.string() + ": cannot remove (--keep-last): " + ec.message());
     fs::remove_all(doomed, ec);
