@@ -239,16 +239,24 @@ Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, co
   return model;
 }
 
-Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
-                                                      const std::optional<std::string>& data_path,
-                                                      const TrainParallel& parallel, ResumeRead* read) {
-  const std::int64_t read_before = ShardFileBytesRead();
-  RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
-  RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*reader));
+namespace {
+
+// What a resume reads before any collective work: the reader, the configs and the corpus.
+struct ResumeInputs {
+  std::unique_ptr<CheckpointReader> reader;
+  ModelConfig model;
+  TrainConfig train;
+  Corpus corpus;
+};
+
+Result<ResumeInputs> ReadResumeInputs(const std::string& dir, const std::optional<std::string>& data_path) {
+  ResumeInputs in;
+  RS_ASSIGN_OR_RETURN(in.reader, CheckpointReader::Open(dir));
+  RS_ASSIGN_OR_RETURN(const nlohmann::json meta, Metadata(*in.reader));
   auto ctx = [&](const Status& s) { return s.WithContext("checkpoint '" + dir + "' metadata"); };
   auto model_config = ModelConfigFromJson(meta["model"], DTypeSpelling::kCanonical);
   if (!model_config.ok()) return ctx(model_config.status());
-  RS_RETURN_IF_ERROR(CheckModelAgainstManifest(*model_config, reader->manifest(), dir));
+  RS_RETURN_IF_ERROR(CheckModelAgainstManifest(*model_config, in.reader->manifest(), dir));
   if (!meta.contains("train") || !meta.contains("data") || !meta["data"].is_object()) {
     return InvalidArgument("checkpoint '" + dir + "' metadata lacks 'train' or 'data': not resumable");
   }
@@ -260,13 +268,34 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
     return InvalidArgument("checkpoint '" + dir + "' metadata: 'data' lacks 'path' or 'fnv1a64'");
   }
   const std::string path = data_path.value_or(data["path"].get<std::string>());
-  RS_ASSIGN_OR_RETURN(Corpus corpus, LoadCorpus(path));
-  if (Hex64(corpus.fnv1a) != data["fnv1a64"].get<std::string>()) {
+  RS_ASSIGN_OR_RETURN(in.corpus, LoadCorpus(path));
+  if (Hex64(in.corpus.fnv1a) != data["fnv1a64"].get<std::string>()) {
     return FailedPrecondition("data file '" + path + "' differs from the one checkpoint '" + dir +
-                              "' was trained on (FNV-1a " + Hex64(corpus.fnv1a) + ", expected " +
+                              "' was trained on (FNV-1a " + Hex64(in.corpus.fnv1a) + ", expected " +
                               data["fnv1a64"].get<std::string>() + "); pass the original with --data");
   }
-  RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(*model_config, *train_config, std::move(corpus), parallel));
+  in.model = *model_config;
+  in.train = *train_config;
+  return in;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
+                                                      const std::optional<std::string>& data_path,
+                                                      const TrainParallel& parallel, ResumeRead* read) {
+  const std::int64_t read_before = ShardFileBytesRead();
+  Result<ResumeInputs> in = ReadResumeInputs(dir, data_path);
+  // Agreed before the collective work below (Trainer::Create splits the world): a rank that
+  // failed alone (a file it could not open) must not leave the others waiting in a split.
+  if (parallel.world != nullptr && parallel.world->size() > 1) {
+    std::int64_t failed = in.ok() ? 0 : 1;
+    RS_RETURN_IF_ERROR(parallel.world->AllReduce(std::span<std::int64_t>(&failed, 1), comm::ReduceOp::kSum));
+    if (failed > 0 && in.ok()) return FailedPrecondition("another rank failed to read checkpoint '" + dir + "'");
+  }
+  if (!in.ok()) return in.status();
+  std::unique_ptr<CheckpointReader> reader = std::move(in->reader);
+  RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(in->model, in->train, std::move(in->corpus), parallel));
   RS_RETURN_IF_ERROR(trainer->state().LoadOncePerReplicaGroup(*reader, trainer->model(), trainer->groups().dp.get()));
   RS_ASSIGN_OR_RETURN(const TensorSpec* step_spec, reader->FindTensor("optimizer.step"));
   if (step_spec->dtype != DType::kI64 || step_spec->numel() != 1) {

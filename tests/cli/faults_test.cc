@@ -9,6 +9,7 @@
 // checkpoint, and its source as it was.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -247,6 +248,25 @@ TEST(Faults, SourceShrinksInTheMiddleOfEveryReader) {
   for (const std::string& left : Leftovers(tmp.path())) {
     EXPECT_NE(left.rfind(out, 0), 0u) << "left behind: " << left;
   }
+}
+
+// One rank of a resumed run cannot read the checkpoint (EIO on its manifest, injected into that
+// rank alone with mpirun's MPMD form): every rank ends with a message, rank 0 with the OS error,
+// the other naming the failure - none waits in the communicator split that the other ranks
+// would otherwise have entered (a hang).
+TEST(Faults, OneRankFailsToReadTheCheckpointItResumes) {
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  ASSERT_EQ(RunCli("train --model tiny-moe --steps 2 --threads 1 --save " + run).exit_code, 0);
+  const std::string train = std::string(RS_CLI) + " train --resume " + run + " --steps 3 --threads 1 --layout dp=2";
+  const CommandResult r = RunShell(
+      "timeout 120 mpirun --oversubscribe --allow-run-as-root -np 1 env LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) +
+      " RS_EIO_FILE=step-00000002/manifest.json " + train + " : -np 1 " + train);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "a rank hung: " << r.output;
+  EXPECT_NE(r.output.find("manifest.json: read failed at byte 0: Input/output error"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("another rank failed to read checkpoint"), std::string::npos) << r.output;
 }
 
 // SIGTERM to `train --save-every 1`, at a few moments after its first checkpoint (between
