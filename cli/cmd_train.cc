@@ -523,7 +523,8 @@ void RunEval(const EvalArgs& a) {
   if (a.threads > 0) train::SetBlasThreads(a.threads);
   Result<ModelConfig> config = a.model.empty() ? train::CheckpointModelConfig(a.checkpoint) : LoadModelArg(a.model);
   if (!config.ok()) Fail("eval", config.status());
-  auto model = train::LoadModel(a.checkpoint, *config);
+  train::ResumeRead read;
+  auto model = train::LoadModel(a.checkpoint, *config, &read);
   if (!model.ok()) Fail("eval", model.status());
   auto corpus = train::LoadCorpus(a.data);
   if (!corpus.ok()) Fail("eval", corpus.status());
@@ -539,8 +540,14 @@ void RunEval(const EvalArgs& a) {
                              {"windows", r->windows},
                              {"tokens", r->tokens},
                              {"mean_ce", r->mean_ce},
-                             {"bits_per_byte", bits}});
+                             {"bits_per_byte", bits},
+                             {"read_bytes", read.bytes_read},
+                             {"stored_bytes", read.stored_bytes}});
   } else {
+    PrintErr(
+        "read %s of the checkpoint's %s of data files (%.2fx)\n", HumanBytes(read.bytes_read).c_str(),
+        HumanBytes(read.stored_bytes).c_str(),
+        read.stored_bytes > 0 ? static_cast<double>(read.bytes_read) / static_cast<double>(read.stored_bytes) : 0.0);
     Print("%s: mean cross-entropy %.6f nats/byte (%.4f bits/byte) over %" PRId64 " windows x %" PRId64
           " tokens of %s\n",
           a.checkpoint.c_str(), r->mean_ce, bits, r->windows, r->seq_len, a.data.c_str());

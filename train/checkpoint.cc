@@ -224,8 +224,10 @@ Result<ModelConfig> CheckpointModelConfig(const std::string& dir) {
   return config;
 }
 
-Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config) {
+Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config,
+                                                      ResumeRead* read) {
   RS_RETURN_IF_ERROR(CheckTrainable(config));
+  const std::int64_t read_before = ShardFileBytesRead();
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
   RS_RETURN_IF_ERROR(CheckModelAgainstManifest(config, reader->manifest(), dir));
   RS_RETURN_IF_ERROR(CheckModelMemory(config, /*rows=*/0, /*seq=*/0, /*training=*/false));
@@ -235,6 +237,11 @@ Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, co
     RS_RETURN_IF_ERROR(ReadFloats(*reader, s.name, s.shape,
                                   model->params().subspan(static_cast<std::size_t>(model->offset(i)),
                                                           static_cast<std::size_t>(model->numel(i)))));
+  }
+  if (read != nullptr) {
+    read->bytes_read = ShardFileBytesRead() - read_before;
+    read->stored_bytes = 0;
+    for (const DataFileEntry& f : reader->manifest().files) read->stored_bytes += f.size;
   }
   return model;
 }

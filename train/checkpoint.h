@@ -103,6 +103,8 @@ Result<ModelConfig> CheckpointModelConfig(const std::string& dir);
 // Loads the parameters and buffers of `config` from the checkpoint at `dir`, whatever its
 // layout (the reader assembles each logical tensor from its shards), converting the stored
 // dtype to f32. NotFound if a tensor is missing; DataLoss if its shape differs from `config`.
-Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config);
+// `read` (optional): what was read, as for ResumeFromCheckpoint.
+Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config,
+                                                      ResumeRead* read = nullptr);
 
 }  // namespace rs::train

@@ -209,6 +209,13 @@ TEST(ResumeRead, OncePerReplicaGroup) {
   EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
   EXPECT_NEAR(losses[2], losses[0], 1e-5 * losses[0]);
 
+  // eval reads the parameters only: less than the data files hold, and says how much.
+  const CommandResult e = RunCli("eval " + save + "/step-00000002 --windows 1 --json 2>/dev/null");
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  const nlohmann::json ej = nlohmann::json::parse(e.output);
+  EXPECT_GT(ej.at("read_bytes").get<std::int64_t>(), 0);
+  EXPECT_LT(ej.at("read_bytes").get<std::int64_t>(), ej.at("stored_bytes").get<std::int64_t>() / 2);
+
   // A flipped data byte: the reading rank's checked read fails, its replica learns it.
   const std::string file = save + "/step-00000002/rank-00001.h5";
   const std::string bytes = Slurp(file);
