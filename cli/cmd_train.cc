@@ -292,7 +292,7 @@ void RunTrain(TrainArgs& a) {
     auto dir = ResolveResume(a.resume);
     if (!dir.ok()) fail_all(dir.status());
     resumed_from = *dir;
-    train::ResumeRead read;
+    train::ReadStats read;
     auto t = train::ResumeFromCheckpoint(*dir, data, parallel, &read);
     if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
     trainer = std::move(*t);
@@ -523,7 +523,7 @@ void RunEval(const EvalArgs& a) {
   if (a.threads > 0) train::SetBlasThreads(a.threads);
   Result<ModelConfig> config = a.model.empty() ? train::CheckpointModelConfig(a.checkpoint) : LoadModelArg(a.model);
   if (!config.ok()) Fail("eval", config.status());
-  train::ResumeRead read;
+  train::ReadStats read;
   auto model = train::LoadModel(a.checkpoint, *config, &read);
   if (!model.ok()) Fail("eval", model.status());
   auto corpus = train::LoadCorpus(a.data);

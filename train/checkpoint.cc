@@ -21,6 +21,14 @@
 namespace rs::train {
 namespace {
 
+// What a load read since ShardFileBytesRead() was `before`, against `reader`'s data files.
+ReadStats ReadSince(const CheckpointReader& reader, std::int64_t before) {
+  ReadStats r;
+  r.bytes_read = ShardFileBytesRead() - before;
+  for (const DataFileEntry& f : reader.manifest().files) r.stored_bytes += f.size;
+  return r;
+}
+
 std::string Hex64(std::uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
@@ -225,7 +233,7 @@ Result<ModelConfig> CheckpointModelConfig(const std::string& dir) {
 }
 
 Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config,
-                                                      ResumeRead* read) {
+                                                      ReadStats* read) {
   RS_RETURN_IF_ERROR(CheckTrainable(config));
   const std::int64_t read_before = ShardFileBytesRead();
   RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir));
@@ -238,11 +246,7 @@ Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, co
                                   model->params().subspan(static_cast<std::size_t>(model->offset(i)),
                                                           static_cast<std::size_t>(model->numel(i)))));
   }
-  if (read != nullptr) {
-    read->bytes_read = ShardFileBytesRead() - read_before;
-    read->stored_bytes = 0;
-    for (const DataFileEntry& f : reader->manifest().files) read->stored_bytes += f.size;
-  }
+  if (read != nullptr) *read = ReadSince(*reader, read_before);
   return model;
 }
 
@@ -290,7 +294,7 @@ Result<ResumeInputs> ReadResumeInputs(const std::string& dir, const std::optiona
 
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                                                       const std::optional<std::string>& data_path,
-                                                      const TrainParallel& parallel, ResumeRead* read) {
+                                                      const TrainParallel& parallel, ReadStats* read) {
   const std::int64_t read_before = ShardFileBytesRead();
   Result<ResumeInputs> in = ReadResumeInputs(dir, data_path);
   // Agreed before the collective work below (Trainer::Create splits the world): a rank that
@@ -313,11 +317,7 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
   std::memcpy(&step, step_bytes.data(), sizeof step);
   if (step < 0) return DataLoss("checkpoint '" + dir + "': negative optimizer.step " + std::to_string(step));
   trainer->set_step(step);
-  if (read != nullptr) {
-    read->bytes_read = ShardFileBytesRead() - read_before;
-    read->stored_bytes = 0;
-    for (const DataFileEntry& f : reader->manifest().files) read->stored_bytes += f.size;
-  }
+  if (read != nullptr) *read = ReadSince(*reader, read_before);
   return trainer;
 }
 

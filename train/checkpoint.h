@@ -85,17 +85,18 @@ class AsyncSaver {
 // (FailedPrecondition otherwise: the batches would differ). NotFound / DataLoss /
 // VersionMismatch from reading; InvalidArgument if the metadata lacks the model or training
 // config.
-// `read` (optional) receives what this rank read: data-file bytes (formats/shard_file.h
-// ShardFileBytesRead) and the checkpoint's stored bytes, for a read-amplification report. The
-// ranks of a data-parallel group read the checkpoint once (its first rank) and share it by
-// broadcast (ShardedState::LoadOncePerReplicaGroup).
-struct ResumeRead {
+// What a load read (optional out-parameter of ResumeFromCheckpoint and LoadModel): this
+// process's data-file bytes (formats/shard_file.h ShardFileBytesRead) and the checkpoint's
+// stored bytes, for a read-amplification report. At resume the ranks of a data-parallel group
+// read the checkpoint once (its first rank) and share it by broadcast
+// (ShardedState::LoadOncePerReplicaGroup).
+struct ReadStats {
   std::int64_t bytes_read = 0;
   std::int64_t stored_bytes = 0;  // the sizes of the checkpoint's data files
 };
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                                                       const std::optional<std::string>& data_path,
-                                                      const TrainParallel& parallel = {}, ResumeRead* read = nullptr);
+                                                      const TrainParallel& parallel = {}, ReadStats* read = nullptr);
 
 // The model config stored in a checkpoint's metadata (InvalidArgument if absent or invalid).
 Result<ModelConfig> CheckpointModelConfig(const std::string& dir);
@@ -103,8 +104,7 @@ Result<ModelConfig> CheckpointModelConfig(const std::string& dir);
 // Loads the parameters and buffers of `config` from the checkpoint at `dir`, whatever its
 // layout (the reader assembles each logical tensor from its shards), converting the stored
 // dtype to f32. NotFound if a tensor is missing; DataLoss if its shape differs from `config`.
-// `read` (optional): what was read, as for ResumeFromCheckpoint.
 Result<std::unique_ptr<Transformer<float>>> LoadModel(const std::string& dir, const ModelConfig& config,
-                                                      ResumeRead* read = nullptr);
+                                                      ReadStats* read = nullptr);
 
 }  // namespace rs::train

@@ -136,14 +136,10 @@ class ShardedState {
 
   // A copy of exactly what Save reads (the owned master weights and moments, and the model's
   // parameters when the model has buffers), taken at a step boundary so that a background
-  // writer can write it while training goes on (`train --async-save`). bytes() is its size.
+  // writer can write it while training goes on (`train --async-save`).
   struct Snapshot {
     std::int64_t step = 0;
     std::vector<float> master, exp_avg, exp_avg_sq, params;
-    std::int64_t bytes() const {
-      return static_cast<std::int64_t>((master.size() + exp_avg.size() + exp_avg_sq.size() + params.size()) *
-                                       sizeof(float));
-    }
   };
   // Fills `into`, reusing its memory (a second snapshot into the same object copies without
   // allocating or faulting in fresh pages: most of the first one's cost).

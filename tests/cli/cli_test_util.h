@@ -4,13 +4,17 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <random>
 #include <string>
+#include <vector>
 
 namespace rs::testing {
 
@@ -39,6 +43,21 @@ inline CommandResult RunCli(const std::string& args) { return RunShell(std::stri
 inline std::string Slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Whether `mpirun` is on the PATH (multi-process tests skip without it).
+inline bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
+
+// Every regular file below `dir` (relative name -> bytes), except those named in `except`.
+inline std::map<std::string, std::string> FilesUnder(const std::filesystem::path& dir,
+                                                     const std::vector<std::string>& except = {}) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    const std::string rel = std::filesystem::relative(e.path(), dir).string();
+    if (!e.is_regular_file() || std::find(except.begin(), except.end(), rel) != except.end()) continue;
+    out[rel] = Slurp(e.path().string());
+  }
+  return out;
 }
 
 // A fresh directory under the system temp dir, removed when the object goes away.

@@ -29,14 +29,7 @@ using testing::RunShell;
 using testing::Slurp;
 using testing::TempDir;
 
-// Every regular file under `dir` (relative name -> bytes).
-std::map<std::string, std::string> Files(const fs::path& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = Slurp(e.path().string());
-  }
-  return out;
-}
+using testing::FilesUnder;
 
 // What a failed write may not leave under `dir`: staging directories (`<name>.tmp-<pid>-...`)
 // and manifests.
@@ -54,8 +47,8 @@ TEST(Faults, FullDiskEveryWriterExitsOneAndLeavesNothing) {
   const std::string src = tmp / "src";
   ASSERT_EQ(RunCli("example --model tiny-moe --layout tp=2 -o " + src).exit_code, 0);
   const std::string hf = std::string(RS_SOURCE_DIR) + "/tests/fixtures/hf/qwen3_moe_tiny";
-  const auto before = Files(src);
-  const auto hf_before = Files(hf);
+  const auto before = FilesUnder(src);
+  const auto hf_before = FilesUnder(hf);
   fs::create_directories(tmp / "out");
   const std::string out = tmp / "out";
   const struct {
@@ -86,8 +79,8 @@ TEST(Faults, FullDiskEveryWriterExitsOneAndLeavesNothing) {
   }
   EXPECT_TRUE(Leftovers(out).empty()) << Leftovers(out).front();
   // The sources are as they were, and still sound.
-  EXPECT_TRUE(Files(src) == before);
-  EXPECT_TRUE(Files(hf) == hf_before);
+  EXPECT_TRUE(FilesUnder(src) == before);
+  EXPECT_TRUE(FilesUnder(hf) == hf_before);
   EXPECT_EQ(RunCli("verify " + src).exit_code, 0);
 }
 
@@ -120,7 +113,7 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
   TempDir tmp;
   const std::string src = MediumSource(tmp);
   ASSERT_FALSE(src.empty());
-  const auto before = Files(src);
+  const auto before = FilesUnder(src);
   const struct {
     const char* sig;
     int code;
@@ -150,18 +143,18 @@ TEST(Faults, SignalsEndWritesAndRemoveTheirPartialOutput) {
   EXPECT_FALSE(fs::exists(ex));
   const std::string hf_ok = tmp / "hf-ok";
   ASSERT_EQ(RunCli("export " + src + " --format hf -o " + hf_ok).exit_code, 0);
-  const auto hf_before = Files(hf_ok);
+  const auto hf_before = FilesUnder(hf_ok);
   const std::string imp = tmp / "imp";
   const CommandResult i =
       WhenStaging("import " + hf_ok + " --format hf --layout tp=2 --codec zstd --memory-budget 8MiB -o " + imp, imp,
                   "kill -INT $pid");
   EXPECT_EQ(i.exit_code, 130) << i.output;
   EXPECT_FALSE(fs::exists(imp));
-  EXPECT_TRUE(Files(hf_ok) == hf_before);
+  EXPECT_TRUE(FilesUnder(hf_ok) == hf_before);
   for (const std::string& left : Leftovers(tmp.path())) {
     EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;  // only the source's manifest
   }
-  EXPECT_TRUE(Files(src) == before);
+  EXPECT_TRUE(FilesUnder(src) == before);
 }
 
 // Reads that fail (EIO: a disk with bad sectors, a failing network file system), injected with
@@ -172,7 +165,7 @@ TEST(Faults, ReadsThatFailWithEio) {
   TempDir tmp;
   const std::string src = tmp / "src";
   ASSERT_EQ(RunCli("example --model tiny-moe --layout tp=2 -o " + src).exit_code, 0);
-  const auto before = Files(src);
+  const auto before = FilesUnder(src);
   for (const char* from : {"0", "4096"}) {
     SCOPED_TRACE(std::string("EIO from offset ") + from);
     const std::string env = "LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) +
@@ -193,7 +186,7 @@ TEST(Faults, ReadsThatFailWithEio) {
   // import: every read of the model's safetensors file fails.
   const std::string hf_src = tmp / "hf-src";
   fs::copy(std::string(RS_SOURCE_DIR) + "/tests/fixtures/hf/qwen3_moe_tiny", hf_src);
-  const auto hf_before = Files(hf_src);
+  const auto hf_before = FilesUnder(hf_src);
   const std::string imp = tmp / "imp";
   const CommandResult r =
       RunShell("LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) + " RS_EIO_FILE=/model.safetensors RS_EIO_FROM=0 " +
@@ -202,11 +195,11 @@ TEST(Faults, ReadsThatFailWithEio) {
   EXPECT_NE(r.output.find(hf_src + "/model.safetensors"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Input/output error"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(imp));
-  EXPECT_TRUE(Files(hf_src) == hf_before);
+  EXPECT_TRUE(FilesUnder(hf_src) == hf_before);
   for (const std::string& left : Leftovers(tmp.path())) {
     EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;
   }
-  EXPECT_TRUE(Files(src) == before);
+  EXPECT_TRUE(FilesUnder(src) == before);
   EXPECT_EQ(RunCli("verify " + src).exit_code, 0);  // without the failing reads, all is well
 }
 
@@ -255,7 +248,7 @@ TEST(Faults, SourceShrinksInTheMiddleOfEveryReader) {
 // the other naming the failure - none waits in the communicator split that the other ranks
 // would otherwise have entered (a hang).
 TEST(Faults, OneRankFailsToReadTheCheckpointItResumes) {
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  if (!testing::HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   TempDir tmp;
   const std::string run = tmp / "run";
   ASSERT_EQ(RunCli("train --model tiny-moe --steps 2 --threads 1 --save " + run).exit_code, 0);
@@ -399,6 +392,19 @@ TEST(Faults, OpenFileLimitIsNamed) {
   EXPECT_EQ(v.output.find("NOT SOUND"), std::string::npos) << v.output;
   EXPECT_EQ(v.output.find("bad_file"), std::string::npos) << v.output;
   EXPECT_NE(v.output.find("ulimit -n"), std::string::npos) << v.output;
+  const CommandResult j = RunShell("bash -c 'ulimit -n 6; exec " + std::string(RS_CLI) + " verify --json " + src + "'");
+  EXPECT_NE(j.output.find("\"unable\""), std::string::npos) << j.output;
+  EXPECT_NE(j.output.find("\"sound\": false"), std::string::npos) << j.output;
+  // The commands that verify before they go on end with the same error, not "not sound".
+  for (const std::string& args :
+       {"diff " + src + " " + src, "convert " + src + " --to tp=1 --verify-source -o " + out}) {
+    SCOPED_TRACE(args);
+    const CommandResult r = RunShell("bash -c 'ulimit -n 6; exec " + std::string(RS_CLI) + " " + args + "'");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("Unavailable"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("not sound"), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(fs::exists(out));
 }
 
 TEST(Faults, TwoWritersOneTarget) {

@@ -171,7 +171,7 @@ TEST(TrainTensorBoard, AResumedRunAddsAFile) {
 
 // Under mpirun (tp=2): one event file, written by rank 0, with the same scalars as the log.
 TEST(TrainTensorBoard, OnlyRankZeroWrites) {
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  if (!testing::HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   TempDir tmp;
   const std::string log = tmp / "log.jsonl", tb = tmp / "tb";
   const CommandResult r = RunShell("mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(RS_CLI) +

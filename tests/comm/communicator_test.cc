@@ -131,7 +131,7 @@ TEST(CommRank, CollectivesOverThreeRanks) {
 
 TEST(CommTest, UnderMpirun) {
   if (Child()) GTEST_SKIP() << "the launcher";
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  if (!testing::HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const auto r =
       testing::RunShell("RS_COMM_TEST_CHILD=1 timeout 120 mpirun --oversubscribe --allow-run-as-root -np 3 " + self +

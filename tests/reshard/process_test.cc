@@ -22,7 +22,7 @@ namespace {
 using testing::RunCli;
 using testing::TempDir;
 
-bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
+using testing::HaveMpirun;
 
 // Everything a manifest says about the data, in a canonical order: which file and dataset
 // holds which piece, and its checksum. Producer and timing-dependent order are left out.

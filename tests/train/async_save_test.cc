@@ -21,25 +21,19 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::CommandResult;
+using testing::HaveMpirun;
 using testing::RunCli;
 using testing::RunShell;
 using testing::Slurp;
 using testing::TempDir;
 
-bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
-
 std::string Launcher(int np) {
   return np == 1 ? "" : "mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) + " ";
 }
 
-// Every regular file below `dir` (relative name -> bytes), except the run's lock file.
+// Every regular file below `dir` except the run's lock file.
 std::map<std::string, std::string> Files(const fs::path& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    const std::string rel = fs::relative(e.path(), dir).string();
-    if (e.is_regular_file() && rel != ".reshard-train.lock") out[rel] = Slurp(e.path().string());
-  }
-  return out;
+  return testing::FilesUnder(dir, {".reshard-train.lock"});
 }
 
 // The losses of a --log file, in step order.

@@ -202,13 +202,13 @@ TEST(KillDuringSaveTest, OneProcessAsync) {
 }
 
 TEST(KillDuringSaveTest, TwoRanksAsync) {
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  if (!testing::HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   KillDuringSaves("mpirun --oversubscribe --allow-run-as-root -np 2 ", " --layout fsdp=2 --async-save",
                   "[r]eshard train.*", 4, /*check_cleanup=*/false);
 }
 
 TEST(KillDuringSaveTest, TwoRanks) {
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  if (!testing::HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   KillDuringSaves("mpirun --oversubscribe --allow-run-as-root -np 2 ", " --layout fsdp=2", "[r]eshard train.*", 4,
                   /*check_cleanup=*/false);
 }

@@ -27,7 +27,7 @@ using testing::CommandResult;
 using testing::RunCli;
 using testing::TempDir;
 
-bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
+using testing::HaveMpirun;
 
 // `mpirun -np N reshard ARGS` (root allowed: CI runs as root), stdout and stderr together.
 CommandResult RunMpi(int np, const std::string& args) {

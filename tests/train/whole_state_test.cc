@@ -513,7 +513,7 @@ TEST(WholeStateTest, TensorParallelRulesMustCutWhatTheModelSumsOverTp) {
 
 TEST(WholeStateTest, UnderMpirun) {
   if (ChildLayout() != nullptr) GTEST_SKIP() << "the launcher";
-  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed";
+  if (!testing::HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   const struct {
     const char* layout;
     int ranks;
