@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "core/memory.h"
+#include "core/text.h"
 
 namespace rs {
 namespace {
@@ -608,6 +609,10 @@ class Machine {
   std::size_t result_ = kPickleNoNode;
 };
 
+// Pickled strings come from files and need not be UTF-8, which a JSON value must be: the bytes
+// that are not are written as "\xNN" (a dump would throw on them).
+std::string JsonText(const std::string& s) { return IsValidUtf8(s) ? s : SafeText(s); }
+
 Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, std::int64_t& budget,
                  nlohmann::json& out) {
   if (depth > max_depth)
@@ -637,7 +642,7 @@ Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, s
       out = n.f;
       return Status::Ok();
     case PickleKind::kString:
-      out = n.s;
+      out = JsonText(n.s);
       return Status::Ok();
     case PickleKind::kBytes:
       out = {{"bytes", n.s.size()}};
@@ -664,15 +669,15 @@ Status ToJsonRec(const PickleTree& t, std::size_t i, int depth, int max_depth, s
       for (std::size_t k = 0; k + 1 < n.items.size(); k += 2) {
         nlohmann::json value;
         RS_RETURN_IF_ERROR(ToJsonRec(t, n.items[k + 1], depth + 1, max_depth, budget, value));
-        out[t.node(n.items[k]).s] = std::move(value);
+        out[JsonText(t.node(n.items[k]).s)] = std::move(value);
       }
       return Status::Ok();
     }
     case PickleKind::kGlobal:
-      out = n.module + "." + n.s;
+      out = JsonText(n.module + "." + n.s);
       return Status::Ok();
     case PickleKind::kObject: {
-      out = {{"class", n.module + "." + n.s}};
+      out = {{"class", JsonText(n.module + "." + n.s)}};
       if (n.args != kPickleNoNode) RS_RETURN_IF_ERROR(ToJsonRec(t, n.args, depth + 1, max_depth, budget, out["args"]));
       if (n.kwargs != kPickleNoNode)
         RS_RETURN_IF_ERROR(ToJsonRec(t, n.kwargs, depth + 1, max_depth, budget, out["kwargs"]));

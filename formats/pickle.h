@@ -102,7 +102,8 @@ class PickleTree {
 // input (file and item) at the start of every message. Errors: DataLoss as described above.
 Result<PickleTree> Unpickle(std::span<const std::byte> data, const PickleOptions& options, const std::string& what);
 
-// The tree below `node` as JSON, for reports: strings and numbers as themselves, bytes as
+// The tree below `node` as JSON, for reports: strings and numbers as themselves (the bytes of a
+// string that are not well-formed UTF-8 written as "\xNN", so the result always dumps), bytes as
 // {"bytes": length}, tuples / lists / sets as arrays, dicts with string keys as objects (other
 // keys: arrays of [key, value] pairs), globals as "module.name", objects as
 // {"class": ..., "args": ..., "state": ...}. InvalidArgument when deeper than `max_depth`

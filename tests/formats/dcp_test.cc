@@ -499,6 +499,24 @@ TEST(PickleTest, DeepNestingAndCyclesAreBounded) {
   EXPECT_FALSE(PickleToJson(*l, l->root(), 64, 100000).ok());
 }
 
+TEST(PickleTest, StringsThatAreNotUtf8BecomeJsonThatDumps) {
+  // {"k\xff": ("v\xfe", "mod\xfd.na")}: a pickler never writes such strings, a damaged or
+  // hostile file can; the JSON a report shows (and DcpMetadata::storage_meta) must still dump.
+  const std::string p =
+      "\x80\x04}\x94X\x02\x00\x00\x00k\xff"
+      "X\x02\x00\x00\x00v\xfe"
+      "\x8c\x07mod\xfd.na\x94\x86s."s;
+  PickleOptions inert;
+  inert.inert_unknown_globals = true;
+  auto t = Unpickle(Bytes(p), inert, "bad-utf8");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  auto j = PickleToJson(*t, t->root());
+  ASSERT_TRUE(j.ok()) << j.status().ToString();
+  const std::string dumped = j->dump();
+  EXPECT_NE(dumped.find("k\\\\xFF"), std::string::npos) << dumped;
+  EXPECT_NE(dumped.find("v\\\\xFE"), std::string::npos) << dumped;
+}
+
 TEST(PickleTest, RandomCorruptionNeverCrashes) {
   const std::string real = ReadFile(kFixtures + "/adamw_f32/.metadata");
   std::mt19937 rng(12);
