@@ -5,8 +5,9 @@
 //
 // Reports the parameter count (total and active per token), best step time, tokens/s and
 // model FLOP/s. Model FLOPs per token = 6 · active matrix parameters (embedding lookup
-// excluded, output projection included) + causal attention 12 · layers · S · nq · dh
-// (QKᵀ and PV at full S×S, as computed, forward 4 and backward 8).
+// excluded, output projection included) + causal attention 6 · layers · S · nq · (dh + dv)
+// (QKᵀ and PV at full S×S, as computed, forward 2 and backward 4 per product; dv = dh but
+// for multi-latent attention).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -72,7 +73,10 @@ int main(int argc, char** argv) {
   }
   const double seq = static_cast<double>(t.seq_len());
   const double tokens = static_cast<double>(tc.batch_size) * seq;
-  const double attn = 12.0 * static_cast<double>(c.n_layers) * seq * static_cast<double>(c.n_heads * c.head_dim);
+  // QKᵀ over the query/key head dim, PV over the value head dim (equal but for MLA).
+  const double v_dim = static_cast<double>(c.IsMla() ? c.mla_v_dim : c.head_dim);
+  const double attn = 6.0 * static_cast<double>(c.n_layers) * seq * static_cast<double>(c.n_heads) *
+                      (static_cast<double>(c.head_dim) + v_dim);
   const double flops_per_token = 6.0 * active + attn;
   std::printf("%s: %.1fM parameters, %.1fM active matrix parameters per token; batch %lld x %lld = %.0f tokens\n",
               c.name.c_str(), total * 1e-6, active * 1e-6, static_cast<long long>(tc.batch_size),

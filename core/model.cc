@@ -67,6 +67,11 @@ Checked ParameterCount(const ModelConfig& c) {
       const Checked nv = c.gdn_value_heads;
       n = n + (Checked(2) * qk + Checked(2) * v + Checked(2) * nv) * d + (Checked(2) * qk + v) * c.gdn_conv_kernel +
           Checked(2) * nv + c.gdn_value_dim + d * v;
+    } else if (c.IsMla()) {
+      const Checked q = Checked(c.n_heads) * c.head_dim;
+      n = n + (c.mla_q_rank > 0 ? Checked(c.mla_q_rank) * d + c.mla_q_rank + q * c.mla_q_rank : q * d);
+      n = n + (Checked(c.mla_kv_rank) + c.mla_rope_dim) * d + c.mla_kv_rank +
+          Checked(c.n_heads) * (Checked(c.mla_nope_dim()) + c.mla_v_dim) * c.mla_kv_rank + d * c.n_heads * c.mla_v_dim;
     } else {
       n = n + (Checked(c.n_heads) + Checked(2) * c.n_kv_heads) * c.head_dim * d + d * c.n_heads * c.head_dim;
       if (c.qk_norm) n = n + Checked(2) * c.head_dim;
@@ -125,7 +130,23 @@ Status ModelConfig::Validate() const {
     return bad("n_layers", "must be in [1, " + std::to_string(kMaxLayers) + "], got " + std::to_string(n_layers));
   }
   if (n_heads % n_kv_heads != 0) return bad("n_kv_heads", "must divide n_heads");
-  if (head_dim % 2 != 0) return bad("head_dim", "must be even (rotary embedding rotates pairs)");
+  if (mla_kv_rank < 0 || mla_kv_rank > kMaxDim) return bad("mla_kv_rank", "must be in [0, 2^24]");
+  if (IsMla()) {
+    if (mla_q_rank < 0 || mla_q_rank > kMaxDim) return bad("mla_q_rank", "must be in [0, 2^24]");
+    if (mla_rope_dim < 2 || mla_rope_dim % 2 != 0 || mla_rope_dim >= head_dim) {
+      return bad("mla_rope_dim", "must be even and in [2, head_dim) (head_dim is the nope + rope query/key dim)");
+    }
+    if (mla_v_dim < 1 || mla_v_dim > kMaxDim) return bad("mla_v_dim", "must be in [1, 2^24]");
+    if (n_kv_heads != n_heads) return bad("n_kv_heads", "must equal n_heads with multi-latent attention");
+    if (qk_norm) return bad("qk_norm", "cannot be combined with multi-latent attention (it has its own norms)");
+  } else {
+    if (head_dim % 2 != 0) return bad("head_dim", "must be even (rotary embedding rotates pairs)");
+    if (mla_q_rank != 0 || mla_rope_dim != 0 || mla_v_dim != 0) {
+      return bad(mla_q_rank != 0 ? "mla_q_rank" : (mla_rope_dim != 0 ? "mla_rope_dim" : "mla_v_dim"),
+                 "is set but mla_kv_rank is 0 (no multi-latent attention)");
+    }
+    if (rope_interleave) return bad("rope_interleave", "applies to multi-latent attention only (mla_kv_rank > 0)");
+  }
   if (first_dense_layers < 0 || first_dense_layers > n_layers)
     return bad("first_dense_layers", "must be in [0, n_layers]");
   if (n_experts < 0 || n_experts > kMaxDim) return bad("n_experts", "must be >= 0");
@@ -144,8 +165,14 @@ Status ModelConfig::Validate() const {
     if (top_k < 1 || top_k > n_experts) return bad("top_k", "must be in [1, n_experts]");
     if (moe_ffn < 1 || moe_ffn > kMaxDim) return bad("moe_ffn", "must be >= 1");
     if (shared_ffn < 0 || shared_ffn > kMaxDim) return bad("shared_ffn", "must be >= 0");
-    if (router == RouterKind::kGroupLimited) {
+    if (router_grouped && router != RouterKind::kSigmoidBias) {
+      return bad("router_grouped", "applies to the sigmoid_bias router only");
+    }
+    if (router == RouterKind::kGroupLimited || router_grouped) {
       if (router_groups < 1 || n_experts % router_groups != 0) return bad("router_groups", "must divide n_experts");
+      if (router_grouped && n_experts / router_groups < 2) {
+        return bad("router_groups", "must leave at least 2 experts per group (a group scores its best two)");
+      }
       if (router_groups_kept < 1 || router_groups_kept > router_groups) {
         return bad("router_groups_kept", "must be in [1, router_groups]");
       }
@@ -253,6 +280,13 @@ const FieldRow kFields[] = {
     {"qk_norm", &ModelConfig::qk_norm, Write::kUnlessDefault},
     {"moe_layer_step", &ModelConfig::moe_layer_step, Write::kUnlessDefault},
     {"dense_layers", &ModelConfig::dense_layers, Write::kUnlessDefault},
+    {"mla_q_rank", &ModelConfig::mla_q_rank, Write::kUnlessDefault},
+    {"mla_kv_rank", &ModelConfig::mla_kv_rank, Write::kUnlessDefault},
+    {"mla_rope_dim", &ModelConfig::mla_rope_dim, Write::kUnlessDefault},
+    {"mla_v_dim", &ModelConfig::mla_v_dim, Write::kUnlessDefault},
+    {"rope_interleave", &ModelConfig::rope_interleave, Write::kUnlessDefault},
+    {"router_norm_topk", &ModelConfig::router_norm_topk, Write::kUnlessDefault},
+    {"router_grouped", &ModelConfig::router_grouped, Write::kUnlessDefault},
 };
 
 struct WriteField {
@@ -404,6 +438,33 @@ TensorSpec Norm(std::string name, DType dtype, std::int64_t dim, std::string axi
 AttentionTensors DeclareAttention(const ModelConfig& c, const std::string& l, std::int64_t i, Declared& d) {
   const DType p = c.param_dtype;
   AttentionTensors a;
+  if (c.IsMla()) {
+    // Multi-latent attention as Megatron-Core cuts it over tp: the down projections and their
+    // norms are replicated (each rank's heads add their share of the gradient: summed), the up
+    // projections cut by heads (a one-component table keeps a head whole), out row-parallel.
+    const std::int64_t nq = c.n_heads, dh = c.head_dim, rkv = c.mla_kv_rank;
+    if (c.mla_q_rank > 0) {
+      a.q_a =
+          d.Add(Param(l + "attn.q_a.weight", p, {c.mla_q_rank, c.d_model}, {"", "embed"}, i, TpGrad::kReplicatedSum));
+      a.q_a_norm = d.Add(Norm(l + "attn.q_a_norm.weight", p, c.mla_q_rank, "", i, TpGrad::kReplicatedSum));
+      auto q_b = Param(l + "attn.q_b.weight", p, {nq * dh, c.mla_q_rank}, {"heads", ""}, i);
+      q_b.components = ComponentTable{0, dh, {{"query", nq}}};
+      a.q_b = d.Add(q_b);
+    } else {
+      auto q = Param(l + "attn.q.weight", p, {nq * dh, c.d_model}, {"heads", "embed"}, i);
+      q.components = ComponentTable{0, dh, {{"query", nq}}};
+      a.q = d.Add(q);
+    }
+    a.kv_a = d.Add(
+        Param(l + "attn.kv_a.weight", p, {rkv + c.mla_rope_dim, c.d_model}, {"", "embed"}, i, TpGrad::kReplicatedSum));
+    a.kv_a_norm = d.Add(Norm(l + "attn.kv_a_norm.weight", p, rkv, "", i, TpGrad::kReplicatedSum));
+    auto kv_b = Param(l + "attn.kv_b.weight", p, {nq * (c.mla_nope_dim() + c.mla_v_dim), rkv}, {"heads", ""}, i);
+    kv_b.components = ComponentTable{0, c.mla_nope_dim() + c.mla_v_dim, {{"key_value", nq}}};
+    a.kv_b = d.Add(kv_b);
+    a.out = d.Add(Param(l + "attn.out.weight", p, {c.d_model, nq * c.mla_v_dim}, {"embed", "heads"}, i, TpGrad::kCut,
+                        TensorInit::kNormalResidual));
+    return a;
+  }
   auto qkv =
       Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.d_model}, {"heads", "embed"}, i);
   qkv.components =

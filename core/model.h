@@ -65,12 +65,31 @@ struct ModelConfig {
   // Attention: a per-head RMSNorm of the queries and the keys before RoPE (Qwen3 style), with
   // weights layers.{i}.attn.q_norm.weight / k_norm.weight [head_dim].
   bool qk_norm = false;
+  // Multi-latent attention (DeepSeek-V2/V3), in every attention layer when mla_kv_rank > 0:
+  // queries from x through a rank-mla_q_rank bottleneck with an RMSNorm (or one projection when
+  // mla_q_rank = 0), keys and values from one normed rank-mla_kv_rank latent plus one rotary key
+  // of mla_rope_dim shared by all heads. head_dim is the query/key head dim (nope + rope parts),
+  // mla_v_dim the value head dim; n_kv_heads equals n_heads. train/MODEL.md §3.2 has the maths.
+  std::int64_t mla_q_rank = 0;
+  std::int64_t mla_kv_rank = 0;
+  std::int64_t mla_rope_dim = 0;
+  std::int64_t mla_v_dim = 0;
+  // MLA's rotary part pairs dims (2i, 2i+1) (DeepSeek's interleaved layout) instead of (i, i+r/2).
+  bool rope_interleave = false;
+  // sigmoid_bias: whether the k chosen weights are renormalised to sum to 1 (k > 1) before
+  // router_scale (DeepSeek-V3's norm_topk_prob); and, with router_grouped, whether the choice is
+  // limited to the router_groups_kept of router_groups groups whose two best biased scores sum
+  // highest (DeepSeek-V3's n_group / topk_group).
+  bool router_norm_topk = true;
+  bool router_grouped = false;
   // Which layers are MoE (Qwen-MoE's decoder_sparse_step and mlp_only_layers, beside
   // first_dense_layers): layer i is MoE iff n_experts > 0, i >= first_dense_layers,
   // (i + 1) % moe_layer_step == 0 and i is not in dense_layers.
   std::int64_t moe_layer_step = 1;
   std::vector<std::int64_t> dense_layers;
 
+  bool IsMla() const { return mla_kv_rank > 0; }
+  std::int64_t mla_nope_dim() const { return head_dim - mla_rope_dim; }
   bool IsGdnLayer(std::int64_t layer) const { return full_attn_interval > 0 && (layer + 1) % full_attn_interval != 0; }
 
   bool IsMoeLayer(std::int64_t layer) const;
@@ -107,6 +126,16 @@ void to_json(nlohmann::json& j, const ModelConfig& c);
 //   layers.{i}.attn.q_norm.weight         [dh]                ("")            qk_norm only; tp: replicated, summed
 //   layers.{i}.attn.k_norm.weight         [dh]                ("")            qk_norm only; tp: replicated, summed
 //   layers.{i}.attn.out.weight            [d, nq·dh]          (embed, heads)
+// multi-latent attention (IsMla: rq = mla_q_rank, rkv = mla_kv_rank, dr = mla_rope_dim,
+// dn = head_dim − dr, dv = mla_v_dim) instead of attn.qkv / attn.q_norm / attn.k_norm:
+//   layers.{i}.attn.q_a.weight            [rq, d]             ("", embed)     rq > 0; tp: replicated, summed
+//   layers.{i}.attn.q_a_norm.weight       [rq]                ("")            rq > 0; tp: replicated, summed
+//   layers.{i}.attn.q_b.weight            [nq·dh, rq]         (heads, "")     rq > 0; per head [nope | rope]
+//   layers.{i}.attn.q.weight              [nq·dh, d]          (heads, embed)  rq = 0
+//   layers.{i}.attn.kv_a.weight           [rkv + dr, d]       ("", embed)     [latent | rotary key]; tp: replicated,
+//   summed layers.{i}.attn.kv_a_norm.weight      [rkv]               ("")            tp: replicated, summed
+//   layers.{i}.attn.kv_b.weight           [nq·(dn+dv), rkv]   (heads, "")     per head [k nope | v]
+//   layers.{i}.attn.out.weight            [d, nq·dv]          (embed, heads)
 // gated-delta-net layers (IsGdnLayer) instead of attn.qkv / attn.out:
 //   layers.{i}.gdn.in_proj.weight         [2nk·dk + 2nv·dv + 2nv, d] (heads, embed)
 //                                         fused query, key, value, z (rows), beta, alpha (one row per head)

@@ -17,9 +17,12 @@ namespace rs {
 
 inline constexpr std::size_t kNoTensor = std::numeric_limits<std::size_t>::max();
 
-// Softmax attention (GQA): fused QKV, optional per-head q/k norms, output projection.
+// Softmax attention (GQA): fused QKV, optional per-head q/k norms, output projection; or
+// multi-latent attention (q_a, q_a_norm, q_b or q; kv_a, kv_a_norm, kv_b; out).
 struct AttentionTensors {
   std::size_t qkv = kNoTensor, q_norm = kNoTensor, k_norm = kNoTensor, out = kNoTensor;
+  std::size_t q_a = kNoTensor, q_a_norm = kNoTensor, q_b = kNoTensor, q = kNoTensor, kv_a = kNoTensor,
+              kv_a_norm = kNoTensor, kv_b = kNoTensor;
 };
 // A gated-delta-net mixer (Qwen3-Next's linear attention).
 struct GdnTensors {

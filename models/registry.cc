@@ -12,6 +12,7 @@ namespace rs {
 const ModelFamily& MoeFamily();
 const ModelFamily& MixtralFamily();
 const ModelFamily& Qwen3MoeFamily();
+const ModelFamily& DeepSeekV3Family();
 
 namespace {
 
@@ -37,7 +38,7 @@ Status AddLocked(Registry& r, ModelFamily f) {
 Registry& Families() {
   static Registry* r = [] {
     auto* reg = new Registry;  // never destroyed: registrars may run during static init
-    for (const ModelFamily* f : {&MoeFamily(), &MixtralFamily(), &Qwen3MoeFamily()}) {
+    for (const ModelFamily* f : {&MoeFamily(), &MixtralFamily(), &Qwen3MoeFamily(), &DeepSeekV3Family()}) {
       const Status s = AddLocked(*reg, *f);
       RS_CHECK_MSG(s.ok(), s.ToString());
     }

@@ -6,15 +6,19 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include "core/check.h"
 #include "core/cleanup.h"
 #include "core/file.h"
+#include "core/text.h"
 #include "formats/checkpoint_writer.h"
 #include "formats/durable_file.h"
 #include "formats/safetensors.h"
@@ -251,7 +255,40 @@ namespace {
 struct HfSource {
   const SafetensorsFile* file = nullptr;
   const SafetensorsTensor* tensor = nullptr;
+  // FP8 block-scaled (quantization_config): item (r, c) is fp8 · scales[(r / block_rows) ·
+  // scale_cols + c / block_cols]; null otherwise.
+  const std::vector<float>* scales = nullptr;
+  std::int64_t cols = 0, block_rows = 0, block_cols = 0, scale_cols = 0;
 };
+
+// quantization_config of a config.json: FP8 weights with one scale per block of
+// weight_block_size (DeepSeek-V3's release form); nullopt when there is none.
+struct Fp8Blocks {
+  std::int64_t rows = 0, cols = 0;
+};
+Result<std::optional<Fp8Blocks>> ReadQuantization(const nlohmann::json& config, const std::string& path) {
+  if (!config.contains("quantization_config") || config["quantization_config"].is_null())
+    return std::optional<Fp8Blocks>();
+  const nlohmann::json& q = config["quantization_config"];
+  const std::string what = path + ": quantization_config";
+  if (!q.is_object()) return InvalidArgument(what + " is not an object");
+  const std::string method =
+      q.contains("quant_method") && q["quant_method"].is_string() ? q["quant_method"].get<std::string>() : "";
+  if (method != "fp8") {
+    return FailedPrecondition(what + ".quant_method '" + SafeText(method) +
+                              "' is not read (import reads FP8 block-scaled weights: quant_method 'fp8')");
+  }
+  if (q.contains("fmt") && !(q["fmt"].is_string() && q["fmt"].get<std::string>() == "e4m3")) {
+    return FailedPrecondition(what + ".fmt is not 'e4m3' (import reads float8_e4m3fn weights)");
+  }
+  const nlohmann::json& b = q.contains("weight_block_size") ? q["weight_block_size"] : nlohmann::json();
+  if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
+      b[0].get<std::int64_t>() < 1 || b[1].get<std::int64_t>() < 1 || b[0].get<std::int64_t>() > (1 << 24) ||
+      b[1].get<std::int64_t>() > (1 << 24)) {
+    return InvalidArgument(what + ".weight_block_size must be two integers in [1, 2^24]");
+  }
+  return std::optional<Fp8Blocks>(Fp8Blocks{b[0].get<std::int64_t>(), b[1].get<std::int64_t>()});
+}
 
 // Reads item ranges of HF tensors through one cached block, so that the many short runs of a
 // strided piece cost one pread per block rather than one per run.
@@ -267,7 +304,7 @@ class BlockReader {
     const auto out_size = static_cast<std::int64_t>(DTypeSize(to));
     std::int64_t b = item * in_size;
     std::int64_t left = n * in_size;
-    if (from == to && left >= block_bytes_) {  // long contiguous run: straight into place
+    if (from == to && src.scales == nullptr && left >= block_bytes_) {  // long contiguous run: straight into place
       bytes_read_ += left;
       return src.file->ReadTensorBytes(*src.tensor, b, std::span<std::byte>(dst, static_cast<std::size_t>(left)));
     }
@@ -284,7 +321,16 @@ class BlockReader {
       const std::int64_t take = std::min(left, begin_ + static_cast<std::int64_t>(block_.size()) - b);
       const std::byte* p = block_.data() + (b - begin_);
       const std::int64_t items = take / in_size;
-      if (from == to) {
+      if (src.scales != nullptr) {  // dequantize: fp8 -> f32, times its block's scale, -> `to`
+        f32_.resize(static_cast<std::size_t>(items));
+        ConvertFloats(from, p, DType::kF32, f32_.data(), f32_.size());
+        for (std::int64_t k = 0; k < items; ++k) {
+          const std::int64_t i = b / in_size + k, r = i / src.cols, c = i % src.cols;
+          f32_[static_cast<std::size_t>(k)] *=
+              (*src.scales)[static_cast<std::size_t>((r / src.block_rows) * src.scale_cols + c / src.block_cols)];
+        }
+        ConvertFloats(DType::kF32, f32_.data(), to, dst, f32_.size());
+      } else if (from == to) {
         std::memcpy(dst, p, static_cast<std::size_t>(take));
       } else {
         ConvertFloats(from, p, to, dst, static_cast<std::size_t>(items));
@@ -300,6 +346,7 @@ class BlockReader {
  private:
   std::int64_t block_bytes_;
   std::vector<std::byte> block_;
+  std::vector<float> f32_;  // dequantization scratch
   const SafetensorsTensor* cached_ = nullptr;
   std::int64_t begin_ = 0;
   std::int64_t bytes_read_ = 0;
@@ -350,6 +397,41 @@ std::string LeftoverReason(const std::string& name) {
     return "a quantization scale (quantized checkpoints are not read)";
   }
   return "no counterpart in our model";
+}
+
+// The scales of FP8 weight `name` (`<name>_scale_inv`, one per block of `blocks`), checked
+// against the weight's shape and read into `out`; `src` (the weight's source) then dequantizes.
+Status AttachFp8Scales(const std::string& name, const Fp8Blocks& blocks,
+                       const std::map<std::string, HfSource>& available, HfSource& src, std::vector<float>& out) {
+  const SafetensorsTensor& w = *src.tensor;
+  const std::string scale_name = name + "_scale_inv";
+  const auto it = available.find(scale_name);
+  if (it == available.end()) {
+    return DataLoss(src.file->path() + ": tensor '" + name + "' is float8_e4m3fn but its block scales '" + scale_name +
+                    "' are missing");
+  }
+  const SafetensorsTensor& s = *it->second.tensor;
+  if (w.shape.size() != 2) {
+    return DataLoss(src.file->path() + ": FP8 tensor '" + name + "' has shape " + ShapeToString(w.shape) +
+                    " (block scales need a matrix)");
+  }
+  const Shape want{(w.shape[0] + blocks.rows - 1) / blocks.rows, (w.shape[1] + blocks.cols - 1) / blocks.cols};
+  if (s.shape != want || !IsFloating(s.dtype)) {
+    return DataLoss(it->second.file->path() + ": tensor '" + scale_name + "' has shape " + ShapeToString(s.shape) +
+                    " and dtype " + std::string(SafetensorsDTypeName(s.dtype)) + "; the weight " +
+                    ShapeToString(w.shape) + " in blocks of [" + std::to_string(blocks.rows) + ", " +
+                    std::to_string(blocks.cols) + "] implies a floating " + ShapeToString(want));
+  }
+  std::vector<std::byte> raw(static_cast<std::size_t>(s.nbytes()));
+  RS_RETURN_IF_ERROR(it->second.file->ReadTensorBytes(s, 0, raw));
+  out.resize(static_cast<std::size_t>(s.numel()));
+  ConvertFloats(s.dtype, raw.data(), DType::kF32, out.data(), out.size());
+  src.scales = &out;
+  src.cols = w.shape[1];
+  src.block_rows = blocks.rows;
+  src.block_cols = blocks.cols;
+  src.scale_cols = want[1];
+  return Status::Ok();
 }
 
 bool SafeRelativePath(const std::string& p) {
@@ -442,6 +524,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
                     " hold " + std::to_string(available.size()));
   }
   RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params, family, variant));
+  RS_ASSIGN_OR_RETURN(const std::optional<Fp8Blocks> fp8, ReadQuantization(config_json, config_path));
+  std::map<std::string, std::vector<float>> scales;  // FP8 weight -> its block scales
   std::set<std::string> used;
   std::set<DType> dtypes;
   for (const HfTensor& h : hf) {
@@ -460,8 +544,26 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
                       std::string(SafetensorsDTypeName(t.dtype)));
     }
     used.insert(h.hf_name);
+    if (fp8 && t.dtype == DType::kF8E4M3) {
+      RS_RETURN_IF_ERROR(AttachFp8Scales(h.hf_name, *fp8, available, it->second, scales[h.hf_name]));
+      used.insert(h.hf_name + "_scale_inv");
+      continue;  // its dtype is not the parameters' dtype
+    }
     dtypes.insert(t.dtype);
   }
+  if (!scales.empty()) {
+    result.notes.push_back("dequantized " + std::to_string(scales.size()) + " FP8 block-scaled weight(s) (blocks of " +
+                           std::to_string(fp8->rows) + " x " + std::to_string(fp8->cols) + ")");
+  }
+  // Multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers, stored as layers
+  // n_layers, n_layers + 1, ...) are not part of the model: transformers builds none and skips
+  // their tensors; so does import, naming them.
+  std::int64_t mtp_layers = 0;
+  for (const char* key : {"num_nextn_predict_layers", "num_mtp_layers"}) {
+    if (config_json.contains(key) && config_json[key].is_number_integer())
+      mtp_layers = std::clamp<std::int64_t>(config_json[key].get<std::int64_t>(), 0, ModelConfig::kMaxLayers);
+  }
+  std::map<std::int64_t, std::int64_t> mtp_skipped;  // layer -> tensors
   std::vector<std::string> leftovers;
   for (const auto& [name, src] : available) {
     if (used.count(name) != 0) continue;
@@ -469,7 +571,18 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
       result.notes.push_back("ignored '" + name + "' (RoPE frequencies, recomputed from rope_theta)");
       continue;
     }
+    if (std::int64_t layer = -1; mtp_layers > 0 &&
+                                 std::sscanf(name.c_str(), "model.layers.%" SCNd64 ".", &layer) == 1 &&
+                                 layer >= config.n_layers && layer - config.n_layers < mtp_layers) {
+      ++mtp_skipped[layer];
+      continue;
+    }
     leftovers.push_back(name);
+  }
+  for (const auto& [layer, count] : mtp_skipped) {
+    result.notes.push_back("skipped layer " + std::to_string(layer) + "'s " + std::to_string(count) +
+                           " tensor(s): a multi-token-prediction layer (num_nextn_predict_layers), which is not " +
+                           "trained or evaluated (transformers skips it too)");
   }
   if (!leftovers.empty()) {
     std::string msg = dir + ": " + std::to_string(leftovers.size()) + " tensor(s) our model cannot express: ";
@@ -507,7 +620,7 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     const TensorSpec& t = tensors[i];
     const std::string& param = t.role == TensorRole::kOptimizerState && t.state == "master" ? t.param : t.name;
     const auto it = parts_of.find(param);
-    if (it != parts_of.end() && (t.role == TensorRole::kParameter || t.role == TensorRole::kOptimizerState)) {
+    if (it != parts_of.end() && t.role != TensorRole::kScalar) {  // parameters, buffers (expert bias), masters
       sources[i].kind = TensorSource::Kind::kHf;
       sources[i].parts = it->second;
       std::sort(sources[i].parts.begin(), sources[i].parts.end(),

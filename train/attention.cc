@@ -27,6 +27,70 @@ void ApplyRope(T* x, std::int64_t n_heads, std::int64_t head_dim, const T* cos, 
 }
 
 template <typename T>
+void ApplyRopeInterleaved(T* x, std::int64_t n_heads, std::int64_t head_dim, std::int64_t stride, const T* cos,
+                          const T* sin, RopeDirection dir) {
+  const std::int64_t half = head_dim / 2;
+  const T sign = dir == RopeDirection::kForward ? T(1) : T(-1);
+  for (std::int64_t h = 0; h < n_heads; ++h) {
+    T* xh = x + h * stride;
+    for (std::int64_t i = 0; i < half; ++i) {
+      const T a = xh[2 * i];
+      const T b = xh[2 * i + 1];
+      const T c = cos[i];
+      const T s = sign * sin[i];
+      xh[2 * i] = a * c - b * s;
+      xh[2 * i + 1] = b * c + a * s;
+    }
+  }
+}
+
+template <typename T>
+void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vector<T>& cos, std::vector<T>& sin) {
+  const std::int64_t half = dim / 2;
+  cos.resize(static_cast<std::size_t>(positions * half));
+  sin.resize(cos.size());
+  for (std::int64_t p = 0; p < positions; ++p) {
+    for (std::int64_t i = 0; i < half; ++i) {
+      // Angles in double, then rounded once to T (MODEL.md states this precisely).
+      const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
+      const double angle = static_cast<double>(p) * inv_freq;
+      cos[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::cos(angle));
+      sin[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::sin(angle));
+    }
+  }
+}
+
+template <typename T>
+void CausalSoftmaxRows(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    T* row = p + i * cols;
+    const std::int64_t last = first + i;  // causal by global position
+    const T mx = *std::max_element(row, row + last + 1);
+    T sum = 0;
+    for (std::int64_t j = 0; j <= last; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const T inv = T(1) / sum;
+    for (std::int64_t j = 0; j <= last; ++j) row[j] *= inv;
+    std::fill(row + last + 1, row + cols, T(0));
+  }
+}
+
+template <typename T>
+void CausalSoftmaxBackwardRows(const T* p, T* ds, std::int64_t rows, std::int64_t cols, std::int64_t first) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const T* prow = p + i * cols;
+    T* drow = ds + i * cols;
+    const std::int64_t last = first + i;
+    T dot = 0;
+    for (std::int64_t j = 0; j <= last; ++j) dot += prow[j] * drow[j];
+    for (std::int64_t j = 0; j <= last; ++j) drow[j] = prow[j] * (drow[j] - dot);
+    std::fill(drow + last + 1, drow + cols, T(0));
+  }
+}
+
+template <typename T>
 Attention<T>::Attention(const AttentionShape& shape, ModelParallel* par)
     : s_(shape), par_(par != nullptr ? par : &SingleProcess()) {
   RS_CHECK(s_.n_heads > 0 && s_.n_kv_heads > 0 && s_.n_heads % s_.n_kv_heads == 0);
@@ -36,18 +100,7 @@ Attention<T>::Attention(const AttentionShape& shape, ModelParallel* par)
 template <typename T>
 void Attention<T>::EnsureRopeTable(std::int64_t seq) {
   if (rope_seq_ == seq) return;
-  const std::int64_t half = s_.head_dim / 2;
-  cos_.resize(static_cast<std::size_t>(seq * half));
-  sin_.resize(cos_.size());
-  for (std::int64_t p = 0; p < seq; ++p) {
-    for (std::int64_t i = 0; i < half; ++i) {
-      // Angles in double, then rounded once to T (MODEL.md states this precisely).
-      const double inv_freq = std::pow(s_.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(s_.head_dim));
-      const double angle = static_cast<double>(p) * inv_freq;
-      cos_[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::cos(angle));
-      sin_[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::sin(angle));
-    }
-  }
+  RopeTable(seq, s_.head_dim, s_.rope_theta, cos_, sin_);
   rope_seq_ = seq;
 }
 
@@ -118,19 +171,7 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
       const T* v = kv + b * kv_batch + (nkv + g) * dh;
       T* p = probs_.data() + (b * nq + h) * seq * total;
       Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, scale, q, w, k, kv_stride, T(0), p, total);
-      for (std::int64_t i = 0; i < seq; ++i) {
-        T* row = p + i * total;
-        const std::int64_t last = first + i;  // causal by global position
-        const T mx = *std::max_element(row, row + last + 1);
-        T sum = 0;
-        for (std::int64_t j = 0; j <= last; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const T inv = T(1) / sum;
-        for (std::int64_t j = 0; j <= last; ++j) row[j] *= inv;
-        std::fill(row + last + 1, row + total, T(0));
-      }
+      CausalSoftmaxRows(p, seq, total, first);
       Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, T(1), p, total, v, kv_stride, T(0),
               ctx_.data() + b * seq * c + h * dh, c);
     }
@@ -189,15 +230,7 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
       // the mask is because P is).
       Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, T(1), dc, c, v, kv_stride, T(0), ds.data(), total);
       Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, T(1), p, total, dc, c, T(1), dv, kv_stride);
-      for (std::int64_t i = 0; i < seq; ++i) {
-        const T* prow = p + i * total;
-        T* drow = ds.data() + i * total;
-        const std::int64_t last = first + i;
-        T dot = 0;
-        for (std::int64_t j = 0; j <= last; ++j) dot += prow[j] * drow[j];
-        for (std::int64_t j = 0; j <= last; ++j) drow[j] = prow[j] * (drow[j] - dot);
-        std::fill(drow + last + 1, drow + total, T(0));
-      }
+      CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
       Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k, kv_stride, T(1), dbase + h * dh, w);
       Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q, w, T(1), dk, kv_stride);
     }
@@ -231,6 +264,15 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   Gemm<T>(Trans::kYes, Trans::kNo, w, d, n, T(1), dqkv.data(), w, x_, d, T(1), dwqkv, d);
 }
 
+#define RS_ATTENTION_HELPERS(T)                                                                           \
+  template void ApplyRopeInterleaved<T>(T*, std::int64_t, std::int64_t, std::int64_t, const T*, const T*, \
+                                        RopeDirection);                                                   \
+  template void RopeTable<T>(std::int64_t, std::int64_t, double, std::vector<T>&, std::vector<T>&);       \
+  template void CausalSoftmaxRows<T>(T*, std::int64_t, std::int64_t, std::int64_t);                       \
+  template void CausalSoftmaxBackwardRows<T>(const T*, T*, std::int64_t, std::int64_t, std::int64_t);
+RS_ATTENTION_HELPERS(float)
+RS_ATTENTION_HELPERS(double)
+#undef RS_ATTENTION_HELPERS
 template void ApplyRope<float>(float*, std::int64_t, std::int64_t, const float*, const float*, RopeDirection);
 template void ApplyRope<double>(double*, std::int64_t, std::int64_t, const double*, const double*, RopeDirection);
 template class Attention<float>;

@@ -26,6 +26,23 @@ enum class RopeDirection : std::uint8_t { kForward, kInverse };
 template <typename T>
 void ApplyRope(T* x, std::int64_t n_heads, std::int64_t head_dim, const T* cos, const T* sin, RopeDirection dir);
 
+// The same rotation of interleaved pairs (2i, 2i + 1) (DeepSeek's layout of MLA's rotary part),
+// for `n_heads` heads of `head_dim` values `stride` apart.
+template <typename T>
+void ApplyRopeInterleaved(T* x, std::int64_t n_heads, std::int64_t head_dim, std::int64_t stride, const T* cos,
+                          const T* sin, RopeDirection dir);
+// cos / sin [positions, dim/2] of angle p · theta^(−2i/dim), computed in double.
+template <typename T>
+void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vector<T>& cos, std::vector<T>& sin);
+
+// Row i of the scores p [rows, cols] (query at global position first + i) becomes its causal
+// softmax over keys 0..first+i, zeros after.
+template <typename T>
+void CausalSoftmaxRows(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first);
+// ds (the gradient of the probabilities p on entry) becomes the gradient of the scores.
+template <typename T>
+void CausalSoftmaxBackwardRows(const T* p, T* ds, std::int64_t rows, std::int64_t cols, std::int64_t first);
+
 template <typename T>
 class Attention {
  public:

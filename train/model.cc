@@ -26,12 +26,13 @@ void AddInto(T* dst, const T* src, std::size_t n) {
 
 template <typename T>
 struct Transformer<T>::Layer {
-  Layer(const AttentionShape& s, ModelParallel* par) : attn(s, par) {}
   std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
   std::size_t q_norm = kNone, k_norm = kNone;  // qk_norm
+  AttentionTensors mla_t;                      // multi-latent attention
   std::size_t fc1 = kNone, fc2 = kNone;        // dense MLP
   std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
-  Attention<T> attn;
+  std::unique_ptr<Attention<T>> attn;       // GQA, or
+  std::unique_ptr<LatentAttention<T>> mla;  // MLA
   std::unique_ptr<GroupedSwiGlu<T>> dense;
   std::unique_ptr<MoeLayer<T>> moe;
   Buffer<T> h_in, xn1, rstd1, h_mid, xn2, rstd2;
@@ -145,18 +146,30 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
   auto dim = [&](std::size_t t, std::size_t k) { return specs_[t].shape[k]; };
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
     const LayerTensors& t = declared.layers[static_cast<std::size_t>(i)];
-    RS_CHECK_MSG(t.attn.qkv != kNoTensor, "layer " << i << " has no softmax attention");
-    // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].
-    const std::int64_t nq = dim(t.attn.out, 1) / c_.head_dim;
-    const std::int64_t nkv = (dim(t.attn.qkv, 0) / c_.head_dim - nq) / 2;
-    RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
-    auto l = std::make_unique<Layer>(AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta}, par_);
+    auto l = std::make_unique<Layer>();
     l->attn_norm = t.attn_norm;
-    l->qkv = t.attn.qkv;
     l->out = t.attn.out;
-    l->q_norm = t.attn.q_norm;
-    l->k_norm = t.attn.k_norm;
     l->mlp_norm = t.mlp_norm;
+    if (c_.IsMla()) {
+      // The rank's heads, read off its local out [d, nq_l·dv].
+      const std::int64_t nq = dim(t.attn.out, 1) / c_.mla_v_dim;
+      RS_CHECK_MSG(nq >= 1 && nq * c_.mla_v_dim == dim(t.attn.out, 1), "local MLA of " << nq << " heads");
+      l->mla_t = t.attn;
+      l->mla = std::make_unique<LatentAttention<T>>(
+          MlaShape{c_.d_model, nq, c_.head_dim, c_.mla_rope_dim, c_.mla_v_dim, c_.mla_q_rank, c_.mla_kv_rank,
+                   c_.rope_theta, c_.rope_interleave, c_.norm_eps},
+          par_);
+    } else {
+      RS_CHECK_MSG(t.attn.qkv != kNoTensor, "layer " << i << " has no softmax attention");
+      // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].
+      const std::int64_t nq = dim(t.attn.out, 1) / c_.head_dim;
+      const std::int64_t nkv = (dim(t.attn.qkv, 0) / c_.head_dim - nq) / 2;
+      RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
+      l->attn = std::make_unique<Attention<T>>(AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta}, par_);
+      l->qkv = t.attn.qkv;
+      l->q_norm = t.attn.q_norm;
+      l->k_norm = t.attn.k_norm;
+    }
     if (t.moe.router != kNoTensor) {
       l->router = t.moe.router;
       l->bias = t.moe.expert_bias;
@@ -177,6 +190,13 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
 
 template <typename T>
 Transformer<T>::~Transformer() = default;
+
+template <typename T>
+MlaWeights<T> Transformer<T>::MlaParams(const Layer& l) {
+  const AttentionTensors& a = l.mla_t;
+  const auto p = [&](std::size_t i) -> const T* { return i != kNone ? P(i) : nullptr; };
+  return {p(a.q_a), p(a.q_a_norm), p(a.q_b), p(a.q), p(a.kv_a), p(a.kv_a_norm), p(a.kv_b), p(a.out)};
+}
 
 template <typename T>
 std::optional<std::size_t> Transformer<T>::index(const std::string& name) const {
@@ -240,9 +260,13 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     l.rstd1.resize(static_cast<std::size_t>(n));
     RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data());
     lap(phases_.norms);
-    typename Attention<T>::QkNorm qk;
-    if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps};
-    l.attn.Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
+    if (l.mla) {
+      l.mla->Forward(l.xn1.data(), batch, seq, MlaParams(l), tmp.data());
+    } else {
+      typename Attention<T>::QkNorm qk;
+      if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps};
+      l.attn->Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
+    }
     par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // attention out is row-parallel
     lap(phases_.attention);
     AddInto(h.data(), tmp.data(), nd);
@@ -308,8 +332,16 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm));
     AddInto(dh.data(), tmp.data(), nd);
     lap(phases_.norms);
-    l.attn.Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out),
-                    l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr);
+    if (l.mla) {
+      const AttentionTensors& a = l.mla_t;
+      const auto g = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
+      l.mla->Backward(
+          dh.data(), MlaParams(l), dx.data(),
+          MlaGrads<T>{g(a.q_a), g(a.q_a_norm), g(a.q_b), g(a.q), g(a.kv_a), g(a.kv_a_norm), g(a.kv_b), g(a.out)});
+    } else {
+      l.attn->Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out),
+                       l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr);
+    }
     par_->AllReduceTp(std::span<T>(dx.data(), nd));
     lap(phases_.attention);
     RmsNormBackward(dx.data(), l.h_in.data(), P(l.attn_norm), l.rstd1.data(), n, d, tmp.data(), G(l.attn_norm));

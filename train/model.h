@@ -18,6 +18,7 @@
 #include "train/attention.h"
 #include "train/buffer.h"
 #include "train/experts.h"
+#include "train/mla.h"
 #include "train/model_parallel.h"
 #include "train/moe.h"
 
@@ -107,6 +108,7 @@ class Transformer {
   struct Layer;
   T* P(std::size_t i) { return params_.data() + offsets_[i]; }
   T* G(std::size_t i) { return grads_.data() + offsets_[i]; }
+  MlaWeights<T> MlaParams(const Layer& l);
 
   ModelConfig c_;
   DispatchOptions dispatch_;

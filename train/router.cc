@@ -38,6 +38,8 @@ RouterOptions RouterOptionsFromModel(const ModelConfig& c) {
   o.groups = c.router_groups;
   o.groups_kept = c.router_groups_kept;
   o.scale = c.router_scale;
+  o.norm_topk = c.router_norm_topk;
+  o.grouped = c.router_grouped;
   o.aux_loss_coef = c.aux_loss_coef;
   o.z_loss_coef = c.z_loss_coef;
   return o;
@@ -97,8 +99,10 @@ template <typename T>
 Router<T>::Router(const RouterOptions& opts, ModelParallel* par)
     : o_(opts), par_(par != nullptr ? par : &SingleProcess()) {
   RS_CHECK(o_.num_experts > 0 && o_.top_k >= 1 && o_.top_k <= o_.num_experts);
-  if (o_.kind == RouterKind::kGroupLimited) {
+  RS_CHECK(!o_.grouped || o_.kind == RouterKind::kSigmoidBias);
+  if (o_.kind == RouterKind::kGroupLimited || o_.grouped) {
     RS_CHECK(o_.groups >= 1 && o_.num_experts % o_.groups == 0);
+    RS_CHECK(!o_.grouped || o_.num_experts / o_.groups >= 2);
     RS_CHECK(o_.groups_kept >= 1 && o_.groups_kept <= o_.groups);
     RS_CHECK(o_.top_k <= o_.groups_kept * (o_.num_experts / o_.groups));
   }
@@ -151,9 +155,11 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
 
   std::vector<std::int32_t> idx;
   std::vector<T> score(static_cast<std::size_t>(e));
-  const std::int64_t per_group = o_.kind == RouterKind::kGroupLimited ? e / o_.groups : e;
+  const bool grouped = o_.kind == RouterKind::kGroupLimited || o_.grouped;
+  const std::int64_t per_group = grouped ? e / o_.groups : e;
   std::vector<T> group_score(static_cast<std::size_t>(o_.groups));
   std::vector<std::int32_t> kept(static_cast<std::size_t>(o_.groups));
+  std::vector<char> keep(static_cast<std::size_t>(o_.groups));
   for (std::int64_t t = 0; t < n; ++t) {
     const T* l = logits + t * e;
     const T* s = softmax_.data() + t * e;
@@ -176,10 +182,29 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
       case RouterKind::kSigmoidBias: {
         const T* sg = sigmoid_.data() + t * e;
         for (std::int64_t j = 0; j < e; ++j) score[static_cast<std::size_t>(j)] = sg[j] + expert_bias[j];
+        if (o_.grouped) {
+          // DeepSeek-V3: a group scores the sum of its two best biased scores; the experts of
+          // the groups not kept cannot be chosen.
+          std::int32_t two[2];
+          for (std::int64_t gi = 0; gi < o_.groups; ++gi) {
+            const T* gs = score.data() + gi * per_group;
+            TopK(gs, per_group, 2, two, idx);
+            group_score[static_cast<std::size_t>(gi)] = gs[two[0]] + gs[two[1]];
+          }
+          TopK(group_score.data(), o_.groups, o_.groups_kept, kept.data(), idx);
+          std::fill(keep.begin(), keep.end(), 0);
+          for (std::int64_t gi = 0; gi < o_.groups_kept; ++gi)
+            keep[static_cast<std::size_t>(kept[static_cast<std::size_t>(gi)])] = 1;
+          for (std::int64_t j = 0; j < e; ++j) {
+            if (keep[static_cast<std::size_t>(j / per_group)] == 0)
+              score[static_cast<std::size_t>(j)] = -std::numeric_limits<T>::infinity();
+          }
+        }
         TopK(score.data(), e, k, sel, idx);
         T sum = 0;
         for (std::int64_t j = 0; j < k; ++j) sum += sg[sel[j]];
-        const T norm = k > 1 ? static_cast<T>(o_.scale) / sum : static_cast<T>(o_.scale);
+        const bool normalise = o_.norm_topk && k > 1;
+        const T norm = normalise ? static_cast<T>(o_.scale) / sum : static_cast<T>(o_.scale);
         for (std::int64_t j = 0; j < k; ++j) p[j] = sg[sel[j]] * norm;
         break;
       }
@@ -278,8 +303,8 @@ void Router<T>::Backward(const T* dprobs, T* dlogits) const {
         break;
       case RouterKind::kSigmoidBias: {
         const T* sg = sigmoid_.data() + t * e;
-        // p_j = c · s_j / Σ s (k > 1) or c · s_j (k = 1); ds_j, then through the sigmoid.
-        if (k > 1) {
+        // p_j = c · s_j / Σ s (normalised, k > 1) or c · s_j; ds_j, then through the sigmoid.
+        if (o_.norm_topk && k > 1) {
           T sum = 0;
           for (std::int64_t j = 0; j < k; ++j) sum += sg[sel[j]];
           T dot = 0;  // Σ_j dp_j p_j
@@ -289,7 +314,8 @@ void Router<T>::Backward(const T* dprobs, T* dlogits) const {
             dl[sel[j]] += ds * sg[sel[j]] * (T(1) - sg[sel[j]]);
           }
         } else {
-          dl[sel[0]] += static_cast<T>(o_.scale) * dp[0] * sg[sel[0]] * (T(1) - sg[sel[0]]);
+          for (std::int64_t j = 0; j < k; ++j)
+            dl[sel[j]] += static_cast<T>(o_.scale) * dp[j] * sg[sel[j]] * (T(1) - sg[sel[j]]);
         }
         // Aux loss through π = s / Σ s: dπ_j = aux_scale · f_j; ds_j = (dπ_j − <dπ, π>) / Σ s.
         T sum = 0;

@@ -18,9 +18,13 @@ struct RouterOptions {
   RouterKind kind = RouterKind::kTopKSoftmaxAfter;
   std::int64_t num_experts = 0;
   std::int64_t top_k = 1;
-  std::int64_t groups = 1;       // group_limited
-  std::int64_t groups_kept = 1;  // group_limited
-  double scale = 1.0;            // sigmoid_bias: multiplies the gate weights
+  // group_limited; and sigmoid_bias when `grouped` (DeepSeek-V3: a group scores the sum of its
+  // two best biased scores, and only the experts of the groups_kept best groups can be chosen).
+  std::int64_t groups = 1;
+  std::int64_t groups_kept = 1;
+  bool grouped = false;
+  double scale = 1.0;     // sigmoid_bias: multiplies the gate weights
+  bool norm_topk = true;  // sigmoid_bias: renormalise the k chosen sigmoids (k > 1) before scale
   double aux_loss_coef = 0.0;
   double z_loss_coef = 0.0;
   // Sinkhorn stops when every column scaling changes by a relative amount below this, or

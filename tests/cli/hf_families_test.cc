@@ -63,6 +63,80 @@ std::string TorchPython() {
   return "";
 }
 
+// Rewrites DIR/model.safetensors without tensor `name` (reshape null) or with it reshaped
+// (zero-filled past its old bytes), plus `extra` tensors of f32 zeros.
+void RewriteTensors(const std::string& dir, const std::string& name, const Shape* reshape,
+                    const std::vector<std::pair<std::string, Shape>>& extra = {}) {
+  auto f = SafetensorsFile::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(f.ok());
+  std::vector<SafetensorsEntry> entries;
+  std::vector<std::vector<std::byte>> bytes;
+  for (const auto& t : (*f)->tensors()) {
+    std::vector<std::byte> b(static_cast<std::size_t>(t.nbytes()));
+    ASSERT_TRUE((*f)->ReadTensorBytes(t, 0, b).ok());
+    if (t.name == name && reshape == nullptr) continue;
+    Shape shape = t.name == name ? *reshape : t.shape;
+    if (t.name == name) b.resize(static_cast<std::size_t>(Numel(shape)) * 4);
+    entries.push_back({t.name, t.dtype, shape});
+    bytes.push_back(std::move(b));
+  }
+  for (const auto& [n, shape] : extra) {
+    entries.push_back({n, DType::kF32, shape});
+    bytes.emplace_back(static_cast<std::size_t>(Numel(shape)) * 4);
+  }
+  f->reset();
+  fs::remove(dir + "/model.safetensors");
+  auto w = SafetensorsWriter::Create(dir + "/model.safetensors", entries, {});
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  for (const auto& b : bytes) ASSERT_TRUE((*w)->Append(b).ok());
+  ASSERT_TRUE((*w)->Finish().ok());
+}
+
+// Two safetensors files hold the same tensors: names, shapes and bytes.
+void ExpectSameTensors(const std::string& path_a, const std::string& path_b) {
+  auto a = SafetensorsFile::Open(path_a);
+  auto b = SafetensorsFile::Open(path_b);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ((*a)->tensors().size(), (*b)->tensors().size());
+  for (const SafetensorsTensor& t : (*a)->tensors()) {
+    const SafetensorsTensor* u = nullptr;
+    for (const auto& x : (*b)->tensors()) {
+      if (x.name == t.name) u = &x;
+    }
+    ASSERT_NE(u, nullptr) << t.name;
+    EXPECT_EQ(u->shape, t.shape) << t.name;
+    std::vector<std::byte> x(static_cast<std::size_t>(t.nbytes())), y(x.size());
+    ASSERT_TRUE((*a)->ReadTensorBytes(t, 0, x).ok());
+    ASSERT_TRUE((*b)->ReadTensorBytes(*u, 0, y).ok());
+    EXPECT_EQ(x, y) << t.name;
+  }
+}
+
+struct BadCase {
+  std::string name;
+  std::function<void(nlohmann::json& config, const std::string& dir)> edit;
+  std::string message;
+};
+
+// Each case edits a copy of `src`; import must refuse it (exit 1 or 2) with `message`, writing nothing.
+void ExpectImportRefused(const std::string& src, const std::vector<BadCase>& cases) {
+  TempDir tmp;
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string dir = tmp / ("in-" + c.name);
+    fs::create_directories(dir);
+    fs::copy_file(src + "/model.safetensors", dir + "/model.safetensors");
+    nlohmann::json config = ReadJson(src + "/config.json");
+    c.edit(config, dir);
+    std::ofstream(dir + "/config.json") << config.dump(2);
+    const std::string out = tmp / ("out-" + c.name);
+    const CommandResult r = RunCli("import " + dir + " --format hf --layout tp=1 -o " + out);
+    EXPECT_TRUE(r.exit_code == 1 || r.exit_code == 2) << r.output;
+    EXPECT_TRUE(Contains(r.output, c.message)) << r.output;
+    EXPECT_FALSE(fs::exists(out));
+  }
+}
+
 TEST(HfFamilies, ModelsListsTheFamilies) {
   const CommandResult r = RunCli("models");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -106,22 +180,7 @@ TEST(HfFamilies, Qwen3MoeExportWritesTransformersNames) {
   EXPECT_EQ(config["mlp_only_layers"], nlohmann::json::array({1}));
   EXPECT_EQ(config["norm_topk_prob"], true);
   EXPECT_EQ(config["rope_parameters"]["rope_theta"], 5000.0);
-  auto a = SafetensorsFile::Open(src + "/model.safetensors");
-  auto b = SafetensorsFile::Open(tmp / "hf/model-00001-of-00001.safetensors");
-  ASSERT_TRUE(a.ok() && b.ok());
-  ASSERT_EQ((*a)->tensors().size(), (*b)->tensors().size());
-  for (const SafetensorsTensor& t : (*a)->tensors()) {
-    const SafetensorsTensor* u = nullptr;
-    for (const auto& x : (*b)->tensors()) {
-      if (x.name == t.name) u = &x;
-    }
-    ASSERT_NE(u, nullptr) << t.name;
-    EXPECT_EQ(u->shape, t.shape) << t.name;
-    std::vector<std::byte> x(static_cast<std::size_t>(t.nbytes())), y(x.size());
-    ASSERT_TRUE((*a)->ReadTensorBytes(t, 0, x).ok());
-    ASSERT_TRUE((*b)->ReadTensorBytes(*u, 0, y).ok());
-    EXPECT_EQ(x, y) << t.name;
-  }
+  ExpectSameTensors(src + "/model.safetensors", tmp / "hf/model-00001-of-00001.safetensors");
   // The fused-expert fixture: re-imported from its export, the same loss.
   const std::string fused = kFixtures + "/qwen3_moe_step2";
   Import(fused, "ep=2", tmp / "imp2");
@@ -174,16 +233,16 @@ TEST(HfFamilies, TitanQwen3DcpConvertsToTransformersLoss) {
   EXPECT_FALSE(fs::exists(tmp / "no"));
 }
 
-// Trained from an import (tests/train/mpi_train_test.cc trains the q/k norms over tp), exported,
-// and loaded by transformers' from_pretrained: transformers' loss is reshard eval's.
-TEST(HfFamilies, Qwen3MoeTrainedExportLoadsInTransformers) {
+// Trains 3 steps from an import of `fixture` at tp=2, exports, and loads the export with
+// transformers' from_pretrained (where torch is installed): transformers' loss is reshard eval's.
+void CheckTrainedExportLoadsInTransformers(const std::string& fixture) {
   TempDir tmp;
-  Import(kFixtures + "/qwen3_moe_tiny", "tp=2", tmp / "imp");
+  Import(kFixtures + "/" + fixture, "tp=2", tmp / "imp");
   const CommandResult t = RunCli("train --resume " + (tmp / "imp") + " --steps 3 --threads 1 --save " + (tmp / "run"));
   ASSERT_EQ(t.exit_code, 0) << t.output;
   const std::string ckpt = tmp / "run/step-00000003";
   const double ours = Eval(ckpt);
-  EXPECT_LT(ours, ReadJson(kFixtures + "/qwen3_moe_tiny/expected.json")["mean_ce"].get<double>());
+  EXPECT_LT(ours, ReadJson(kFixtures + "/" + fixture + "/expected.json")["mean_ce"].get<double>());
   ASSERT_EQ(RunCli("export " + ckpt + " --format hf -o " + (tmp / "hf")).exit_code, 0);
   const std::string python = TorchPython();
   if (python.empty()) GTEST_SKIP() << "no Python with torch and transformers (set RS_TORCH_PYTHON)";
@@ -197,38 +256,14 @@ TEST(HfFamilies, Qwen3MoeTrainedExportLoadsInTransformers) {
   EXPECT_NEAR(ours, theirs, 1e-5 * theirs) << "reshard eval " << ours << " vs transformers " << theirs;
 }
 
+// Trained from an import (tests/train/mpi_train_test.cc trains the q/k norms over tp).
+TEST(HfFamilies, Qwen3MoeTrainedExportLoadsInTransformers) { CheckTrainedExportLoadsInTransformers("qwen3_moe_tiny"); }
+
 // Bad input: a clear error naming the file and the field or tensor, exit 1 or 2, nothing written.
 TEST(HfFamilies, Qwen3MoeBadInputIsRefused) {
-  TempDir tmp;
   const std::string src = kFixtures + "/qwen3_moe_tiny";
-  struct Case {
-    std::string name;
-    std::function<void(nlohmann::json& config, const std::string& dir)> edit;
-    std::string message;
-  };
-  auto drop_tensor = [](const std::string& dir, const std::string& name, const Shape* reshape) {
-    auto f = SafetensorsFile::Open(dir + "/model.safetensors");
-    ASSERT_TRUE(f.ok());
-    std::vector<SafetensorsEntry> entries;
-    std::vector<std::vector<std::byte>> bytes;
-    for (const auto& t : (*f)->tensors()) {
-      std::vector<std::byte> b(static_cast<std::size_t>(t.nbytes()));
-      ASSERT_TRUE((*f)->ReadTensorBytes(t, 0, b).ok());
-      if (t.name == name && reshape == nullptr) continue;
-      Shape shape = t.name == name ? *reshape : t.shape;
-      if (t.name == name) b.resize(static_cast<std::size_t>(Numel(shape)) * 4);
-      entries.push_back({t.name, t.dtype, shape});
-      bytes.push_back(std::move(b));
-    }
-    f->reset();
-    fs::remove(dir + "/model.safetensors");
-    auto w = SafetensorsWriter::Create(dir + "/model.safetensors", entries, {});
-    ASSERT_TRUE(w.ok()) << w.status().ToString();
-    for (const auto& b : bytes) ASSERT_TRUE((*w)->Append(b).ok());
-    ASSERT_TRUE((*w)->Finish().ok());
-  };
   const Shape wrong{4};
-  const std::vector<Case> cases = {
+  const std::vector<BadCase> cases = {
       {"wrong_type", [](nlohmann::json& c, const std::string&) { c["num_attention_heads"] = "4"; },
        "config.json: 'num_attention_heads' is not an integer"},
       {"experts_wrong_type", [](nlohmann::json& c, const std::string&) { c["num_local_experts"] = 4.5; },
@@ -245,31 +280,209 @@ TEST(HfFamilies, Qwen3MoeBadInputIsRefused) {
       {"unknown_model_type", [](nlohmann::json& c, const std::string&) { c["model_type"] = "qwen9_moe"; },
        "config.json: model_type 'qwen9_moe' is not one import reads"},
       {"missing_expert",
-       [&](nlohmann::json&, const std::string& dir) {
-         drop_tensor(dir, "model.layers.2.mlp.experts.3.down_proj.weight", nullptr);
+       [](nlohmann::json&, const std::string& dir) {
+         RewriteTensors(dir, "model.layers.2.mlp.experts.3.down_proj.weight", nullptr);
        },
        "tensor 'model.layers.2.mlp.experts.3.down_proj.weight' [32, 16] (our 'layers.2.moe.experts.fc2.weight') is "
        "missing"},
       {"q_norm_shape",
        [&](nlohmann::json&, const std::string& dir) {
-         drop_tensor(dir, "model.layers.0.self_attn.q_norm.weight", &wrong);
+         RewriteTensors(dir, "model.layers.0.self_attn.q_norm.weight", &wrong);
        },
        "model.safetensors: tensor 'model.layers.0.self_attn.q_norm.weight' has shape [4], config.json implies [8]"},
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const std::string dir = tmp / ("in-" + c.name);
-    fs::create_directories(dir);
-    fs::copy_file(src + "/model.safetensors", dir + "/model.safetensors");
-    nlohmann::json config = ReadJson(src + "/config.json");
-    c.edit(config, dir);
-    std::ofstream(dir + "/config.json") << config.dump(2);
-    const std::string out = tmp / ("out-" + c.name);
-    const CommandResult r = RunCli("import " + dir + " --format hf --layout tp=1 -o " + out);
-    EXPECT_TRUE(r.exit_code == 1 || r.exit_code == 2) << r.output;
-    EXPECT_TRUE(Contains(r.output, c.message)) << r.output;
-    EXPECT_FALSE(fs::exists(out));
+  ExpectImportRefused(src, cases);
+}
+
+// DeepSeek-V3 (tests/fixtures/hf/make_deepseek_v3.py): multi-latent attention with and without
+// the query bottleneck, interleaved and half-split rotary pairs, the grouped sigmoid router with
+// a random correction bias, shared experts, a dense first layer; import -> eval is transformers'
+// loss at layouts that cut the heads (the down projections stay whole) and the experts.
+TEST(HfFamilies, DeepSeekV3ImportReproducesTransformersLoss) {
+  TempDir tmp;
+  for (const char* name : {"deepseek_v3_tiny", "deepseek_v3_noq"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = kFixtures + "/" + name;
+    const double expected = ReadJson(dir + "/expected.json")["mean_ce"].get<double>();
+    for (const char* layout : {"tp=1", "tp=2,ep=2", "tp=4", "ep=4,fsdp=2,fsdp_form=flat"}) {
+      SCOPED_TRACE(layout);
+      const std::string out = tmp / (std::string(name) + "-" + layout);
+      Import(dir, layout, out);
+      const double got = Eval(out);
+      EXPECT_NEAR(got, expected, 1e-5 * expected) << "reshard eval " << got << " vs transformers " << expected;
+    }
   }
+  // The model the import declares: MLA, the grouped sigmoid router, the shared experts.
+  const CommandResult r = RunCli("inspect " + (tmp / "deepseek_v3_tiny-tp=1") + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json model = nlohmann::json::parse(r.output)["metadata"]["model"];
+  const nlohmann::json want = {{"mla_q_rank", 12},         {"mla_kv_rank", 8},        {"mla_rope_dim", 4},
+                               {"mla_v_dim", 6},           {"head_dim", 10},          {"rope_interleave", true},
+                               {"router_grouped", true},   {"router_groups", 4},      {"router_groups_kept", 2},
+                               {"router", "sigmoid_bias"}, {"router_scale", 2.5},     {"shared_ffn", 16},
+                               {"first_dense_layers", 1},  {"family", "deepseek_v3"}, {"z_loss_coef", 0.0}};
+  for (const auto& [key, value] : want.items()) EXPECT_EQ(model[key], value) << key;
+}
+
+// Export writes transformers' names and config back: every tensor byte for byte (the correction
+// bias included), and the config fields transformers reads.
+TEST(HfFamilies, DeepSeekV3ExportWritesTransformersNamesAndConfig) {
+  TempDir tmp;
+  for (const char* name : {"deepseek_v3_tiny", "deepseek_v3_noq"}) {
+    SCOPED_TRACE(name);
+    const std::string src = kFixtures + "/" + name;
+    const std::string imp = tmp / (std::string(name) + "-imp"), hf = tmp / (std::string(name) + "-hf");
+    Import(src, "tp=2", imp);
+    const CommandResult e = RunCli("export " + imp + " --format hf -o " + hf);
+    ASSERT_EQ(e.exit_code, 0) << e.output;
+    EXPECT_TRUE(Contains(e.output, "(deepseek_v3, f32)")) << e.output;
+    const nlohmann::json theirs = ReadJson(src + "/config.json"), ours = ReadJson(hf + "/config.json");
+    for (const char* key : {"model_type", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
+                            "topk_group", "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor",
+                            "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                            "rope_interleave", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"}) {
+      EXPECT_EQ(ours[key], theirs[key]) << key;
+    }
+    // Export writes per-expert names; the fused fixture is compared after a re-import.
+    if (ReadJson(src + "/expected.json")["expert_form"] == "per_expert") {
+      ExpectSameTensors(src + "/model.safetensors", hf + "/model-00001-of-00001.safetensors");
+    }
+    Import(hf, "tp=1", imp + "2");
+    EXPECT_NEAR(Eval(imp + "2"), ReadJson(src + "/expected.json")["mean_ce"].get<double>(), 1e-5 * 6);
+  }
+}
+
+// FP8 block-scaled weights as DeepSeek-V3's release ships them (make_deepseek_v3_fp8.py: fp8
+// weights with one power-of-two scale per 8x8 block, so dequantization is exact): import
+// dequantizes them to exactly the dequantized fixture's values (diff with no tolerance) at
+// layouts that cut the blocks, and evaluates to the same loss; wrong scales are refused by name.
+TEST(HfFamilies, DeepSeekV3Fp8ImportDequantizesExactly) {
+  TempDir tmp;
+  const std::string fp8 = kFixtures + "/deepseek_v3_fp8", ref = kFixtures + "/deepseek_v3_fp8_ref";
+  for (const char* layout : {"tp=1", "tp=2,ep=2", "tp=4"}) {
+    SCOPED_TRACE(layout);
+    const std::string a = tmp / (std::string("fp8-") + layout), b = tmp / (std::string("ref-") + layout);
+    const CommandResult r =
+        RunCli("import " + fp8 + " --format hf --layout " + layout + " --data " + kData + " -o " + a);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(Contains(r.output, "dequantized 69 FP8 block-scaled weight(s) (blocks of 8 x 8)")) << r.output;
+    Import(ref, layout, b);
+    const CommandResult d = RunCli("diff " + a + " " + b);
+    EXPECT_EQ(d.exit_code, 0) << d.output;
+  }
+  EXPECT_NEAR(Eval(tmp / "fp8-tp=1"), Eval(tmp / "ref-tp=1"), 1e-12);
+  // bf16 parameters: the dequantized values rounded once.
+  const CommandResult bf = RunCli("import " + fp8 + " --format hf --layout tp=1 --param-dtype bf16 -o " + (tmp / "bf"));
+  ASSERT_EQ(bf.exit_code, 0) << bf.output;
+  ExpectImportRefused(
+      fp8,
+      {{"scale_shape",
+        [](nlohmann::json&, const std::string& dir) {
+          const Shape wrong{1, 4};
+          RewriteTensors(dir, "model.layers.0.mlp.down_proj.weight_scale_inv", &wrong);
+        },
+        "tensor 'model.layers.0.mlp.down_proj.weight_scale_inv' has shape [1, 4] and dtype F32; the weight [32, 48] "
+        "in blocks of [8, 8] implies a floating [4, 6]"},
+       {"scale_missing",
+        [](nlohmann::json&, const std::string& dir) {
+          RewriteTensors(dir, "model.layers.1.self_attn.kv_b_proj.weight_scale_inv", nullptr);
+        },
+        "tensor 'model.layers.1.self_attn.kv_b_proj.weight' is float8_e4m3fn but its block scales "
+        "'model.layers.1.self_attn.kv_b_proj.weight_scale_inv' are missing"},
+       {"blocks_changed",
+        [](nlohmann::json& c, const std::string&) {
+          c["quantization_config"]["weight_block_size"] = {16, 16};
+        },
+        "implies a floating"}});
+}
+
+// The same weights as torchtitan saves them (tests/fixtures/titan/make_deepseek_titan.py:
+// torchtitan's DeepSeek-V3 names, FSDP2 shards of 2 processes, AdamW states, the expert bias as
+// a buffer): `convert --model` gives every parameter and buffer of the HF import, and
+// transformers' loss.
+TEST(HfFamilies, TitanDeepSeekV3DcpConvertsToTransformersLoss) {
+  TempDir tmp;
+  const std::string titan = std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan";
+  const CommandResult c = RunCli("convert " + titan + "/deepseek_v3_tiny --model " + titan +
+                                 "/deepseek_v3_model.json --to tp=2,ep=2 -o " + (tmp / "ck"));
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  ASSERT_EQ(RunCli("verify " + (tmp / "ck")).exit_code, 0);
+  const double expected = ReadJson(kFixtures + "/deepseek_v3_tiny/expected.json")["mean_ce"].get<double>();
+  EXPECT_NEAR(Eval(tmp / "ck"), expected, 1e-5 * expected);
+  Import(kFixtures + "/deepseek_v3_tiny", "tp=1", tmp / "hf");
+  for (const char* role : {"parameter", "buffer"}) {
+    const CommandResult d = RunCli("diff " + (tmp / "ck") + " " + (tmp / "hf") + " --role " + role);
+    EXPECT_EQ(d.exit_code, 0) << role << "\n" << d.output;
+  }
+}
+
+// Multi-token-prediction layers (num_nextn_predict_layers: layers past num_hidden_layers) are
+// skipped with a note naming them; the same tensors without that field are refused.
+TEST(HfFamilies, DeepSeekV3SkipsMultiTokenPredictionLayers) {
+  TempDir tmp;
+  const std::string src = kFixtures + "/deepseek_v3_tiny";
+  const std::string dir = tmp / "mtp";
+  fs::create_directories(dir);
+  fs::copy_file(src + "/model.safetensors", dir + "/model.safetensors");
+  RewriteTensors(dir, "", nullptr,
+                 {{"model.layers.3.enorm.weight", {32}},
+                  {"model.layers.3.eh_proj.weight", {32, 64}},
+                  {"model.layers.3.self_attn.kv_b_proj.weight", {48, 8}}});
+  nlohmann::json config = ReadJson(src + "/config.json");
+  config["num_nextn_predict_layers"] = 1;
+  std::ofstream(dir + "/config.json") << config.dump(2);
+  const CommandResult r = RunCli("import " + dir + " --format hf --layout tp=1 -o " + (tmp / "ck"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(Contains(r.output, "skipped layer 3's 3 tensor(s): a multi-token-prediction layer")) << r.output;
+  EXPECT_NEAR(Eval(tmp / "ck"), ReadJson(src + "/expected.json")["mean_ce"].get<double>(), 1e-5 * 6);
+  config["num_nextn_predict_layers"] = 0;
+  std::ofstream(dir + "/config.json") << config.dump(2);
+  const CommandResult refused = RunCli("import " + dir + " --format hf --layout tp=1 -o " + (tmp / "no"));
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_TRUE(Contains(refused.output, "3 tensor(s) our model cannot express")) << refused.output;
+  EXPECT_FALSE(fs::exists(tmp / "no"));
+}
+
+// Trained through the grouped sigmoid router and MLA at tp=2 (replicated down projections).
+TEST(HfFamilies, DeepSeekV3TrainedExportLoadsInTransformers) {
+  CheckTrainedExportLoadsInTransformers("deepseek_v3_tiny");
+}
+
+TEST(HfFamilies, DeepSeekV3BadInputIsRefused) {
+  const std::string src = kFixtures + "/deepseek_v3_tiny";
+  const Shape wrong{40, 8};
+  ExpectImportRefused(
+      src, {{"awq",
+             [](nlohmann::json& c, const std::string&) {
+               c["quantization_config"] = {{"quant_method", "awq"}};
+             },
+             "config.json: quantization_config.quant_method 'awq' is not read"},
+            {"fp8_no_blocks",
+             [](nlohmann::json& c, const std::string&) {
+               c["quantization_config"] = {{"quant_method", "fp8"}};
+             },
+             "config.json: quantization_config.weight_block_size must be two integers"},
+            {"yarn",
+             [](nlohmann::json& c, const std::string&) {
+               c["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 40}, {"rope_theta", 5000.0}};
+             },
+             "rope_parameters of type 'yarn'"},
+            {"groups", [](nlohmann::json& c, const std::string&) { c["n_group"] = 3; },
+             "field 'router_groups' must divide n_experts"},
+            {"rope_odd", [](nlohmann::json& c, const std::string&) { c["qk_rope_head_dim"] = 3; },
+             "field 'mla_rope_dim' must be even"},
+            {"kv_b_shape",
+             [&](nlohmann::json&, const std::string& dir) {
+               RewriteTensors(dir, "model.layers.1.self_attn.kv_b_proj.weight", &wrong);
+             },
+             "model.safetensors: tensor 'model.layers.1.self_attn.kv_b_proj.weight' has shape [40, 8], config.json "
+             "implies [48, 8]"},
+            {"bias_missing",
+             [](nlohmann::json&, const std::string& dir) {
+               RewriteTensors(dir, "model.layers.2.mlp.gate.e_score_correction_bias", nullptr);
+             },
+             "tensor 'model.layers.2.mlp.gate.e_score_correction_bias' [8] (our 'layers.2.moe.router.expert_bias') is "
+             "missing"}});
 }
 
 }  // namespace

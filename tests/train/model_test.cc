@@ -116,7 +116,7 @@ INSTANTIATE_TEST_SUITE_P(AllRouters, MoeGradTest,
 void CheckWholeModel(const ModelConfig& c, std::uint64_t seed) {
   Transformer<double> model(c, DispatchOptions{DispatchMode::kFused, 16});
   model.Initialize(seed, /*init_std=*/0.4);  // large enough that no gradient is negligible
-  if (c.qk_norm) {                           // q/k norm weights away from 1, so that a weight applied wrongly shows
+  if (c.qk_norm || c.IsMla()) {              // norm weights away from 1, so that a weight applied wrongly shows
     Rng noise(seed + 7);
     for (std::size_t i = 0; i < model.specs().size(); ++i) {
       if (model.specs()[i].name.find("_norm.weight") == std::string::npos) continue;
@@ -208,6 +208,73 @@ TEST(ModelConfigTest, LayerPatternsAndJsonRoundTrip) {
     const Status s = ModelConfigFromJson(nlohmann::json::parse(text)).status();
     EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << text;
     EXPECT_NE(s.message().find(field), std::string::npos) << s.message();
+  }
+}
+
+// DeepSeek-V3's blocks: multi-latent attention (with and without the query bottleneck,
+// interleaved rotary pairs), a dense first layer, the grouped sigmoid router with its scale,
+// a shared expert.
+TEST(ModelGradTest, WholeModelWithLatentAttentionAndGroupedSigmoidRouter) {
+  for (const std::int64_t q_rank : {0, 6}) {
+    ModelConfig c = SmallConfig(RouterKind::kSigmoidBias, 3);
+    c.name = "mla-q" + std::to_string(q_rank);
+    c.vocab_size = 20;
+    c.n_kv_heads = c.n_heads;
+    c.head_dim = 6;  // nope 2 + rope 4
+    c.mla_q_rank = q_rank;
+    c.mla_kv_rank = 5;
+    c.mla_rope_dim = 4;
+    c.mla_v_dim = 3;
+    c.rope_interleave = q_rank > 0;
+    c.router_grouped = true;
+    c.router_scale = 2.5;
+    c.first_dense_layers = 1;
+    ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+    CheckWholeModel(c, 21 + static_cast<std::uint64_t>(q_rank));
+  }
+}
+
+TEST(ModelConfigTest, LatentAttentionFieldsCountRoundTripAndNameTheirErrors) {
+  ModelConfig c;
+  c.n_kv_heads = c.n_heads;
+  c.head_dim = 24;
+  c.mla_q_rank = 12;
+  c.mla_kv_rank = 8;
+  c.mla_rope_dim = 8;
+  c.mla_v_dim = 10;
+  c.rope_interleave = true;
+  c.router = RouterKind::kSigmoidBias;
+  c.router_grouped = true;
+  c.router_groups = 2;
+  c.router_groups_kept = 1;
+  c.router_norm_topk = false;
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+  std::int64_t items = 0;
+  for (const TensorSpec& t : ModelParameters(c)) items += t.numel();
+  EXPECT_EQ(ModelParameterCount(c).value(), items);
+  nlohmann::json j;
+  to_json(j, c);
+  auto back = ModelConfigFromJson(j, DTypeSpelling::kCanonical);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, c);
+  c.mla_q_rank = 0;  // one query projection
+  items = 0;
+  for (const TensorSpec& t : ModelParameters(c)) items += t.numel();
+  EXPECT_EQ(ModelParameterCount(c).value(), items);
+  for (const auto& [text, field] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"n_kv_heads": 4, "mla_kv_rank": 8, "mla_rope_dim": 3, "mla_v_dim": 4})", "'mla_rope_dim' must be even"},
+           {R"({"n_kv_heads": 4, "mla_kv_rank": 8, "mla_rope_dim": 16, "mla_v_dim": 4})",
+            "'mla_rope_dim' must be even"},
+           {R"({"mla_kv_rank": 8, "mla_rope_dim": 4, "mla_v_dim": 4})", "'n_kv_heads' must equal n_heads"},
+           {R"({"n_kv_heads": 4, "mla_kv_rank": 8, "mla_rope_dim": 4})", "'mla_v_dim' must be in"},
+           {R"({"mla_q_rank": 8})", "'mla_q_rank' is set but mla_kv_rank is 0"},
+           {R"({"rope_interleave": true})", "'rope_interleave' applies to multi-latent attention only"},
+           {R"({"router_grouped": true})", "'router_grouped' applies to the sigmoid_bias router only"},
+           {R"({"router": "sigmoid_bias", "router_grouped": true, "router_groups": 4})",
+            "'router_groups' must leave at least 2 experts per group"}}) {
+    const Status s = ModelConfigFromJson(nlohmann::json::parse(text)).status();
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << text;
+    EXPECT_NE(s.message().find(field), std::string::npos) << text << ": " << s.message();
   }
 }
 

@@ -173,6 +173,89 @@ TEST(GroupLimitedTest, NeverSelectsOutsideTheKeptGroups) {
   }
 }
 
+// DeepSeek-V3's router: sigmoid scores, the bias for choosing only, groups scored by their two
+// best biased scores, top-k inside the kept groups, weights the unbiased scores, renormalised
+// (norm_topk) or not, times the scale.
+RouterOptions DeepSeek(std::int64_t e, std::int64_t k, std::int64_t groups, std::int64_t kept, bool norm) {
+  RouterOptions o = Options(RouterKind::kSigmoidBias, e, k);
+  o.groups = groups;
+  o.groups_kept = kept;
+  o.grouped = true;
+  o.norm_topk = norm;
+  return o;
+}
+
+TEST(DeepSeekRouterTest, GradientMatchesFiniteDifferences) {
+  for (const bool norm : {true, false}) {
+    const std::int64_t n = 12, e = 8, k = 3;
+    auto logits = RandomVector(n * e, norm ? 31 : 32, 1.5);
+    const auto bias = RandomVector(e, 33, 0.2);
+    const auto r = RandomVector(n * k, 34);
+    Router<double> router(DeepSeek(e, k, 4, 2, norm));
+    auto loss = [&] {
+      const auto routing = router.Forward(logits.data(), n, bias.data());
+      return Dot(routing.probs, r) + routing.aux_loss + routing.z_loss;
+    };
+    const auto routing = router.Forward(logits.data(), n, bias.data());
+    std::vector<double> dlogits(n * e);
+    router.Backward(r.data(), dlogits.data());
+    ExpectGradMatches(std::string("deepseek.norm") + (norm ? "1" : "0"), logits, dlogits, loss, 96);
+    EXPECT_EQ(router.Forward(logits.data(), n, bias.data()).experts, routing.experts);
+  }
+}
+
+// Against a float64 brute force written from transformers' DeepseekV3TopkRouter, on random
+// logits drawn from a few values (so scores tie often): ties go to the lower index, in groups
+// and experts alike.
+TEST(DeepSeekRouterTest, ChoicesAndWeightsMatchABruteForce) {
+  struct Shape {
+    std::int64_t e, k, groups, kept;
+    bool norm;
+  };
+  for (const Shape& sh :
+       {Shape{16, 4, 4, 2, true}, Shape{16, 3, 8, 3, false}, Shape{12, 2, 1, 1, true}, Shape{32, 8, 8, 4, true}}) {
+    for (std::uint64_t seed = 0; seed < 10; ++seed) {
+      const std::int64_t n = 40, e = sh.e, k = sh.k, per = e / sh.groups;
+      auto logits = RandomVector(n * e, 1000 + seed, 1.0);
+      for (auto& l : logits) l = std::round(l * 2) / 2;  // few distinct values: many ties
+      auto bias = RandomVector(e, 2000 + seed, 0.1);
+      if (seed % 2 == 0) std::fill(bias.begin(), bias.end(), 0.0);
+      Router<double> router(DeepSeek(e, k, sh.groups, sh.kept, sh.norm));
+      const auto r = router.Forward(logits.data(), n, bias.data());
+      for (std::int64_t t = 0; t < n; ++t) {
+        std::vector<double> s(e), b(e);
+        for (std::int64_t j = 0; j < e; ++j) {
+          s[j] = 1.0 / (1.0 + std::exp(-logits[t * e + j]));
+          b[j] = s[j] + bias[j];
+        }
+        // Groups by the sum of their two best biased scores; best first, lower index on ties.
+        std::vector<std::pair<double, std::int64_t>> groups;
+        for (std::int64_t g = 0; g < sh.groups; ++g) {
+          std::vector<double> in(b.begin() + g * per, b.begin() + (g + 1) * per);
+          std::sort(in.rbegin(), in.rend());
+          groups.push_back({-(in[0] + in[1]), g});
+        }
+        std::sort(groups.begin(), groups.end());
+        std::set<std::int64_t> kept;
+        for (std::int64_t g = 0; g < sh.kept; ++g) kept.insert(groups[g].second);
+        std::vector<std::pair<double, std::int64_t>> cand;
+        for (std::int64_t j = 0; j < e; ++j) {
+          if (kept.count(j / per)) cand.push_back({-b[j], j});
+        }
+        std::sort(cand.begin(), cand.end());
+        double sum = 0;
+        for (std::int64_t j = 0; j < k; ++j) sum += s[cand[j].second];
+        for (std::int64_t j = 0; j < k; ++j) {
+          const std::int64_t want = cand[j].second;
+          ASSERT_EQ(r.experts[t * k + j], want) << "token " << t << " slot " << j << " seed " << seed;
+          const double weight = s[want] * (sh.norm && k > 1 ? 1.0 / sum : 1.0) * 2.5;
+          EXPECT_NEAR(r.probs[t * k + j], weight, 1e-12);
+        }
+      }
+    }
+  }
+}
+
 TEST(ExpertBiasTest, UpdatesMoveLoadTowardsBalance) {
   // Skewed router: expert 0 is everyone's favourite. Repeated bias updates (as after each
   // training step) must shrink the load imbalance.

@@ -25,6 +25,15 @@ class CudaEngine final : public train::StepEngine {
 
   Status Attach(train::Trainer& t) override {
     const ModelConfig& c = t.model_config();
+    if (c.IsMla()) {
+      return Unimplemented("train --device cuda: model '" + c.name +
+                           "' has multi-latent attention (mla_kv_rank > 0), which only the CPU path trains");
+    }
+    if (c.router_grouped || (c.router == RouterKind::kSigmoidBias && !c.router_norm_topk)) {
+      return Unimplemented("train --device cuda: model '" + c.name +
+                           "': the sigmoid_bias router with router_grouped or without router_norm_topk " +
+                           "(DeepSeek-V3's) runs on the CPU path only");
+    }
     train::Transformer<float>& host = t.model();
     train::ShardedState& state = t.state();
     train::ProcessGroups& groups = t.groups();
