@@ -158,7 +158,7 @@ Result<std::vector<FsdpParam>> FsdpPresetParams(std::string_view name, const Fsd
   for (std::int64_t i = 0; i < s->layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     b.Add(i, l + "attn_norm.weight", {d});
-    // Multi-latent attention (the training model has none yet: issue of DeepSeek-V3).
+    // Multi-latent attention, named as ModelParameters names it (core/model.h).
     const Mla& m = s->m;
     b.Add(i, l + "attn.q_a.weight", {m.q_lora, d});
     b.Add(i, l + "attn.q_a_norm.weight", {m.q_lora});
