@@ -21,8 +21,22 @@ constexpr NameRule kLayerRules[] = {
     {"input_layernorm.weight", "attn_norm.weight"},
     {"self_attention.linear_qkv.weight", "attn.qkv.weight"},
     {"self_attention.linear_proj.weight", "attn.out.weight"},
-    // qk_layernorm (Qwen3): one [dh] weight per layer, applied to every head.
+    // qk_layernorm (Qwen3): one [dh] weight per layer, applied to every head. (With
+    // multi-latent attention q_layernorm is the query bottleneck's norm: MegatronKeyMapper
+    // maps it to attn.q_a_norm.weight for an MLA model.)
     {"self_attention.q_layernorm.weight", "attn.q_norm.weight"},
+    // Multi-latent attention (MLASelfAttention): the down projections (column-parallel over tp
+    // with gathered outputs, or duplicated with Transformer Engine; TP-independent keys either
+    // way), their norms (separate with the local spec, fused into the up projection with TE),
+    // the up projections cut by heads.
+    {"self_attention.linear_q_down_proj.weight", "attn.q_a.weight"},
+    {"self_attention.linear_q_up_proj.layer_norm_weight", "attn.q_a_norm.weight"},
+    {"self_attention.linear_q_up_proj.weight", "attn.q_b.weight"},
+    {"self_attention.linear_q_proj.weight", "attn.q.weight"},
+    {"self_attention.linear_kv_down_proj.weight", "attn.kv_a.weight"},
+    {"self_attention.kv_layernorm.weight", "attn.kv_a_norm.weight"},
+    {"self_attention.linear_kv_up_proj.layer_norm_weight", "attn.kv_a_norm.weight"},
+    {"self_attention.linear_kv_up_proj.weight", "attn.kv_b.weight"},
     {"self_attention.k_layernorm.weight", "attn.k_norm.weight"},
     {"pre_mlp_layernorm.weight", "mlp_norm.weight"},
     {"mlp.linear_fc1.layer_norm_weight", "mlp_norm.weight"},
@@ -83,9 +97,6 @@ constexpr NameRule kRefused[] = {
     {"q_layernorm.bias", "query/key LayerNorm biases (qk_layernorm with LayerNorm, not RMSNorm)"},
     {"k_layernorm.bias", "query/key LayerNorm biases (qk_layernorm with LayerNorm, not RMSNorm)"},
     {"shared_experts.gate_weight", "a gated shared expert (moe_shared_expert_gate)"},
-    {"linear_q_proj", "multi-latent attention"},
-    {"linear_q_down_proj", "multi-latent attention"},
-    {"linear_kv_down_proj", "multi-latent attention"},
     {"position_embeddings", "learned position embeddings (ours are rotary)"},
     {"mtp.", "multi-token prediction layers"},
     {"conv1d.bias", "a bias of the gated-delta-net convolution (conv_bias)"},

@@ -64,6 +64,10 @@ Result<DcpKeyMapper> MegatronKeyMapper(const ModelConfig& model) {
       return std::optional<DcpKeyPart>(p);
     }
     p.param = k.param;
+    // Megatron's q_layernorm is the query bottleneck's norm under multi-latent attention.
+    if (cfg.IsMla() && p.param.ends_with("attn.q_norm.weight")) {
+      p.param.replace(p.param.size() - std::string_view("q_norm.weight").size(), std::string::npos, "q_a_norm.weight");
+    }
     p.layer_axis = k.layer_axis;
     if (k.qkv && cfg.n_heads % cfg.n_kv_heads == 0) {
       p.row_runs = [cfg](std::int64_t begin, std::int64_t end) {

@@ -122,7 +122,8 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
       Gemm<T>(Trans::kNo, Trans::kYes, seq, seq, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), seq);
       Gemm<T>(Trans::kYes, Trans::kNo, seq, dv, seq, T(1), p, seq, dc, c, T(1), dkvb.data() + vo, kvw);
       CausalSoftmaxBackwardRows(p, ds.data(), seq, seq, 0);
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, seq, scale, ds.data(), seq, k_.data() + qo, qw, T(1), dq.data() + qo, qw);
+      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, seq, scale, ds.data(), seq, k_.data() + qo, qw, T(1), dq.data() + qo,
+              qw);
       Gemm<T>(Trans::kYes, Trans::kNo, seq, dh, seq, scale, ds.data(), seq, q_.data() + qo, qw, T(1), dk.data() + qo,
               qw);
     }

@@ -74,15 +74,15 @@ class LatentAttention {
   ModelParallel* par_;
   std::int64_t batch_ = 0, seq_ = 0, rope_seq_ = 0;
   const T* x_ = nullptr;
-  std::vector<T> cos_, sin_;         // [positions, rope_dim/2]
+  std::vector<T> cos_, sin_;          // [positions, rope_dim/2]
   std::vector<T> cq_, cqn_, rstd_q_;  // bottleneck: [N, q_rank] before / after its norm, [N] 1/rms
-  std::vector<T> q_;                 // [N, H·head_dim], rotary parts rotated
-  std::vector<T> ckv_;               // [N, kv_rank + rope_dim]: the latent, the rotary key (rotated)
-  std::vector<T> latn_, rstd_kv_;    // [N, kv_rank] the normed latent, [N] 1/rms
-  std::vector<T> k_;                 // [N, H·head_dim]: per head [k nope | rotary key]
-  std::vector<T> kvb_;               // [N, H·(nope + v_dim)]: per head [k nope | v]
-  std::vector<T> probs_;             // [batch, H, seq, seq]
-  std::vector<T> ctx_;               // [N, H·v_dim]
+  std::vector<T> q_;                  // [N, H·head_dim], rotary parts rotated
+  std::vector<T> ckv_;                // [N, kv_rank + rope_dim]: the latent, the rotary key (rotated)
+  std::vector<T> latn_, rstd_kv_;     // [N, kv_rank] the normed latent, [N] 1/rms
+  std::vector<T> k_;                  // [N, H·head_dim]: per head [k nope | rotary key]
+  std::vector<T> kvb_;                // [N, H·(nope + v_dim)]: per head [k nope | v]
+  std::vector<T> probs_;              // [batch, H, seq, seq]
+  std::vector<T> ctx_;                // [N, H·v_dim]
 };
 
 }  // namespace rs::train

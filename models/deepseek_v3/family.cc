@@ -103,7 +103,8 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
   RS_ASSIGN_OR_RETURN(c.mla_rope_dim, f.Int("qk_rope_head_dim", 64));
   RS_ASSIGN_OR_RETURN(const std::int64_t nope, f.Int("qk_nope_head_dim", 128));
   RS_ASSIGN_OR_RETURN(c.mla_v_dim, f.Int("v_head_dim", 128));
-  if (nope < 0 || nope > (std::int64_t{1} << 24)) return InvalidArgument(f.what() + ": 'qk_nope_head_dim' is out of range");
+  if (nope < 0 || nope > (std::int64_t{1} << 24))
+    return InvalidArgument(f.what() + ": 'qk_nope_head_dim' is out of range");
   c.head_dim = nope + c.mla_rope_dim;
   RS_ASSIGN_OR_RETURN(c.rope_interleave, f.Bool("rope_interleave", true));
   // MoE.
@@ -206,8 +207,9 @@ std::vector<NameRow> TitanRows() {
 const ModelFamily& DeepSeekV3Family() {
   static const ModelFamily f{
       .name = "deepseek_v3",
-      .description = "DeepSeek-V3: multi-latent attention, grouped sigmoid router with correction bias, shared "
-                     "experts, dense first layers",
+      .description =
+          "DeepSeek-V3: multi-latent attention, grouped sigmoid router with correction bias, shared "
+          "experts, dense first layers",
       .hf_model_types = {"deepseek_v3"},
       .hf_architectures = {"DeepseekV3ForCausalLM"},
       .read_hf_config = ReadConfig,
@@ -220,7 +222,7 @@ const ModelFamily& DeepSeekV3Family() {
               .train_cuda = false,
               .hf_import = true,
               .hf_export = true,
-              .megatron_import = false,
+              .megatron_import = true,
               .titan_dcp = true},
   };
   return f;

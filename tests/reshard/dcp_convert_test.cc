@@ -146,6 +146,13 @@ TEST(MegatronConvertTest, QkLayernormAtSeveralLayouts) {
                    "megatron-qk_norm_f32", 2);
 }
 
+// Megatron-Core with multi-latent attention (MLASelfAttention, local spec, saved at tp=2 with
+// the down projections column-parallel): q_layernorm becomes the query bottleneck's norm, the
+// down projections whole (replicated over our tp), the up projections cut by heads.
+TEST(MegatronConvertTest, LatentAttentionAtSeveralLayouts) {
+  ConvertAtLayouts(kMegatron + "/mla_f32", {"tp=1", "tp=2,ep=2", "tp=4,fsdp=2,fsdp_form=flat"}, "megatron-mla_f32", 2);
+}
+
 TEST(MegatronConvertTest, LayerStackedF32AtSeveralLayouts) {
   ConvertAtLayouts(kMegatron + "/homogeneous_f32",
                    {"tp=1", "tp=2,ep=2", "tp=4,fsdp=2", "ep=4,etp=2,tp=2", "pp=2,fsdp=2,fsdp_form=flat"},

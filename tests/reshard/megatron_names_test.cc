@@ -96,6 +96,18 @@ TEST(MegatronKeyTest, Table) {
       {"optimizer.state.param.output_layer.weight", "output.weight", false, "master", S::kWhole, -1},
       {"optimizer.state.exp_avg_sq.decoder.layers.2.mlp.experts.experts.1.linear_fc1.weight_w",
        "layers.2.moe.experts.fc1.weight", false, "exp_avg_sq", S::kGate, 1},
+      // Multi-latent attention, local spec and Transformer Engine's fused norms.
+      {"decoder.layers.self_attention.linear_q_down_proj.weight", "attn.q_a.weight", true, "", S::kWhole, -1},
+      {"decoder.layers.2.self_attention.linear_q_up_proj.layer_norm_weight", "layers.2.attn.q_a_norm.weight", false, "",
+       S::kWhole, -1},
+      {"decoder.layers.self_attention.linear_q_up_proj.weight", "attn.q_b.weight", true, "", S::kWhole, -1},
+      {"decoder.layers.0.self_attention.linear_q_proj.weight", "layers.0.attn.q.weight", false, "", S::kWhole, -1},
+      {"decoder.layers.self_attention.linear_kv_down_proj.weight", "attn.kv_a.weight", true, "", S::kWhole, -1},
+      {"decoder.layers.self_attention.kv_layernorm.weight", "attn.kv_a_norm.weight", true, "", S::kWhole, -1},
+      {"decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight", "layers.1.attn.kv_a_norm.weight", false,
+       "", S::kWhole, -1},
+      {"optimizer.state.exp_avg.decoder.layers.self_attention.linear_kv_up_proj.weight", "attn.kv_b.weight", true,
+       "exp_avg", S::kWhole, -1},
       // Not parts: conv1d has no _w, fc1 has no query.
       {"decoder.layers.0.self_attention.conv1d.weight_w", "", false, "", S::kWhole, -1},
       {"decoder.layers.0.mlp.linear_fc1.weight.query", "", false, "", S::kWhole, -1},
@@ -118,7 +130,6 @@ TEST(MegatronKeyTest, Table) {
   const std::pair<const char*, const char*> refused[] = {
       {"decoder.layers.0.self_attention.q_layernorm.bias", "qk_layernorm with LayerNorm"},
       {"decoder.layers.mlp.shared_experts.gate_weight", "moe_shared_expert_gate"},
-      {"decoder.layers.0.self_attention.linear_q_down_proj.weight", "multi-latent attention"},
       {"decoder.layers.0.self_attention.linear_qkv.bias", "biases"},
       {"decoder.layers.0.mlp.experts.experts.3.linear_fc1.bias_w", "biases"},
       {"decoder.layers.0.self_attention.conv1d.bias.query", "conv_bias"},

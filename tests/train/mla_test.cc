@@ -73,9 +73,7 @@ struct Grads {
         kv_b(w.kv_b.size()),
         out(w.out.size()) {}
   static double* P(std::vector<double>& v) { return v.empty() ? nullptr : v.data(); }
-  MlaGrads<double> View() {
-    return {P(q_a), P(q_a_norm), P(q_b), P(q), P(kv_a), P(kv_a_norm), P(kv_b), P(out)};
-  }
+  MlaGrads<double> View() { return {P(q_a), P(q_a_norm), P(q_b), P(q), P(kv_a), P(kv_a_norm), P(kv_b), P(out)}; }
 };
 
 TEST(MlaTest, GradientMatchesFiniteDifferences) {
