@@ -31,19 +31,20 @@ void LatentAttention<T>::Rope(T* x, std::int64_t heads, std::int64_t stride, std
 
 template <typename T>
 void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, const MlaWeights<T>& w, T* y) {
-  RS_CHECK_MSG(par_->cp_size() == 1, "multi-latent attention does not run under context parallelism");
   RS_CHECK((s_.q_rank > 0) == (w.q_a != nullptr && w.q_a_norm != nullptr && w.q_b != nullptr));
   RS_CHECK((s_.q_rank > 0) != (w.q != nullptr));
   batch_ = batch;
   seq_ = seq;
   x_ = x;
-  if (rope_seq_ != seq) {
-    RopeTable(seq, s_.rope_dim, s_.rope_theta, cos_, sin_);
-    rope_seq_ = seq;
+  const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
+  if (rope_seq_ != total) {
+    RopeTable(total, s_.rope_dim, s_.rope_theta, cos_, sin_);
+    rope_seq_ = total;
   }
   const std::int64_t d = s_.d_model, h = s_.n_heads, dh = s_.head_dim, dr = s_.rope_dim, dn = s_.nope_dim();
   const std::int64_t dv = s_.v_dim, rq = s_.q_rank, rkv = s_.kv_rank;
   const std::int64_t n = batch * seq, qw = h * dh, kvw = h * (dn + dv), cw = rkv + dr, c = h * dv;
+  const std::int64_t nk = batch * total;  // key/value rows: every position of the sequences
   const auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
 
   q_.resize(sz(n * qw));
@@ -63,36 +64,55 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   // it again rather than keeping a second [N, kv_rank] buffer alive).
   std::vector<T> lat(sz(n * rkv));
   for (std::int64_t r = 0; r < n; ++r) std::copy_n(ckv_.data() + r * cw, rkv, lat.data() + r * rkv);
-  latn_.resize(sz(n * rkv));
+  std::vector<T> latn(sz(n * rkv));
   rstd_kv_.resize(sz(n));
-  RmsNormForward(lat.data(), w.kv_a_norm, n, rkv, s_.norm_eps, latn_.data(), rstd_kv_.data());
-  kvb_.resize(sz(n * kvw));
-  Gemm<T>(Trans::kNo, Trans::kYes, n, kvw, rkv, T(1), latn_.data(), rkv, w.kv_b, rkv, T(0), kvb_.data(), kvw);
-
-  k_.resize(sz(n * qw));
+  RmsNormForward(lat.data(), w.kv_a_norm, n, rkv, s_.norm_eps, latn.data(), rstd_kv_.data());
+  // What one position contributes to every key and value: [normed latent | rotated key]. With
+  // context parallelism this is what the cp ranks exchange (rkv + dr values a position,
+  // instead of every head's keys and values).
+  std::vector<T> mine(sz(n * cw));
   for (std::int64_t r = 0; r < n; ++r) {
-    const std::int64_t pos = r % seq;
+    const std::int64_t pos = first + r % seq;
     Rope(q_.data() + r * qw + dn, h, dh, pos, RopeDirection::kForward);
-    T* kr = ckv_.data() + r * cw + rkv;
-    Rope(kr, 1, dr, pos, RopeDirection::kForward);
+    std::copy_n(latn.data() + r * rkv, rkv, mine.data() + r * cw);
+    std::copy_n(ckv_.data() + r * cw + rkv, dr, mine.data() + r * cw + rkv);
+    Rope(mine.data() + r * cw + rkv, 1, dr, pos, RopeDirection::kForward);
+  }
+  kv_in_.resize(sz(nk * cw));  // [batch, total, cw]
+  if (cp > 1) {
+    std::vector<T> all(sz(cp * n * cw));
+    par_->AllGatherCp(std::span<const T>(mine), std::span<T>(all));
+    for (std::int64_t q = 0; q < cp; ++q) {
+      for (std::int64_t b = 0; b < batch; ++b) {
+        std::copy_n(all.data() + (q * n + b * seq) * cw, seq * cw, kv_in_.data() + (b * total + q * seq) * cw);
+      }
+    }
+  } else {
+    kv_in_ = std::move(mine);
+  }
+  kvb_.resize(sz(nk * kvw));
+  Gemm<T>(Trans::kNo, Trans::kYes, nk, kvw, rkv, T(1), kv_in_.data(), cw, w.kv_b, rkv, T(0), kvb_.data(), kvw);
+  k_.resize(sz(nk * qw));
+  for (std::int64_t r = 0; r < nk; ++r) {
     for (std::int64_t j = 0; j < h; ++j) {
       T* kj = k_.data() + r * qw + j * dh;
       std::copy_n(kvb_.data() + r * kvw + j * (dn + dv), dn, kj);
-      std::copy_n(kr, dr, kj + dn);
+      std::copy_n(kv_in_.data() + r * cw + rkv, dr, kj + dn);
     }
   }
-  probs_.resize(sz(batch * h * seq * seq));
+  probs_.resize(sz(batch * h * seq * total));
   ctx_.resize(sz(n * c));
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t j = 0; j < h; ++j) {
-      T* p = probs_.data() + (b * h + j) * seq * seq;
+      T* p = probs_.data() + (b * h + j) * seq * total;
       const T* qj = q_.data() + b * seq * qw + j * dh;
-      const T* kj = k_.data() + b * seq * qw + j * dh;
-      const T* vj = kvb_.data() + b * seq * kvw + j * (dn + dv) + dn;
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, seq, dh, scale, qj, qw, kj, qw, T(0), p, seq);
-      CausalSoftmaxRows(p, seq, seq, 0);
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dv, seq, T(1), p, seq, vj, kvw, T(0), ctx_.data() + b * seq * c + j * dv, c);
+      const T* kj = k_.data() + b * total * qw + j * dh;
+      const T* vj = kvb_.data() + b * total * kvw + j * (dn + dv) + dn;
+      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, scale, qj, qw, kj, qw, T(0), p, total);
+      CausalSoftmaxRows(p, seq, total, first);
+      Gemm<T>(Trans::kNo, Trans::kNo, seq, dv, total, T(1), p, total, vj, kvw, T(0), ctx_.data() + b * seq * c + j * dv,
+              c);
     }
   }
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, c, T(1), ctx_.data(), c, w.out, c, T(0), y, d);
@@ -104,7 +124,8 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
   const std::int64_t d = s_.d_model, h = s_.n_heads, dh = s_.head_dim, dr = s_.rope_dim, dn = s_.nope_dim();
   const std::int64_t dv = s_.v_dim, rq = s_.q_rank, rkv = s_.kv_rank;
   const std::int64_t batch = batch_, seq = seq_;
-  const std::int64_t n = batch * seq, qw = h * dh, kvw = h * (dn + dv), cw = rkv + dr, c = h * dv;
+  const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
+  const std::int64_t n = batch * seq, nk = batch * total, qw = h * dh, kvw = h * (dn + dv), cw = rkv + dr, c = h * dv;
   const auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
 
@@ -112,41 +133,61 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
   Gemm<T>(Trans::kNo, Trans::kNo, n, c, d, T(1), dy, d, w.out, c, T(0), dctx.data(), c);
   Gemm<T>(Trans::kYes, Trans::kNo, d, c, n, T(1), dy, d, ctx_.data(), c, T(1), g.out, c);
 
-  std::vector<T> dq(sz(n * qw), T(0)), dk(sz(n * qw), T(0)), dkvb(sz(n * kvw), T(0)), ds(sz(seq * seq));
+  std::vector<T> dq(sz(n * qw), T(0)), dk(sz(nk * qw), T(0)), dkvb(sz(nk * kvw), T(0)), ds(sz(seq * total));
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t j = 0; j < h; ++j) {
-      const T* p = probs_.data() + (b * h + j) * seq * seq;
+      const T* p = probs_.data() + (b * h + j) * seq * total;
       const T* dc = dctx.data() + b * seq * c + j * dv;
-      const std::int64_t qo = b * seq * qw + j * dh, vo = b * seq * kvw + j * (dn + dv) + dn;
+      const std::int64_t qo = b * seq * qw + j * dh, ko = b * total * qw + j * dh;
+      const std::int64_t vo = b * total * kvw + j * (dn + dv) + dn;
       // dP = dctx · Vᵀ, dV = Pᵀ · dctx, then through the softmax, then dQ and dK.
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, seq, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), seq);
-      Gemm<T>(Trans::kYes, Trans::kNo, seq, dv, seq, T(1), p, seq, dc, c, T(1), dkvb.data() + vo, kvw);
-      CausalSoftmaxBackwardRows(p, ds.data(), seq, seq, 0);
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, seq, scale, ds.data(), seq, k_.data() + qo, qw, T(1), dq.data() + qo,
+      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), total);
+      Gemm<T>(Trans::kYes, Trans::kNo, total, dv, seq, T(1), p, total, dc, c, T(1), dkvb.data() + vo, kvw);
+      CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
+      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k_.data() + ko, qw, T(1), dq.data() + qo,
               qw);
-      Gemm<T>(Trans::kYes, Trans::kNo, seq, dh, seq, scale, ds.data(), seq, q_.data() + qo, qw, T(1), dk.data() + qo,
-              qw);
+      Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q_.data() + qo, qw, T(1),
+              dk.data() + ko, qw);
     }
   }
   // Each key head's nope part goes back to its kv_b rows; every head's rotary part to the one
-  // shared rotary key.
-  std::vector<T> dckv(sz(n * cw), T(0));
-  for (std::int64_t r = 0; r < n; ++r) {
-    T* dkr = dckv.data() + r * cw + rkv;
+  // shared rotary key. d_in: the gradient of every position's [normed latent | rotated key].
+  std::vector<T> d_in(sz(nk * cw), T(0));
+  for (std::int64_t r = 0; r < nk; ++r) {
+    T* dkr = d_in.data() + r * cw + rkv;
     for (std::int64_t j = 0; j < h; ++j) {
       const T* dkj = dk.data() + r * qw + j * dh;
       T* dst = dkvb.data() + r * kvw + j * (dn + dv);
       for (std::int64_t i = 0; i < dn; ++i) dst[i] += dkj[i];
       for (std::int64_t i = 0; i < dr; ++i) dkr[i] += dkj[dn + i];
     }
-    const std::int64_t pos = r % seq;
-    Rope(dq.data() + r * qw + dn, h, dh, pos, RopeDirection::kInverse);
-    Rope(dkr, 1, dr, pos, RopeDirection::kInverse);
   }
-  std::vector<T> dlat(sz(n * rkv)), lat(sz(n * rkv));
-  Gemm<T>(Trans::kNo, Trans::kNo, n, rkv, kvw, T(1), dkvb.data(), kvw, w.kv_b, rkv, T(0), dlat.data(), rkv);
-  Gemm<T>(Trans::kYes, Trans::kNo, kvw, rkv, n, T(1), dkvb.data(), kvw, latn_.data(), rkv, T(1), g.kv_b, rkv);
-  for (std::int64_t r = 0; r < n; ++r) std::copy_n(ckv_.data() + r * cw, rkv, lat.data() + r * rkv);
+  // kv_b: this rank's queries' share over every position (summed over cp by the trainer, as
+  // every weight gradient is); the normed latents' gradients go to the positions' ranks.
+  Gemm<T>(Trans::kNo, Trans::kNo, nk, rkv, kvw, T(1), dkvb.data(), kvw, w.kv_b, rkv, T(0), d_in.data(), cw);
+  Gemm<T>(Trans::kYes, Trans::kNo, kvw, rkv, nk, T(1), dkvb.data(), kvw, kv_in_.data(), cw, T(1), g.kv_b, rkv);
+  std::vector<T> dmine(sz(n * cw));
+  if (cp > 1) {
+    std::vector<T> send(sz(cp * n * cw));
+    for (std::int64_t q = 0; q < cp; ++q) {
+      for (std::int64_t b = 0; b < batch; ++b) {
+        std::copy_n(d_in.data() + (b * total + q * seq) * cw, seq * cw, send.data() + (q * n + b * seq) * cw);
+      }
+    }
+    par_->ReduceScatterCp(std::span<const T>(send), std::span<T>(dmine));
+  } else {
+    dmine = std::move(d_in);
+  }
+  std::vector<T> dlat(sz(n * rkv)), lat(sz(n * rkv)), dckv(sz(n * cw));
+  for (std::int64_t r = 0; r < n; ++r) {
+    const std::int64_t pos = first + r % seq;
+    Rope(dq.data() + r * qw + dn, h, dh, pos, RopeDirection::kInverse);
+    T* dkr = dmine.data() + r * cw + rkv;
+    Rope(dkr, 1, dr, pos, RopeDirection::kInverse);
+    std::copy_n(dkr, dr, dckv.data() + r * cw + rkv);
+    std::copy_n(dmine.data() + r * cw, rkv, dlat.data() + r * rkv);
+    std::copy_n(ckv_.data() + r * cw, rkv, lat.data() + r * rkv);
+  }
   RmsNormBackward(dlat.data(), lat.data(), w.kv_a_norm, rstd_kv_.data(), n, rkv, dlat.data(), g.kv_a_norm);
   for (std::int64_t r = 0; r < n; ++r) std::copy_n(dlat.data() + r * rkv, rkv, dckv.data() + r * cw);
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, cw, T(1), dckv.data(), cw, w.kv_a, d, T(0), dx, d);

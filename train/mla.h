@@ -1,4 +1,4 @@
-// Multi-latent attention (DeepSeek-V2/V3, train/MODEL.md §3.2) with forward and backward written
+// Multi-latent attention (DeepSeek-V2/V3, train/MODEL.md §4) with forward and backward written
 // out: queries through a normed low-rank bottleneck (or one projection), keys and values
 // expanded per head from one normed latent, and one rotary key shared by every head. The
 // attention itself (causal softmax, head dims of queries/keys and values that differ) is the
@@ -58,7 +58,11 @@ struct MlaGrads {
 template <typename T>
 class LatentAttention {
  public:
-  // Context parallelism is not supported (the trainer refuses it for MLA models).
+  // With context parallelism (`par->cp` of P ranks) a rank holds positions [r·seq, (r+1)·seq)
+  // of each sequence; the cp ranks all-gather each position's normed latent and rotated key
+  // (rkv + dr values: MLA's compressed form) and expand every position's keys and values
+  // themselves; the gradients of those inputs are reduce-scattered back to their ranks, and
+  // kv_b's gradient is this rank's queries' share (summed over cp with every weight gradient).
   explicit LatentAttention(const MlaShape& shape, ModelParallel* par = nullptr);
 
   // x: [batch·seq, d] rows in (batch, position) order. Writes y: [batch·seq, d] (this rank's
@@ -77,11 +81,12 @@ class LatentAttention {
   std::vector<T> cos_, sin_;          // [positions, rope_dim/2]
   std::vector<T> cq_, cqn_, rstd_q_;  // bottleneck: [N, q_rank] before / after its norm, [N] 1/rms
   std::vector<T> q_;                  // [N, H·head_dim], rotary parts rotated
-  std::vector<T> ckv_;                // [N, kv_rank + rope_dim]: the latent, the rotary key (rotated)
-  std::vector<T> latn_, rstd_kv_;     // [N, kv_rank] the normed latent, [N] 1/rms
-  std::vector<T> k_;                  // [N, H·head_dim]: per head [k nope | rotary key]
-  std::vector<T> kvb_;                // [N, H·(nope + v_dim)]: per head [k nope | v]
-  std::vector<T> probs_;              // [batch, H, seq, seq]
+  std::vector<T> ckv_;                // [N, kv_rank + rope_dim]: the latent, the rotary key (unrotated)
+  std::vector<T> rstd_kv_;            // [N] the latent's 1/rms
+  std::vector<T> kv_in_;              // [batch, P·seq, kv_rank + rope_dim]: normed latent, rotated key
+  std::vector<T> k_;                  // [batch·P·seq, H·head_dim]: per head [k nope | rotary key]
+  std::vector<T> kvb_;                // [batch·P·seq, H·(nope + v_dim)]: per head [k nope | v]
+  std::vector<T> probs_;              // [batch, H, seq, P·seq]
   std::vector<T> ctx_;                // [N, H·v_dim]
 };
 

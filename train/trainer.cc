@@ -95,10 +95,6 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
                            "degree " + std::to_string(state->cp_size()) + " (ep under rules '" +
                            parallel.layout.layout.rules().name + "')");
   }
-  if (model.IsMla() && state->cp_size() > 1) {
-    return Unimplemented("train: model '" + model.name + "' has multi-latent attention, which context parallelism (" +
-                         "ep under rules '" + parallel.layout.layout.rules().name + "') does not run yet");
-  }
   RS_ASSIGN_OR_RETURN(ProcessGroups groups, state->MakeGroups(*world));
   auto t = std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus), std::move(state), std::move(groups)));
   t->self_ = std::move(self);
