@@ -46,6 +46,8 @@ std::vector<std::string> MixtralDifferences(const ModelConfig& c) {
                     "): Mixtral has full attention in every layer");
   }
   if (c.qk_norm) diffs.push_back("per-head q/k norms (qk_norm): Mixtral attention has none");
+  if (c.IsMla())
+    diffs.push_back("multi-latent attention (mla_kv_rank > 0): Mixtral attention is GQA (deepseek_v3 has MLA)");
   return diffs;
 }
 

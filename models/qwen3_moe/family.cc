@@ -23,7 +23,11 @@ std::vector<std::string> Qwen3MoeDifferences(const ModelConfig& c) {
   }
   if (c.shared_ffn > 0) diffs.push_back("a shared expert (shared_ffn > 0): Qwen3-MoE has none");
   if (c.full_attn_interval > 0) diffs.push_back("gated-delta-net layers (full_attn_interval > 0)");
-  if (!c.qk_norm) diffs.push_back("no q/k norms (qk_norm false): Qwen3-MoE attention always applies them");
+  if (c.IsMla()) {
+    diffs.push_back("multi-latent attention (mla_kv_rank > 0): Qwen3-MoE attention is GQA (deepseek_v3 has MLA)");
+  } else if (!c.qk_norm) {
+    diffs.push_back("no q/k norms (qk_norm false): Qwen3-MoE attention always applies them");
+  }
   return diffs;
 }
 

@@ -416,6 +416,32 @@ TEST(HfFamilies, TitanDeepSeekV3DcpConvertsToTransformersLoss) {
   }
 }
 
+// Our own model with DeepSeek-V3's blocks exports only as deepseek_v3: the default (Mixtral)
+// refuses it naming MLA and the family that can, `--family deepseek_v3` writes it, and the
+// import of that has the same parameters and buffers.
+TEST(HfFamilies, OwnMlaModelExportsAsDeepSeekV3) {
+  TempDir tmp;
+  const std::string model = tmp / "m.json";
+  std::ofstream(model) << R"({"name": "ds", "n_layers": 3, "first_dense_layers": 1, "n_kv_heads": 4, "head_dim": 12, )"
+                       << R"("mla_q_rank": 16, "mla_kv_rank": 8, "mla_rope_dim": 4, "mla_v_dim": 8, )"
+                       << R"("rope_interleave": true, "router": "sigmoid_bias", "router_grouped": true, )"
+                       << R"("router_groups": 2, "shared_ffn": 64})";
+  ASSERT_EQ(RunCli("example --model " + model + " --layout tp=2 -o " + (tmp / "ck")).exit_code, 0);
+  const CommandResult refused = RunCli("export " + (tmp / "ck") + " --format hf -o " + (tmp / "hf"));
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_TRUE(Contains(refused.output, "multi-latent attention")) << refused.output;
+  EXPECT_TRUE(Contains(refused.output, "export --family deepseek_v3")) << refused.output;
+  EXPECT_FALSE(fs::exists(tmp / "hf"));
+  const CommandResult e = RunCli("export " + (tmp / "ck") + " --format hf --family deepseek_v3 -o " + (tmp / "hf"));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_EQ(ReadJson(tmp / "hf/config.json")["q_lora_rank"], 16);
+  Import(tmp / "hf", "tp=4", tmp / "imp");
+  for (const char* role : {"parameter", "buffer"}) {
+    const CommandResult d = RunCli("diff " + (tmp / "ck") + " " + (tmp / "imp") + " --role " + role);
+    EXPECT_EQ(d.exit_code, 0) << role << "\n" << d.output;
+  }
+}
+
 // Multi-token-prediction layers (num_nextn_predict_layers: layers past num_hidden_layers) are
 // skipped with a note naming them; the same tensors without that field are refused.
 TEST(HfFamilies, DeepSeekV3SkipsMultiTokenPredictionLayers) {
