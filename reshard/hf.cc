@@ -324,10 +324,17 @@ class BlockReader {
       if (src.scales != nullptr) {  // dequantize: fp8 -> f32, times its block's scale, -> `to`
         f32_.resize(static_cast<std::size_t>(items));
         ConvertFloats(from, p, DType::kF32, f32_.data(), f32_.size());
-        for (std::int64_t k = 0; k < items; ++k) {
-          const std::int64_t i = b / in_size + k, r = i / src.cols, c = i % src.cols;
-          f32_[static_cast<std::size_t>(k)] *=
+        // Row by row, one block's columns at a time: one scale per run, no division per item.
+        for (std::int64_t k = 0, i = b / in_size; k < items;) {
+          const std::int64_t r = i / src.cols, c = i % src.cols;
+          // To the end of the block or of the row (a partial last block), whichever is first.
+          const std::int64_t run = std::min({items - k, src.block_cols - c % src.block_cols, src.cols - c});
+          const float scale =
               (*src.scales)[static_cast<std::size_t>((r / src.block_rows) * src.scale_cols + c / src.block_cols)];
+          float* v = f32_.data() + k;
+          for (std::int64_t j = 0; j < run; ++j) v[j] *= scale;
+          k += run;
+          i += run;
         }
         ConvertFloats(DType::kF32, f32_.data(), to, dst, f32_.size());
       } else if (from == to) {
