@@ -674,12 +674,88 @@ Status ReadPlacement(CheckpointReader& reader, const std::string& name, const Sh
   return Status::Ok();
 }
 
+// What a placement reads and where it lands in its buffer, as one number: equal on two ranks
+// (up to a 64-bit hash collision, which the tp leader's broadcast would then make visible as a
+// wrong value, not as a crash) exactly when they read the same logical pieces into the same
+// buffer layout.
+std::int64_t PlacementFingerprint(const Placement& p) {
+  const SliceMap m = p.Map(/*with_segments=*/true);
+  std::uint64_t h = 1469598103934665603ULL;
+  const auto mix = [&h](std::int64_t v) { h = (h ^ static_cast<std::uint64_t>(v)) * 1099511628211ULL; };
+  mix(p.buffer_numel());
+  for (const Piece& piece : m.pieces) {
+    for (const std::int64_t v : piece.box.offset) mix(v);
+    for (const std::int64_t v : piece.box.shape) mix(v);
+    mix(piece.range ? piece.range->begin : -1);
+    mix(piece.range ? piece.range->end : -1);
+  }
+  for (const BufferSegment& g : m.segments) {
+    mix(g.buffer_begin);
+    mix(g.length);
+    mix(static_cast<std::int64_t>(g.piece));
+    mix(g.piece_begin);
+  }
+  return static_cast<std::int64_t>(h & 0x7fffffffffffffffULL) | 1;  // never 0: 0 means "reads nothing"
+}
+
 }  // namespace
 
-Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model) {
+Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model, comm::Communicator* tp) {
+  // Tensors every rank of the tp group reads alike (norms, routers, the expert bias, MLA's
+  // down projections – whatever tp does not cut): its first rank reads them and broadcasts.
+  std::vector<char> shared(tensors_.size(), 0);
+  if (tp != nullptr && tp->size() > 1) {
+    std::vector<std::int64_t> lo(tensors_.size(), 0);
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const Tensor& t = tensors_[i];
+      if (map_->tensors()[t.ckpt].role != TensorRole::kParameter) {
+        lo[i] = PlacementFingerprint(ComputePlacement(i));
+      } else if (t.owned >= 0) {
+        lo[i] = PlacementFingerprint(*t.placement);
+      }
+    }
+    std::vector<std::int64_t> hi = lo;
+    for (std::int64_t& v : lo) v = -v;  // the minimum as the maximum of the negated (fingerprints are >= 0)
+    RS_RETURN_IF_ERROR(tp->AllReduce(std::span<std::int64_t>(lo), comm::ReduceOp::kMax));
+    RS_RETURN_IF_ERROR(tp->AllReduce(std::span<std::int64_t>(hi), comm::ReduceOp::kMax));
+    for (std::int64_t& v : lo) v = -v;
+    for (std::size_t i = 0; i < tensors_.size(); ++i) shared[i] = lo[i] == hi[i] && lo[i] != 0 ? 1 : 0;
+  }
+  const bool leader = tp == nullptr || tp->rank() == 0;
+  const Status mine = LoadTensors(reader, model, shared, leader);
+  if (tp == nullptr || tp->size() == 1) return mine;
+  std::int64_t failed = mine.ok() ? 0 : 1;
+  RS_RETURN_IF_ERROR(tp->AllReduce(std::span<std::int64_t>(&failed, 1), comm::ReduceOp::kSum));
+  if (failed > 0) {
+    return mine.ok() ? FailedPrecondition(
+                           "another rank of this rank's tensor-parallel group failed to read the "
+                           "checkpoint")
+                     : mine;
+  }
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (shared[i] == 0) continue;
+    const Tensor& t = tensors_[i];
+    const auto share = [&](std::span<float> v) { return tp->Broadcast(std::as_writable_bytes(v), 0); };
+    if (map_->tensors()[t.ckpt].role != TensorRole::kParameter) {
+      RS_RETURN_IF_ERROR(share(
+          model.params().subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)))));
+      continue;
+    }
+    const auto n = static_cast<std::size_t>(t.placement->buffer_numel());
+    const auto off = static_cast<std::size_t>(t.owned);
+    RS_RETURN_IF_ERROR(share(master().subspan(off, n)));
+    RS_RETURN_IF_ERROR(share(opt_->exp_avg().subspan(off, n)));
+    RS_RETURN_IF_ERROR(share(opt_->exp_avg_sq().subspan(off, n)));
+  }
+  return Status::Ok();
+}
+
+Status ShardedState::LoadTensors(CheckpointReader& reader, Transformer<float>& model, const std::vector<char>& shared,
+                                 bool leader) {
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const Tensor& t = tensors_[i];
     const TensorSpec& spec = map_->tensors()[t.ckpt];
+    if (shared[i] != 0 && !leader) continue;    // the tp group's first rank reads it
     if (spec.role != TensorRole::kParameter) {  // buffers: the whole compute tensor
       RS_RETURN_IF_ERROR(ReadPlacement(
           reader, spec.name, spec.shape, ComputePlacement(i),
@@ -701,9 +777,10 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model) {
 }
 
 Status ShardedState::LoadOncePerReplicaGroup(CheckpointReader& reader, Transformer<float>& model,
-                                             comm::Communicator* replicas) {
-  if (replicas == nullptr || replicas->size() == 1) return Load(reader, model);
-  const Status mine = replicas->rank() == 0 ? Load(reader, model) : Status::Ok();
+                                             comm::Communicator* replicas, comm::Communicator* tp) {
+  if (replicas == nullptr || replicas->size() == 1) return Load(reader, model, tp);
+  // The group's first ranks read: with tp, those of every tp index, and they are one tp group.
+  const Status mine = replicas->rank() == 0 ? Load(reader, model, tp) : Status::Ok();
   std::int64_t failed = mine.ok() ? 0 : 1;
   RS_RETURN_IF_ERROR(replicas->AllReduce(std::span<std::int64_t>(&failed, 1), comm::ReduceOp::kSum));
   if (failed > 0) {

@@ -173,6 +173,58 @@ double Amplification(const std::string& output) {
   return std::stod(output.substr(open + 1, at - open - 1));
 }
 
+// "1.34 MiB" (HumanBytes) as bytes.
+double ParseBytes(const std::string& s) {
+  const double v = std::stod(s);
+  for (const auto& [unit, scale] : std::vector<std::pair<std::string, double>>{
+           {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}, {"B", 1.0}}) {
+    if (s.find(unit) != std::string::npos) return v * scale;
+  }
+  return -1;
+}
+
+// What tp does not cut – norms, routers, and here mostly MLA's down projections q_a and kv_a –
+// is read by one rank of each tp group and broadcast. The resume's line says what all ranks read
+// and the most one rank read: with the replicated tensors read by both tp ranks (before), the
+// sum was twice that most (2.68 = 2 x 1.34 MiB at tp=2); now the second rank reads R fewer
+// bytes, R = the replicated tensors' master and moments. The losses are one process's.
+TEST(ResumeRead, WhatTensorParallelismReplicatesIsReadOnce) {
+  if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
+  TempDir tmp;
+  const std::string model = tmp / "rep.json";
+  const int d = 128, rq = 256, rkv = 256, rope = 4;
+  std::ofstream(model) << R"({"name": "replicated-heavy", "d_model": 128, "n_layers": 1, "n_heads": 2, )"
+                       << R"("n_kv_heads": 2, "head_dim": 12, "mla_q_rank": 256, "mla_kv_rank": 256, )"
+                       << R"("mla_rope_dim": 4, "mla_v_dim": 4, "n_experts": 2, "top_k": 1, "moe_ffn": 8, )"
+                       << R"("max_seq_len": 32})";
+  // q_a, kv_a, their norms, attn/mlp/final norms, the router: f32 master, exp_avg, exp_avg_sq.
+  const double replicated = 12.0 * (rq * d + (rkv + rope) * d + rq + rkv + 3 * d + 2 * d);
+  const std::string save = tmp / "run";
+  ASSERT_EQ(RunCli("train --model " + model + " --steps 1 --threads 1 --save " + save).exit_code, 0);
+  double first_loss = 0;
+  for (const auto& [np, layout] :
+       std::vector<std::pair<int, std::string>>{{1, "tp=1"}, {2, "tp=2"}, {4, "tp=2,dp=2"}}) {
+    SCOPED_TRACE(layout);
+    const std::string log = tmp / ("log" + std::to_string(np));
+    const CommandResult r =
+        RunShell("timeout 120 " + Launcher(np) + std::string(RS_CLI) + " train --threads 1 --resume " + save +
+                 "/step-00000001 --steps 2 --layout " + layout + " --log " + log);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::size_t at = r.output.find("; read ");
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const double sum = ParseBytes(r.output.substr(at + 7));
+    const std::size_t most_at = r.output.find("at most ", at);
+    ASSERT_NE(most_at, std::string::npos) << r.output;
+    const double most = ParseBytes(r.output.substr(most_at + 8));
+    const double loss = Losses(log).at(0);
+    if (np == 1) first_loss = loss;
+    EXPECT_NEAR(loss, first_loss, 1e-5 * first_loss);
+    if (np == 1) continue;
+    // Two readers (the dp group's first ranks, one per tp index); the second skips R.
+    EXPECT_LT(sum, 2 * most - 0.8 * replicated) << r.output;
+  }
+}
+
 // A resume at dp = 2 or 4 reads the checkpoint once per data-parallel group, not once per
 // replica: about what one process reads (before, 2x and 4x), with the same losses; a damaged
 // checkpoint fails every rank of the group, none waits for a broadcast that never comes.
