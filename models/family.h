@@ -138,6 +138,11 @@ struct LlamaDefaults {
 };
 Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, ModelConfig& c,
                        std::vector<std::string>& diffs);
+// What every family's write_hf_config checks first: FailedPrecondition "model '<name>' cannot
+// be expressed as <label>: a; b" when `diffs` is not empty, InvalidArgument when `dtype` has no
+// torch name; else the torch name ("bfloat16").
+Result<std::string> CheckExportable(const ModelConfig& c, std::string_view label, const std::vector<std::string>& diffs,
+                                    DType dtype);
 // FailedPrecondition "<what>: a <type> model our model cannot express: a; b" or Ok.
 Status CannotExpress(const std::string& what, const std::string& type, const std::vector<std::string>& diffs);
 // Our settings that HF configs do not carry, written by export under "moe_reshard.model".

@@ -2,6 +2,7 @@
 // family's table starts from these and adds its own MLP rows.
 #pragma once
 
+#include <string_view>
 #include <vector>
 
 #include "models/family.h"
@@ -19,6 +20,21 @@ inline std::vector<NameRow> LlamaNameRows() {
       {"layers.{L}.mlp_norm.weight", "", false, "", "model.layers.{L}.post_attention_layernorm.weight"},
       {"final_norm.weight", "", false, "", "model.norm.weight"},
       {"output.weight", "", false, "", "lm_head.weight"},
+  };
+}
+
+// `rows` without those of our tensor `ours` (e.g. the fused QKV's, for multi-latent attention).
+inline std::vector<NameRow> RowsWithout(std::vector<NameRow> rows, std::string_view ours) {
+  std::erase_if(rows, [&](const NameRow& r) { return r.ours == ours; });
+  return rows;
+}
+
+// A dense SwiGLU MLP as Qwen-MoE and DeepSeek-V3 name it: mlp.{gate,up,down}_proj.
+inline std::vector<NameRow> HfDenseMlpRows() {
+  return {
+      {"layers.{L}.mlp.fc1.weight", "gate", false, "", "model.layers.{L}.mlp.gate_proj.weight"},
+      {"layers.{L}.mlp.fc1.weight", "up", false, "", "model.layers.{L}.mlp.up_proj.weight"},
+      {"layers.{L}.mlp.fc2.weight", "", false, "", "model.layers.{L}.mlp.down_proj.weight"},
   };
 }
 

@@ -249,6 +249,18 @@ Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, M
   return Status::Ok();
 }
 
+Result<std::string> CheckExportable(const ModelConfig& c, std::string_view label, const std::vector<std::string>& diffs,
+                                    DType dtype) {
+  if (!diffs.empty()) {
+    std::string msg = "model '" + c.name + "' cannot be expressed as " + std::string(label) + ": ";
+    for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
+    return FailedPrecondition(msg);
+  }
+  std::string torch = TorchDTypeName(dtype);
+  if (torch.empty()) return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + " has no torch_dtype");
+  return torch;
+}
+
 Status CannotExpress(const std::string& what, const std::string& type, const std::vector<std::string>& diffs) {
   if (diffs.empty()) return Status::Ok();
   std::string msg = what + ": a " + type + " model our model cannot express: ";

@@ -6,14 +6,14 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cinttypes>
-#include <cstdio>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
+#include <string_view>
 
 #include "core/check.h"
 #include "core/cleanup.h"
@@ -441,6 +441,16 @@ Status AttachFp8Scales(const std::string& name, const Fp8Blocks& blocks,
   return Status::Ok();
 }
 
+// L of a tensor named "model.layers.L.…", or -1 (no such prefix, or L past int64).
+std::int64_t HfLayerOf(std::string_view name) {
+  constexpr std::string_view kPrefix = "model.layers.";
+  if (!name.starts_with(kPrefix)) return -1;
+  name.remove_prefix(kPrefix.size());
+  std::int64_t layer = -1;
+  const auto [end, ec] = std::from_chars(name.data(), name.data() + name.size(), layer);
+  return ec == std::errc() && end != name.data() + name.size() && *end == '.' ? layer : -1;
+}
+
 bool SafeRelativePath(const std::string& p) {
   if (p.empty() || p.front() == '/') return false;
   for (const auto& part : fs::path(p)) {
@@ -578,9 +588,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
       result.notes.push_back("ignored '" + name + "' (RoPE frequencies, recomputed from rope_theta)");
       continue;
     }
-    if (std::int64_t layer = -1; mtp_layers > 0 &&
-                                 std::sscanf(name.c_str(), "model.layers.%" SCNd64 ".", &layer) == 1 &&
-                                 layer >= config.n_layers && layer - config.n_layers < mtp_layers) {
+    if (const std::int64_t layer = HfLayerOf(name);
+        mtp_layers > 0 && layer >= config.n_layers && layer - config.n_layers < mtp_layers) {
       ++mtp_skipped[layer];
       continue;
     }

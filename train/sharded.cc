@@ -674,6 +674,15 @@ Status ReadPlacement(CheckpointReader& reader, const std::string& name, const Sh
   return Status::Ok();
 }
 
+// Whether every rank of `group` read its part: this rank's error, `others_failed`
+// (FailedPrecondition) when only another rank's read failed, Ok when none did. Collective.
+Status AgreeOnRead(comm::Communicator& group, const Status& mine, const char* others_failed) {
+  std::int64_t failed = mine.ok() ? 0 : 1;
+  RS_RETURN_IF_ERROR(group.AllReduce(std::span<std::int64_t>(&failed, 1), comm::ReduceOp::kSum));
+  if (failed == 0) return Status::Ok();
+  return mine.ok() ? FailedPrecondition(others_failed) : mine;
+}
+
 // What a placement reads and where it lands in its buffer, as one number: equal on two ranks
 // (up to a 64-bit hash collision, which the tp leader's broadcast would then make visible as a
 // wrong value, not as a crash) exactly when they read the same logical pieces into the same
@@ -724,14 +733,9 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model, c
   const bool leader = tp == nullptr || tp->rank() == 0;
   const Status mine = LoadTensors(reader, model, shared, leader);
   if (tp == nullptr || tp->size() == 1) return mine;
-  std::int64_t failed = mine.ok() ? 0 : 1;
-  RS_RETURN_IF_ERROR(tp->AllReduce(std::span<std::int64_t>(&failed, 1), comm::ReduceOp::kSum));
-  if (failed > 0) {
-    return mine.ok() ? FailedPrecondition(
-                           "another rank of this rank's tensor-parallel group failed to read the "
-                           "checkpoint")
-                     : mine;
-  }
+  RS_RETURN_IF_ERROR(AgreeOnRead(*tp, mine,
+                                 "another rank of this rank's tensor-parallel group failed to read the "
+                                 "checkpoint"));
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     if (shared[i] == 0) continue;
     const Tensor& t = tensors_[i];
@@ -781,14 +785,9 @@ Status ShardedState::LoadOncePerReplicaGroup(CheckpointReader& reader, Transform
   if (replicas == nullptr || replicas->size() == 1) return Load(reader, model, tp);
   // The group's first ranks read: with tp, those of every tp index, and they are one tp group.
   const Status mine = replicas->rank() == 0 ? Load(reader, model, tp) : Status::Ok();
-  std::int64_t failed = mine.ok() ? 0 : 1;
-  RS_RETURN_IF_ERROR(replicas->AllReduce(std::span<std::int64_t>(&failed, 1), comm::ReduceOp::kSum));
-  if (failed > 0) {
-    return mine.ok() ? FailedPrecondition(
-                           "the rank that reads the checkpoint for this rank's data-parallel group "
-                           "failed to read it")
-                     : mine;
-  }
+  RS_RETURN_IF_ERROR(AgreeOnRead(*replicas, mine,
+                                 "the rank that reads the checkpoint for this rank's data-parallel group failed to "
+                                 "read it"));
   const auto share = [&](std::span<float> v) { return replicas->Broadcast(std::as_writable_bytes(v), 0); };
   RS_RETURN_IF_ERROR(share(master_));
   RS_RETURN_IF_ERROR(share(opt_->exp_avg()));

@@ -42,13 +42,7 @@ std::vector<std::string> DeepSeekV3Differences(const ModelConfig& c) {
 }
 
 Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
-  if (auto diffs = DeepSeekV3Differences(c); !diffs.empty()) {
-    std::string msg = "model '" + c.name + "' cannot be expressed as DeepSeek-V3: ";
-    for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
-    return FailedPrecondition(msg);
-  }
-  const std::string torch = TorchDTypeName(dtype);
-  if (torch.empty()) return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + " has no torch_dtype");
+  RS_ASSIGN_OR_RETURN(const std::string torch, CheckExportable(c, "DeepSeek-V3", DeepSeekV3Differences(c), dtype));
   const std::int64_t groups = c.router_grouped ? c.router_groups : 1;
   return nlohmann::json{{"architectures", {"DeepseekV3ForCausalLM"}},
                         {"model_type", "deepseek_v3"},
@@ -145,10 +139,7 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
 }
 
 std::vector<NameRow> Rows() {
-  std::vector<NameRow> rows;
-  for (const NameRow& r : LlamaNameRows()) {
-    if (r.ours != "layers.{L}.attn.qkv.weight") rows.push_back(r);  // MLA has its own projections
-  }
+  std::vector<NameRow> rows = RowsWithout(LlamaNameRows(), "layers.{L}.attn.qkv.weight");  // MLA: its own projections
   const std::vector<NameRow> mine = {
       {"layers.{L}.attn.q_a.weight", "", false, "", "model.layers.{L}.self_attn.q_a_proj.weight"},
       {"layers.{L}.attn.q_a_norm.weight", "", false, "", "model.layers.{L}.self_attn.q_a_layernorm.weight"},
@@ -157,10 +148,6 @@ std::vector<NameRow> Rows() {
       {"layers.{L}.attn.kv_a.weight", "", false, "", "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight"},
       {"layers.{L}.attn.kv_a_norm.weight", "", false, "", "model.layers.{L}.self_attn.kv_a_layernorm.weight"},
       {"layers.{L}.attn.kv_b.weight", "", false, "", "model.layers.{L}.self_attn.kv_b_proj.weight"},
-      // Dense layers (the first first_k_dense_replace): DeepseekV3MLP.
-      {"layers.{L}.mlp.fc1.weight", "gate", false, "", "model.layers.{L}.mlp.gate_proj.weight"},
-      {"layers.{L}.mlp.fc1.weight", "up", false, "", "model.layers.{L}.mlp.up_proj.weight"},
-      {"layers.{L}.mlp.fc2.weight", "", false, "", "model.layers.{L}.mlp.down_proj.weight"},
       // MoE layers: the correction bias and the shared experts beside the routed ones.
       {"layers.{L}.moe.router.expert_bias", "", false, "", "model.layers.{L}.mlp.gate.e_score_correction_bias"},
       {"layers.{L}.moe.shared.fc1.weight", "gate", false, "", "model.layers.{L}.mlp.shared_experts.gate_proj.weight"},
@@ -168,6 +155,9 @@ std::vector<NameRow> Rows() {
       {"layers.{L}.moe.shared.fc2.weight", "", false, "", "model.layers.{L}.mlp.shared_experts.down_proj.weight"},
   };
   rows.insert(rows.end(), mine.begin(), mine.end());
+  // Dense layers (the first first_k_dense_replace): DeepseekV3MLP.
+  const std::vector<NameRow> dense = HfDenseMlpRows();
+  rows.insert(rows.end(), dense.begin(), dense.end());
   const std::vector<NameRow> experts = QwenMoeExpertRows();
   rows.insert(rows.end(), experts.begin(), experts.end());
   return rows;
@@ -179,10 +169,7 @@ std::vector<NameRow> Rows() {
 // load-balancing expert_bias buffer and shared_experts. torchtitan's MLA rotates interleaved
 // pairs (complex multiplication), DeepSeek's layout, so rows are taken as they are.
 std::vector<NameRow> TitanRows() {
-  std::vector<NameRow> rows;
-  for (const NameRow& r : TitanLlamaRows()) {
-    if (r.ours != "layers.{L}.attn.qkv.weight") rows.push_back(r);
-  }
+  std::vector<NameRow> rows = RowsWithout(TitanLlamaRows(), "layers.{L}.attn.qkv.weight");
   const std::vector<NameRow> mine = {
       {"layers.{L}.attn.q_a.weight", "", false, "", "layers.{L}.attention.wq_a.weight"},
       {"layers.{L}.attn.q_a_norm.weight", "", false, "", "layers.{L}.attention.q_norm.weight"},

@@ -52,13 +52,7 @@ std::vector<std::string> MixtralDifferences(const ModelConfig& c) {
 }
 
 Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
-  if (auto diffs = MixtralDifferences(c); !diffs.empty()) {
-    std::string msg = "model '" + c.name + "' cannot be expressed as Mixtral: ";
-    for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
-    return FailedPrecondition(msg);
-  }
-  const std::string torch = TorchDTypeName(dtype);
-  if (torch.empty()) return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + " has no torch_dtype");
+  RS_ASSIGN_OR_RETURN(const std::string torch, CheckExportable(c, "Mixtral", MixtralDifferences(c), dtype));
   return nlohmann::json{{"architectures", {"MixtralForCausalLM"}},
                         {"model_type", "mixtral"},
                         {"hidden_size", c.d_model},

@@ -32,13 +32,7 @@ std::vector<std::string> Qwen3MoeDifferences(const ModelConfig& c) {
 }
 
 Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
-  if (auto diffs = Qwen3MoeDifferences(c); !diffs.empty()) {
-    std::string msg = "model '" + c.name + "' cannot be expressed as Qwen3-MoE: ";
-    for (std::size_t i = 0; i < diffs.size(); ++i) msg += (i > 0 ? "; " : "") + diffs[i];
-    return FailedPrecondition(msg);
-  }
-  const std::string torch = TorchDTypeName(dtype);
-  if (torch.empty()) return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + " has no torch_dtype");
+  RS_ASSIGN_OR_RETURN(const std::string torch, CheckExportable(c, "Qwen3-MoE", Qwen3MoeDifferences(c), dtype));
   // Dense layers: the first ones and the listed ones become mlp_only_layers; the step is kept.
   std::vector<std::int64_t> mlp_only;
   for (std::int64_t i = 0; i < c.n_layers; ++i) {
@@ -112,12 +106,11 @@ std::vector<NameRow> Rows() {
   const std::vector<NameRow> mine = {
       {"layers.{L}.attn.q_norm.weight", "", false, "", "model.layers.{L}.self_attn.q_norm.weight"},
       {"layers.{L}.attn.k_norm.weight", "", false, "", "model.layers.{L}.self_attn.k_norm.weight"},
-      // Dense layers (mlp_only_layers, decoder_sparse_step): Qwen3MoeMLP.
-      {"layers.{L}.mlp.fc1.weight", "gate", false, "", "model.layers.{L}.mlp.gate_proj.weight"},
-      {"layers.{L}.mlp.fc1.weight", "up", false, "", "model.layers.{L}.mlp.up_proj.weight"},
-      {"layers.{L}.mlp.fc2.weight", "", false, "", "model.layers.{L}.mlp.down_proj.weight"},
   };
   rows.insert(rows.end(), mine.begin(), mine.end());
+  // Dense layers (mlp_only_layers, decoder_sparse_step): Qwen3MoeMLP.
+  const std::vector<NameRow> dense = HfDenseMlpRows();
+  rows.insert(rows.end(), dense.begin(), dense.end());
   const std::vector<NameRow> experts = QwenMoeExpertRows();
   rows.insert(rows.end(), experts.begin(), experts.end());
   return rows;

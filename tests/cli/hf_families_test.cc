@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "formats/safetensors.h"
@@ -64,9 +65,11 @@ std::string TorchPython() {
 }
 
 // Rewrites DIR/model.safetensors without tensor `name` (reshape null) or with it reshaped
-// (zero-filled past its old bytes), plus `extra` tensors of f32 zeros.
+// (zero-filled past its old bytes) and stored as `dtype` (default: its own), plus `extra`
+// tensors of f32 zeros.
 void RewriteTensors(const std::string& dir, const std::string& name, const Shape* reshape,
-                    const std::vector<std::pair<std::string, Shape>>& extra = {}) {
+                    const std::vector<std::pair<std::string, Shape>>& extra = {},
+                    std::optional<DType> dtype = std::nullopt) {
   auto f = SafetensorsFile::Open(dir + "/model.safetensors");
   ASSERT_TRUE(f.ok());
   std::vector<SafetensorsEntry> entries;
@@ -76,8 +79,9 @@ void RewriteTensors(const std::string& dir, const std::string& name, const Shape
     ASSERT_TRUE((*f)->ReadTensorBytes(t, 0, b).ok());
     if (t.name == name && reshape == nullptr) continue;
     Shape shape = t.name == name ? *reshape : t.shape;
-    if (t.name == name) b.resize(static_cast<std::size_t>(Numel(shape)) * 4);
-    entries.push_back({t.name, t.dtype, shape});
+    const DType type = t.name == name ? dtype.value_or(t.dtype) : t.dtype;
+    if (t.name == name) b.resize(static_cast<std::size_t>(Numel(shape)) * DTypeSize(type));
+    entries.push_back({t.name, type, shape});
     bytes.push_back(std::move(b));
   }
   for (const auto& [n, shape] : extra) {
@@ -393,7 +397,18 @@ TEST(HfFamilies, DeepSeekV3Fp8ImportDequantizesExactly) {
         [](nlohmann::json& c, const std::string&) {
           c["quantization_config"]["weight_block_size"] = {16, 16};
         },
-        "implies a floating"}});
+        "implies a floating"},
+       {"not_an_object", [](nlohmann::json& c, const std::string&) { c["quantization_config"] = "fp8"; },
+        "config.json: quantization_config is not an object"},
+       {"fmt", [](nlohmann::json& c, const std::string&) { c["quantization_config"]["fmt"] = "e5m2"; },
+        "config.json: quantization_config.fmt is not 'e4m3'"},
+       {"fp8_vector",  // a norm weight stored as FP8, with a scale: block scales need a matrix
+        [](nlohmann::json&, const std::string& dir) {
+          const Shape norm{12};
+          RewriteTensors(dir, "model.layers.0.self_attn.q_a_layernorm.weight", &norm,
+                         {{"model.layers.0.self_attn.q_a_layernorm.weight_scale_inv", {1}}}, DType::kF8E4M3);
+        },
+        "FP8 tensor 'model.layers.0.self_attn.q_a_layernorm.weight' has shape [12] (block scales need a matrix)"}});
 }
 
 // The same weights as torchtitan saves them (tests/fixtures/titan/make_deepseek_titan.py:

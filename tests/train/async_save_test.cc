@@ -173,6 +173,15 @@ double Amplification(const std::string& output) {
   return std::stod(output.substr(open + 1, at - open - 1));
 }
 
+// Flips the bits of one byte of `file` in place.
+void FlipByte(const std::string& file, std::int64_t at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(at));
+  const int c = f.get();
+  f.seekp(static_cast<std::streamoff>(at));
+  f.put(static_cast<char>(c ^ 0x5a));
+}
+
 // "1.34 MiB" (HumanBytes) as bytes.
 double ParseBytes(const std::string& s) {
   const double v = std::stod(s);
@@ -223,6 +232,24 @@ TEST(ResumeRead, WhatTensorParallelismReplicatesIsReadOnce) {
     // Two readers (the dp group's first ranks, one per tp index); the second skips R.
     EXPECT_LT(sum, 2 * most - 0.8 * replicated) << r.output;
   }
+
+  // A flipped byte in a replicated tensor's master weights, which only the tp group's first
+  // rank reads: it fails, the other rank learns it from the group, nobody waits.
+  const std::string step = save + "/step-00000001";
+  const nlohmann::json manifest = nlohmann::json::parse(Slurp(step + "/manifest.json"));
+  std::int64_t offset = -1;
+  for (const auto& shard : manifest.at("shards")) {
+    if (shard.at("tensor") == "layers.0.attn.q_a.weight/master") offset = shard.at("offset").get<std::int64_t>();
+  }
+  ASSERT_GT(offset, 0);
+  FlipByte(step + "/rank-00000.h5", offset + 1000);
+  const CommandResult bad = RunShell("timeout 120 " + Launcher(2) + std::string(RS_CLI) +
+                                     " train --threads 1 --resume " + step + " --steps 2 --layout tp=2");
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.exit_code, 124) << "a rank waited for a broadcast that never came: " << bad.output;
+  EXPECT_NE(bad.output.find("rank-00000.h5"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("another rank of this rank's tensor-parallel group failed"), std::string::npos)
+      << bad.output;
 }
 
 // A resume at dp = 2 or 4 reads the checkpoint once per data-parallel group, not once per
@@ -264,12 +291,7 @@ TEST(ResumeRead, OncePerReplicaGroup) {
 
   // A flipped data byte: the reading rank's checked read fails, its replica learns it.
   const std::string file = save + "/step-00000002/rank-00001.h5";
-  const std::string bytes = Slurp(file);
-  {
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(bytes.size() / 2));
-    f.put(static_cast<char>(bytes[bytes.size() / 2] ^ 0x5a));
-  }
+  FlipByte(file, static_cast<std::int64_t>(fs::file_size(file) / 2));
   const CommandResult bad = RunShell("timeout 120 " + Launcher(2) + std::string(RS_CLI) +
                                      " train --threads 1 --resume " + save + " --steps 3 --layout dp=2");
   EXPECT_NE(bad.exit_code, 0) << bad.output;

@@ -102,6 +102,39 @@ class MpiTrainTest : public ::testing::Test {
       }
     }
   }
+  // (" --rules R" or "", layout)
+  using RulesLayout = std::pair<std::string, std::string>;
+  // Trains the model file `path` (--align 16) for 10 steps in one process and at each of
+  // `layouts`: the losses must match (1e-6 at step 1, 1e-4 over the 10). Then one step in one
+  // process and at each of `grad_layouts`, whose checkpoints (master weights and moments: the
+  // gradient through exp_avg) must match within 1e-5 – the sharper check: a wrong gradient can
+  // stay inside the loss bounds for a few warm-up steps. (1e-5, not less: the gradients agree
+  // to ~1e-9, but Adam's first step divides a near-zero gradient by its own magnitude, which
+  // lifts rounding in a few master weights to ~1e-6.) Returns the worst relative loss difference.
+  double ExpectMatchesOneProcess(const std::string& path, const std::vector<RulesLayout>& layouts,
+                                 const std::vector<RulesLayout>& grad_layouts) {
+    const std::string model = "--model " + path + " --steps 10 --align 16";
+    const std::vector<double> ref = Train("", model, "ref");
+    double worst = 0;
+    for (const auto& [rules, layout] : layouts) {
+      const Parity p = Compare(ref, Train(layout, model + rules, "par"));
+      EXPECT_LE(p.first, 1e-6) << rules << " at " << layout;
+      EXPECT_LE(p.worst, 1e-4) << rules << " at " << layout;
+      worst = std::max(worst, p.worst);
+    }
+    const std::string one = tmp_.path().string() + "/one";
+    const std::string step1 = "train --model " + path + " --steps 1 --threads 1 --align 16 --save ";
+    EXPECT_EQ(RunCli(step1 + one).exit_code, 0);
+    int n = 0;
+    for (const auto& [rules, layout] : grad_layouts) {
+      const std::string many = tmp_.path().string() + "/many-" + std::to_string(n++);
+      const CommandResult r = RunMpi(Ranks(layout), step1 + many + rules + " --layout " + layout);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      const CommandResult d = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-5");
+      EXPECT_EQ(d.exit_code, 0) << layout << rules << "\n" << d.output;
+    }
+    return worst;
+  }
   std::vector<double> Train(const std::string& layout, const std::string& args, const std::string& tag) {
     const std::string log = tmp_.path().string() + "/" + tag + ".jsonl";
     const CommandResult r =
@@ -347,42 +380,17 @@ TEST_F(MpiTrainTest, QkNormModelMatchesOneProcessAtEveryLayout) {
   const std::string path = tmp_.path().string() + "/qwen3-shaped.json";
   std::ofstream(path) << R"({"name": "qwen3-shaped", "qk_norm": true, "n_layers": 3, "dense_layers": [1], )"
                       << R"("n_experts": 8, "top_k": 2, "router": "softmax_topk"})";
-  const std::string model = "--model " + path + " --steps 10 --align 16";
-  struct Case {
-    std::string args, layout;
-  };
-  const std::vector<Case> cases = {
-      {model, "tp=2"},
-      {model, "tp=4"},
-      {model, "tp=2,fsdp=2"},
-      {model, "dp=2,fsdp=2,fsdp_form=box"},
-      {model, "ep=2,fsdp=2"},
-      {model, "ep=2,etp=2"},
-      {model + " --rules ep-over-tp", "tp=2,ep=2"},
-      {model + " --rules ep-as-cp", "ep=2,fsdp=2,fsdp_form=box"},
-  };
-  const std::vector<double> ref = Train("", model, "ref");
-  double worst = 0;
-  for (const auto& [args, layout] : cases) {
-    const Parity p = Compare(ref, Train(layout, args, "par"));
-    EXPECT_LE(p.first, 1e-6) << args << " at " << layout;
-    EXPECT_LE(p.worst, 1e-4) << args << " at " << layout;
-    worst = std::max(worst, p.worst);
-  }
+  const double worst = ExpectMatchesOneProcess(path,
+                                               {{"", "tp=2"},
+                                                {"", "tp=4"},
+                                                {"", "tp=2,fsdp=2"},
+                                                {"", "dp=2,fsdp=2,fsdp_form=box"},
+                                                {"", "ep=2,fsdp=2"},
+                                                {"", "ep=2,etp=2"},
+                                                {" --rules ep-over-tp", "tp=2,ep=2"},
+                                                {" --rules ep-as-cp", "ep=2,fsdp=2,fsdp_form=box"}},
+                                               {{"", "tp=2"}, {"", "tp=4"}});
   std::printf("q/k norm model, worst relative loss difference over steps 1-10: %.3g\n", worst);
-
-  const std::string one = tmp_.path().string() + "/one";
-  const std::string step1 = "train --model " + path + " --steps 1 --threads 1 --align 16 --save ";
-  ASSERT_EQ(RunCli(step1 + one).exit_code, 0);
-  for (const char* layout : {"tp=2", "tp=4"}) {
-    const std::string many = tmp_.path().string() + "/many-" + layout;
-    const CommandResult r = RunMpi(Ranks(layout), step1 + many + " --layout " + layout);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    // 1e-5: the gradients (exp_avg) agree to ~1e-9, but Adam's first step divides a near-zero
-    // gradient by its own magnitude, which lifts rounding in a few master weights to ~1e-6.
-    const CommandResult d = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-5");
-    EXPECT_EQ(d.exit_code, 0) << layout << "\n" << d.output;
-  }
 }
 
 // A DeepSeek-V3-shaped model: multi-latent attention (q_a, kv_a and their norms replicated over
@@ -398,44 +406,20 @@ TEST_F(MpiTrainTest, LatentAttentionModelMatchesOneProcessAtEveryLayout) {
                       << R"("mla_v_dim": 12, "rope_interleave": true, "n_experts": 8, "top_k": 2, )"
                       << R"("router": "sigmoid_bias", "router_grouped": true, "router_groups": 4, )"
                       << R"("router_groups_kept": 2, "router_scale": 2.5, "shared_ffn": 32})";
-  const std::string model = "--model " + path + " --steps 10 --align 16";
-  const std::vector<std::pair<std::string, std::string>> cases = {
-      {model, "tp=2"},
-      {model, "tp=4"},
-      {model, "tp=2,fsdp=2"},
-      {model, "dp=2,fsdp=2,fsdp_form=box"},
-      {model, "ep=2,etp=2"},
-      {model + " --rules ep-over-tp", "tp=2,ep=2"},
-      // Context parallelism: the cp ranks exchange each position's latent and rotary key.
-      {model + " --rules ep-as-cp", "ep=2,fsdp=2,fsdp_form=box"},
-      {model + " --rules ep-as-cp", "ep=4,fsdp_form=box"},
-      {model + " --rules ep-as-cp", "tp=2,ep=2,fsdp_form=box"},
-  };
-  const std::vector<double> ref = Train("", model, "ref");
-  double worst = 0;
-  for (const auto& [args, layout] : cases) {
-    const Parity p = Compare(ref, Train(layout, args, "par"));
-    EXPECT_LE(p.first, 1e-6) << args << " at " << layout;
-    EXPECT_LE(p.worst, 1e-4) << args << " at " << layout;
-    worst = std::max(worst, p.worst);
-  }
+  const double worst =
+      ExpectMatchesOneProcess(path,
+                              {{"", "tp=2"},
+                               {"", "tp=4"},
+                               {"", "tp=2,fsdp=2"},
+                               {"", "dp=2,fsdp=2,fsdp_form=box"},
+                               {"", "ep=2,etp=2"},
+                               {" --rules ep-over-tp", "tp=2,ep=2"},
+                               // Context parallelism: the cp ranks exchange each position's latent and rotary key.
+                               {" --rules ep-as-cp", "ep=2,fsdp=2,fsdp_form=box"},
+                               {" --rules ep-as-cp", "ep=4,fsdp_form=box"},
+                               {" --rules ep-as-cp", "tp=2,ep=2,fsdp_form=box"}},
+                              {{"", "tp=2"}, {"", "tp=4"}, {" --rules ep-as-cp", "ep=4,fsdp_form=box"}});
   std::printf("MLA model, worst relative loss difference over steps 1-10: %.3g\n", worst);
-
-  // One step's gradients (through exp_avg): the losses alone move too little in 10 warm-up
-  // steps to show a wrong gradient (a cp run that kept only its own queries' share of the
-  // latents' gradients stays within 3e-5 of the losses).
-  const std::string one = tmp_.path().string() + "/one";
-  const std::string step1 = "train --model " + path + " --steps 1 --threads 1 --align 16 --save ";
-  ASSERT_EQ(RunCli(step1 + one).exit_code, 0);
-  int n = 0;
-  for (const auto& [rules, layout] : std::vector<std::pair<std::string, std::string>>{
-           {"", "tp=2"}, {"", "tp=4"}, {" --rules ep-as-cp", "ep=4,fsdp_form=box"}}) {
-    const std::string many = tmp_.path().string() + "/many-" + std::to_string(n++);
-    const CommandResult r = RunMpi(Ranks(layout), step1 + many + rules + " --layout " + layout);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const CommandResult d = RunCli("diff " + one + "/step-00000001 " + many + "/step-00000001 --tolerance 1e-5");
-    EXPECT_EQ(d.exit_code, 0) << layout << rules << "\n" << d.output;
-  }
 }
 
 // One step at ep=2,fsdp=2: gradients (through exp_avg) and master weights of every parameter
