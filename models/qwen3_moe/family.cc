@@ -87,8 +87,12 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
   RS_ASSIGN_OR_RETURN(c.aux_loss_coef, f.Real("router_aux_loss_coef", 0.001));
   RS_ASSIGN_OR_RETURN(c.moe_layer_step, f.Int("decoder_sparse_step", 1));
   RS_ASSIGN_OR_RETURN(c.dense_layers, f.Ints("mlp_only_layers"));
-  // transformers asks `i in mlp_only_layers` of each layer: entries that name no layer do nothing.
-  std::erase_if(c.dense_layers, [&](std::int64_t i) { return i < 0 || i >= c.n_layers; });
+  // transformers asks `i in mlp_only_layers` of each layer: entries that name no layer do nothing,
+  // and neither do entries for layers decoder_sparse_step already makes dense. Dropping both keeps
+  // one description per model, the one write_hf_config writes back.
+  std::erase_if(c.dense_layers, [&](std::int64_t i) {
+    return i < 0 || i >= c.n_layers || (c.moe_layer_step > 1 && (i + 1) % c.moe_layer_step != 0);
+  });
   std::sort(c.dense_layers.begin(), c.dense_layers.end());
   c.dense_layers.erase(std::unique(c.dense_layers.begin(), c.dense_layers.end()), c.dense_layers.end());
   c.first_dense_layers = 0;

@@ -145,6 +145,20 @@ TEST(HfMap, ParsesMixtralConfigs) {
   q = ParseHfConfig(qwen, "q");
   ASSERT_TRUE(q.ok()) << q.status().ToString();
   EXPECT_EQ(q->config.dense_layers, (std::vector<std::int64_t>{1}));
+  // Nor do entries for layers the sparse step already makes dense: with step 2 layers 0 and 2 are
+  // dense anyway, so [0, 1, 2] means what [1] means, and the model reads (and writes back) as [1].
+  qwen["num_hidden_layers"] = 4;
+  qwen["decoder_sparse_step"] = 2;
+  qwen["mlp_only_layers"] = {0, 1, 2};
+  q = ParseHfConfig(qwen, "q");
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->config.dense_layers, (std::vector<std::int64_t>{1}));
+  EXPECT_FALSE(q->config.IsMoeLayer(0));
+  EXPECT_FALSE(q->config.IsMoeLayer(1));
+  EXPECT_FALSE(q->config.IsMoeLayer(2));
+  EXPECT_TRUE(q->config.IsMoeLayer(3));
+  qwen.erase("decoder_sparse_step");
+  qwen["num_hidden_layers"] = 2;
   // Bad spellings name the file and the field.
   for (const auto& [field, value, message] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
            {"mlp_only_layers", "1", "q: 'mlp_only_layers' is not an array of integers"},
