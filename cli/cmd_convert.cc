@@ -9,6 +9,7 @@
 // --verify-source additionally verifies the whole source up front, as `reshard verify` does.
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 
 #include "cli/commands.h"
@@ -19,6 +20,7 @@
 #include "formats/checkpoint_commit.h"
 #include "formats/dcp_verify.h"
 #include "formats/verify.h"
+#include "reshard/dcp_export.h"
 #include "reshard/execute.h"
 
 namespace rs::cli {
@@ -39,6 +41,7 @@ struct ConvertArgs {
   bool no_verify = false;
   FormatArgs format;
   std::string model;
+  std::string output_format = "reshard";  // --format: reshard (ours) or dcp
 };
 
 // Everything both the single- and the multi-process path need.
@@ -114,10 +117,37 @@ void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, dou
       HumanBytes(s.plan.options.memory_budget).c_str(), static_cast<long long>(processes), processes == 1 ? "" : "es");
 }
 
+// --format dcp: the plan written as a PyTorch Distributed Checkpoint, by one process.
+void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& elapsed) {
+  ExecuteOptions eo;
+  eo.threads = a.threads;
+  eo.map_sources = true;
+  auto progress = std::make_unique<Progress>("convert", s.plan.Total().bytes_written);
+  eo.progress = [&progress](std::int64_t done, std::int64_t) { progress->Update(done); };
+  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo);
+  progress.reset();
+  if (!stats.ok()) Fail("convert", stats.status());
+  Report(a, s, *stats, elapsed(), 1);
+}
+
+// What --format dcp cannot be combined with.
+Status CheckDcpOutput(const ConvertArgs& a, std::int64_t processes) {
+  if (a.output_format != "dcp") return Status::Ok();
+  if (processes > 1) return InvalidArgument("--format dcp: run it in one process (not under mpirun)");
+  if (a.codec != "none") return InvalidArgument("--format dcp: DCP chunks are not compressed; drop --codec");
+  if (a.with_replicas)
+    return InvalidArgument("--format dcp: a DCP checkpoint keeps each element once; drop --with-replicas");
+  if (!a.max_shard_size.empty()) {
+    return InvalidArgument("--format dcp: each target piece is one DCP chunk; drop --max-shard-size");
+  }
+  return Status::Ok();
+}
+
 void RunConvert(const ConvertArgs& a) {
   comm::MpiWorld& world = comm::MpiWorld::Get();
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  if (const Status st = CheckDcpOutput(a, world.size()); !st.ok()) Fail("convert", st);
   auto setup = Prepare(a);
   // Every process plans the same conversion; all must succeed before any writes.
   if (!world.AllOk(setup.ok())) {
@@ -146,6 +176,10 @@ void RunConvert(const ConvertArgs& a) {
       }
     }
     if (!world.AllOk(sound.ok())) Fail("convert", sound.ok() ? DataLoss(a.src + ": the source is not sound") : sound);
+  }
+  if (a.output_format == "dcp") {
+    WriteDcp(a, *setup, elapsed);
+    return;
   }
   const std::vector<std::int64_t> owner =
       world.active() ? AssignRanks(setup->plan, world.size()) : std::vector<std::int64_t>{};
@@ -188,6 +222,11 @@ void RegisterConvert(CLI::App& app) {
                 "saves the extra pass a format-version-1 source needs; DCP: the CRC-32 of each record)");
   cmd->get_option("--no-verify")->excludes("--verify-source");
   AddFormatOptions(cmd, &a->format);
+  cmd->add_option("--format", a->output_format,
+                  "Output format: reshard (ours, the default) or dcp (a PyTorch Distributed Checkpoint that "
+                  "torch.distributed.checkpoint.load reads; formats/DCP.md §8)")
+      ->check(CLI::IsMember({"reshard", "dcp"}))
+      ->capture_default_str();
   cmd->add_option("--model", a->model,
                   "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");
   cmd->callback([a] { RunConvert(*a); });

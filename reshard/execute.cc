@@ -302,7 +302,7 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, ShardSource& s
 
 // Streams one target shard into the writer, window by window.
 Status RunJob(const ReshardPlan& plan, const TargetShard& ts, const Job& job, ShardSource& source, SourceMaps* maps,
-              CheckpointWriter& writer, Scheduler& sched, Buffer& buffer, std::span<std::byte> staging,
+              ShardDestination& writer, Scheduler& sched, Buffer& buffer, std::span<std::byte> staging,
               std::int64_t& bytes_read) {
   const TensorSpec& t = plan.tensors[ts.tensor];
   const auto des = static_cast<std::int64_t>(DTypeSize(t.dtype));
@@ -335,7 +335,41 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& sour
   return ExecutePlan(plan, wrapped, writer, options);
 }
 
+namespace {
+
+// Our writer as a destination.
+class CheckpointStream final : public ShardStream {
+ public:
+  explicit CheckpointStream(std::unique_ptr<ShardSink> sink) : sink_(std::move(sink)) {}
+  Status Append(std::span<const std::byte> bytes) override { return sink_->Append(bytes); }
+  Status Finish() override { return sink_->Finish(); }
+
+ private:
+  std::unique_ptr<ShardSink> sink_;
+};
+
+class CheckpointDestination final : public ShardDestination {
+ public:
+  explicit CheckpointDestination(CheckpointWriter& writer) : writer_(writer) {}
+  Result<std::unique_ptr<ShardStream>> BeginShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                                                  ReplicaKind replica) override {
+    RS_ASSIGN_OR_RETURN(auto sink, writer_.BeginShard(rank, tensor, piece, replica));
+    return std::unique_ptr<ShardStream>(std::make_unique<CheckpointStream>(std::move(sink)));
+  }
+
+ private:
+  CheckpointWriter& writer_;
+};
+
+}  // namespace
+
 Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, CheckpointWriter& writer,
+                                 const ExecuteOptions& options) {
+  CheckpointDestination destination(writer);
+  return ExecutePlan(plan, source, destination, options);
+}
+
+Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, ShardDestination& writer,
                                  const ExecuteOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   const Manifest& m = source.manifest();

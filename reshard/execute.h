@@ -21,6 +21,7 @@
 
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
+#include "formats/shard_destination.h"
 #include "formats/shard_source.h"
 #include "reshard/plan.h"
 
@@ -49,9 +50,13 @@ struct ExecuteStats {
 };
 
 // Runs the jobs of `plan` (those of the ranks this process owns) reading through `source`
-// and writing through `writer`, which the caller created, declared the plan's tensors on, and
-// commits afterwards. The first error stops all workers and is returned (IoError / DataLoss
-// from reading or writing); nothing is committed here.
+// and writing through `destination` (our writer, or another format's), which the caller
+// created, declared the plan's tensors on, and commits afterwards. The first error stops all
+// workers and is returned (IoError / DataLoss from reading or writing); nothing is committed
+// here.
+Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, ShardDestination& destination,
+                                 const ExecuteOptions& options);
+// The same into one of our checkpoints.
 Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, CheckpointWriter& writer,
                                  const ExecuteOptions& options);
 // The same for one of our checkpoints.

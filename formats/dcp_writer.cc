@@ -1,0 +1,366 @@
+#include "formats/dcp_writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "core/cleanup.h"
+#include "core/file.h"
+#include "formats/dcp.h"
+#include "formats/durable_file.h"
+#include "formats/pickle_writer.h"
+#include "formats/stored_zip.h"
+#include "formats/torch_save_writer.h"
+
+namespace rs {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::string_view kMeta = "torch.distributed.checkpoint.metadata";
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+Status PwriteAll(int fd, std::int64_t offset, std::span<const std::byte> bytes, const std::string& path) {
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + static_cast<std::int64_t>(done)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return IoError(Errno(path + ": write at byte " + std::to_string(offset + static_cast<std::int64_t>(done))));
+    done += static_cast<std::size_t>(n);
+  }
+  return Status::Ok();
+}
+
+// torch.Size((d0, d1, ...)).
+void PutSize(PickleWriter& p, const Shape& s) {
+  p.Global("torch", "Size");
+  p.Mark();
+  for (const std::int64_t d : s) p.Int(d);
+  p.Tuple();
+  p.Tuple1();
+  p.Reduce();
+}
+
+// A dataclass instance: cls() by NEWOBJ, then BUILD with the state dict the caller fills
+// between Mark and SetItems.
+void BeginObject(PickleWriter& p, std::string_view module, std::string_view cls) {
+  p.Global(module, cls);
+  p.Tuple0();
+  p.NewObj();
+  p.EmptyDict();
+  p.Mark();
+}
+void EndObject(PickleWriter& p) {
+  p.SetItems();
+  p.Build();
+}
+
+std::string StripSlashes(std::string p) {
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  return p;
+}
+
+}  // namespace
+
+// One chunk's archive being streamed into its rank's file.
+class DcpChunkStream final : public ShardStream {
+ public:
+  DcpChunkStream(DcpWriter* w, int fd, std::string path, std::int64_t offset, ZipLayout zip)
+      : w_(w), fd_(fd), path_(std::move(path)), offset_(offset), zip_(std::move(zip)) {}
+  ~DcpChunkStream() override {
+    std::lock_guard lock(w_->mu_);
+    --w_->open_streams_;
+  }
+  Status Append(std::span<const std::byte> bytes) override {
+    if (static_cast<std::int64_t>(bytes.size()) > zip_.external_size - written_) {
+      return InvalidArgument(path_ + ": more bytes than the chunk holds");
+    }
+    RS_RETURN_IF_ERROR(
+        PwriteAll(fd_, offset_ + static_cast<std::int64_t>(zip_.head.size()) + written_, bytes, path_));
+    crc_ = Crc32(bytes, crc_);
+    written_ += static_cast<std::int64_t>(bytes.size());
+    return Status::Ok();
+  }
+  Status Finish() override {
+    if (written_ != zip_.external_size) {
+      return InvalidArgument(path_ + ": chunk got " + std::to_string(written_) + " of its " +
+                             std::to_string(zip_.external_size) + " bytes");
+    }
+    zip_.SetExternalCrc(crc_);
+    RS_RETURN_IF_ERROR(PwriteAll(fd_, offset_, zip_.head, path_));
+    return PwriteAll(fd_, offset_ + static_cast<std::int64_t>(zip_.head.size()) + written_, zip_.tail, path_);
+  }
+
+ private:
+  DcpWriter* w_;
+  int fd_;
+  std::string path_;
+  std::int64_t offset_;
+  ZipLayout zip_;
+  std::int64_t written_ = 0;
+  std::uint32_t crc_ = 0;
+};
+
+std::string DcpWriter::FileName(std::int64_t rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
+
+Result<std::unique_ptr<DcpWriter>> DcpWriter::Create(const std::string& dir_in) {
+  const std::string dir = StripSlashes(dir_in);
+  if (dir.empty()) return InvalidArgument("output directory is empty");
+  if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
+  if (const fs::path parent = fs::path(dir).parent_path(); !parent.empty()) {
+    std::error_code ec;
+    fs::create_directories(parent, ec);
+    if (ec) return IoError(parent.string() + ": cannot create directory: " + ec.message());
+  }
+  std::unique_ptr<DcpWriter> w(new DcpWriter());
+  w->dir_ = dir;
+  w->staging_ = dir + ".tmp-" + UniqueSuffix();
+  if (Status st = CreateCleanupDir(w->staging_); !st.ok()) {
+    w->done_ = true;
+    return st;
+  }
+  return w;
+}
+
+DcpWriter::~DcpWriter() {
+  for (auto& [rank, f] : files_) {
+    if (f.fd >= 0) ::close(f.fd);
+  }
+  if (!done_) {
+    std::error_code ec;
+    fs::remove_all(staging_, ec);
+    UnregisterCleanupPath(staging_);
+  }
+}
+
+Status DcpWriter::AddTensor(const std::string& name, const DcpTensorSpec& spec) {
+  std::lock_guard lock(mu_);
+  if (done_) return FailedPrecondition(dir_ + ": already committed");
+  if (spec.fqn.empty()) return InvalidArgument("tensor '" + name + "': empty DCP key");
+  if (index_.contains(name)) return InvalidArgument("tensor '" + name + "' declared twice");
+  if (keys_.contains(spec.fqn)) return InvalidArgument("DCP key '" + spec.fqn + "' declared twice");
+  for (const std::int64_t d : spec.shape) {
+    if (d < 0) return InvalidArgument("tensor '" + name + "': negative dim");
+  }
+  if (Result<std::string> cls = TorchStorageClass(spec.dtype); !cls.ok()) {
+    return cls.status().WithContext("tensor '" + name + "'");
+  }
+  index_[name] = tensors_.size();
+  keys_[spec.fqn] = tensors_.size();
+  tensors_.push_back({spec, {}});
+  return Status::Ok();
+}
+
+Result<DcpWriter::File*> DcpWriter::FileOf(std::int64_t rank) {
+  File& f = files_[rank];
+  if (f.fd < 0) {
+    RS_ASSIGN_OR_RETURN(f.fd, CreateCleanupFile(staging_ + "/" + FileName(rank)));
+    UnregisterCleanupPath(staging_ + "/" + FileName(rank));  // the staging directory is registered
+  }
+  return &f;
+}
+
+Result<std::unique_ptr<ShardStream>> DcpWriter::BeginShard(std::int64_t rank, const std::string& tensor,
+                                                           const Piece& piece, ReplicaKind replica) {
+  std::lock_guard lock(mu_);
+  if (done_) return FailedPrecondition(dir_ + ": already committed");
+  const auto it = index_.find(tensor);
+  if (it == index_.end()) return InvalidArgument("unknown tensor '" + tensor + "'");
+  Tensor& t = tensors_[it->second];
+  if (rank < 0) return InvalidArgument("tensor '" + tensor + "': negative rank");
+  if (replica != ReplicaKind::kMain) {
+    return InvalidArgument("tensor '" + tensor + "': a DCP checkpoint stores each element once (no replicas)");
+  }
+  if (piece.range) {
+    return InvalidArgument("tensor '" + tensor + "': the piece " + BoxToString(piece.box) +
+                           " is an item range (a flat FSDP shard); DCP chunks are boxes (use fsdp_form=box)");
+  }
+  if (!piece.box.Within(t.spec.shape)) {
+    return InvalidArgument("tensor '" + tensor + "': piece " + BoxToString(piece.box) + " outside its shape");
+  }
+  RS_ASSIGN_OR_RETURN(ZipLayout zip, TensorArchive(t.spec.dtype, piece.box.shape));
+  RS_ASSIGN_OR_RETURN(File * f, FileOf(rank));
+  const std::int64_t offset = f->end;
+  f->end += zip.size();
+  t.chunks.push_back({piece.box, rank, offset, zip.size()});
+  ++open_streams_;
+  return std::unique_ptr<ShardStream>(
+      std::make_unique<DcpChunkStream>(this, f->fd, staging_ + "/" + FileName(rank), offset, std::move(zip)));
+}
+
+Status DcpWriter::WriteWhole(std::int64_t rank, const std::string& tensor, std::span<const std::byte> bytes) {
+  Shape shape;
+  {
+    std::lock_guard lock(mu_);
+    const auto it = index_.find(tensor);
+    if (it == index_.end()) return InvalidArgument("unknown tensor '" + tensor + "'");
+    shape = tensors_[it->second].spec.shape;
+  }
+  RS_ASSIGN_OR_RETURN(auto stream, BeginShard(rank, tensor, Piece{Box::Full(shape), std::nullopt}, ReplicaKind::kMain));
+  RS_RETURN_IF_ERROR(stream->Append(bytes));
+  return stream->Finish();
+}
+
+std::vector<std::byte> DcpWriter::MetadataPickle() const {
+  std::lock_guard lock(mu_);
+  return MetadataPickleLocked();
+}
+
+std::vector<std::byte> DcpWriter::MetadataPickleLocked() const {
+  // Chunks in the order of their offsets: the file does not depend on the order in which the
+  // ranks' shards were begun.
+  std::vector<std::vector<Chunk>> sorted;
+  for (const Tensor& t : tensors_) {
+    std::vector<Chunk> c = t.chunks;
+    std::sort(c.begin(), c.end(), [](const Chunk& a, const Chunk& b) { return a.box.offset < b.box.offset; });
+    sorted.push_back(std::move(c));
+  }
+  PickleWriter p;
+  BeginObject(p, kMeta, "Metadata");
+  p.String("state_dict_metadata");
+  p.EmptyDict();
+  p.Mark();
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    const DcpTensorSpec& s = tensors_[i].spec;
+    p.String(s.fqn);
+    BeginObject(p, kMeta, "TensorStorageMetadata");
+    p.String("properties");
+    {
+      // TensorProperties pickles its state as (dtype, layout, requires_grad, memory_format,
+      // pin_memory).
+      p.Global(kMeta, "TensorProperties");
+      p.Tuple0();
+      p.NewObj();
+      p.Mark();
+      p.Global("torch", TorchDTypeGlobal(s.dtype));
+      p.Global("torch.serialization", "_get_layout");
+      p.String("torch.strided");
+      p.Tuple1();
+      p.Reduce();
+      p.Bool(false);
+      p.Global(kMeta, "_MEM_FORMAT_ENCODING");
+      p.Int(0);  // TORCH_CONTIGUOUS_FORMAT
+      p.Tuple1();
+      p.Reduce();
+      p.Bool(false);
+      p.Tuple();
+      p.Build();
+    }
+    p.String("size");
+    PutSize(p, s.shape);
+    p.String("chunks");
+    p.EmptyList();
+    p.Mark();
+    for (const Chunk& c : sorted[i]) {
+      BeginObject(p, kMeta, "ChunkStorageMetadata");
+      p.String("offsets");
+      PutSize(p, c.box.offset);
+      p.String("sizes");
+      PutSize(p, c.box.shape);
+      EndObject(p);
+    }
+    p.Appends();
+    EndObject(p);
+  }
+  p.SetItems();
+  p.String("planner_data");
+  p.EmptyDict();
+  p.Mark();
+  for (const Tensor& t : tensors_) {
+    p.String(t.spec.fqn);
+    p.Mark();
+    for (const std::string& k : t.spec.path) p.String(k);
+    p.Tuple();
+  }
+  p.SetItems();
+  p.String("storage_data");
+  p.EmptyDict();
+  p.Mark();
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    for (std::size_t k = 0; k < sorted[i].size(); ++k) {
+      const Chunk& c = sorted[i][k];
+      BeginObject(p, kMeta, "MetadataIndex");
+      p.String("fqn");
+      p.String(tensors_[i].spec.fqn);
+      p.String("offset");
+      PutSize(p, c.box.offset);
+      p.String("index");
+      p.Int(static_cast<std::int64_t>(k));
+      EndObject(p);
+      BeginObject(p, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+      p.String("relative_path");
+      p.String(FileName(c.rank));
+      p.String("offset");
+      p.Int(c.offset);
+      p.String("length");
+      p.Int(c.length);
+      EndObject(p);
+    }
+  }
+  p.SetItems();
+  p.String("storage_meta");
+  p.None();
+  p.String("version");
+  p.String("1.0.0");
+  EndObject(p);
+  p.Stop();
+  return p.Take();
+}
+
+Status DcpWriter::Commit() {
+  std::lock_guard lock(mu_);
+  if (done_) return FailedPrecondition(dir_ + ": already committed");
+  if (open_streams_ > 0) return FailedPrecondition(dir_ + ": shards are still being written");
+  // Every element once: the chunks' sizes add up to the tensor and no two overlap.
+  for (const Tensor& t : tensors_) {
+    std::int64_t n = 0;
+    for (const Chunk& c : t.chunks) n += c.box.numel();
+    std::vector<Chunk> c = t.chunks;
+    std::sort(c.begin(), c.end(), [](const Chunk& a, const Chunk& b) { return a.box.offset < b.box.offset; });
+    if (t.spec.shape.empty() && c.size() > 1) return DataLoss("tensor '" + t.spec.fqn + "': written twice");
+    for (std::size_t i = 0; i < c.size() && !t.spec.shape.empty(); ++i) {
+      for (std::size_t j = i + 1; j < c.size(); ++j) {
+        // Sorted by offset: chunks that start past this one's first dim cannot overlap it.
+        if (c[j].box.offset[0] >= c[i].box.offset[0] + c[i].box.shape[0]) break;
+        const std::optional<Box> x = Intersect(c[i].box, c[j].box);
+        if (x && x->numel() > 0) {
+          return DataLoss("tensor '" + t.spec.fqn + "': chunks " + BoxToString(c[i].box) + " and " +
+                          BoxToString(c[j].box) + " overlap");
+        }
+      }
+    }
+    if (n != Numel(t.spec.shape)) {
+      return DataLoss("tensor '" + t.spec.fqn + "': its chunks hold " + std::to_string(n) + " of its " +
+                      std::to_string(Numel(t.spec.shape)) + " elements");
+    }
+  }
+  for (auto& [rank, f] : files_) {
+    const std::string path = staging_ + "/" + FileName(rank);
+    if (::ftruncate(f.fd, static_cast<off_t>(f.end)) != 0) return IoError(Errno(path + ": truncate"));
+    if (::fsync(f.fd) != 0) return IoError(Errno(path + ": fsync"));
+    if (::close(f.fd) != 0) return IoError(Errno(path + ": close"));
+    f.fd = -1;
+  }
+  const std::vector<std::byte> meta = MetadataPickleLocked();
+  // The writer never publishes what its own reader refuses.
+  if (Result<DcpMetadata> check = ParseDcpMetadata(meta, staging_ + "/.metadata"); !check.ok()) {
+    return Internal("refusing to publish a .metadata our reader rejects: " + check.status().message());
+  }
+  RS_RETURN_IF_ERROR(WriteNewFileDurably(staging_ + "/" + std::string(kDcpMetadataFileName),
+                                         std::string(reinterpret_cast<const char*>(meta.data()), meta.size())));
+  RS_RETURN_IF_ERROR(FsyncPath(staging_, /*directory=*/true));
+  if (Status st = PublishCleanupPath(staging_, [&] { return RenameNoReplace(staging_, dir_); }); !st.ok()) {
+    if (st.code() == ErrorCode::kAlreadyExists) return AlreadyExists(dir_ + " appeared while writing; not replaced");
+    return st;
+  }
+  done_ = true;
+  return FsyncParentDir(dir_);
+}
+
+}  // namespace rs

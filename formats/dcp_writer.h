@@ -1,0 +1,106 @@
+// Writing PyTorch Distributed Checkpoint (DCP) directories (formats/DCP.md §8), as
+// torch.distributed.checkpoint's FileSystemWriter writes them, so that `dcp.load` reads them
+// into state dicts of plain tensors or DTensors at any mesh:
+//
+//   DIR/.metadata      the pickled Metadata (formats/pickle_writer.h), written last
+//   DIR/__<r>_0.distcp  target rank r's chunks, each a complete torch.save archive
+//
+// Each shard begun (ShardDestination) is one chunk: the box `piece` of a declared tensor, its
+// elements streamed into the rank's file between the archive's head and tail
+// (formats/torch_save_writer.h) at an offset reserved when the shard is begun, so shards of
+// one rank may be written concurrently and the file's bytes depend only on the order in which
+// shards are begun. Commit checks that the chunks of every tensor tile it exactly (DCP keeps
+// one copy of each element), writes `.metadata`, fsyncs everything and renames the staging
+// directory "<dir>.tmp-<id>" to `dir` (never replacing anything). Without Commit the staging
+// directory is removed: nothing that looks like a checkpoint is left behind.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/shape.h"
+#include "core/status.h"
+#include "formats/shard_destination.h"
+
+namespace rs {
+
+// One tensor of the output: its DCP key (the flattened state-dict FQN), the path of nested
+// state-dict keys it was flattened from (Metadata.planner_data: ("model", "layers.0.w")), the
+// dtype and the global shape.
+struct DcpTensorSpec {
+  std::string fqn;
+  std::vector<std::string> path;
+  DType dtype = DType::kF32;
+  Shape shape;
+};
+
+class DcpWriter final : public ShardDestination {
+ public:
+  // Starts the directory `dir` (parents created). AlreadyExists if it exists.
+  static Result<std::unique_ptr<DcpWriter>> Create(const std::string& dir);
+  ~DcpWriter() override;
+  DcpWriter(const DcpWriter&) = delete;
+  DcpWriter& operator=(const DcpWriter&) = delete;
+
+  // Declares a tensor under the name `name` that BeginShard uses (ours; the key in the output
+  // is spec.fqn). InvalidArgument for a name or key declared twice, an empty key, a negative
+  // dim; Unimplemented for a dtype torch.save has no storage class for (float8).
+  Status AddTensor(const std::string& name, const DcpTensorSpec& spec);
+  // A chunk of `tensor`: `piece` must be a box (DCP chunks are boxes; an item range of a flat
+  // FSDP layout is InvalidArgument naming the tensor) and the main copy (replicas are not
+  // stored: DCP keeps one copy of each element).
+  Result<std::unique_ptr<ShardStream>> BeginShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                                                  ReplicaKind replica) override;
+  // A whole tensor written at once by `rank` (small things: an optimizer step per parameter).
+  Status WriteWhole(std::int64_t rank, const std::string& tensor, std::span<const std::byte> bytes);
+
+  // Checks coverage, writes .metadata and publishes the directory (see the file comment).
+  // DataLoss naming a tensor whose chunks leave elements out or overlap; IoError from the file
+  // system; FailedPrecondition while streams are open or after a first Commit.
+  Status Commit();
+
+  const std::string& dir() const { return dir_; }
+  const std::string& staging_dir() const { return staging_; }
+  // "__<rank>_0.distcp"
+  static std::string FileName(std::int64_t rank);
+  // The pickled Metadata of what was written so far (for tests; Commit writes it).
+  std::vector<std::byte> MetadataPickle() const;
+
+ private:
+  friend class DcpChunkStream;
+  DcpWriter() = default;
+  struct Chunk {
+    Box box;
+    std::int64_t rank = 0;
+    std::int64_t offset = 0;  // of the archive in the rank's file
+    std::int64_t length = 0;
+  };
+  struct Tensor {
+    DcpTensorSpec spec;
+    std::vector<Chunk> chunks;
+  };
+  struct File {
+    int fd = -1;
+    std::int64_t end = 0;  // bytes reserved so far
+  };
+  Result<File*> FileOf(std::int64_t rank);  // under mu_
+  std::vector<std::byte> MetadataPickleLocked() const;
+
+  std::string dir_;
+  std::string staging_;
+  mutable std::mutex mu_;
+  bool done_ = false;
+  std::int64_t open_streams_ = 0;
+  std::vector<Tensor> tensors_;
+  std::map<std::string, std::size_t> index_;  // our name -> tensors_
+  std::map<std::string, std::size_t> keys_;   // fqn -> tensors_
+  std::map<std::int64_t, File> files_;
+};
+
+}  // namespace rs

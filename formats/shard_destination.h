@@ -1,0 +1,36 @@
+// Where a conversion's target shards go (reshard/execute.h): our checkpoint writer
+// (formats/checkpoint_writer.h) or another format's, such as a PyTorch DCP directory
+// (formats/dcp_writer.h). A destination takes shards whose bytes arrive in order, window by
+// window, so that no shard has to be in memory whole.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "core/shape.h"
+#include "core/status.h"
+
+namespace rs {
+
+// One shard being written. Bytes arrive in the piece's row-major order; Finish records it.
+// Destroyed without Finish, the shard is not part of the output.
+class ShardStream {
+ public:
+  virtual ~ShardStream() = default;
+  virtual Status Append(std::span<const std::byte> bytes) = 0;
+  virtual Status Finish() = 0;
+};
+
+class ShardDestination {
+ public:
+  virtual ~ShardDestination() = default;
+  // Starts the shard `piece` of the declared tensor `tensor`, written by target rank `rank`.
+  // Safe to call from several threads; shards of one rank are begun in a deterministic order
+  // by the caller, so that the output does not depend on timing.
+  virtual Result<std::unique_ptr<ShardStream>> BeginShard(std::int64_t rank, const std::string& tensor,
+                                                          const Piece& piece, ReplicaKind replica) = 0;
+};
+
+}  // namespace rs
