@@ -29,9 +29,11 @@ std::string Errno(const std::string& what) { return what + ": " + std::strerror(
 Status PwriteAll(int fd, std::int64_t offset, std::span<const std::byte> bytes, const std::string& path) {
   std::size_t done = 0;
   while (done < bytes.size()) {
-    const ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + static_cast<std::int64_t>(done)));
+    const ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done,
+                               static_cast<off_t>(offset + static_cast<std::int64_t>(done)));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return IoError(Errno(path + ": write at byte " + std::to_string(offset + static_cast<std::int64_t>(done))));
+    if (n <= 0)
+      return IoError(Errno(path + ": write at byte " + std::to_string(offset + static_cast<std::int64_t>(done))));
     done += static_cast<std::size_t>(n);
   }
   return Status::Ok();
@@ -81,8 +83,7 @@ class DcpChunkStream final : public ShardStream {
     if (static_cast<std::int64_t>(bytes.size()) > zip_.external_size - written_) {
       return InvalidArgument(path_ + ": more bytes than the chunk holds");
     }
-    RS_RETURN_IF_ERROR(
-        PwriteAll(fd_, offset_ + static_cast<std::int64_t>(zip_.head.size()) + written_, bytes, path_));
+    RS_RETURN_IF_ERROR(PwriteAll(fd_, offset_ + static_cast<std::int64_t>(zip_.head.size()) + written_, bytes, path_));
     crc_ = Crc32(bytes, crc_);
     written_ += static_cast<std::int64_t>(bytes.size());
     return Status::Ok();

@@ -10,8 +10,8 @@ namespace {
 constexpr std::uint8_t kProto = 0x80, kNone = 'N', kNewTrue = 0x88, kNewFalse = 0x89, kBinInt = 'J', kBinInt1 = 'K',
                        kBinInt2 = 'M', kLong1 = 0x8a, kBinFloat = 'G', kBinUnicode = 'X', kGlobal = 'c', kMark = '(',
                        kTuple = 't', kEmptyTuple = ')', kTuple1 = 0x85, kTuple2 = 0x86, kEmptyList = ']',
-                       kAppends = 'e', kEmptyDict = '}', kSetItems = 'u', kReduce = 'R', kNewObj = 0x81,
-                       kBuild = 'b', kBinPersId = 'Q', kStop = '.';
+                       kAppends = 'e', kEmptyDict = '}', kSetItems = 'u', kReduce = 'R', kNewObj = 0x81, kBuild = 'b',
+                       kBinPersId = 'Q', kStop = '.';
 
 }  // namespace
 

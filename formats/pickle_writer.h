@@ -27,8 +27,8 @@ class PickleWriter {
 
   void None();
   void Bool(bool v);
-  void Int(std::int64_t v);  // BININT1 / BININT2 / BININT, or LONG1 beyond 32 bits
-  void Float(double v);      // BINFLOAT (big-endian IEEE 754)
+  void Int(std::int64_t v);            // BININT1 / BININT2 / BININT, or LONG1 beyond 32 bits
+  void Float(double v);                // BINFLOAT (big-endian IEEE 754)
   void String(std::string_view utf8);  // BINUNICODE (the caller passes valid UTF-8)
   void Global(std::string_view module, std::string_view name);
   void Mark();
@@ -39,10 +39,10 @@ class PickleWriter {
   void EmptyList();
   void Appends();  // the items since the last Mark, appended to the list below the mark
   void EmptyDict();
-  void SetItems();  // key, value pairs since the last Mark, into the dict below the mark
-  void Reduce();    // callable, args -> callable(*args)
-  void NewObj();    // cls, args -> cls.__new__(cls, *args)
-  void Build();     // obj, state -> obj with state set
+  void SetItems();   // key, value pairs since the last Mark, into the dict below the mark
+  void Reduce();     // callable, args -> callable(*args)
+  void NewObj();     // cls, args -> cls.__new__(cls, *args)
+  void Build();      // obj, state -> obj with state set
   void BinPersId();  // the value on the stack becomes a persistent id (torch.save's storages)
   void Stop();
 

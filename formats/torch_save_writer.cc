@@ -14,7 +14,7 @@ constexpr std::int64_t kAlign = 64;  // torch.save's record alignment
 constexpr std::uint32_t kLocalSig = 0x04034b50, kCentralSig = 0x02014b50, kEndSig = 0x06054b50,
                         kZip64EndSig = 0x06064b50, kZip64LocatorSig = 0x07064b50;
 constexpr std::uint16_t kZip64Field = 0x0001, kPadField = 0x4246;  // "FB", PyTorch's padding field
-constexpr std::uint16_t kDosDate = (0 << 9) | (1 << 5) | 1;       // 1980-01-01
+constexpr std::uint16_t kDosDate = (0 << 9) | (1 << 5) | 1;        // 1980-01-01
 constexpr std::uint64_t kMax32 = 0xffffffffu;
 
 void Put(std::vector<std::byte>& out, std::uint64_t v, int n) {
@@ -174,17 +174,28 @@ ZipLayout LayOutStoredZip(const std::vector<ZipRecord>& records, bool force_zip6
 
 Result<std::string> TorchStorageClass(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return std::string("FloatStorage");
-    case DType::kF64: return std::string("DoubleStorage");
-    case DType::kF16: return std::string("HalfStorage");
-    case DType::kBF16: return std::string("BFloat16Storage");
-    case DType::kI64: return std::string("LongStorage");
-    case DType::kI32: return std::string("IntStorage");
-    case DType::kI16: return std::string("ShortStorage");
-    case DType::kI8: return std::string("CharStorage");
-    case DType::kU8: return std::string("ByteStorage");
-    case DType::kBool: return std::string("BoolStorage");
-    default: break;
+    case DType::kF32:
+      return std::string("FloatStorage");
+    case DType::kF64:
+      return std::string("DoubleStorage");
+    case DType::kF16:
+      return std::string("HalfStorage");
+    case DType::kBF16:
+      return std::string("BFloat16Storage");
+    case DType::kI64:
+      return std::string("LongStorage");
+    case DType::kI32:
+      return std::string("IntStorage");
+    case DType::kI16:
+      return std::string("ShortStorage");
+    case DType::kI8:
+      return std::string("CharStorage");
+    case DType::kU8:
+      return std::string("ByteStorage");
+    case DType::kBool:
+      return std::string("BoolStorage");
+    default:
+      break;
   }
   return Unimplemented("torch.save archives of " + std::string(DTypeName(dtype)) +
                        " tensors are not written (PyTorch has no legacy storage class for it)");
@@ -192,18 +203,30 @@ Result<std::string> TorchStorageClass(DType dtype) {
 
 std::string TorchDTypeGlobal(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "float32";
-    case DType::kF64: return "float64";
-    case DType::kF16: return "float16";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF8E4M3: return "float8_e4m3fn";
-    case DType::kF8E5M2: return "float8_e5m2";
-    case DType::kI64: return "int64";
-    case DType::kI32: return "int32";
-    case DType::kI16: return "int16";
-    case DType::kI8: return "int8";
-    case DType::kU8: return "uint8";
-    case DType::kBool: return "bool";
+    case DType::kF32:
+      return "float32";
+    case DType::kF64:
+      return "float64";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF8E4M3:
+      return "float8_e4m3fn";
+    case DType::kF8E5M2:
+      return "float8_e5m2";
+    case DType::kI64:
+      return "int64";
+    case DType::kI32:
+      return "int32";
+    case DType::kI16:
+      return "int16";
+    case DType::kI8:
+      return "int8";
+    case DType::kU8:
+      return "uint8";
+    case DType::kBool:
+      return "bool";
   }
   return std::string(DTypeName(dtype));
 }

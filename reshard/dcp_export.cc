@@ -73,7 +73,8 @@ Result<float> StepValue(const TensorSpec& t, std::span<const std::byte> b) {
       std::memcpy(&v, b.data(), 8);
       return static_cast<float>(v);
     }
-    default: break;
+    default:
+      break;
   }
   return Unimplemented("tensor '" + t.name + "': a step of dtype " + std::string(DTypeName(t.dtype)));
 }
