@@ -203,7 +203,8 @@ void RegisterConvert(CLI::App& app) {
   cmd->add_option("--to", a->to,
                   "Target layout, e.g. tp=2,ep=8,fsdp=2 [,fsdp_form=flat][,vocab_multiple=N][,pp_split=A/B]")
       ->required();
-  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
+  cmd->add_option("--rules", a->rules,
+                  "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file (default: the source's)");
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
   cmd->add_option("--memory-budget", a->memory_budget, "Bytes of shard buffers in flight, e.g. 256MiB")
       ->capture_default_str();

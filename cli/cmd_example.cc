@@ -56,7 +56,8 @@ void RegisterExample(CLI::App& app) {
   cmd->add_option("--layout", a->layout,
                   "Layout, e.g. tp=2,ep=4,fsdp=2,pp=1,dp=1 [,fsdp_form=flat][,vocab_multiple=N][,pp_split=A/B]")
       ->capture_default_str();
-  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp, or a JSON file")->capture_default_str();
+  cmd->add_option("--rules", a->rules, "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file")
+      ->capture_default_str();
   cmd->add_option("--seed", a->seed, "Values depend only on the model and this seed")->capture_default_str();
   cmd->add_option("--codec", a->codec, "none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of each shard");

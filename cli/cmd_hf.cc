@@ -165,7 +165,8 @@ void RegisterImport(CLI::App& app) {
   cmd->add_option("--format", a->format, "Input format: hf")->required();
   cmd->add_option("--layout", a->layout, "Target layout, e.g. tp=2,ep=2 [,fsdp_form=flat][,vocab_multiple=N]")
       ->required();
-  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
+  cmd->add_option("--rules", a->rules, "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file")
+      ->capture_default_str();
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
   cmd->add_option("--memory-budget", a->memory_budget, "Bytes of buffers held at once, e.g. 256MiB")
       ->capture_default_str();

@@ -79,7 +79,8 @@ void RegisterPlan(CLI::App& app) {
                   "Source checkpoint directory, ours or PyTorch DCP (only its manifest / .metadata is read)")
       ->required();
   cmd->add_option("--to", a->to, "Target layout (as for convert)")->required();
-  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file (default: the source's)");
+  cmd->add_option("--rules", a->rules,
+                  "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file (default: the source's)");
   cmd->add_option("--memory-budget", a->memory_budget, "As for convert")->capture_default_str();
   cmd->add_option("--max-shard-size", a->max_shard_size, "As for convert");
   cmd->add_option("--param-dtype", a->param_dtype, "As for convert");

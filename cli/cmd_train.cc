@@ -235,11 +235,22 @@ Status KeepLast(const std::string& root, const std::string& committed, std::int6
 }
 
 // The run's layout. Training keeps sharded data-parallel state as the bucket planner's flat
-// slices unless asked for boxes (fsdp_form=box), so fsdp_form defaults to flat here.
+// slices unless asked for boxes (fsdp_form=box), so fsdp_form defaults to flat here – except
+// under rules that cut non-expert dims over ep (ep as context parallelism, `ep-as-cp`), whose
+// parameters the trainer gathers over (fsdp, ep) as boxes: those default to box.
 Result<PhysicalLayout> TrainLayoutArg(const TrainArgs& a) {
   RS_ASSIGN_OR_RETURN(const RuleSet rules, LoadRulesArg(a.rules));
+  bool ep_as_context = false;
+  for (const auto& [logical, mesh_axes] : rules.rules) {
+    if (logical != "exp" && std::find(mesh_axes.begin(), mesh_axes.end(), "ep") != mesh_axes.end()) {
+      ep_as_context = true;
+    }
+  }
   std::string text = a.layout;
-  if (text.find("fsdp_form=") == std::string::npos) text += text.empty() ? "fsdp_form=flat" : ",fsdp_form=flat";
+  if (text.find("fsdp_form=") == std::string::npos) {
+    const std::string form = ep_as_context ? "fsdp_form=box" : "fsdp_form=flat";
+    text += text.empty() ? form : "," + form;
+  }
   auto layout = PhysicalLayout::Parse(text, rules);
   if (!layout.ok()) return layout.status().WithContext("--layout");
   return layout;
@@ -600,9 +611,11 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
   cmd->add_option(
          "--layout", a->layout,
-         "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form=flat (default) or box")
+         "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form=flat (default) or box "
+         "(the default under rules that use ep as context parallelism, such as ep-as-cp)")
       ->capture_default_str();
-  cmd->add_option("--rules", a->rules, "Logical axis rules: megatron, ep-as-cp or a JSON file")->capture_default_str();
+  cmd->add_option("--rules", a->rules, "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file")
+      ->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");
   cmd->add_option("--device", a->device,
                   "Where steps run: cpu, or cuda (one GPU per rank; every layout the CPU trains)")

@@ -113,6 +113,12 @@ Result<RuleSet> LoadRulesArg(const std::string& arg) {
   return r;
 }
 
+std::string BuiltinRulesHelp() {
+  std::string out;
+  for (const std::string& n : BuiltinRuleSetNames()) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
 Progress::Progress(std::string label, std::int64_t total)
     : label_(std::move(label)),
       total_(total),

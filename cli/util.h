@@ -38,6 +38,8 @@ std::string JsonText(const nlohmann::json& j, int indent = 2);
 Result<ModelConfig> LoadModelArg(const std::string& arg);
 // --rules NAME|FILE: a built-in rule set, or a rule-set JSON file.
 Result<RuleSet> LoadRulesArg(const std::string& arg);
+// "megatron, ep-as-cp, ep-over-tp": the built-in rule sets, for --help texts.
+std::string BuiltinRulesHelp();
 // A JSON file of at most 64 MiB; InvalidArgument naming the file if it does not parse.
 Result<nlohmann::json> ReadJsonFile(const std::string& path);
 

@@ -134,6 +134,17 @@ TEST(ExampleTest, OptimizerStatesArePresentAndPlausible) {
   for (float x : v) ASSERT_GE(x, 0.f);
 }
 
+// Every command that takes --rules names every built-in rule set in its --help.
+TEST(CliTest, HelpListsEveryBuiltinRuleSet) {
+  for (const char* command : {"train", "convert", "plan", "example", "import"}) {
+    const auto r = RunCli(std::string(command) + " --help");
+    EXPECT_EQ(r.exit_code, 0) << command << "\n" << r.output;
+    for (const char* rules : {"megatron", "ep-as-cp", "ep-over-tp"}) {
+      EXPECT_NE(r.output.find(rules), std::string::npos) << command << " --help lacks " << rules << "\n" << r.output;
+    }
+  }
+}
+
 TEST(CliTest, ExampleVerifyInspectExitCodes) {
   TempDir tmp;
   const std::string ck = tmp / "ck";

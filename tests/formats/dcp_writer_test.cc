@@ -33,9 +33,21 @@ std::vector<std::byte> Bytes(std::string_view s) {
 constexpr PickleGlobal kGlobals[] = {{"torch", "Size", true}, {"collections", "OrderedDict", true}};
 
 TEST(PickleWriterTest, ValuesReadBackByTheRestrictedReader) {
-  const std::vector<std::int64_t> ints = {0,         1,          255,         256,          65535, 65536,
-                                          -1,        -129,       INT32_MAX,   INT32_MIN,    std::int64_t{1} << 31,
-                                          -(std::int64_t{1} << 31) - 1, INT64_MAX, INT64_MIN, 1234567890123};
+  const std::vector<std::int64_t> ints = {0,
+                                          1,
+                                          255,
+                                          256,
+                                          65535,
+                                          65536,
+                                          -1,
+                                          -129,
+                                          INT32_MAX,
+                                          INT32_MIN,
+                                          std::int64_t{1} << 31,
+                                          -(std::int64_t{1} << 31) - 1,
+                                          INT64_MAX,
+                                          INT64_MIN,
+                                          1234567890123};
   PickleWriter p;
   p.Mark();
   for (const std::int64_t v : ints) p.Int(v);
@@ -95,9 +107,8 @@ TEST(PickleWriterTest, ValuesReadBackByTheRestrictedReader) {
 TEST(TorchSaveWriterTest, StoredZipReadsBack) {
   for (const bool zip64 : {false, true}) {
     SCOPED_TRACE(zip64 ? "zip64" : "plain");
-    std::vector<ZipRecord> records = {{"archive/data.pkl", Bytes("pickle!")},
-                                      {"archive/big", {}, true, 1000},
-                                      {"archive/version", Bytes("3\n")}};
+    std::vector<ZipRecord> records = {
+        {"archive/data.pkl", Bytes("pickle!")}, {"archive/big", {}, true, 1000}, {"archive/version", Bytes("3\n")}};
     ZipLayout z = LayOutStoredZip(records, zip64);
     std::vector<std::byte> external(1000);
     for (std::size_t i = 0; i < external.size(); ++i) external[i] = static_cast<std::byte>(i * 7 + 1);
@@ -132,10 +143,11 @@ TEST(TorchSaveWriterTest, StoredZipReadsBack) {
       out.write(reinterpret_cast<const char*>(all.data()), static_cast<std::streamsize>(all.size()));
     }
     if (std::system("python3 -c 'import zipfile' >/dev/null 2>&1") == 0) {
-      const std::string cmd = "python3 -c \"import zipfile,sys; z=zipfile.ZipFile(sys.argv[1]); assert z.testzip() is None; "
-                              "assert [i.filename for i in z.infolist()]==['archive/data.pkl','archive/big','archive/version']; "
-                              "assert z.read('archive/big')==bytes((i*7+1)%256 for i in range(1000))\" " +
-                              path;
+      const std::string cmd =
+          "python3 -c \"import zipfile,sys; z=zipfile.ZipFile(sys.argv[1]); assert z.testzip() is None; "
+          "assert [i.filename for i in z.infolist()]==['archive/data.pkl','archive/big','archive/version']; "
+          "assert z.read('archive/big')==bytes((i*7+1)%256 for i in range(1000))\" " +
+          path;
       EXPECT_EQ(std::system(cmd.c_str()), 0);
     }
   }
