@@ -29,7 +29,8 @@ Plugin Open(const std::string& path) {
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
 #if RS_HAVE_CUDA
-    const std::string where = " (it is built next to reshard; ";
+    const std::string where =
+        " (it is built next to reshard and installed in <prefix>/<libdir>/reshard/ beside its bin/; ";
 #else
     const std::string where = " (this reshard was built without CUDA: no nvcc at configure time; ";
 #endif
@@ -62,7 +63,15 @@ std::string CudaPluginPath() {
   std::error_code ec;
   const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (ec) return cuda::kPluginFileName;  // dlopen's own search
-  return (exe.parent_path() / cuda::kPluginFileName).string();
+  // Beside the binary (the build tree), else where `cmake --install` puts it relative to the
+  // binary (<prefix>/<libdir>/reshard/).
+  const std::filesystem::path beside = exe.parent_path() / cuda::kPluginFileName;
+#ifdef RS_PLUGIN_FROM_BIN
+  const std::filesystem::path installed =
+      (exe.parent_path() / RS_PLUGIN_FROM_BIN / cuda::kPluginFileName).lexically_normal();
+  if (!std::filesystem::exists(beside, ec) && std::filesystem::exists(installed, ec)) return installed.string();
+#endif
+  return beside.string();
 }
 
 cuda::EngineResult LoadCudaEngine(const cuda::EngineRequest& request) {
