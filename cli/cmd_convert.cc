@@ -57,9 +57,9 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   sa.model = a.model;
   sa.threads = a.threads;
   sa.checksums = a.no_verify ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
-  sa.need_model = true;
   RS_ASSIGN_OR_RETURN(s.source, OpenSource(a.src, sa));
   RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.source->manifest()));
+  RS_RETURN_IF_ERROR(CheckTargetWithoutModel(a.src, sa, s.source->manifest(), target));
   ReshardOptions o;
   RS_ASSIGN_OR_RETURN(o.memory_budget, ParseByteSize(a.memory_budget));
   if (!a.max_shard_size.empty()) {

@@ -32,12 +32,12 @@ struct PlanArgs {
 void RunPlan(const PlanArgs& a) {
   SourceArgs sa;
   sa.model = a.model;
-  sa.need_model = true;
   auto source = OpenSource(a.src, sa);
   if (!source.ok()) Fail("plan", source.status());
   const Manifest* manifest = &(*source)->manifest();
   auto target = TargetLayoutArg(a.to, a.rules, *manifest);
   if (!target.ok()) Fail("plan", target.status());
+  if (const Status st = CheckTargetWithoutModel(a.src, sa, *manifest, *target); !st.ok()) Fail("plan", st);
   ReshardOptions o;
   auto budget = ParseByteSize(a.memory_budget);
   if (!budget.ok()) Fail("plan", budget.status());

@@ -23,10 +23,6 @@ Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const So
       RS_ASSIGN_OR_RETURN(o.model, LoadModelArg(args.model));
       // Megatron-Core keys, or the model family's torchtitan names, map to ours.
       RS_ASSIGN_OR_RETURN(o.key_mapper, DcpKeyMapperFor(dir, *o.model));
-    } else if (args.need_model) {
-      return InvalidArgument(dir +
-                             " is a PyTorch DCP checkpoint: --model PRESET|FILE.json is needed to place its tensors in "
-                             "a layout (the model whose tensor names and shapes it holds)");
     }
     RS_ASSIGN_OR_RETURN(auto s, DcpSource::Open(dir, o));
     return std::unique_ptr<ShardSource>(std::move(s));
@@ -45,6 +41,44 @@ std::string SourceIndexPath(const ShardSource& source) {
   return source.dir() + "/" +
          (source.manifest().format == "pytorch-dcp" ? std::string(kDcpMetadataFileName)
                                                     : std::string(kManifestFileName));
+}
+
+Status CheckTargetWithoutModel(const std::string& dir, const SourceArgs& args, const Manifest& source,
+                               const PhysicalLayout& target) {
+  if (!args.model.empty()) return Status::Ok();
+  // Without axes anywhere: a DCP source opened without a model, or what such a conversion wrote.
+  for (const TensorSpec& t : source.tensors) {
+    for (const std::string& a : t.axes) {
+      if (!a.empty()) return Status::Ok();
+    }
+  }
+  const Mesh& mesh = target.layout.mesh();
+  std::string cutting;
+  for (const MeshAxis& axis : mesh.axes()) {
+    if (axis.size <= 1 || axis.name == "dp") continue;
+    if (axis.name == "fsdp" && target.options.fsdp == FsdpForm::kFlat) continue;
+    cutting += (cutting.empty() ? "" : ",") + axis.name + "=" + std::to_string(axis.size);
+  }
+  if (cutting.empty()) return Status::Ok();
+  std::string names;
+  std::int64_t n = 0;
+  for (const TensorSpec& t : source.tensors) {
+    if (t.role == TensorRole::kScalar) continue;
+    if (n < 3) names += (names.empty() ? "'" : ", '") + t.name + "'";
+    ++n;
+  }
+  if (n > 3) names += " and " + std::to_string(n - 3) + " more";
+  if (IsDcpSource(dir)) {
+    return InvalidArgument(
+        dir + ": without --model the tensors of this PyTorch DCP checkpoint (" + names +
+        ") have no logical axes, so a layout that cuts them (" + cutting +
+        ") cannot be planned; convert to tp=1 (and dp, or fsdp with fsdp_form=flat), which needs no "
+        "model, or give --model PRESET|FILE.json (the model whose tensor names and shapes it holds)");
+  }
+  return InvalidArgument(dir + ": the tensors of this checkpoint (" + names +
+                         ") have no logical axes (it was converted from a PyTorch DCP checkpoint without a model), so "
+                         "a layout that cuts them (" +
+                         cutting + ") cannot be planned; convert that DCP checkpoint again with --model");
 }
 
 }  // namespace rs::cli

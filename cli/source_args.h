@@ -8,6 +8,7 @@
 #include "core/status.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/shard_source.h"
+#include "layout/physical_layout.h"
 
 namespace rs::cli {
 
@@ -18,13 +19,20 @@ struct SourceArgs {
   std::string model;  // --model PRESET|FILE.json: how a DCP source is placed in a layout
   int threads = 0;
   ChecksumPolicy checksums = ChecksumPolicy::kSkip;  // ours: shard checksums; DCP: CRC-32 of each record
-  bool need_model = false;                           // plan / convert: a DCP source without --model is a usage error
 };
 
 // Errors of CheckpointReader::Open or DcpSource::Open; InvalidArgument when --model is given
 // for one of our checkpoints (its manifest already places every tensor) or missing where
 // needed.
 Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const SourceArgs& args);
+
+// Without --model, a DCP source's tensors keep their DCP names and have no logical axes (nor
+// do those of a checkpoint converted from one without a model): a target layout can carry
+// them whole (tp=1, dp replicas) or flatten them (fsdp_form=flat), but not cut them.
+// InvalidArgument naming the tensors (and the layout's axes that would cut them) when
+// `target` would; Ok when any tensor has an axis or --model is given.
+Status CheckTargetWithoutModel(const std::string& dir, const SourceArgs& args, const Manifest& source,
+                               const PhysicalLayout& target);
 
 // The file a source's tensors and shards come from: its manifest.json, or a DCP directory's
 // .metadata (errors about what the source holds name it).

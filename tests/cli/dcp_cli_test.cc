@@ -295,6 +295,47 @@ TEST(DcpCliTest, ConvertToDcpLoadsInPyTorch) {
   }
 }
 
+// No model where none is needed: a conversion that cuts nothing (tp=1, dp replicas, flat FSDP
+// slices) carries every tensor whole under its own name – torchtitan's, Megatron-Core's, a
+// buffer no family of ours declares – with every value intact (read back through our HDF5
+// reader and compared with the DCP source read through the torch.save archives). A layout that
+// would cut them is refused naming them, and nothing is written.
+TEST(DcpCliTest, ConvertWithoutModelWhereNoneIsNeeded) {
+  TempDir tmp;
+  const std::string root = std::string(RS_SOURCE_DIR) + "/tests/fixtures";
+  struct Case {
+    std::string src, layout, kept;
+  };
+  for (const Case& c : {Case{root + "/titan/qwen3_moe_tiny", "tp=1", "layers.0.moe.experts.w1"},
+                        Case{root + "/titan/deepseek_v3_tiny", "dp=2", "moe.expert_bias"},
+                        Case{root + "/megatron/homogeneous_f32", "tp=1", "decoder.layers.mlp.experts"},
+                        Case{root + "/dcp/adamw_f32", "fsdp=2,fsdp_form=flat", "layers.0.attn.qkv.weight"}}) {
+    SCOPED_TRACE(c.src + " -> " + c.layout);
+    const std::string out = tmp / ("nomodel_" + std::to_string(std::hash<std::string>{}(c.src + c.layout)));
+    const CommandResult conv = RunCli("convert " + c.src + " --to " + c.layout + " -o " + out);
+    ASSERT_EQ(conv.exit_code, 0) << conv.output;
+    EXPECT_EQ(RunCli("verify " + out).exit_code, 0);
+    const CommandResult d = RunCli("diff " + c.src + " " + out);
+    EXPECT_EQ(d.exit_code, 0) << d.output;
+    EXPECT_TRUE(Has(d.output, "identical")) << d.output;
+    const CommandResult i = RunCli("inspect " + out);
+    EXPECT_TRUE(Has(i.output, c.kept)) << i.output;
+    // Cutting them needs the model: refused naming tensors and the cutting axes, from the DCP
+    // source and from what the conversion wrote.
+    for (const std::string& from : {c.src, out}) {
+      const CommandResult cut = RunCli("convert " + from + " --to tp=2,fsdp=2 -o " + out + "_cut");
+      EXPECT_EQ(cut.exit_code, 2) << cut.output;
+      EXPECT_TRUE(Has(cut.output, "have no logical axes")) << cut.output;
+      EXPECT_TRUE(Has(cut.output, "a layout that cuts them (fsdp=2,tp=2)")) << cut.output;
+      EXPECT_TRUE(Has(cut.output, "more)")) << cut.output;
+      EXPECT_FALSE(fs::exists(out + "_cut"));
+    }
+    const CommandResult plan = RunCli("plan " + c.src + " --to ep=2");
+    EXPECT_EQ(plan.exit_code, 2) << plan.output;
+    EXPECT_TRUE(Has(plan.output, "--model PRESET|FILE.json")) << plan.output;
+  }
+}
+
 // Megatron-Core torch_dist directories (tests/fixtures/megatron): verify, inspect, convert at a
 // layout, verify the result and diff it against the source by our names.
 TEST(MegatronCliTest, VerifyConvertDiff) {

@@ -52,9 +52,8 @@ TEST(InstallTest, InstalledTreeRunsAndFindsItsPlugin) {
 TEST(InstallTest, DebianPackageHoldsTheInstall) {
   if (RunShell("command -v cpack && command -v dpkg-deb").exit_code != 0) GTEST_SKIP() << "no cpack or dpkg-deb";
   TempDir tmp;
-  const CommandResult pk =
-      RunShell("cd " + tmp.path().string() + " && cpack --config " + RS_BINARY_DIR + "/CPackConfig.cmake -B " +
-               tmp.path().string() + " 2>&1");
+  const CommandResult pk = RunShell("cd " + tmp.path().string() + " && cpack --config " + RS_BINARY_DIR +
+                                    "/CPackConfig.cmake -B " + tmp.path().string() + " 2>&1");
   ASSERT_EQ(pk.exit_code, 0) << pk.output;
   std::string deb;
   for (const auto& e : fs::directory_iterator(tmp.path())) {
