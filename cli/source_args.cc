@@ -5,6 +5,8 @@
 #include "cli/util.h"
 #include "formats/dcp.h"
 #include "formats/dcp_source.h"
+#include "formats/torch_dist.h"
+#include "models/megatron_config.h"
 #include "reshard/framework_names.h"
 
 namespace rs::cli {
@@ -19,8 +21,35 @@ Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const So
   if (IsDcpSource(dir)) {
     DcpSourceOptions o;
     o.verify_crc = args.checksums == ChecksumPolicy::kVerify;
+    // A Megatron-Core checkpoint written by Megatron-LM's training loop records the run's
+    // arguments in common.pt: its model, unless --model overrides it (and then they must agree).
+    std::optional<ModelConfig> recorded;
+    if (IsMegatronTorchDist(dir)) {
+      const std::string common = dir + "/common.pt";
+      RS_ASSIGN_OR_RETURN(const std::optional<nlohmann::json> megatron_args, ReadMegatronArgs(dir));
+      if (megatron_args) {
+        Result<ModelConfig> m = ModelFromMegatronArgs(*megatron_args, common);
+        if (m.ok()) {
+          recorded = std::move(*m);
+        } else if (args.model.empty()) {
+          // Still readable without a model (tensors carried whole under Megatron's names).
+          PrintErr("note: %s\n", m.status().message().c_str());
+        }
+      }
+    }
     if (!args.model.empty()) {
       RS_ASSIGN_OR_RETURN(o.model, LoadModelArg(args.model));
+      if (recorded) {
+        if (const std::optional<std::string> d = FirstStructuralDifference(*o.model, *recorded)) {
+          return InvalidArgument("--model " + args.model + " disagrees with the arguments " + dir +
+                                 "/common.pt records for the run that wrote it, in " + *d +
+                                 " (--model vs common.pt); drop --model to use the recorded model");
+        }
+      }
+    } else if (recorded) {
+      o.model = std::move(recorded);
+    }
+    if (o.model) {
       // Megatron-Core keys, or the model family's torchtitan names, map to ours.
       RS_ASSIGN_OR_RETURN(o.key_mapper, DcpKeyMapperFor(dir, *o.model));
     }

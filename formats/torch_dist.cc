@@ -61,38 +61,84 @@ std::size_t DictGet(const PickleTree& t, std::size_t dict, std::string_view key)
   return kPickleNoNode;
 }
 
-}  // namespace
+// common.pt read as an inert pickle (see ReadMegatronStep), with what reading its records needs.
+struct CommonPt {
+  std::string path;
+  std::string bytes;
+  StoredZip zip;
+  std::string prefix;  // "<archive>/"
+  PickleTree tree;
+  ZipReadFn Reader() const {
+    return [this](std::int64_t off, std::span<std::byte> out) -> Status {
+      const auto data = std::as_bytes(std::span(bytes));
+      if (off < 0 || off > static_cast<std::int64_t>(data.size()) ||
+          static_cast<std::int64_t>(out.size()) > static_cast<std::int64_t>(data.size()) - off) {
+        return DataLoss(path + ": read past the end of the file");
+      }
+      if (!out.empty()) std::memcpy(out.data(), data.data() + off, out.size());  // out.data() may be null
+      return Status::Ok();
+    };
+  }
+};
 
-Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
-  const std::string path = dir + "/common.pt";
+// nullopt when the directory has no common.pt.
+Result<std::optional<std::unique_ptr<CommonPt>>> LoadCommonPt(const std::string& dir) {
+  auto c = std::make_unique<CommonPt>();
+  c->path = dir + "/common.pt";
   struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) return std::optional<std::int64_t>();
-  RS_ASSIGN_OR_RETURN(const std::string bytes, ReadSmallFile(path, kMaxCommonBytes));
-  const auto data = std::as_bytes(std::span(bytes));
-  const ZipReadFn read = [&](std::int64_t off, std::span<std::byte> out) -> Status {
-    if (off < 0 || off > static_cast<std::int64_t>(data.size()) ||
-        static_cast<std::int64_t>(out.size()) > static_cast<std::int64_t>(data.size()) - off) {
-      return DataLoss(path + ": read past the end of the file");
-    }
-    if (!out.empty()) std::memcpy(out.data(), data.data() + off, out.size());  // out.data() may be null
-    return Status::Ok();
-  };
-  RS_ASSIGN_OR_RETURN(const StoredZip zip, StoredZip::Open(read, static_cast<std::int64_t>(data.size()), path));
+  if (::lstat(c->path.c_str(), &st) != 0) return std::optional<std::unique_ptr<CommonPt>>();
+  RS_ASSIGN_OR_RETURN(c->bytes, ReadSmallFile(c->path, kMaxCommonBytes));
+  const ZipReadFn read = c->Reader();
+  RS_ASSIGN_OR_RETURN(c->zip, StoredZip::Open(read, static_cast<std::int64_t>(c->bytes.size()), c->path));
   const ZipEntry* pkl = nullptr;
-  for (const ZipEntry& e : zip.entries()) {
+  for (const ZipEntry& e : c->zip.entries()) {
     if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) pkl = &e;
   }
-  if (pkl == nullptr) return DataLoss(path + ": no <name>/data.pkl record (not a torch.save archive)");
-  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);
-  RS_ASSIGN_OR_RETURN(const std::int64_t at, zip.DataOffset(read, *pkl));
+  if (pkl == nullptr) return DataLoss(c->path + ": no <name>/data.pkl record (not a torch.save archive)");
+  c->prefix = pkl->name.substr(0, pkl->name.size() - 8);
+  RS_ASSIGN_OR_RETURN(const std::int64_t at, c->zip.DataOffset(read, *pkl));
   PickleOptions po;
   po.globals = TorchSaveGlobals();
   po.allow_persistent_ids = true;
   po.inert_unknown_globals = true;
   po.max_nodes = pkl->size + 16;
-  RS_ASSIGN_OR_RETURN(const PickleTree tree,
-                      Unpickle(data.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(pkl->size)), po,
-                               path + ", data.pkl"));
+  const auto data = std::as_bytes(std::span(c->bytes));
+  RS_ASSIGN_OR_RETURN(c->tree, Unpickle(data.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(pkl->size)),
+                                        po, c->path + ", data.pkl"));
+  return std::optional<std::unique_ptr<CommonPt>>(std::move(c));
+}
+
+}  // namespace
+
+Result<std::optional<nlohmann::json>> ReadMegatronArgs(const std::string& dir) {
+  RS_ASSIGN_OR_RETURN(auto loaded, LoadCommonPt(dir));
+  if (!loaded) return std::optional<nlohmann::json>();
+  const CommonPt& c = **loaded;
+  const std::size_t args = DictGet(c.tree, c.tree.root(), "args");
+  if (args == kPickleNoNode || c.tree.node(args).kind == PickleKind::kNone) return std::optional<nlohmann::json>();
+  const PickleNode& n = c.tree.node(args);
+  // argparse.Namespace(**fields): the fields are its BUILD state (or its keyword arguments).
+  std::size_t fields = kPickleNoNode;
+  if (n.kind == PickleKind::kObject) fields = n.state != kPickleNoNode ? n.state : n.kwargs;
+  if (n.kind == PickleKind::kDict) fields = args;
+  if (fields == kPickleNoNode || c.tree.node(fields).kind != PickleKind::kDict) {
+    return DataLoss(c.path + ": 'args' is a " + c.tree.Describe(args) + ", not a namespace of arguments");
+  }
+  Result<nlohmann::json> j = PickleToJson(c.tree, fields);
+  if (!j.ok()) return j.status().WithContext(c.path + ": 'args'");
+  if (!j->is_object()) return DataLoss(c.path + ": 'args' has keys that are not strings");
+  return std::optional<nlohmann::json>(std::move(*j));
+}
+
+Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
+  RS_ASSIGN_OR_RETURN(auto loaded, LoadCommonPt(dir));
+  if (!loaded) return std::optional<std::int64_t>();
+  const CommonPt& c = **loaded;
+  const std::string& path = c.path;
+  const PickleTree& tree = c.tree;
+  const StoredZip& zip = c.zip;
+  const std::string& prefix = c.prefix;
+  const ZipReadFn read = c.Reader();
 
   // A count: an integer, an integral float, or a one-element tensor of either.
   const auto count = [&](std::size_t node, const std::string& field) -> Result<std::int64_t> {

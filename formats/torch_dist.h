@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -38,5 +39,12 @@ MegatronStateKey SplitMegatronStateKey(const std::string& fqn);
 // stores its argparse `args` there); DataLoss naming the file and the field when it is not
 // an archive we can read or the step is not a count.
 Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir);
+
+// The fields of the argparse namespace `args` that Megatron-LM's training loop stores in
+// `<dir>/common.pt` (its whole command line: num_layers, hidden_size, num_experts, ...), as a
+// JSON object (values as PickleToJson writes them: torch dtypes as "torch.bfloat16", ...).
+// nullopt when there is no common.pt or it has no `args` (dist_checkpointing.save alone writes
+// none); DataLoss naming the file when `args` is not a namespace of named values.
+Result<std::optional<nlohmann::json>> ReadMegatronArgs(const std::string& dir);
 
 }  // namespace rs

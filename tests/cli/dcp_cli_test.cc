@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "tests/cli/cli_test_util.h"
@@ -296,10 +297,10 @@ TEST(DcpCliTest, ConvertToDcpLoadsInPyTorch) {
 }
 
 // No model where none is needed: a conversion that cuts nothing (tp=1, dp replicas, flat FSDP
-// slices) carries every tensor whole under its own name – torchtitan's, Megatron-Core's, a
-// buffer no family of ours declares – with every value intact (read back through our HDF5
-// reader and compared with the DCP source read through the torch.save archives). A layout that
-// would cut them is refused naming them, and nothing is written.
+// slices) carries every tensor whole under its own name – torchtitan's, a buffer no family of
+// ours declares (Megatron-Core's: MegatronCliTest.ModelFromCommonPtArgs) – with every value intact (read back through
+// our HDF5 reader and compared with the DCP source read through the torch.save archives). A layout that would cut them
+// is refused naming them, and nothing is written.
 TEST(DcpCliTest, ConvertWithoutModelWhereNoneIsNeeded) {
   TempDir tmp;
   const std::string root = std::string(RS_SOURCE_DIR) + "/tests/fixtures";
@@ -308,7 +309,6 @@ TEST(DcpCliTest, ConvertWithoutModelWhereNoneIsNeeded) {
   };
   for (const Case& c : {Case{root + "/titan/qwen3_moe_tiny", "tp=1", "layers.0.moe.experts.w1"},
                         Case{root + "/titan/deepseek_v3_tiny", "dp=2", "moe.expert_bias"},
-                        Case{root + "/megatron/homogeneous_f32", "tp=1", "decoder.layers.mlp.experts"},
                         Case{root + "/dcp/adamw_f32", "fsdp=2,fsdp_form=flat", "layers.0.attn.qkv.weight"}}) {
     SCOPED_TRACE(c.src + " -> " + c.layout);
     const std::string out = tmp / ("nomodel_" + std::to_string(std::hash<std::string>{}(c.src + c.layout)));
@@ -350,9 +350,11 @@ TEST(MegatronCliTest, VerifyConvertDiff) {
     const CommandResult i = RunCli("inspect " + src + model);
     EXPECT_EQ(i.exit_code, 0) << i.output;
     EXPECT_TRUE(Has(i.output, "layers.1.moe.experts.fc1.weight/exp_avg_sq")) << i.output;
+    // Without --model: the model common.pt's args record (Megatron-LM's training loop saves
+    // them), the same conversion as with the hand-written model.json.
     const CommandResult no_model = RunCli("convert " + src + " --to tp=2 -o " + (tmp / name) + "_x");
-    EXPECT_EQ(no_model.exit_code, 2) << no_model.output;
-    EXPECT_TRUE(Has(no_model.output, "--model")) << no_model.output;
+    ASSERT_EQ(no_model.exit_code, 0) << no_model.output;
+    EXPECT_TRUE(Has(RunCli("diff " + (tmp / name) + "_x " + src + model).output, "identical"));
     const std::string out = tmp / name;
     const CommandResult c = RunCli("convert " + src + " --to tp=2,ep=2,fsdp=2" + model + " -o " + out);
     ASSERT_EQ(c.exit_code, 0) << c.output;
@@ -361,13 +363,69 @@ TEST(MegatronCliTest, VerifyConvertDiff) {
     EXPECT_EQ(d.exit_code, 0) << d.output;
     EXPECT_TRUE(Has(d.output, "identical")) << d.output;
   }
-  // The wrong model: refused, naming the checkpoint kind and the differences.
-  const CommandResult wrong =
+  // The wrong model: refused, naming the field in which it disagrees with common.pt's args.
+  const CommandResult differs =
       RunCli("convert " + root + "/homogeneous_f32 --to tp=2 --model tiny-moe -o " + (tmp / "wrong"));
+  EXPECT_EQ(differs.exit_code, 2) << differs.output;
+  EXPECT_TRUE(Has(differs.output, "--model tiny-moe disagrees with the arguments")) << differs.output;
+  EXPECT_TRUE(
+      Has(differs.output, "homogeneous_f32/common.pt records for the run that wrote it, in vocab_size: 256 vs 16"))
+      << differs.output;
+  EXPECT_FALSE(fs::exists(tmp / "wrong"));
+  // Without args in common.pt (dist_checkpointing.save alone): refused by the tensors it holds.
+  const std::string bare = tmp / "bare";
+  fs::create_directories(bare);
+  for (const auto& e : fs::directory_iterator(root + "/homogeneous_f32")) {
+    if (e.path().filename() != "common.pt") fs::copy_file(e.path(), bare + "/" + e.path().filename().string());
+  }
+  const CommandResult wrong = RunCli("convert " + bare + " --to tp=2 --model tiny-moe -o " + (tmp / "wrong"));
   EXPECT_EQ(wrong.exit_code, 1) << wrong.output;
   EXPECT_TRUE(Has(wrong.output, "the Megatron-Core torch_dist checkpoint does not match the model 'tiny-moe'"))
       << wrong.output;
   EXPECT_FALSE(fs::exists(tmp / "wrong"));
+}
+
+// The model common.pt's args record: every fixture's equals its hand-written model.json in
+// every field that shapes the checkpoint, a --model that disagrees in one field is refused
+// naming it, and args our tensors cannot express leave the checkpoint readable without a model.
+TEST(MegatronCliTest, ModelFromCommonPtArgs) {
+  TempDir tmp;
+  const std::string root = std::string(RS_SOURCE_DIR) + "/tests/fixtures/megatron";
+  for (const char* name : {"homogeneous_f32", "hetero_bf16", "gdn_singleton_f32", "qk_norm_f32", "mla_f32"}) {
+    SCOPED_TRACE(name);
+    const std::string src = root + "/" + name;
+    // The recorded model is accepted with the hand-written one as --model (they agree) ...
+    const CommandResult agree = RunCli("plan " + src + " --to tp=2,ep=2 --model " + src + "/model.json");
+    EXPECT_EQ(agree.exit_code, 0) << agree.output;
+    // ... and one field changed is named.
+    nlohmann::json m = nlohmann::json::parse(FileBytes(src + "/model.json"));
+    m["n_layers"] = 3;
+    const std::string changed = tmp / (std::string(name) + ".json");
+    std::ofstream(changed) << m.dump();
+    const CommandResult differs = RunCli("plan " + src + " --to tp=2 --model " + changed);
+    EXPECT_EQ(differs.exit_code, 2) << differs.output;
+    EXPECT_TRUE(Has(differs.output, "in n_layers: 3 vs 2 (--model vs common.pt)")) << differs.output;
+    // Converted without a model, the result records it: it converts on without one either.
+    const std::string out = tmp / name;
+    ASSERT_EQ(RunCli("convert " + src + " --to ep=2,fsdp=2 -o " + out).exit_code, 0);
+    const CommandResult again = RunCli("convert " + out + " --to tp=2 -o " + out + "_tp2");
+    EXPECT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_TRUE(Has(RunCli("diff " + out + "_tp2 " + src + " --model " + src + "/model.json").output, "identical"));
+  }
+  // A LayerNorm model's args: a note naming the argument, and the checkpoint is read without a
+  // model (carried whole at tp=1; cutting it is refused).
+  const std::string ln = tmp / "layernorm";
+  fs::create_directories(ln);
+  for (const auto& e : fs::directory_iterator(root + "/homogeneous_f32")) {
+    fs::copy_file(e.path(), ln + "/" + e.path().filename().string());
+  }
+  fs::copy_file(root + "/variants/layernorm_args.common.pt", ln + "/common.pt", fs::copy_options::overwrite_existing);
+  const CommandResult whole = RunCli("convert " + ln + " --to tp=1 -o " + (tmp / "ln_out"));
+  EXPECT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_TRUE(Has(whole.output, "argument 'normalization' is 'LayerNorm': our models use RMSNorm")) << whole.output;
+  const CommandResult cut = RunCli("convert " + ln + " --to tp=2 -o " + (tmp / "ln_cut"));
+  EXPECT_EQ(cut.exit_code, 2) << cut.output;
+  EXPECT_TRUE(Has(cut.output, "have no logical axes")) << cut.output;
 }
 
 }  // namespace

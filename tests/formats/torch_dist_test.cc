@@ -83,6 +83,41 @@ TEST(MegatronStepTest, CommonPt) {
   }
 }
 
+// The argparse namespace Megatron-LM's training loop saves as common.pt's `args`.
+TEST(MegatronArgsTest, CommonPt) {
+  auto args = ReadMegatronArgs(kMegatron + "/hetero_bf16");
+  ASSERT_TRUE(args.ok()) << args.status().ToString();
+  ASSERT_TRUE(args->has_value());
+  const nlohmann::json& a = **args;
+  EXPECT_EQ(a["num_layers"], 2);
+  EXPECT_EQ(a["moe_layer_freq"], nlohmann::json::array({0, 1}));
+  EXPECT_EQ(a["moe_router_score_function"], "sigmoid");
+  EXPECT_EQ(a["params_dtype"], "torch.bfloat16");  // a torch global, read as its name
+  EXPECT_TRUE(a["moe_router_num_groups"].is_null());
+  ScratchDir tmp;
+  const std::string dir = CopyFixture("homogeneous_f32", tmp.path() + "/a");
+  // No common.pt, or one without args (dist_checkpointing.save alone): nothing recorded.
+  fs::copy_file(kMegatron + "/variants/steps_differ.common.pt", dir + "/common.pt",
+                fs::copy_options::overwrite_existing);
+  auto none = ReadMegatronArgs(dir);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_FALSE(none->has_value());
+  fs::remove(dir + "/common.pt");
+  none = ReadMegatronArgs(dir);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  // Damaged: any outcome but a crash; an error names the file.
+  const std::vector<char> bytes = ReadAll(kMegatron + "/hetero_bf16/common.pt");
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<char> damaged = bytes;
+    for (int i = 0; i < 4; ++i) damaged[rng() % damaged.size()] = static_cast<char>(rng());
+    WriteAll(dir + "/common.pt", damaged);
+    auto r = ReadMegatronArgs(dir);
+    if (!r.ok()) ExpectNames(r.status().message(), {"common.pt"});
+  }
+}
+
 TEST(MegatronPickleTest, InertGlobalsExecuteNothing) {
   // os.system('touch ...') through REDUCE: an inert record with inert_unknown_globals,
   // refused without; an allowlisted value is still not callable.

@@ -1,0 +1,235 @@
+#include "models/megatron_config.h"
+
+#include <cmath>
+
+namespace rs {
+namespace {
+
+// Reads Megatron-LM argument values, naming the argument in every message.
+class Args {
+ public:
+  Args(const nlohmann::json& j, std::string what) : j_(j), what_(std::move(what)) {}
+
+  bool Has(const char* k) const { return j_.contains(k) && !j_[k].is_null(); }
+  Status Bad(const char* k, const std::string& why) const {
+    return InvalidArgument(what_ + ": argument '" + k + "' " + why);
+  }
+  Status Cannot(const char* k, const std::string& why) const {
+    return Unimplemented(what_ + ": argument '" + k + "' " + why);
+  }
+  Result<std::int64_t> Int(const char* k) const {
+    if (!Has(k)) return Bad(k, "is missing");
+    const nlohmann::json& v = j_[k];
+    if (!v.is_number_integer()) return Bad(k, "is " + v.dump() + ", not an integer");
+    const auto i = v.get<std::int64_t>();
+    if (i < 0 || i > (std::int64_t{1} << 40)) return Bad(k, "is " + v.dump() + ", out of range");
+    return i;
+  }
+  Result<std::int64_t> Int(const char* k, std::int64_t fallback) const { return Has(k) ? Int(k) : fallback; }
+  Result<double> Real(const char* k, double fallback) const {
+    if (!Has(k)) return fallback;
+    const nlohmann::json& v = j_[k];
+    if (!v.is_number() || !std::isfinite(v.get<double>())) return Bad(k, "is " + v.dump() + ", not a number");
+    return v.get<double>();
+  }
+  Result<bool> Bool(const char* k, bool fallback) const {
+    if (!Has(k)) return fallback;
+    if (!j_[k].is_boolean()) return Bad(k, "is " + j_[k].dump() + ", not true or false");
+    return j_[k].get<bool>();
+  }
+  Result<std::string> Text(const char* k, const std::string& fallback) const {
+    if (!Has(k)) return fallback;
+    if (!j_[k].is_string()) return Bad(k, "is " + j_[k].dump() + ", not a string");
+    return j_[k].get<std::string>();
+  }
+  const nlohmann::json& at(const char* k) const { return j_[k]; }
+
+ private:
+  const nlohmann::json& j_;
+  std::string what_;
+};
+
+// moe_layer_freq: an integer N (MoE at layers 0, N, 2N, ...) or a 0/1 list per layer.
+Status ReadMoeLayers(const Args& a, ModelConfig& c) {
+  std::vector<bool> moe(static_cast<std::size_t>(c.n_layers), true);
+  if (a.Has("moe_layer_freq")) {
+    const nlohmann::json& f = a.at("moe_layer_freq");
+    if (f.is_number_integer()) {
+      const auto n = f.get<std::int64_t>();
+      if (n < 1) return a.Bad("moe_layer_freq", "is " + f.dump() + ", not >= 1");
+      for (std::int64_t i = 0; i < c.n_layers; ++i) moe[static_cast<std::size_t>(i)] = i % n == 0;
+    } else if (f.is_array()) {
+      if (static_cast<std::int64_t>(f.size()) != c.n_layers) {
+        return a.Bad("moe_layer_freq", "lists " + std::to_string(f.size()) + " layers, num_layers is " +
+                                           std::to_string(c.n_layers));
+      }
+      for (std::size_t i = 0; i < f.size(); ++i) {
+        if (!f[i].is_number_integer() || (f[i] != 0 && f[i] != 1)) {
+          return a.Bad("moe_layer_freq", "entry " + std::to_string(i) + " is " + f[i].dump() + ", not 0 or 1");
+        }
+        moe[i] = f[i] == 1;
+      }
+    } else {
+      return a.Bad("moe_layer_freq", "is " + f.dump() + ", not an integer or a list");
+    }
+  }
+  // Dense layers that lead the stack are first_dense_layers (as DeepSeek-V3 says it); the rest a list.
+  std::int64_t lead = 0;
+  while (lead < c.n_layers && !moe[static_cast<std::size_t>(lead)]) ++lead;
+  c.first_dense_layers = lead;
+  c.moe_layer_step = 1;
+  c.dense_layers.clear();
+  for (std::int64_t i = lead; i < c.n_layers; ++i) {
+    if (!moe[static_cast<std::size_t>(i)]) c.dense_layers.push_back(i);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::string& what) {
+  if (!j.is_object()) return InvalidArgument(what + ": 'args' is not a namespace of arguments");
+  const Args a(j, what);
+  ModelConfig c;
+  c.name = "megatron";
+  // What our tensors cannot express.
+  RS_ASSIGN_OR_RETURN(const std::string norm, a.Text("normalization", "LayerNorm"));
+  if (norm != "RMSNorm") return a.Cannot("normalization", "is '" + norm + "': our models use RMSNorm");
+  RS_ASSIGN_OR_RETURN(const bool swiglu, a.Bool("swiglu", false));
+  if (!swiglu) return a.Cannot("swiglu", "is false: our MLPs and experts are SwiGLU");
+  RS_ASSIGN_OR_RETURN(const bool bias, a.Bool("add_bias_linear", true));
+  if (bias) return a.Cannot("add_bias_linear", "is true: our linear layers have no biases");
+  RS_ASSIGN_OR_RETURN(const bool qkv_bias, a.Bool("add_qkv_bias", false));
+  if (qkv_bias) return a.Cannot("add_qkv_bias", "is true: our attention has no biases");
+  RS_ASSIGN_OR_RETURN(const bool untie, a.Bool("untie_embeddings_and_output_weights", false));
+  if (!untie) return a.Cannot("untie_embeddings_and_output_weights", "is false: our output layer is its own tensor");
+  RS_ASSIGN_OR_RETURN(const std::string pos, a.Text("position_embedding_type", "rope"));
+  if (pos != "rope") return a.Cannot("position_embedding_type", "is '" + pos + "': our models use RoPE");
+
+  RS_ASSIGN_OR_RETURN(c.n_layers, a.Int("num_layers"));
+  RS_ASSIGN_OR_RETURN(c.d_model, a.Int("hidden_size"));
+  RS_ASSIGN_OR_RETURN(c.n_heads, a.Int("num_attention_heads"));
+  if (c.n_heads == 0) return a.Bad("num_attention_heads", "is 0");
+  RS_ASSIGN_OR_RETURN(const bool gqa, a.Bool("group_query_attention", false));
+  if (gqa) {
+    RS_ASSIGN_OR_RETURN(c.n_kv_heads, a.Int("num_query_groups"));
+  } else {
+    c.n_kv_heads = c.n_heads;
+  }
+  RS_ASSIGN_OR_RETURN(c.head_dim, a.Int("kv_channels", c.d_model / c.n_heads));
+  RS_ASSIGN_OR_RETURN(c.dense_ffn, a.Int("ffn_hidden_size"));
+  if (a.Has("padded_vocab_size")) {
+    RS_ASSIGN_OR_RETURN(c.vocab_size, a.Int("padded_vocab_size"));
+  } else {
+    RS_ASSIGN_OR_RETURN(c.vocab_size, a.Int("vocab_size"));
+  }
+  RS_ASSIGN_OR_RETURN(c.max_seq_len, a.Int("max_position_embeddings", 0));
+  if (c.max_seq_len == 0) {
+    RS_ASSIGN_OR_RETURN(c.max_seq_len, a.Int("seq_length"));
+  }
+  RS_ASSIGN_OR_RETURN(c.norm_eps, a.Real("norm_epsilon", 1e-5));
+  RS_ASSIGN_OR_RETURN(c.rope_theta, a.Real("rotary_base", 10000.0));
+  RS_ASSIGN_OR_RETURN(const bool bf16, a.Bool("bf16", false));
+  RS_ASSIGN_OR_RETURN(const bool fp16, a.Bool("fp16", false));
+  c.param_dtype = bf16 ? DType::kBF16 : fp16 ? DType::kF16 : DType::kF32;
+
+  // Experts.
+  RS_ASSIGN_OR_RETURN(c.n_experts, a.Int("num_experts", 0));
+  if (c.n_experts > 0) {
+    RS_ASSIGN_OR_RETURN(c.top_k, a.Int("moe_router_topk", 2));
+    RS_ASSIGN_OR_RETURN(c.moe_ffn, a.Int("moe_ffn_hidden_size", c.dense_ffn));
+    RS_ASSIGN_OR_RETURN(c.shared_ffn, a.Int("moe_shared_expert_intermediate_size", 0));
+    RS_RETURN_IF_ERROR(ReadMoeLayers(a, c));
+    RS_ASSIGN_OR_RETURN(c.aux_loss_coef, a.Real("moe_aux_loss_coeff", 0.0));
+    RS_ASSIGN_OR_RETURN(c.z_loss_coef, a.Real("moe_z_loss_coeff", 0.0));
+    RS_ASSIGN_OR_RETURN(const std::string score, a.Text("moe_router_score_function", "softmax"));
+    RS_ASSIGN_OR_RETURN(const bool pre_softmax, a.Bool("moe_router_pre_softmax", false));
+    RS_ASSIGN_OR_RETURN(const bool expert_bias, a.Bool("moe_router_enable_expert_bias", false));
+    RS_ASSIGN_OR_RETURN(const std::int64_t groups, a.Int("moe_router_num_groups", 1));
+    RS_ASSIGN_OR_RETURN(const std::int64_t groups_kept, a.Int("moe_router_group_topk", 1));
+    RS_ASSIGN_OR_RETURN(c.router_scale, a.Real("moe_router_topk_scaling_factor", 1.0));
+    if (score == "sigmoid") {
+      if (!expert_bias) return a.Cannot("moe_router_enable_expert_bias", "is false: a sigmoid router of ours has the expert bias");
+      c.router = RouterKind::kSigmoidBias;
+      RS_ASSIGN_OR_RETURN(c.bias_update_rate, a.Real("moe_router_bias_update_rate", 1e-3));
+      if (groups > 1) {
+        c.router_grouped = true;
+        c.router_groups = groups;
+        c.router_groups_kept = groups_kept;
+      }
+    } else if (score == "softmax") {
+      if (expert_bias) return a.Cannot("moe_router_enable_expert_bias", "is true with a softmax router");
+      if (groups > 1) {
+        c.router = RouterKind::kGroupLimited;
+        c.router_groups = groups;
+        c.router_groups_kept = groups_kept;
+      } else {
+        c.router = pre_softmax ? RouterKind::kSoftmaxBefore : RouterKind::kTopKSoftmaxAfter;
+      }
+    } else {
+      return a.Cannot("moe_router_score_function", "is '" + score + "' (softmax or sigmoid are mapped)");
+    }
+  } else {
+    c.top_k = 0;
+    c.moe_ffn = 0;
+  }
+
+  // Attention: multi-latent (its latent norms are Megatron's q/k layernorms), or per-head q/k norms.
+  RS_ASSIGN_OR_RETURN(const bool mla, a.Bool("multi_latent_attention", false));
+  RS_ASSIGN_OR_RETURN(const bool qk_layernorm, a.Bool("qk_layernorm", false));
+  if (mla) {
+    RS_ASSIGN_OR_RETURN(c.mla_q_rank, a.Int("q_lora_rank", 0));
+    RS_ASSIGN_OR_RETURN(c.mla_kv_rank, a.Int("kv_lora_rank"));
+    RS_ASSIGN_OR_RETURN(const std::int64_t nope, a.Int("qk_head_dim"));
+    RS_ASSIGN_OR_RETURN(c.mla_rope_dim, a.Int("qk_pos_emb_head_dim"));
+    RS_ASSIGN_OR_RETURN(c.mla_v_dim, a.Int("v_head_dim"));
+    c.head_dim = nope + c.mla_rope_dim;
+    c.n_kv_heads = c.n_heads;
+    c.rope_interleave = true;
+  } else {
+    c.qk_norm = qk_layernorm;
+  }
+  // Gated-delta-net layers (Megatron-Core's experimental attention variant).
+  RS_ASSIGN_OR_RETURN(const std::string variant, a.Text("experimental_attention_variant", ""));
+  if (variant == "gated_delta_net") {
+    RS_ASSIGN_OR_RETURN(c.full_attn_interval, a.Int("linear_attention_freq"));
+    RS_ASSIGN_OR_RETURN(c.gdn_key_heads, a.Int("linear_num_key_heads"));
+    RS_ASSIGN_OR_RETURN(c.gdn_value_heads, a.Int("linear_num_value_heads"));
+    RS_ASSIGN_OR_RETURN(c.gdn_key_dim, a.Int("linear_key_head_dim"));
+    RS_ASSIGN_OR_RETURN(c.gdn_value_dim, a.Int("linear_value_head_dim"));
+    RS_ASSIGN_OR_RETURN(c.gdn_conv_kernel, a.Int("linear_conv_kernel_dim"));
+  } else if (!variant.empty()) {
+    return a.Cannot("experimental_attention_variant", "is '" + variant + "' (gated_delta_net is mapped)");
+  }
+  if (const Status valid = c.Validate(); !valid.ok()) return valid.WithContext(what + ": the model of 'args'");
+  return c;
+}
+
+std::optional<std::string> FirstStructuralDifference(const ModelConfig& a, const ModelConfig& b) {
+  nlohmann::json ja, jb;
+  to_json(ja, a);
+  to_json(jb, b);
+  for (const char* k : {"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "dense_ffn",
+                        "n_experts", "top_k", "moe_ffn", "shared_ffn", "qk_norm", "mla_q_rank", "mla_kv_rank",
+                        "mla_rope_dim", "mla_v_dim", "full_attn_interval", "router"}) {
+    const nlohmann::json va = ja.contains(k) ? ja[k] : nlohmann::json();
+    const nlohmann::json vb = jb.contains(k) ? jb[k] : nlohmann::json();
+    if (va != vb) return std::string(k) + ": " + va.dump() + " vs " + vb.dump();
+  }
+  if (a.full_attn_interval > 0) {
+    for (const char* k : {"gdn_key_heads", "gdn_value_heads", "gdn_key_dim", "gdn_value_dim", "gdn_conv_kernel"}) {
+      if (ja.value(k, nlohmann::json()) != jb.value(k, nlohmann::json())) {
+        return std::string(k) + ": " + ja.value(k, nlohmann::json()).dump() + " vs " + jb.value(k, nlohmann::json()).dump();
+      }
+    }
+  }
+  for (std::int64_t i = 0; i < a.n_layers; ++i) {
+    if (a.IsMoeLayer(i) != b.IsMoeLayer(i)) {
+      return "layer " + std::to_string(i) + " (dense or MoE: first_dense_layers, dense_layers, moe_layer_step): " +
+             (a.IsMoeLayer(i) ? "MoE" : "dense") + " vs " + (b.IsMoeLayer(i) ? "MoE" : "dense");
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace rs
