@@ -23,6 +23,7 @@
 #include "fuzz/placement.h"
 #include "layout/physical_layout.h"
 #include "models/family.h"
+#include "models/megatron_config.h"
 
 namespace {
 
@@ -132,6 +133,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       fuzz::CheckError(family.status(), "FindHfModelFamily");
     }
     for (const ModelFamily* f : ModelFamilies()) CheckHfConfig(*f, j);
+  }
+  // Megatron-LM's arguments (common.pt's args, as JSON) as a model.
+  Result<ModelConfig> megatron = ModelFromMegatronArgs(j, "common.pt");
+  if (megatron.ok()) {
+    CheckModel(*megatron);
+  } else {
+    // Unimplemented: a model our tensors cannot express, named by its argument.
+    if (megatron.status().code() != ErrorCode::kUnimplemented)
+      fuzz::CheckError(megatron.status(), "ModelFromMegatronArgs");
   }
   Result<std::vector<FsdpParam>> params = FsdpParamsFromJson(j);
   if (params.ok()) {

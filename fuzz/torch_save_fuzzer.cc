@@ -3,8 +3,12 @@
 // (formats/torch_dist.h) reads it for `convert` and `import` of a torch_dist checkpoint: the
 // input is the file, next to a valid `metadata.json`.
 //
+// Then the run's `args` (ReadMegatronArgs) and the model they describe (ModelFromMegatronArgs,
+// models/megatron_config.h), as `convert` reads a torch_dist checkpoint without --model.
+//
 // Properties: no crash, no sanitizer report, no uncaught exception, no hang; an error is
-// DataLoss or Unimplemented naming common.pt; a step that is read is a count (>= 0).
+// DataLoss or Unimplemented (InvalidArgument for args too deep or large, or not a model)
+// naming common.pt; a step that is read is a count (>= 0); a model that is read is valid.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -12,6 +16,7 @@
 #include "core/check.h"
 #include "formats/torch_dist.h"
 #include "fuzz/fuzz_util.h"
+#include "models/megatron_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace rs;
@@ -30,5 +35,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     return 0;
   }
   if (step->has_value()) RS_CHECK(**step >= 0);
+  Result<std::optional<nlohmann::json>> args = ReadMegatronArgs(dir);
+  if (!args.ok()) {
+    const ErrorCode code = args.status().code();
+    RS_CHECK_MSG(
+        code == ErrorCode::kDataLoss || code == ErrorCode::kUnimplemented || code == ErrorCode::kInvalidArgument,
+        args.status().ToString());
+    RS_CHECK_MSG(args.status().message().find("common.pt") != std::string::npos, args.status().ToString());
+    return 0;
+  }
+  if (!args->has_value()) return 0;
+  (void)(*args)->dump();
+  Result<ModelConfig> model = ModelFromMegatronArgs(**args, dir + "/common.pt");
+  if (!model.ok()) {
+    const ErrorCode code = model.status().code();
+    RS_CHECK_MSG(code == ErrorCode::kInvalidArgument || code == ErrorCode::kUnimplemented, model.status().ToString());
+    RS_CHECK_MSG(model.status().message().find("common.pt") != std::string::npos, model.status().ToString());
+    return 0;
+  }
+  const Status valid = model->Validate();
+  RS_CHECK_MSG(valid.ok(), valid.ToString());
   return 0;
 }

@@ -60,8 +60,8 @@ Status ReadMoeLayers(const Args& a, ModelConfig& c) {
       for (std::int64_t i = 0; i < c.n_layers; ++i) moe[static_cast<std::size_t>(i)] = i % n == 0;
     } else if (f.is_array()) {
       if (static_cast<std::int64_t>(f.size()) != c.n_layers) {
-        return a.Bad("moe_layer_freq", "lists " + std::to_string(f.size()) + " layers, num_layers is " +
-                                           std::to_string(c.n_layers));
+        return a.Bad("moe_layer_freq",
+                     "lists " + std::to_string(f.size()) + " layers, num_layers is " + std::to_string(c.n_layers));
       }
       for (std::size_t i = 0; i < f.size(); ++i) {
         if (!f[i].is_number_integer() || (f[i] != 0 && f[i] != 1)) {
@@ -149,7 +149,8 @@ Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::st
     RS_ASSIGN_OR_RETURN(const std::int64_t groups_kept, a.Int("moe_router_group_topk", 1));
     RS_ASSIGN_OR_RETURN(c.router_scale, a.Real("moe_router_topk_scaling_factor", 1.0));
     if (score == "sigmoid") {
-      if (!expert_bias) return a.Cannot("moe_router_enable_expert_bias", "is false: a sigmoid router of ours has the expert bias");
+      if (!expert_bias)
+        return a.Cannot("moe_router_enable_expert_bias", "is false: a sigmoid router of ours has the expert bias");
       c.router = RouterKind::kSigmoidBias;
       RS_ASSIGN_OR_RETURN(c.bias_update_rate, a.Real("moe_router_bias_update_rate", 1e-3));
       if (groups > 1) {
@@ -219,7 +220,8 @@ std::optional<std::string> FirstStructuralDifference(const ModelConfig& a, const
   if (a.full_attn_interval > 0) {
     for (const char* k : {"gdn_key_heads", "gdn_value_heads", "gdn_key_dim", "gdn_value_dim", "gdn_conv_kernel"}) {
       if (ja.value(k, nlohmann::json()) != jb.value(k, nlohmann::json())) {
-        return std::string(k) + ": " + ja.value(k, nlohmann::json()).dump() + " vs " + jb.value(k, nlohmann::json()).dump();
+        return std::string(k) + ": " + ja.value(k, nlohmann::json()).dump() + " vs " +
+               jb.value(k, nlohmann::json()).dump();
       }
     }
   }

@@ -1,8 +1,8 @@
 // Megatron-LM's arguments as our model (models/megatron_config.h): the mapping field by field,
 // the layer pattern of moe_layer_freq, and every refusal naming its argument.
-#include "models/megatron_config.h"
-
 #include <gtest/gtest.h>
+
+#include "models/megatron_config.h"
 
 namespace rs {
 namespace {
@@ -82,8 +82,8 @@ TEST(MegatronArgsModel, MoeLayerFrequency) {
   EXPECT_EQ(c->first_dense_layers, 2);
   EXPECT_EQ(c->dense_layers, (std::vector<std::int64_t>{4}));
   for (std::int64_t i = 0; i < 6; ++i) EXPECT_EQ(c->IsMoeLayer(i), j["moe_layer_freq"][i] == 1) << i;
-  for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json({1, 0}), nlohmann::json({1, 0, 2, 1, 1, 1}),
-                                    nlohmann::json("[1]*6")}) {
+  for (const nlohmann::json& bad :
+       {nlohmann::json(0), nlohmann::json({1, 0}), nlohmann::json({1, 0, 2, 1, 1, 1}), nlohmann::json("[1]*6")}) {
     j["moe_layer_freq"] = bad;
     auto r = ModelFromMegatronArgs(j, "common.pt");
     ASSERT_FALSE(r.ok()) << bad.dump();
@@ -137,18 +137,17 @@ TEST(MegatronArgsModel, RefusalsNameTheArgument) {
     nlohmann::json value;
     ErrorCode code;
   };
-  for (const Case& k : {Case{"normalization", "LayerNorm", ErrorCode::kUnimplemented},
-                        Case{"swiglu", false, ErrorCode::kUnimplemented},
-                        Case{"add_bias_linear", true, ErrorCode::kUnimplemented},
-                        Case{"untie_embeddings_and_output_weights", false, ErrorCode::kUnimplemented},
-                        Case{"position_embedding_type", "learned_absolute", ErrorCode::kUnimplemented},
-                        Case{"moe_router_score_function", "sigmoid", ErrorCode::kUnimplemented},
-                        Case{"experimental_attention_variant", "dsa", ErrorCode::kUnimplemented},
-                        Case{"num_layers", "4", ErrorCode::kInvalidArgument},
-                        Case{"hidden_size", nullptr, ErrorCode::kInvalidArgument},
-                        Case{"num_query_groups", -2, ErrorCode::kInvalidArgument},
-                        Case{"norm_epsilon", "tiny", ErrorCode::kInvalidArgument},
-                        Case{"qk_layernorm", 1, ErrorCode::kInvalidArgument}}) {
+  for (const Case& k :
+       {Case{"normalization", "LayerNorm", ErrorCode::kUnimplemented}, Case{"swiglu", false, ErrorCode::kUnimplemented},
+        Case{"add_bias_linear", true, ErrorCode::kUnimplemented},
+        Case{"untie_embeddings_and_output_weights", false, ErrorCode::kUnimplemented},
+        Case{"position_embedding_type", "learned_absolute", ErrorCode::kUnimplemented},
+        Case{"moe_router_score_function", "sigmoid", ErrorCode::kUnimplemented},
+        Case{"experimental_attention_variant", "dsa", ErrorCode::kUnimplemented},
+        Case{"num_layers", "4", ErrorCode::kInvalidArgument}, Case{"hidden_size", nullptr, ErrorCode::kInvalidArgument},
+        Case{"num_query_groups", -2, ErrorCode::kInvalidArgument},
+        Case{"norm_epsilon", "tiny", ErrorCode::kInvalidArgument},
+        Case{"qk_layernorm", 1, ErrorCode::kInvalidArgument}}) {
     nlohmann::json j = Qwen3Like();
     j[k.field] = k.value;
     auto r = ModelFromMegatronArgs(j, "ckpt/common.pt");
@@ -157,8 +156,8 @@ TEST(MegatronArgsModel, RefusalsNameTheArgument) {
     const std::string m = r.status().message();
     EXPECT_NE(m.find("ckpt/common.pt"), std::string::npos) << m;
     // The sigmoid router is refused for its missing expert bias; the others for themselves.
-    const std::string named = std::string(k.field) == "moe_router_score_function" ? "moe_router_enable_expert_bias"
-                                                                                   : k.field;
+    const std::string named =
+        std::string(k.field) == "moe_router_score_function" ? "moe_router_enable_expert_bias" : k.field;
     EXPECT_NE(m.find("'" + named + "'"), std::string::npos) << m;
   }
   EXPECT_FALSE(ModelFromMegatronArgs(nlohmann::json::array(), "x").ok());
