@@ -6,6 +6,7 @@
 #include "cli/util.h"
 #include "formats/dcp_verify.h"
 #include "formats/verify.h"
+#include "reshard/hf.h"
 
 namespace rs::cli {
 namespace {
@@ -22,10 +23,12 @@ void RunVerify(const VerifyArgs& a) {
   o.threads = a.threads;
   o.checksums = a.skip_checksums ? ChecksumCheck::kSkip : ChecksumCheck::kAll;
   const bool dcp = IsDcpSource(a.dir);
-  const VerifyReport report = dcp ? VerifyDcp(a.dir, o) : VerifyCheckpoint(a.dir, o);
+  const bool hf = !dcp && IsHfDirectory(a.dir);
+  const VerifyReport report = dcp ? VerifyDcp(a.dir, o) : hf ? VerifyHf(a.dir, o) : VerifyCheckpoint(a.dir, o);
   if (a.json) {
     nlohmann::json j = report.ToJson();
     if (dcp) j["format"] = "pytorch-dcp";
+    if (hf) j["format"] = "hugging-face";
     PrintJson(j);
   } else {
     if (dcp) {
@@ -33,6 +36,11 @@ void RunVerify(const VerifyArgs& a) {
           "note: PyTorch DCP keeps no checksums of its own; verify checked the CRC-32 that each torch.save archive "
           "records for its storage bytes%s\n",
           a.skip_checksums ? " (skipped: --skip-checksums)" : "");
+    }
+    if (hf) {
+      Print(
+          "note: a Hugging Face directory: config.json, the index and every safetensors header checked against the "
+          "model, every byte read once; safetensors files keep no checksums, so changed bytes cannot be detected\n");
     }
     Print("%s", report.ToText().c_str());
   }
@@ -46,7 +54,10 @@ void RunVerify(const VerifyArgs& a) {
 void RegisterVerify(CLI::App& app) {
   auto a = std::make_shared<VerifyArgs>();
   auto* cmd = app.add_subcommand("verify", "Check a checkpoint: manifest, files, checksums, coverage, replicas");
-  cmd->add_option("dir", a->dir, "Checkpoint directory (ours, or PyTorch DCP: .metadata + .distcp files)")->required();
+  cmd->add_option("dir", a->dir,
+                  "Checkpoint directory (ours; PyTorch DCP: .metadata + .distcp files; a Hugging Face model: "
+                  "config.json + safetensors)")
+      ->required();
   cmd->add_flag("--json", a->json, "Machine-readable report");
   cmd->add_option("--threads", a->threads, "Checksum threads (0 = all cores)")->capture_default_str();
   cmd->add_flag("--skip-checksums", a->skip_checksums, "Check structure and coverage only (fast)");

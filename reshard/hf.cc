@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -460,14 +461,28 @@ bool SafeRelativePath(const std::string& p) {
   return true;
 }
 
-}  // namespace
+// An HF directory read and checked: config.json and the model it describes, the index and
+// every safetensors file's header, every tensor the model needs present with its shape, no
+// tensor the model cannot place. What import reads from and verify reports on.
+struct HfDirectory {
+  HfModel model;
+  nlohmann::json config_json;
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, HfSource> available;  // every tensor of the files, by name
+  std::vector<HfTensor> hf;                   // the model's tensors, where they are ours
+  std::optional<Fp8Blocks> fp8;
+  std::map<std::string, std::vector<float>> scales;  // FP8 weight -> its block scales
+  std::set<DType> dtypes;                            // of the (not FP8) tensors the model uses
+  std::vector<std::string> notes;                    // what was ignored or skipped
+};
 
-Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, const HfImportOptions& options) {
-  HfImportResult result;
+Result<std::unique_ptr<HfDirectory>> OpenHfDirectory(const std::string& dir) {
+  auto d = std::make_unique<HfDirectory>();
   const std::string config_path = dir + "/config.json";
-  RS_ASSIGN_OR_RETURN(const nlohmann::json config_json, ReadJson(config_path));
-  RS_ASSIGN_OR_RETURN(result.model, ParseHfConfig(config_json, config_path));
-  ModelConfig& config = result.model.config;
+  RS_ASSIGN_OR_RETURN(d->config_json, ReadJson(config_path));
+  const nlohmann::json& config_json = d->config_json;
+  RS_ASSIGN_OR_RETURN(d->model, ParseHfConfig(config_json, config_path));
+  const ModelConfig& config = d->model.config;
 
   // The files: an index with its shards, or one model.safetensors.
   std::vector<std::string> file_names;
@@ -491,8 +506,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   } else {
     return NotFound(dir + ": neither model.safetensors.index.json nor model.safetensors");
   }
-  std::vector<std::unique_ptr<SafetensorsFile>> files;
-  std::map<std::string, HfSource> available;
+  std::vector<std::unique_ptr<SafetensorsFile>>& files = d->files;
+  std::map<std::string, HfSource>& available = d->available;
   for (const std::string& name : file_names) {
     RS_ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(dir + "/" + name));
     for (const SafetensorsTensor& t : f->tensors()) {
@@ -515,13 +530,11 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
       return DataLoss(index_path + ": weight_map lists tensor '" + name + "' in " + file + ", which does not hold it");
     }
   }
-  result.hf_files = static_cast<std::int64_t>(files.size());
-  result.hf_tensors = static_cast<std::int64_t>(available.size());
 
   // Which expert variant each MoE layer uses: the family's first whose names the files all
   // hold (expert 0's; variants may share a name, e.g. the router's). With none complete, the
   // first: the missing tensor is then named below.
-  const ModelFamily& family = *result.model.family;
+  const ModelFamily& family = *d->model.family;
   auto variant = [&](std::int64_t layer) -> std::string_view {
     for (const std::string_view v : family.hf_variants) {
       bool complete = true;
@@ -540,11 +553,13 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     return DataLoss(config_path + " implies " + std::to_string(implied) + " tensors; the safetensors files of " + dir +
                     " hold " + std::to_string(available.size()));
   }
-  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params, family, variant));
+  RS_ASSIGN_OR_RETURN(d->hf, HfTensorMap(params, family, variant));
+  const std::vector<HfTensor>& hf = d->hf;
   RS_ASSIGN_OR_RETURN(const std::optional<Fp8Blocks> fp8, ReadQuantization(config_json, config_path));
-  std::map<std::string, std::vector<float>> scales;  // FP8 weight -> its block scales
+  d->fp8 = fp8;
+  std::map<std::string, std::vector<float>>& scales = d->scales;
   std::set<std::string> used;
-  std::set<DType> dtypes;
+  std::set<DType>& dtypes = d->dtypes;
   for (const HfTensor& h : hf) {
     const auto it = available.find(h.hf_name);
     if (it == available.end()) {
@@ -569,8 +584,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     dtypes.insert(t.dtype);
   }
   if (!scales.empty()) {
-    result.notes.push_back("dequantized " + std::to_string(scales.size()) + " FP8 block-scaled weight(s) (blocks of " +
-                           std::to_string(fp8->rows) + " x " + std::to_string(fp8->cols) + ")");
+    d->notes.push_back("dequantized " + std::to_string(scales.size()) + " FP8 block-scaled weight(s) (blocks of " +
+                       std::to_string(fp8->rows) + " x " + std::to_string(fp8->cols) + ")");
   }
   // Multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers, stored as layers
   // n_layers, n_layers + 1, ...) are not part of the model: transformers builds none and skips
@@ -585,7 +600,7 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   for (const auto& [name, src] : available) {
     if (used.count(name) != 0) continue;
     if (name.ends_with("rotary_emb.inv_freq")) {  // a derived buffer some old checkpoints carry
-      result.notes.push_back("ignored '" + name + "' (RoPE frequencies, recomputed from rope_theta)");
+      d->notes.push_back("ignored '" + name + "' (RoPE frequencies, recomputed from rope_theta)");
       continue;
     }
     if (const std::int64_t layer = HfLayerOf(name);
@@ -596,9 +611,9 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     leftovers.push_back(name);
   }
   for (const auto& [layer, count] : mtp_skipped) {
-    result.notes.push_back("skipped layer " + std::to_string(layer) + "'s " + std::to_string(count) +
-                           " tensor(s): a multi-token-prediction layer (num_nextn_predict_layers), which is not " +
-                           "trained or evaluated (transformers skips it too)");
+    d->notes.push_back("skipped layer " + std::to_string(layer) + "'s " + std::to_string(count) +
+                       " tensor(s): a multi-token-prediction layer (num_nextn_predict_layers), which is not " +
+                       "trained or evaluated (transformers skips it too)");
   }
   if (!leftovers.empty()) {
     std::string msg = dir + ": " + std::to_string(leftovers.size()) + " tensor(s) our model cannot express: ";
@@ -608,6 +623,23 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     if (leftovers.size() > 4) msg += "; ...";
     return FailedPrecondition(msg);
   }
+  return d;
+}
+
+}  // namespace
+
+Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, const HfImportOptions& options) {
+  HfImportResult result;
+  RS_ASSIGN_OR_RETURN(std::unique_ptr<HfDirectory> d, OpenHfDirectory(dir));
+  result.model = d->model;
+  result.notes = d->notes;
+  result.hf_files = static_cast<std::int64_t>(d->files.size());
+  result.hf_tensors = static_cast<std::int64_t>(d->available.size());
+  ModelConfig& config = result.model.config;
+  const std::vector<HfTensor>& hf = d->hf;
+  std::map<std::string, HfSource>& available = d->available;
+  const std::set<DType>& dtypes = d->dtypes;
+  const ModelFamily& family = *result.model.family;
 
   // Parameter dtype: as given, else the files', else config.json's.
   if (options.param_dtype) {
@@ -707,6 +739,70 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   writer->SetMetadata(meta);
   RS_RETURN_IF_ERROR(writer->Commit());
   return result;
+}
+
+bool IsHfDirectory(const std::string& dir) {
+  return !PathExists(dir + "/" + std::string(kManifestFileName)) && !PathExists(dir + "/.metadata") &&
+         PathExists(dir + "/config.json") &&
+         (PathExists(dir + "/model.safetensors") || PathExists(dir + "/model.safetensors.index.json"));
+}
+
+VerifyReport VerifyHf(const std::string& dir, const VerifyOptions& options) {
+  (void)options;
+  const auto start = std::chrono::steady_clock::now();
+  VerifyReport report;
+  report.dir = dir;
+  const auto finding = [&](const Status& st) {
+    Finding f;
+    f.code = st.code();
+    f.message = st.message();
+    f.kind = st.code() == ErrorCode::kDataLoss   ? FindingKind::kBadFile
+             : st.code() == ErrorCode::kNotFound ? FindingKind::kMissingFile
+                                                 : FindingKind::kManifest;
+    report.findings.push_back(std::move(f));
+  };
+  Result<std::unique_ptr<HfDirectory>> d = OpenHfDirectory(dir);
+  if (!d.ok()) {
+    finding(d.status());
+  } else {
+    report.counts.tensors = static_cast<std::int64_t>((*d)->available.size());
+    report.counts.shards = report.counts.tensors;
+    report.counts.files = static_cast<std::int64_t>((*d)->files.size());
+    // Every byte of every file, once.
+    std::vector<std::byte> block(std::size_t{4} << 20);
+    for (const auto& f : (*d)->files) {
+      std::int64_t size = 0;
+      Result<int> fd = OpenRegularFile(f->path(), &size);
+      if (!fd.ok()) {
+        finding(fd.status());
+        break;
+      }
+      std::int64_t at = 0;
+      Status st = Status::Ok();
+      while (at < size && st.ok()) {
+        const auto want =
+            static_cast<std::size_t>(std::min<std::int64_t>(size - at, static_cast<std::int64_t>(block.size())));
+        const ssize_t n = ::pread(*fd, block.data(), want, static_cast<off_t>(at));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          st =
+              DataLoss(f->path() + ": " + (n == 0 ? std::string("the file ended") : std::string(std::strerror(errno))) +
+                       " at byte " + std::to_string(at) + " of " + std::to_string(size));
+          break;
+        }
+        at += n;
+      }
+      ::close(*fd);
+      report.counts.stored_bytes += at;
+      if (!st.ok()) {
+        finding(st);
+        break;
+      }
+    }
+  }
+  SetAsideUnavailable(report);
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
 }
 
 }  // namespace rs

@@ -22,6 +22,7 @@
 #include "core/tensor_spec.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/codec.h"
+#include "formats/verify.h"
 #include "layout/physical_layout.h"
 #include "models/family.h"
 #include "models/names.h"
@@ -101,5 +102,20 @@ struct HfImportResult {
 // one our model has no place for is FailedPrecondition naming it. Streams piece by piece
 // under memory_budget.
 Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, const HfImportOptions& options);
+
+// True when `dir` is read as a Hugging Face model directory: config.json and a
+// model.safetensors or model.safetensors.index.json, and neither our manifest.json nor a DCP
+// .metadata.
+bool IsHfDirectory(const std::string& dir);
+
+// `reshard verify` on a Hugging Face directory: everything `import` checks before it reads
+// (config.json parsed by its model family; the index covering exactly the files' tensors, none
+// in two files; every safetensors header valid, its tensors inside the file and not
+// overlapping; every tensor the model needs present with the shape config.json implies, none
+// it cannot place, FP8 scales matching their weights), then every byte of every safetensors
+// file read once. Safetensors files carry no checksums: reading finds truncation and read
+// errors, not flipped bits. The first problem found is the report's finding (kManifest for
+// config.json and the index, kMissingFile, kBadFile for the files and their tensors).
+VerifyReport VerifyHf(const std::string& dir, const VerifyOptions& options);
 
 }  // namespace rs

@@ -122,7 +122,8 @@ struct BadCase {
   std::string message;
 };
 
-// Each case edits a copy of `src`; import must refuse it (exit 1 or 2) with `message`, writing nothing.
+// Each case edits a copy of `src`; import must refuse it (exit 1 or 2) with `message`, writing
+// nothing, and verify must call the directory NOT SOUND with the same message (exit 1).
 void ExpectImportRefused(const std::string& src, const std::vector<BadCase>& cases) {
   TempDir tmp;
   for (const BadCase& c : cases) {
@@ -138,7 +139,65 @@ void ExpectImportRefused(const std::string& src, const std::vector<BadCase>& cas
     EXPECT_TRUE(r.exit_code == 1 || r.exit_code == 2) << r.output;
     EXPECT_TRUE(Contains(r.output, c.message)) << r.output;
     EXPECT_FALSE(fs::exists(out));
+    const CommandResult v = RunCli("verify " + dir);
+    EXPECT_EQ(v.exit_code, 1) << v.output;
+    EXPECT_TRUE(Contains(v.output, "NOT SOUND")) << v.output;
+    EXPECT_TRUE(Contains(v.output, c.message)) << v.output;
   }
+}
+
+// `verify` on Hugging Face directories: the fixtures (one file), an export (several files and an
+// index) and an FP8 one are SOUND; a truncated file, an index that disagrees with the files and
+// a file the index names that is not there are not, each finding naming the file and tensor.
+TEST(HfFamilies, VerifyHuggingFaceDirectories) {
+  TempDir tmp;
+  for (const char* name : {"qwen3_moe_tiny", "deepseek_v3_tiny", "deepseek_v3_noq", "deepseek_v3_fp8"}) {
+    const CommandResult v = RunCli("verify " + kFixtures + "/" + name);
+    EXPECT_EQ(v.exit_code, 0) << name << "\n" << v.output;
+    EXPECT_TRUE(Contains(v.output, "SOUND: ")) << v.output;
+    EXPECT_TRUE(Contains(v.output, "safetensors files keep no checksums")) << v.output;
+  }
+  const CommandResult j = RunCli("verify --json " + kFixtures + "/qwen3_moe_tiny");
+  ASSERT_EQ(j.exit_code, 0) << j.output;
+  EXPECT_EQ(nlohmann::json::parse(j.output)["format"], "hugging-face");
+  // An export in several files with an index.
+  Import(kFixtures + "/qwen3_moe_tiny", "tp=1", tmp / "ck");
+  const std::string hf = tmp / "hf";
+  ASSERT_EQ(RunCli("export " + (tmp / "ck") + " --format hf --max-shard-size 40KiB -o " + hf).exit_code, 0);
+  ASSERT_TRUE(fs::exists(hf + "/model.safetensors.index.json"));
+  EXPECT_EQ(RunCli("verify " + hf).exit_code, 0);
+  const auto copy = [&](const std::string& name) {
+    const std::string d = tmp / name;
+    fs::copy(hf, d, fs::copy_options::recursive);
+    return d;
+  };
+  std::string second;
+  for (const auto& e : fs::directory_iterator(hf)) {
+    if (e.path().filename().string().starts_with("model-00002")) second = e.path().filename().string();
+  }
+  ASSERT_FALSE(second.empty()) << "the export was not split";
+  // Truncated.
+  const std::string cut = copy("cut");
+  fs::resize_file(cut + "/" + second, fs::file_size(cut + "/" + second) - 100);
+  CommandResult v = RunCli("verify " + cut);
+  EXPECT_EQ(v.exit_code, 1) << v.output;
+  EXPECT_TRUE(Contains(v.output, second)) << v.output;
+  // The index names a file that is not there.
+  const std::string gone = copy("gone");
+  fs::remove(gone + "/" + second);
+  v = RunCli("verify " + gone);
+  EXPECT_EQ(v.exit_code, 1) << v.output;
+  EXPECT_TRUE(Contains(v.output, second)) << v.output;
+  // The index puts a tensor in the wrong file.
+  const std::string moved = copy("moved");
+  nlohmann::json index = ReadJson(moved + "/model.safetensors.index.json");
+  const std::string first_tensor = index["weight_map"].begin().key();
+  const std::string was = index["weight_map"][first_tensor];
+  index["weight_map"][first_tensor] = was == second ? "model-00001-of-" + second.substr(15) : second;
+  std::ofstream(moved + "/model.safetensors.index.json") << index.dump();
+  v = RunCli("verify " + moved);
+  EXPECT_EQ(v.exit_code, 1) << v.output;
+  EXPECT_TRUE(Contains(v.output, "tensor '" + first_tensor + "'")) << v.output;
 }
 
 TEST(HfFamilies, ModelsListsTheFamilies) {
