@@ -20,6 +20,7 @@
 #include "formats/checkpoint_commit.h"
 #include "formats/dcp_verify.h"
 #include "formats/verify.h"
+#include "models/family.h"
 #include "reshard/dcp_export.h"
 #include "reshard/execute.h"
 
@@ -42,6 +43,7 @@ struct ConvertArgs {
   FormatArgs format;
   std::string model;
   std::string output_format = "reshard";  // --format: reshard (ours) or dcp
+  std::string dcp_names = "auto";         // --dcp-names: auto, ours or torchtitan
 };
 
 // Everything both the single- and the multi-process path need.
@@ -124,7 +126,18 @@ void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& ela
   eo.map_sources = true;
   auto progress = std::make_unique<Progress>("convert", s.plan.Total().bytes_written);
   eo.progress = [&progress](std::int64_t done, std::int64_t) { progress->Update(done); };
-  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo);
+  // auto: torchtitan's names where the model's family has them.
+  DcpNames names = a.dcp_names == "torchtitan" ? DcpNames::kTorchtitan : DcpNames::kOurs;
+  if (a.dcp_names == "auto") {
+    const nlohmann::json& meta = s.source->manifest().metadata;
+    if (meta.is_object() && meta.contains("model")) {
+      const Result<ModelConfig> model = ModelConfigFromJson(meta["model"]);
+      const Result<const ModelFamily*> family =
+          model.ok() ? FindModelFamily(model->family) : Result<const ModelFamily*>(model.status());
+      if (family.ok() && !(*family)->titan_names.empty()) names = DcpNames::kTorchtitan;
+    }
+  }
+  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names);
   progress.reset();
   if (!stats.ok()) Fail("convert", stats.status());
   Report(a, s, *stats, elapsed(), 1);
@@ -227,6 +240,11 @@ void RegisterConvert(CLI::App& app) {
                   "Output format: reshard (ours, the default) or dcp (a PyTorch Distributed Checkpoint that "
                   "torch.distributed.checkpoint.load reads; formats/DCP.md §8)")
       ->check(CLI::IsMember({"reshard", "dcp"}))
+      ->capture_default_str();
+  cmd->add_option("--dcp-names", a->dcp_names,
+                  "--format dcp: key names: torchtitan (the model family's torchtitan names, as torchtitan saves), "
+                  "ours (model.<name> / optim.state.<name>.<state>), or auto (torchtitan where the family has them)")
+      ->check(CLI::IsMember({"auto", "ours", "torchtitan"}))
       ->capture_default_str();
   cmd->add_option("--model", a->model,
                   "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");

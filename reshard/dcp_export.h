@@ -2,12 +2,21 @@
 // (formats/dcp_writer.h) instead of our format, so that torch.distributed.checkpoint.load reads
 // the result at the target layout's mesh or any other (formats/DCP.md §8).
 //
-// Keys are those of `dcp.save({"model": model_sd, "optim": optim_sd})` with the state dicts of
-// torch.distributed.checkpoint.state_dict.get_state_dict (which is also what our DCP reader maps
-// back to our names): a parameter or buffer `N` is `model.N`; its optimizer state `N/S` is
-// `optim.state.N.S`; our one `optimizer.step` becomes PyTorch's per-parameter step,
-// `optim.state.N.step`, a 0-dim float32 tensor, for every parameter with optimizer states.
-// Each target piece is one chunk in its rank's `__<rank>_0.distcp`.
+// Keys (DcpNames):
+//  - kOurs: those of `dcp.save({"model": model_sd, "optim": optim_sd})` with the state dicts of
+//    torch.distributed.checkpoint.state_dict.get_state_dict: a parameter or buffer `N` is
+//    `model.N`; its optimizer state `N/S` is `optim.state.N.S`;
+//  - kTorchtitan: those torchtitan's CheckpointManager saves, with the names of the model
+//    family's torchtitan table (models/): a parameter is its torchtitan FQN at the top level
+//    (`layers.0.attention.wq.weight`, `layers.0.moe.experts.w1`), its states
+//    `optimizer.state.<fqn>.<state>`; one of our tensors may be several of theirs (the fused
+//    QKV rows, the SwiGLU gate and up halves), so a target piece becomes one chunk of each of
+//    their tensors it overlaps, its streamed bytes split between them. Tensors the table does
+//    not name keep ours. Our `master` weights are kept as the state `master`.
+// Our one `optimizer.step` becomes PyTorch's per-parameter step (`<state prefix>.step`, a 0-dim
+// float32 tensor) for every parameter with optimizer states. Each target piece is one chunk (or
+// one per overlapped tensor of theirs) in its rank's `__<rank>_0.distcp`. Our DCP reader maps
+// both spellings back to our names (torchtitan's with the model).
 #pragma once
 
 #include <string>
@@ -19,14 +28,18 @@
 
 namespace rs {
 
-// The DCP key (and state-dict path) of one of our tensors.
+enum class DcpNames : std::uint8_t { kOurs, kTorchtitan };
+
+// The DCP key (and state-dict path) of one of our tensors under our names.
 DcpTensorSpec DcpKeyOf(const TensorSpec& t);
 
 // Executes `plan` reading `source` into a new DCP directory `dir`, committed atomically.
-// InvalidArgument for what DCP cannot hold (a flat FSDP item range, replicas, a key twice);
-// Unimplemented for float8 tensors; errors of reading and writing pass through, and nothing is
-// left at `dir` on any error.
+// kTorchtitan needs the source's model (its manifest's metadata) and a family with a
+// torchtitan table: FailedPrecondition naming what is missing. InvalidArgument for what DCP
+// cannot hold (a flat FSDP item range, replicas, a key twice); Unimplemented for float8
+// tensors; errors of reading and writing pass through, and nothing is left at `dir` on any
+// error.
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
-                               const ExecuteOptions& options);
+                               const ExecuteOptions& options, DcpNames names = DcpNames::kOurs);
 
 }  // namespace rs

@@ -267,6 +267,46 @@ TEST(DcpCliTest, ConvertToDcpRefusesWhatItCannotWrite) {
   EXPECT_TRUE(Has(ex.output, "exists")) << ex.output;
 }
 
+// torchtitan's names (the family's table, the default for a family that has one): a Qwen3-MoE
+// checkpoint goes back to the keys torchtitan saved it under – the fused QKV rows and SwiGLU
+// halves of ours cut into wq/wk/wv and w1/w3, each target piece split between them – and reads
+// back (with the model) equal to the torchtitan checkpoint it came from.
+TEST(DcpCliTest, ConvertToDcpWithTorchtitanNames) {
+  TempDir tmp;
+  const std::string titan = std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan";
+  const std::string model = " --model " + titan + "/model.json";
+  const std::string ours = tmp / "ours";
+  ASSERT_EQ(RunCli("convert " + titan + "/qwen3_moe_tiny --to tp=2,ep=2" + model + " -o " + ours).exit_code, 0);
+  for (const char* layout : {"fsdp=2", "tp=2,ep=2", "tp=1"}) {
+    SCOPED_TRACE(layout);
+    const std::string out = tmp / ("titan_" + std::to_string(std::hash<std::string>{}(layout)));
+    const CommandResult c = RunCli("convert " + ours + " --to " + layout + " --format dcp -o " + out);
+    ASSERT_EQ(c.exit_code, 0) << c.output;
+    const CommandResult i = RunCli("inspect " + out);
+    // (inspect shows optimizer.state.<fqn>.<state> as <fqn>/<state>; layer 1 is dense)
+    for (const char* key :
+         {"layers.0.attention.wq.weight", "layers.0.attention.wv.weight", "layers.2.moe.experts.w3",
+          "layers.2.moe.experts.w1/exp_avg_sq", "layers.1.feed_forward.w2.weight", "tok_embeddings.weight"}) {
+      EXPECT_TRUE(Has(i.output, key)) << key << "\n" << i.output;
+    }
+    EXPECT_FALSE(Has(i.output, "attn.qkv")) << i.output;
+    EXPECT_EQ(RunCli("verify " + out).exit_code, 0);
+    const CommandResult d = RunCli("diff " + out + " " + titan + "/qwen3_moe_tiny" + model);
+    EXPECT_EQ(d.exit_code, 0) << d.output;
+    EXPECT_TRUE(Has(d.output, "identical")) << d.output;
+  }
+  // --dcp-names ours keeps our names; torchtitan for a family without a table is refused.
+  const CommandResult o = RunCli("convert " + ours + " --to tp=1 --format dcp --dcp-names ours -o " + (tmp / "o"));
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(Has(RunCli("inspect " + (tmp / "o")).output, "layers.0.attn.qkv.weight"));
+  ASSERT_EQ(RunCli("example --model tiny-moe -o " + (tmp / "tiny")).exit_code, 0);
+  const CommandResult no =
+      RunCli("convert " + (tmp / "tiny") + " --to tp=1 --format dcp --dcp-names torchtitan -o " + (tmp / "no"));
+  EXPECT_EQ(no.exit_code, 1) << no.output;
+  EXPECT_TRUE(Has(no.output, "has no torchtitan names")) << no.output;
+  EXPECT_FALSE(fs::exists(tmp / "no"));
+}
+
 // PyTorch itself: torch.distributed.checkpoint.load reads what convert wrote into DTensors on a
 // different mesh (2 and 4 gloo processes), every value equal to the fixture's expected tensors.
 // Skipped where no Python has torch (CI); set RS_TORCH_PYTHON.
@@ -294,6 +334,17 @@ TEST(DcpCliTest, ConvertToDcpLoadsInPyTorch) {
     EXPECT_EQ(r.exit_code, 0) << layout << " " << mesh << "\n" << r.output;
     EXPECT_TRUE(Has(r.output, "40 keys, 0 differ")) << r.output;
   }
+  // torchtitan names: every key equals the one in the torchtitan checkpoint PyTorch wrote.
+  const std::string titan = std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan";
+  ASSERT_EQ(
+      RunCli("convert " + titan + "/qwen3_moe_tiny --to tp=2,ep=2 --model " + titan + "/model.json -o " + (tmp / "q"))
+          .exit_code,
+      0);
+  ASSERT_EQ(RunCli("convert " + (tmp / "q") + " --to fsdp=4 --format dcp -o " + (tmp / "qd")).exit_code, 0);
+  const CommandResult r = RunShell(python + " " + RS_SOURCE_DIR + "/tests/cli/dcp_torch_load.py " + (tmp / "qd") + " " +
+                                   titan + "/qwen3_moe_tiny --procs 2 2>&1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(Has(r.output, " 0 differ")) << r.output;
 }
 
 // No model where none is needed: a conversion that cuts nothing (tp=1, dp replicas, flat FSDP

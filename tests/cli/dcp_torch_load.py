@@ -7,6 +7,10 @@ compares every value with a safetensors file of full tensors under our names (`<
 loads and equals its expected tensor; prints what differs otherwise.
 
   python3 dcp_torch_load.py DIR EXPECTED.safetensors --procs 4 [--dim 1]
+  python3 dcp_torch_load.py DIR REFERENCE_DCP_DIR --procs 2
+
+With a DCP directory as the second argument (one PyTorch wrote, e.g. a torchtitan checkpoint),
+every tensor key of DIR is compared with the same key there, loaded in one process.
 
 Needs torch and safetensors (CI has neither; tests/cli/dcp_cli_test.cc skips it there).
 """
@@ -42,7 +46,25 @@ def run(rank, args, port, result):
     mesh = init_device_mesh("cpu", (args.procs,))
     with open(os.path.join(args.dir, ".metadata"), "rb") as f:
         meta = pickle.load(f)
-    expected = load_file(args.expected)
+    reference = None
+    if os.path.isdir(args.expected):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        reference = {}
+        path = os.path.join(args.tmp, "reference.pt")
+        if rank == 0:
+            dcp_to_torch_save(args.expected, path)
+        dist.barrier()
+
+        def flatten(d, prefix=""):
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    flatten(v, prefix + str(k) + ".")
+                else:
+                    reference[prefix + str(k)] = v
+        flatten(torch.load(path, weights_only=False))
+        expected = {}
+    else:
+        expected = load_file(args.expected)
     state, full = {}, {}
     for key, md in meta.state_dict_metadata.items():
         dtype, size = md.properties.dtype, tuple(md.size)
@@ -53,6 +75,12 @@ def run(rank, args, port, result):
     bad = []
     for key, t in state.items():
         got = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if reference is not None:
+            want = reference.get(key)
+            ok = isinstance(want, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+            if not ok:
+                bad.append(key)
+            continue
         name = our_name(key)
         if key.endswith(".step"):
             want = expected.get("optimizer.step")
@@ -74,6 +102,8 @@ def main():
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--dim", type=int, default=0)
     args = ap.parse_args()
+    import tempfile
+    args.tmp = tempfile.mkdtemp()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

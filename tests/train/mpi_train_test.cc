@@ -454,8 +454,9 @@ TEST_F(MpiTrainTest, BadInputsFailCleanlyOnEveryRank) {
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout tp=2 --rules /nonexistent/rules.json");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("/nonexistent/rules.json"), std::string::npos) << r.output;
-  // ep-as-cp gathers ep-cut boxes; flat fsdp slices of them are refused, with the way out named.
-  r = RunMpi(4, "train --model tiny-moe --steps 1 --layout ep=2,fsdp=2 --rules ep-as-cp");
+  // ep-as-cp gathers ep-cut boxes; flat fsdp slices of them, asked for explicitly, are refused
+  // with the way out named (without fsdp_form these rules train boxes).
+  r = RunMpi(4, "train --model tiny-moe --steps 1 --layout ep=2,fsdp=2,fsdp_form=flat --rules ep-as-cp");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("fsdp_form=box"), std::string::npos) << r.output;
   r = RunMpi(2, "train --model tiny-moe --steps 1 --layout ep=2 --rules ep-as-cp --seq-len 63");
