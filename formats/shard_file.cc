@@ -91,9 +91,14 @@ std::int64_t MinStoredChunkBytes(std::int64_t chunk_bytes) {
 
 // Asks the kernel to start reading [offset, offset + len) now. Workers then find their extents
 // in the page cache instead of each waiting for its own synchronous read; on cold caches
-// this is what lets decompression overlap the disk.
+// this is what lets decompression overlap the disk. Ranges under kMinPrefetchBytes are left to
+// the kernel's own readahead: a strided gather reads row by row, and one fadvise per row (each
+// walking the page cache of its range) cost more system time than the copies themselves
+// (2.5 million calls, 14 of 17 s, converting a 2.7 GiB checkpoint from tp=2,ep=4 to fsdp=4).
+constexpr std::int64_t kMinPrefetchBytes = std::int64_t{1} << 20;
 void PrefetchFd(int fd, std::int64_t offset, std::int64_t len) {
-  if (len > 0) ::posix_fadvise(fd, static_cast<off_t>(offset), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
+  if (len >= kMinPrefetchBytes)
+    ::posix_fadvise(fd, static_cast<off_t>(offset), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
 }
 
 // Readahead window for streaming reads.

@@ -1,5 +1,7 @@
 #include "formats/stored_zip.h"
 
+#include <zlib.h>
+
 #include <algorithm>
 #include <array>
 
@@ -35,23 +37,21 @@ Result<std::vector<std::byte>> ReadRange(const ZipReadFn& read, std::int64_t len
   return buf;
 }
 
-std::array<std::uint32_t, 256> MakeCrcTable() {
-  std::array<std::uint32_t, 256> t{};
-  for (std::uint32_t i = 0; i < 256; ++i) {
-    std::uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) != 0 ? 0xEDB88320U ^ (c >> 1) : c >> 1;
-    t[i] = c;
-  }
-  return t;
-}
-
 }  // namespace
 
+// zlib's crc32 (the same CRC-32, ISO-HDLC): several times faster than a byte-wise table, which
+// matters for every DCP chunk written and checked. It takes at most 4 GiB per call.
 std::uint32_t Crc32(std::span<const std::byte> bytes, std::uint32_t crc) {
-  static const std::array<std::uint32_t, 256> kTable = MakeCrcTable();
-  std::uint32_t c = ~crc;
-  for (const std::byte b : bytes) c = kTable[(c ^ static_cast<unsigned char>(b)) & 0xFFU] ^ (c >> 8);
-  return ~c;
+  auto c = static_cast<uLong>(crc);
+  const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
+  std::size_t left = bytes.size();
+  while (left > 0) {
+    const auto n = static_cast<uInt>(std::min<std::size_t>(left, std::size_t{1} << 30));
+    c = ::crc32(c, p, n);
+    p += n;
+    left -= n;
+  }
+  return static_cast<std::uint32_t>(c);
 }
 
 Result<StoredZip> StoredZip::Open(const ZipReadFn& read, std::int64_t length, const std::string& what) {

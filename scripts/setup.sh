@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build}
 
-PACKAGES=(build-essential cmake pkg-config libhdf5-dev libzstd-dev libxxhash-dev libcli11-dev
+PACKAGES=(build-essential cmake pkg-config libhdf5-dev zlib1g-dev libzstd-dev libxxhash-dev libcli11-dev
           nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev libopenblas-dev)
 # The fuzzers (fuzz/run.sh): clang, its sanitizer and libFuzzer runtimes (libclang_rt.fuzzer,
 # .asan, .ubsan: libclang-rt-14-dev) and llvm-symbolizer (llvm-14) for readable stacks.
