@@ -9,22 +9,20 @@ Prints one line: "load_s save_s" (rank 0's wall clock for each phase).
 import argparse
 import os
 import pickle
-import socket
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cli"))
+from dcp_torch_load import init_gloo, spawn_gloo  # noqa: E402  (the gloo start-up the tests use)
 
 
 def run(rank, args, port, result):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=args.procs)
-    mesh = init_device_mesh("cpu", (args.procs,))
+    mesh = init_gloo(rank, args.procs, port)
     with open(os.path.join(args.src, ".metadata"), "rb") as f:
         meta = pickle.load(f)
     state = {}
@@ -52,13 +50,7 @@ def main():
     ap.add_argument("dst")
     ap.add_argument("--procs", type=int, default=2)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    mp.spawn(run, args=(args, port, result), nprocs=args.procs, join=True)
-    load_s, save_s = result.get()
+    load_s, save_s = spawn_gloo(run, args, args.procs)
     print(f"{load_s:.3f} {save_s:.3f}")
 
 

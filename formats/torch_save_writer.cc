@@ -172,64 +172,44 @@ ZipLayout LayOutStoredZip(const std::vector<ZipRecord>& records, bool force_zip6
   return z;
 }
 
-Result<std::string> TorchStorageClass(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return std::string("FloatStorage");
-    case DType::kF64:
-      return std::string("DoubleStorage");
-    case DType::kF16:
-      return std::string("HalfStorage");
-    case DType::kBF16:
-      return std::string("BFloat16Storage");
-    case DType::kI64:
-      return std::string("LongStorage");
-    case DType::kI32:
-      return std::string("IntStorage");
-    case DType::kI16:
-      return std::string("ShortStorage");
-    case DType::kI8:
-      return std::string("CharStorage");
-    case DType::kU8:
-      return std::string("ByteStorage");
-    case DType::kBool:
-      return std::string("BoolStorage");
-    default:
-      break;
+namespace {
+
+// torch's names for our dtypes: the attribute of `torch`, and the legacy storage class
+// torch.save names in a tensor's persistent id ("" where PyTorch has none: float8).
+struct TorchNames {
+  DType dtype;
+  std::string_view global;
+  std::string_view storage;
+};
+constexpr TorchNames kTorchNames[] = {
+    {DType::kF32, "float32", "FloatStorage"}, {DType::kF64, "float64", "DoubleStorage"},
+    {DType::kF16, "float16", "HalfStorage"},  {DType::kBF16, "bfloat16", "BFloat16Storage"},
+    {DType::kF8E4M3, "float8_e4m3fn", ""},    {DType::kF8E5M2, "float8_e5m2", ""},
+    {DType::kI64, "int64", "LongStorage"},    {DType::kI32, "int32", "IntStorage"},
+    {DType::kI16, "int16", "ShortStorage"},   {DType::kI8, "int8", "CharStorage"},
+    {DType::kU8, "uint8", "ByteStorage"},     {DType::kBool, "bool", "BoolStorage"},
+};
+
+const TorchNames& NamesOf(DType dtype) {
+  for (const TorchNames& n : kTorchNames) {
+    if (n.dtype == dtype) return n;
   }
-  return Unimplemented("torch.save archives of " + std::string(DTypeName(dtype)) +
-                       " tensors are not written (PyTorch has no legacy storage class for it)");
+  RS_CHECK_MSG(false, "a dtype without torch names");
+  return kTorchNames[0];
 }
 
-std::string TorchDTypeGlobal(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return "float32";
-    case DType::kF64:
-      return "float64";
-    case DType::kF16:
-      return "float16";
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kF8E4M3:
-      return "float8_e4m3fn";
-    case DType::kF8E5M2:
-      return "float8_e5m2";
-    case DType::kI64:
-      return "int64";
-    case DType::kI32:
-      return "int32";
-    case DType::kI16:
-      return "int16";
-    case DType::kI8:
-      return "int8";
-    case DType::kU8:
-      return "uint8";
-    case DType::kBool:
-      return "bool";
+}  // namespace
+
+Result<std::string> TorchStorageClass(DType dtype) {
+  const TorchNames& n = NamesOf(dtype);
+  if (n.storage.empty()) {
+    return Unimplemented("torch.save archives of " + std::string(DTypeName(dtype)) +
+                         " tensors are not written (PyTorch has no legacy storage class for it)");
   }
-  return std::string(DTypeName(dtype));
+  return std::string(n.storage);
 }
+
+std::string TorchDTypeGlobal(DType dtype) { return std::string(NamesOf(dtype).global); }
 
 namespace {
 

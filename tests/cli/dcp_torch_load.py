@@ -39,11 +39,26 @@ def our_name(key):
     raise ValueError(key)
 
 
-def run(rank, args, port, result):
+def init_gloo(rank, procs, port):
+    """Joins the gloo group of `procs` processes on 127.0.0.1:`port`; returns a 1-D CPU mesh."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=args.procs)
-    mesh = init_device_mesh("cpu", (args.procs,))
+    dist.init_process_group("gloo", rank=rank, world_size=procs)
+    return init_device_mesh("cpu", (procs,))
+
+
+def spawn_gloo(run, args, procs):
+    """Runs run(rank, args, port, queue) in `procs` spawned processes; returns what rank 0 put."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = mp.get_context("spawn").Queue()
+    mp.spawn(run, args=(args, port, result), nprocs=procs, join=True)
+    return result.get()
+
+
+def run(rank, args, port, result):
+    mesh = init_gloo(rank, args.procs, port)
     with open(os.path.join(args.dir, ".metadata"), "rb") as f:
         meta = pickle.load(f)
     reference = None
@@ -104,13 +119,7 @@ def main():
     args = ap.parse_args()
     import tempfile
     args.tmp = tempfile.mkdtemp()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    mp.spawn(run, args=(args, port, result), nprocs=args.procs, join=True)
-    n, bad = result.get()
+    n, bad = spawn_gloo(run, args, args.procs)
     print(f"dcp.load on {args.procs} gloo processes (Shard({args.dim})): {n} keys, {len(bad)} differ")
     for k in bad:
         print("  differs:", k)
