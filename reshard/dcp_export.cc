@@ -189,24 +189,6 @@ Result<float> StepValue(const TensorSpec& t, std::span<const std::byte> b) {
   return Unimplemented("tensor '" + t.name + "': a step of dtype " + std::string(DTypeName(t.dtype)));
 }
 
-}  // namespace
-
-DcpTensorSpec DcpKeyOf(const TensorSpec& t) {
-  DcpTensorSpec s;
-  s.dtype = t.dtype;
-  s.shape = t.shape;
-  if (t.role == TensorRole::kOptimizerState) {
-    s.fqn = "optim.state." + t.param + "." + t.state;
-    s.path = {"optim", "state", t.param, t.state};
-  } else {
-    s.fqn = "model." + t.name;
-    s.path = {"model", t.name};
-  }
-  return s;
-}
-
-namespace {
-
 // Their keys for our tensors: torchtitan's names from the model family's table.
 struct Naming {
   std::map<std::string, std::vector<Part>> parts;  // our tensor -> their tensors (cut ones only)

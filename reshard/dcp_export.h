@@ -30,9 +30,6 @@ namespace rs {
 
 enum class DcpNames : std::uint8_t { kOurs, kTorchtitan };
 
-// The DCP key (and state-dict path) of one of our tensors under our names.
-DcpTensorSpec DcpKeyOf(const TensorSpec& t);
-
 // Executes `plan` reading `source` into a new DCP directory `dir`, committed atomically.
 // kTorchtitan needs the source's model (its manifest's metadata) and a family with a
 // torchtitan table: FailedPrecondition naming what is missing. InvalidArgument for what DCP
