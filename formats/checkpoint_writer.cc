@@ -26,11 +26,6 @@ namespace {
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-std::string StripSlashes(std::string p) {
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
-  return p;
-}
-
 std::string StagingPath(const std::string& dir, const std::string& txn) { return dir + ".tmp-" + txn; }
 
 // Opens `staging`'s lock file (creating it when `create`) and flocks it with `op`; the
@@ -61,18 +56,6 @@ void CleanParent(const std::string& dir) {
   std::string parent = fs::path(dir).parent_path().string();
   if (parent.empty()) parent = ".";
   RemoveStaleStaging(parent);
-}
-
-Status CheckTarget(const std::string& dir) {
-  if (dir.empty()) return InvalidArgument("checkpoint directory is empty");
-  if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
-  const fs::path parent = fs::path(dir).parent_path();
-  if (!parent.empty()) {
-    std::error_code ec;
-    fs::create_directories(parent, ec);
-    if (ec) return IoError(parent.string() + ": cannot create directory: " + ec.message());
-  }
-  return Status::Ok();
 }
 
 // Drops the staging lock file before the directory becomes the checkpoint (the lock itself is
@@ -170,9 +153,9 @@ std::string RankFileName(std::int64_t rank) {
 
 Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(const std::string& dir_in,
                                                                    const WriterOptions& options) {
-  const std::string dir = StripSlashes(dir_in);
+  const std::string dir = StripTrailingSlashes(dir_in);
   RS_RETURN_IF_ERROR(CheckOptions(options));
-  RS_RETURN_IF_ERROR(CheckTarget(dir));
+  RS_RETURN_IF_ERROR(PrepareNewOutputDir(dir));
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter());
   w->dir_ = dir;
   w->options_ = options;
@@ -192,11 +175,11 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::CreateStaged(const s
                                                                          const std::string& txn,
                                                                          std::int64_t fragment_id,
                                                                          const WriterOptions& options) {
-  const std::string dir = StripSlashes(dir_in);
+  const std::string dir = StripTrailingSlashes(dir_in);
   if (txn.empty() || txn.find('/') != std::string::npos) return InvalidArgument("bad transaction id '" + txn + "'");
   if (fragment_id < 0) return InvalidArgument("negative fragment id");
   RS_RETURN_IF_ERROR(CheckOptions(options));
-  RS_RETURN_IF_ERROR(CheckTarget(dir));
+  RS_RETURN_IF_ERROR(PrepareNewOutputDir(dir));
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter());
   w->dir_ = dir;
   w->options_ = options;
@@ -488,7 +471,7 @@ Status CheckpointWriter::CommitFragment() {
 
 Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::string& txn,
                                       std::int64_t expected_fragments) {
-  const std::string dir = StripSlashes(dir_in);
+  const std::string dir = StripTrailingSlashes(dir_in);
   const std::string staging = StagingPath(dir, txn);
   if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
   // Held while merging and publishing, whether or not this process's own writer is still alive.
@@ -576,7 +559,7 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
 
 Status CheckpointWriter::AbortStaged(const std::string& dir, const std::string& txn) {
   std::error_code ec;
-  fs::remove_all(StagingPath(StripSlashes(dir), txn), ec);
+  fs::remove_all(StagingPath(StripTrailingSlashes(dir), txn), ec);
   if (ec) return IoError(StagingPath(dir, txn) + ": cannot remove: " + ec.message());
   return Status::Ok();
 }

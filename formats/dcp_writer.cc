@@ -63,11 +63,6 @@ void EndObject(PickleWriter& p) {
   p.Build();
 }
 
-std::string StripSlashes(std::string p) {
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
-  return p;
-}
-
 }  // namespace
 
 // One chunk's archive being streamed into its rank's file.
@@ -111,14 +106,8 @@ class DcpChunkStream final : public ShardStream {
 std::string DcpWriter::FileName(std::int64_t rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
 
 Result<std::unique_ptr<DcpWriter>> DcpWriter::Create(const std::string& dir_in) {
-  const std::string dir = StripSlashes(dir_in);
-  if (dir.empty()) return InvalidArgument("output directory is empty");
-  if (PathExists(dir)) return AlreadyExists(dir + " exists; a checkpoint is never overwritten in place");
-  if (const fs::path parent = fs::path(dir).parent_path(); !parent.empty()) {
-    std::error_code ec;
-    fs::create_directories(parent, ec);
-    if (ec) return IoError(parent.string() + ": cannot create directory: " + ec.message());
-  }
+  const std::string dir = StripTrailingSlashes(dir_in);
+  RS_RETURN_IF_ERROR(PrepareNewOutputDir(dir));
   std::unique_ptr<DcpWriter> w(new DcpWriter());
   w->dir_ = dir;
   w->staging_ = dir + ".tmp-" + UniqueSuffix();

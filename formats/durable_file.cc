@@ -111,4 +111,21 @@ Status ReplaceFileDurably(const std::string& path, const std::string& text) {
   return FsyncParentDir(path);
 }
 
+std::string StripTrailingSlashes(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+Status PrepareNewOutputDir(const std::string& dir) {
+  if (dir.empty()) return InvalidArgument("output directory is empty");
+  if (PathExists(dir)) return AlreadyExists(dir + " exists; an output is never overwritten in place");
+  const std::filesystem::path parent = std::filesystem::path(dir).parent_path();
+  if (!parent.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(parent, ec);
+    if (ec) return IoError(parent.string() + ": cannot create directory: " + ec.message());
+  }
+  return Status::Ok();
+}
+
 }  // namespace rs

@@ -27,5 +27,12 @@ Status WriteNewFileDurably(const std::string& path, const std::string& text);
 Status ReplaceFileDurably(const std::string& path, const std::string& text);
 // True if anything (even a dangling symlink) exists at `path`.
 bool PathExists(const std::string& path);
+// `dir` without trailing slashes ("/" stays).
+std::string StripTrailingSlashes(std::string dir);
+// Readies the place of a new output directory that every writer (checkpoints, DCP directories,
+// Hugging Face exports) stages beside it and renames into place: InvalidArgument if `dir` is
+// empty, AlreadyExists if anything is at `dir` (outputs are never overwritten), its parent
+// directories created (IoError naming them).
+Status PrepareNewOutputDir(const std::string& dir);
 
 }  // namespace rs

@@ -113,9 +113,9 @@ bool IsHfDirectory(const std::string& dir);
 // in two files; every safetensors header valid, its tensors inside the file and not
 // overlapping; every tensor the model needs present with the shape config.json implies, none
 // it cannot place, FP8 scales matching their weights), then every byte of every safetensors
-// file read once. Safetensors files carry no checksums: reading finds truncation and read
-// errors, not flipped bits. The first problem found is the report's finding (kManifest for
-// config.json and the index, kMissingFile, kBadFile for the files and their tensors).
+// file read once (skipped for ChecksumCheck::kSkip). Safetensors files carry no checksums:
+// reading finds read errors (truncation is found by the headers), not flipped bits. The first problem found is the
+// report's finding (kManifest for config.json and the index, kMissingFile, kBadFile for the files and their tensors).
 VerifyReport VerifyHf(const std::string& dir, const VerifyOptions& options);
 
 }  // namespace rs

@@ -305,6 +305,12 @@ TEST(DcpCliTest, ConvertToDcpWithTorchtitanNames) {
   EXPECT_EQ(no.exit_code, 1) << no.output;
   EXPECT_TRUE(Has(no.output, "has no torchtitan names")) << no.output;
   EXPECT_FALSE(fs::exists(tmp / "no"));
+  // ... and for a source that records no model (a DCP directory read without --model).
+  const CommandResult bare =
+      RunCli("convert " + titan + "/qwen3_moe_tiny --to tp=1 --format dcp --dcp-names torchtitan -o " + (tmp / "bare"));
+  EXPECT_EQ(bare.exit_code, 1) << bare.output;
+  EXPECT_TRUE(Has(bare.output, "torchtitan names need the model, and the source records none")) << bare.output;
+  EXPECT_FALSE(fs::exists(tmp / "bare"));
 }
 
 // PyTorch itself: torch.distributed.checkpoint.load reads what convert wrote into DTensors on a

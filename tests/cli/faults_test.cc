@@ -196,6 +196,18 @@ TEST(Faults, ReadsThatFailWithEio) {
   EXPECT_NE(r.output.find("Input/output error"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(imp));
   EXPECT_TRUE(FilesUnder(hf_src) == hf_before);
+  // verify of a Hugging Face directory reads every byte: a read error in the tensor data (past
+  // the header, which opening it checks) is NOT SOUND naming the file; --skip-checksums skips
+  // that pass (structure only).
+  std::uint64_t header = 0;  // the data section starts after the 8-byte length and the header
+  std::ifstream(hf_src + "/model.safetensors", std::ios::binary).read(reinterpret_cast<char*>(&header), 8);
+  const std::string late = std::to_string(8 + header);
+  const std::string eio = "LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) +
+                          " RS_EIO_FILE=/model.safetensors RS_EIO_FROM=" + late + " " + std::string(RS_CLI);
+  const CommandResult v = RunShell(eio + " verify " + hf_src);
+  EXPECT_EQ(v.exit_code, 1) << v.output;
+  EXPECT_NE(v.output.find(hf_src + "/model.safetensors: Input/output error"), std::string::npos) << v.output;
+  EXPECT_EQ(RunShell(eio + " verify --skip-checksums " + hf_src).exit_code, 0);
   for (const std::string& left : Leftovers(tmp.path())) {
     EXPECT_EQ(left.rfind(src, 0), 0u) << "left behind: " << left;
   }
