@@ -1,0 +1,132 @@
+// Gated-delta-net layers (Qwen3-Next's linear attention, train/MODEL.md §5) with forward and
+// backward written out.
+//
+// The gated delta rule, per sequence and value head, with a state S [dk, dv]:
+//   S_t = exp(g_t) · S_{t-1};  S_t += β_t · k_t (v_t − S_tᵀ k_t)ᵀ;  o_t = S_tᵀ q_t
+// (the decay is applied before the state is read, as transformers and flash-linear-attention
+// do). DeltaRule computes it two ways:
+//   - kRecurrent: token by token, every state kept; O(seq · dk · dv) work in vector operations.
+//     The reference.
+//   - kChunked: the WY / UT-transform form – chunks of C positions, within a chunk a unit lower
+//     triangular system T = I + strictly_lower((diag(β)·K·Kᵀ) ∘ Γ) (Γ_ij = exp(γ_i − γ_j),
+//     γ the cumulative decay in the chunk) turns the C sequential updates into matrix products;
+//     only the state at each chunk's start is kept, and the backward pass runs the chunks in
+//     reverse with the same products (and their triangular solves) transposed.
+// Both give the same values up to rounding; the backward pass of each is the exact derivative of
+// its forward pass.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "train/model_parallel.h"
+
+namespace rs::train {
+
+struct DeltaRuleShape {
+  std::int64_t batch = 0, seq = 0;
+  std::int64_t nk = 0, nv = 0;  // key heads, value heads (nv a multiple of nk: value head h reads key head h / (nv/nk))
+  std::int64_t dk = 0, dv = 0;
+};
+
+enum class DeltaRuleForm : std::uint8_t { kChunked, kRecurrent };
+
+// The rule over head-major inputs:
+//   q, k [batch, nk, seq, dk] (used as given: the caller normalises and scales them),
+//   v [batch, nv, seq, dv], g (log decay, <= 0) and beta [batch, nv, seq];
+// output o [batch, nv, seq, dv]. Forward keeps pointers to its inputs for Backward: they must stay
+// alive and unchanged until then.
+template <typename T>
+class DeltaRule {
+ public:
+  explicit DeltaRule(DeltaRuleForm form = DeltaRuleForm::kChunked, std::int64_t chunk = 64);
+  void Forward(const DeltaRuleShape& shape, const T* q, const T* k, const T* v, const T* g, const T* beta, T* o);
+  // do_ [batch, nv, seq, dv]. Overwrites dq, dk (shapes of q, k), dv, dg and dbeta.
+  void Backward(const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta);
+
+ private:
+  void ChunkForward(std::int64_t b, std::int64_t h, T* o);
+  void ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta);
+  void RecurrentForward(std::int64_t b, std::int64_t h, T* o);
+  void RecurrentBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta);
+
+  DeltaRuleForm form_;
+  std::int64_t chunk_;
+  DeltaRuleShape s_;
+  const T *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *g_ = nullptr, *beta_ = nullptr;
+  // kChunked: the state at the start of every chunk, [batch, nv, chunks, dk, dv].
+  // kRecurrent: the state after every token, [batch, nv, seq, dk, dv].
+  std::vector<T> states_;
+};
+
+struct GdnShape {
+  std::int64_t d_model = 0;
+  std::int64_t nk = 0, nv = 0;  // this rank's key and value heads
+  std::int64_t dk = 0, dv = 0;
+  std::int64_t conv_kernel = 4;
+  double norm_eps = 1e-6;  // the gated RMSNorm's
+  DeltaRuleForm form = DeltaRuleForm::kChunked;
+  std::int64_t chunk = 64;
+};
+
+template <typename T>
+struct GdnWeights {
+  const T* in_proj = nullptr;  // [2·nk·dk + 2·nv·dv + 2·nv, d]: rows [q; k; v; z; beta; alpha]
+  const T* conv = nullptr;     // [2·nk·dk + nv·dv, 1, K]: channels [q; k; v]
+  const T* dt_bias = nullptr;  // [nv]
+  const T* a_log = nullptr;    // [nv]
+  const T* norm = nullptr;     // [dv]
+  const T* out = nullptr;      // [d, nv·dv]
+};
+template <typename T>
+struct GdnGrads {
+  T* in_proj = nullptr;
+  T* conv = nullptr;
+  T* dt_bias = nullptr;
+  T* a_log = nullptr;
+  T* norm = nullptr;
+  T* out = nullptr;
+};
+
+// The whole gated-delta-net mixer of a layer, as transformers' Qwen3NextGatedDeltaNet computes
+// it: in_proj; a causal depthwise conv1d over the q, k, v channels followed by SiLU; q and k
+// L2-normalised per head (eps 1e-6) and q scaled by dk^-1/2; beta = sigmoid(b),
+// g = −exp(A_log) · softplus(alpha + dt_bias); the delta rule; a gated RMSNorm per value head,
+// norm ⊙ RMSNorm(o) ⊙ SiLU(z); out.
+//
+// Under tensor parallelism a rank holds `nk` / `nv` of the heads (in_proj, conv1d, dt_bias,
+// A_log and out cut by heads, the norm whole): y is its heads' partial sum (out is row-parallel),
+// dx its partial input gradient, and the norm's gradient its heads' share
+// (TpGrad::kReplicatedSum). Context parallelism is not supported (the state would have to pass
+// between the cp ranks in order).
+template <typename T>
+class GatedDeltaNet {
+ public:
+  explicit GatedDeltaNet(const GdnShape& shape);
+
+  // x: [batch·seq, d] rows in (batch, position) order. Writes y: [batch·seq, d]. Keeps a pointer
+  // to x for Backward: it must stay alive and unchanged.
+  void Forward(const T* x, std::int64_t batch, std::int64_t seq, const GdnWeights<T>& w, T* y);
+  // dy: [batch·seq, d]. Overwrites dx; accumulates into every gradient of `g`.
+  void Backward(const T* dy, const GdnWeights<T>& w, T* dx, const GdnGrads<T>& g);
+
+ private:
+  std::int64_t proj_width() const { return 2 * s_.nk * s_.dk + 2 * s_.nv * s_.dv + 2 * s_.nv; }
+  std::int64_t conv_width() const { return 2 * s_.nk * s_.dk + s_.nv * s_.dv; }
+
+  GdnShape s_;
+  DeltaRule<T> rule_;
+  std::int64_t batch_ = 0, seq_ = 0;
+  const T* x_ = nullptr;
+  std::vector<T> proj_;          // [N, proj_width]: in_proj's output
+  std::vector<T> conv_;          // [N, conv_width]: conv1d's output before SiLU
+  std::vector<T> q_, k_;         // [batch, nk, seq, dk]: normalised (q also scaled)
+  std::vector<T> qk_rnorm_;      // [batch, 2, nk, seq]: 1/||q||, 1/||k|| before normalising
+  std::vector<T> v_;             // [batch, nv, seq, dv]
+  std::vector<T> g_, beta_;      // [batch, nv, seq]
+  std::vector<T> o_;             // [batch, nv, seq, dv]: the rule's output
+  std::vector<T> o_rstd_;        // [batch, nv, seq]: its RMSNorm's 1/rms
+  std::vector<T> ctx_;           // [N, nv·dv]: the gated norm's output, out's input
+};
+
+}  // namespace rs::train
