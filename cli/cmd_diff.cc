@@ -1,4 +1,4 @@
-// `reshard diff A B [--json] [--tolerance T] [--role R]`: compares the logical content of two checkpoints whatever
+// `reshard diff A B [--json] [--tolerance T] [--rtol R] [--role R]`: compares the logical content of two checkpoints whatever
 // their layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
 //
 // Both checkpoints must be sound: every byte compared is checked against its checksum as it is
@@ -26,6 +26,7 @@ struct DiffArgs {
   int threads = 0;
   bool skip_checksums = false;
   double tolerance = 0;
+  double rtol = 0;
   std::string role;
   std::string model;
 };
@@ -65,6 +66,8 @@ void RunDiff(const DiffArgs& args) {
   }
   DiffOptions o;
   o.threads = args.threads;
+  o.atol = args.tolerance;
+  o.rtol = args.rtol;
   if (!args.role.empty()) {
     bool known = false;
     for (TensorRole r :
@@ -87,15 +90,18 @@ void RunDiff(const DiffArgs& args) {
   } else {
     Print("%s", report->ToString().c_str());
   }
-  // With --tolerance, values that differ by at most that much (absolute) count as equal: the
-  // check for runs that did the same arithmetic in another order (e.g. at another layout).
+  // With --tolerance / --rtol, values a and b with |a − b| <= tolerance + rtol · max(|a|, |b|)
+  // count as equal: the check for runs that did the same arithmetic in another order (e.g. at
+  // another layout). The relative part is what tiny values need – Adam's moments after a step
+  // are ~1e-8, where any absolute tolerance that rounding needs elsewhere would accept anything.
   bool same = true;
   for (const TensorDiff& t : report->tensors) {
-    const bool close = t.kind == TensorDiffKind::kDifferent && t.max_abs_diff <= args.tolerance;
+    const bool close = t.kind == TensorDiffKind::kDifferent && t.outside_tolerance == 0;
     same = same && (t.kind == TensorDiffKind::kIdentical || close);
   }
-  if (args.tolerance > 0 && !args.json) {
-    Print("%s within absolute tolerance %g\n", same ? "all tensors" : "NOT all tensors", args.tolerance);
+  if ((args.tolerance > 0 || args.rtol > 0) && !args.json) {
+    Print("%s within tolerance (absolute %g, relative %g)\n", same ? "all tensors" : "NOT all tensors", args.tolerance,
+          args.rtol);
   }
   if (!same) Exit(kExitFailed);
 }
@@ -111,6 +117,10 @@ void RegisterDiff(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--tolerance", a->tolerance,
                   "Values differing by at most this much (absolute) count as equal; exit 0 if all do")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--rtol", a->rtol,
+                  "Also count as equal values differing by at most this fraction of the larger magnitude "
+                  "(|a - b| <= tolerance + rtol * max(|a|, |b|))")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--role", a->role, "Compare only tensors of this role: parameter, optimizer_state, scalar or buffer");
   cmd->add_flag("--skip-checksums", a->skip_checksums,

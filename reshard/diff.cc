@@ -80,6 +80,7 @@ void to_json(nlohmann::json& j, const DiffReport& r) {
       e["differing_items"] = t.differing_items;
       e["max_abs_diff"] = t.max_abs_diff;
       e["max_rel_diff"] = t.max_rel_diff;
+      e["outside_tolerance"] = t.outside_tolerance;
     }
     tensors.push_back(std::move(e));
   }
@@ -165,6 +166,7 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
       std::int64_t differing = 0;
       double max_abs = 0;
       double max_rel = 0;
+      std::int64_t outside = 0;
       for (std::int64_t k = 0; k < w.window.size(); ++k) {
         const double x = ElementAsDouble(ta.dtype, ba.data(), k);
         const double y = ElementAsDouble(tb.dtype, bb.data(), k);
@@ -179,6 +181,7 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
         const double scale = std::max(std::fabs(x), std::fabs(y));
         max_abs = std::isnan(abs) ? abs : std::max(max_abs, abs);
         if (scale > 0) max_rel = std::max(max_rel, abs / scale);
+        if (!(abs <= options.atol + options.rtol * scale)) ++outside;  // NaN: outside
       }
       std::lock_guard lock(mu);
       TensorDiff& d = report.tensors[w.diff];
@@ -186,6 +189,7 @@ Result<DiffReport> DiffCheckpoints(ShardSource& a, ShardSource& b, const DiffOpt
       d.differing_items += differing;
       d.max_abs_diff = std::max(d.max_abs_diff, max_abs);
       d.max_rel_diff = std::max(d.max_rel_diff, max_rel);
+      d.outside_tolerance += outside;
     }
   };
   RunWorkers(WorkerCount(options.threads, work.size()), [&](std::size_t) { worker(); });

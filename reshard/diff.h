@@ -31,6 +31,9 @@ struct TensorDiff {
   std::int64_t differing_items = 0;
   double max_abs_diff = 0;  // over differing items, values as doubles
   double max_rel_diff = 0;  // |a - b| / max(|a|, |b|)
+  // Differing items with |a − b| > atol + rtol · max(|a|, |b|) (DiffOptions), NaN against a
+  // number included: 0 means the tensor is equal within the tolerance.
+  std::int64_t outside_tolerance = 0;
 };
 
 struct DiffReport {
@@ -45,6 +48,9 @@ struct DiffOptions {
   std::int64_t window_bytes = std::int64_t{8} << 20;  // per side, per worker
   // Compare only tensors of this role (on either side); others are left out of the report.
   std::optional<TensorRole> role;
+  // The tolerance TensorDiff::outside_tolerance counts against (numpy.isclose's rule).
+  double atol = 0;
+  double rtol = 0;
 };
 
 // Compares every tensor of `a` and `b` (of options.role, when set). Errors of reading (DataLoss: gaps, corrupt shards)

@@ -29,19 +29,22 @@ struct Transformer<T>::Layer {
   std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
   std::size_t q_norm = kNone, k_norm = kNone;  // qk_norm
   AttentionTensors mla_t;                      // multi-latent attention
+  GdnTensors gdn_t;                            // gated-delta-net
   std::size_t fc1 = kNone, fc2 = kNone;        // dense MLP
   std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
   std::unique_ptr<Attention<T>> attn;       // GQA, or
-  std::unique_ptr<LatentAttention<T>> mla;  // MLA
+  std::unique_ptr<LatentAttention<T>> mla;  // MLA, or
+  std::unique_ptr<GatedDeltaNet<T>> gdn;    // gated-delta-net
   std::unique_ptr<GroupedSwiGlu<T>> dense;
   std::unique_ptr<MoeLayer<T>> moe;
   Buffer<T> h_in, xn1, rstd1, h_mid, xn2, rstd2;
 };
 
-Status CheckTrainable(const ModelConfig& config) {
-  if (config.full_attn_interval > 0) {
+Status CheckTrainable(const ModelConfig& config, std::int64_t cp) {
+  if (config.full_attn_interval > 0 && cp > 1) {
     return Unimplemented("model '" + config.name + "': field 'full_attn_interval' asks for gated-delta-net layers, " +
-                         "which the training core does not implement (reshard example/convert handle them)");
+                         "which the training core does not run under context parallelism (cp " + std::to_string(cp) +
+                         "): their recurrent state would have to pass between the cp ranks in order");
   }
   return Status::Ok();
 }
@@ -150,7 +153,17 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
     l->attn_norm = t.attn_norm;
     l->out = t.attn.out;
     l->mlp_norm = t.mlp_norm;
-    if (c_.IsMla()) {
+    if (c_.IsGdnLayer(i)) {
+      // The rank's heads, read off its local dt_bias [nv_l] and conv1d [2·nk_l·dk + nv_l·dv, 1, K].
+      const GdnTensors& g = t.gdn;
+      const std::int64_t nv = dim(g.dt_bias, 0);
+      const std::int64_t nk = (dim(g.conv1d, 0) - nv * c_.gdn_value_dim) / (2 * c_.gdn_key_dim);
+      RS_CHECK_MSG(nk >= 1 && nv % nk == 0 && 2 * nk * c_.gdn_key_dim + nv * c_.gdn_value_dim == dim(g.conv1d, 0),
+                   "local gated-delta-net of " << nk << " / " << nv << " heads");
+      l->gdn_t = g;
+      l->gdn = std::make_unique<GatedDeltaNet<T>>(GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim,
+                                                           c_.gdn_conv_kernel, c_.norm_eps});
+    } else if (c_.IsMla()) {
       // The rank's heads, read off its local out [d, nq_l·dv].
       const std::int64_t nq = dim(t.attn.out, 1) / c_.mla_v_dim;
       RS_CHECK_MSG(nq >= 1 && nq * c_.mla_v_dim == dim(t.attn.out, 1), "local MLA of " << nq << " heads");
@@ -196,6 +209,12 @@ MlaWeights<T> Transformer<T>::MlaParams(const Layer& l) {
   const AttentionTensors& a = l.mla_t;
   const auto p = [&](std::size_t i) -> const T* { return i != kNone ? P(i) : nullptr; };
   return {p(a.q_a), p(a.q_a_norm), p(a.q_b), p(a.q), p(a.kv_a), p(a.kv_a_norm), p(a.kv_b), p(a.out)};
+}
+
+template <typename T>
+GdnWeights<T> Transformer<T>::GdnParams(const Layer& l) {
+  const GdnTensors& g = l.gdn_t;
+  return {P(g.in_proj), P(g.conv1d), P(g.dt_bias), P(g.a_log), P(g.norm), P(g.out)};
 }
 
 template <typename T>
@@ -260,7 +279,9 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     l.rstd1.resize(static_cast<std::size_t>(n));
     RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data());
     lap(phases_.norms);
-    if (l.mla) {
+    if (l.gdn) {
+      l.gdn->Forward(l.xn1.data(), batch, seq, GdnParams(l), tmp.data());
+    } else if (l.mla) {
       l.mla->Forward(l.xn1.data(), batch, seq, MlaParams(l), tmp.data());
     } else {
       typename Attention<T>::QkNorm qk;
@@ -332,7 +353,11 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm));
     AddInto(dh.data(), tmp.data(), nd);
     lap(phases_.norms);
-    if (l.mla) {
+    if (l.gdn) {
+      const GdnTensors& t = l.gdn_t;
+      l.gdn->Backward(dh.data(), GdnParams(l), dx.data(),
+                      GdnGrads<T>{G(t.in_proj), G(t.conv1d), G(t.dt_bias), G(t.a_log), G(t.norm), G(t.out)});
+    } else if (l.mla) {
       const AttentionTensors& a = l.mla_t;
       const auto g = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
       l.mla->Backward(

@@ -18,6 +18,7 @@
 #include "train/attention.h"
 #include "train/buffer.h"
 #include "train/experts.h"
+#include "train/gdn.h"
 #include "train/mla.h"
 #include "train/model_parallel.h"
 #include "train/moe.h"
@@ -44,10 +45,10 @@ struct Losses {
   std::vector<std::vector<std::int64_t>> loads;  // per layer: assignments per expert (empty if dense)
 };
 
-// Unimplemented when the config uses a layer type the training core does not implement yet
-// (gated-delta-net layers: the resharder and `example` handle them, the trainer does not).
-// Call before constructing a Transformer from untrusted input.
-Status CheckTrainable(const ModelConfig& config);
+// Unimplemented when the config uses a layer type the training core cannot run at context
+// parallelism `cp` (gated-delta-net layers under cp > 1). Call before constructing a Transformer
+// from untrusted input.
+Status CheckTrainable(const ModelConfig& config, std::int64_t cp = 1);
 
 // What running a config needs at the least, for refusing (FailedPrecondition, core/memory.h)
 // before allocating: a config may come from a file (checkpoint metadata, --model) and claim a
@@ -109,6 +110,7 @@ class Transformer {
   T* P(std::size_t i) { return params_.data() + offsets_[i]; }
   T* G(std::size_t i) { return grads_.data() + offsets_[i]; }
   MlaWeights<T> MlaParams(const Layer& l);
+  GdnWeights<T> GdnParams(const Layer& l);
 
   ModelConfig c_;
   DispatchOptions dispatch_;

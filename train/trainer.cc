@@ -70,7 +70,7 @@ PhysicalLayout TrainParallel::DefaultLayout() {
 Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus,
                                                  const TrainParallel& parallel) {
   RS_RETURN_IF_ERROR(model.Validate());
-  RS_RETURN_IF_ERROR(CheckTrainable(model));
+  RS_RETURN_IF_ERROR(CheckTrainable(model));  // what any layout needs; cp is checked below
   RS_RETURN_IF_ERROR(ValidateTrainConfig(train, model));
   RS_RETURN_IF_ERROR(CheckCorpusFits(corpus, train.seq_len > 0 ? train.seq_len : model.max_seq_len));
   // The configs may come from a checkpoint's metadata (--resume): refuse a model this process
@@ -95,6 +95,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
                            "degree " + std::to_string(state->cp_size()) + " (ep under rules '" +
                            parallel.layout.layout.rules().name + "')");
   }
+  RS_RETURN_IF_ERROR(CheckTrainable(model, state->cp_size()));
   RS_ASSIGN_OR_RETURN(ProcessGroups groups, state->MakeGroups(*world));
   auto t = std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus), std::move(state), std::move(groups)));
   t->self_ = std::move(self);

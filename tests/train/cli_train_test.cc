@@ -133,13 +133,6 @@ TEST_F(CliTrainTest, UsageAndInputErrors) {
     f << std::string(1000, 'x');
   }
   EXPECT_EQ(Run("train --resume " + P("c") + " --steps 4 --data " + P("other.txt")), 1);
-  // Gated-delta-net layers exist in the model description (for resharding) but are not
-  // trainable yet: a clear error, not a crash.
-  {
-    std::ofstream f(P("gdn.json"));
-    f << R"({"preset": "tiny-moe", "full_attn_interval": 2})";
-  }
-  EXPECT_EQ(Run("train --steps 2 --model " + P("gdn.json")), 1);
   // bf16 is a GPU precision; the CPU trains in f32.
   EXPECT_EQ(Run("train --steps 1 --precision bf16"), 2);
 }
