@@ -1,4 +1,4 @@
-// Gated-delta-net layers (Qwen3-Next's linear attention, train/MODEL.md §5) with forward and
+// Gated-delta-net layers (Qwen3-Next's linear attention, train/MODEL.md §4) with forward and
 // backward written out.
 //
 // The gated delta rule, per sequence and value head, with a state S [dk, dv]:

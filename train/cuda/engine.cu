@@ -29,6 +29,10 @@ class CudaEngine final : public train::StepEngine {
       return Unimplemented("train --device cuda: model '" + c.name +
                            "' has multi-latent attention (mla_kv_rank > 0), which only the CPU path trains");
     }
+    if (c.full_attn_interval > 0) {
+      return Unimplemented("train --device cuda: model '" + c.name +
+                           "' has gated-delta-net layers (full_attn_interval > 0), which only the CPU path trains");
+    }
     if (c.router_grouped || (c.router == RouterKind::kSigmoidBias && !c.router_norm_topk)) {
       return Unimplemented("train --device cuda: model '" + c.name +
                            "': the sigmoid_bias router with router_grouped or without router_norm_topk " +
