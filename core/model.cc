@@ -83,6 +83,7 @@ Checked ParameterCount(const ModelConfig& c) {
     n = n + Checked(c.n_experts) * d + Checked(3) * c.n_experts * c.moe_ffn * d;  // router, experts fc1 + fc2
     if (c.router == RouterKind::kSigmoidBias) n = n + c.n_experts;
     n = n + Checked(3) * c.shared_ffn * d;
+    if (c.shared_gate) n = n + d;
   }
   return n;
 }
@@ -165,6 +166,7 @@ Status ModelConfig::Validate() const {
     if (top_k < 1 || top_k > n_experts) return bad("top_k", "must be in [1, n_experts]");
     if (moe_ffn < 1 || moe_ffn > kMaxDim) return bad("moe_ffn", "must be >= 1");
     if (shared_ffn < 0 || shared_ffn > kMaxDim) return bad("shared_ffn", "must be >= 0");
+    if (shared_gate && shared_ffn == 0) return bad("shared_gate", "needs a shared expert (shared_ffn > 0)");
     if (router_grouped && router != RouterKind::kSigmoidBias) {
       return bad("router_grouped", "applies to the sigmoid_bias router only");
     }
@@ -287,6 +289,7 @@ const FieldRow kFields[] = {
     {"rope_interleave", &ModelConfig::rope_interleave, Write::kUnlessDefault},
     {"router_norm_topk", &ModelConfig::router_norm_topk, Write::kUnlessDefault},
     {"router_grouped", &ModelConfig::router_grouped, Write::kUnlessDefault},
+    {"shared_gate", &ModelConfig::shared_gate, Write::kUnlessDefault},
 };
 
 struct WriteField {
@@ -540,6 +543,12 @@ MoeTensors DeclareMoe(const ModelConfig& c, const std::string& l, std::int64_t i
     const DenseMlpTensors shared = DeclareSwiGlu(c, l + "moe.shared.", c.shared_ffn, i, d);
     m.shared_fc1 = shared.fc1;
     m.shared_fc2 = shared.fc2;
+    if (c.shared_gate) {
+      // One logit per token from the whole input: replicated over tp, its gradient the same on
+      // every tp rank (the trainer's MoE layer sums the logit's gradient over tp first).
+      m.shared_gate =
+          d.Add(Param(l + "moe.shared_gate.weight", p, {1, c.d_model}, {"", "embed"}, i, TpGrad::kReplicated));
+    }
   }
   return m;
 }

@@ -40,6 +40,7 @@ struct ModelConfig {
   std::int64_t top_k = 2;
   std::int64_t moe_ffn = 64;    // ffn width of each routed expert
   std::int64_t shared_ffn = 0;  // ffn width of the shared expert; 0 = none
+  bool shared_gate = false;     // Qwen-MoE style: the shared expert's output × sigmoid(x · moe.shared_gate)
   std::int64_t max_seq_len = 64;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;

@@ -36,7 +36,7 @@ struct DenseMlpTensors {
 // A MoE layer: router (and its aux-loss-free bias buffer), routed experts, optional shared expert.
 struct MoeTensors {
   std::size_t router = kNoTensor, expert_bias = kNoTensor, experts_fc1 = kNoTensor, experts_fc2 = kNoTensor,
-              shared_fc1 = kNoTensor, shared_fc2 = kNoTensor;
+              shared_fc1 = kNoTensor, shared_fc2 = kNoTensor, shared_gate = kNoTensor;
 };
 
 // One decoder layer: pre-norms, a mixer (attention or gdn) and an MLP (dense or moe); the

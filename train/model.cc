@@ -31,7 +31,8 @@ struct Transformer<T>::Layer {
   AttentionTensors mla_t;                      // multi-latent attention
   GdnTensors gdn_t;                            // gated-delta-net
   std::size_t fc1 = kNone, fc2 = kNone;        // dense MLP
-  std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
+  std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone,
+              sgate = kNone;
   std::unique_ptr<Attention<T>> attn;       // GQA, or
   std::unique_ptr<LatentAttention<T>> mla;  // MLA, or
   std::unique_ptr<GatedDeltaNet<T>> gdn;    // gated-delta-net
@@ -190,6 +191,7 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       l->efc2 = t.moe.experts_fc2;
       l->sfc1 = t.moe.shared_fc1;
       l->sfc2 = t.moe.shared_fc2;
+      l->sgate = t.moe.shared_gate;
       l->moe = std::make_unique<MoeLayer<T>>(c_, dispatch_, par_, dim(l->efc2, 2),
                                              l->sfc2 != kNone ? dim(l->sfc2, 1) : 0, dim(l->efc1, 0));
     } else {
@@ -209,6 +211,12 @@ MlaWeights<T> Transformer<T>::MlaParams(const Layer& l) {
   const AttentionTensors& a = l.mla_t;
   const auto p = [&](std::size_t i) -> const T* { return i != kNone ? P(i) : nullptr; };
   return {p(a.q_a), p(a.q_a_norm), p(a.q_b), p(a.q), p(a.kv_a), p(a.kv_a_norm), p(a.kv_b), p(a.out)};
+}
+
+template <typename T>
+MoeWeights<T> Transformer<T>::MoeParams(const Layer& l) {
+  const auto p = [&](std::size_t i) -> const T* { return i != kNone ? P(i) : nullptr; };
+  return {P(l.router), p(l.bias), P(l.efc1), P(l.efc2), p(l.sfc1), p(l.sfc2), p(l.sgate)};
 }
 
 template <typename T>
@@ -297,8 +305,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, l.xn2.data(), l.rstd2.data());
     lap(phases_.norms);
     if (l.moe) {
-      const MoeWeights<T> w{P(l.router), l.bias != kNone ? P(l.bias) : nullptr, P(l.efc1),
-                            P(l.efc2),   l.sfc1 != kNone ? P(l.sfc1) : nullptr, l.sfc2 != kNone ? P(l.sfc2) : nullptr};
+      const MoeWeights<T> w = MoeParams(l);
       const Routing<T>& r = l.moe->Forward(l.xn2.data(), n, w, tmp.data());
       losses.aux += r.aux_loss;
       losses.z += r.z_loss;
@@ -340,10 +347,10 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   for (std::size_t li = layers_.size(); li-- > 0;) {
     Layer& l = *layers_[li];
     if (l.moe) {
-      const MoeWeights<T> w{P(l.router), l.bias != kNone ? P(l.bias) : nullptr, P(l.efc1),
-                            P(l.efc2),   l.sfc1 != kNone ? P(l.sfc1) : nullptr, l.sfc2 != kNone ? P(l.sfc2) : nullptr};
-      const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), l.sfc1 != kNone ? G(l.sfc1) : nullptr,
-                          l.sfc2 != kNone ? G(l.sfc2) : nullptr};
+      const MoeWeights<T> w = MoeParams(l);
+      const auto g_or_null = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
+      const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), g_or_null(l.sfc1), g_or_null(l.sfc2),
+                          g_or_null(l.sgate)};
       l.moe->Backward(dh.data(), w, dx.data(), g);
     } else {
       l.dense->Backward(dh.data(), P(l.fc1), P(l.fc2), dx.data(), G(l.fc1), G(l.fc2));

@@ -111,6 +111,7 @@ class Transformer {
   T* G(std::size_t i) { return grads_.data() + offsets_[i]; }
   MlaWeights<T> MlaParams(const Layer& l);
   GdnWeights<T> GdnParams(const Layer& l);
+  MoeWeights<T> MoeParams(const Layer& l);
 
   ModelConfig c_;
   DispatchOptions dispatch_;

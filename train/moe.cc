@@ -1,5 +1,7 @@
 #include "train/moe.h"
 
+#include <cmath>
+
 #include "core/check.h"
 #include "train/gemm.h"
 
@@ -109,6 +111,19 @@ const Routing<T>& MoeLayer<T>::Forward(const T* x, std::int64_t n, const MoeWeig
     const std::int64_t rows[] = {n};
     shared_.Forward(x, rows, w.shared_fc1, w.shared_fc2, ys.data());
     if (par_->etp != nullptr) par_->AllReduceTp(std::span<T>(ys));
+    if (w.shared_gate != nullptr) {
+      // out_t × sigmoid(x_t · gate): the factor is the same on every tp rank, so partial sums
+      // stay partial sums.
+      shared_raw_.assign(ys.begin(), ys.end());
+      shared_sig_.resize(static_cast<std::size_t>(n));
+      for (std::int64_t t = 0; t < n; ++t) {
+        T logit = 0;
+        for (std::int64_t j = 0; j < d_; ++j) logit += x[t * d_ + j] * w.shared_gate[j];
+        const T s = T(1) / (T(1) + std::exp(-logit));
+        shared_sig_[static_cast<std::size_t>(t)] = s;
+        for (std::int64_t j = 0; j < d_; ++j) ys[static_cast<std::size_t>(t * d_ + j)] *= s;
+      }
+    }
     for (std::size_t i = 0; i < ys.size(); ++i) y[i] += ys[i];
   }
   if (par_->etp == nullptr) par_->AllReduceTp(std::span<T>(y, ny));
@@ -142,13 +157,38 @@ void MoeLayer<T>::Backward(const T* dy, const MoeWeights<T>& w, T* dx, const Moe
   // The experts' input gradients are partial sums over the tp (etp) ranks; the router's
   // (below) is the same on every rank and is added once, after the reduction.
   if (par_->etp != nullptr) par_->AllReduceExperts(std::span<T>(dx, nd));
+  Buffer<T> dgate_logit;  // shared-expert gate: d loss / d (x_t · gate), whole on every tp rank
   if (shared_ffn_ > 0) {
     Buffer<T> dxs(nd);
-    shared_.Backward(dy, w.shared_fc1, w.shared_fc2, dxs.data(), g.shared_fc1, g.shared_fc2);
+    const T* dys = dy;
+    Buffer<T> dy_gated;
+    if (w.shared_gate != nullptr) {
+      dy_gated.resize(nd);
+      dgate_logit.resize(static_cast<std::size_t>(n));
+      for (std::int64_t t = 0; t < n; ++t) {
+        const T s = shared_sig_[static_cast<std::size_t>(t)];
+        T dot = 0;
+        for (std::int64_t j = 0; j < d; ++j) {
+          const auto i = static_cast<std::size_t>(t * d + j);
+          dot += dy[i] * shared_raw_[i];
+          dy_gated[i] = dy[i] * s;
+        }
+        dgate_logit[static_cast<std::size_t>(t)] = dot * s * (T(1) - s);
+      }
+      // Without etp the shared output is a partial sum over tp, and so is this.
+      if (par_->etp == nullptr) par_->AllReduceTp(std::span<T>(dgate_logit));
+      dys = dy_gated.data();
+    }
+    shared_.Backward(dys, w.shared_fc1, w.shared_fc2, dxs.data(), g.shared_fc1, g.shared_fc2);
     if (par_->etp != nullptr) par_->AllReduceTp(std::span<T>(dxs));
     for (std::size_t i = 0; i < nd; ++i) dx[i] += dxs[i];
   }
   if (par_->etp == nullptr) par_->AllReduceTp(std::span<T>(dx, nd));
+  if (!dgate_logit.empty()) {  // once, after the reductions: the same on every tp rank
+    RS_CHECK(g.shared_gate != nullptr);
+    Gemm<T>(Trans::kNo, Trans::kNo, n, d, 1, T(1), dgate_logit.data(), 1, w.shared_gate, d, T(1), dx, d);
+    Gemm<T>(Trans::kYes, Trans::kNo, 1, d, n, T(1), dgate_logit.data(), 1, x_, d, T(1), g.shared_gate, d);
+  }
   Buffer<T> dlogits(static_cast<std::size_t>(n * e));
   router_.Backward(dprobs.data(), dlogits.data());
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, e, T(1), dlogits.data(), e, w.router, d, T(1), dx, d);

@@ -27,6 +27,7 @@ struct MoeWeights {
   const T* fc2 = nullptr;          // [E, d, f]
   const T* shared_fc1 = nullptr;   // [2fs, d] when shared_ffn > 0
   const T* shared_fc2 = nullptr;   // [d, fs]
+  const T* shared_gate = nullptr;  // [1, d] when shared_gate: the shared output × sigmoid(x · gate)
 };
 
 template <typename T>
@@ -36,6 +37,7 @@ struct MoeGrads {
   T* fc2 = nullptr;
   T* shared_fc1 = nullptr;
   T* shared_fc2 = nullptr;
+  T* shared_gate = nullptr;
 };
 
 template <typename T>
@@ -95,6 +97,9 @@ class MoeLayer {
   std::int64_t group_begin_ = 0, group_rows_ = 0;
   std::vector<std::int64_t> send_counts_, recv_counts_;
   Buffer<T> y_rows_;
+  // Shared-expert gate: the shared expert's output before the gate ([n, d]: this rank's partial
+  // sum under tp without etp) and sigmoid(x · gate) per token.
+  Buffer<T> shared_raw_, shared_sig_;
 };
 
 }  // namespace rs::train

@@ -35,6 +35,7 @@ std::vector<std::string> DeepSeekV3Differences(const ModelConfig& c) {
     diffs.push_back("dense layers other than the first first_dense_layers (moe_layer_step, dense_layers)");
   }
   if (c.full_attn_interval > 0) diffs.push_back("gated-delta-net layers (full_attn_interval > 0)");
+  if (c.shared_gate) diffs.push_back("a gated shared expert (shared_gate): DeepSeek-V3's shared experts are not gated");
   if (c.router == RouterKind::kSigmoidBias && c.top_k == 1 && c.router_norm_topk) {
     diffs.push_back("top_k 1 with router_norm_topk: DeepSeek-V3 then renormalises the one weight to 1, ours keeps it");
   }

@@ -173,6 +173,28 @@ TEST(ModelGradTest, WholeModelWithQkNormsAndDenseMiddleLayer) {
   CheckWholeModel(c, 11);
 }
 
+// Qwen3-Next's blocks: gated-delta-net layers (0 and 2) around a full-attention layer, two value
+// heads per key head, a shared expert whose output is gated by sigmoid(x · shared_gate), softmax
+// before top-k.
+TEST(ModelGradTest, WholeModelWithGatedDeltaNetLayersAndGatedSharedExpert) {
+  ModelConfig c = SmallConfig(RouterKind::kSoftmaxBefore, 2);
+  c.name = "gdn";
+  c.vocab_size = 20;
+  c.n_layers = 3;
+  c.full_attn_interval = 2;
+  c.gdn_key_heads = 2;
+  c.gdn_value_heads = 4;
+  c.gdn_key_dim = 3;
+  c.gdn_value_dim = 4;
+  c.gdn_conv_kernel = 3;
+  c.shared_gate = true;
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+  ASSERT_TRUE(c.IsGdnLayer(0) && !c.IsGdnLayer(1) && c.IsGdnLayer(2));
+  CheckWholeModel(c, 13);
+  c.shared_ffn = 0;
+  EXPECT_NE(c.Validate().message().find("shared_gate"), std::string::npos) << c.Validate().ToString();
+}
+
 TEST(ModelConfigTest, LayerPatternsAndJsonRoundTrip) {
   ModelConfig c;
   c.n_layers = 6;

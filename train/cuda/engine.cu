@@ -29,6 +29,10 @@ class CudaEngine final : public train::StepEngine {
       return Unimplemented("train --device cuda: model '" + c.name +
                            "' has multi-latent attention (mla_kv_rank > 0), which only the CPU path trains");
     }
+    if (c.shared_gate) {
+      return Unimplemented("train --device cuda: model '" + c.name +
+                           "' gates its shared expert (shared_gate), which only the CPU path trains");
+    }
     if (c.full_attn_interval > 0) {
       return Unimplemented("train --device cuda: model '" + c.name +
                            "' has gated-delta-net layers (full_attn_interval > 0), which only the CPU path trains");
