@@ -5,11 +5,12 @@
 // matrix products of chunk x head-dim size).
 //
 //   bench_gdn [reps] [dk] [seq...]   defaults: 3 128 256 1024 4096
+#include "train/gdn.h"
+
 #include <cstdio>
 #include <vector>
 
 #include "bench/train_bench_util.h"
-#include "train/gdn.h"
 #include "train/gemm.h"
 #include "train/rng.h"
 

@@ -1,5 +1,5 @@
-// `reshard diff A B [--json] [--tolerance T] [--rtol R] [--role R]`: compares the logical content of two checkpoints whatever
-// their layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
+// `reshard diff A B [--json] [--tolerance T] [--rtol R] [--role R]`: compares the logical content of two checkpoints
+// whatever their layouts. Exit 0 when every tensor is identical, 1 when not, 2 on usage errors.
 //
 // Both checkpoints must be sound: every byte compared is checked against its checksum as it is
 // read, and the rest of each checkpoint (structure, coverage, replicas, and for format version 2

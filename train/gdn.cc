@@ -126,8 +126,8 @@ DeltaRule<T>::DeltaRule(DeltaRuleForm form, std::int64_t chunk) : form_(form), c
 }
 
 template <typename T>
-void DeltaRule<T>::Forward(const DeltaRuleShape& shape, const T* q, const T* k, const T* v, const T* g,
-                           const T* beta, T* o) {
+void DeltaRule<T>::Forward(const DeltaRuleShape& shape, const T* q, const T* k, const T* v, const T* g, const T* beta,
+                           T* o) {
   RS_CHECK(shape.batch > 0 && shape.seq > 0 && shape.nk > 0 && shape.nv % shape.nk == 0 && shape.dk > 0 &&
            shape.dv > 0);
   s_ = shape;
@@ -281,8 +281,7 @@ void DeltaRule<T>::ChunkForward(std::int64_t b, std::int64_t h, T* o) {
 }
 
 template <typename T>
-void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg,
-                                 T* dbeta) {
+void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta) {
   const std::int64_t kd_ = s_.dk, vd = s_.dv, seq = s_.seq, chunks = (seq + chunk_ - 1) / chunk_;
   const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * seq * kd_, vh = (b * s_.nv + h) * seq;
   const T* starts = states_.data() + (b * s_.nv + h) * chunks * kd_ * vd;
@@ -463,8 +462,8 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
     }
   }
   o_.resize(v_.size());
-  rule_.Forward(DeltaRuleShape{batch, seq, nk, nv, dk, dv}, q_.data(), k_.data(), v_.data(), g_.data(),
-                beta_.data(), o_.data());
+  rule_.Forward(DeltaRuleShape{batch, seq, nk, nv, dk, dv}, q_.data(), k_.data(), v_.data(), g_.data(), beta_.data(),
+                o_.data());
   // Gated RMSNorm per value head: norm ⊙ o·rstd ⊙ silu(z).
   o_rstd_.resize(g_.size());
   ctx_.resize(Sz(n * nv * dv));

@@ -118,15 +118,15 @@ class GatedDeltaNet {
   DeltaRule<T> rule_;
   std::int64_t batch_ = 0, seq_ = 0;
   const T* x_ = nullptr;
-  std::vector<T> proj_;          // [N, proj_width]: in_proj's output
-  std::vector<T> conv_;          // [N, conv_width]: conv1d's output before SiLU
-  std::vector<T> q_, k_;         // [batch, nk, seq, dk]: normalised (q also scaled)
-  std::vector<T> qk_rnorm_;      // [batch, 2, nk, seq]: 1/||q||, 1/||k|| before normalising
-  std::vector<T> v_;             // [batch, nv, seq, dv]
-  std::vector<T> g_, beta_;      // [batch, nv, seq]
-  std::vector<T> o_;             // [batch, nv, seq, dv]: the rule's output
-  std::vector<T> o_rstd_;        // [batch, nv, seq]: its RMSNorm's 1/rms
-  std::vector<T> ctx_;           // [N, nv·dv]: the gated norm's output, out's input
+  std::vector<T> proj_;      // [N, proj_width]: in_proj's output
+  std::vector<T> conv_;      // [N, conv_width]: conv1d's output before SiLU
+  std::vector<T> q_, k_;     // [batch, nk, seq, dk]: normalised (q also scaled)
+  std::vector<T> qk_rnorm_;  // [batch, 2, nk, seq]: 1/||q||, 1/||k|| before normalising
+  std::vector<T> v_;         // [batch, nv, seq, dv]
+  std::vector<T> g_, beta_;  // [batch, nv, seq]
+  std::vector<T> o_;         // [batch, nv, seq, dv]: the rule's output
+  std::vector<T> o_rstd_;    // [batch, nv, seq]: its RMSNorm's 1/rms
+  std::vector<T> ctx_;       // [N, nv·dv]: the gated norm's output, out's input
 };
 
 }  // namespace rs::train

@@ -31,8 +31,7 @@ struct Transformer<T>::Layer {
   AttentionTensors mla_t;                      // multi-latent attention
   GdnTensors gdn_t;                            // gated-delta-net
   std::size_t fc1 = kNone, fc2 = kNone;        // dense MLP
-  std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone,
-              sgate = kNone;
+  std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone, sgate = kNone;
   std::unique_ptr<Attention<T>> attn;       // GQA, or
   std::unique_ptr<LatentAttention<T>> mla;  // MLA, or
   std::unique_ptr<GatedDeltaNet<T>> gdn;    // gated-delta-net
@@ -162,8 +161,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       RS_CHECK_MSG(nk >= 1 && nv % nk == 0 && 2 * nk * c_.gdn_key_dim + nv * c_.gdn_value_dim == dim(g.conv1d, 0),
                    "local gated-delta-net of " << nk << " / " << nv << " heads");
       l->gdn_t = g;
-      l->gdn = std::make_unique<GatedDeltaNet<T>>(GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim,
-                                                           c_.gdn_conv_kernel, c_.norm_eps});
+      l->gdn = std::make_unique<GatedDeltaNet<T>>(
+          GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim, c_.gdn_conv_kernel, c_.norm_eps});
     } else if (c_.IsMla()) {
       // The rank's heads, read off its local out [d, nq_l·dv].
       const std::int64_t nq = dim(t.attn.out, 1) / c_.mla_v_dim;
@@ -349,8 +348,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     if (l.moe) {
       const MoeWeights<T> w = MoeParams(l);
       const auto g_or_null = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
-      const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), g_or_null(l.sfc1), g_or_null(l.sfc2),
-                          g_or_null(l.sgate)};
+      const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), g_or_null(l.sfc1), g_or_null(l.sfc2), g_or_null(l.sgate)};
       l.moe->Backward(dh.data(), w, dx.data(), g);
     } else {
       l.dense->Backward(dh.data(), P(l.fc1), P(l.fc2), dx.data(), G(l.fc1), G(l.fc2));

@@ -514,7 +514,8 @@ TEST_F(MpiTrainTest, GatedDeltaNetModelMatchesOneProcessAtEveryLayout) {
   }
 
   // Not under context parallelism: a clear error on every rank.
-  CommandResult d = RunMpi(2, "train --model " + path + " --steps 1 --threads 1 --rules ep-as-cp --layout ep=2,fsdp_form=box");
+  CommandResult d =
+      RunMpi(2, "train --model " + path + " --steps 1 --threads 1 --rules ep-as-cp --layout ep=2,fsdp_form=box");
   EXPECT_NE(d.exit_code, 0) << d.output;
   EXPECT_NE(d.output.find("context parallelism"), std::string::npos) << d.output;
 
