@@ -74,6 +74,7 @@ Checked ParameterCount(const ModelConfig& c) {
           Checked(c.n_heads) * (Checked(c.mla_nope_dim()) + c.mla_v_dim) * c.mla_kv_rank + d * c.n_heads * c.mla_v_dim;
     } else {
       n = n + (Checked(c.n_heads) + Checked(2) * c.n_kv_heads) * c.head_dim * d + d * c.n_heads * c.head_dim;
+      if (c.attn_output_gate) n = n + Checked(c.n_heads) * c.head_dim * d;
       if (c.qk_norm) n = n + Checked(2) * c.head_dim;
     }
     if (!c.IsMoeLayer(i)) {
@@ -139,6 +140,9 @@ Status ModelConfig::Validate() const {
     }
     if (mla_v_dim < 1 || mla_v_dim > kMaxDim) return bad("mla_v_dim", "must be in [1, 2^24]");
     if (n_kv_heads != n_heads) return bad("n_kv_heads", "must equal n_heads with multi-latent attention");
+    if (norm_zero_centered) return bad("norm_zero_centered", "is not supported with multi-latent attention");
+    if (attn_output_gate) return bad("attn_output_gate", "is not supported with multi-latent attention");
+    if (rotary_dim != 0) return bad("rotary_dim", "does not apply to multi-latent attention (mla_rope_dim does)");
     if (qk_norm) return bad("qk_norm", "cannot be combined with multi-latent attention (it has its own norms)");
   } else {
     if (head_dim % 2 != 0) return bad("head_dim", "must be even (rotary embedding rotates pairs)");
@@ -147,6 +151,9 @@ Status ModelConfig::Validate() const {
                  "is set but mla_kv_rank is 0 (no multi-latent attention)");
     }
     if (rope_interleave) return bad("rope_interleave", "applies to multi-latent attention only (mla_kv_rank > 0)");
+    if (rotary_dim < 0 || rotary_dim > head_dim || rotary_dim % 2 != 0) {
+      return bad("rotary_dim", "must be even and in [0, head_dim] (0: the whole head)");
+    }
   }
   if (first_dense_layers < 0 || first_dense_layers > n_layers)
     return bad("first_dense_layers", "must be in [0, n_layers]");
@@ -290,6 +297,9 @@ const FieldRow kFields[] = {
     {"router_norm_topk", &ModelConfig::router_norm_topk, Write::kUnlessDefault},
     {"router_grouped", &ModelConfig::router_grouped, Write::kUnlessDefault},
     {"shared_gate", &ModelConfig::shared_gate, Write::kUnlessDefault},
+    {"norm_zero_centered", &ModelConfig::norm_zero_centered, Write::kUnlessDefault},
+    {"attn_output_gate", &ModelConfig::attn_output_gate, Write::kUnlessDefault},
+    {"rotary_dim", &ModelConfig::rotary_dim, Write::kUnlessDefault},
 };
 
 struct WriteField {
@@ -434,6 +444,13 @@ TensorSpec Norm(std::string name, DType dtype, std::int64_t dim, std::string axi
                 TpGrad tp_grad = TpGrad::kReplicated) {
   return Param(std::move(name), dtype, {dim}, {std::move(axis)}, layer, tp_grad, TensorInit::kOnes);
 }
+// A norm of the model's RMSNorm form: zeros when it is zero-centred (norm_zero_centered), else ones.
+TensorSpec ModelNorm(const ModelConfig& c, std::string name, std::int64_t dim, std::string axis, std::int64_t layer,
+                     TpGrad tp_grad = TpGrad::kReplicated) {
+  TensorSpec t = Norm(std::move(name), c.param_dtype, dim, std::move(axis), layer, tp_grad);
+  if (c.norm_zero_centered) t.init = TensorInit::kZeros;
+  return t;
+}
 
 // Softmax attention (GQA): the fused QKV in heads, per-head q/k norms (applied per head, so a
 // tp rank sees only its own heads' share of their gradient), the output projection back into
@@ -468,14 +485,20 @@ AttentionTensors DeclareAttention(const ModelConfig& c, const std::string& l, st
                         TensorInit::kNormalResidual));
     return a;
   }
+  // With the output gate: [query; gate; key; value] (the gate cut over tp with its query heads).
+  const std::int64_t q_units = c.attn_output_gate ? 2 * c.n_heads : c.n_heads;
   auto qkv =
-      Param(l + "attn.qkv.weight", p, {(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.d_model}, {"heads", "embed"}, i);
+      Param(l + "attn.qkv.weight", p, {(q_units + 2 * c.n_kv_heads) * c.head_dim, c.d_model}, {"heads", "embed"}, i);
   qkv.components =
-      ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
+      c.attn_output_gate
+          ? ComponentTable{0,
+                           c.head_dim,
+                           {{"query", c.n_heads}, {"gate", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}}
+          : ComponentTable{0, c.head_dim, {{"query", c.n_heads}, {"key", c.n_kv_heads}, {"value", c.n_kv_heads}}};
   a.qkv = d.Add(qkv);
   if (c.qk_norm) {
-    a.q_norm = d.Add(Norm(l + "attn.q_norm.weight", p, c.head_dim, "", i, TpGrad::kReplicatedSum));
-    a.k_norm = d.Add(Norm(l + "attn.k_norm.weight", p, c.head_dim, "", i, TpGrad::kReplicatedSum));
+    a.q_norm = d.Add(ModelNorm(c, l + "attn.q_norm.weight", c.head_dim, "", i, TpGrad::kReplicatedSum));
+    a.k_norm = d.Add(ModelNorm(c, l + "attn.k_norm.weight", c.head_dim, "", i, TpGrad::kReplicatedSum));
   }
   a.out = d.Add(Param(l + "attn.out.weight", p, {c.d_model, c.n_heads * c.head_dim}, {"embed", "heads"}, i,
                       TpGrad::kCut, TensorInit::kNormalResidual));
@@ -566,20 +589,20 @@ ModelTensors DeclareModel(const ModelConfig& c) {
   for (std::int64_t i = 0; i < c.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     LayerTensors& layer = m.layers.emplace_back();
-    layer.attn_norm = d.Add(Norm(l + "attn_norm.weight", p, c.d_model, "embed", i));
+    layer.attn_norm = d.Add(ModelNorm(c, l + "attn_norm.weight", c.d_model, "embed", i));
     if (c.IsGdnLayer(i)) {
       layer.gdn = DeclareGatedDeltaNet(c, l, i, d);
     } else {
       layer.attn = DeclareAttention(c, l, i, d);
     }
-    layer.mlp_norm = d.Add(Norm(l + "mlp_norm.weight", p, c.d_model, "embed", i));
+    layer.mlp_norm = d.Add(ModelNorm(c, l + "mlp_norm.weight", c.d_model, "embed", i));
     if (c.IsMoeLayer(i)) {
       layer.moe = DeclareMoe(c, l, i, d);
     } else {
       layer.mlp = DeclareSwiGlu(c, l + "mlp.", c.dense_ffn, i, d);
     }
   }
-  m.final_norm = d.Add(Norm("final_norm.weight", p, c.d_model, "embed", PipelinePlace::kPost));
+  m.final_norm = d.Add(ModelNorm(c, "final_norm.weight", c.d_model, "embed", PipelinePlace::kPost));
   auto output = Param("output.weight", p, {c.vocab_size, c.d_model}, {"vocab", "embed"}, PipelinePlace::kPost);
   output.vocab_size = c.vocab_size;
   m.output = d.Add(output);

@@ -41,6 +41,16 @@ struct ModelConfig {
   std::int64_t moe_ffn = 64;    // ffn width of each routed expert
   std::int64_t shared_ffn = 0;  // ffn width of the shared expert; 0 = none
   bool shared_gate = false;     // Qwen-MoE style: the shared expert's output × sigmoid(x · moe.shared_gate)
+  // Qwen3-Next's RMSNorm: y = x̂ · (1 + w), weights starting at 0 (the layer, final and q/k norms;
+  // not the gated-delta-net's gated norm).
+  bool norm_zero_centered = false;
+  // Qwen3-Next's full attention: attn_output_gate adds per query head an output gate (a QKV
+  // component): the head's output × sigmoid(gate) before attn.out. rotary_dim rotates only the
+  // first rotary_dim values of each query/key head (partial rotary; 0 = head_dim).
+  bool attn_output_gate = false;
+  std::int64_t rotary_dim = 0;
+  std::int64_t RotaryDim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
+  double norm_weight_offset() const { return norm_zero_centered ? 1.0 : 0.0; }
   std::int64_t max_seq_len = 64;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;

@@ -95,12 +95,26 @@ Attention<T>::Attention(const AttentionShape& shape, ModelParallel* par)
     : s_(shape), par_(par != nullptr ? par : &SingleProcess()) {
   RS_CHECK(s_.n_heads > 0 && s_.n_kv_heads > 0 && s_.n_heads % s_.n_kv_heads == 0);
   RS_CHECK(s_.head_dim > 0 && s_.head_dim % 2 == 0);
+  RS_CHECK(s_.rope_dim() >= 2 && s_.rope_dim() % 2 == 0 && s_.rope_dim() <= s_.head_dim);
+}
+
+template <typename T>
+void Attention<T>::Rope(T* row, std::int64_t pos, RopeDirection dir) const {
+  const std::int64_t dh = s_.head_dim, rd = s_.rope_dim(), nq = s_.n_heads, nkv = s_.n_kv_heads, half = rd / 2;
+  const T* c = cos_.data() + pos * half;
+  const T* sn = sin_.data() + pos * half;
+  if (rd == dh && !s_.output_gate) {  // q and k heads adjacent: one call rotates all nq + nkv heads
+    ApplyRope(row, nq + nkv, dh, c, sn, dir);
+    return;
+  }
+  for (std::int64_t h = 0; h < nq; ++h) ApplyRope(row + h * dh, 1, rd, c, sn, dir);
+  for (std::int64_t g = 0; g < nkv; ++g) ApplyRope(row + s_.key_offset() + g * dh, 1, rd, c, sn, dir);
 }
 
 template <typename T>
 void Attention<T>::EnsureRopeTable(std::int64_t seq) {
   if (rope_seq_ == seq) return;
-  RopeTable(seq, s_.head_dim, s_.rope_theta, cos_, sin_);
+  RopeTable(seq, s_.rope_dim(), s_.rope_theta, cos_, sin_);
   rope_seq_ = seq;
 }
 
@@ -115,11 +129,11 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
   EnsureRopeTable(total);
   const std::int64_t d = s_.d_model, dh = s_.head_dim, nq = s_.n_heads, nkv = s_.n_kv_heads;
-  const std::int64_t w = (nq + 2 * nkv) * dh;  // qkv row width
-  const std::int64_t c = nq * dh;              // context row width
-  const std::int64_t kvw = 2 * nkv * dh;       // k and v of one position
+  const std::int64_t w = s_.qkv_width();    // qkv row width
+  const std::int64_t ko = s_.key_offset();  // the first key column of a qkv row
+  const std::int64_t c = nq * dh;           // context row width
+  const std::int64_t kvw = 2 * nkv * dh;    // k and v of one position
   const std::int64_t n = batch * seq;
-  const std::int64_t half = dh / 2;
   const std::int64_t group = nq / nkv;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
   qkv_.resize(static_cast<std::size_t>(n * w));
@@ -133,24 +147,20 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
     qk_rstd_.resize(static_cast<std::size_t>(n * (nq + nkv)));
     for (std::int64_t r = 0; r < n; ++r) {
       T* row = qkv_.data() + r * w;
-      std::copy_n(row, qkw, qk_raw_.data() + r * qkw);
+      std::copy_n(row, nq * dh, qk_raw_.data() + r * qkw);
+      std::copy_n(row + ko, nkv * dh, qk_raw_.data() + r * qkw + nq * dh);
       T* rstd = qk_rstd_.data() + r * (nq + nkv);
-      RmsNormForward(row, qk_norm_.q, nq, dh, qk_norm_.eps, row, rstd);
-      RmsNormForward(row + nq * dh, qk_norm_.k, nkv, dh, qk_norm_.eps, row + nq * dh, rstd + nq);
+      RmsNormForward(row, qk_norm_.q, nq, dh, qk_norm_.eps, row, rstd, qk_norm_.offset);
+      RmsNormForward(row + ko, qk_norm_.k, nkv, dh, qk_norm_.eps, row + ko, rstd + nq, qk_norm_.offset);
     }
   }
-  for (std::int64_t r = 0; r < n; ++r) {
-    const std::int64_t pos = first + r % seq;
-    // q and k heads are adjacent in the fused row, so one call rotates all nq + nkv heads.
-    ApplyRope(qkv_.data() + r * w, nq + nkv, dh, cos_.data() + pos * half, sin_.data() + pos * half,
-              RopeDirection::kForward);
-  }
+  for (std::int64_t r = 0; r < n; ++r) Rope(qkv_.data() + r * w, first + r % seq, RopeDirection::kForward);
   // Keys and values of all positions: this rank's own rows, or every cp rank's, gathered.
-  const T* kv = qkv_.data() + nq * dh;
+  const T* kv = qkv_.data() + ko;
   std::int64_t kv_stride = w, kv_batch = seq * w;
   if (cp > 1) {
     std::vector<T> mine(static_cast<std::size_t>(n * kvw)), all(static_cast<std::size_t>(cp * n * kvw));
-    for (std::int64_t r = 0; r < n; ++r) std::copy_n(qkv_.data() + r * w + nq * dh, kvw, mine.data() + r * kvw);
+    for (std::int64_t r = 0; r < n; ++r) std::copy_n(qkv_.data() + r * w + ko, kvw, mine.data() + r * kvw);
     par_->AllGatherCp(std::span<const T>(mine), std::span<T>(all));
     kv_.resize(static_cast<std::size_t>(batch * total * kvw));
     for (std::int64_t q = 0; q < cp; ++q) {
@@ -176,6 +186,14 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
               ctx_.data() + b * seq * c + h * dh, c);
     }
   }
+  if (s_.output_gate) {  // each head's output × sigmoid(its gate), the gate columns after the queries
+    ungated_ = ctx_;
+    for (std::int64_t r = 0; r < n; ++r) {
+      const T* gate = qkv_.data() + r * w + c;
+      T* out = ctx_.data() + r * c;
+      for (std::int64_t j = 0; j < c; ++j) out[j] *= T(1) / (T(1) + std::exp(-gate[j]));
+    }
+  }
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, c, T(1), ctx_.data(), c, wout, c, T(0), y, d);
 }
 
@@ -185,13 +203,12 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   RS_CHECK(x_ != nullptr);
   RS_CHECK((qk_norm_.q == nullptr) || (dq_norm != nullptr && dk_norm != nullptr));
   const std::int64_t d = s_.d_model, dh = s_.head_dim, nq = s_.n_heads, nkv = s_.n_kv_heads;
-  const std::int64_t w = (nq + 2 * nkv) * dh;
+  const std::int64_t w = s_.qkv_width(), ko = s_.key_offset();
   const std::int64_t c = nq * dh;
   const std::int64_t kvw = 2 * nkv * dh;
   const std::int64_t seq = seq_, batch = batch_;
   const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
   const std::int64_t n = batch * seq;
-  const std::int64_t half = dh / 2;
   const std::int64_t group = nq / nkv;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
 
@@ -200,10 +217,23 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   Gemm<T>(Trans::kYes, Trans::kNo, d, c, n, T(1), dy, d, ctx_.data(), c, T(1), dwout, c);
 
   std::vector<T> dqkv(static_cast<std::size_t>(n * w), T(0));
+  if (s_.output_gate) {  // out = o ⊙ σ(gate): dgate = dout ⊙ o ⊙ σ(1 − σ), do = dout ⊙ σ
+    for (std::int64_t r = 0; r < n; ++r) {
+      const T* gate = qkv_.data() + r * w + c;
+      const T* o = ungated_.data() + r * c;
+      T* dgate = dqkv.data() + r * w + c;
+      T* dc = dctx.data() + r * c;
+      for (std::int64_t j = 0; j < c; ++j) {
+        const T sg = T(1) / (T(1) + std::exp(-gate[j]));
+        dgate[j] = dc[j] * o[j] * sg * (T(1) - sg);
+        dc[j] *= sg;
+      }
+    }
+  }
   // Key/value gradients of all positions: straight into dqkv, or (cp) into a buffer that is
   // reduce-scattered to the ranks that hold them.
-  const T* kv = qkv_.data() + nq * dh;
-  T* dkv = dqkv.data() + nq * dh;
+  const T* kv = qkv_.data() + ko;
+  T* dkv = dqkv.data() + ko;
   std::int64_t kv_stride = w, kv_batch = seq * w;
   std::vector<T> dkv_all;
   if (cp > 1) {
@@ -243,21 +273,17 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
       }
     }
     par_->ReduceScatterCp(std::span<const T>(send), std::span<T>(mine));
-    for (std::int64_t r = 0; r < n; ++r) std::copy_n(mine.data() + r * kvw, kvw, dqkv.data() + r * w + nq * dh);
+    for (std::int64_t r = 0; r < n; ++r) std::copy_n(mine.data() + r * kvw, kvw, dqkv.data() + r * w + ko);
   }
-  for (std::int64_t r = 0; r < n; ++r) {
-    const std::int64_t pos = first + r % seq;
-    ApplyRope(dqkv.data() + r * w, nq + nkv, dh, cos_.data() + pos * half, sin_.data() + pos * half,
-              RopeDirection::kInverse);
-  }
+  for (std::int64_t r = 0; r < n; ++r) Rope(dqkv.data() + r * w, first + r % seq, RopeDirection::kInverse);
   if (qk_norm_.q != nullptr) {  // through the per-head norms (in place: RmsNormBackward allows dx == dy)
     const std::int64_t qkw = (nq + nkv) * dh;
     for (std::int64_t r = 0; r < n; ++r) {
       T* row = dqkv.data() + r * w;
       const T* raw = qk_raw_.data() + r * qkw;
       const T* rstd = qk_rstd_.data() + r * (nq + nkv);
-      RmsNormBackward(row, raw, qk_norm_.q, rstd, nq, dh, row, dq_norm);
-      RmsNormBackward(row + nq * dh, raw + nq * dh, qk_norm_.k, rstd + nq, nkv, dh, row + nq * dh, dk_norm);
+      RmsNormBackward(row, raw, qk_norm_.q, rstd, nq, dh, row, dq_norm, qk_norm_.offset);
+      RmsNormBackward(row + ko, raw + nq * dh, qk_norm_.k, rstd + nq, nkv, dh, row + ko, dk_norm, qk_norm_.offset);
     }
   }
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, w, T(1), dqkv.data(), w, wqkv, d, T(0), dx, d);

@@ -16,6 +16,11 @@ struct AttentionShape {
   std::int64_t n_kv_heads = 0;  // key/value heads; divides n_heads
   std::int64_t head_dim = 0;    // even
   double rope_theta = 10000.0;
+  bool output_gate = false;     // QKV rows [q; gate; k; v]: each head's output × sigmoid(its gate)
+  std::int64_t rotary_dim = 0;  // rotate the first rotary_dim values of each head (0: all)
+  std::int64_t rope_dim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
+  std::int64_t key_offset() const { return (output_gate ? 2 : 1) * n_heads * head_dim; }  // in a QKV row
+  std::int64_t qkv_width() const { return key_offset() + 2 * n_kv_heads * head_dim; }
 };
 
 // Applies the rotary embedding in place to `n_heads` heads of `head_dim` values starting at
@@ -55,7 +60,8 @@ class Attention {
   explicit Attention(const AttentionShape& shape, ModelParallel* par = nullptr);
 
   // x: [batch·seq, d] rows in (batch, position) order; wqkv: [(nq + 2·nkv)·dh, d] with rows
-  // [q heads; k heads; v heads]; wout: [d, nq·dh]. Writes y: [batch·seq, d]. Keeps a pointer
+  // [q heads; k heads; v heads] (with the output gate [(2·nq + 2·nkv)·dh, d]: [q; gate; k; v]);
+  // wout: [d, nq·dh]. Writes y: [batch·seq, d]. Keeps a pointer
   // to x and its own activations for Backward: x must stay alive and unchanged until then.
   // `qk_norm` (Qwen3 style, when its weights are set): every query head is RMS-normalised with
   // weight q [dh] and every key head with k [dh] before RoPE (eps = norm_eps).
@@ -63,6 +69,7 @@ class Attention {
     const T* q = nullptr;
     const T* k = nullptr;
     double eps = 1e-6;
+    double offset = 0;  // 1: zero-centred weights, x̂ · (1 + w)
   };
   void Forward(const T* x, std::int64_t batch, std::int64_t seq, const T* wqkv, const T* wout, T* y,
                const QkNorm& qk_norm = {});
@@ -74,6 +81,8 @@ class Attention {
 
  private:
   void EnsureRopeTable(std::int64_t seq);
+  // Rotates (or un-rotates) the q and k heads of one qkv row for position `pos`.
+  void Rope(T* row, std::int64_t pos, RopeDirection dir) const;
 
   AttentionShape s_;
   ModelParallel* par_;
@@ -88,7 +97,8 @@ class Attention {
   std::vector<T> qkv_;      // [N, (nq+2nkv)·dh], q and k after the rotary embedding
   std::vector<T> kv_;       // context parallel: [batch, P·seq, 2·nkv·dh] every rank's k and v
   std::vector<T> probs_;    // [batch, nq, seq, P·seq], causal softmax (zeros above the diagonal)
-  std::vector<T> ctx_;      // [N, nq·dh]
+  std::vector<T> ctx_;      // [N, nq·dh] (gated, with the output gate)
+  std::vector<T> ungated_;  // output gate: [N, nq·dh] the heads' outputs before it
 };
 
 }  // namespace rs::train

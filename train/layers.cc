@@ -6,7 +6,8 @@
 namespace rs::train {
 
 template <typename T>
-void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, double eps, T* y, T* rstd) {
+void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, double eps, T* y, T* rstd, double offset) {
+  const T off = static_cast<T>(offset);
   for (std::int64_t i = 0; i < n; ++i) {
     const T* xi = x + i * d;
     // The mean square accumulates in double so that float training and the double reference
@@ -16,12 +17,14 @@ void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, doub
     const T r = static_cast<T>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
     rstd[i] = r;
     T* yi = y + i * d;
-    for (std::int64_t j = 0; j < d; ++j) yi[j] = xi[j] * r * w[j];
+    for (std::int64_t j = 0; j < d; ++j) yi[j] = xi[j] * r * (off + w[j]);
   }
 }
 
 template <typename T>
-void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw) {
+void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw,
+                     double offset) {
+  const T off = static_cast<T>(offset);
   for (std::int64_t i = 0; i < n; ++i) {
     const T* xi = x + i * d;
     const T* dyi = dy + i * d;
@@ -29,12 +32,12 @@ void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::in
     double dot = 0;  // Σ_j g_j x̂_j
     for (std::int64_t j = 0; j < d; ++j) {
       const T xhat = xi[j] * r;
-      dot += static_cast<double>(dyi[j] * w[j]) * static_cast<double>(xhat);
+      dot += static_cast<double>(dyi[j] * (off + w[j])) * static_cast<double>(xhat);
       dw[j] += dyi[j] * xhat;
     }
     const T mean = static_cast<T>(dot / static_cast<double>(d));
     T* dxi = dx + i * d;
-    for (std::int64_t j = 0; j < d; ++j) dxi[j] = r * (dyi[j] * w[j] - xi[j] * r * mean);
+    for (std::int64_t j = 0; j < d; ++j) dxi[j] = r * (dyi[j] * (off + w[j]) - xi[j] * r * mean);
   }
 }
 
@@ -93,11 +96,12 @@ double CrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n
 // Explicit instantiations for float (training) and double (reference); a type cannot be
 // parenthesised, hence the NOLINT.
 // NOLINTBEGIN(bugprone-macro-parentheses)
-#define RS_INSTANTIATE(T)                                                                                       \
-  template void RmsNormForward<T>(const T*, const T*, std::int64_t, std::int64_t, double, T*, T*);              \
-  template void RmsNormBackward<T>(const T*, const T*, const T*, const T*, std::int64_t, std::int64_t, T*, T*); \
-  template void SwiGluForward<T>(const T*, std::int64_t, std::int64_t, T*);                                     \
-  template void SwiGluBackward<T>(const T*, const T*, std::int64_t, std::int64_t, T*);                          \
+#define RS_INSTANTIATE(T)                                                                                      \
+  template void RmsNormForward<T>(const T*, const T*, std::int64_t, std::int64_t, double, T*, T*, double);     \
+  template void RmsNormBackward<T>(const T*, const T*, const T*, const T*, std::int64_t, std::int64_t, T*, T*, \
+                                   double);                                                                    \
+  template void SwiGluForward<T>(const T*, std::int64_t, std::int64_t, T*);                                    \
+  template void SwiGluBackward<T>(const T*, const T*, std::int64_t, std::int64_t, T*);                         \
   template double CrossEntropy<T>(const T*, const std::int32_t*, std::int64_t, std::int64_t, T*);
 RS_INSTANTIATE(float)
 RS_INSTANTIATE(double)

@@ -8,14 +8,17 @@
 
 namespace rs::train {
 
-// y[i,:] = x[i,:] · rstd[i] ⊙ w, rstd[i] = 1 / sqrt(mean_j x[i,j]² + eps). x, y: [n, d];
-// rstd: [n] (kept for the backward pass).
+// y[i,:] = x[i,:] · rstd[i] ⊙ (offset + w), rstd[i] = 1 / sqrt(mean_j x[i,j]² + eps). x, y:
+// [n, d]; rstd: [n] (kept for the backward pass). offset 1 is the zero-centred form (Qwen3-Next's
+// RMSNorm, whose weights start at 0).
 template <typename T>
-void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, double eps, T* y, T* rstd);
-// dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w, x̂ = x · rstd (overwrites dx);
+void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, double eps, T* y, T* rstd,
+                    double offset = 0);
+// dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ (offset + w), x̂ = x · rstd (overwrites dx);
 // dw += Σ_i dy[i] ⊙ x̂[i].
 template <typename T>
-void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw);
+void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw,
+                     double offset = 0);
 
 // SwiGLU activation over rows of h = [gate | up] ([n, 2f]): a = silu(gate) ⊙ up ([n, f]).
 template <typename T>

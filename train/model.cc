@@ -175,10 +175,12 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
     } else {
       RS_CHECK_MSG(t.attn.qkv != kNoTensor, "layer " << i << " has no softmax attention");
       // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].
+      // With the output gate the qkv rows are [q; gate; k; v].
       const std::int64_t nq = dim(t.attn.out, 1) / c_.head_dim;
-      const std::int64_t nkv = (dim(t.attn.qkv, 0) / c_.head_dim - nq) / 2;
+      const std::int64_t nkv = (dim(t.attn.qkv, 0) / c_.head_dim - (c_.attn_output_gate ? 2 : 1) * nq) / 2;
       RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
-      l->attn = std::make_unique<Attention<T>>(AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta}, par_);
+      l->attn = std::make_unique<Attention<T>>(
+          AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta, c_.attn_output_gate, c_.rotary_dim}, par_);
       l->qkv = t.attn.qkv;
       l->q_norm = t.attn.q_norm;
       l->k_norm = t.attn.k_norm;
@@ -252,6 +254,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   const std::int64_t d = c_.d_model, v = c_.vocab_size, vl = vocab_rows_, voff = par_->vocab_offset;
   const std::int64_t n = batch * seq;
   const auto nd = static_cast<std::size_t>(n * d);
+  const double off = c_.norm_weight_offset();  // the model's RMSNorms: w or (1 + w)
   RS_CHECK(batch > 0 && seq > 0);
   inputs_.assign(inputs, inputs + n);
   Losses losses;
@@ -284,7 +287,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     l.h_in.assign(h.begin(), h.end());
     l.xn1.resize(nd);
     l.rstd1.resize(static_cast<std::size_t>(n));
-    RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data());
+    RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data(), off);
     lap(phases_.norms);
     if (l.gdn) {
       l.gdn->Forward(l.xn1.data(), batch, seq, GdnParams(l), tmp.data());
@@ -292,7 +295,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
       l.mla->Forward(l.xn1.data(), batch, seq, MlaParams(l), tmp.data());
     } else {
       typename Attention<T>::QkNorm qk;
-      if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps};
+      if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps, off};
       l.attn->Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
     }
     par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // attention out is row-parallel
@@ -301,7 +304,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     l.h_mid.assign(h.begin(), h.end());
     l.xn2.resize(nd);
     l.rstd2.resize(static_cast<std::size_t>(n));
-    RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, l.xn2.data(), l.rstd2.data());
+    RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, l.xn2.data(), l.rstd2.data(), off);
     lap(phases_.norms);
     if (l.moe) {
       const MoeWeights<T> w = MoeParams(l);
@@ -321,7 +324,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   h_final_ = std::move(h);
   x_final_.resize(nd);
   rstd_final_.resize(static_cast<std::size_t>(n));
-  RmsNormForward(h_final_.data(), P(final_norm_), n, d, c_.norm_eps, x_final_.data(), rstd_final_.data());
+  RmsNormForward(h_final_.data(), P(final_norm_), n, d, c_.norm_eps, x_final_.data(), rstd_final_.data(), off);
   Buffer<T> logits(static_cast<std::size_t>(n * vl));
   Gemm<T>(Trans::kNo, Trans::kYes, n, vl, d, T(1), x_final_.data(), d, P(output_), d, T(0), logits.data(), vl);
   const bool backward = pass == Pass::kForwardBackward;
@@ -341,7 +344,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, vl, T(1), dlogits_.data(), vl, P(output_), d, T(0), dx.data(), d);
   Gemm<T>(Trans::kYes, Trans::kNo, vl, d, n, T(1), dlogits_.data(), vl, x_final_.data(), d, T(1), G(output_), d);
   par_->AllReduceTp(std::span<T>(dx.data(), nd));
-  RmsNormBackward(dx.data(), h_final_.data(), P(final_norm_), rstd_final_.data(), n, d, dh.data(), G(final_norm_));
+  RmsNormBackward(dx.data(), h_final_.data(), P(final_norm_), rstd_final_.data(), n, d, dh.data(), G(final_norm_), off);
   lap(phases_.output);
   for (std::size_t li = layers_.size(); li-- > 0;) {
     Layer& l = *layers_[li];
@@ -355,7 +358,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
       par_->AllReduceTp(std::span<T>(dx.data(), nd));
     }
     lap(phases_.mlp);
-    RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm));
+    RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm), off);
     AddInto(dh.data(), tmp.data(), nd);
     lap(phases_.norms);
     if (l.gdn) {
@@ -374,7 +377,7 @@ Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targe
     }
     par_->AllReduceTp(std::span<T>(dx.data(), nd));
     lap(phases_.attention);
-    RmsNormBackward(dx.data(), l.h_in.data(), P(l.attn_norm), l.rstd1.data(), n, d, tmp.data(), G(l.attn_norm));
+    RmsNormBackward(dx.data(), l.h_in.data(), P(l.attn_norm), l.rstd1.data(), n, d, tmp.data(), G(l.attn_norm), off);
     AddInto(dh.data(), tmp.data(), nd);
     lap(phases_.norms);
   }

@@ -937,13 +937,15 @@ Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>&
 
 bool IsFusedQkv(const TensorSpec& t) {
   const auto& c = t.components.components;
-  return c.size() == 3 && c[0].name == "query" && c[1].name == "key" && c[2].name == "value" && t.components.dim == 0 &&
-         t.shape.size() == 2;
+  const std::size_t k = c.size() == 4 && c[1].name == "gate" ? 2 : 1;  // the key's component
+  return c.size() == k + 2 && c[0].name == "query" && c[k].name == "key" && c[k + 1].name == "value" &&
+         t.components.dim == 0 && t.shape.size() == 2;
 }
 
 std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp) {
   RS_CHECK(IsFusedQkv(qkv) && tp >= 1 && qkv.components.components[0].size % tp == 0);
-  return qkv.components.components[0].size / tp * qkv.components.unit_rows;
+  const std::int64_t heads = qkv.components.components.size() == 4 ? 2 : 1;  // query (and output-gate) rows
+  return heads * qkv.components.components[0].size / tp * qkv.components.unit_rows;
 }
 
 Status SumOverTp(comm::Communicator& tp, const std::vector<TensorSpec>& specs,

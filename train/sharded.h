@@ -69,7 +69,7 @@ struct ProcessGroups {
 // (the fused QKV), and how many rows of a rank's local copy are its query heads when tp ranks
 // split them evenly.
 bool IsFusedQkv(const TensorSpec& t);
-std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp);
+std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp);  // query and output-gate rows
 
 // Sums over tp (one packed all-reduce) the gradients of the tensors declared
 // TpGrad::kReplicatedSum: every tp rank holds them whole but computed its gradient from its own

@@ -36,6 +36,11 @@ std::vector<std::string> DeepSeekV3Differences(const ModelConfig& c) {
   }
   if (c.full_attn_interval > 0) diffs.push_back("gated-delta-net layers (full_attn_interval > 0)");
   if (c.shared_gate) diffs.push_back("a gated shared expert (shared_gate): DeepSeek-V3's shared experts are not gated");
+  if (c.norm_zero_centered)
+    diffs.push_back("zero-centred RMSNorms (norm_zero_centered): DeepSeek-V3's norms weigh x̂ by w");
+  if (c.attn_output_gate)
+    diffs.push_back("an attention output gate (attn_output_gate): DeepSeek-V3 attention has none");
+  if (c.rotary_dim != 0) diffs.push_back("partial rotary (rotary_dim " + std::to_string(c.rotary_dim) + ")");
   if (c.router == RouterKind::kSigmoidBias && c.top_k == 1 && c.router_norm_topk) {
     diffs.push_back("top_k 1 with router_norm_topk: DeepSeek-V3 then renormalises the one weight to 1, ours keeps it");
   }

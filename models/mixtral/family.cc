@@ -46,6 +46,9 @@ std::vector<std::string> MixtralDifferences(const ModelConfig& c) {
                     "): Mixtral has full attention in every layer");
   }
   if (c.qk_norm) diffs.push_back("per-head q/k norms (qk_norm): Mixtral attention has none");
+  if (c.norm_zero_centered) diffs.push_back("zero-centred RMSNorms (norm_zero_centered): Mixtral's norms weigh x̂ by w");
+  if (c.attn_output_gate) diffs.push_back("an attention output gate (attn_output_gate): Mixtral attention has none");
+  if (c.rotary_dim != 0) diffs.push_back("partial rotary (rotary_dim " + std::to_string(c.rotary_dim) + ")");
   if (c.IsMla())
     diffs.push_back("multi-latent attention (mla_kv_rank > 0): Mixtral attention is GQA (deepseek_v3 has MLA)");
   return diffs;

@@ -23,6 +23,10 @@ std::vector<std::string> Qwen3MoeDifferences(const ModelConfig& c) {
   }
   if (c.shared_ffn > 0) diffs.push_back("a shared expert (shared_ffn > 0): Qwen3-MoE has none");
   if (c.full_attn_interval > 0) diffs.push_back("gated-delta-net layers (full_attn_interval > 0)");
+  if (c.norm_zero_centered)
+    diffs.push_back("zero-centred RMSNorms (norm_zero_centered): Qwen3-MoE's norms weigh x̂ by w");
+  if (c.attn_output_gate) diffs.push_back("an attention output gate (attn_output_gate): Qwen3-MoE attention has none");
+  if (c.rotary_dim != 0) diffs.push_back("partial rotary (rotary_dim " + std::to_string(c.rotary_dim) + ")");
   if (c.IsMla()) {
     diffs.push_back("multi-latent attention (mla_kv_rank > 0): Qwen3-MoE attention is GQA (deepseek_v3 has MLA)");
   } else if (!c.qk_norm) {

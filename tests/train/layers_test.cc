@@ -147,6 +147,96 @@ TEST(AttentionTest, GradientMatchesFiniteDifferences) {
   ExpectGradMatches("attn.out", wout, dout, loss, 60);
 }
 
+// Qwen3-Next's full attention: QKV rows [q; gate; k; v], zero-centred q/k norms, rotary on the
+// first 2 of 4 values of each head, each head's output × sigmoid(gate) – against a float64
+// transcription of transformers' Qwen3NextAttention, and its gradients against finite differences.
+TEST(AttentionTest, GatedPartialRotaryMatchesTransformersFormulas) {
+  AttentionShape s{/*d_model=*/8, /*n_heads=*/4, /*n_kv_heads=*/2, /*head_dim=*/4, /*rope_theta=*/100.0};
+  s.output_gate = true;
+  s.rotary_dim = 2;
+  const std::int64_t b = 2, seq = 5, n = b * seq, dh = 4, nq = 4, nkv = 2, d = 8, w = (2 * nq + 2 * nkv) * dh;
+  ASSERT_EQ(s.qkv_width(), w);
+  auto x = RandomVector(n * d, 41);
+  auto wqkv = RandomVector(w * d, 42, 0.5);
+  auto wout = RandomVector(d * nq * dh, 43, 0.5);
+  auto qn = RandomVector(dh, 44, 0.3), kn = RandomVector(dh, 45, 0.3);  // zero-centred: (1 + w)
+  const double eps = 1e-6;
+  Attention<double> attn(s);
+  std::vector<double> y(n * d);
+  const Attention<double>::QkNorm norm{qn.data(), kn.data(), eps, /*offset=*/1.0};
+  attn.Forward(x.data(), b, seq, wqkv.data(), wout.data(), y.data(), norm);
+  // The reference, token by token.
+  const auto rms = [&](std::vector<double> v, const std::vector<double>& g) {
+    double ms = 0;
+    for (double e : v) ms += e * e / static_cast<double>(v.size());
+    for (std::size_t j = 0; j < v.size(); ++j) v[j] = v[j] / std::sqrt(ms + eps) * (1 + g[j]);
+    return v;
+  };
+  const auto rope = [&](std::vector<double> v, std::int64_t pos) {
+    for (std::int64_t i = 0; i < 1; ++i) {  // rotary dim 2: one pair (0, 1)
+      const double a = static_cast<double>(pos) * std::pow(100.0, -2.0 * static_cast<double>(i) / 2.0);
+      const double x0 = v[i], x1 = v[i + 1];
+      v[i] = x0 * std::cos(a) - x1 * std::sin(a);
+      v[i + 1] = x1 * std::cos(a) + x0 * std::sin(a);
+    }
+    return v;
+  };
+  std::vector<double> ref(n * d, 0.0);
+  for (std::int64_t bi = 0; bi < b; ++bi) {
+    std::vector<std::vector<double>> rows(seq, std::vector<double>(w, 0.0));
+    for (std::int64_t t = 0; t < seq; ++t) {
+      for (std::int64_t o = 0; o < w; ++o) {
+        for (std::int64_t i = 0; i < d; ++i) rows[t][o] += wqkv[o * d + i] * x[(bi * seq + t) * d + i];
+      }
+    }
+    const auto head = [&](std::int64_t t, std::int64_t at) {
+      return std::vector<double>(rows[t].begin() + at, rows[t].begin() + at + dh);
+    };
+    for (std::int64_t t = 0; t < seq; ++t) {
+      for (std::int64_t h = 0; h < nq; ++h) {
+        const std::int64_t g = h / (nq / nkv);
+        const auto q = rope(rms(head(t, h * dh), qn), t);
+        std::vector<double> scores(t + 1);
+        double mx = -1e300;
+        for (std::int64_t j = 0; j <= t; ++j) {
+          const auto k = rope(rms(head(j, 2 * nq * dh + g * dh), kn), j);
+          double dot = 0;
+          for (std::int64_t e = 0; e < dh; ++e) dot += q[e] * k[e];
+          scores[j] = dot / std::sqrt(static_cast<double>(dh));
+          mx = std::max(mx, scores[j]);
+        }
+        double z = 0;
+        for (auto& sc : scores) z += sc = std::exp(sc - mx);
+        std::vector<double> o(dh, 0.0);
+        for (std::int64_t j = 0; j <= t; ++j) {
+          const auto v = head(j, (2 * nq + nkv) * dh + g * dh);
+          for (std::int64_t e = 0; e < dh; ++e) o[e] += scores[j] / z * v[e];
+        }
+        const auto gate = head(t, nq * dh + h * dh);
+        for (std::int64_t e = 0; e < dh; ++e) {
+          const double gated = o[e] / (1 + std::exp(-gate[e]));
+          for (std::int64_t i = 0; i < d; ++i) ref[(bi * seq + t) * d + i] += wout[i * nq * dh + h * dh + e] * gated;
+        }
+      }
+    }
+  }
+  for (std::size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], ref[i], 1e-12 * (1 + std::abs(ref[i]))) << i;
+  // Gradients of every input and weight, the gate and the norms included.
+  const auto r = RandomVector(n * d, 46);
+  auto loss = [&] {
+    attn.Forward(x.data(), b, seq, wqkv.data(), wout.data(), y.data(), norm);
+    return Dot(y, r);
+  };
+  loss();
+  std::vector<double> dx(x.size()), dqkv(wqkv.size(), 0.0), dout(wout.size(), 0.0), dqn(dh, 0.0), dkn(dh, 0.0);
+  attn.Backward(r.data(), wqkv.data(), wout.data(), dx.data(), dqkv.data(), dout.data(), dqn.data(), dkn.data());
+  ExpectGradMatches("gated.x", x, dx, loss, 80);
+  ExpectGradMatches("gated.qkv", wqkv, dqkv, loss, 160);
+  ExpectGradMatches("gated.out", wout, dout, loss, 60);
+  ExpectGradMatches("gated.q_norm", qn, dqn, loss);
+  ExpectGradMatches("gated.k_norm", kn, dkn, loss);
+}
+
 TEST(AttentionTest, IsCausal) {
   // Changing the last token of a sequence must not change any earlier output.
   const AttentionShape s{8, 2, 1, 4, 10000.0};

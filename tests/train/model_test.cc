@@ -173,7 +173,8 @@ TEST(ModelGradTest, WholeModelWithQkNormsAndDenseMiddleLayer) {
   CheckWholeModel(c, 11);
 }
 
-// Qwen3-Next's blocks: gated-delta-net layers (0 and 2) around a full-attention layer, two value
+// Qwen3-Next's blocks: gated-delta-net layers (0 and 2) around a full-attention layer with the
+// output gate, partial rotary and q/k norms, every RMSNorm but the GDN's zero-centred, two value
 // heads per key head, a shared expert whose output is gated by sigmoid(x · shared_gate), softmax
 // before top-k.
 TEST(ModelGradTest, WholeModelWithGatedDeltaNetLayersAndGatedSharedExpert) {
@@ -188,6 +189,10 @@ TEST(ModelGradTest, WholeModelWithGatedDeltaNetLayersAndGatedSharedExpert) {
   c.gdn_value_dim = 4;
   c.gdn_conv_kernel = 3;
   c.shared_gate = true;
+  c.qk_norm = true;  // the full-attention layer as Qwen3-Next's: zero-centred norms, output gate, partial rotary
+  c.norm_zero_centered = true;
+  c.attn_output_gate = true;
+  c.rotary_dim = 2;
   ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
   ASSERT_TRUE(c.IsGdnLayer(0) && !c.IsGdnLayer(1) && c.IsGdnLayer(2));
   CheckWholeModel(c, 13);

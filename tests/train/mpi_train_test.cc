@@ -425,7 +425,9 @@ TEST_F(MpiTrainTest, LatentAttentionModelMatchesOneProcessAtEveryLayout) {
   std::printf("MLA model, worst relative loss difference over steps 1-10: %.3g\n", worst);
 }
 
-// A Qwen3-Next-shaped model: gated-delta-net layers (full_attn_interval 2: layers 0 and 2) with
+// A Qwen3-Next-shaped model: full attention with the output gate (a QKV component cut with the
+// query heads; at tp=4 the 2 kv heads are shared by rank pairs), partial rotary, zero-centred
+// norms, and gated-delta-net layers (full_attn_interval 2: layers 0 and 2) with
 // their fused in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v] cut over tp component by
 // component, per-head A_log / dt_bias cut with them, the gated norm replicated (its gradient
 // summed over tp), two value heads per key head, a shared expert gated by sigmoid(x · gate) (the
@@ -440,7 +442,8 @@ TEST_F(MpiTrainTest, GatedDeltaNetModelMatchesOneProcessAtEveryLayout) {
   const std::string path = tmp_.path().string() + "/qwen3-next-shaped.json";
   std::ofstream(path) << R"({"name": "qwen3-next-shaped", "n_layers": 4, "full_attn_interval": 2, )"
                       << R"("gdn_key_heads": 4, "gdn_value_heads": 8, "gdn_key_dim": 8, "gdn_value_dim": 8, )"
-                      << R"("n_experts": 8, "top_k": 2, "shared_ffn": 32, "shared_gate": true})";
+                      << R"("n_experts": 8, "top_k": 2, "shared_ffn": 32, "shared_gate": true, "qk_norm": true, )"
+                      << R"("norm_zero_centered": true, "attn_output_gate": true, "rotary_dim": 8})";
   const double worst = ExpectMatchesOneProcess(path,
                                                {{"", "tp=2"},
                                                 {"", "tp=4"},

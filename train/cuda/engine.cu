@@ -29,6 +29,11 @@ class CudaEngine final : public train::StepEngine {
       return Unimplemented("train --device cuda: model '" + c.name +
                            "' has multi-latent attention (mla_kv_rank > 0), which only the CPU path trains");
     }
+    if (c.norm_zero_centered || c.attn_output_gate || c.rotary_dim != 0) {
+      return Unimplemented("train --device cuda: model '" + c.name +
+                           "' uses Qwen3-Next's attention (norm_zero_centered, attn_output_gate or rotary_dim), "
+                           "which only the CPU path trains");
+    }
     if (c.shared_gate) {
       return Unimplemented("train --device cuda: model '" + c.name +
                            "' gates its shared expert (shared_gate), which only the CPU path trains");
