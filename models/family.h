@@ -36,12 +36,18 @@ namespace rs {
 // leading expert dim). {L} in both names is the layer. `variant` ("" = always) ties a row to one
 // way of storing a MoE layer's experts (a family may read several: per-expert names of two
 // generations, transformers 5's fused 3-D tensors); models/names.h picks one per layer.
+//
+// Interleaved rows (`groups` set, Hugging Face only): their tensor holds several of our
+// components, listed in `component` as "query,gate", interleaved in `groups(config)` groups along
+// the component dim – group g is each listed component's g-th equal share of rows in turn
+// (Qwen3-Next's q_proj: per head [query | gate]; its in_proj_qkvz: per key head [q | k | v | z]).
 struct NameRow {
   std::string_view ours;
   std::string_view component;  // "" = the whole tensor
   bool per_expert = false;
   std::string_view variant;  // "" = every layer
   std::string_view theirs;
+  std::int64_t (*groups)(const ModelConfig&) = nullptr;
 };
 
 // What the toolkit does with a family (the README's capability table is `reshard models`).

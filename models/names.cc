@@ -126,10 +126,95 @@ Result<std::vector<NamedBox>> NamedBoxes(const std::vector<TensorSpec>& params, 
   return out;
 }
 
+namespace {
+
+// The HF tensors of our tensor `t` whose rows include interleaved ones: every row becomes runs of
+// whole rows of `t` along its component dim (0), which must tile it exactly.
+Result<std::vector<HfTensor>> InterleavedTensors(const TensorSpec& t, const std::vector<const NameRow*>& rows,
+                                                 const ModelFamily& family, const ModelConfig* config) {
+  const ComponentTable& table = t.components;
+  const std::string where = "Hugging Face name table of family '" + family.name + "', tensor '" + t.name + "'";
+  if (t.shape.empty() || table.dim != 0 || table.components.empty()) {
+    return Internal(where + ": interleaved rows need a component table on dim 0");
+  }
+  const std::int64_t row_items = t.numel() / t.shape[0];
+  // Component name -> (first row, rows).
+  std::map<std::string, std::pair<std::int64_t, std::int64_t>, std::less<>> parts;
+  std::int64_t at = 0;
+  for (const Component& c : table.components) {
+    parts[c.name] = {at, c.size * table.unit_rows};
+    at += c.size * table.unit_rows;
+  }
+  std::vector<HfTensor> out;
+  std::vector<std::pair<std::int64_t, std::int64_t>> covered;  // row runs
+  for (const NameRow* row : rows) {
+    if (row->per_expert) return Internal(where + ": an interleaved tensor cannot be per expert");
+    std::vector<std::string_view> names;
+    for (std::string_view rest = row->component; !rest.empty();) {
+      const std::size_t comma = rest.find(',');
+      names.push_back(rest.substr(0, comma));
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    }
+    std::int64_t groups = 1;
+    if (row->groups != nullptr) {
+      if (config == nullptr) return Internal(where + ": interleaved row '" + std::string(row->theirs) + "' needs the model");
+      groups = row->groups(*config);
+    }
+    HfTensor h{HfRowName(row->theirs, t.place.layer, 0), t.shape, t.name, 0, {}};
+    std::int64_t hf_rows = 0;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      for (const std::string_view name : names) {
+        std::pair<std::int64_t, std::int64_t> part{0, t.shape[0]};  // "" = the whole tensor
+        if (!name.empty()) {
+          const auto it = parts.find(name);
+          if (it == parts.end()) return Internal(where + " has no component '" + std::string(name) + "'");
+          part = it->second;
+        }
+        if (groups < 1 || part.second % groups != 0) {
+          return Internal(where + ": component '" + std::string(name) + "' of " + std::to_string(part.second) +
+                          " rows does not split into " + std::to_string(groups) + " groups");
+        }
+        const std::int64_t per = part.second / groups, first = part.first + g * per;
+        h.segments.push_back({hf_rows * row_items, first * row_items, per * row_items});
+        covered.emplace_back(first, first + per);
+        hf_rows += per;
+      }
+    }
+    h.hf_shape[0] = hf_rows;
+    h.flat_begin = h.segments.empty() ? 0 : h.segments.front().flat_begin;
+    out.push_back(std::move(h));
+  }
+  std::sort(covered.begin(), covered.end());
+  std::int64_t next = 0;
+  for (const auto& [begin, end] : covered) {
+    if (begin != next) return Internal(where + ": the rows do not tile the tensor (row " + std::to_string(next) + ")");
+    next = end;
+  }
+  if (next != t.shape[0]) return Internal(where + ": the rows cover " + std::to_string(next) + " of its rows");
+  return out;
+}
+
+}  // namespace
+
 Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params, const ModelFamily& family,
-                                          const std::function<std::string_view(std::int64_t layer)>& variant) {
+                                          const std::function<std::string_view(std::int64_t layer)>& variant,
+                                          const ModelConfig* config) {
+  // Tensors with interleaved rows are mapped by runs; the others by boxes.
+  std::vector<TensorSpec> boxed;
+  std::map<std::string, std::vector<HfTensor>> interleaved;
+  for (const TensorSpec& t : params) {
+    if (!Named(t)) continue;
+    const std::vector<const NameRow*> rows = RowsOf(t, family, family.hf_names, variant);
+    const bool any = std::any_of(rows.begin(), rows.end(),
+                                 [](const NameRow* r) { return r->groups != nullptr || r->component.find(',') != std::string_view::npos; });
+    if (!any) {
+      boxed.push_back(t);
+      continue;
+    }
+    RS_ASSIGN_OR_RETURN(interleaved[t.name], InterleavedTensors(t, rows, family, config));
+  }
   RS_ASSIGN_OR_RETURN(const std::vector<NamedBox> boxes,
-                      NamedBoxes(params, family, family.hf_names, "Hugging Face", variant));
+                      NamedBoxes(boxed, family, family.hf_names, "Hugging Face", variant));
   std::map<std::string, const TensorSpec*> specs;
   for (const TensorSpec& t : params) specs.emplace(t.name, &t);
   std::vector<HfTensor> out;
@@ -151,7 +236,15 @@ Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params,
     }
     std::int64_t flat = 0;
     for (std::size_t d = 0; d < t.shape.size(); ++d) flat += b.box.offset[d] * stride[d];
-    out.push_back(HfTensor{b.name, b.shape(), b.tensor, flat});
+    out.push_back(HfTensor{b.name, b.shape(), b.tensor, flat, {}});
+  }
+  // In our parameter order.
+  if (!interleaved.empty()) {
+    std::map<std::string, std::size_t> order;
+    for (const TensorSpec& t : params) order.emplace(t.name, order.size());
+    for (auto& [name, tensors] : interleaved) out.insert(out.end(), tensors.begin(), tensors.end());
+    std::stable_sort(out.begin(), out.end(),
+                     [&](const HfTensor& a, const HfTensor& b) { return order.at(a.tensor) < order.at(b.tensor); });
   }
   // Within each tensor (boxes come grouped by tensor), in the order of its items: export
   // writes them so.

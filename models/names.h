@@ -39,22 +39,37 @@ Result<std::vector<NamedBox>> NamedBoxes(const std::vector<TensorSpec>& params, 
                                          const std::vector<NameRow>& rows, std::string_view what,
                                          const std::function<std::string_view(std::int64_t layer)>& variant = {});
 
-// One HF tensor: items [flat_begin, flat_begin + numel) of our logical tensor `tensor`.
+// Items [hf_begin, hf_begin + length) of an HF tensor are items [flat_begin, flat_begin + length)
+// of ours.
+struct HfSegment {
+  std::int64_t hf_begin = 0;
+  std::int64_t flat_begin = 0;
+  std::int64_t length = 0;
+};
+
+// One HF tensor: items [flat_begin, flat_begin + numel) of our logical tensor `tensor`, or, for an
+// interleaved row (NameRow::groups), the runs of `segments` in HF order.
 struct HfTensor {
   std::string hf_name;
   Shape hf_shape;
   std::string tensor;  // our parameter
   std::int64_t flat_begin = 0;
+  std::vector<HfSegment> segments;  // empty: one run from flat_begin
   std::int64_t numel() const { return Numel(hf_shape); }
+  std::vector<HfSegment> Segments() const {
+    return segments.empty() ? std::vector<HfSegment>{{0, flat_begin, numel()}} : segments;
+  }
 };
 
 // The HF tensors of every parameter and buffer of `params` (ModelParameters(config)), in our
 // parameter order, from `rows`; `variant(layer)` picks a layer's expert variant (rows with
 // another non-empty variant are skipped; null: every row's variant is taken as the first of
 // `variants`). FailedPrecondition naming the tensor when one of ours has no row (what the
-// family cannot name); Internal when rows do not tile a tensor exactly (a bad table).
+// family cannot name); Internal when rows do not tile a tensor exactly (a bad table). `config`
+// (the model of `params`) gives interleaved rows their group count; without it they are Internal.
 Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params, const ModelFamily& family,
-                                          const std::function<std::string_view(std::int64_t layer)>& variant = {});
+                                          const std::function<std::string_view(std::int64_t layer)>& variant = {},
+                                          const ModelConfig* config = nullptr);
 
 // How many HF tensors HfTensorMap would list, counted without building them (a config can
 // claim millions of experts; callers bound the map by what the files hold first).

@@ -160,7 +160,7 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
     return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + ": choose f32, bf16 or f16 (--dtype)");
   }
   RS_ASSIGN_OR_RETURN(config_json, family->write_hf_config(*config, dtype));
-  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params, *family));
+  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params, *family, {}, &*config));
 
   // Files: tensors in our order, a new file when the next tensor would pass the limit.
   const auto esize = static_cast<std::int64_t>(DTypeSize(dtype));
@@ -207,22 +207,24 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
       // Items per piece: the source buffer plus, when converting, the converted one.
       const std::int64_t per =
           std::max<std::int64_t>(1, options.memory_budget / (src_size + (spec->dtype != dtype ? esize : 0)));
-      for (std::int64_t a = 0; a < h.numel(); a += per) {
-        const std::int64_t n = std::min(per, h.numel() - a);
-        src.resize(static_cast<std::size_t>(n * src_size));
-        const Piece piece{Box::Full(spec->shape), ItemRange{h.flat_begin + a, h.flat_begin + a + n}};
-        if (Status s = reader->ReadPiece(h.tensor, piece, src); !s.ok()) {
-          return s.WithContext("export of '" + h.hf_name + "' from '" + h.tensor + "'");
+      for (const HfSegment& seg : h.Segments()) {  // in the HF tensor's order
+        for (std::int64_t a = 0; a < seg.length; a += per) {
+          const std::int64_t n = std::min(per, seg.length - a);
+          src.resize(static_cast<std::size_t>(n * src_size));
+          const Piece piece{Box::Full(spec->shape), ItemRange{seg.flat_begin + a, seg.flat_begin + a + n}};
+          if (Status s = reader->ReadPiece(h.tensor, piece, src); !s.ok()) {
+            return s.WithContext("export of '" + h.hf_name + "' from '" + h.tensor + "'");
+          }
+          std::span<const std::byte> bytes = src;
+          if (spec->dtype != dtype) {
+            conv.resize(static_cast<std::size_t>(n * esize));
+            ConvertFloats(spec->dtype, src.data(), dtype, conv.data(), static_cast<std::size_t>(n));
+            bytes = conv;
+          }
+          result.peak_buffer =
+              std::max<std::int64_t>(result.peak_buffer, static_cast<std::int64_t>(src.size() + conv.size()));
+          RS_RETURN_IF_ERROR(writer->Append(bytes));
         }
-        std::span<const std::byte> bytes = src;
-        if (spec->dtype != dtype) {
-          conv.resize(static_cast<std::size_t>(n * esize));
-          ConvertFloats(spec->dtype, src.data(), dtype, conv.data(), static_cast<std::size_t>(n));
-          bytes = conv;
-        }
-        result.peak_buffer =
-            std::max<std::int64_t>(result.peak_buffer, static_cast<std::int64_t>(src.size() + conv.size()));
-        RS_RETURN_IF_ERROR(writer->Append(bytes));
       }
       weight_map[h.hf_name] = file_name(k);
       result.total_bytes += h.numel() * esize;
@@ -352,10 +354,16 @@ class BlockReader {
   std::int64_t bytes_read_ = 0;
 };
 
-// Where the items of one of our tensors come from.
+// Where the items of one of our tensors come from: runs of HF tensors.
+struct SourcePart {
+  std::int64_t flat_begin = 0;  // our first item
+  std::int64_t length = 0;
+  std::int64_t hf_begin = 0;  // its item in the HF tensor
+  HfSource source;
+};
 struct TensorSource {
   enum class Kind : std::uint8_t { kHf, kZero } kind = Kind::kZero;
-  std::vector<std::pair<std::int64_t, HfSource>> parts;  // (flat_begin, source), sorted
+  std::vector<SourcePart> parts;  // sorted by flat_begin
 };
 
 // Fills items [g, g + n) of `t` into `dst`; `g_limit` is the end of the items the caller still
@@ -368,16 +376,16 @@ Status FillItems(const TensorSource& s, const TensorSpec& t, std::int64_t g, std
     return Status::Ok();
   }
   while (n > 0) {
-    auto it =
-        std::upper_bound(s.parts.begin(), s.parts.end(), g, [](std::int64_t x, const auto& p) { return x < p.first; });
+    auto it = std::upper_bound(s.parts.begin(), s.parts.end(), g,
+                               [](std::int64_t x, const SourcePart& p) { return x < p.flat_begin; });
     RS_CHECK(it != s.parts.begin());
     --it;
-    const HfSource& src = it->second;
-    const std::int64_t local = g - it->first;
-    const std::int64_t take = std::min(n, src.tensor->numel() - local);
+    const HfSource& src = it->source;
+    const std::int64_t local = g - it->flat_begin;
+    const std::int64_t take = std::min(n, it->length - local);
     RS_CHECK(take > 0);
-    const std::int64_t limit = std::min(src.tensor->numel(), g_limit - it->first);
-    RS_RETURN_IF_ERROR(reader.Read(src, local, take, limit, t.dtype, dst));
+    const std::int64_t limit = it->hf_begin + std::min(it->length, g_limit - it->flat_begin);
+    RS_RETURN_IF_ERROR(reader.Read(src, it->hf_begin + local, take, limit, t.dtype, dst));
     dst += take * esize;
     g += take;
     n -= take;
@@ -545,7 +553,7 @@ Result<std::unique_ptr<HfDirectory>> OpenHfDirectory(const std::string& dir) {
     return DataLoss(config_path + " implies " + std::to_string(implied) + " tensors; the safetensors files of " + dir +
                     " hold " + std::to_string(available.size()));
   }
-  RS_ASSIGN_OR_RETURN(d->hf, HfTensorMap(params, family, variant));
+  RS_ASSIGN_OR_RETURN(d->hf, HfTensorMap(params, family, variant, &config));
   const std::vector<HfTensor>& hf = d->hf;
   RS_ASSIGN_OR_RETURN(const std::optional<Fp8Blocks> fp8, ReadQuantization(config_json, config_path));
   d->fp8 = fp8;
@@ -653,8 +661,12 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
       map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
 
   // Sources of every tensor: parameters and master weights from the HF tensors, moments zero.
-  std::map<std::string, std::vector<std::pair<std::int64_t, HfSource>>> parts_of;
-  for (const HfTensor& h : hf) parts_of[h.tensor].emplace_back(h.flat_begin, available[h.hf_name]);
+  std::map<std::string, std::vector<SourcePart>> parts_of;
+  for (const HfTensor& h : hf) {
+    for (const HfSegment& seg : h.Segments()) {
+      parts_of[h.tensor].push_back({seg.flat_begin, seg.length, seg.hf_begin, available[h.hf_name]});
+    }
+  }
   std::vector<TensorSource> sources(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
@@ -664,7 +676,7 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
       sources[i].kind = TensorSource::Kind::kHf;
       sources[i].parts = it->second;
       std::sort(sources[i].parts.begin(), sources[i].parts.end(),
-                [](const auto& a, const auto& b) { return a.first < b.first; });
+                [](const SourcePart& a, const SourcePart& b) { return a.flat_begin < b.flat_begin; });
     }
   }
 
