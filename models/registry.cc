@@ -13,6 +13,7 @@ const ModelFamily& MoeFamily();
 const ModelFamily& MixtralFamily();
 const ModelFamily& Qwen3MoeFamily();
 const ModelFamily& DeepSeekV3Family();
+const ModelFamily& Qwen3NextFamily();
 
 namespace {
 
@@ -38,7 +39,7 @@ Status AddLocked(Registry& r, ModelFamily f) {
 Registry& Families() {
   static Registry* r = [] {
     auto* reg = new Registry;  // never destroyed: registrars may run during static init
-    for (const ModelFamily* f : {&MoeFamily(), &MixtralFamily(), &Qwen3MoeFamily(), &DeepSeekV3Family()}) {
+    for (const ModelFamily* f : {&MoeFamily(), &MixtralFamily(), &Qwen3MoeFamily(), &DeepSeekV3Family(), &Qwen3NextFamily()}) {
       const Status s = AddLocked(*reg, *f);
       RS_CHECK_MSG(s.ok(), s.ToString());
     }

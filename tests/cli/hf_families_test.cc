@@ -151,7 +151,8 @@ void ExpectImportRefused(const std::string& src, const std::vector<BadCase>& cas
 // a file the index names that is not there are not, each finding naming the file and tensor.
 TEST(HfFamilies, VerifyHuggingFaceDirectories) {
   TempDir tmp;
-  for (const char* name : {"qwen3_moe_tiny", "deepseek_v3_tiny", "deepseek_v3_noq", "deepseek_v3_fp8"}) {
+  for (const char* name : {"qwen3_moe_tiny", "deepseek_v3_tiny", "deepseek_v3_noq", "deepseek_v3_fp8", "qwen3_next_tiny",
+                           "qwen3_next_i4"}) {
     const CommandResult v = RunCli("verify " + kFixtures + "/" + name);
     EXPECT_EQ(v.exit_code, 0) << name << "\n" << v.output;
     EXPECT_TRUE(Contains(v.output, "SOUND: ")) << v.output;
@@ -321,6 +322,54 @@ void CheckTrainedExportLoadsInTransformers(const std::string& fixture) {
 
 // Trained from an import (tests/train/mpi_train_test.cc trains the q/k norms over tp).
 TEST(HfFamilies, Qwen3MoeTrainedExportLoadsInTransformers) { CheckTrainedExportLoadsInTransformers("qwen3_moe_tiny"); }
+
+// Qwen3-Next (tests/fixtures/hf/make_qwen3_next.py): gated-delta-net layers (nv = 2·nk and nv =
+// nk, full attention every 2nd / 4th layer), gated full attention with partial rotary (0.25,
+// 0.5), zero-centred norms, a gated shared expert, a dense layer. import -> eval reproduces
+// transformers' loss at one process and at layouts that cut the gated-delta-net heads (their
+// fused in_proj / conv1d per component) and the experts; export writes transformers' tensors back
+// byte for byte (in_proj_qkvz / in_proj_ba grouped per key head, q_proj per head, from our
+// component-major tensors).
+TEST(HfFamilies, Qwen3NextImportReproducesTransformersLoss) {
+  TempDir tmp;
+  for (const char* name : {"qwen3_next_tiny", "qwen3_next_i4"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = kFixtures + "/" + name;
+    const double expected = ReadJson(dir + "/expected.json")["mean_ce"].get<double>();
+    for (const char* layout : {"tp=1", "tp=2,ep=2", "ep=4,fsdp=2,fsdp_form=flat"}) {
+      SCOPED_TRACE(layout);
+      const std::string out = tmp / (std::string(name) + "-" + layout);
+      Import(dir, layout, out);
+      const double got = Eval(out);
+      EXPECT_NEAR(got, expected, 1e-5 * expected) << "reshard eval " << got << " vs transformers " << expected;
+    }
+  }
+}
+
+TEST(HfFamilies, Qwen3NextExportWritesTransformersTensors) {
+  TempDir tmp;
+  for (const char* name : {"qwen3_next_tiny", "qwen3_next_i4"}) {
+    SCOPED_TRACE(name);
+    const std::string src = kFixtures + "/" + name, imp = tmp / (std::string(name) + "-imp");
+    const std::string hf = tmp / (std::string(name) + "-hf");
+    Import(src, "tp=2", imp);
+    const CommandResult e = RunCli("export " + imp + " --format hf -o " + hf);
+    ASSERT_EQ(e.exit_code, 0) << e.output;
+    EXPECT_TRUE(Contains(e.output, "(qwen3_next, f32)")) << e.output;
+    const nlohmann::json config = ReadJson(hf + "/config.json");
+    const nlohmann::json original = ReadJson(src + "/config.json");
+    EXPECT_EQ(config["model_type"], "qwen3_next");
+    for (const char* key : {"layer_types", "mlp_only_layers", "norm_topk_prob", "linear_num_key_heads",
+                            "linear_num_value_heads", "shared_expert_intermediate_size", "head_dim"}) {
+      EXPECT_EQ(config[key], original[key]) << key;
+    }
+    EXPECT_EQ(config["rope_parameters"]["partial_rotary_factor"], original["rope_parameters"]["partial_rotary_factor"]);
+    ExpectSameTensors(src + "/model.safetensors", hf + "/model-00001-of-00001.safetensors");
+  }
+}
+
+// Trained from an import at tp=2 (gated-delta-net heads and the attention gate cut over tp).
+TEST(HfFamilies, Qwen3NextTrainedExportLoadsInTransformers) { CheckTrainedExportLoadsInTransformers("qwen3_next_tiny"); }
 
 // Bad input: a clear error naming the file and the field or tensor, exit 1 or 2, nothing written.
 TEST(HfFamilies, Qwen3MoeBadInputIsRefused) {
