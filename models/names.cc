@@ -157,7 +157,8 @@ Result<std::vector<HfTensor>> InterleavedTensors(const TensorSpec& t, const std:
     }
     std::int64_t groups = 1;
     if (row->groups != nullptr) {
-      if (config == nullptr) return Internal(where + ": interleaved row '" + std::string(row->theirs) + "' needs the model");
+      if (config == nullptr)
+        return Internal(where + ": interleaved row '" + std::string(row->theirs) + "' needs the model");
       groups = row->groups(*config);
     }
     HfTensor h{HfRowName(row->theirs, t.place.layer, 0), t.shape, t.name, 0, {}};
@@ -205,8 +206,9 @@ Result<std::vector<HfTensor>> HfTensorMap(const std::vector<TensorSpec>& params,
   for (const TensorSpec& t : params) {
     if (!Named(t)) continue;
     const std::vector<const NameRow*> rows = RowsOf(t, family, family.hf_names, variant);
-    const bool any = std::any_of(rows.begin(), rows.end(),
-                                 [](const NameRow* r) { return r->groups != nullptr || r->component.find(',') != std::string_view::npos; });
+    const bool any = std::any_of(rows.begin(), rows.end(), [](const NameRow* r) {
+      return r->groups != nullptr || r->component.find(',') != std::string_view::npos;
+    });
     if (!any) {
       boxed.push_back(t);
       continue;

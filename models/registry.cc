@@ -39,7 +39,8 @@ Status AddLocked(Registry& r, ModelFamily f) {
 Registry& Families() {
   static Registry* r = [] {
     auto* reg = new Registry;  // never destroyed: registrars may run during static init
-    for (const ModelFamily* f : {&MoeFamily(), &MixtralFamily(), &Qwen3MoeFamily(), &DeepSeekV3Family(), &Qwen3NextFamily()}) {
+    for (const ModelFamily* f :
+         {&MoeFamily(), &MixtralFamily(), &Qwen3MoeFamily(), &DeepSeekV3Family(), &Qwen3NextFamily()}) {
       const Status s = AddLocked(*reg, *f);
       RS_CHECK_MSG(s.ok(), s.ToString());
     }

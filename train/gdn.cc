@@ -127,7 +127,7 @@ DeltaRule<T>::DeltaRule(DeltaRuleForm form, std::int64_t chunk) : form_(form), c
 
 template <typename T>
 void DeltaRule<T>::Forward(const DeltaRuleShape& shape, const T* q, const T* k, const T* v, const T* g, const T* beta,
-                           T* o) {
+                           T* o, const T* initial, T* final) {
   RS_CHECK(shape.batch > 0 && shape.seq > 0 && shape.nk > 0 && shape.nv % shape.nk == 0 && shape.dk > 0 &&
            shape.dv > 0);
   s_ = shape;
@@ -139,42 +139,59 @@ void DeltaRule<T>::Forward(const DeltaRuleShape& shape, const T* q, const T* k, 
   const std::int64_t per_head =
       form_ == DeltaRuleForm::kChunked ? (s_.seq + chunk_ - 1) / chunk_ : s_.seq;  // states kept per head
   states_.assign(Sz(s_.batch * s_.nv * per_head * s_.dk * s_.dv), T(0));
+  const std::int64_t state = s_.dk * s_.dv;
+  if (initial != nullptr) {
+    initial_.assign(initial, initial + s_.batch * s_.nv * state);
+  } else {
+    initial_.assign(Sz(s_.batch * s_.nv * state), T(0));
+  }
+  std::vector<T> st(Sz(state));
   for (std::int64_t b = 0; b < s_.batch; ++b) {
     for (std::int64_t h = 0; h < s_.nv; ++h) {
       T* oh = o + (b * s_.nv + h) * s_.seq * s_.dv;
+      std::copy_n(initial_.data() + (b * s_.nv + h) * state, state, st.data());
       if (form_ == DeltaRuleForm::kChunked) {
-        ChunkForward(b, h, oh);
+        ChunkForward(b, h, oh, st.data());
       } else {
-        RecurrentForward(b, h, oh);
+        RecurrentForward(b, h, oh, st.data());
       }
+      if (final != nullptr) std::copy(st.begin(), st.end(), final + (b * s_.nv + h) * state);
     }
   }
 }
 
 template <typename T>
-void DeltaRule<T>::Backward(const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta) {
+void DeltaRule<T>::Backward(const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta, const T* d_final, T* d_initial) {
   RS_CHECK_MSG(q_ != nullptr, "DeltaRule::Backward before Forward");
   std::fill_n(dq, s_.batch * s_.nk * s_.seq * s_.dk, T(0));
   std::fill_n(dk, s_.batch * s_.nk * s_.seq * s_.dk, T(0));
+  const std::int64_t state = s_.dk * s_.dv;
+  std::vector<T> ds(Sz(state));
   for (std::int64_t b = 0; b < s_.batch; ++b) {
     for (std::int64_t h = 0; h < s_.nv; ++h) {
       const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * s_.seq * s_.dk;
       const std::int64_t vh = (b * s_.nv + h) * s_.seq;
-      if (form_ == DeltaRuleForm::kChunked) {
-        ChunkBackward(b, h, d_o + vh * s_.dv, dq + kh, dk + kh, dv + vh * s_.dv, dg + vh, dbeta + vh);
+      if (d_final != nullptr) {
+        std::copy_n(d_final + (b * s_.nv + h) * state, state, ds.data());
       } else {
-        RecurrentBackward(b, h, d_o + vh * s_.dv, dq + kh, dk + kh, dv + vh * s_.dv, dg + vh, dbeta + vh);
+        std::fill(ds.begin(), ds.end(), T(0));
       }
+      if (form_ == DeltaRuleForm::kChunked) {
+        ChunkBackward(b, h, d_o + vh * s_.dv, dq + kh, dk + kh, dv + vh * s_.dv, dg + vh, dbeta + vh, ds.data());
+      } else {
+        RecurrentBackward(b, h, d_o + vh * s_.dv, dq + kh, dk + kh, dv + vh * s_.dv, dg + vh, dbeta + vh, ds.data());
+      }
+      if (d_initial != nullptr) std::copy(ds.begin(), ds.end(), d_initial + (b * s_.nv + h) * state);
     }
   }
 }
 
 template <typename T>
-void DeltaRule<T>::RecurrentForward(std::int64_t b, std::int64_t h, T* o) {
+void DeltaRule<T>::RecurrentForward(std::int64_t b, std::int64_t h, T* o, T* state) {
   const std::int64_t dk = s_.dk, dv = s_.dv, seq = s_.seq;
   const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * seq * dk, vh = (b * s_.nv + h) * seq;
   const T *q = q_ + kh, *k = k_ + kh, *v = v_ + vh * dv, *g = g_ + vh, *beta = beta_ + vh;
-  std::vector<T> s(Sz(dk * dv), T(0)), delta(Sz(dv));
+  std::vector<T> s(state, state + dk * dv), delta(Sz(dv));
   for (std::int64_t t = 0; t < seq; ++t) {
     const T a = std::exp(g[t]);
     for (auto& x : s) x *= a;
@@ -195,20 +212,21 @@ void DeltaRule<T>::RecurrentForward(std::int64_t b, std::int64_t h, T* o) {
     }
     std::copy(s.begin(), s.end(), states_.begin() + ((b * s_.nv + h) * seq + t) * dk * dv);
   }
+  std::copy(s.begin(), s.end(), state);
 }
 
 template <typename T>
-void DeltaRule<T>::RecurrentBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg,
-                                     T* dbeta) {
+void DeltaRule<T>::RecurrentBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta,
+                                     T* d_state) {
   const std::int64_t kd = s_.dk, vd = s_.dv, seq = s_.seq;
   const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * seq * kd, vh = (b * s_.nv + h) * seq;
   const T *q = q_ + kh, *k = k_ + kh, *v = v_ + vh * vd, *g = g_ + vh, *beta = beta_ + vh;
   const T* states = states_.data() + (b * s_.nv + h) * seq * kd * vd;
-  const std::vector<T> zero(Sz(kd * vd), T(0));
-  std::vector<T> ds(Sz(kd * vd), T(0)), sd(Sz(kd * vd)), resid(Sz(vd)), ddelta(Sz(vd));
+  const T* initial = initial_.data() + (b * s_.nv + h) * kd * vd;
+  std::vector<T> ds(d_state, d_state + kd * vd), sd(Sz(kd * vd)), resid(Sz(vd)), ddelta(Sz(vd));
   for (std::int64_t t = seq; t-- > 0;) {
     const T* st = states + t * kd * vd;
-    const T* prev = t > 0 ? states + (t - 1) * kd * vd : zero.data();
+    const T* prev = t > 0 ? states + (t - 1) * kd * vd : initial;
     const T* qt = q + t * kd;
     const T* kt = k + t * kd;
     const T* dot = d_o + t * vd;
@@ -249,14 +267,15 @@ void DeltaRule<T>::RecurrentBackward(std::int64_t b, std::int64_t h, const T* d_
     dg[t] = a * DotN(ds.data(), prev, kd * vd);
     for (auto& x : ds) x *= a;
   }
+  std::copy(ds.begin(), ds.end(), d_state);
 }
 
 template <typename T>
-void DeltaRule<T>::ChunkForward(std::int64_t b, std::int64_t h, T* o) {
+void DeltaRule<T>::ChunkForward(std::int64_t b, std::int64_t h, T* o, T* state) {
   const std::int64_t dk = s_.dk, dv = s_.dv, seq = s_.seq, chunks = (seq + chunk_ - 1) / chunk_;
   const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * seq * dk, vh = (b * s_.nv + h) * seq;
   T* starts = states_.data() + (b * s_.nv + h) * chunks * dk * dv;
-  std::vector<T> s(Sz(dk * dv), T(0)), kd;
+  std::vector<T> s(state, state + dk * dv), kd;
   ChunkTerms<T> c;
   for (std::int64_t ci = 0; ci < chunks; ++ci) {
     const std::int64_t t0 = ci * chunk_, l = std::min(chunk_, seq - t0);
@@ -278,14 +297,16 @@ void DeltaRule<T>::ChunkForward(std::int64_t b, std::int64_t h, T* o) {
     const T last = c.egamma[Sz(l - 1)];
     Gemm<T>(Trans::kYes, Trans::kNo, dk, dv, l, T(1), kd.data(), dk, c.vn.data(), dv, last, s.data(), dv);
   }
+  std::copy(s.begin(), s.end(), state);
 }
 
 template <typename T>
-void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta) {
+void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta,
+                                 T* d_state) {
   const std::int64_t kd_ = s_.dk, vd = s_.dv, seq = s_.seq, chunks = (seq + chunk_ - 1) / chunk_;
   const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * seq * kd_, vh = (b * s_.nv + h) * seq;
   const T* starts = states_.data() + (b * s_.nv + h) * chunks * kd_ * vd;
-  std::vector<T> ds(Sz(kd_ * vd), T(0)), ds0(Sz(kd_ * vd));
+  std::vector<T> ds(d_state, d_state + kd_ * vd), ds0(Sz(kd_ * vd));
   std::vector<T> dvn, dvb, deb, dm, dgamma, tmp;
   ChunkTerms<T> c;
   for (std::int64_t ci = chunks; ci-- > 0;) {
@@ -395,6 +416,7 @@ void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T
     for (std::int64_t i = l; i-- > 0;) dg[t0 + i] = acc += dgamma[Sz(i)];
     ds.swap(ds0);
   }
+  std::copy(ds.begin(), ds.end(), d_state);
 }
 
 template <typename T>

@@ -40,15 +40,21 @@ template <typename T>
 class DeltaRule {
  public:
   explicit DeltaRule(DeltaRuleForm form = DeltaRuleForm::kChunked, std::int64_t chunk = 64);
-  void Forward(const DeltaRuleShape& shape, const T* q, const T* k, const T* v, const T* g, const T* beta, T* o);
-  // do_ [batch, nv, seq, dv]. Overwrites dq, dk (shapes of q, k), dv, dg and dbeta.
-  void Backward(const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta);
+  // `initial` [batch, nv, dk, dv] (null: zeros) is the state before the first position;
+  // `final` (when not null) receives the state after the last.
+  void Forward(const DeltaRuleShape& shape, const T* q, const T* k, const T* v, const T* g, const T* beta, T* o,
+               const T* initial = nullptr, T* final = nullptr);
+  // do_ [batch, nv, seq, dv]; `d_final` (null: zeros) the gradient of the final state. Overwrites
+  // dq, dk (shapes of q, k), dv, dg, dbeta and, when not null, d_initial [batch, nv, dk, dv].
+  void Backward(const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta, const T* d_final = nullptr, T* d_initial = nullptr);
 
  private:
-  void ChunkForward(std::int64_t b, std::int64_t h, T* o);
-  void ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta);
-  void RecurrentForward(std::int64_t b, std::int64_t h, T* o);
-  void RecurrentBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta);
+  // s: the head's state on entry [dk, dv] (initial), on return the final one; ds likewise for
+  // the backward pass (d final in, d initial out).
+  void ChunkForward(std::int64_t b, std::int64_t h, T* o, T* s);
+  void ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta, T* ds);
+  void RecurrentForward(std::int64_t b, std::int64_t h, T* o, T* s);
+  void RecurrentBackward(std::int64_t b, std::int64_t h, const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta, T* ds);
 
   DeltaRuleForm form_;
   std::int64_t chunk_;
@@ -57,6 +63,7 @@ class DeltaRule {
   // kChunked: the state at the start of every chunk, [batch, nv, chunks, dk, dv].
   // kRecurrent: the state after every token, [batch, nv, seq, dk, dv].
   std::vector<T> states_;
+  std::vector<T> initial_;  // [batch, nv, dk, dv]: the state before the first position
 };
 
 struct GdnShape {

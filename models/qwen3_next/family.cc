@@ -36,7 +36,8 @@ std::vector<std::string> Qwen3NextDifferences(const ModelConfig& c) {
   if (c.first_dense_layers > 0) diffs.push_back("dense first layers (first_dense_layers): use dense_layers");
   if (c.IsMla()) diffs.push_back("multi-latent attention (mla_kv_rank > 0)");
   if (!c.qk_norm) diffs.push_back("no q/k norms (qk_norm false)");
-  if (!c.norm_zero_centered) diffs.push_back("RMSNorms that weigh by w (norm_zero_centered false): Qwen3-Next's use 1 + w");
+  if (!c.norm_zero_centered)
+    diffs.push_back("RMSNorms that weigh by w (norm_zero_centered false): Qwen3-Next's use 1 + w");
   if (!c.attn_output_gate) diffs.push_back("no attention output gate (attn_output_gate false)");
   return diffs;
 }
@@ -49,7 +50,8 @@ Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
     if (!c.IsMoeLayer(i) && !by_step) mlp_only.push_back(i);
   }
   nlohmann::json layer_types = nlohmann::json::array();
-  for (std::int64_t i = 0; i < c.n_layers; ++i) layer_types.push_back(c.IsGdnLayer(i) ? "linear_attention" : "full_attention");
+  for (std::int64_t i = 0; i < c.n_layers; ++i)
+    layer_types.push_back(c.IsGdnLayer(i) ? "linear_attention" : "full_attention");
   const double partial = static_cast<double>(c.RotaryDim()) / static_cast<double>(c.head_dim);
   return nlohmann::json{
       {"architectures", {"Qwen3NextForCausalLM"}},
@@ -191,8 +193,7 @@ std::vector<NameRow> Rows() {
     rows.push_back(r);
   }
   const std::vector<NameRow> mine = {
-      {"layers.{L}.attn.qkv.weight", "query,gate", false, "", "model.layers.{L}.self_attn.q_proj.weight",
-       QueryHeads},
+      {"layers.{L}.attn.qkv.weight", "query,gate", false, "", "model.layers.{L}.self_attn.q_proj.weight", QueryHeads},
       {"layers.{L}.attn.q_norm.weight", "", false, "", "model.layers.{L}.self_attn.q_norm.weight"},
       {"layers.{L}.attn.k_norm.weight", "", false, "", "model.layers.{L}.self_attn.k_norm.weight"},
       {"layers.{L}.gdn.in_proj.weight", "query,key,value,z", false, "",

@@ -151,8 +151,8 @@ void ExpectImportRefused(const std::string& src, const std::vector<BadCase>& cas
 // a file the index names that is not there are not, each finding naming the file and tensor.
 TEST(HfFamilies, VerifyHuggingFaceDirectories) {
   TempDir tmp;
-  for (const char* name : {"qwen3_moe_tiny", "deepseek_v3_tiny", "deepseek_v3_noq", "deepseek_v3_fp8", "qwen3_next_tiny",
-                           "qwen3_next_i4"}) {
+  for (const char* name : {"qwen3_moe_tiny", "deepseek_v3_tiny", "deepseek_v3_noq", "deepseek_v3_fp8",
+                           "qwen3_next_tiny", "qwen3_next_i4"}) {
     const CommandResult v = RunCli("verify " + kFixtures + "/" + name);
     EXPECT_EQ(v.exit_code, 0) << name << "\n" << v.output;
     EXPECT_TRUE(Contains(v.output, "SOUND: ")) << v.output;
@@ -369,7 +369,9 @@ TEST(HfFamilies, Qwen3NextExportWritesTransformersTensors) {
 }
 
 // Trained from an import at tp=2 (gated-delta-net heads and the attention gate cut over tp).
-TEST(HfFamilies, Qwen3NextTrainedExportLoadsInTransformers) { CheckTrainedExportLoadsInTransformers("qwen3_next_tiny"); }
+TEST(HfFamilies, Qwen3NextTrainedExportLoadsInTransformers) {
+  CheckTrainedExportLoadsInTransformers("qwen3_next_tiny");
+}
 
 // Bad input: a clear error naming the file and the field or tensor, exit 1 or 2, nothing written.
 TEST(HfFamilies, Qwen3MoeBadInputIsRefused) {

@@ -98,6 +98,88 @@ TEST(DeltaRuleTest, GradientsMatchFiniteDifferences) {
   }
 }
 
+// A sequence cut in two, the second part started from the first's final state and the first part's
+// backward pass ended with the second's initial-state gradient, is the whole sequence (what
+// context parallelism relies on), in both forms; the initial-state gradient against finite
+// differences.
+TEST(DeltaRuleTest, StateCarriedAcrossASplitEqualsTheWhole) {
+  for (const DeltaRuleForm form : {DeltaRuleForm::kRecurrent, DeltaRuleForm::kChunked}) {
+    const std::int64_t seq = 11, cut = 6;
+    const RuleInputs whole(RuleShape(seq, 2), 400);
+    DeltaRule<double> all(form, 4);
+    const auto o = whole.Run(all);
+    const auto dout = RandomVector(o.size(), 401);
+    std::vector<double> dq(whole.q.size()), dk(whole.k.size()), dv(whole.v.size()), dg(whole.g.size()),
+        db(whole.g.size());
+    all.Backward(dout.data(), dq.data(), dk.data(), dv.data(), dg.data(), db.data());
+    // The two parts: positions [0, cut) and [cut, seq) of every (batch, head) row.
+    const auto part = [&](const std::vector<double>& x, std::int64_t rows, std::int64_t width, std::int64_t from,
+                          std::int64_t to) {
+      std::vector<double> out;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        out.insert(out.end(), x.begin() + (r * seq + from) * width, x.begin() + (r * seq + to) * width);
+      }
+      return out;
+    };
+    const DeltaRuleShape& s = whole.s;
+    const std::int64_t kr = s.batch * s.nk, vr = s.batch * s.nv, state = s.batch * s.nv * s.dk * s.dv;
+    struct Part {
+      DeltaRuleShape s;
+      std::vector<double> q, k, v, g, beta, dout;
+    };
+    Part p[2];
+    for (int i = 0; i < 2; ++i) {
+      const std::int64_t from = i == 0 ? 0 : cut, to = i == 0 ? cut : seq;
+      p[i] = {DeltaRuleShape{s.batch, to - from, s.nk, s.nv, s.dk, s.dv},
+              part(whole.q, kr, s.dk, from, to),
+              part(whole.k, kr, s.dk, from, to),
+              part(whole.v, vr, s.dv, from, to),
+              part(whole.g, vr, 1, from, to),
+              part(whole.beta, vr, 1, from, to),
+              part(dout, vr, s.dv, from, to)};
+    }
+    DeltaRule<double> r0(form, 4), r1(form, 4);
+    std::vector<double> mid(state), o0(p[0].v.size()), o1(p[1].v.size());
+    r0.Forward(p[0].s, p[0].q.data(), p[0].k.data(), p[0].v.data(), p[0].g.data(), p[0].beta.data(), o0.data(), nullptr,
+               mid.data());
+    r1.Forward(p[1].s, p[1].q.data(), p[1].k.data(), p[1].v.data(), p[1].g.data(), p[1].beta.data(), o1.data(),
+               mid.data());
+    const auto o_first = part(o, vr, s.dv, 0, cut), o_second = part(o, vr, s.dv, cut, seq);
+    for (std::size_t i = 0; i < o0.size(); ++i) EXPECT_NEAR(o0[i], o_first[i], 1e-12);
+    for (std::size_t i = 0; i < o1.size(); ++i) EXPECT_NEAR(o1[i], o_second[i], 1e-12);
+    std::vector<double> dmid(state);
+    std::vector<double> g1[5] = {std::vector<double>(p[1].q.size()), std::vector<double>(p[1].k.size()),
+                                 std::vector<double>(p[1].v.size()), std::vector<double>(p[1].g.size()),
+                                 std::vector<double>(p[1].g.size())};
+    r1.Backward(p[1].dout.data(), g1[0].data(), g1[1].data(), g1[2].data(), g1[3].data(), g1[4].data(), nullptr,
+                dmid.data());
+    std::vector<double> g0[5] = {std::vector<double>(p[0].q.size()), std::vector<double>(p[0].k.size()),
+                                 std::vector<double>(p[0].v.size()), std::vector<double>(p[0].g.size()),
+                                 std::vector<double>(p[0].g.size())};
+    r0.Backward(p[0].dout.data(), g0[0].data(), g0[1].data(), g0[2].data(), g0[3].data(), g0[4].data(), dmid.data());
+    const std::vector<double>* full[5] = {&dq, &dk, &dv, &dg, &db};
+    const std::int64_t rows[5] = {kr, kr, vr, vr, vr}, widths[5] = {s.dk, s.dk, s.dv, 1, 1};
+    for (int k = 0; k < 5; ++k) {
+      const auto first = part(*full[k], rows[k], widths[k], 0, cut),
+                 second = part(*full[k], rows[k], widths[k], cut, seq);
+      for (std::size_t i = 0; i < first.size(); ++i) EXPECT_NEAR(g0[k][i], first[i], 1e-11) << k << " " << i;
+      for (std::size_t i = 0; i < second.size(); ++i) EXPECT_NEAR(g1[k][i], second[i], 1e-11) << k << " " << i;
+    }
+    // d loss / d initial state, numerically.
+    auto init = RandomVector(state, 402, 0.5);
+    const auto w = RandomVector(o1.size(), 403);
+    auto loss = [&] {
+      r1.Forward(p[1].s, p[1].q.data(), p[1].k.data(), p[1].v.data(), p[1].g.data(), p[1].beta.data(), o1.data(),
+                 init.data());
+      return Dot(o1, w);
+    };
+    loss();
+    std::vector<double> dinit(state);
+    r1.Backward(w.data(), g1[0].data(), g1[1].data(), g1[2].data(), g1[3].data(), g1[4].data(), nullptr, dinit.data());
+    ExpectGradMatches("initial_state", init, dinit, loss);
+  }
+}
+
 // A chunk as long as the sequence and a chunk of one are the same computation as any other.
 TEST(DeltaRuleTest, ChunkSizeDoesNotChangeTheResult) {
   const RuleInputs in(RuleShape(11, 2), 300);
