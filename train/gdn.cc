@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 
 #include "core/check.h"
 #include "train/gemm.h"
@@ -420,7 +421,11 @@ void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T
 }
 
 template <typename T>
-GatedDeltaNet<T>::GatedDeltaNet(const GdnShape& shape) : s_(shape), rule_(shape.form, shape.chunk) {
+GatedDeltaNet<T>::GatedDeltaNet(const GdnShape& shape, ModelParallel* par)
+    : s_(shape),
+      par_(par != nullptr ? par : &SingleProcess()),
+      rule_(shape.form, shape.chunk),
+      transfer_(shape.form, shape.chunk) {
   RS_CHECK(s_.d_model > 0 && s_.nk > 0 && s_.nv > 0 && s_.nv % s_.nk == 0 && s_.dk > 0 && s_.dv > 0 &&
            s_.conv_kernel >= 1);
 }
@@ -435,13 +440,31 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
   const std::int64_t oz = 2 * nk * dk + nv * dv, ob = oz + nv * dv, oa = ob + nv;
   proj_.resize(Sz(n * pw));
   Gemm<T>(Trans::kNo, Trans::kYes, n, pw, d, T(1), x, d, w.in_proj, d, T(0), proj_.data(), pw);
-  // Causal depthwise conv: out[t, c] = Σ_j w[c, j] · in[t − (K − 1) + j, c].
+  // Causal depthwise conv: out[t, c] = Σ_j w[c, j] · in[t − (K − 1) + j, c]; before this rank's
+  // first position, the previous cp rank's last K − 1 (zeros before the sequence).
+  const std::int64_t cp = par_->cp_size(), tail = kw - 1;
+  if (cp > 1) {
+    RS_CHECK_MSG(seq >= tail, "context parallelism: " << seq << " positions per rank, fewer than the conv's " << tail);
+    std::vector<T> mine(Sz(batch * tail * cw)), all(Sz(cp * batch * tail * cw));
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t i = 0; i < tail; ++i) {
+        std::copy_n(proj_.data() + (b * seq + seq - tail + i) * pw, cw, mine.data() + (b * tail + i) * cw);
+      }
+    }
+    par_->AllGatherCp(std::span<const T>(mine), std::span<T>(all));
+    prev_tail_.assign(Sz(batch * tail * cw), T(0));
+    if (par_->cp_rank() > 0) {
+      const auto from = all.begin() + (par_->cp_rank() - 1) * batch * tail * cw;
+      std::copy(from, from + batch * tail * cw, prev_tail_.begin());
+    }
+  }
   conv_.assign(Sz(n * cw), T(0));
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t t = 0; t < seq; ++t) {
       T* out = conv_.data() + (b * seq + t) * cw;
-      for (std::int64_t j = std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
-        const T* in = proj_.data() + (b * seq + t - (kw - 1) + j) * pw;
+      for (std::int64_t j = cp > 1 ? 0 : std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
+        const std::int64_t src = t - (kw - 1) + j;
+        const T* in = src >= 0 ? proj_.data() + (b * seq + src) * pw : prev_tail_.data() + (b * tail + tail + src) * cw;
         for (std::int64_t ch = 0; ch < cw; ++ch) out[ch] += w.conv[ch * kw + j] * in[ch];
       }
     }
@@ -484,8 +507,10 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
     }
   }
   o_.resize(v_.size());
+  std::vector<T> initial;
+  if (cp > 1) initial = IncomingState(batch, seq);
   rule_.Forward(DeltaRuleShape{batch, seq, nk, nv, dk, dv}, q_.data(), k_.data(), v_.data(), g_.data(), beta_.data(),
-                o_.data());
+                o_.data(), initial.empty() ? nullptr : initial.data());
   // Gated RMSNorm per value head: norm ⊙ o·rstd ⊙ silu(z).
   o_rstd_.resize(g_.size());
   ctx_.resize(Sz(n * nv * dv));
@@ -542,7 +567,17 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
     }
   }
   std::vector<T> dq(q_.size()), dkk(k_.size()), dvv(v_.size()), dg(g_.size()), dbeta(beta_.size());
-  rule_.Backward(d_o.data(), dq.data(), dkk.data(), dvv.data(), dg.data(), dbeta.data());
+  const std::int64_t cp = par_->cp_size(), tail = kw - 1;
+  std::vector<T> d_final;
+  if (cp > 1) {
+    // The block's own part of its initial-state gradient, then the outgoing state's gradient
+    // composed from the later ranks'.
+    std::vector<T> own(Sz(batch * nv * dk * dv));
+    rule_.Backward(d_o.data(), dq.data(), dkk.data(), dvv.data(), dg.data(), dbeta.data(), nullptr, own.data());
+    d_final = OutgoingStateGradient(own);
+  }
+  rule_.Backward(d_o.data(), dq.data(), dkk.data(), dvv.data(), dg.data(), dbeta.data(),
+                 d_final.empty() ? nullptr : d_final.data());
   // Back through the SiLU'd conv outputs: dconv [N, cw] before the activation.
   std::vector<T> dconv(Sz(n * cw));
   const T scale = T(1) / std::sqrt(static_cast<T>(dk));
@@ -585,13 +620,16 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
     }
   }
   // The conv: dW[c, j] += Σ_t dout[t, c]·in[t − (K − 1) + j, c]; din[t', c] += dout[t, c]·W[c, j].
+  // Under cp the inputs before this rank's first position are the previous rank's: their
+  // gradient goes back to it.
+  std::vector<T> d_tail(cp > 1 ? Sz(batch * tail * cw) : 0, T(0));
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t t = 0; t < seq; ++t) {
       const T* dout = dconv.data() + (b * seq + t) * cw;
-      for (std::int64_t j = std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
-        const std::int64_t src = b * seq + t - (kw - 1) + j;
-        const T* in = proj_.data() + src * pw;
-        T* din = dproj.data() + src * pw;
+      for (std::int64_t j = cp > 1 ? 0 : std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
+        const std::int64_t src = t - (kw - 1) + j;
+        const T* in = src >= 0 ? proj_.data() + (b * seq + src) * pw : prev_tail_.data() + (b * tail + tail + src) * cw;
+        T* din = src >= 0 ? dproj.data() + (b * seq + src) * pw : d_tail.data() + (b * tail + tail + src) * cw;
         for (std::int64_t ch = 0; ch < cw; ++ch) {
           g.conv[ch * kw + j] += dout[ch] * in[ch];
           din[ch] += dout[ch] * w.conv[ch * kw + j];
@@ -599,8 +637,72 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
       }
     }
   }
+  if (cp > 1) {
+    std::vector<T> all(Sz(cp * batch * tail * cw));
+    par_->AllGatherCp(std::span<const T>(d_tail), std::span<T>(all));
+    if (par_->cp_rank() + 1 < cp) {  // the next rank's gradient of my last positions
+      const T* from = all.data() + (par_->cp_rank() + 1) * batch * tail * cw;
+      for (std::int64_t b = 0; b < batch; ++b) {
+        for (std::int64_t i = 0; i < tail; ++i) {
+          T* din = dproj.data() + (b * seq + seq - tail + i) * pw;
+          const T* src = from + (b * tail + i) * cw;
+          for (std::int64_t ch = 0; ch < cw; ++ch) din[ch] += src[ch];
+        }
+      }
+    }
+  }
   Gemm<T>(Trans::kYes, Trans::kNo, pw, d, n, T(1), dproj.data(), pw, x_, d, T(1), g.in_proj, d);
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, pw, T(1), dproj.data(), pw, w.in_proj, d, T(0), dx, d);
+}
+
+template <typename T>
+std::vector<T> GatedDeltaNet<T>::IncomingState(std::int64_t batch, std::int64_t seq) {
+  const std::int64_t nv = s_.nv, dk = s_.dk, dv = s_.dv, wide = dk + dv, cp = par_->cp_size();
+  // This block's map: the rule from [I | 0] on values [0 | v] ends in [A | B].
+  std::vector<T> v_aug(Sz(batch * nv * seq * wide), T(0)), init(Sz(batch * nv * dk * wide), T(0));
+  for (std::int64_t r = 0; r < batch * nv * seq; ++r) std::copy_n(v_.data() + r * dv, dv, v_aug.data() + r * wide + dk);
+  for (std::int64_t bh = 0; bh < batch * nv; ++bh) {
+    for (std::int64_t i = 0; i < dk; ++i) init[Sz((bh * dk + i) * wide + i)] = T(1);
+  }
+  std::vector<T> o_aug(v_aug.size()), map(init.size());
+  transfer_.Forward(DeltaRuleShape{batch, seq, s_.nk, nv, dk, wide}, q_.data(), k_.data(), v_aug.data(), g_.data(),
+                    beta_.data(), o_aug.data(), init.data(), map.data());
+  maps_.resize(Sz(cp) * map.size());
+  par_->AllGatherCp(std::span<const T>(map), std::span<T>(maps_));
+  // S_in = fold over the earlier ranks q: S ← A_q·S + B_q.
+  std::vector<T> s(Sz(batch * nv * dk * dv), T(0)), next(s.size());
+  for (std::int64_t q = 0; q < par_->cp_rank(); ++q) {
+    const T* m = maps_.data() + q * static_cast<std::int64_t>(map.size());
+    for (std::int64_t bh = 0; bh < batch * nv; ++bh) {
+      const T* mb = m + bh * dk * wide;
+      T* nb = next.data() + bh * dk * dv;
+      for (std::int64_t i = 0; i < dk; ++i) std::copy_n(mb + i * wide + dk, dv, nb + i * dv);  // B
+      Gemm<T>(Trans::kNo, Trans::kNo, dk, dv, dk, T(1), mb, wide, s.data() + bh * dk * dv, dv, T(1), nb, dv);
+    }
+    s.swap(next);
+  }
+  return s;
+}
+
+template <typename T>
+std::vector<T> GatedDeltaNet<T>::OutgoingStateGradient(const std::vector<T>& own) {
+  const std::int64_t dk = s_.dk, dv = s_.dv, wide = dk + dv, cp = par_->cp_size();
+  const auto size = static_cast<std::int64_t>(own.size());
+  const std::int64_t bhs = size / (dk * dv);
+  std::vector<T> all(Sz(cp * size));
+  par_->AllGatherCp(std::span<const T>(own), std::span<T>(all));
+  // dS_out(r) = dS_in(r + 1), dS_in(q) = G_q + A_qᵀ·dS_out(q), from the last rank down.
+  std::vector<T> d(own.size(), T(0)), next(own.size());
+  for (std::int64_t q = cp - 1; q > par_->cp_rank(); --q) {
+    const T* m = maps_.data() + q * bhs * dk * wide;
+    std::copy_n(all.data() + q * size, size, next.begin());
+    for (std::int64_t bh = 0; bh < bhs; ++bh) {
+      Gemm<T>(Trans::kYes, Trans::kNo, dk, dv, dk, T(1), m + bh * dk * wide, wide, d.data() + bh * dk * dv, dv, T(1),
+              next.data() + bh * dk * dv, dv);
+    }
+    d.swap(next);
+  }
+  return d;
 }
 
 template class DeltaRule<float>;

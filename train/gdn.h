@@ -104,12 +104,20 @@ struct GdnGrads {
 // Under tensor parallelism a rank holds `nk` / `nv` of the heads (in_proj, conv1d, dt_bias,
 // A_log and out cut by heads, the norm whole): y is its heads' partial sum (out is row-parallel),
 // dx its partial input gradient, and the norm's gradient its heads' share
-// (TpGrad::kReplicatedSum). Context parallelism is not supported (the state would have to pass
-// between the cp ranks in order).
+// (TpGrad::kReplicatedSum).
+//
+// Under context parallelism (`par->cp` of P ranks, rank r holding positions [r·seq, (r+1)·seq))
+// the conv reads the previous rank's last K − 1 positions, and the delta rule starts from the
+// state the previous ranks end in. Rather than waiting for it in a chain, every rank computes
+// what its block does to any incoming state – it is affine, S_out = A·S_in + B (A [dk, dk]: the
+// rule run from [I | 0] on values [0 | v]) – the ranks all-gather (A, B) and each composes its
+// incoming state, then runs its block from it. The backward pass does the same with the state
+// gradient: dS_in = G + Aᵀ·dS_out, G the block's own part (all-gathered, composed from the last
+// rank down), and the conv's gradient for the previous rank's positions goes back to it.
 template <typename T>
 class GatedDeltaNet {
  public:
-  explicit GatedDeltaNet(const GdnShape& shape);
+  explicit GatedDeltaNet(const GdnShape& shape, ModelParallel* par = nullptr);
 
   // x: [batch·seq, d] rows in (batch, position) order. Writes y: [batch·seq, d]. Keeps a pointer
   // to x for Backward: it must stay alive and unchanged.
@@ -120,9 +128,17 @@ class GatedDeltaNet {
  private:
   std::int64_t proj_width() const { return 2 * s_.nk * s_.dk + 2 * s_.nv * s_.dv + 2 * s_.nv; }
   std::int64_t conv_width() const { return 2 * s_.nk * s_.dk + s_.nv * s_.dv; }
+  // cp: the state this rank's block starts in [batch, nv, dk, dv] (all-gathers every block's map).
+  std::vector<T> IncomingState(std::int64_t batch, std::int64_t seq);
+  // cp: the gradient of the state this block ends in, from every block's own initial-state part.
+  std::vector<T> OutgoingStateGradient(const std::vector<T>& own);
 
   GdnShape s_;
+  ModelParallel* par_;
   DeltaRule<T> rule_;
+  DeltaRule<T> transfer_;     // cp: the block's affine map of the incoming state
+  std::vector<T> prev_tail_;  // cp: [batch, K − 1, conv_width] the previous rank's last conv inputs
+  std::vector<T> maps_;       // cp: [P, batch, nv, dk, dk + dv] every rank's [A | B]
   std::int64_t batch_ = 0, seq_ = 0;
   const T* x_ = nullptr;
   std::vector<T> proj_;      // [N, proj_width]: in_proj's output

@@ -40,11 +40,13 @@ struct Transformer<T>::Layer {
   Buffer<T> h_in, xn1, rstd1, h_mid, xn2, rstd2;
 };
 
-Status CheckTrainable(const ModelConfig& config, std::int64_t cp) {
-  if (config.full_attn_interval > 0 && cp > 1) {
-    return Unimplemented("model '" + config.name + "': field 'full_attn_interval' asks for gated-delta-net layers, " +
-                         "which the training core does not run under context parallelism (cp " + std::to_string(cp) +
-                         "): their recurrent state would have to pass between the cp ranks in order");
+Status CheckTrainable(const ModelConfig& config, std::int64_t seq, std::int64_t cp) {
+  const bool gdn = config.full_attn_interval > 0 && config.full_attn_interval <= config.n_layers;
+  if (gdn && cp > 1 && seq > 0 && seq / cp < config.gdn_conv_kernel - 1) {
+    return InvalidArgument("model '" + config.name + "': under context parallelism (cp " + std::to_string(cp) +
+                           ") a rank holds " + std::to_string(seq / cp) +
+                           " positions of each sequence, fewer than the gated-delta-net conv's " +
+                           std::to_string(config.gdn_conv_kernel - 1) + " it reads from the previous rank (seq_len)");
   }
   return Status::Ok();
 }
@@ -162,7 +164,7 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
                    "local gated-delta-net of " << nk << " / " << nv << " heads");
       l->gdn_t = g;
       l->gdn = std::make_unique<GatedDeltaNet<T>>(
-          GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim, c_.gdn_conv_kernel, c_.norm_eps});
+          GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim, c_.gdn_conv_kernel, c_.norm_eps}, par_);
     } else if (c_.IsMla()) {
       // The rank's heads, read off its local out [d, nq_l·dv].
       const std::int64_t nq = dim(t.attn.out, 1) / c_.mla_v_dim;

@@ -45,10 +45,11 @@ struct Losses {
   std::vector<std::vector<std::int64_t>> loads;  // per layer: assignments per expert (empty if dense)
 };
 
-// Unimplemented when the config uses a layer type the training core cannot run at context
-// parallelism `cp` (gated-delta-net layers under cp > 1). Call before constructing a Transformer
-// from untrusted input.
-Status CheckTrainable(const ModelConfig& config, std::int64_t cp = 1);
+// InvalidArgument when the config cannot run with sequences of `seq` positions over `cp`
+// context-parallel ranks (a gated-delta-net layer's conv reads the previous rank's last K − 1
+// positions: each rank needs that many). Call before constructing a Transformer from untrusted
+// input.
+Status CheckTrainable(const ModelConfig& config, std::int64_t seq = 0, std::int64_t cp = 1);
 
 // What running a config needs at the least, for refusing (FailedPrecondition, core/memory.h)
 // before allocating: a config may come from a file (checkpoint metadata, --model) and claim a

@@ -95,7 +95,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
                            "degree " + std::to_string(state->cp_size()) + " (ep under rules '" +
                            parallel.layout.layout.rules().name + "')");
   }
-  RS_RETURN_IF_ERROR(CheckTrainable(model, state->cp_size()));
+  RS_RETURN_IF_ERROR(CheckTrainable(model, seq, state->cp_size()));
   RS_ASSIGN_OR_RETURN(ProcessGroups groups, state->MakeGroups(*world));
   auto t = std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus), std::move(state), std::move(groups)));
   t->self_ = std::move(self);

@@ -436,23 +436,29 @@ TEST_F(MpiTrainTest, LatentAttentionModelMatchesOneProcessAtEveryLayout) {
 // equal one process's in global item coordinates – compared relatively, since the moments are
 // ~1e-8 – and the same tp=2 checkpoint with its in_proj moments placed in local coordinates
 // (rank i's [q_i; k_i; ...] as rows i·P/2.., the classic resharding bug) fails that comparison.
-// Context parallelism is refused. A tp=2 save converts to tp=4 and to one process, and resumes
-// there with the uninterrupted run's losses.
+// Under context parallelism (ep-as-cp) the conv's tail and the recurrent state pass between the cp
+// ranks (each block's affine map all-gathered and composed). A tp=2 save converts to tp=4 and to one process, and
+// resumes there with the uninterrupted run's losses.
 TEST_F(MpiTrainTest, GatedDeltaNetModelMatchesOneProcessAtEveryLayout) {
   const std::string path = tmp_.path().string() + "/qwen3-next-shaped.json";
   std::ofstream(path) << R"({"name": "qwen3-next-shaped", "n_layers": 4, "full_attn_interval": 2, )"
                       << R"("gdn_key_heads": 4, "gdn_value_heads": 8, "gdn_key_dim": 8, "gdn_value_dim": 8, )"
                       << R"("n_experts": 8, "top_k": 2, "shared_ffn": 32, "shared_gate": true, "qk_norm": true, )"
                       << R"("norm_zero_centered": true, "attn_output_gate": true, "rotary_dim": 8})";
-  const double worst = ExpectMatchesOneProcess(path,
-                                               {{"", "tp=2"},
-                                                {"", "tp=4"},
-                                                {"", "tp=2,fsdp=2"},
-                                                {"", "dp=2,fsdp=2,fsdp_form=box"},
-                                                {"", "ep=2,fsdp=2"},
-                                                {"", "ep=2,etp=2"},
-                                                {" --rules ep-over-tp", "tp=2,ep=2"}},
-                                               {{"", "tp=2"}, {"", "tp=4"}});
+  const double worst =
+      ExpectMatchesOneProcess(path,
+                              {{"", "tp=2"},
+                               {"", "tp=4"},
+                               {"", "tp=2,fsdp=2"},
+                               {"", "dp=2,fsdp=2,fsdp_form=box"},
+                               {"", "ep=2,fsdp=2"},
+                               {"", "ep=2,etp=2"},
+                               {" --rules ep-over-tp", "tp=2,ep=2"},
+                               // Context parallelism: conv tails and states passed on.
+                               {" --rules ep-as-cp", "ep=2,fsdp=2,fsdp_form=box"},
+                               {" --rules ep-as-cp", "ep=4,fsdp_form=box"},
+                               {" --rules ep-as-cp", "tp=2,ep=2,fsdp_form=box"}},
+                              {{"", "tp=2"}, {"", "tp=4"}, {" --rules ep-as-cp", "ep=4,fsdp_form=box"}});
   std::printf("gated-delta-net model, worst relative loss difference over steps 1-10: %.3g\n", worst);
   // The moments of the gated-delta-net tensors, relatively (ExpectMatchesOneProcess left one
   // process's step in one/, tp=2's in many-0/): items outside the tolerance per tensor, from
@@ -516,11 +522,11 @@ TEST_F(MpiTrainTest, GatedDeltaNetModelMatchesOneProcessAtEveryLayout) {
     EXPECT_GT(mutated.at(name), 1000) << name;  // of 208 x 64 items
   }
 
-  // Not under context parallelism: a clear error on every rank.
-  CommandResult d =
-      RunMpi(2, "train --model " + path + " --steps 1 --threads 1 --rules ep-as-cp --layout ep=2,fsdp_form=box");
+  // Context parallelism needs K − 1 = 3 positions per rank for the conv: 8 over 4 is refused.
+  CommandResult d = RunMpi(
+      4, "train --model " + path + " --steps 1 --threads 1 --seq-len 8 --rules ep-as-cp --layout ep=4,fsdp_form=box");
   EXPECT_NE(d.exit_code, 0) << d.output;
-  EXPECT_NE(d.output.find("context parallelism"), std::string::npos) << d.output;
+  EXPECT_NE(d.output.find("fewer than the gated-delta-net conv's 3"), std::string::npos) << d.output;
 
   // Save at tp=2, convert to tp=4 and to one process, resume there.
   const std::vector<double> ref = Train("", "--model " + path + " --steps 10", "ref10");
