@@ -182,3 +182,124 @@ TEST(HfMap, ParsesMixtralConfigs) {
 
 }  // namespace
 }  // namespace rs
+
+namespace rs {
+namespace {
+
+// Qwen3-Next's config.json: layer_types read as the period of full attention (or refused when it
+// has none), partial_rotary_factor in rope_parameters or at the top level (default 0.25), the
+// gated shared expert; bad values named. And its interleaved rows: q_proj per head [q | gate],
+// in_proj_qkvz per key head [q | k | v | z], in_proj_ba per key head [b | a], as runs of rows.
+nlohmann::json Qwen3NextConfig() {
+  return {{"model_type", "qwen3_next"},
+          {"vocab_size", 256},
+          {"hidden_size", 32},
+          {"num_hidden_layers", 4},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 2},
+          {"head_dim", 8},
+          {"num_experts", 4},
+          {"num_experts_per_tok", 2},
+          {"moe_intermediate_size", 16},
+          {"shared_expert_intermediate_size", 24},
+          {"intermediate_size", 48},
+          {"linear_num_key_heads", 2},
+          {"linear_num_value_heads", 4},
+          {"linear_key_head_dim", 8},
+          {"linear_value_head_dim", 8},
+          {"layer_types", {"linear_attention", "full_attention", "linear_attention", "full_attention"}},
+          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5000.0}, {"partial_rotary_factor", 0.25}}}};
+}
+
+TEST(HfMap, ParsesQwen3NextConfigs) {
+  auto m = ParseHfConfig(Qwen3NextConfig(), "next");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const ModelConfig& c = m->config;
+  EXPECT_EQ(m->family->name, "qwen3_next");
+  EXPECT_EQ(c.full_attn_interval, 2);
+  EXPECT_TRUE(c.IsGdnLayer(0) && !c.IsGdnLayer(1));
+  EXPECT_EQ(c.rotary_dim, 2);
+  EXPECT_TRUE(c.qk_norm && c.norm_zero_centered && c.attn_output_gate && c.shared_gate);
+  EXPECT_EQ(c.shared_ffn, 24);
+  EXPECT_EQ(c.router, RouterKind::kTopKSoftmaxAfter);  // norm_topk_prob defaults to true
+  // Written back, read again: the same model.
+  auto j = HfConfigJson(c, DType::kF32);
+  ASSERT_TRUE(j.ok()) << j.status().ToString();
+  auto again = ParseHfConfig(*j, "again");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->config, c);
+  // The interval without layer_types; the factor at the top level.
+  nlohmann::json alt = Qwen3NextConfig();
+  alt.erase("layer_types");
+  alt["full_attention_interval"] = 4;
+  alt["rope_parameters"].erase("partial_rotary_factor");
+  alt["partial_rotary_factor"] = 0.5;
+  auto a = ParseHfConfig(alt, "alt");
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->config.full_attn_interval, 4);
+  EXPECT_EQ(a->config.rotary_dim, 4);
+  // Refused, naming what is wrong.
+  const auto refused = [](nlohmann::json j, ErrorCode code, const std::string& what) {
+    const Status s = ParseHfConfig(j, "cfg").status();
+    EXPECT_EQ(s.code(), code) << s.ToString();
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
+  };
+  nlohmann::json j1 = Qwen3NextConfig();
+  j1["layer_types"] = {"full_attention", "linear_attention", "linear_attention", "full_attention"};
+  refused(j1, ErrorCode::kFailedPrecondition, "layer_types without a period");
+  nlohmann::json j2 = Qwen3NextConfig();
+  j2["layer_types"] = {"full_attention"};
+  refused(j2, ErrorCode::kInvalidArgument, "'layer_types' must list num_hidden_layers");
+  nlohmann::json j3 = Qwen3NextConfig();
+  j3["layer_types"][1] = "sliding_attention";
+  refused(j3, ErrorCode::kInvalidArgument, "'layer_types' entry 1");
+  nlohmann::json j4 = Qwen3NextConfig();
+  j4["rope_parameters"]["partial_rotary_factor"] = "quarter";
+  refused(j4, ErrorCode::kInvalidArgument, "partial_rotary_factor' is not a number");
+  nlohmann::json j5 = Qwen3NextConfig();
+  j5["rope_parameters"]["partial_rotary_factor"] = 1.5;
+  refused(j5, ErrorCode::kInvalidArgument, "must be in (0, 1]");
+  nlohmann::json j6 = Qwen3NextConfig();
+  j6["shared_expert_intermediate_size"] = 0;
+  refused(j6, ErrorCode::kFailedPrecondition, "shared_expert_intermediate_size 0");
+  nlohmann::json j7 = Qwen3NextConfig();
+  j7["rope_parameters"]["partial_rotary_factor"] = 0.125;  // 1 rotary value: not a pair
+  refused(j7, ErrorCode::kFailedPrecondition, "a rotary dim of 1");
+}
+
+TEST(HfMap, Qwen3NextInterleavedRows) {
+  auto m = ParseHfConfig(Qwen3NextConfig(), "next");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const ModelConfig& c = m->config;
+  auto map = HfTensorMap(ModelParameters(c), Family("qwen3_next"), {}, &c);
+  ASSERT_TRUE(map.ok()) << map.status().ToString();
+  const auto by = ByName(*map);
+  const std::int64_t d = 32;
+  // q_proj [2·nq·dh, d]: per head h, our query rows [h·8, +8) then our gate rows [32 + h·8, +8).
+  const HfTensor& q = by.at("model.layers.1.self_attn.q_proj.weight");
+  EXPECT_EQ(q.hf_shape, (Shape{64, d}));
+  ASSERT_EQ(q.segments.size(), 8u);
+  for (std::int64_t h = 0; h < 4; ++h) {
+    EXPECT_EQ(q.segments[2 * h].flat_begin, h * 8 * d);
+    EXPECT_EQ(q.segments[2 * h].hf_begin, 2 * h * 8 * d);
+    EXPECT_EQ(q.segments[2 * h + 1].flat_begin, (32 + h * 8) * d);
+    EXPECT_EQ(q.segments[2 * h + 1].length, 8 * d);
+  }
+  EXPECT_EQ(by.at("model.layers.1.self_attn.k_proj.weight").flat_begin, 64 * d);  // after query and gate
+  // in_proj_qkvz [2·16 + 2·32, d]: key head g: q [g·8, +8), k [16 + g·8, +8), v [32 + g·16, +16), z [64 + g·16, +16).
+  const HfTensor& qkvz = by.at("model.layers.0.linear_attn.in_proj_qkvz.weight");
+  EXPECT_EQ(qkvz.hf_shape, (Shape{96, d}));
+  ASSERT_EQ(qkvz.segments.size(), 8u);
+  const std::int64_t firsts[8] = {0, 16, 32, 64, 8, 24, 48, 80};
+  for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(qkvz.segments[i].flat_begin, firsts[i] * d) << i;
+  // in_proj_ba [2·nv, d]: key head g: b [96 + g·2, +2), a [100 + g·2, +2).
+  const HfTensor& ba = by.at("model.layers.0.linear_attn.in_proj_ba.weight");
+  ASSERT_EQ(ba.segments.size(), 4u);
+  const std::int64_t ba_firsts[4] = {96, 100, 98, 102};
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(ba.segments[i].flat_begin, ba_firsts[i] * d) << i;
+  // Without the model the group count is unknown: a clear Internal error, not a guess.
+  EXPECT_EQ(HfTensorMap(ModelParameters(c), Family("qwen3_next")).status().code(), ErrorCode::kInternal);
+}
+
+}  // namespace
+}  // namespace rs
