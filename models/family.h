@@ -144,6 +144,15 @@ struct LlamaDefaults {
 };
 Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, ModelConfig& c,
                        std::vector<std::string>& diffs);
+// The MoE fields Qwen's MoE configs (Qwen3-MoE, Qwen3-Next) spell alike: num_local_experts /
+// num_experts, num_experts_per_tok, moe_intermediate_size, intermediate_size,
+// router_aux_loss_coef, decoder_sparse_step, mlp_only_layers (entries naming no layer, or a layer
+// the step already makes dense, dropped: one description per model) and norm_topk_prob (default
+// `norm_topk_default`) as the router kind.
+Status ReadQwenMoeConfig(const HfConfigFields& f, bool norm_topk_default, ModelConfig& c);
+// The mlp_only_layers that describe `c`'s dense layers besides those decoder_sparse_step makes.
+std::vector<std::int64_t> QwenMlpOnlyLayers(const ModelConfig& c);
+
 // What every family's write_hf_config checks first: FailedPrecondition "model '<name>' cannot
 // be expressed as <label>: a; b" when `diffs` is not empty, InvalidArgument when `dtype` has no
 // torch name; else the torch name ("bfloat16").

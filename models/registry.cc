@@ -251,6 +251,37 @@ Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, M
   return Status::Ok();
 }
 
+Status ReadQwenMoeConfig(const HfConfigFields& f, bool norm_topk_default, ModelConfig& c) {
+  RS_ASSIGN_OR_RETURN(c.n_experts, f.IntOf({"num_local_experts", "num_experts"}));
+  RS_ASSIGN_OR_RETURN(c.top_k, f.Int("num_experts_per_tok"));
+  RS_ASSIGN_OR_RETURN(c.moe_ffn, f.Int("moe_intermediate_size"));
+  RS_ASSIGN_OR_RETURN(c.dense_ffn, f.Int("intermediate_size", c.dense_ffn));
+  RS_ASSIGN_OR_RETURN(c.aux_loss_coef, f.Real("router_aux_loss_coef", 0.001));
+  RS_ASSIGN_OR_RETURN(c.moe_layer_step, f.Int("decoder_sparse_step", 1));
+  RS_ASSIGN_OR_RETURN(c.dense_layers, f.Ints("mlp_only_layers"));
+  // transformers asks `i in mlp_only_layers` of each layer: entries that name no layer do nothing,
+  // and neither do entries for layers decoder_sparse_step already makes dense. Dropping both keeps
+  // one description per model, the one write_hf_config writes back.
+  std::erase_if(c.dense_layers, [&](std::int64_t i) {
+    return i < 0 || i >= c.n_layers || (c.moe_layer_step > 1 && (i + 1) % c.moe_layer_step != 0);
+  });
+  std::sort(c.dense_layers.begin(), c.dense_layers.end());
+  c.dense_layers.erase(std::unique(c.dense_layers.begin(), c.dense_layers.end()), c.dense_layers.end());
+  c.first_dense_layers = 0;
+  RS_ASSIGN_OR_RETURN(const bool norm_topk, f.Bool("norm_topk_prob", norm_topk_default));
+  c.router = norm_topk ? RouterKind::kTopKSoftmaxAfter : RouterKind::kSoftmaxBefore;
+  return Status::Ok();
+}
+
+std::vector<std::int64_t> QwenMlpOnlyLayers(const ModelConfig& c) {
+  std::vector<std::int64_t> mlp_only;
+  for (std::int64_t i = 0; i < c.n_layers; ++i) {
+    const bool by_step = c.moe_layer_step > 1 && (i + 1) % c.moe_layer_step != 0;
+    if (!c.IsMoeLayer(i) && !by_step) mlp_only.push_back(i);
+  }
+  return mlp_only;
+}
+
 Result<std::string> CheckExportable(const ModelConfig& c, std::string_view label, const std::vector<std::string>& diffs,
                                     DType dtype) {
   if (!diffs.empty()) {

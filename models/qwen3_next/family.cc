@@ -44,11 +44,6 @@ std::vector<std::string> Qwen3NextDifferences(const ModelConfig& c) {
 
 Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
   RS_ASSIGN_OR_RETURN(const std::string torch, CheckExportable(c, "Qwen3-Next", Qwen3NextDifferences(c), dtype));
-  std::vector<std::int64_t> mlp_only;
-  for (std::int64_t i = 0; i < c.n_layers; ++i) {
-    const bool by_step = c.moe_layer_step > 1 && (i + 1) % c.moe_layer_step != 0;
-    if (!c.IsMoeLayer(i) && !by_step) mlp_only.push_back(i);
-  }
   nlohmann::json layer_types = nlohmann::json::array();
   for (std::int64_t i = 0; i < c.n_layers; ++i)
     layer_types.push_back(c.IsGdnLayer(i) ? "linear_attention" : "full_attention");
@@ -69,7 +64,7 @@ Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
       {"num_experts_per_tok", c.top_k},
       {"norm_topk_prob", c.router == RouterKind::kTopKSoftmaxAfter},
       {"decoder_sparse_step", c.moe_layer_step},
-      {"mlp_only_layers", mlp_only},
+      {"mlp_only_layers", QwenMlpOnlyLayers(c)},
       {"layer_types", layer_types},
       {"full_attention_interval", c.full_attn_interval > 0 ? c.full_attn_interval : 1},
       {"linear_num_key_heads", c.gdn_key_heads},
@@ -134,24 +129,10 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
     diffs.push_back("a rotary dim of " + std::to_string(rotary) + " (head_dim × partial_rotary_factor must be even)");
   }
   c.rotary_dim = rotary == c.head_dim ? 0 : rotary;
-  RS_ASSIGN_OR_RETURN(c.n_experts, f.IntOf({"num_experts", "num_local_experts"}));
-  RS_ASSIGN_OR_RETURN(c.top_k, f.Int("num_experts_per_tok"));
-  RS_ASSIGN_OR_RETURN(c.moe_ffn, f.Int("moe_intermediate_size"));
-  RS_ASSIGN_OR_RETURN(c.dense_ffn, f.Int("intermediate_size", c.dense_ffn));
+  RS_RETURN_IF_ERROR(ReadQwenMoeConfig(f, /*norm_topk_default=*/true, c));
   RS_ASSIGN_OR_RETURN(c.shared_ffn, f.Int("shared_expert_intermediate_size"));
   c.shared_gate = c.shared_ffn > 0;
   if (c.shared_ffn <= 0) diffs.push_back("shared_expert_intermediate_size 0 (a shared expert of no width)");
-  RS_ASSIGN_OR_RETURN(c.aux_loss_coef, f.Real("router_aux_loss_coef", 0.001));
-  RS_ASSIGN_OR_RETURN(c.moe_layer_step, f.Int("decoder_sparse_step", 1));
-  RS_ASSIGN_OR_RETURN(c.dense_layers, f.Ints("mlp_only_layers"));
-  std::erase_if(c.dense_layers, [&](std::int64_t i) {
-    return i < 0 || i >= c.n_layers || (c.moe_layer_step > 1 && (i + 1) % c.moe_layer_step != 0);
-  });
-  std::sort(c.dense_layers.begin(), c.dense_layers.end());
-  c.dense_layers.erase(std::unique(c.dense_layers.begin(), c.dense_layers.end()), c.dense_layers.end());
-  c.first_dense_layers = 0;
-  RS_ASSIGN_OR_RETURN(const bool norm_topk, f.Bool("norm_topk_prob", true));
-  c.router = norm_topk ? RouterKind::kTopKSoftmaxAfter : RouterKind::kSoftmaxBefore;
   // Which layers are linear attention.
   std::int64_t interval = 0;
   if (f.Has("layer_types")) {
