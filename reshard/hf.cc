@@ -553,6 +553,16 @@ Result<std::unique_ptr<HfDirectory>> OpenHfDirectory(const std::string& dir) {
     return DataLoss(config_path + " implies " + std::to_string(implied) + " tensors; the safetensors files of " + dir +
                     " hold " + std::to_string(available.size()));
   }
+  // Likewise a config whose tensors hold far more values than the files (the interleaved rows of a
+  // family map in runs of rows, whose number grows with the claimed heads); a few missing tensors
+  // are named below.
+  std::int64_t held = 0;
+  for (const auto& [name, source] : available) held += source.tensor->numel();
+  RS_ASSIGN_OR_RETURN(const std::int64_t claimed, ModelParameterCount(config));
+  if (claimed > 2 * held + (std::int64_t{1} << 20)) {
+    return DataLoss(config_path + " implies " + std::to_string(claimed) + " parameters; the safetensors files of " +
+                    dir + " hold " + std::to_string(held) + " values");
+  }
   RS_ASSIGN_OR_RETURN(d->hf, HfTensorMap(params, family, variant, &config));
   const std::vector<HfTensor>& hf = d->hf;
   RS_ASSIGN_OR_RETURN(const std::optional<Fp8Blocks> fp8, ReadQuantization(config_json, config_path));

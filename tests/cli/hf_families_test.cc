@@ -368,6 +368,23 @@ TEST(HfFamilies, Qwen3NextExportWritesTransformersTensors) {
   }
 }
 
+// A config.json claiming far more heads than its files hold is refused before the tensor map (whose
+// interleaved rows come in runs per head) is built: quickly, naming config.json, nothing written.
+TEST(HfFamilies, Qwen3NextConfigClaimingHugeHeadsIsRefused) {
+  TempDir tmp;
+  const std::string dir = tmp / "huge";
+  fs::copy(kFixtures + "/qwen3_next_tiny", dir);
+  nlohmann::json config = ReadJson(dir + "/config.json");
+  config["num_attention_heads"] = 1 << 20;
+  config["num_key_value_heads"] = 1 << 20;
+  std::ofstream(dir + "/config.json", std::ios::trunc) << config.dump();
+  const CommandResult r = RunCli("import " + dir + " --format hf --layout tp=1 -o " + (tmp / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(Contains(r.output, "config.json implies")) << r.output;
+  EXPECT_TRUE(Contains(r.output, "parameters; the safetensors files")) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "out"));
+}
+
 // Trained from an import at tp=2 (gated-delta-net heads and the attention gate cut over tp).
 TEST(HfFamilies, Qwen3NextTrainedExportLoadsInTransformers) {
   CheckTrainedExportLoadsInTransformers("qwen3_next_tiny");
