@@ -308,7 +308,7 @@ void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T
   const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * seq * kd_, vh = (b * s_.nv + h) * seq;
   const T* starts = states_.data() + (b * s_.nv + h) * chunks * kd_ * vd;
   std::vector<T> ds(d_state, d_state + kd_ * vd), ds0(Sz(kd_ * vd));
-  std::vector<T> dvn, dvb, deb, dm, dgamma, tmp;
+  std::vector<T> dvn, dvb, deb, dm, dgamma, tmp, edo, da, dkb;  // per chunk, reused
   ChunkTerms<T> c;
   for (std::int64_t ci = chunks; ci-- > 0;) {
     const std::int64_t t0 = ci * chunk_, l = std::min(chunk_, seq - t0);
@@ -355,12 +355,12 @@ void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T
       dgamma[Sz(i)] += e * acc;
     }
     // Qdᵀ·dO = qᵀ·diag(e^γ)·dO
-    std::vector<T> edo(doc, doc + l * vd);
+    edo.assign(doc, doc + l * vd);
     for (std::int64_t i = 0; i < l; ++i) {
       for (std::int64_t j = 0; j < vd; ++j) edo[Sz(i * vd + j)] *= c.egamma[Sz(i)];
     }
     Gemm<T>(Trans::kYes, Trans::kNo, kd_, vd, l, T(1), q, kd_, edo.data(), vd, T(1), ds0.data(), vd);
-    std::vector<T> da(Sz(l * l));
+    da.resize(Sz(l * l));
     Gemm<T>(Trans::kNo, Trans::kYes, l, l, vd, T(1), doc, vd, c.vn.data(), vd, T(0), da.data(), l);
     for (std::int64_t i = 0; i < l; ++i) {
       for (std::int64_t j = i + 1; j < l; ++j) da[Sz(i * l + j)] = T(0);
@@ -396,7 +396,7 @@ void DeltaRule<T>::ChunkBackward(std::int64_t b, std::int64_t h, const T* d_o, T
     Gemm<T>(Trans::kNo, Trans::kNo, l, kd_, l, T(1), da.data(), l, k, kd_, T(1), dqc, kd_);
     Gemm<T>(Trans::kYes, Trans::kNo, l, kd_, l, T(1), da.data(), l, q, kd_, T(1), dkc, kd_);
     // P = Kb·kᵀ: dKb = dP·k, dk += dPᵀ·Kb
-    std::vector<T> dkb(Sz(l * kd_));
+    dkb.resize(Sz(l * kd_));
     Gemm<T>(Trans::kNo, Trans::kNo, l, kd_, l, T(1), dm.data(), l, k, kd_, T(0), dkb.data(), kd_);
     Gemm<T>(Trans::kYes, Trans::kNo, l, kd_, l, T(1), dm.data(), l, c.kb.data(), kd_, T(1), dkc, kd_);
     // Eb = diag(e^γ)·Kb
