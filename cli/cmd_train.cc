@@ -92,7 +92,9 @@ std::vector<std::pair<std::string, nlohmann::json>> StepFields(const train::Step
           {"comm_bytes.allgather", r.comm.allgather_bytes},
           {"comm_bytes.reduce_scatter", r.comm.reduce_scatter_bytes},
           {"comm_bytes.alltoall", r.comm.alltoall_bytes},
-          {"comm_bytes.broadcast", r.comm.broadcast_bytes}};
+          {"comm_bytes.broadcast", r.comm.broadcast_bytes},
+          {"comm_bytes.p2p", r.comm.p2p_bytes},
+          {"pipeline_idle", r.pipeline.idle_fraction()}};
 }
 
 nlohmann::json LogLine(const std::vector<std::pair<std::string, nlohmann::json>>& fields) {
@@ -477,6 +479,9 @@ void RunTrain(TrainArgs& a) {
       Print("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s", r.step,
             r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
       if (world.active()) Print(" | comm %s", HumanBytes(r.comm.total()).c_str());
+      if (r.pipeline.span > 0 && trainer->state().stages() > 1) {
+        Print(" | stage-0 idle %.0f%%", 100.0 * r.pipeline.idle_fraction());
+      }
       Print("\n");
       std::fflush(stdout);
       const auto fields = StepFields(r);
@@ -592,6 +597,10 @@ void RegisterTrain(CLI::App& app) {
           ->capture_default_str(),
       cmd->add_option("--align", c.dispatch.alignment, "Pad each expert's rows to a multiple of this (0 = none)")
           ->capture_default_str(),
+      cmd->add_option("--micro-batches", c.micro_batches,
+                      "Split each step's batch into M micro-batches (gradient accumulation; the pipeline's unit "
+                      "with pp > 1); losses are defined per micro-batch, each weighing 1/M")
+          ->capture_default_str(),
   };
   cmd->add_option("--steps", a->steps, "Train until this many steps are done (counting resumed ones)")->required();
   cmd->add_option("--data", a->data, "Text file to train on (default: the GPL-3 text)");
@@ -611,8 +620,9 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
   cmd->add_option(
          "--layout", a->layout,
-         "Parallel layout, e.g. tp=2,fsdp=2,dp=2 (run with mpirun -np <ranks>); fsdp_form=flat (default) or box "
-         "(the default under rules that use ep as context parallelism, such as ep-as-cp)")
+         "Parallel layout, e.g. tp=2,fsdp=2,dp=2 or pp=2,tp=2 (run with mpirun -np <ranks>); fsdp_form=flat "
+         "(default) or box (the default under rules that use ep as context parallelism, such as ep-as-cp); "
+         "pp_split=A/B to place layers unevenly, pp_virtual=V for the interleaved 1F1B schedule")
       ->capture_default_str();
   cmd->add_option("--rules", a->rules, "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file")
       ->capture_default_str();

@@ -16,9 +16,18 @@ CommStats& CommStats::operator+=(const CommStats& o) {
   reduce_scatter_bytes += o.reduce_scatter_bytes;
   alltoall_bytes += o.alltoall_bytes;
   broadcast_bytes += o.broadcast_bytes;
+  p2p_bytes += o.p2p_bytes;
   seconds += o.seconds;
   return *this;
 }
+
+Status Communicator::Send(std::span<const float>, std::int64_t, std::int64_t) {
+  return Unimplemented("point-to-point send on " + name());
+}
+Status Communicator::Recv(std::span<float>, std::int64_t, std::int64_t) {
+  return Unimplemented("point-to-point receive on " + name());
+}
+Status Communicator::WaitSends() { return Status::Ok(); }
 
 namespace {
 

@@ -12,6 +12,7 @@
 //   reduce-scatter to s bytes per rank:  (p−1) · s
 //   all-to-all(v):                       the bytes received from the other ranks
 //   broadcast of n bytes:                n (0 on the root)
+//   point to point:                      the bytes received
 #pragma once
 
 #include <chrono>
@@ -32,9 +33,10 @@ struct CommStats {
   std::int64_t reduce_scatter_bytes = 0;
   std::int64_t alltoall_bytes = 0;
   std::int64_t broadcast_bytes = 0;
+  std::int64_t p2p_bytes = 0;
   double seconds = 0;  // wall time inside collectives (waiting for peers included)
   std::int64_t total() const {
-    return allreduce_bytes + allgather_bytes + reduce_scatter_bytes + alltoall_bytes + broadcast_bytes;
+    return allreduce_bytes + allgather_bytes + reduce_scatter_bytes + alltoall_bytes + broadcast_bytes + p2p_bytes;
   }
   CommStats& operator+=(const CommStats& o);
 };
@@ -63,6 +65,16 @@ class Communicator {
   // Root's bytes to every rank (all pass the same size).
   virtual Status Broadcast(std::span<std::byte> data, std::int64_t root) = 0;
   virtual Status Barrier() = 0;
+  // Point to point (pipeline stages pass activations and their gradients). Send queues `data`
+  // for rank `dest` and returns without waiting for the receiver: the communicator keeps a
+  // copy until it is delivered, so two stages that send to each other before receiving cannot
+  // deadlock. Recv blocks until the message from `source` with this `tag` arrived; tags tell
+  // messages apart (a receive only matches a send with its tag), and its size must be the
+  // sent one. WaitSends blocks until every queued send was delivered. The defaults return
+  // Unimplemented (communicators that pipelines do not use).
+  virtual Status Send(std::span<const float> data, std::int64_t dest, std::int64_t tag);
+  virtual Status Recv(std::span<float> data, std::int64_t source, std::int64_t tag);
+  virtual Status WaitSends();
   // The ranks that pass the same `color` form a new group, ordered by `key` (collective over
   // this communicator). `name` names the group in errors.
   virtual Result<std::unique_ptr<Communicator>> Split(std::int64_t color, std::int64_t key, std::string name) = 0;

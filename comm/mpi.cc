@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <limits>
 #include <vector>
 
@@ -44,6 +45,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   }
   ~MpiCommunicator() override {
+    (void)WaitSends();  // never free a buffer MPI may still read
     if (owned_) MPI_Comm_free(&comm_);
   }
 
@@ -127,6 +129,49 @@ class MpiCommunicator final : public Communicator {
 
   Status Barrier() override { return Check(MPI_Barrier(comm_), "barrier"); }
 
+  Status Send(std::span<const float> data, std::int64_t dest, std::int64_t tag) override {
+    const CommTimer timed(stats_);
+    RS_RETURN_IF_ERROR(CountFits(data.size(), "send", name()));
+    RS_RETURN_IF_ERROR(CheckPeer(dest, tag, "send"));
+    RS_RETURN_IF_ERROR(ReapSends());
+    // A copy that lives until MPI delivered it (the caller's buffer may change right away).
+    pending_.push_back({MPI_REQUEST_NULL, std::vector<float>(data.begin(), data.end())});
+    Pending& p = pending_.back();
+    return Check(MPI_Isend(p.data.data(), static_cast<int>(p.data.size()), MPI_FLOAT, static_cast<int>(dest),
+                           static_cast<int>(tag), comm_, &p.request),
+                 "send");
+  }
+
+  Status Recv(std::span<float> data, std::int64_t source, std::int64_t tag) override {
+    const CommTimer timed(stats_);
+    RS_RETURN_IF_ERROR(CountFits(data.size(), "receive", name()));
+    RS_RETURN_IF_ERROR(CheckPeer(source, tag, "receive"));
+    MPI_Status st;
+    RS_RETURN_IF_ERROR(Check(MPI_Recv(data.data(), static_cast<int>(data.size()), MPI_FLOAT, static_cast<int>(source),
+                                      static_cast<int>(tag), comm_, &st),
+                             "receive"));
+    int count = 0;
+    MPI_Get_count(&st, MPI_FLOAT, &count);
+    if (static_cast<std::size_t>(count) != data.size()) {
+      return Internal("receive on " + name() + " from rank " + std::to_string(source) + " (tag " +
+                      std::to_string(tag) + "): " + std::to_string(count) + " items arrived, " +
+                      std::to_string(data.size()) + " expected");
+    }
+    stats_.p2p_bytes += static_cast<std::int64_t>(data.size() * 4);
+    return Status::Ok();
+  }
+
+  Status WaitSends() override {
+    const CommTimer timed(stats_);
+    Status first = Status::Ok();
+    for (Pending& p : pending_) {
+      const Status s = Check(MPI_Wait(&p.request, MPI_STATUS_IGNORE), "send");
+      if (first.ok() && !s.ok()) first = s;
+    }
+    pending_.clear();
+    return first;
+  }
+
   Result<std::unique_ptr<Communicator>> Split(std::int64_t color, std::int64_t key, std::string name) override {
     MPI_Comm sub = MPI_COMM_NULL;
     RS_RETURN_IF_ERROR(Check(MPI_Comm_split(comm_, static_cast<int>(color), static_cast<int>(key), &sub), "split"));
@@ -164,8 +209,39 @@ class MpiCommunicator final : public Communicator {
     return Status::Ok();
   }
 
+  Status CheckPeer(std::int64_t peer, std::int64_t tag, const char* op) const {
+    if (peer < 0 || peer >= size() || peer == rank()) {
+      return InvalidArgument(std::string(op) + " on " + name() + ": peer rank " + std::to_string(peer) +
+                             " is not another rank of the group's " + std::to_string(size()));
+    }
+    int* upper = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(comm_, MPI_TAG_UB, &upper, &found);
+    if (tag < 0 || (found != 0 && upper != nullptr && tag > *upper)) {
+      return InvalidArgument(std::string(op) + " on " + name() + ": tag " + std::to_string(tag) +
+                             " outside this MPI's [0, MPI_TAG_UB]");
+    }
+    return Status::Ok();
+  }
+
+  // Drops the sends MPI has delivered (their copies are no longer needed).
+  Status ReapSends() {
+    while (!pending_.empty()) {
+      int done = 0;
+      RS_RETURN_IF_ERROR(Check(MPI_Test(&pending_.front().request, &done, MPI_STATUS_IGNORE), "send"));
+      if (done == 0) break;
+      pending_.pop_front();
+    }
+    return Status::Ok();
+  }
+
+  struct Pending {
+    MPI_Request request;
+    std::vector<float> data;
+  };
   MPI_Comm comm_;
   bool owned_;
+  std::deque<Pending> pending_;  // queued sends, oldest first (a deque keeps their buffers in place)
 };
 
 #endif  // RS_HAVE_MPI

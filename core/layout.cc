@@ -126,12 +126,17 @@ void to_json(nlohmann::json& j, const RuleSet& r) {
   j = nlohmann::json{{"name", r.name}, {"rules", std::move(rules)}};
 }
 
-Result<Layout> Layout::Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split) {
+Result<Layout> Layout::Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split, std::int64_t pp_virtual) {
+  if (pp_virtual < 1 || pp_virtual > (1 << 16)) {
+    return InvalidArgument("pp_virtual must be in [1, 65536], got " + std::to_string(pp_virtual));
+  }
   if (!pp_split.empty()) {
-    const std::int64_t stages = mesh.AxisSize(kPipelineAxis);
-    if (static_cast<std::int64_t>(pp_split.size()) != stages) {
-      return InvalidArgument("pp_split has " + std::to_string(pp_split.size()) +
-                             " entries for pp=" + std::to_string(stages));
+    const std::int64_t chunks = mesh.AxisSize(kPipelineAxis) * pp_virtual;
+    if (static_cast<std::int64_t>(pp_split.size()) != chunks) {
+      return InvalidArgument("pp_split has " + std::to_string(pp_split.size()) + " entries for pp=" +
+                             std::to_string(mesh.AxisSize(kPipelineAxis)) +
+                             (pp_virtual > 1 ? " x pp_virtual=" + std::to_string(pp_virtual) : std::string()) +
+                             " chunks");
     }
     std::int64_t total = 0;
     for (std::int64_t n : pp_split) {
@@ -141,7 +146,7 @@ Result<Layout> Layout::Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t
       total = *sum;
     }
   }
-  return Layout(std::move(mesh), std::move(rules), std::move(pp_split));
+  return Layout(std::move(mesh), std::move(rules), std::move(pp_split), pp_virtual);
 }
 
 Result<Layout> Layout::Parse(const std::string& short_form, const RuleSet& rules) {
@@ -184,13 +189,15 @@ Result<Layout> Layout::Parse(const std::string& short_form, const RuleSet& rules
 nlohmann::json Layout::ToJson() const {
   nlohmann::json mesh = nlohmann::json::array();
   for (const MeshAxis& a : mesh_.axes()) mesh.push_back({{"name", a.name}, {"size", a.size}});
-  return nlohmann::json{{"mesh", std::move(mesh)}, {"rules", rules_}, {"pp_split", pp_split_}};
+  nlohmann::json j{{"mesh", std::move(mesh)}, {"rules", rules_}, {"pp_split", pp_split_}};
+  if (pp_virtual_ > 1) j["pp_virtual"] = pp_virtual_;  // absent: 1 (layouts written before it)
+  return j;
 }
 
 Result<Layout> Layout::FromJson(const nlohmann::json& j) {
   if (!j.is_object()) return InvalidArgument("layout: expected a JSON object");
   for (const auto& [key, value] : j.items()) {
-    if (key != "mesh" && key != "rules" && key != "pp_split")
+    if (key != "mesh" && key != "rules" && key != "pp_split" && key != "pp_virtual")
       return InvalidArgument("layout: unknown field '" + key + "'");
   }
   if (!j.contains("mesh") || !j["mesh"].is_array()) return InvalidArgument("layout.mesh: expected an array");
@@ -220,7 +227,11 @@ Result<Layout> Layout::FromJson(const nlohmann::json& j) {
       pp_split.push_back(n);
     }
   }
-  auto layout = Create(std::move(mesh).value(), std::move(rules).value(), std::move(pp_split));
+  std::int64_t pp_virtual = 1;
+  if (j.contains("pp_virtual")) {
+    RS_ASSIGN_OR_RETURN(pp_virtual, IntField(j["pp_virtual"], "layout.pp_virtual"));
+  }
+  auto layout = Create(std::move(mesh).value(), std::move(rules).value(), std::move(pp_split), pp_virtual);
   if (!layout.ok()) return layout.status().WithContext("layout");
   return layout;
 }
@@ -234,18 +245,22 @@ std::string Layout::ToString() const {
       s += std::to_string(pp_split_[i]);
     }
   }
+  if (pp_virtual_ > 1) s += " pp_virtual=" + std::to_string(pp_virtual_);
   return s;
 }
+
+std::int64_t Layout::PipelineChunks() const { return mesh_.AxisSize(kPipelineAxis) * pp_virtual_; }
 
 Status Layout::ValidatePipeline(std::int64_t num_layers) const {
   if (num_layers < 0) return InvalidArgument("negative number of layers " + std::to_string(num_layers));
   if (pp_split_.empty()) return Status::Ok();
   std::int64_t total = 0;
   for (std::int64_t n : pp_split_) total += n;  // Create bounded the sum
-  if (static_cast<std::int64_t>(pp_split_.size()) != mesh_.AxisSize(kPipelineAxis) || total != num_layers) {
+  if (static_cast<std::int64_t>(pp_split_.size()) != PipelineChunks() || total != num_layers) {
     return InvalidArgument("pp_split of layout " + ToString() + " assigns " + std::to_string(total) + " layers to " +
-                           std::to_string(pp_split_.size()) + " stages; the model has " + std::to_string(num_layers) +
-                           " layers and pp=" + std::to_string(mesh_.AxisSize(kPipelineAxis)));
+                           std::to_string(pp_split_.size()) + " chunks; the model has " + std::to_string(num_layers) +
+                           " layers and pp=" + std::to_string(mesh_.AxisSize(kPipelineAxis)) +
+                           (pp_virtual_ > 1 ? " x pp_virtual=" + std::to_string(pp_virtual_) : std::string()));
   }
   return Status::Ok();
 }
@@ -266,7 +281,7 @@ bool Layout::OnStage(const PipelinePlace& place, std::int64_t stage, std::int64_
   return StageOfLayer(place.layer, num_layers) == stage;
 }
 
-std::int64_t Layout::StageOfLayer(std::int64_t layer, std::int64_t num_layers) const {
+std::int64_t Layout::ChunkOfLayer(std::int64_t layer, std::int64_t num_layers) const {
   RS_CHECK_MSG(layer >= 0 && layer < num_layers, "layer " << layer << " of " << num_layers);
   const Status valid = ValidatePipeline(num_layers);
   RS_CHECK_MSG(valid.ok(), valid.message());
@@ -277,14 +292,32 @@ std::int64_t Layout::StageOfLayer(std::int64_t layer, std::int64_t num_layers) c
       if (layer < end) return static_cast<std::int64_t>(s);
     }
   }
-  // Even contiguous split; when the layers do not divide evenly the first stages take one
+  // Even contiguous split; when the layers do not divide evenly the first chunks take one
   // extra layer each (sizes differ by at most one).
-  const std::int64_t stages = mesh_.AxisSize(kPipelineAxis);
-  const std::int64_t base = num_layers / stages;
-  const std::int64_t extra = num_layers % stages;
-  const std::int64_t big = extra * (base + 1);  // layers held by the stages with one extra
+  const std::int64_t chunks = PipelineChunks();
+  const std::int64_t base = num_layers / chunks;
+  const std::int64_t extra = num_layers % chunks;
+  const std::int64_t big = extra * (base + 1);  // layers held by the chunks with one extra
   if (layer < big) return layer / (base + 1);
   return extra + (layer - big) / base;
+}
+
+std::int64_t Layout::StageOfLayer(std::int64_t layer, std::int64_t num_layers) const {
+  return ChunkOfLayer(layer, num_layers) % mesh_.AxisSize(kPipelineAxis);
+}
+
+std::pair<std::int64_t, std::int64_t> Layout::ChunkLayers(std::int64_t chunk, std::int64_t num_layers) const {
+  RS_CHECK_MSG(chunk >= 0 && chunk < PipelineChunks(), "chunk " << chunk << " of " << PipelineChunks());
+  const Status valid = ValidatePipeline(num_layers);
+  RS_CHECK_MSG(valid.ok(), valid.message());
+  std::int64_t begin = 0;
+  if (!pp_split_.empty()) {
+    for (std::int64_t c = 0; c < chunk; ++c) begin += pp_split_[static_cast<std::size_t>(c)];
+    return {begin, begin + pp_split_[static_cast<std::size_t>(chunk)]};
+  }
+  const std::int64_t base = num_layers / PipelineChunks(), extra = num_layers % PipelineChunks();
+  begin = chunk * base + std::min(chunk, extra);
+  return {begin, begin + base + (chunk < extra ? 1 : 0)};
 }
 
 std::vector<std::vector<std::string>> Layout::ShardingAxes(const TensorSpec& t) const {

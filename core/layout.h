@@ -6,7 +6,9 @@
 //
 // Pipeline parallelism: the mesh axis "pp" assigns each decoder layer's tensors to a stage
 // (contiguous layer ranges, even by default, or an explicit split); `PipelinePlace::kPre`
-// tensors live on stage 0, `kPost` on the last stage, `kAll` on every stage.
+// tensors live on stage 0, `kPost` on the last stage, `kAll` on every stage. With virtual
+// stages (pp_virtual V > 1, interleaved pipelines) the layers are cut into pp·V contiguous
+// chunks instead and chunk c lives on stage c % pp: a stage holds V ranges of layers.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +16,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/mesh.h"
@@ -51,36 +54,47 @@ inline const std::vector<std::string>& CanonicalMeshAxes() {
 class Layout {
  public:
   Layout() = default;
-  Layout(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split = {})
-      : mesh_(std::move(mesh)), rules_(std::move(rules)), pp_split_(std::move(pp_split)) {}
-  // As the constructor, for untrusted values: InvalidArgument unless pp_split is empty or has
-  // one non-negative entry per pp stage.
-  static Result<Layout> Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split = {});
+  Layout(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split = {}, std::int64_t pp_virtual = 1)
+      : mesh_(std::move(mesh)), rules_(std::move(rules)), pp_split_(std::move(pp_split)), pp_virtual_(pp_virtual) {}
+  // As the constructor, for untrusted values: InvalidArgument unless pp_virtual is in
+  // [1, 2^16] and pp_split is empty or has one non-negative entry per chunk (pp · pp_virtual).
+  static Result<Layout> Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split = {},
+                               std::int64_t pp_virtual = 1);
+  // The same mesh and pipeline placement under other rules.
+  Layout WithRules(RuleSet rules) const { return Layout(mesh_, std::move(rules), pp_split_, pp_virtual_); }
 
   // Short form "tp=2,ep=4,fsdp=2,pp=1,dp=1[,cp=1]" (any order, any subset; missing axes are
   // 1; an empty string is the single-rank layout). InvalidArgument naming the token for an
   // unknown axis, a repeated axis, or a size that is not an integer >= 1. Axes are laid out in
   // CanonicalMeshAxes() order. The rule set is taken as given (see RuleSetFromJson).
   static Result<Layout> Parse(const std::string& short_form, const RuleSet& rules);
-  // {"mesh": [{"name": "pp", "size": 1}, ...], "rules": {rule set}, "pp_split": [...]}; any
+  // {"mesh": [{"name": "pp", "size": 1}, ...], "rules": {rule set}, "pp_split": [...]
+  // [, "pp_virtual": V when V > 1]}; any
   // valid mesh is accepted (axes the rules name but the mesh lacks act as size 1).
   // InvalidArgument naming the field ("layout.mesh[2].size: ...").
   static Result<Layout> FromJson(const nlohmann::json& j);
   nlohmann::json ToJson() const;
-  // "pp=1,dp=1,fsdp=2,cp=1,ep=4,etp=1,tp=2 rules=megatron[ pp_split=3/5]"
+  // "pp=1,dp=1,fsdp=2,cp=1,ep=4,etp=1,tp=2 rules=megatron[ pp_split=3/5][ pp_virtual=2]"
   std::string ToString() const;
 
   const Mesh& mesh() const { return mesh_; }
   const RuleSet& rules() const { return rules_; }
-  const std::vector<std::int64_t>& pp_split() const { return pp_split_; }
+  const std::vector<std::int64_t>& pp_split() const { return pp_split_; }  // layers per chunk
+  std::int64_t pp_virtual() const { return pp_virtual_; }
+  // pp · pp_virtual: the contiguous layer ranges the pipeline cuts the model into.
+  std::int64_t PipelineChunks() const;
   std::int64_t num_ranks() const { return mesh_.size(); }
 
   // InvalidArgument when an explicit pp_split does not fit a model of `num_layers` layers
   // (call it before placing tensors of a model; StageOfLayer RS_CHECKs it).
   Status ValidatePipeline(std::int64_t num_layers) const;
-  // Pipeline stage of a decoder layer out of `num_layers` (even contiguous split unless an
-  // explicit split was given; uneven: the first num_layers % pp stages take one extra layer).
+  // Pipeline chunk of a decoder layer out of `num_layers` (even contiguous split into
+  // PipelineChunks() unless an explicit split was given; uneven: the first chunks take one
+  // extra layer each), and its stage: chunk % pp.
+  std::int64_t ChunkOfLayer(std::int64_t layer, std::int64_t num_layers) const;
   std::int64_t StageOfLayer(std::int64_t layer, std::int64_t num_layers) const;
+  // The layers [first, second) of chunk `chunk`.
+  std::pair<std::int64_t, std::int64_t> ChunkLayers(std::int64_t chunk, std::int64_t num_layers) const;
   // Whether ranks at pipeline stage `stage` hold tensors placed at `place` at all (kPre: the
   // first stage, kPost: the last, a layer: its stage, kAll: every stage).
   bool OnStage(const PipelinePlace& place, std::int64_t stage, std::int64_t num_layers) const;
@@ -103,7 +117,8 @@ class Layout {
  private:
   Mesh mesh_;
   RuleSet rules_;
-  std::vector<std::int64_t> pp_split_;  // layers per stage; empty = even
+  std::vector<std::int64_t> pp_split_;  // layers per chunk; empty = even
+  std::int64_t pp_virtual_ = 1;         // chunks per stage
 };
 
 }  // namespace rs

@@ -44,6 +44,7 @@ std::string_view FsdpFormName(FsdpForm f) { return f == FsdpForm::kFlat ? "flat"
 Result<PhysicalLayout> PhysicalLayout::Parse(const std::string& text, const RuleSet& rules) {
   PhysicalOptions o;
   std::vector<std::int64_t> pp_split;
+  std::int64_t pp_virtual = 1;
   std::string mesh_part;
   std::size_t pos = 0;
   while (pos <= text.size() && !Trim(text).empty()) {
@@ -84,6 +85,8 @@ Result<PhysicalLayout> PhysicalLayout::Parse(const std::string& text, const Rule
       RS_ASSIGN_OR_RETURN(const std::int64_t mib, ParseInt(value, where));
       if (mib > (std::int64_t{1} << 40)) return InvalidArgument(where + ": bucket limit too large");
       o.bucket_limit_bytes = mib << 20;
+    } else if (key == "pp_virtual") {
+      RS_ASSIGN_OR_RETURN(pp_virtual, ParseInt(value, where));
     } else if (key == "pp_split") {
       std::size_t p = 0;
       while (p <= value.size()) {
@@ -98,7 +101,7 @@ Result<PhysicalLayout> PhysicalLayout::Parse(const std::string& text, const Rule
     if (comma == text.size()) break;
   }
   RS_ASSIGN_OR_RETURN(Layout base, Layout::Parse(mesh_part, rules));
-  RS_ASSIGN_OR_RETURN(Layout layout, Layout::Create(base.mesh(), base.rules(), std::move(pp_split)));
+  RS_ASSIGN_OR_RETURN(Layout layout, Layout::Create(base.mesh(), base.rules(), std::move(pp_split), pp_virtual));
   return PhysicalLayout{std::move(layout), o};
 }
 
@@ -192,15 +195,15 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
   if (mesh.AxisSize("etp") > 1 && box_rules.rules.count("exp_mlp") == 0) box_rules.rules["exp_mlp"] = {"etp"};
   RuleSet flat_rules = box_rules;
   for (auto& [logical, axes] : flat_rules.rules) std::erase(axes, std::string(kFsdpAxis));
-  m.box_layout_ = Layout(mesh, box_rules, layout.layout.pp_split());
-  m.flat_layout_ = Layout(mesh, flat_rules, layout.layout.pp_split());
+  m.box_layout_ = layout.layout.WithRules(box_rules);
+  m.flat_layout_ = layout.layout.WithRules(flat_rules);
   // What a rank computes with: ep cuts only expert dims there; any other use of ep (ep-as-cp's
   // `embed`) shards data-parallel state the way fsdp does and is gathered before use.
   RuleSet compute_rules = flat_rules;
   for (auto& [logical, axes] : compute_rules.rules) {
     if (logical.rfind("exp", 0) != 0) std::erase(axes, std::string("ep"));
   }
-  m.compute_layout_ = Layout(mesh, compute_rules, layout.layout.pp_split());
+  m.compute_layout_ = layout.layout.WithRules(compute_rules);
   const Layout& rules_layout = layout.options.fsdp == FsdpForm::kFlat ? m.flat_layout_ : m.box_layout_;
 
   std::map<std::string, std::size_t> by_name;

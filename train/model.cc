@@ -32,12 +32,32 @@ struct Transformer<T>::Layer {
   GdnTensors gdn_t;                            // gated-delta-net
   std::size_t fc1 = kNone, fc2 = kNone;        // dense MLP
   std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone, sgate = kNone;
+  bool held = false;  // this rank holds the layer (pipeline stages hold some)
+  // The shapes of its modules (read off the local tensors): one of the mixers, and the MoE
+  // block's local ffn widths and experts or the dense MLP's ffn.
+  std::optional<GdnShape> gdn;
+  std::optional<MlaShape> mla;
+  std::optional<AttentionShape> attn;
+  std::int64_t moe_ffn = 0, moe_shared_ffn = 0, moe_local_experts = 0, dense_ffn = 0;
+};
+
+template <typename T>
+struct Transformer<T>::LayerRun {
   std::unique_ptr<Attention<T>> attn;       // GQA, or
   std::unique_ptr<LatentAttention<T>> mla;  // MLA, or
   std::unique_ptr<GatedDeltaNet<T>> gdn;    // gated-delta-net
   std::unique_ptr<GroupedSwiGlu<T>> dense;
   std::unique_ptr<MoeLayer<T>> moe;
   Buffer<T> h_in, xn1, rstd1, h_mid, xn2, rstd2;
+};
+
+template <typename T>
+struct Transformer<T>::Slot {
+  std::vector<std::unique_ptr<LayerRun>> layers;  // per layer, made on first use
+  std::int64_t n = 0;                             // tokens of the micro-batch
+  // What the backward pass of the first and the last layer range needs.
+  std::vector<std::int32_t> inputs;
+  Buffer<T> h_final, x_final, rstd_final, dlogits;
 };
 
 Status CheckTrainable(const ModelConfig& config, std::int64_t seq, std::int64_t cp) {
@@ -146,8 +166,10 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
   embedding_ = declared.embedding;
   final_norm_ = declared.final_norm;
   output_ = declared.output;
-  vocab_rows_ = specs_[embedding_].shape[0];
-  RS_CHECK(specs_[output_].shape[0] == vocab_rows_);
+  // Vocab rows: the embedding's and the output's agree; a pipeline stage may hold only one.
+  const bool has_embedding = numel(embedding_) > 0, has_output = numel(output_) > 0;
+  vocab_rows_ = has_embedding ? specs_[embedding_].shape[0] : specs_[output_].shape[0];
+  RS_CHECK(!has_embedding || !has_output || specs_[output_].shape[0] == vocab_rows_);
   auto dim = [&](std::size_t t, std::size_t k) { return specs_[t].shape[k]; };
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
     const LayerTensors& t = declared.layers[static_cast<std::size_t>(i)];
@@ -155,6 +177,11 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
     l->attn_norm = t.attn_norm;
     l->out = t.attn.out;
     l->mlp_norm = t.mlp_norm;
+    l->held = numel(t.attn_norm) > 0;
+    if (!l->held) {  // another pipeline stage's layer
+      layers_.push_back(std::move(l));
+      continue;
+    }
     if (c_.IsGdnLayer(i)) {
       // The rank's heads, read off its local dt_bias [nv_l] and conv1d [2·nk_l·dk + nv_l·dv, 1, K].
       const GdnTensors& g = t.gdn;
@@ -163,17 +190,14 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       RS_CHECK_MSG(nk >= 1 && nv % nk == 0 && 2 * nk * c_.gdn_key_dim + nv * c_.gdn_value_dim == dim(g.conv1d, 0),
                    "local gated-delta-net of " << nk << " / " << nv << " heads");
       l->gdn_t = g;
-      l->gdn = std::make_unique<GatedDeltaNet<T>>(
-          GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim, c_.gdn_conv_kernel, c_.norm_eps}, par_);
+      l->gdn = GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim, c_.gdn_conv_kernel, c_.norm_eps};
     } else if (c_.IsMla()) {
       // The rank's heads, read off its local out [d, nq_l·dv].
       const std::int64_t nq = dim(t.attn.out, 1) / c_.mla_v_dim;
       RS_CHECK_MSG(nq >= 1 && nq * c_.mla_v_dim == dim(t.attn.out, 1), "local MLA of " << nq << " heads");
       l->mla_t = t.attn;
-      l->mla = std::make_unique<LatentAttention<T>>(
-          MlaShape{c_.d_model, nq, c_.head_dim, c_.mla_rope_dim, c_.mla_v_dim, c_.mla_q_rank, c_.mla_kv_rank,
-                   c_.rope_theta, c_.rope_interleave, c_.norm_eps},
-          par_);
+      l->mla = MlaShape{c_.d_model,     nq,           c_.head_dim,        c_.mla_rope_dim, c_.mla_v_dim,
+                        c_.mla_q_rank,  c_.mla_kv_rank, c_.rope_theta, c_.rope_interleave, c_.norm_eps};
     } else {
       RS_CHECK_MSG(t.attn.qkv != kNoTensor, "layer " << i << " has no softmax attention");
       // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].
@@ -181,8 +205,7 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       const std::int64_t nq = dim(t.attn.out, 1) / c_.head_dim;
       const std::int64_t nkv = (dim(t.attn.qkv, 0) / c_.head_dim - (c_.attn_output_gate ? 2 : 1) * nq) / 2;
       RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
-      l->attn = std::make_unique<Attention<T>>(
-          AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta, c_.attn_output_gate, c_.rotary_dim}, par_);
+      l->attn = AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta, c_.attn_output_gate, c_.rotary_dim};
       l->qkv = t.attn.qkv;
       l->q_norm = t.attn.q_norm;
       l->k_norm = t.attn.k_norm;
@@ -195,15 +218,44 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       l->sfc1 = t.moe.shared_fc1;
       l->sfc2 = t.moe.shared_fc2;
       l->sgate = t.moe.shared_gate;
-      l->moe = std::make_unique<MoeLayer<T>>(c_, dispatch_, par_, dim(l->efc2, 2),
-                                             l->sfc2 != kNone ? dim(l->sfc2, 1) : 0, dim(l->efc1, 0));
+      l->moe_ffn = dim(l->efc2, 2);
+      l->moe_shared_ffn = l->sfc2 != kNone ? dim(l->sfc2, 1) : 0;
+      l->moe_local_experts = dim(l->efc1, 0);
     } else {
       l->fc1 = t.mlp.fc1;
       l->fc2 = t.mlp.fc2;
-      l->dense = std::make_unique<GroupedSwiGlu<T>>(c_.d_model, dim(l->fc2, 1));
+      l->dense_ffn = dim(l->fc2, 1);
     }
     layers_.push_back(std::move(l));
   }
+}
+
+template <typename T>
+bool Transformer<T>::HoldsLayer(std::int64_t layer) const {
+  return layers_[static_cast<std::size_t>(layer)]->held;
+}
+
+template <typename T>
+typename Transformer<T>::LayerRun& Transformer<T>::RunOf(Slot& slot, std::size_t li) {
+  const Layer& l = *layers_[li];
+  RS_CHECK_MSG(l.held, "layer " << li << " is held by another pipeline stage");
+  if (slot.layers.size() < layers_.size()) slot.layers.resize(layers_.size());
+  std::unique_ptr<LayerRun>& r = slot.layers[li];
+  if (r != nullptr) return *r;
+  r = std::make_unique<LayerRun>();
+  if (l.gdn) {
+    r->gdn = std::make_unique<GatedDeltaNet<T>>(*l.gdn, par_);
+  } else if (l.mla) {
+    r->mla = std::make_unique<LatentAttention<T>>(*l.mla, par_);
+  } else {
+    r->attn = std::make_unique<Attention<T>>(*l.attn, par_);
+  }
+  if (l.router != kNone) {
+    r->moe = std::make_unique<MoeLayer<T>>(c_, dispatch_, par_, l.moe_ffn, l.moe_shared_ffn, l.moe_local_experts);
+  } else {
+    r->dense = std::make_unique<GroupedSwiGlu<T>>(c_.d_model, l.dense_ffn);
+  }
+  return *r;
 }
 
 template <typename T>
@@ -253,150 +305,212 @@ void Transformer<T>::ZeroGrads() {
 template <typename T>
 Losses Transformer<T>::Run(const std::int32_t* inputs, const std::int32_t* targets, std::int64_t batch,
                            std::int64_t seq, Pass pass) {
+  ResetPhases();
+  const LayerRange all{0, c_.n_layers, true, true};
+  const bool backward = pass == Pass::kForwardBackward;
+  Losses losses = Forward(0, all, inputs, targets, batch, seq, nullptr, nullptr, backward);
+  if (backward) Backward(0, all, nullptr, nullptr);
+  return losses;
+}
+
+template <typename T>
+Losses Transformer<T>::Forward(std::size_t si, LayerRange range, const std::int32_t* inputs,
+                               const std::int32_t* targets, std::int64_t batch, std::int64_t seq, const T* h_in,
+                               T* h_out, bool backward) {
   const std::int64_t d = c_.d_model, v = c_.vocab_size, vl = vocab_rows_, voff = par_->vocab_offset;
   const std::int64_t n = batch * seq;
   const auto nd = static_cast<std::size_t>(n * d);
   const double off = c_.norm_weight_offset();  // the model's RMSNorms: w or (1 + w)
-  RS_CHECK(batch > 0 && seq > 0);
-  inputs_.assign(inputs, inputs + n);
+  const bool first = range.first, last = range.last;
+  RS_CHECK(batch > 0 && seq > 0 && range.begin >= 0 && range.begin <= range.end && range.end <= c_.n_layers);
+  RS_CHECK(!first || range.begin == 0);
+  RS_CHECK(!last || range.end == c_.n_layers);
+  RS_CHECK_MSG(first || h_in != nullptr, "a layer range after the first needs its input h_in");
+  RS_CHECK_MSG(last || h_out != nullptr, "a layer range before the last needs h_out");
+  if (slots_.size() <= si) slots_.resize(si + 1);
+  if (slots_[si] == nullptr) slots_[si] = std::make_unique<Slot>();
+  Slot& slot = *slots_[si];
+  slot.n = n;
   Losses losses;
   losses.loads.resize(layers_.size());
   // Phase timing: lap(slot) adds the time since the previous lap to one part.
-  phases_ = PhaseSeconds{};
   auto mark = std::chrono::steady_clock::now();
-  const auto lap = [&mark](double& slot) {
+  const auto lap = [&mark](double& part) {
     const auto now = std::chrono::steady_clock::now();
-    slot += std::chrono::duration<double>(now - mark).count();
+    part += std::chrono::duration<double>(now - mark).count();
     mark = now;
   };
 
   Buffer<T> h(nd), tmp(nd);
-  for (std::int64_t t = 0; t < n; ++t) {
-    RS_CHECK_MSG(inputs[t] >= 0 && inputs[t] < v, "token " << inputs[t] << " outside the vocabulary");
-    RS_CHECK_MSG(targets[t] >= 0 && targets[t] < v, "target " << targets[t] << " outside the vocabulary");
-    // Vocab-parallel: the rank holding the token's row contributes it, the others zeros.
-    const std::int64_t row = inputs[t] - voff;
-    if (row >= 0 && row < vl) {
-      std::copy_n(P(embedding_) + row * d, d, h.data() + t * d);
-    } else {
-      std::fill_n(h.data() + t * d, d, T(0));
+  if (first) {
+    RS_CHECK_MSG(numel(embedding_) > 0, "the embedding is held by another pipeline stage");
+    slot.inputs.assign(inputs, inputs + n);
+    for (std::int64_t t = 0; t < n; ++t) {
+      RS_CHECK_MSG(inputs[t] >= 0 && inputs[t] < v, "token " << inputs[t] << " outside the vocabulary");
+      // Vocab-parallel: the rank holding the token's row contributes it, the others zeros.
+      const std::int64_t row = inputs[t] - voff;
+      if (row >= 0 && row < vl) {
+        std::copy_n(P(embedding_) + row * d, d, h.data() + t * d);
+      } else {
+        std::fill_n(h.data() + t * d, d, T(0));
+      }
     }
+    par_->AllReduceTp(std::span<T>(h.data(), nd));
+  } else {
+    std::copy_n(h_in, nd, h.data());
   }
-  par_->AllReduceTp(std::span<T>(h.data(), nd));
   lap(phases_.embedding);
-  for (std::size_t li = 0; li < layers_.size(); ++li) {
+  for (auto li = static_cast<std::size_t>(range.begin); li < static_cast<std::size_t>(range.end); ++li) {
     Layer& l = *layers_[li];
-    l.h_in.assign(h.begin(), h.end());
-    l.xn1.resize(nd);
-    l.rstd1.resize(static_cast<std::size_t>(n));
-    RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, l.xn1.data(), l.rstd1.data(), off);
+    LayerRun& r = RunOf(slot, li);
+    r.h_in.assign(h.begin(), h.end());
+    r.xn1.resize(nd);
+    r.rstd1.resize(static_cast<std::size_t>(n));
+    RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, r.xn1.data(), r.rstd1.data(), off);
     lap(phases_.norms);
-    if (l.gdn) {
-      l.gdn->Forward(l.xn1.data(), batch, seq, GdnParams(l), tmp.data());
-    } else if (l.mla) {
-      l.mla->Forward(l.xn1.data(), batch, seq, MlaParams(l), tmp.data());
+    if (r.gdn) {
+      r.gdn->Forward(r.xn1.data(), batch, seq, GdnParams(l), tmp.data());
+    } else if (r.mla) {
+      r.mla->Forward(r.xn1.data(), batch, seq, MlaParams(l), tmp.data());
     } else {
       typename Attention<T>::QkNorm qk;
       if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps, off};
-      l.attn->Forward(l.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
+      r.attn->Forward(r.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
     }
     par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // attention out is row-parallel
     lap(phases_.attention);
     AddInto(h.data(), tmp.data(), nd);
-    l.h_mid.assign(h.begin(), h.end());
-    l.xn2.resize(nd);
-    l.rstd2.resize(static_cast<std::size_t>(n));
-    RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, l.xn2.data(), l.rstd2.data(), off);
+    r.h_mid.assign(h.begin(), h.end());
+    r.xn2.resize(nd);
+    r.rstd2.resize(static_cast<std::size_t>(n));
+    RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, r.xn2.data(), r.rstd2.data(), off);
     lap(phases_.norms);
-    if (l.moe) {
+    if (r.moe) {
       const MoeWeights<T> w = MoeParams(l);
-      const Routing<T>& r = l.moe->Forward(l.xn2.data(), n, w, tmp.data());
-      losses.aux += r.aux_loss;
-      losses.z += r.z_loss;
-      losses.loads[li] = r.loads;
+      const Routing<T>& routing = r.moe->Forward(r.xn2.data(), n, w, tmp.data());
+      losses.aux += routing.aux_loss;
+      losses.z += routing.z_loss;
+      losses.loads[li] = routing.loads;
     } else {
       const std::int64_t rows[] = {n};
-      l.dense->Forward(l.xn2.data(), rows, P(l.fc1), P(l.fc2), tmp.data());
+      r.dense->Forward(r.xn2.data(), rows, P(l.fc1), P(l.fc2), tmp.data());
       par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // fc2 is row-parallel
     }
     lap(phases_.mlp);
     AddInto(h.data(), tmp.data(), nd);
     lap(phases_.norms);
   }
-  h_final_ = std::move(h);
-  x_final_.resize(nd);
-  rstd_final_.resize(static_cast<std::size_t>(n));
-  RmsNormForward(h_final_.data(), P(final_norm_), n, d, c_.norm_eps, x_final_.data(), rstd_final_.data(), off);
+  if (!last) {
+    std::copy_n(h.data(), nd, h_out);
+    losses.total = losses.aux + losses.z;
+    return losses;
+  }
+  RS_CHECK_MSG(numel(output_) > 0, "the output is held by another pipeline stage");
+  for (std::int64_t t = 0; t < n; ++t) {
+    RS_CHECK_MSG(targets[t] >= 0 && targets[t] < v, "target " << targets[t] << " outside the vocabulary");
+  }
+  slot.h_final = std::move(h);
+  slot.x_final.resize(nd);
+  slot.rstd_final.resize(static_cast<std::size_t>(n));
+  RmsNormForward(slot.h_final.data(), P(final_norm_), n, d, c_.norm_eps, slot.x_final.data(), slot.rstd_final.data(),
+                 off);
   Buffer<T> logits(static_cast<std::size_t>(n * vl));
-  Gemm<T>(Trans::kNo, Trans::kYes, n, vl, d, T(1), x_final_.data(), d, P(output_), d, T(0), logits.data(), vl);
-  const bool backward = pass == Pass::kForwardBackward;
-  dlogits_.resize(backward ? logits.size() : 0);
-  const double inv_rows = 1.0 / static_cast<double>(par_->GlobalRows(n));
+  Gemm<T>(Trans::kNo, Trans::kYes, n, vl, d, T(1), slot.x_final.data(), d, P(output_), d, T(0), logits.data(), vl);
+  slot.dlogits.resize(backward ? logits.size() : 0);
+  const double inv_rows = par_->loss_scale / static_cast<double>(par_->GlobalRows(n));
   double ce = VocabParallelCrossEntropy(logits.data(), targets, n, vl, voff, v, inv_rows, *par_,
-                                        backward ? dlogits_.data() : static_cast<T*>(nullptr));
+                                        backward ? slot.dlogits.data() : static_cast<T*>(nullptr));
   par_->AllReduceData(std::span<double>(&ce, 1));
   losses.ce = ce * inv_rows;
   losses.total = losses.ce + losses.aux + losses.z;
   lap(phases_.output);
-  if (!backward) return losses;
+  return losses;
+}
 
+template <typename T>
+void Transformer<T>::Backward(std::size_t si, LayerRange range, const T* dh_out, T* dh_in) {
+  RS_CHECK(si < slots_.size() && slots_[si] != nullptr);
+  Slot& slot = *slots_[si];
+  const std::int64_t d = c_.d_model, vl = vocab_rows_, voff = par_->vocab_offset, n = slot.n;
+  const auto nd = static_cast<std::size_t>(n * d);
+  const double off = c_.norm_weight_offset();
+  const bool first = range.first, last = range.last;
+  RS_CHECK_MSG(last || dh_out != nullptr, "a layer range before the last needs the gradient of its output");
+  RS_CHECK_MSG(first || dh_in != nullptr, "a layer range after the first returns the gradient of its input");
+  auto mark = std::chrono::steady_clock::now();
+  const auto lap = [&mark](double& part) {
+    const auto now = std::chrono::steady_clock::now();
+    part += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
   // Backward, in reverse. Inputs of column-parallel blocks get partial gradients on each tp
   // rank: they are all-reduced before they join the residual stream.
-  Buffer<T> dx(nd), dh(nd);
-  Gemm<T>(Trans::kNo, Trans::kNo, n, d, vl, T(1), dlogits_.data(), vl, P(output_), d, T(0), dx.data(), d);
-  Gemm<T>(Trans::kYes, Trans::kNo, vl, d, n, T(1), dlogits_.data(), vl, x_final_.data(), d, T(1), G(output_), d);
-  par_->AllReduceTp(std::span<T>(dx.data(), nd));
-  RmsNormBackward(dx.data(), h_final_.data(), P(final_norm_), rstd_final_.data(), n, d, dh.data(), G(final_norm_), off);
+  Buffer<T> dx(nd), dh(nd), tmp(nd);
+  if (last) {
+    RS_CHECK_MSG(slot.dlogits.size() == static_cast<std::size_t>(n * vl), "Backward after a forward-only pass");
+    Gemm<T>(Trans::kNo, Trans::kNo, n, d, vl, T(1), slot.dlogits.data(), vl, P(output_), d, T(0), dx.data(), d);
+    Gemm<T>(Trans::kYes, Trans::kNo, vl, d, n, T(1), slot.dlogits.data(), vl, slot.x_final.data(), d, T(1), G(output_),
+            d);
+    par_->AllReduceTp(std::span<T>(dx.data(), nd));
+    RmsNormBackward(dx.data(), slot.h_final.data(), P(final_norm_), slot.rstd_final.data(), n, d, dh.data(),
+                    G(final_norm_), off);
+  } else {
+    std::copy_n(dh_out, nd, dh.data());
+  }
   lap(phases_.output);
-  for (std::size_t li = layers_.size(); li-- > 0;) {
+  for (auto li = static_cast<std::size_t>(range.end); li-- > static_cast<std::size_t>(range.begin);) {
     Layer& l = *layers_[li];
-    if (l.moe) {
+    LayerRun& r = RunOf(slot, li);
+    if (r.moe) {
       const MoeWeights<T> w = MoeParams(l);
       const auto g_or_null = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
       const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), g_or_null(l.sfc1), g_or_null(l.sfc2), g_or_null(l.sgate)};
-      l.moe->Backward(dh.data(), w, dx.data(), g);
+      r.moe->Backward(dh.data(), w, dx.data(), g);
     } else {
-      l.dense->Backward(dh.data(), P(l.fc1), P(l.fc2), dx.data(), G(l.fc1), G(l.fc2));
+      r.dense->Backward(dh.data(), P(l.fc1), P(l.fc2), dx.data(), G(l.fc1), G(l.fc2));
       par_->AllReduceTp(std::span<T>(dx.data(), nd));
     }
     lap(phases_.mlp);
-    RmsNormBackward(dx.data(), l.h_mid.data(), P(l.mlp_norm), l.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm), off);
+    RmsNormBackward(dx.data(), r.h_mid.data(), P(l.mlp_norm), r.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm), off);
     AddInto(dh.data(), tmp.data(), nd);
     lap(phases_.norms);
-    if (l.gdn) {
+    if (r.gdn) {
       const GdnTensors& t = l.gdn_t;
-      l.gdn->Backward(dh.data(), GdnParams(l), dx.data(),
+      r.gdn->Backward(dh.data(), GdnParams(l), dx.data(),
                       GdnGrads<T>{G(t.in_proj), G(t.conv1d), G(t.dt_bias), G(t.a_log), G(t.norm), G(t.out)});
-    } else if (l.mla) {
+    } else if (r.mla) {
       const AttentionTensors& a = l.mla_t;
       const auto g = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
-      l.mla->Backward(
+      r.mla->Backward(
           dh.data(), MlaParams(l), dx.data(),
           MlaGrads<T>{g(a.q_a), g(a.q_a_norm), g(a.q_b), g(a.q), g(a.kv_a), g(a.kv_a_norm), g(a.kv_b), g(a.out)});
     } else {
-      l.attn->Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out),
+      r.attn->Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out),
                        l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr);
     }
     par_->AllReduceTp(std::span<T>(dx.data(), nd));
     lap(phases_.attention);
-    RmsNormBackward(dx.data(), l.h_in.data(), P(l.attn_norm), l.rstd1.data(), n, d, tmp.data(), G(l.attn_norm), off);
+    RmsNormBackward(dx.data(), r.h_in.data(), P(l.attn_norm), r.rstd1.data(), n, d, tmp.data(), G(l.attn_norm), off);
     AddInto(dh.data(), tmp.data(), nd);
     lap(phases_.norms);
   }
+  if (!first) {
+    std::copy_n(dh.data(), nd, dh_in);
+    return;
+  }
   T* demb = G(embedding_);
   for (std::int64_t t = 0; t < n; ++t) {
-    const std::int64_t row = inputs_[static_cast<std::size_t>(t)] - voff;
+    const std::int64_t row = slot.inputs[static_cast<std::size_t>(t)] - voff;
     if (row >= 0 && row < vl) AddInto(demb + row * d, dh.data() + t * d, static_cast<std::size_t>(d));
   }
   lap(phases_.embedding);
-  return losses;
 }
 
 template <typename T>
 void Transformer<T>::UpdateExpertBiases(const Losses& losses) {
   for (std::size_t li = 0; li < layers_.size(); ++li) {
     const Layer& l = *layers_[li];
-    if (l.bias == kNone) continue;
+    if (!l.held || l.bias == kNone) continue;
     UpdateExpertBias(std::span<T>(P(l.bias), static_cast<std::size_t>(c_.n_experts)), losses.loads[li],
                      c_.bias_update_rate);
   }

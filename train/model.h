@@ -99,15 +99,45 @@ class Transformer {
   // With data parallelism these are this rank's rows of the batch, the losses are those of the
   // whole batch and the gradients this rank's share of the whole batch's gradient (summed over
   // the data group they give it). A failed collective is left in the ModelParallel's status.
+  // Every loss and gradient is multiplied by the ModelParallel's loss_scale (1/M for one of M
+  // micro-batches). Run is Forward then Backward of every layer in activation slot 0.
   enum class Pass : std::uint8_t { kForward, kForwardBackward };
   Losses Run(const std::int32_t* inputs, const std::int32_t* targets, std::int64_t batch, std::int64_t seq, Pass pass);
+
+  // The pieces of Run that a pipeline schedules (train/pipeline.h): a range of the rank's
+  // layers [begin, end), which with `first` starts with the embedding lookup of `inputs` and
+  // otherwise reads the residual stream h_in [batch·seq, d] of the previous range, and with
+  // `last` ends with the final norm, the output and the loss against `targets` and otherwise
+  // writes h_out [batch·seq, d] for the next range. Forward returns the losses of its part
+  // (aux and z of its MoE layers and their loads; ce on the last range; total their sum).
+  // A micro-batch's activations live in activation slot `slot` (any number; slots are made on
+  // first use and keep their memory) from its forward to its backward, so several
+  // micro-batches may be in flight at once, each in its own slot. Backward takes the gradient
+  // of h_out (nullptr on the last range) and writes that of h_in (not on the first range),
+  // accumulating parameter gradients. Phase times add up until ResetPhases.
+  struct LayerRange {
+    std::int64_t begin = 0, end = 0;
+    bool first = true, last = true;
+  };
+  Losses Forward(std::size_t slot, LayerRange layers, const std::int32_t* inputs, const std::int32_t* targets,
+                 std::int64_t batch, std::int64_t seq, const T* h_in, T* h_out, bool backward);
+  void Backward(std::size_t slot, LayerRange layers, const T* dh_out, T* dh_in);
+  // Under pipeline parallelism a rank holds some layers only: the local specs of the tensors
+  // other stages hold have no items (a shape of zeros), and the model builds and runs only the
+  // layers whose tensors it has (and the embedding / the output when it has them).
+  bool HoldsLayer(std::int64_t layer) const;
   void ZeroGrads();
-  // sigmoid_bias: b += u · sign(mean load − load) per MoE layer, from `losses.loads`.
+  // sigmoid_bias: b += u · sign(mean load − load) per MoE layer this rank holds, from
+  // `losses.loads`.
   void UpdateExpertBiases(const Losses& losses);
   const PhaseSeconds& phase_seconds() const { return phases_; }
+  void ResetPhases() { phases_ = PhaseSeconds{}; }
 
  private:
-  struct Layer;
+  struct Layer;     // a layer's tensors and the shapes of its modules
+  struct LayerRun;  // a layer's modules and activations for one micro-batch
+  struct Slot;      // one micro-batch's activations
+  LayerRun& RunOf(Slot& slot, std::size_t layer);
   T* P(std::size_t i) { return params_.data() + offsets_[i]; }
   T* G(std::size_t i) { return grads_.data() + offsets_[i]; }
   MlaWeights<T> MlaParams(const Layer& l);
@@ -123,9 +153,7 @@ class Transformer {
   std::vector<T> params_, grads_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::size_t embedding_ = 0, final_norm_ = 0, output_ = 0;
-  // Activations of the last forward pass that the backward pass needs.
-  std::vector<std::int32_t> inputs_;
-  Buffer<T> h_final_, x_final_, rstd_final_, dlogits_;
+  std::vector<std::unique_ptr<Slot>> slots_;
   PhaseSeconds phases_;
 };
 

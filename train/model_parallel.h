@@ -43,6 +43,10 @@ struct ModelParallel {
   // every expert's ffn, so the routed experts' outputs are partial sums over this group rather
   // than over tp (null: tp, where the experts' ffn is cut over tp as the dense MLP's is).
   comm::Communicator* etp = nullptr;
+  // The weight of this pass's losses in the step's loss: 1 for a whole batch, 1/M for one of M
+  // micro-batches (gradient accumulation, pipelines). Cross-entropy, aux and z losses and their
+  // gradients are multiplied by it.
+  double loss_scale = 1.0;
 
   std::int64_t tp_size() const { return tp != nullptr ? tp->size() : 1; }
   std::int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }

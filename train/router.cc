@@ -114,6 +114,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
   const auto ne = static_cast<std::size_t>(n * e);
   n_ = n;
   global_n_ = par_->GlobalRows(n);
+  loss_scale_ = par_->loss_scale;
   Routing<T> r;
   r.num_tokens = n;
   r.top_k = k;
@@ -140,7 +141,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
     z += static_cast<double>(lse) * static_cast<double>(lse);
   }
   par_->AllReduceData(std::span<double>(&z, 1));
-  r.z_loss = o_.z_loss_coef * z / static_cast<double>(global_n_);
+  r.z_loss = o_.z_loss_coef * z / static_cast<double>(global_n_) * loss_scale_;
 
   const bool need_sigmoid = o_.kind == RouterKind::kSigmoidBias || (o_.kind == RouterKind::kSinkhorn && k == 1);
   if (need_sigmoid) {
@@ -260,7 +261,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
     }
   }
   par_->AllReduceData(std::span<double>(&aux, 1));
-  r.aux_loss = o_.aux_loss_coef * static_cast<double>(e) * aux / static_cast<double>(global_n_);
+  r.aux_loss = o_.aux_loss_coef * static_cast<double>(e) * aux / static_cast<double>(global_n_) * loss_scale_;
   last_.experts = r.experts;
   last_.probs = r.probs;
   return r;
@@ -270,8 +271,9 @@ template <typename T>
 void Router<T>::Backward(const T* dprobs, T* dlogits) const {
   const std::int64_t n = n_, e = o_.num_experts, k = o_.top_k;
   std::vector<T> g(static_cast<std::size_t>(e));
-  const T aux_scale = static_cast<T>(o_.aux_loss_coef * static_cast<double>(e) / static_cast<double>(global_n_));
-  const T z_scale = static_cast<T>(2.0 * o_.z_loss_coef / static_cast<double>(global_n_));
+  const T aux_scale =
+      static_cast<T>(o_.aux_loss_coef * static_cast<double>(e) / static_cast<double>(global_n_) * loss_scale_);
+  const T z_scale = static_cast<T>(2.0 * o_.z_loss_coef / static_cast<double>(global_n_) * loss_scale_);
   for (std::int64_t t = 0; t < n; ++t) {
     const T* s = softmax_.data() + t * e;
     const std::int32_t* sel = last_.experts.data() + t * k;

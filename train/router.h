@@ -66,6 +66,7 @@ class Router {
   ModelParallel* par_;
   std::int64_t n_ = 0;
   std::int64_t global_n_ = 0;  // rows of the whole batch
+  double loss_scale_ = 1.0;    // the pass's ModelParallel::loss_scale
   std::vector<T> softmax_;     // [n, E] softmax of the logits (aux loss, z-loss, gates)
   std::vector<T> sigmoid_;     // [n, E] sigmoid of the logits (sigmoid_bias; sinkhorn k = 1)
   std::vector<T> lse_;         // [n] logsumexp of each row (z-loss)

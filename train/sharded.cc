@@ -7,6 +7,7 @@
 
 #include "comm/mesh_groups.h"
 #include "core/check.h"
+#include "core/model_index.h"
 #include "core/thread_pool.h"
 #include "formats/checkpoint_writer.h"
 #include "train/init.h"
@@ -14,6 +15,7 @@
 namespace rs::train {
 namespace {
 
+constexpr const char* kPipelineAxis = "pp";
 constexpr const char* kTpAxis = "tp";
 constexpr const char* kFsdpAxis = "fsdp";
 constexpr const char* kDpAxis = "dp";
@@ -110,7 +112,7 @@ void CopyRuns(const std::vector<CopyRun>& runs, std::span<const float> src, std:
 
 comm::CommStats ProcessGroups::Stats() const {
   comm::CommStats s = world != nullptr ? world->stats() : comm::CommStats{};
-  for (const auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), etp.get(), data.get(), kv.get()}) {
+  for (const auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), etp.get(), data.get(), kv.get(), pp.get()}) {
     if (c != nullptr) s += c->stats();
   }
   for (const auto& c : box) s += c->stats();
@@ -119,7 +121,7 @@ comm::CommStats ProcessGroups::Stats() const {
 
 void ProcessGroups::ResetStats() {
   if (world != nullptr) world->ResetStats();
-  for (auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), etp.get(), data.get(), kv.get()}) {
+  for (auto* c : {tp.get(), fsdp.get(), dp.get(), ep.get(), etp.get(), data.get(), kv.get(), pp.get()}) {
     if (c != nullptr) c->ResetStats();
   }
   for (auto& c : box) c->ResetStats();
@@ -128,13 +130,10 @@ void ProcessGroups::ResetStats() {
 Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& model, const PhysicalLayout& layout,
                                                            std::int64_t rank, const OptimizerConfig& optimizer) {
   const Mesh& mesh = layout.layout.mesh();
-  for (const char* axis : {"pp", "cp"}) {
-    if (mesh.AxisSize(axis) > 1) {
-      return Unimplemented(
-          std::string("train: the '") + axis + "' axis of layout " + layout.ToString() +
-          " is not supported by the training core yet (tp, fsdp, ep, etp and dp are); checkpoints of such "
-          "layouts can still be written by `reshard convert`");
-    }
+  if (mesh.AxisSize("cp") > 1) {
+    return Unimplemented("train: the 'cp' axis of layout " + layout.ToString() +
+                         " is not supported by the training core (context parallelism trains as ep under the "
+                         "ep-as-cp rules); checkpoints of such layouts can still be written by `reshard convert`");
   }
   const std::int64_t fsdp = mesh.AxisSize(kFsdpAxis);
   const bool flat = layout.options.fsdp == FsdpForm::kFlat;
@@ -150,6 +149,8 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
 
   const std::vector<std::int64_t> coords = mesh.RankToCoords(rank);
   const std::int64_t tp = mesh.AxisSize(kTpAxis), tp_index = Coord(mesh, coords, kTpAxis);
+  s->stage_ = Coord(mesh, coords, kPipelineAxis);
+  s->stages_ = mesh.AxisSize(kPipelineAxis);
   s->fsdp_index_ = Coord(mesh, coords, kFsdpAxis);
   s->fsdp_size_ = fsdp;
   // Context parallelism: rules that cut a non-expert parameter over ep make ep shard the
@@ -197,23 +198,33 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       }
     }
     auto local = s->map_->LocalTensor(i, rank);
-    if (!local) return Internal("no local tensor of '" + params[i].name + "' on rank " + std::to_string(rank));
     Tensor t;
     t.ckpt = i;
-    t.local = std::move(*local);
-    t.placement = s->map_->Place(i, rank);
+    if (!local) {
+      // Another pipeline stage's tensor: no items here (and no placement, no owned state).
+      if (s->stages_ == 1) return Internal("no local tensor of '" + params[i].name + "' on rank " + std::to_string(rank));
+      t.on_stage = false;
+      t.local = LocalTensorMap(params[i].shape, std::vector<DimMap>(params[i].shape.size()));
+      RS_CHECK_MSG(t.local.local_numel() == 0, "a scalar tensor placed on one pipeline stage: " << params[i].name);
+    } else {
+      t.local = std::move(*local);
+      t.placement = s->map_->Place(i, rank);
+    }
     TensorSpec ls = params[i];
     ls.shape = t.local.local_shape();
     s->local_specs_.push_back(ls);
     s->tensors_.push_back(std::move(t));
   }
-  // Vocab-parallel rows: shard i of the padded vocabulary starts at i · (local rows).
+  // Vocab-parallel rows: shard i of the padded vocabulary starts at i · (local rows). Read off
+  // the embedding, or off the output on a pipeline stage that holds only that.
   {
-    const std::int64_t rows = s->local_specs_[0].shape[0];
-    const auto axes = layout.layout.ShardingAxes(params[0]);
+    const ModelTensors declared = DeclareModel(model);
+    const std::size_t v = s->tensors_[declared.embedding].on_stage ? declared.embedding : declared.output;
+    const std::int64_t rows = s->local_specs_[v].shape[0];
+    const auto axes = layout.layout.ShardingAxes(params[v]);
     const bool by_tp = std::find(axes[0].begin(), axes[0].end(), kTpAxis) != axes[0].end();
     s->vocab_offset_ = by_tp ? tp_index * rows : 0;
-    const auto& segs = s->tensors_[0].local.dims()[0].segments;
+    const auto& segs = s->tensors_[v].local.dims()[0].segments;
     RS_CHECK(segs.empty() || (segs[0].local_begin == 0 && segs[0].logical_begin == s->vocab_offset_));
   }
 
@@ -225,7 +236,7 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   RuleSet expert_rules = layout.layout.rules();
   if (mesh.AxisSize(kEtpAxis) > 1 && expert_rules.rules.count("exp_mlp") == 0)
     expert_rules.rules["exp_mlp"] = {kEtpAxis};
-  const Layout expert_layout(mesh, expert_rules, layout.layout.pp_split());
+  const Layout expert_layout = layout.layout.WithRules(expert_rules);
   // An expert tensor's dims as the physical map labels them.
   auto relabel = [&expert_rules](TensorSpec t) {
     for (std::string& label : t.axes) {
@@ -269,9 +280,14 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
                              "; the training core cuts an expert's ffn over etp alone (etp > 1) or tp alone");
       }
     }
-    const auto& segs = s->tensors_[i].local.dims()[0].segments;
-    RS_CHECK(!segs.empty() && segs[0].local_begin == 0);
-    s->expert_offset_ = segs[0].logical_begin;
+    // The offset: from any expert tensor this rank holds (a pipeline stage may hold none).
+    for (std::size_t k = i; k < params.size(); ++k) {
+      if (!params[k].expert || !s->tensors_[k].on_stage) continue;
+      const auto& segs = s->tensors_[k].local.dims()[0].segments;
+      RS_CHECK(!segs.empty() && segs[0].local_begin == 0);
+      s->expert_offset_ = segs[0].logical_begin;
+      break;
+    }
     break;
   }
 
@@ -306,7 +322,7 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
   // Where each placement sits in its compute tensor: a flat slice of it, or a box.
   for (std::size_t i = 0; i < params.size(); ++i) {
     Tensor& t = s->tensors_[i];
-    RS_CHECK(t.placement.has_value() || (fsdp > 1 && flat));
+    RS_CHECK(t.placement.has_value() || (fsdp > 1 && flat) || !t.on_stage);
     if (!t.placement) continue;
     const auto& slice = t.placement->slice;
     if (slice && slice->size() < t.placement->local.local_numel()) {  // a flat fsdp slice
@@ -354,7 +370,7 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       g.begin = owned;
       for (std::size_t i = 0; i < params.size(); ++i) {
         Tensor& t = s->tensors_[i];
-        if (params[i].role != TensorRole::kParameter || params[i].expert != experts) continue;
+        if (params[i].role != TensorRole::kParameter || params[i].expert != experts || !t.on_stage) continue;
         t.owned = owned;
         owned += t.placement->buffer_numel();
       }
@@ -492,6 +508,7 @@ Result<ProcessGroups> ShardedState::MakeGroups(comm::Communicator& world) const 
   RS_ASSIGN_OR_RETURN(g.etp, comm::MeshGroup(world, mesh, {kEtpAxis}, "etp"));
   RS_ASSIGN_OR_RETURN(g.data, comm::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis, kEpAxis}, "data"));
   RS_ASSIGN_OR_RETURN(g.same_experts, comm::MeshGroup(world, mesh, {kDpAxis, kFsdpAxis}, "same-experts"));
+  RS_ASSIGN_OR_RETURN(g.pp, comm::MeshGroup(world, mesh, {kPipelineAxis}, "pp"));
   for (const BoxGroup& b : box_groups_) {
     RS_ASSIGN_OR_RETURN(auto c, comm::MeshGroup(world, mesh, b.axes, b.axes.size() > 1 ? "fsdp-ep" : "fsdp"));
     g.box.push_back(std::move(c));
@@ -628,6 +645,7 @@ void ShardedState::Initialize(Transformer<float>& model, std::uint64_t seed, dou
   const InitOptions io{seed, init_std, config_.n_layers};
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const Tensor& t = tensors_[i];
+    if (!t.on_stage) continue;
     const TensorSpec& spec = map_->tensors()[t.ckpt];
     const SliceMap m = t.local.MapSlice(std::nullopt, /*with_segments=*/true);
     std::vector<std::vector<float>> values(m.pieces.size());
@@ -717,6 +735,7 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model, c
     std::vector<std::int64_t> lo(tensors_.size(), 0);
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const Tensor& t = tensors_[i];
+      if (!t.on_stage) continue;  // no items here
       if (map_->tensors()[t.ckpt].role != TensorRole::kParameter) {
         lo[i] = PlacementFingerprint(ComputePlacement(i));
       } else if (t.owned >= 0) {
@@ -759,6 +778,7 @@ Status ShardedState::LoadTensors(CheckpointReader& reader, Transformer<float>& m
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const Tensor& t = tensors_[i];
     const TensorSpec& spec = map_->tensors()[t.ckpt];
+    if (!t.on_stage) continue;                  // another pipeline stage's
     if (shared[i] != 0 && !leader) continue;    // the tp group's first rank reads it
     if (spec.role != TensorRole::kParameter) {  // buffers: the whole compute tensor
       RS_RETURN_IF_ERROR(ReadPlacement(
@@ -981,7 +1001,7 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
     // A kv head replicated over several tp ranks: each computed its gradient from its own query
     // heads; the head's gradient is their sum.
     for (std::size_t i = 0; i < local_specs_.size(); ++i) {
-      if (!IsFusedQkv(local_specs_[i])) continue;
+      if (!IsFusedQkv(local_specs_[i]) || !tensors_[i].on_stage) continue;
       const std::int64_t d = config_.d_model, q_rows = LocalQueryRows(local_specs_[i], groups.tp->size());
       auto kv = grads.subspan(static_cast<std::size_t>(model.offset(i) + q_rows * d),
                               static_cast<std::size_t>(model.numel(i) - q_rows * d));

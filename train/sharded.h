@@ -30,8 +30,16 @@
 // every expert's ffn (the rules' exp_mlp -> etp); the routed experts' outputs are summed over
 // etp. Under ep-as-cp rules ep is also context parallelism (see cp_index).
 //
-// Supported now: tp, fsdp (flat and box), ep, etp, dp. Pipeline parallelism and the separate
-// cp axis are refused with Unimplemented (they remain convertible with `reshard convert`).
+// Pipeline parallelism (pp): a rank holds its stage's tensors only – its layers (by the
+// layout's chunks: contiguous ranges, or with pp_virtual several round-robin ones), the
+// embedding on the first stage, the final norm and output on the last. The other tensors keep
+// their place in the model's list with no items (local shape of zeros, no placement, nothing
+// owned), so every index and offset stays that of the whole model; every other axis works
+// within a stage exactly as without pp, and the global gradient norm is summed over the world.
+//
+// Supported now: pp, tp, fsdp (flat and box), ep, etp, dp. The separate cp axis is refused
+// with Unimplemented (context parallelism trains as ep under the ep-as-cp rules; cp layouts
+// remain convertible with `reshard convert`).
 #pragma once
 
 #include <cstdint>
@@ -59,6 +67,9 @@ struct ProcessGroups {
   // dp × fsdp: without expert-tensor or context parallelism, the ranks that hold the same
   // experts (every rank's expert tensors are its tp index's share of its ep index's block).
   std::unique_ptr<comm::Communicator> same_experts;
+  // The ranks that share every coordinate but the pipeline stage (group rank = stage): where
+  // activations and their gradients go point to point.
+  std::unique_ptr<comm::Communicator> pp;
   std::vector<std::unique_ptr<comm::Communicator>> box;  // per box group of the state
   // Bytes this rank received in every group since the last reset.
   comm::CommStats Stats() const;
@@ -114,6 +125,9 @@ class ShardedState {
   std::int64_t data_size() const { return data_size_; }
   // This rank's place in its fsdp group (the ranks that share one replica of the sharded state).
   std::int64_t fsdp_index() const { return fsdp_index_; }
+  // This rank's pipeline stage and the number of stages (1 without pp).
+  std::int64_t stage() const { return stage_; }
+  std::int64_t stages() const { return stages_; }
   std::int64_t fsdp_size() const { return fsdp_size_; }
   const BucketPlan* bucket_plan() const { return plan_; }
 
@@ -227,6 +241,7 @@ class ShardedState {
     std::vector<CopyRun> self;           // the placement's buffer within the compute tensor
     bool box_cut = false;                // box form: the group peers' boxes tile the compute tensor
     int box_group = -1;                  // index into box_groups_, or -1
+    bool on_stage = true;                // false: another pipeline stage's tensor (no items here)
   };
   // Box form: where group peer q keeps tensor i (offset in q's segment of the group) and its runs.
   struct BoxPeer {
@@ -270,6 +285,7 @@ class ShardedState {
   std::int64_t cp_index_ = 0, cp_size_ = 1;  // context parallel (ep under ep-as-cp): sequence parts
   std::int64_t data_index_ = 0, data_size_ = 1;
   std::int64_t fsdp_index_ = 0, fsdp_size_ = 1;
+  std::int64_t stage_ = 0, stages_ = 1;
   std::int64_t kv_replication_ = 1;   // tp ranks that hold each kv head
   const BucketPlan* plan_ = nullptr;  // with fsdp > 1
   std::vector<BucketShard> shards_;

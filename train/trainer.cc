@@ -15,6 +15,13 @@ Status ValidateTrainConfig(const TrainConfig& t, const ModelConfig& m) {
                            "] (0 = max_seq_len), got " + std::to_string(t.seq_len));
   }
   if (!(t.init_std > 0)) return InvalidArgument("train: 'init_std' must be > 0");
+  if (t.micro_batches < 1 || t.micro_batches > (1 << 16)) {
+    return InvalidArgument("train: 'micro_batches' must be in [1, 65536], got " + std::to_string(t.micro_batches));
+  }
+  if (t.batch_size % t.micro_batches != 0) {
+    return InvalidArgument("train: batch_size " + std::to_string(t.batch_size) + " is not divisible by micro_batches " +
+                           std::to_string(t.micro_batches));
+  }
   if (t.dispatch.alignment < 0) return InvalidArgument("train: 'alignment' must be >= 0");
   if (m.vocab_size < 256) return InvalidArgument("train: byte-level data needs vocab_size >= 256");
   return ValidateOptimizerConfig(t.optimizer);
@@ -25,17 +32,19 @@ void to_json(nlohmann::json& j, const TrainConfig& t) {
       {"batch_size", t.batch_size},       {"seq_len", t.seq_len},     {"seed", t.seed},
       {"init_std", t.init_std},           {"optimizer", t.optimizer}, {"dispatch", DispatchModeName(t.dispatch.mode)},
       {"alignment", t.dispatch.alignment}};
+  if (t.micro_batches != 1) j["micro_batches"] = t.micro_batches;  // absent: 1 (configs written before it)
 }
 
 Result<TrainConfig> TrainConfigFromJson(const nlohmann::json& j) {
   if (!j.is_object()) return InvalidArgument("train config must be a JSON object");
   TrainConfig t;
   for (const auto& [key, v] : j.items()) {
-    if (key == "batch_size" || key == "seq_len" || key == "alignment") {
+    if (key == "batch_size" || key == "seq_len" || key == "alignment" || key == "micro_batches") {
       if (!v.is_number_integer()) return InvalidArgument("train: '" + key + "' must be an integer");
-      (key == "batch_size" ? t.batch_size
-       : key == "seq_len"  ? t.seq_len
-                           : t.dispatch.alignment) = v.get<std::int64_t>();
+      (key == "batch_size"      ? t.batch_size
+       : key == "seq_len"       ? t.seq_len
+       : key == "micro_batches" ? t.micro_batches
+                                : t.dispatch.alignment) = v.get<std::int64_t>();
     } else if (key == "seed") {
       if (!v.is_number_unsigned()) return InvalidArgument("train: 'seed' must be a non-negative integer");
       t.seed = v.get<std::uint64_t>();
@@ -84,10 +93,26 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
     world = self.get();
   }
   RS_ASSIGN_OR_RETURN(auto state, ShardedState::Create(model, parallel.layout, world->rank(), train.optimizer));
-  if (train.batch_size % state->data_size() != 0) {
-    return InvalidArgument("train: batch_size " + std::to_string(train.batch_size) +
-                           " is not divisible by the data-parallel degree " + std::to_string(state->data_size()) +
+  if (train.batch_size % (train.micro_batches * state->data_size()) != 0) {
+    return InvalidArgument("train: batch_size " + std::to_string(train.batch_size) + " is not divisible by " +
+                           (train.micro_batches > 1 ? "micro_batches " + std::to_string(train.micro_batches) + " x " : "") +
+                           "the data-parallel degree " + std::to_string(state->data_size()) +
                            " (dp x fsdp, x ep unless ep is context parallel) of layout " + parallel.layout.ToString());
+  }
+  // Micro-batches and pipeline stages: the schedule (refused here when it cannot be planned,
+  // e.g. interleaving with micro_batches not a multiple of pp) and this rank's layer ranges.
+  std::optional<PipeSchedule> plan;
+  std::vector<Transformer<float>::LayerRange> chunks;
+  const Layout& pl = parallel.layout.layout;
+  if (train.micro_batches > 1 || pl.PipelineChunks() > 1) {
+    auto p = PlanPipeline(state->stages(), train.micro_batches, pl.pp_virtual());
+    if (!p.ok()) return p.status().WithContext("train: layout " + parallel.layout.ToString());
+    plan = std::move(*p);
+    for (std::int64_t v = 0; v < pl.pp_virtual(); ++v) {
+      const std::int64_t gc = plan->GlobalChunk(state->stage(), v);
+      const auto [begin, end] = pl.ChunkLayers(gc, model.n_layers);
+      chunks.push_back({begin, end, gc == 0, gc == pl.PipelineChunks() - 1});
+    }
   }
   const std::int64_t seq = train.seq_len > 0 ? train.seq_len : model.max_seq_len;
   if (seq % state->cp_size() != 0) {
@@ -99,6 +124,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
   RS_ASSIGN_OR_RETURN(ProcessGroups groups, state->MakeGroups(*world));
   auto t = std::unique_ptr<Trainer>(new Trainer(model, train, std::move(corpus), std::move(state), std::move(groups)));
   t->self_ = std::move(self);
+  t->plan_ = std::move(plan);
+  t->chunks_ = std::move(chunks);
   t->state_->Initialize(t->model_, train.seed, train.init_std);
   return t;
 }
@@ -128,6 +155,10 @@ std::int64_t Trainer::num_parameters() const {
 }
 
 Status Trainer::SetEngine(std::unique_ptr<StepEngine> engine) {
+  if (plan_) {
+    return Unimplemented("train: micro-batches and pipeline stages run on the CPU path (" + engine->Describe() +
+                         " runs whole batches without pp)");
+  }
   // The engine decides which layouts it runs (Unimplemented naming the layout otherwise).
   RS_RETURN_IF_ERROR(engine->Attach(*this));
   engine_ = std::move(engine);
@@ -169,6 +200,7 @@ Result<StepReport> Trainer::Step() {
     r->seconds = since(start);
     return r;
   }
+  if (plan_) return PipelinedStep(b);
   groups_.ResetStats();
   StepReport r;
   const std::string at = "step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) + ": ";
@@ -196,6 +228,84 @@ Result<StepReport> Trainer::Step() {
   // Phase 5: the bias follows the loads of this step's forward pass (DeepSeek-V3's per-step
   // update); loads are those of the whole batch, so every rank moves its copy the same way.
   model_.UpdateExpertBiases(r.losses);
+  ++step_;
+  r.step = step_;
+  r.tokens = b.batch * b.seq;
+  r.comm = groups_.Stats();
+  r.seconds = since(start);
+  return r;
+}
+
+Result<StepReport> Trainer::PipelinedStep(const Batch& b) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  groups_.ResetStats();
+  StepReport r;
+  const std::string at = "step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) + " (stage " +
+                         std::to_string(state_->stage()) + "): ";
+  auto t0 = Clock::now();
+  if (Status s = state_->GatherParameters(groups_, model_); !s.ok()) return s.WithContext(at + "gather parameters");
+  r.comm_seconds += since(t0);
+  // Micro-batch m is rows [m·B/M, (m+1)·B/M) of the global batch; this rank takes its data
+  // index's share of them (and under context parallelism its part of their positions).
+  const std::int64_t m_count = train_.micro_batches, micro_rows = b.batch / m_count;
+  const std::int64_t rows = micro_rows / state_->data_size();
+  const std::int64_t seq = b.seq / state_->cp_size(), pos = state_->cp_index() * seq;
+  std::vector<MicroBatch> micro(static_cast<std::size_t>(m_count));
+  for (std::int64_t m = 0; m < m_count; ++m) {
+    MicroBatch& mb = micro[static_cast<std::size_t>(m)];
+    mb.rows = rows;
+    const std::int64_t first = m * micro_rows + state_->data_index() * rows;
+    for (std::int64_t row = first; row < first + rows; ++row) {
+      const auto from = static_cast<std::ptrdiff_t>(row * b.seq + pos);
+      mb.inputs.insert(mb.inputs.end(), b.inputs.begin() + from, b.inputs.begin() + from + seq);
+      mb.targets.insert(mb.targets.end(), b.targets.begin() + from, b.targets.begin() + from + seq);
+    }
+  }
+  model_.ZeroGrads();
+  model_.ResetPhases();
+  par_.global_rows = micro_rows * b.seq;
+  par_.loss_scale = 1.0 / static_cast<double>(m_count);
+  par_.status = Status::Ok();
+  auto losses = RunPipeline(*plan_, state_->stage(), chunks_, micro, seq, model_, par_, groups_.pp.get(), &r.pipeline);
+  par_.loss_scale = 1.0;
+  if (!losses.ok()) return losses.status().WithContext(at + "forward/backward");
+  r.losses = std::move(*losses);
+  r.phases = model_.phase_seconds();
+  // The step's losses over the stages: the last one's cross-entropy, every stage's aux and z
+  // losses and the loads of its layers (zeros elsewhere), summed over the pp group.
+  if (state_->stages() > 1) {
+    std::vector<double> sums = {r.losses.ce, r.losses.aux, r.losses.z};
+    if (Status s = groups_.pp->AllReduce(std::span<double>(sums), comm::ReduceOp::kSum); !s.ok())
+      return s.WithContext(at + "sum the losses over the stages");
+    r.losses.ce = sums[0];
+    r.losses.aux = sums[1];
+    r.losses.z = sums[2];
+    r.losses.total = sums[0] + sums[1] + sums[2];
+    const std::int64_t e = model_config().n_experts;
+    std::vector<std::int64_t> loads(static_cast<std::size_t>(model_config().n_layers * e), 0);
+    for (std::size_t li = 0; li < r.losses.loads.size(); ++li) {
+      const std::vector<std::int64_t>& l = r.losses.loads[li];
+      std::copy(l.begin(), l.end(), loads.begin() + static_cast<std::ptrdiff_t>(li) * e);
+    }
+    if (Status s = groups_.pp->AllReduce(std::span<std::int64_t>(loads), comm::ReduceOp::kSum); !s.ok())
+      return s.WithContext(at + "sum the expert loads over the stages");
+    for (std::size_t li = 0; li < r.losses.loads.size(); ++li) {
+      if (!model_config().IsMoeLayer(static_cast<std::int64_t>(li))) continue;
+      const auto from = loads.begin() + static_cast<std::ptrdiff_t>(li) * e;
+      r.losses.loads[li].assign(from, from + e);
+    }
+  }
+  t0 = Clock::now();
+  if (Status s = state_->ReduceGradients(groups_, model_); !s.ok()) return s.WithContext(at + "reduce gradients");
+  r.comm_seconds += since(t0);
+  t0 = Clock::now();
+  auto update = state_->Update(groups_, step_);
+  if (!update.ok()) return update.status().WithContext(at + "optimizer update");
+  r.optimizer_seconds = since(t0);
+  r.update = *update;
+  model_.UpdateExpertBiases(r.losses);  // once per step, from the loads of every micro-batch
   ++step_;
   r.step = step_;
   r.tokens = b.batch * b.seq;

@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "core/model.h"
@@ -23,6 +25,8 @@
 #include "train/model.h"
 #include "train/moe.h"
 #include "train/optimizer.h"
+#include "train/pipeline.h"
+#include "train/pipeline_schedule.h"
 #include "train/sharded.h"
 
 namespace rs::train {
@@ -32,11 +36,15 @@ struct TrainConfig {
   std::int64_t seq_len = 0;  // 0: the model's max_seq_len
   std::uint64_t seed = 1;
   double init_std = 0.02;
+  // A step's batch in M equal micro-batches, forward and backward one after the other with the
+  // gradients accumulated (the pipeline's unit; in one process plain gradient accumulation).
+  // The losses are defined per micro-batch, each weighing 1/M (train/pipeline.h).
+  std::int64_t micro_batches = 1;
   OptimizerConfig optimizer;
   DispatchOptions dispatch;
   friend bool operator==(const TrainConfig& a, const TrainConfig& b) {
     return a.batch_size == b.batch_size && a.seq_len == b.seq_len && a.seed == b.seed && a.init_std == b.init_std &&
-           a.optimizer == b.optimizer && a.dispatch.mode == b.dispatch.mode &&
+           a.micro_batches == b.micro_batches && a.optimizer == b.optimizer && a.dispatch.mode == b.dispatch.mode &&
            a.dispatch.alignment == b.dispatch.alignment;
   }
 };
@@ -67,6 +75,8 @@ struct StepReport {
   // AdamW); comm_seconds holds the gradient/parameter phases.
   PhaseSeconds phases;
   double optimizer_seconds = 0;
+  // With micro-batches or pipeline stages: this rank's schedule (train/pipeline.h).
+  PipelineTrace pipeline;
 };
 
 class Trainer;
@@ -140,6 +150,11 @@ class Trainer {
   ModelParallel par_;
   Transformer<float> model_;
   std::int64_t step_ = 0;
+  // With micro-batches or pipeline stages (else empty): the schedule, and the layer ranges of
+  // this rank's chunks.
+  std::optional<PipeSchedule> plan_;
+  std::vector<Transformer<float>::LayerRange> chunks_;
+  Result<StepReport> PipelinedStep(const Batch& b);
   std::unique_ptr<StepEngine> engine_;
   bool host_stale_ = false;  // the engine ran steps since the last SyncToHost
 };

@@ -127,6 +127,36 @@ TEST(CommRank, CollectivesOverThreeRanks) {
   ASSERT_TRUE(tp.ok());
   EXPECT_EQ((*tp)->size(), 1);
   EXPECT_GT(c.stats().total(), 0);
+  // Point to point around the ring: every rank sends two large messages (beyond any eager
+  // limit, so a send that waited for its receiver would deadlock here) before receiving, and
+  // receives them in the other order: tags pick the message, sizes are checked.
+  const std::size_t big = std::size_t{1} << 20;
+  const std::int64_t next = (r + 1) % 3, prev = (r + 2) % 3;
+  c.ResetStats();
+  for (std::int64_t tag : {5, 9}) {
+    std::vector<float> out(big, static_cast<float>(100 * r + tag));
+    ASSERT_TRUE(c.Send(out, next, tag).ok());
+    out.assign(big, -1.f);  // the communicator sends its own copy
+  }
+  for (std::int64_t tag : {9, 5}) {
+    std::vector<float> in(big);
+    const Status st = c.Recv(std::span<float>(in), prev, tag);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(in.front(), static_cast<float>(100 * prev + tag));
+    EXPECT_EQ(in.back(), static_cast<float>(100 * prev + tag));
+  }
+  ASSERT_TRUE(c.WaitSends().ok());
+  EXPECT_EQ(c.stats().p2p_bytes, static_cast<std::int64_t>(2 * big * 4));
+  // A receive of the wrong size names both sizes; bad peers and tags are refused.
+  ASSERT_TRUE(c.Send(std::vector<float>(3, 1.f), next, 1).ok());
+  std::vector<float> two(2);
+  const Status wrong = c.Recv(std::span<float>(two), prev, 1);
+  EXPECT_FALSE(wrong.ok());
+  ASSERT_TRUE(c.WaitSends().ok());
+  EXPECT_FALSE(c.Send(two, r, 1).ok());
+  EXPECT_FALSE(c.Send(two, 3, 1).ok());
+  EXPECT_FALSE(c.Send(two, next, -1).ok());
+  ASSERT_TRUE(c.Barrier().ok());
 }
 
 TEST(CommTest, UnderMpirun) {

@@ -140,6 +140,53 @@ TEST(LayoutTest, JsonRoundTrip) {
   EXPECT_EQ(s->num_ranks(), 4);
 }
 
+// Virtual stages (interleaved pipelines): pp·V contiguous chunks, chunk c on stage c % pp;
+// the chunks tile the layers in order, the JSON and the short form carry V, and a split must
+// name one count per chunk.
+TEST(LayoutTest, VirtualStagesPlaceChunksRoundRobin) {
+  const Mesh mesh = ParseOk("pp=2").mesh();
+  auto l = Layout::Create(mesh, Rules("megatron"), {}, 2);
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->PipelineChunks(), 4);
+  // 6 layers over 4 chunks: 2, 2, 1, 1 -> stages 0, 0, 1, 1, 0, 1.
+  const std::vector<std::int64_t> stage = {0, 0, 1, 1, 0, 1};
+  for (std::int64_t i = 0; i < 6; ++i) EXPECT_EQ(l->StageOfLayer(i, 6), stage[static_cast<std::size_t>(i)]) << i;
+  EXPECT_EQ(l->ChunkLayers(2, 6), (std::pair<std::int64_t, std::int64_t>{4, 5}));
+  // Randomised: every layer lies in the chunk ChunkOfLayer names, chunks tile [0, n) in order.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::int64_t pp = 1 + static_cast<std::int64_t>(rng() % 4), v = 1 + static_cast<std::int64_t>(rng() % 3);
+    const std::int64_t n = pp * v + static_cast<std::int64_t>(rng() % 9);
+    auto layout = Layout::Create(ParseOk("pp=" + std::to_string(pp)).mesh(), Rules("megatron"), {}, v);
+    ASSERT_TRUE(layout.ok());
+    std::int64_t next = 0;
+    for (std::int64_t c = 0; c < pp * v; ++c) {
+      const auto [begin, end] = layout->ChunkLayers(c, n);
+      EXPECT_EQ(begin, next);
+      EXPECT_GE(end, begin + 1);
+      for (std::int64_t i = begin; i < end; ++i) {
+        EXPECT_EQ(layout->ChunkOfLayer(i, n), c);
+        EXPECT_EQ(layout->StageOfLayer(i, n), c % pp);
+      }
+      next = end;
+    }
+    EXPECT_EQ(next, n);
+  }
+  auto back = Layout::FromJson(Json::parse(l->ToJson().dump()));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, *l);
+  EXPECT_EQ(back->pp_virtual(), 2);
+  EXPECT_NE(l->ToString().find("pp_virtual=2"), std::string::npos);
+  EXPECT_FALSE(ParseOk("pp=2").ToJson().contains("pp_virtual"));  // written only when > 1
+  ExpectInvalid(Layout::Create(mesh, Rules("megatron"), {1, 2}, 2).status(), "4 chunks");
+  ExpectInvalid(Layout::Create(mesh, Rules("megatron"), {}, 0).status(), "pp_virtual");
+  auto split = Layout::Create(mesh, Rules("megatron"), {1, 2, 0, 3}, 2);
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ(split->ChunkLayers(3, 6), (std::pair<std::int64_t, std::int64_t>{3, 6}));
+  EXPECT_EQ(split->StageOfLayer(2, 6), 1);
+  EXPECT_EQ(split->StageOfLayer(5, 6), 1);
+}
+
 TEST(LayoutTest, FromJsonErrorsNameTheField) {
   const Json good = ParseOk("tp=2,pp=2").ToJson();
   auto with = [&good](const std::string& pointer, const Json& value) {
