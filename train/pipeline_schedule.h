@@ -17,7 +17,9 @@
 //     micro-batches go in groups of P, and within a group every chunk runs for all P of them
 //     before the next chunk starts (backwards: chunks in reverse). min(2(P − s − 1) + (V − 1)P,
 //     M·V) warm-up forwards, then 1F1B, then cool-down. Needs M % P == 0; bubble
-//     (P − 1)/(V·M + P − 1) at V times the point-to-point traffic.
+//     (P − 1)/(V·M + P − 1) at V times the point-to-point traffic. (Megatron-Core warms up with
+//     all M·V forwards on every stage when M == P; here the formula applies there too, which
+//     holds fewer activations on stages s > 0 at the same bubble.)
 //   All forwards, then all backwards (GPipe; V = 1): the memory baseline, M activations held.
 #pragma once
 
