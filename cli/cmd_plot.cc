@@ -52,6 +52,7 @@ std::vector<CurvePanel> Panels(const std::map<std::string, std::vector<std::pair
   struct Group {
     const char* title;
     std::vector<std::string> keys;
+    bool drop_zero = false;  // left out when every value is 0 (a run without pipeline stages)
   };
   const std::vector<Group> groups = {
       {"loss", {"loss", "ce"}},
@@ -62,7 +63,8 @@ std::vector<CurvePanel> Panels(const std::map<std::string, std::vector<std::pair
       {"seconds per step", {"seconds", "collective_seconds", "comm_seconds"}},
       {"bytes received per step, by collective",
        {"comm_bytes.allreduce", "comm_bytes.allgather", "comm_bytes.reduce_scatter", "comm_bytes.alltoall",
-        "comm_bytes.broadcast"}},
+        "comm_bytes.broadcast", "comm_bytes.p2p"}},
+      {"pipeline idle fraction (stage 0)", {"pipeline_idle"}, /*drop_zero=*/true},
   };
   std::set<std::string> used = {"step", "tokens"};  // the x axis; tokens per step is constant
   std::vector<CurvePanel> panels;
@@ -77,7 +79,7 @@ std::vector<CurvePanel> Panels(const std::map<std::string, std::vector<std::pair
     for (const std::string& k : g.keys) {
       used.insert(k);
       const auto it = fields.find(k);
-      if (it == fields.end() || (g.keys.size() > 1 && all_zero(it->second))) continue;
+      if (it == fields.end() || ((g.keys.size() > 1 || g.drop_zero) && all_zero(it->second))) continue;
       panel.series.push_back({k, it->second});
     }
     if (!panel.series.empty()) panels.push_back(std::move(panel));

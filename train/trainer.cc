@@ -154,6 +154,18 @@ std::int64_t Trainer::num_parameters() const {
   return n;
 }
 
+Status Trainer::UseSchedule(PipeSchedule plan) {
+  if (!plan_ || plan.stages != plan_->stages || plan.micro_batches != plan_->micro_batches ||
+      plan.virtual_stages != plan_->virtual_stages) {
+    return InvalidArgument("train: a schedule of " + std::to_string(plan.stages) + " stages, " +
+                           std::to_string(plan.micro_batches) + " micro-batches and " +
+                           std::to_string(plan.virtual_stages) + " virtual stages does not fit this run");
+  }
+  RS_RETURN_IF_ERROR(SimulatePipeline(plan).status());  // never run a plan that deadlocks
+  plan_ = std::move(plan);
+  return Status::Ok();
+}
+
 Status Trainer::SetEngine(std::unique_ptr<StepEngine> engine) {
   if (plan_) {
     return Unimplemented("train: micro-batches and pipeline stages run on the CPU path (" + engine->Describe() +

@@ -121,6 +121,12 @@ class Trainer {
   // Brings the engine's state back to the host state (no-op without an engine).
   Status SyncToHost();
 
+  // With micro-batches or pipeline stages: the schedule steps run (1F1B, or interleaved with
+  // pp_virtual), and another plan of the same stages, micro-batches and virtual stages in its
+  // place (bench_pipeline compares all-forward-then-all-backward); InvalidArgument otherwise.
+  const std::optional<PipeSchedule>& schedule() const { return plan_; }
+  Status UseSchedule(PipeSchedule plan);
+
   std::int64_t step() const { return step_; }
   void set_step(std::int64_t s) { step_ = s; }
   std::int64_t seq_len() const { return seq_; }

@@ -130,7 +130,7 @@ print(json.dumps(out))
       ++compared;
     }
   }
-  EXPECT_EQ(compared, 4 * 16);  // 16 scalar fields per step
+  EXPECT_EQ(compared, 4 * 18);  // 18 scalar fields per step
   ASSERT_EQ(seen["histograms"].size(), 2u);
   for (const auto& [tag, points] : seen["histograms"].items()) {
     ASSERT_EQ(points.size(), 4u) << tag;
@@ -191,7 +191,7 @@ TEST(TrainTensorBoard, OnlyRankZeroWrites) {
       ++compared;
     }
   }
-  EXPECT_EQ(compared, 3 * 16);
+  EXPECT_EQ(compared, 3 * 18);  // 18 scalar fields per step
 }
 
 // `plot` draws a run from its event files with the values the log has (as float32), and

@@ -80,6 +80,8 @@ inline PhysicalLayout RandomPhysicalLayout(std::mt19937_64& rng, const ModelConf
         left -= n;
       }
       text.append(",pp_split=").append(split);
+    } else if (pp > 1 && Pick(rng, {0, 0, 1}) == 1) {
+      text += ",pp_virtual=2";  // interleaved: chunks round-robin over the stages (some may be empty)
     }
     auto rules = BuiltinRuleSet(rules_name);
     auto layout = PhysicalLayout::Parse(text, *rules);
