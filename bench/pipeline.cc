@@ -118,11 +118,12 @@ int main(int argc, char** argv) {
   for (std::int64_t q = 0; q < p; ++q) {
     const double* row = all.data() + q * static_cast<std::int64_t>(mine.size());
     sent += row[2];
-    std::printf("  stage %lld: idle %.3f (analytic bubble %.3f, ratio %.2f), activation slots %lld, peak RSS %.1f MiB\n",
-                static_cast<long long>(q), row[0], analytic, analytic > 0 ? row[0] / analytic : 0.0,
-                static_cast<long long>(row[1]), row[3] / (1 << 20));
+    std::printf(
+        "  stage %lld: idle %.3f (analytic bubble %.3f, ratio %.2f), activation slots %lld, peak RSS %.1f MiB\n",
+        static_cast<long long>(q), row[0], analytic, analytic > 0 ? row[0] / analytic : 0.0,
+        static_cast<long long>(row[1]), row[3] / (1 << 20));
   }
-  std::printf("  sent between stages per step: %.0f bytes, analytic activation volume %.0f (ratio %.3f)\n", sent, volume,
-              volume > 0 ? sent / volume : 0.0);
+  std::printf("  sent between stages per step: %.0f bytes, analytic activation volume %.0f (ratio %.3f)\n", sent,
+              volume, volume > 0 ? sent / volume : 0.0);
   return 0;
 }

@@ -618,11 +618,10 @@ void RegisterTrain(CLI::App& app) {
                   "Also write TensorBoard event files to this directory (rank 0): every log field as a scalar "
                   "train/<field>, per MoE layer the expert-load histogram and max/mean load");
   cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
-  cmd->add_option(
-         "--layout", a->layout,
-         "Parallel layout, e.g. tp=2,fsdp=2,dp=2 or pp=2,tp=2 (run with mpirun -np <ranks>); fsdp_form=flat "
-         "(default) or box (the default under rules that use ep as context parallelism, such as ep-as-cp); "
-         "pp_split=A/B to place layers unevenly, pp_virtual=V for the interleaved 1F1B schedule")
+  cmd->add_option("--layout", a->layout,
+                  "Parallel layout, e.g. tp=2,fsdp=2,dp=2 or pp=2,tp=2 (run with mpirun -np <ranks>); fsdp_form=flat "
+                  "(default) or box (the default under rules that use ep as context parallelism, such as ep-as-cp); "
+                  "pp_split=A/B to place layers unevenly, pp_virtual=V for the interleaved 1F1B schedule")
       ->capture_default_str();
   cmd->add_option("--rules", a->rules, "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file")
       ->capture_default_str();

@@ -153,9 +153,8 @@ class MpiCommunicator final : public Communicator {
     int count = 0;
     MPI_Get_count(&st, MPI_FLOAT, &count);
     if (static_cast<std::size_t>(count) != data.size()) {
-      return Internal("receive on " + name() + " from rank " + std::to_string(source) + " (tag " +
-                      std::to_string(tag) + "): " + std::to_string(count) + " items arrived, " +
-                      std::to_string(data.size()) + " expected");
+      return Internal("receive on " + name() + " from rank " + std::to_string(source) + " (tag " + std::to_string(tag) +
+                      "): " + std::to_string(count) + " items arrived, " + std::to_string(data.size()) + " expected");
     }
     stats_.p2p_bytes += static_cast<std::int64_t>(data.size() * 4);
     return Status::Ok();

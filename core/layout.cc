@@ -134,8 +134,8 @@ Result<Layout> Layout::Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t
     const std::int64_t chunks = mesh.AxisSize(kPipelineAxis) * pp_virtual;
     if (static_cast<std::int64_t>(pp_split.size()) != chunks) {
       return InvalidArgument("pp_split has " + std::to_string(pp_split.size()) + " entries for " +
-                             (pp_virtual > 1 ? std::to_string(chunks) + " chunks (pp=" +
-                                                   std::to_string(mesh.AxisSize(kPipelineAxis)) +
+                             (pp_virtual > 1 ? std::to_string(chunks) +
+                                                   " chunks (pp=" + std::to_string(mesh.AxisSize(kPipelineAxis)) +
                                                    " x pp_virtual=" + std::to_string(pp_virtual) + ")"
                                              : "pp=" + std::to_string(chunks)));
     }

@@ -196,8 +196,11 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       const std::int64_t nq = dim(t.attn.out, 1) / c_.mla_v_dim;
       RS_CHECK_MSG(nq >= 1 && nq * c_.mla_v_dim == dim(t.attn.out, 1), "local MLA of " << nq << " heads");
       l->mla_t = t.attn;
-      l->mla = MlaShape{c_.d_model,     nq,           c_.head_dim,        c_.mla_rope_dim, c_.mla_v_dim,
-                        c_.mla_q_rank,  c_.mla_kv_rank, c_.rope_theta, c_.rope_interleave, c_.norm_eps};
+      l->mla = MlaShape{c_.d_model,         nq,
+                        c_.head_dim,        c_.mla_rope_dim,
+                        c_.mla_v_dim,       c_.mla_q_rank,
+                        c_.mla_kv_rank,     c_.rope_theta,
+                        c_.rope_interleave, c_.norm_eps};
     } else {
       RS_CHECK_MSG(t.attn.qkv != kNoTensor, "layer " << i << " has no softmax attention");
       // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].

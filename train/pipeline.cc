@@ -22,7 +22,7 @@ Result<Losses> RunPipeline(const PipeSchedule& plan, std::int64_t stage,
   const std::int64_t n_layers = model.config().n_layers, d = model.config().d_model;
   Losses total;
   total.loads.resize(static_cast<std::size_t>(n_layers));
-  using Key = std::pair<std::int64_t, std::int64_t>;  // (micro-batch, local chunk)
+  using Key = std::pair<std::int64_t, std::int64_t>;     // (micro-batch, local chunk)
   std::map<Key, std::vector<float>> received, produced;  // activations or gradients
   std::vector<std::int64_t> slot_of(micro.size(), -1), backwards_left(micro.size(), v_count);
   std::vector<std::int64_t> free_slots;
@@ -36,8 +36,8 @@ Result<Losses> RunPipeline(const PipeSchedule& plan, std::int64_t stage,
     const std::int64_t gc = plan.GlobalChunk(stage, a.chunk);
     const Key key{a.micro, a.chunk};
     const std::size_t nd = static_cast<std::size_t>(micro[m].rows * seq * d);
-    const std::string what = std::string(PipeOpName(a.op)) + " of micro-batch " + std::to_string(a.micro) +
-                             ", chunk " + std::to_string(gc) + " on stage " + std::to_string(stage);
+    const std::string what = std::string(PipeOpName(a.op)) + " of micro-batch " + std::to_string(a.micro) + ", chunk " +
+                             std::to_string(gc) + " on stage " + std::to_string(stage);
     const Transformer<float>::LayerRange& range = chunks[static_cast<std::size_t>(a.chunk)];
     switch (a.op) {
       case PipeOp::kRecvForward:

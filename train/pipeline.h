@@ -38,8 +38,8 @@ struct MicroBatch {
 
 // What one step's pipeline did on this rank (timestamps in seconds from its start).
 struct PipelineTrace {
-  double span = 0;  // wall time of the schedule (first action to the last send delivered)
-  double busy = 0;  // of which in forward and backward computations
+  double span = 0;              // wall time of the schedule (first action to the last send delivered)
+  double busy = 0;              // of which in forward and backward computations
   std::int64_t peak_slots = 0;  // micro-batches whose activations were held at once
   std::int64_t sent_bytes = 0;  // activations and gradients sent to other stages
   double idle_fraction() const { return span > 0 ? 1.0 - busy / span : 0.0; }

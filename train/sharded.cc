@@ -202,7 +202,8 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     t.ckpt = i;
     if (!local) {
       // Another pipeline stage's tensor: no items here (and no placement, no owned state).
-      if (s->stages_ == 1) return Internal("no local tensor of '" + params[i].name + "' on rank " + std::to_string(rank));
+      if (s->stages_ == 1)
+        return Internal("no local tensor of '" + params[i].name + "' on rank " + std::to_string(rank));
       t.on_stage = false;
       t.local = LocalTensorMap(params[i].shape, std::vector<DimMap>(params[i].shape.size()));
       RS_CHECK_MSG(t.local.local_numel() == 0, "a scalar tensor placed on one pipeline stage: " << params[i].name);

@@ -94,10 +94,11 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
   }
   RS_ASSIGN_OR_RETURN(auto state, ShardedState::Create(model, parallel.layout, world->rank(), train.optimizer));
   if (train.batch_size % (train.micro_batches * state->data_size()) != 0) {
-    return InvalidArgument("train: batch_size " + std::to_string(train.batch_size) + " is not divisible by " +
-                           (train.micro_batches > 1 ? "micro_batches " + std::to_string(train.micro_batches) + " x " : "") +
-                           "the data-parallel degree " + std::to_string(state->data_size()) +
-                           " (dp x fsdp, x ep unless ep is context parallel) of layout " + parallel.layout.ToString());
+    return InvalidArgument(
+        "train: batch_size " + std::to_string(train.batch_size) + " is not divisible by " +
+        (train.micro_batches > 1 ? "micro_batches " + std::to_string(train.micro_batches) + " x " : "") +
+        "the data-parallel degree " + std::to_string(state->data_size()) +
+        " (dp x fsdp, x ep unless ep is context parallel) of layout " + parallel.layout.ToString());
   }
   // Micro-batches and pipeline stages: the schedule (refused here when it cannot be planned,
   // e.g. interleaving with micro_batches not a multiple of pp) and this rank's layer ranges.

@@ -44,8 +44,9 @@ class MpiPipelineTest : public ::testing::Test {
     const std::string log = tmp_.path().string() + "/" + tag + ".jsonl";
     fs::remove(log);
     const CommandResult r =
-        layout.empty() ? RunCli("train " + args + " --threads 1 --log " + log)
-                       : RunMpi(testing::Ranks(layout), "train " + args + " --threads 1 --layout " + layout + " --log " + log);
+        layout.empty()
+            ? RunCli("train " + args + " --threads 1 --log " + log)
+            : RunMpi(testing::Ranks(layout), "train " + args + " --threads 1 --layout " + layout + " --log " + log);
     EXPECT_EQ(r.exit_code, 0) << layout << "\n" << r.output;
     return testing::Losses(log);
   }
@@ -143,9 +144,9 @@ TEST_F(MpiPipelineTest, SaveAtPp2Tp2ResumesAtAnyPipeline) {
 // within seconds.
 TEST_F(MpiPipelineTest, KilledStageEndsEveryRank) {
   const std::string marker = tmp_.path().string() + "/marker.jsonl";
-  const std::string cmd = "mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(RS_CLI) + " train --model " +
-                          Model("topk") + " --steps 100000 --threads 1 --micro-batches 8 --layout pp=2 --log " +
-                          marker + " > /dev/null 2>&1";
+  const std::string cmd =
+      "mpirun --oversubscribe --allow-run-as-root -np 2 " + std::string(RS_CLI) + " train --model " + Model("topk") +
+      " --steps 100000 --threads 1 --micro-batches 8 --layout pp=2 --log " + marker + " > /dev/null 2>&1";
   testing::KillOneRankAndWait(cmd, marker);
 }
 
