@@ -106,7 +106,8 @@ int main(int argc, char** argv) {
         return Fail(s);
       }
     }
-    std::copy(row.begin(), row.end(), all.begin() + static_cast<std::ptrdiff_t>(q * mine.size()));
+    std::copy(row.begin(), row.end(),
+              all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(q) * mine.size()));
   }
   if (world.rank() != 0) return 0;
   const double analytic = rs::train::AnalyticBubble(p, m, schedule == "afab" ? 1 : v);

@@ -24,6 +24,8 @@ Result<Losses> RunPipeline(const PipeSchedule& plan, std::int64_t stage,
   total.loads.resize(static_cast<std::size_t>(n_layers));
   using Key = std::pair<std::int64_t, std::int64_t>;     // (micro-batch, local chunk)
   std::map<Key, std::vector<float>> received, produced;  // activations or gradients
+  // Transfers between two chunks of this stage (pp = 1 with virtual stages): by tag, no copy.
+  std::map<std::int64_t, std::vector<float>> local;
   std::vector<std::int64_t> slot_of(micro.size(), -1), backwards_left(micro.size(), v_count);
   std::vector<std::int64_t> free_slots;
   std::int64_t slots = 0, in_flight = 0;
@@ -44,11 +46,16 @@ Result<Losses> RunPipeline(const PipeSchedule& plan, std::int64_t stage,
       case PipeOp::kRecvBackward: {
         const bool backward = a.op == PipeOp::kRecvBackward;
         std::vector<float>& buf = received[key];
-        buf.resize(nd);
-        if (Status s = pp->Recv(std::span<float>(buf), a.peer, PipeMessageTag(backward, a.micro, gc, chunks_total));
-            !s.ok()) {
-          return s.WithContext(what);
+        const std::int64_t tag = PipeMessageTag(backward, a.micro, gc, chunks_total);
+        if (a.peer == stage) {
+          const auto it = local.find(tag);
+          RS_CHECK_MSG(it != local.end() && it->second.size() == nd, what << ": nothing sent within the stage");
+          buf = std::move(it->second);
+          local.erase(it);
+          break;
         }
+        buf.resize(nd);
+        if (Status s = pp->Recv(std::span<float>(buf), a.peer, tag); !s.ok()) return s.WithContext(what);
         break;
       }
       case PipeOp::kSendForward:
@@ -57,10 +64,13 @@ Result<Losses> RunPipeline(const PipeSchedule& plan, std::int64_t stage,
         const auto it = produced.find(key);
         RS_CHECK_MSG(it != produced.end(), what << ": nothing computed to send");
         const std::int64_t to = backward ? gc - 1 : gc + 1;
-        if (Status s = pp->Send(it->second, a.peer, PipeMessageTag(backward, a.micro, to, chunks_total)); !s.ok()) {
-          return s.WithContext(what);
+        const std::int64_t tag = PipeMessageTag(backward, a.micro, to, chunks_total);
+        if (a.peer == stage) {
+          local[tag] = std::move(it->second);
+        } else {
+          if (Status s = pp->Send(it->second, a.peer, tag); !s.ok()) return s.WithContext(what);
+          t.sent_bytes += static_cast<std::int64_t>(it->second.size() * sizeof(float));
         }
-        t.sent_bytes += static_cast<std::int64_t>(it->second.size() * sizeof(float));
         produced.erase(it);
         break;
       }
@@ -120,10 +130,11 @@ Result<Losses> RunPipeline(const PipeSchedule& plan, std::int64_t stage,
       }
     }
   }
-  if (pp != nullptr) {
+  if (pp != nullptr && p > 1) {
     if (Status s = pp->WaitSends(); !s.ok()) return s.WithContext("stage " + std::to_string(stage));
   }
-  RS_CHECK_MSG(received.empty() && produced.empty(), "stage " << stage << ": transfers left over after the schedule");
+  RS_CHECK_MSG(received.empty() && produced.empty() && local.empty(),
+               "stage " << stage << ": transfers left over after the schedule");
   total.total = total.ce + total.aux + total.z;
   t.span = seconds(start);
   if (trace != nullptr) *trace = t;

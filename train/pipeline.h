@@ -9,7 +9,8 @@
 // gradients travel point to point over the pp group (one rank per stage, same coordinates on
 // every other axis), each message tagged with its transfer (PipeMessageTag), so a receive only
 // matches its own send; sends are queued (they never wait for the receiver) and all are
-// delivered before the step returns. Every collective inside a computation runs within the
+// delivered before the step returns. Between two chunks of the same stage (pp = 1 with
+// virtual stages) the buffer simply moves. Every collective inside a computation runs within the
 // stage (tp, ep, data groups), in the same order on every rank of the stage because they all
 // run the same schedule.
 //

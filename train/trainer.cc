@@ -186,23 +186,31 @@ Status Trainer::SyncToHost() {
   return Status::Ok();
 }
 
+// This rank's part of rows [first, first + count) of the batch: its data index's share of them,
+// and under context parallelism its part of their positions.
+MicroBatch Trainer::RowsOf(const Batch& b, std::int64_t first, std::int64_t count) const {
+  MicroBatch mb;
+  mb.rows = count / state_->data_size();
+  const std::int64_t seq = b.seq / state_->cp_size(), pos = state_->cp_index() * seq;
+  const std::int64_t begin = first + state_->data_index() * mb.rows;
+  for (std::int64_t row = begin; row < begin + mb.rows; ++row) {
+    const auto from = static_cast<std::ptrdiff_t>(row * b.seq + pos);
+    mb.inputs.insert(mb.inputs.end(), b.inputs.begin() + from, b.inputs.begin() + from + seq);
+    mb.targets.insert(mb.targets.end(), b.targets.begin() + from, b.targets.begin() + from + seq);
+  }
+  return mb;
+}
+
 Result<StepReport> Trainer::Step() {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   const Batch b = TrainingBatch(corpus_, train_.seed, step_, train_.batch_size, seq_);
-  // This rank's rows, and under context parallelism its part of their positions.
-  const std::int64_t rows = b.batch / state_->data_size();
-  const std::int64_t seq = b.seq / state_->cp_size(), pos = state_->cp_index() * seq;
-  std::vector<std::int32_t> inputs, targets;
-  for (std::int64_t row = state_->data_index() * rows; row < (state_->data_index() + 1) * rows; ++row) {
-    const auto from = static_cast<std::ptrdiff_t>(row * b.seq + pos);
-    inputs.insert(inputs.end(), b.inputs.begin() + from, b.inputs.begin() + from + seq);
-    targets.insert(targets.end(), b.targets.begin() + from, b.targets.begin() + from + seq);
-  }
+  const std::int64_t seq = b.seq / state_->cp_size();
   if (engine_ != nullptr) {
     host_stale_ = true;
-    auto r = engine_->Step(*this, inputs, targets, rows, seq, step_);
+    const MicroBatch mine = RowsOf(b, 0, b.batch);
+    auto r = engine_->Step(*this, mine.inputs, mine.targets, mine.rows, seq, step_);
     if (!r.ok()) {
       return r.status().WithContext("step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) +
                                     " on " + engine_->Describe());
@@ -213,20 +221,27 @@ Result<StepReport> Trainer::Step() {
     r->seconds = since(start);
     return r;
   }
-  if (plan_) return PipelinedStep(b);
   groups_.ResetStats();
   StepReport r;
-  const std::string at = "step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) + ": ";
+  const std::string at = "step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) +
+                         (state_->stages() > 1 ? " (stage " + std::to_string(state_->stage()) + ")" : "") + ": ";
   // Phase 1: the parameters of this step (fsdp: all-gather every bucket).
   auto t0 = Clock::now();
   if (Status s = state_->GatherParameters(groups_, model_); !s.ok()) return s.WithContext(at + "gather parameters");
   r.comm_seconds += since(t0);
-  // Phase 2: forward and backward on this rank's rows of the global batch.
+  // Phase 2: forward and backward on this rank's rows of the global batch – whole, or micro-
+  // batch by micro-batch through the pipeline schedule.
   model_.ZeroGrads();
-  par_.global_rows = b.batch * b.seq;
   par_.status = Status::Ok();
-  r.losses = model_.Run(inputs.data(), targets.data(), rows, seq, Transformer<float>::Pass::kForwardBackward);
-  if (!par_.status.ok()) return par_.status.WithContext(at + "forward/backward");
+  if (plan_) {
+    RS_RETURN_IF_ERROR(PipelinedPasses(b, r).WithContext(at + "forward/backward"));
+  } else {
+    const MicroBatch mine = RowsOf(b, 0, b.batch);
+    par_.global_rows = b.batch * b.seq;
+    r.losses =
+        model_.Run(mine.inputs.data(), mine.targets.data(), mine.rows, seq, Transformer<float>::Pass::kForwardBackward);
+    if (!par_.status.ok()) return par_.status.WithContext(at + "forward/backward");
+  }
   r.phases = model_.phase_seconds();
   // Phase 3: gradients of the whole batch (kv replicas, fsdp reduce-scatter, dp all-reduce).
   t0 = Clock::now();
@@ -238,8 +253,9 @@ Result<StepReport> Trainer::Step() {
   if (!update.ok()) return update.status().WithContext(at + "optimizer update");
   r.optimizer_seconds = since(t0);
   r.update = *update;
-  // Phase 5: the bias follows the loads of this step's forward pass (DeepSeek-V3's per-step
-  // update); loads are those of the whole batch, so every rank moves its copy the same way.
+  // Phase 5: the bias follows the loads of this step's forward passes (DeepSeek-V3's per-step
+  // update, once per step whatever the micro-batches); loads are those of the whole batch, so
+  // every rank moves its copy the same way.
   model_.UpdateExpertBiases(r.losses);
   ++step_;
   r.step = step_;
@@ -249,82 +265,43 @@ Result<StepReport> Trainer::Step() {
   return r;
 }
 
-Result<StepReport> Trainer::PipelinedStep(const Batch& b) {
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
-  groups_.ResetStats();
-  StepReport r;
-  const std::string at = "step " + std::to_string(step_ + 1) + " on rank " + std::to_string(rank()) + " (stage " +
-                         std::to_string(state_->stage()) + "): ";
-  auto t0 = Clock::now();
-  if (Status s = state_->GatherParameters(groups_, model_); !s.ok()) return s.WithContext(at + "gather parameters");
-  r.comm_seconds += since(t0);
-  // Micro-batch m is rows [m·B/M, (m+1)·B/M) of the global batch; this rank takes its data
-  // index's share of them (and under context parallelism its part of their positions).
+Status Trainer::PipelinedPasses(const Batch& b, StepReport& r) {
+  // Micro-batch m is rows [m·B/M, (m+1)·B/M) of the global batch.
   const std::int64_t m_count = train_.micro_batches, micro_rows = b.batch / m_count;
-  const std::int64_t rows = micro_rows / state_->data_size();
-  const std::int64_t seq = b.seq / state_->cp_size(), pos = state_->cp_index() * seq;
-  std::vector<MicroBatch> micro(static_cast<std::size_t>(m_count));
-  for (std::int64_t m = 0; m < m_count; ++m) {
-    MicroBatch& mb = micro[static_cast<std::size_t>(m)];
-    mb.rows = rows;
-    const std::int64_t first = m * micro_rows + state_->data_index() * rows;
-    for (std::int64_t row = first; row < first + rows; ++row) {
-      const auto from = static_cast<std::ptrdiff_t>(row * b.seq + pos);
-      mb.inputs.insert(mb.inputs.end(), b.inputs.begin() + from, b.inputs.begin() + from + seq);
-      mb.targets.insert(mb.targets.end(), b.targets.begin() + from, b.targets.begin() + from + seq);
-    }
-  }
-  model_.ZeroGrads();
+  std::vector<MicroBatch> micro;
+  for (std::int64_t m = 0; m < m_count; ++m) micro.push_back(RowsOf(b, m * micro_rows, micro_rows));
   model_.ResetPhases();
   par_.global_rows = micro_rows * b.seq;
   par_.loss_scale = 1.0 / static_cast<double>(m_count);
-  par_.status = Status::Ok();
-  auto losses = RunPipeline(*plan_, state_->stage(), chunks_, micro, seq, model_, par_, groups_.pp.get(), &r.pipeline);
+  auto losses = RunPipeline(*plan_, state_->stage(), chunks_, micro, b.seq / state_->cp_size(), model_, par_,
+                            groups_.pp.get(), &r.pipeline);
   par_.loss_scale = 1.0;
-  if (!losses.ok()) return losses.status().WithContext(at + "forward/backward");
+  RS_RETURN_IF_ERROR(losses.status());
   r.losses = std::move(*losses);
-  r.phases = model_.phase_seconds();
+  if (state_->stages() == 1) return Status::Ok();
   // The step's losses over the stages: the last one's cross-entropy, every stage's aux and z
   // losses and the loads of its layers (zeros elsewhere), summed over the pp group.
-  if (state_->stages() > 1) {
-    std::vector<double> sums = {r.losses.ce, r.losses.aux, r.losses.z};
-    if (Status s = groups_.pp->AllReduce(std::span<double>(sums), comm::ReduceOp::kSum); !s.ok())
-      return s.WithContext(at + "sum the losses over the stages");
-    r.losses.ce = sums[0];
-    r.losses.aux = sums[1];
-    r.losses.z = sums[2];
-    r.losses.total = sums[0] + sums[1] + sums[2];
-    const std::int64_t e = model_config().n_experts;
-    std::vector<std::int64_t> loads(static_cast<std::size_t>(model_config().n_layers * e), 0);
-    for (std::size_t li = 0; li < r.losses.loads.size(); ++li) {
-      const std::vector<std::int64_t>& l = r.losses.loads[li];
-      std::copy(l.begin(), l.end(), loads.begin() + static_cast<std::ptrdiff_t>(li) * e);
-    }
-    if (Status s = groups_.pp->AllReduce(std::span<std::int64_t>(loads), comm::ReduceOp::kSum); !s.ok())
-      return s.WithContext(at + "sum the expert loads over the stages");
-    for (std::size_t li = 0; li < r.losses.loads.size(); ++li) {
-      if (!model_config().IsMoeLayer(static_cast<std::int64_t>(li))) continue;
-      const auto from = loads.begin() + static_cast<std::ptrdiff_t>(li) * e;
-      r.losses.loads[li].assign(from, from + e);
-    }
+  std::vector<double> sums = {r.losses.ce, r.losses.aux, r.losses.z};
+  if (Status s = groups_.pp->AllReduce(std::span<double>(sums), comm::ReduceOp::kSum); !s.ok())
+    return s.WithContext("sum the losses over the stages");
+  r.losses.ce = sums[0];
+  r.losses.aux = sums[1];
+  r.losses.z = sums[2];
+  r.losses.total = sums[0] + sums[1] + sums[2];
+  const std::int64_t e = model_config().n_experts;
+  std::vector<std::int64_t> loads(static_cast<std::size_t>(model_config().n_layers * e), 0);
+  for (std::size_t li = 0; li < r.losses.loads.size(); ++li) {
+    const std::vector<std::int64_t>& l = r.losses.loads[li];
+    std::copy(l.begin(), l.end(), loads.begin() + static_cast<std::ptrdiff_t>(li) * e);
   }
-  t0 = Clock::now();
-  if (Status s = state_->ReduceGradients(groups_, model_); !s.ok()) return s.WithContext(at + "reduce gradients");
-  r.comm_seconds += since(t0);
-  t0 = Clock::now();
-  auto update = state_->Update(groups_, step_);
-  if (!update.ok()) return update.status().WithContext(at + "optimizer update");
-  r.optimizer_seconds = since(t0);
-  r.update = *update;
-  model_.UpdateExpertBiases(r.losses);  // once per step, from the loads of every micro-batch
-  ++step_;
-  r.step = step_;
-  r.tokens = b.batch * b.seq;
-  r.comm = groups_.Stats();
-  r.seconds = since(start);
-  return r;
+  if (Status s = groups_.pp->AllReduce(std::span<std::int64_t>(loads), comm::ReduceOp::kSum); !s.ok())
+    return s.WithContext("sum the expert loads over the stages");
+  for (std::size_t li = 0; li < r.losses.loads.size(); ++li) {
+    if (!model_config().IsMoeLayer(static_cast<std::int64_t>(li))) continue;
+    const auto from = loads.begin() + static_cast<std::ptrdiff_t>(li) * e;
+    r.losses.loads[li].assign(from, from + e);
+  }
+  return Status::Ok();
 }
 
 }  // namespace rs::train

@@ -160,7 +160,11 @@ class Trainer {
   // this rank's chunks.
   std::optional<PipeSchedule> plan_;
   std::vector<Transformer<float>::LayerRange> chunks_;
-  Result<StepReport> PipelinedStep(const Batch& b);
+  // This rank's part of batch rows [first, first + count) (its data share, its cp positions).
+  MicroBatch RowsOf(const Batch& b, std::int64_t first, std::int64_t count) const;
+  // Phase 2 with micro-batches: the schedule's forward and backward passes, the losses summed
+  // over the stages into r.losses, the schedule's trace into r.pipeline.
+  Status PipelinedPasses(const Batch& b, StepReport& r);
   std::unique_ptr<StepEngine> engine_;
   bool host_stale_ = false;  // the engine ran steps since the last SyncToHost
 };

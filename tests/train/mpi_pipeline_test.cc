@@ -77,6 +77,8 @@ TEST_F(MpiPipelineTest, LossesMatchOneProcessWithTheSameMicroBatches) {
       {bias, "pp=2,ep=2"},
       {bias, "pp=2,fsdp=2,fsdp_form=box"},
       {bias, "pp=2,pp_virtual=2"},  // interleaved: chunks 0, 2 on stage 0
+      {bias, "pp=1,pp_virtual=2"},  // two chunks on one stage: transfers within the rank
+      {bias, "pp=2,pp_virtual=2,tp=2"},
       {topk, "pp=2,tp=2"},
       {topk, "pp=2,fsdp=2"},
       {topk, "pp=2,dp=2"},
