@@ -308,7 +308,7 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
   std::unique_ptr<CheckpointReader> reader = std::move(in->reader);
   RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(in->model, in->train, std::move(in->corpus), parallel));
   RS_RETURN_IF_ERROR(trainer->state().LoadOncePerReplicaGroup(*reader, trainer->model(), trainer->groups().dp.get(),
-                                                              trainer->groups().tp.get()));
+                                                              trainer->groups().tp.get(), trainer->groups().ep.get()));
   RS_ASSIGN_OR_RETURN(const TensorSpec* step_spec, reader->FindTensor("optimizer.step"));
   if (step_spec->dtype != DType::kI64 || step_spec->numel() != 1) {
     return DataLoss("checkpoint '" + dir + "': 'optimizer.step' must be one i64");

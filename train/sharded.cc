@@ -728,11 +728,22 @@ std::int64_t PlacementFingerprint(const Placement& p) {
 
 }  // namespace
 
-Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model, comm::Communicator* tp) {
-  // Tensors every rank of the tp group reads alike (norms, routers, the expert bias, MLA's
-  // down projections – whatever tp does not cut): its first rank reads them and broadcasts.
-  std::vector<char> shared(tensors_.size(), 0);
-  if (tp != nullptr && tp->size() > 1) {
+Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model, comm::Communicator* tp,
+                          comm::Communicator* ep) {
+  // Per group (tp, then ep): the tensors every rank of the group reads alike – the same
+  // logical pieces into the same buffer layout (norms, routers, the expert bias, MLA's down
+  // projections under tp; everything but the experts under ep) – which its first rank reads
+  // and broadcasts.
+  struct Group {
+    comm::Communicator* comm;
+    const char* failed;
+    std::vector<char> shared;
+  };
+  std::vector<Group> groups;
+  for (const auto& [c, failed] :
+       {std::pair{tp, "another rank of this rank's tensor-parallel group failed to read the checkpoint"},
+        std::pair{ep, "another rank of this rank's expert-parallel group failed to read the checkpoint"}}) {
+    if (c == nullptr || c->size() == 1) continue;
     std::vector<std::int64_t> lo(tensors_.size(), 0);
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const Tensor& t = tensors_[i];
@@ -745,42 +756,56 @@ Status ShardedState::Load(CheckpointReader& reader, Transformer<float>& model, c
     }
     std::vector<std::int64_t> hi = lo;
     for (std::int64_t& v : lo) v = -v;  // the minimum as the maximum of the negated (fingerprints are >= 0)
-    RS_RETURN_IF_ERROR(tp->AllReduce(std::span<std::int64_t>(lo), comm::ReduceOp::kMax));
-    RS_RETURN_IF_ERROR(tp->AllReduce(std::span<std::int64_t>(hi), comm::ReduceOp::kMax));
-    for (std::int64_t& v : lo) v = -v;
-    for (std::size_t i = 0; i < tensors_.size(); ++i) shared[i] = lo[i] == hi[i] && lo[i] != 0 ? 1 : 0;
+    RS_RETURN_IF_ERROR(c->AllReduce(std::span<std::int64_t>(lo), comm::ReduceOp::kMax));
+    RS_RETURN_IF_ERROR(c->AllReduce(std::span<std::int64_t>(hi), comm::ReduceOp::kMax));
+    Group g{c, failed, std::vector<char>(tensors_.size(), 0)};
+    for (std::size_t i = 0; i < tensors_.size(); ++i) g.shared[i] = -lo[i] == hi[i] && hi[i] != 0 ? 1 : 0;
+    groups.push_back(std::move(g));
   }
-  const bool leader = tp == nullptr || tp->rank() == 0;
-  const Status mine = LoadTensors(reader, model, shared, leader);
-  if (tp == nullptr || tp->size() == 1) return mine;
-  RS_RETURN_IF_ERROR(AgreeOnRead(*tp, mine,
-                                 "another rank of this rank's tensor-parallel group failed to read the "
-                                 "checkpoint"));
-  for (std::size_t i = 0; i < tensors_.size(); ++i) {
-    if (shared[i] == 0) continue;
-    const Tensor& t = tensors_[i];
-    const auto share = [&](std::span<float> v) { return tp->Broadcast(std::as_writable_bytes(v), 0); };
-    if (map_->tensors()[t.ckpt].role != TensorRole::kParameter) {
-      RS_RETURN_IF_ERROR(share(
-          model.params().subspan(static_cast<std::size_t>(model.offset(i)), static_cast<std::size_t>(model.numel(i)))));
-      continue;
+  // This rank reads a tensor unless a group that shares it has another rank read it.
+  std::vector<char> skip(tensors_.size(), 0);
+  for (const Group& g : groups) {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      if (g.shared[i] != 0 && g.comm->rank() != 0) skip[i] = 1;
     }
-    const auto n = static_cast<std::size_t>(t.placement->buffer_numel());
-    const auto off = static_cast<std::size_t>(t.owned);
-    RS_RETURN_IF_ERROR(share(master().subspan(off, n)));
-    RS_RETURN_IF_ERROR(share(opt_->exp_avg().subspan(off, n)));
-    RS_RETURN_IF_ERROR(share(opt_->exp_avg_sq().subspan(off, n)));
+  }
+  Status agreed = LoadTensors(reader, model, skip);
+  // Every rank agrees over every group, in the same order, before anyone returns: a failure
+  // anywhere reaches all ranks of the (tp × ep) box, and none waits for a broadcast.
+  for (const Group& g : groups) {
+    const Status s = AgreeOnRead(*g.comm, agreed, g.failed);
+    if (agreed.ok()) agreed = s;
+  }
+  RS_RETURN_IF_ERROR(agreed);
+  // Broadcast over tp first, then over ep: a tensor shared over both was read by (tp 0, ep 0);
+  // the tp broadcast gives it to the ranks of ep index 0 (the others receive whatever their
+  // tp leader holds), and the ep broadcast from ep index 0 then gives every rank the read value.
+  for (const Group& g : groups) {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      if (g.shared[i] == 0) continue;
+      const Tensor& t = tensors_[i];
+      const auto share = [&](std::span<float> v) { return g.comm->Broadcast(std::as_writable_bytes(v), 0); };
+      if (map_->tensors()[t.ckpt].role != TensorRole::kParameter) {
+        RS_RETURN_IF_ERROR(share(model.params().subspan(static_cast<std::size_t>(model.offset(i)),
+                                                        static_cast<std::size_t>(model.numel(i)))));
+        continue;
+      }
+      const auto n = static_cast<std::size_t>(t.placement->buffer_numel());
+      const auto off = static_cast<std::size_t>(t.owned);
+      RS_RETURN_IF_ERROR(share(master().subspan(off, n)));
+      RS_RETURN_IF_ERROR(share(opt_->exp_avg().subspan(off, n)));
+      RS_RETURN_IF_ERROR(share(opt_->exp_avg_sq().subspan(off, n)));
+    }
   }
   return Status::Ok();
 }
 
-Status ShardedState::LoadTensors(CheckpointReader& reader, Transformer<float>& model, const std::vector<char>& shared,
-                                 bool leader) {
+Status ShardedState::LoadTensors(CheckpointReader& reader, Transformer<float>& model, const std::vector<char>& skip) {
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const Tensor& t = tensors_[i];
     const TensorSpec& spec = map_->tensors()[t.ckpt];
     if (!t.on_stage) continue;                  // another pipeline stage's
-    if (shared[i] != 0 && !leader) continue;    // the tp group's first rank reads it
+    if (skip[i] != 0) continue;                 // another rank of a group reads it
     if (spec.role != TensorRole::kParameter) {  // buffers: the whole compute tensor
       RS_RETURN_IF_ERROR(ReadPlacement(
           reader, spec.name, spec.shape, ComputePlacement(i),
@@ -802,10 +827,12 @@ Status ShardedState::LoadTensors(CheckpointReader& reader, Transformer<float>& m
 }
 
 Status ShardedState::LoadOncePerReplicaGroup(CheckpointReader& reader, Transformer<float>& model,
-                                             comm::Communicator* replicas, comm::Communicator* tp) {
-  if (replicas == nullptr || replicas->size() == 1) return Load(reader, model, tp);
-  // The group's first ranks read: with tp, those of every tp index, and they are one tp group.
-  const Status mine = replicas->rank() == 0 ? Load(reader, model, tp) : Status::Ok();
+                                             comm::Communicator* replicas, comm::Communicator* tp,
+                                             comm::Communicator* ep) {
+  if (replicas == nullptr || replicas->size() == 1) return Load(reader, model, tp, ep);
+  // The group's first ranks read: with tp and ep, those of every tp and ep index, and their tp
+  // and ep groups are among them.
+  const Status mine = replicas->rank() == 0 ? Load(reader, model, tp, ep) : Status::Ok();
   RS_RETURN_IF_ERROR(AgreeOnRead(*replicas, mine,
                                  "the rank that reads the checkpoint for this rank's data-parallel group failed to "
                                  "read it"));

@@ -137,18 +137,22 @@ class ShardedState {
   // Resume: reads master weights, moments and buffers of this rank's placements from a
   // checkpoint of any layout (each piece through the reader's overlap index). DataLoss when a
   // tensor is missing or has another shape (a checkpoint of another model).
-  // With `tp` (the tensor-parallel group, collective over it), the tensors every tp rank reads
-  // alike – same logical pieces into the same buffer layout: what tp does not cut – are read
-  // by its first rank and broadcast; a failed read on one rank fails the group.
-  Status Load(CheckpointReader& reader, Transformer<float>& model, comm::Communicator* tp = nullptr);
+  // With `tp` (the tensor-parallel group) and `ep` (the expert-parallel group; collective over
+  // both), the tensors every rank of a group reads alike – same logical pieces into the same
+  // buffer layout: what tp does not cut, and under ep everything but the experts – are read by
+  // the group's first rank and broadcast; a failed read on one rank fails every rank of the
+  // (tp × ep) box.
+  Status Load(CheckpointReader& reader, Transformer<float>& model, comm::Communicator* tp = nullptr,
+              comm::Communicator* ep = nullptr);
   // Load, read once per group of replicas: the first rank of `replicas` (the data-parallel
   // group, whose ranks hold identical state) reads, and the others receive its owned state and
   // buffers by broadcast, so the checkpoint's bytes are read once per replica group, not once
-  // per replica; the readers (one per tp index) share what tp replicates the same way over
-  // `tp`. Collective over `replicas` and `tp` (nullptr or one rank: not used). A failed read
-  // fails every rank of the group (the reader's error, or FailedPrecondition naming the group).
+  // per replica; the readers (one per tp and ep index) share what tp and ep replicate the same
+  // way. Collective over `replicas`, `tp` and `ep` (nullptr or one rank: not used). A failed
+  // read fails every rank of the group (the reader's error, or FailedPrecondition naming the
+  // group).
   Status LoadOncePerReplicaGroup(CheckpointReader& reader, Transformer<float>& model, comm::Communicator* replicas,
-                                 comm::Communicator* tp = nullptr);
+                                 comm::Communicator* tp = nullptr, comm::Communicator* ep = nullptr);
   // Writes this rank's shards (main replicas; all with `with_replicas`) of every checkpoint
   // tensor into `writer`; parameters rounded from the master weights to their dtype.
   Status Save(CheckpointWriter& writer, const Transformer<float>& model, std::int64_t step, bool with_replicas) const;
@@ -271,8 +275,8 @@ class ShardedState {
   const std::vector<std::int64_t>& WholeShape(std::size_t i) const { return map_->tensors()[tensors_[i].ckpt].shape; }
   // The compute tensor of model tensor `i` as a placement (what a load of a buffer fills).
   Placement ComputePlacement(std::size_t i) const;
-  // Load's reading: every tensor, but those marked `shared` only on the `leader`.
-  Status LoadTensors(CheckpointReader& reader, Transformer<float>& model, const std::vector<char>& shared, bool leader);
+  // Load's reading: every tensor but those marked in `skip` (another rank of a group reads them).
+  Status LoadTensors(CheckpointReader& reader, Transformer<float>& model, const std::vector<char>& skip);
 
   std::optional<PhysicalMap> map_;  // always set after Create
   std::int64_t rank_ = 0;

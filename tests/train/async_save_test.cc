@@ -252,6 +252,59 @@ TEST(ResumeRead, WhatTensorParallelismReplicatesIsReadOnce) {
       << bad.output;
 }
 
+// What ep does not cut – every tensor but the experts – is read by one rank of each ep group and
+// broadcast. At ep=2 each rank used to read the whole non-expert model (the sum over ranks about
+// twice the most one rank read); now the second rank reads only its expert, so the sum is
+// about the most. The losses are one process's; a damaged byte that only ep rank 0 reads fails
+// both ranks, and neither waits.
+TEST(ResumeRead, WhatExpertParallelismReplicatesIsReadOnce) {
+  if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
+  TempDir tmp;
+  const std::string model = tmp / "rep.json";
+  std::ofstream(model) << R"({"name": "replicated-heavy", "d_model": 128, "n_layers": 1, "n_heads": 2, )"
+                       << R"("n_kv_heads": 2, "head_dim": 12, "mla_q_rank": 256, "mla_kv_rank": 256, )"
+                       << R"("mla_rope_dim": 4, "mla_v_dim": 4, "n_experts": 2, "top_k": 1, "moe_ffn": 8, )"
+                       << R"("max_seq_len": 32})";
+  const std::string save = tmp / "run";
+  ASSERT_EQ(RunCli("train --model " + model + " --steps 1 --threads 1 --save " + save).exit_code, 0);
+  double first_loss = 0;
+  for (const auto& [np, layout] :
+       std::vector<std::pair<int, std::string>>{{1, "tp=1"}, {2, "ep=2"}, {4, "ep=2,dp=2"}}) {
+    SCOPED_TRACE(layout);
+    const std::string log = tmp / ("log" + std::to_string(np));
+    const CommandResult r =
+        RunShell("timeout 120 " + Launcher(np) + std::string(RS_CLI) + " train --threads 1 --resume " + save +
+                 "/step-00000001 --steps 2 --layout " + layout + " --log " + log);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::size_t at = r.output.find("; read ");
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const double sum = ParseBytes(r.output.substr(at + 7));
+    const std::size_t most_at = r.output.find("at most ", at);
+    ASSERT_NE(most_at, std::string::npos) << r.output;
+    const double most = ParseBytes(r.output.substr(most_at + 8));
+    const double loss = Losses(log).at(0);
+    if (np == 1) first_loss = loss;
+    EXPECT_NEAR(loss, first_loss, 1e-5 * first_loss);
+    if (np == 1) continue;
+    EXPECT_LT(sum, 1.25 * most) << r.output;  // was about 2x (each rank also reads the step counter)
+  }
+  const std::string step = save + "/step-00000001";
+  const nlohmann::json manifest = nlohmann::json::parse(Slurp(step + "/manifest.json"));
+  std::int64_t offset = -1;
+  for (const auto& shard : manifest.at("shards")) {
+    if (shard.at("tensor") == "layers.0.attn.q_a.weight/master") offset = shard.at("offset").get<std::int64_t>();
+  }
+  ASSERT_GT(offset, 0);
+  FlipByte(step + "/rank-00000.h5", offset + 1000);
+  const CommandResult bad = RunShell("timeout 120 " + Launcher(2) + std::string(RS_CLI) +
+                                     " train --threads 1 --resume " + step + " --steps 2 --layout ep=2");
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.exit_code, 124) << "a rank waited for a broadcast that never came: " << bad.output;
+  EXPECT_NE(bad.output.find("rank-00000.h5"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("another rank of this rank's expert-parallel group failed"), std::string::npos)
+      << bad.output;
+}
+
 // A resume at dp = 2 or 4 reads the checkpoint once per data-parallel group, not once per
 // replica: about what one process reads (before, 2x and 4x), with the same losses; a damaged
 // checkpoint fails every rank of the group, none waits for a broadcast that never comes.

@@ -88,10 +88,10 @@ TEST(MicroBatchTest, LayerRangesInSlotsEqualRunPerMicroBatch) {
   double loss = 0;
   for (std::size_t m = 0; m < 2; ++m) {
     double* hm = h.data() + m * n * c.d_model;
-    loss += ranges.Forward(m, first, b.inputs.data() + m * n, b.targets.data() + m * n, 2, b.seq, nullptr, hm, true)
-                .total;
-    loss += ranges.Forward(m, rest, b.inputs.data() + m * n, b.targets.data() + m * n, 2, b.seq, hm, nullptr, true)
-                .total;
+    loss +=
+        ranges.Forward(m, first, b.inputs.data() + m * n, b.targets.data() + m * n, 2, b.seq, nullptr, hm, true).total;
+    loss +=
+        ranges.Forward(m, rest, b.inputs.data() + m * n, b.targets.data() + m * n, 2, b.seq, hm, nullptr, true).total;
   }
   for (std::size_t m = 2; m-- > 0;) {  // backwards in the other order
     double* dm = dh.data() + m * n * c.d_model;
@@ -120,8 +120,9 @@ TEST(MicroBatchTest, WeightedMicroBatchesAccumulateTheWholeBatch) {
   micro.ZeroGrads();
   double got = 0;
   for (int m = 0; m < 4; ++m) {
-    got += micro.Run(b.inputs.data() + m * b.seq, b.targets.data() + m * b.seq, 1, b.seq,
-                     Transformer<double>::Pass::kForwardBackward)
+    got += micro
+               .Run(b.inputs.data() + m * b.seq, b.targets.data() + m * b.seq, 1, b.seq,
+                    Transformer<double>::Pass::kForwardBackward)
                .total;
   }
   EXPECT_NEAR(got, want, 1e-13 * want);
@@ -131,8 +132,9 @@ TEST(MicroBatchTest, WeightedMicroBatchesAccumulateTheWholeBatch) {
   micro.ZeroGrads();
   double unweighted = 0;
   for (int m = 0; m < 4; ++m) {
-    unweighted += micro.Run(b.inputs.data() + m * b.seq, b.targets.data() + m * b.seq, 1, b.seq,
-                            Transformer<double>::Pass::kForwardBackward)
+    unweighted += micro
+                      .Run(b.inputs.data() + m * b.seq, b.targets.data() + m * b.seq, 1, b.seq,
+                           Transformer<double>::Pass::kForwardBackward)
                       .total;
   }
   EXPECT_GT(std::abs(unweighted - want), 1.0);
@@ -164,8 +166,8 @@ TEST(MicroBatchTest, PipelineExecutorOnOneRankEqualsRunPerMicroBatch) {
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   pipe.ZeroGrads();
   PipelineTrace trace;
-  auto got = RunPipeline(*plan, 0, {{0, 2, true, false}, {2, 3, false, true}}, micro, b.seq, pipe, par_pipe, nullptr,
-                         &trace);
+  auto got =
+      RunPipeline(*plan, 0, {{0, 2, true, false}, {2, 3, false, true}}, micro, b.seq, pipe, par_pipe, nullptr, &trace);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_NEAR(got->ce, want.ce, 1e-6 * want.ce);
   EXPECT_NEAR(got->aux, want.aux, 1e-6 * want.aux);
