@@ -78,6 +78,24 @@ void CausalSoftmaxRows(T* p, std::int64_t rows, std::int64_t cols, std::int64_t 
 }
 
 template <typename T>
+void CausalSoftmaxRowsLse(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first, T* lse) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    T* row = p + i * cols;
+    const std::int64_t last = first + i;
+    const T mx = *std::max_element(row, row + last + 1);
+    T sum = 0;
+    for (std::int64_t j = 0; j <= last; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const T inv = T(1) / sum;
+    for (std::int64_t j = 0; j <= last; ++j) row[j] *= inv;
+    std::fill(row + last + 1, row + cols, T(0));
+    lse[i] = mx + std::log(sum);
+  }
+}
+
+template <typename T>
 void CausalSoftmaxBackwardRows(const T* p, T* ds, std::int64_t rows, std::int64_t cols, std::int64_t first) {
   for (std::int64_t i = 0; i < rows; ++i) {
     const T* prow = p + i * cols;
@@ -137,7 +155,7 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   const std::int64_t group = nq / nkv;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
   qkv_.resize(static_cast<std::size_t>(n * w));
-  probs_.resize(static_cast<std::size_t>(batch * nq * seq * total));
+  lse_.resize(static_cast<std::size_t>(batch * nq * seq));
   ctx_.resize(static_cast<std::size_t>(n * c));
 
   Gemm<T>(Trans::kNo, Trans::kYes, n, w, d, T(1), x, d, wqkv, d, T(0), qkv_.data(), w);
@@ -172,18 +190,24 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
     kv_stride = kvw;
     kv_batch = total * kvw;
   }
+  // By blocks of kQueryBlock queries: a block's scores are [rows, keys up to its last query's
+  // position] – never the keys the causal mask hides from the whole block, and never more than
+  // one block's scores in memory; each row's log-sum-exp is kept for the backward pass.
+  std::vector<T> p(static_cast<std::size_t>(std::min(seq, kQueryBlock) * total));
   for (std::int64_t b = 0; b < batch; ++b) {
     const T* base = qkv_.data() + b * seq * w;
     for (std::int64_t h = 0; h < nq; ++h) {
       const std::int64_t g = h / group;
-      const T* q = base + h * dh;
       const T* k = kv + b * kv_batch + g * dh;
       const T* v = kv + b * kv_batch + (nkv + g) * dh;
-      T* p = probs_.data() + (b * nq + h) * seq * total;
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, scale, q, w, k, kv_stride, T(0), p, total);
-      CausalSoftmaxRows(p, seq, total, first);
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, T(1), p, total, v, kv_stride, T(0),
-              ctx_.data() + b * seq * c + h * dh, c);
+      for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
+        const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
+        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, base + i0 * w + h * dh, w, k, kv_stride, T(0), p.data(),
+                keys);
+        CausalSoftmaxRowsLse(p.data(), rows, keys, first + i0, lse_.data() + (b * nq + h) * seq + i0);
+        Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, T(1), p.data(), keys, v, kv_stride, T(0),
+                ctx_.data() + (b * seq + i0) * c + h * dh, c);
+      }
     }
   }
   if (s_.output_gate) {  // each head's output × sigmoid(its gate), the gate columns after the queries
@@ -243,26 +267,49 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
     kv_stride = kvw;
     kv_batch = total * kvw;
   }
-  std::vector<T> ds(static_cast<std::size_t>(seq * total));
+  // By the forward pass's query blocks: the block's probabilities are recomputed from its
+  // scores and the kept log-sum-exp, P = exp(S − lse) (zero where the mask is); then
+  // dP = dO · Vᵀ, dS = P ⊙ (dP − D) with D = rowsum(dO ⊙ O) (= rowsum(P ⊙ dP)), and
+  // dQ += scale · dS · K, dK += scale · dSᵀ · Q, dV += Pᵀ · dO over the block's keys.
+  const std::int64_t block = std::min(seq, kQueryBlock);
+  std::vector<T> p(static_cast<std::size_t>(block * total)), ds(p.size()), dsum(static_cast<std::size_t>(block));
+  const std::vector<T>& heads_out = s_.output_gate ? ungated_ : ctx_;  // O, each head's output
   for (std::int64_t b = 0; b < batch; ++b) {
     const T* base = qkv_.data() + b * seq * w;
     T* dbase = dqkv.data() + b * seq * w;
     for (std::int64_t h = 0; h < nq; ++h) {
       const std::int64_t g = h / group;
-      const T* q = base + h * dh;
       const T* k = kv + b * kv_batch + g * dh;
       const T* v = kv + b * kv_batch + (nkv + g) * dh;
       T* dk = dkv + b * kv_batch + g * dh;
       T* dv = dkv + b * kv_batch + (nkv + g) * dh;
-      const T* p = probs_.data() + (b * nq + h) * seq * total;
-      const T* dc = dctx.data() + b * seq * c + h * dh;
-      // dP = dctx · Vᵀ, then dS = P ⊙ (dP − rowsum(P ⊙ dP)) (softmax backward; zero where
-      // the mask is because P is).
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, T(1), dc, c, v, kv_stride, T(0), ds.data(), total);
-      Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, T(1), p, total, dc, c, T(1), dv, kv_stride);
-      CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k, kv_stride, T(1), dbase + h * dh, w);
-      Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q, w, T(1), dk, kv_stride);
+      for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
+        const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
+        const T* q = base + i0 * w + h * dh;
+        const T* dc = dctx.data() + (b * seq + i0) * c + h * dh;
+        const T* o = heads_out.data() + (b * seq + i0) * c + h * dh;
+        const T* lse = lse_.data() + (b * nq + h) * seq + i0;
+        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, q, w, k, kv_stride, T(0), p.data(), keys);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          T* pr = p.data() + r * keys;
+          const std::int64_t last = first + i0 + r;
+          for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[r]);
+          std::fill(pr + last + 1, pr + keys, T(0));
+          T dot = 0;
+          for (std::int64_t e = 0; e < dh; ++e) dot += dc[r * c + e] * o[r * c + e];
+          dsum[static_cast<std::size_t>(r)] = dot;
+        }
+        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, T(1), dc, c, v, kv_stride, T(0), ds.data(), keys);
+        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, T(1), p.data(), keys, dc, c, T(1), dv, kv_stride);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const T* pr = p.data() + r * keys;
+          T* dr = ds.data() + r * keys;
+          for (std::int64_t j = 0; j < keys; ++j) dr[j] = pr[j] * (dr[j] - dsum[static_cast<std::size_t>(r)]);
+        }
+        Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, scale, ds.data(), keys, k, kv_stride, T(1),
+                dbase + i0 * w + h * dh, w);
+        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, scale, ds.data(), keys, q, w, T(1), dk, kv_stride);
+      }
     }
   }
   if (cp > 1) {  // every rank's share of each position's k/v gradient, summed where it lives
@@ -295,6 +342,7 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
                                         RopeDirection);                                                   \
   template void RopeTable<T>(std::int64_t, std::int64_t, double, std::vector<T>&, std::vector<T>&);       \
   template void CausalSoftmaxRows<T>(T*, std::int64_t, std::int64_t, std::int64_t);                       \
+  template void CausalSoftmaxRowsLse<T>(T*, std::int64_t, std::int64_t, std::int64_t, T*);                \
   template void CausalSoftmaxBackwardRows<T>(const T*, T*, std::int64_t, std::int64_t, std::int64_t);
 RS_ATTENTION_HELPERS(float)
 RS_ATTENTION_HELPERS(double)

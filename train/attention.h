@@ -44,6 +44,9 @@ void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vect
 // softmax over keys 0..first+i, zeros after.
 template <typename T>
 void CausalSoftmaxRows(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first);
+// The same, also writing each row's log-sum-exp (max + log Σ exp) to lse[rows].
+template <typename T>
+void CausalSoftmaxRowsLse(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first, T* lse);
 // ds (the gradient of the probabilities p on entry) becomes the gradient of the scores.
 template <typename T>
 void CausalSoftmaxBackwardRows(const T* p, T* ds, std::int64_t rows, std::int64_t cols, std::int64_t first);
@@ -51,6 +54,12 @@ void CausalSoftmaxBackwardRows(const T* p, T* ds, std::int64_t rows, std::int64_
 template <typename T>
 class Attention {
  public:
+  // Scores are computed kQueryBlock queries at a time, each block against the keys up to its
+  // last query (what the causal mask leaves), and only a block's scores exist at once: the
+  // memory is linear in the sequence (the per-row log-sum-exp is kept; the backward pass
+  // recomputes a block's probabilities from it), and the products skip most of the masked half.
+  static constexpr std::int64_t kQueryBlock = 64;
+
   // With context parallelism (`par->cp` of P ranks) a rank holds positions [r·seq, (r+1)·seq)
   // of each sequence: its queries attend to the keys and values of all P·seq positions, which
   // are all-gathered over cp (all-gather rather than a ring: the same bytes, and with no
@@ -96,7 +105,7 @@ class Attention {
   std::vector<T> qk_rstd_;  // q/k norm: [N, nq+nkv] their 1/rms
   std::vector<T> qkv_;      // [N, (nq+2nkv)·dh], q and k after the rotary embedding
   std::vector<T> kv_;       // context parallel: [batch, P·seq, 2·nkv·dh] every rank's k and v
-  std::vector<T> probs_;    // [batch, nq, seq, P·seq], causal softmax (zeros above the diagonal)
+  std::vector<T> lse_;      // [batch, nq, seq] log-sum-exp of each query's scores
   std::vector<T> ctx_;      // [N, nq·dh] (gated, with the output gate)
   std::vector<T> ungated_;  // output gate: [N, nq·dh] the heads' outputs before it
 };

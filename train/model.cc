@@ -81,7 +81,8 @@ Status CheckModelMemory(const ModelConfig& c, std::int64_t rows, std::int64_t se
     std::int64_t tokens = 0, logits = 0, probs = 0;
     overflow = overflow || __builtin_mul_overflow(rows, seq, &tokens) ||
                __builtin_mul_overflow(tokens, c.vocab_size * (training ? 2 : 1), &logits) ||
-               __builtin_mul_overflow(tokens, seq, &probs) || __builtin_mul_overflow(probs, c.n_heads, &probs) ||
+               __builtin_mul_overflow(tokens, c.IsMla() ? seq : 1, &probs) ||
+               __builtin_mul_overflow(probs, c.n_heads, &probs) ||
                __builtin_mul_overflow(probs, attention_layers, &probs) ||
                __builtin_add_overflow(floats, logits, &floats) || __builtin_add_overflow(floats, probs, &floats);
   }

@@ -55,7 +55,8 @@ Status CheckTrainable(const ModelConfig& config, std::int64_t seq = 0, std::int6
 // before allocating: a config may come from a file (checkpoint metadata, --model) and claim a
 // model no machine holds. Counted, as 4-byte floats: the parameters and their gradients (plus
 // the three AdamW states when `training`), the logits of `rows` x `seq` tokens (and their
-// gradient when training) and every attention layer's probabilities [rows, heads, seq, seq];
+// gradient when training) and every attention layer's saved softmax statistics (multi-latent attention's probabilities
+// [rows, heads, seq, seq], the blocked GQA's log-sum-exp per query and head [rows, seq, heads]);
 // all divided by `ranks` (a lower bound of one rank's share at any layout). `rows` = 0 counts
 // the parameters only. InvalidArgument if the config does not validate.
 Status CheckModelMemory(const ModelConfig& config, std::int64_t rows, std::int64_t seq, bool training,

@@ -150,11 +150,11 @@ TEST(AttentionTest, GradientMatchesFiniteDifferences) {
 // Qwen3-Next's full attention: QKV rows [q; gate; k; v], zero-centred q/k norms, rotary on the
 // first 2 of 4 values of each head, each head's output × sigmoid(gate) – against a float64
 // transcription of transformers' Qwen3NextAttention, and its gradients against finite differences.
-TEST(AttentionTest, GatedPartialRotaryMatchesTransformersFormulas) {
+void ExpectGatedAttentionMatchesReference(std::int64_t b, std::int64_t seq) {
   AttentionShape s{/*d_model=*/8, /*n_heads=*/4, /*n_kv_heads=*/2, /*head_dim=*/4, /*rope_theta=*/100.0};
   s.output_gate = true;
   s.rotary_dim = 2;
-  const std::int64_t b = 2, seq = 5, n = b * seq, dh = 4, nq = 4, nkv = 2, d = 8, w = (2 * nq + 2 * nkv) * dh;
+  const std::int64_t n = b * seq, dh = 4, nq = 4, nkv = 2, d = 8, w = (2 * nq + 2 * nkv) * dh;
   ASSERT_EQ(s.qkv_width(), w);
   auto x = RandomVector(n * d, 41);
   auto wqkv = RandomVector(w * d, 42, 0.5);
@@ -235,6 +235,15 @@ TEST(AttentionTest, GatedPartialRotaryMatchesTransformersFormulas) {
   ExpectGradMatches("gated.out", wout, dout, loss, 60);
   ExpectGradMatches("gated.q_norm", qn, dqn, loss);
   ExpectGradMatches("gated.k_norm", kn, dkn, loss);
+}
+
+TEST(AttentionTest, GatedPartialRotaryMatchesTransformersFormulas) { ExpectGatedAttentionMatchesReference(2, 5); }
+
+// Longer than one query block (Attention::kQueryBlock = 64): three blocks, the last partial,
+// each against the keys up to its last query – the same reference and gradients.
+TEST(AttentionTest, QueryBlocksMatchTheReference) {
+  static_assert(Attention<double>::kQueryBlock == 64);
+  ExpectGatedAttentionMatchesReference(1, 150);
 }
 
 TEST(AttentionTest, IsCausal) {
