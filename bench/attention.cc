@@ -11,13 +11,14 @@
 // (blocked: one 64 × seq block at a time plus seq log-sum-exps per head; unblocked: S×S per
 // head, all kept for the backward pass). The blocked module also applies RoPE, which the
 // unblocked side leaves out (a few percent at most).
+#include "train/attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
 #include "bench/train_bench_util.h"
-#include "train/attention.h"
 #include "train/gemm.h"
 #include "train/rng.h"
 
@@ -103,8 +104,8 @@ int main(int argc, char** argv) {
                   y.data(), d);
       Gemm<float>(Trans::kNo, Trans::kNo, seq, nq * dh, d, 1.f, dy.data(), d, wout.data(), nq * dh, 0.f, ctx.data(),
                   nq * dh);
-      Gemm<float>(Trans::kYes, Trans::kNo, d, nq * dh, seq, 1.f, dy.data(), d, ctx.data(), nq * dh, 1.f,
-                  dwout.data(), nq * dh);
+      Gemm<float>(Trans::kYes, Trans::kNo, d, nq * dh, seq, 1.f, dy.data(), d, ctx.data(), nq * dh, 1.f, dwout.data(),
+                  nq * dh);
       Gemm<float>(Trans::kNo, Trans::kNo, seq, d, w, 1.f, qkv.data(), w, wqkv.data(), d, 0.f, dx.data(), d);
       Gemm<float>(Trans::kYes, Trans::kNo, w, d, seq, 1.f, qkv.data(), w, x.data(), d, 1.f, dwqkv.data(), d);
     });

@@ -62,19 +62,7 @@ void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vect
 
 template <typename T>
 void CausalSoftmaxRows(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first) {
-  for (std::int64_t i = 0; i < rows; ++i) {
-    T* row = p + i * cols;
-    const std::int64_t last = first + i;  // causal by global position
-    const T mx = *std::max_element(row, row + last + 1);
-    T sum = 0;
-    for (std::int64_t j = 0; j <= last; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
-    const T inv = T(1) / sum;
-    for (std::int64_t j = 0; j <= last; ++j) row[j] *= inv;
-    std::fill(row + last + 1, row + cols, T(0));
-  }
+  CausalSoftmaxRowsLse<T>(p, rows, cols, first, nullptr);
 }
 
 template <typename T>
@@ -91,7 +79,7 @@ void CausalSoftmaxRowsLse(T* p, std::int64_t rows, std::int64_t cols, std::int64
     const T inv = T(1) / sum;
     for (std::int64_t j = 0; j <= last; ++j) row[j] *= inv;
     std::fill(row + last + 1, row + cols, T(0));
-    lse[i] = mx + std::log(sum);
+    if (lse != nullptr) lse[i] = mx + std::log(sum);
   }
 }
 

@@ -44,7 +44,7 @@ void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vect
 // softmax over keys 0..first+i, zeros after.
 template <typename T>
 void CausalSoftmaxRows(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first);
-// The same, also writing each row's log-sum-exp (max + log Σ exp) to lse[rows].
+// The same, also writing each row's log-sum-exp (max + log Σ exp) to lse[rows] (when not null).
 template <typename T>
 void CausalSoftmaxRowsLse(T* p, std::int64_t rows, std::int64_t cols, std::int64_t first, T* lse);
 // ds (the gradient of the probabilities p on entry) becomes the gradient of the scores.

@@ -192,6 +192,64 @@ double ParseBytes(const std::string& s) {
   return -1;
 }
 
+// The model of the read-once tests: its MLA down projections make it mostly tensors that tp
+// replicates (q_a, kv_a, their norms, the norms, the router). Trained one step in one process
+// and saved under `tmp`; returns the checkpoint.
+constexpr int kRepD = 128, kRepQ = 256, kRepKv = 256, kRepRope = 4;
+std::string SaveReplicatedHeavy(const TempDir& tmp) {
+  const std::string model = tmp / "rep.json";
+  std::ofstream(model) << R"({"name": "replicated-heavy", "d_model": 128, "n_layers": 1, "n_heads": 2, )"
+                       << R"("n_kv_heads": 2, "head_dim": 12, "mla_q_rank": 256, "mla_kv_rank": 256, )"
+                       << R"("mla_rope_dim": 4, "mla_v_dim": 4, "n_experts": 2, "top_k": 1, "moe_ffn": 8, )"
+                       << R"("max_seq_len": 32})";
+  const std::string save = tmp / "run";
+  EXPECT_EQ(RunCli("train --model " + model + " --steps 1 --threads 1 --save " + save).exit_code, 0);
+  return save + "/step-00000001";
+}
+
+// A resume of `step` at `layout` over `np` ranks: what its report line says all ranks read and
+// the most one rank read, and the first loss.
+struct ResumeReport {
+  double sum = -1, most = -1, loss = -1;
+  std::string output;
+};
+ResumeReport ResumeAndReport(const TempDir& tmp, const std::string& step, int np, const std::string& layout) {
+  ResumeReport out;
+  const std::string log = tmp / ("log" + std::to_string(np));
+  const CommandResult r =
+      RunShell("timeout 120 " + Launcher(np) + std::string(RS_CLI) + " train --threads 1 --resume " + step +
+               " --steps 2 --layout " + layout + " --log " + log);
+  out.output = r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::size_t at = r.output.find("; read ");
+  const std::size_t most_at = at == std::string::npos ? at : r.output.find("at most ", at);
+  EXPECT_NE(most_at, std::string::npos) << r.output;
+  if (r.exit_code != 0 || most_at == std::string::npos) return out;
+  out.sum = ParseBytes(r.output.substr(at + 7));
+  out.most = ParseBytes(r.output.substr(most_at + 8));
+  out.loss = Losses(log).at(0);
+  return out;
+}
+
+// A flipped byte in q_a's master weights, which only the first rank of a group reads: the resume
+// at `layout` fails on every rank – the reader names the file, the others say `others` – and no
+// rank waits for a broadcast that never comes.
+void ExpectDamageFailsTheGroup(const std::string& step, int np, const std::string& layout, const std::string& others) {
+  const nlohmann::json manifest = nlohmann::json::parse(Slurp(step + "/manifest.json"));
+  std::int64_t offset = -1;
+  for (const auto& shard : manifest.at("shards")) {
+    if (shard.at("tensor") == "layers.0.attn.q_a.weight/master") offset = shard.at("offset").get<std::int64_t>();
+  }
+  ASSERT_GT(offset, 0);
+  FlipByte(step + "/rank-00000.h5", offset + 1000);
+  const CommandResult bad = RunShell("timeout 120 " + Launcher(np) + std::string(RS_CLI) +
+                                     " train --threads 1 --resume " + step + " --steps 2 --layout " + layout);
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.exit_code, 124) << "a rank waited for a broadcast that never came: " << bad.output;
+  EXPECT_NE(bad.output.find("rank-00000.h5"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find(others), std::string::npos) << bad.output;
+}
+
 // What tp does not cut – norms, routers, and here mostly MLA's down projections q_a and kv_a –
 // is read by one rank of each tp group and broadcast. The resume's line says what all ranks read
 // and the most one rank read: with the replicated tensors read by both tp ranks (before), the
@@ -200,109 +258,37 @@ double ParseBytes(const std::string& s) {
 TEST(ResumeRead, WhatTensorParallelismReplicatesIsReadOnce) {
   if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   TempDir tmp;
-  const std::string model = tmp / "rep.json";
-  const int d = 128, rq = 256, rkv = 256, rope = 4;
-  std::ofstream(model) << R"({"name": "replicated-heavy", "d_model": 128, "n_layers": 1, "n_heads": 2, )"
-                       << R"("n_kv_heads": 2, "head_dim": 12, "mla_q_rank": 256, "mla_kv_rank": 256, )"
-                       << R"("mla_rope_dim": 4, "mla_v_dim": 4, "n_experts": 2, "top_k": 1, "moe_ffn": 8, )"
-                       << R"("max_seq_len": 32})";
+  const int d = kRepD, rq = kRepQ, rkv = kRepKv, rope = kRepRope;
   // q_a, kv_a, their norms, attn/mlp/final norms, the router: f32 master, exp_avg, exp_avg_sq.
   const double replicated = 12.0 * (rq * d + (rkv + rope) * d + rq + rkv + 3 * d + 2 * d);
-  const std::string save = tmp / "run";
-  ASSERT_EQ(RunCli("train --model " + model + " --steps 1 --threads 1 --save " + save).exit_code, 0);
-  double first_loss = 0;
-  for (const auto& [np, layout] :
-       std::vector<std::pair<int, std::string>>{{1, "tp=1"}, {2, "tp=2"}, {4, "tp=2,dp=2"}}) {
+  const std::string step = SaveReplicatedHeavy(tmp);
+  const double first_loss = ResumeAndReport(tmp, step, 1, "tp=1").loss;
+  for (const auto& [np, layout] : std::vector<std::pair<int, std::string>>{{2, "tp=2"}, {4, "tp=2,dp=2"}}) {
     SCOPED_TRACE(layout);
-    const std::string log = tmp / ("log" + std::to_string(np));
-    const CommandResult r =
-        RunShell("timeout 120 " + Launcher(np) + std::string(RS_CLI) + " train --threads 1 --resume " + save +
-                 "/step-00000001 --steps 2 --layout " + layout + " --log " + log);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::size_t at = r.output.find("; read ");
-    ASSERT_NE(at, std::string::npos) << r.output;
-    const double sum = ParseBytes(r.output.substr(at + 7));
-    const std::size_t most_at = r.output.find("at most ", at);
-    ASSERT_NE(most_at, std::string::npos) << r.output;
-    const double most = ParseBytes(r.output.substr(most_at + 8));
-    const double loss = Losses(log).at(0);
-    if (np == 1) first_loss = loss;
-    EXPECT_NEAR(loss, first_loss, 1e-5 * first_loss);
-    if (np == 1) continue;
+    const ResumeReport r = ResumeAndReport(tmp, step, np, layout);
+    EXPECT_NEAR(r.loss, first_loss, 1e-5 * first_loss);
     // Two readers (the dp group's first ranks, one per tp index); the second skips R.
-    EXPECT_LT(sum, 2 * most - 0.8 * replicated) << r.output;
+    EXPECT_LT(r.sum, 2 * r.most - 0.8 * replicated) << r.output;
   }
-
-  // A flipped byte in a replicated tensor's master weights, which only the tp group's first
-  // rank reads: it fails, the other rank learns it from the group, nobody waits.
-  const std::string step = save + "/step-00000001";
-  const nlohmann::json manifest = nlohmann::json::parse(Slurp(step + "/manifest.json"));
-  std::int64_t offset = -1;
-  for (const auto& shard : manifest.at("shards")) {
-    if (shard.at("tensor") == "layers.0.attn.q_a.weight/master") offset = shard.at("offset").get<std::int64_t>();
-  }
-  ASSERT_GT(offset, 0);
-  FlipByte(step + "/rank-00000.h5", offset + 1000);
-  const CommandResult bad = RunShell("timeout 120 " + Launcher(2) + std::string(RS_CLI) +
-                                     " train --threads 1 --resume " + step + " --steps 2 --layout tp=2");
-  EXPECT_NE(bad.exit_code, 0) << bad.output;
-  EXPECT_NE(bad.exit_code, 124) << "a rank waited for a broadcast that never came: " << bad.output;
-  EXPECT_NE(bad.output.find("rank-00000.h5"), std::string::npos) << bad.output;
-  EXPECT_NE(bad.output.find("another rank of this rank's tensor-parallel group failed"), std::string::npos)
-      << bad.output;
+  ExpectDamageFailsTheGroup(step, 2, "tp=2", "another rank of this rank's tensor-parallel group failed");
 }
 
 // What ep does not cut – every tensor but the experts – is read by one rank of each ep group and
 // broadcast. At ep=2 each rank used to read the whole non-expert model (the sum over ranks about
 // twice the most one rank read); now the second rank reads only its expert, so the sum is
-// about the most. The losses are one process's; a damaged byte that only ep rank 0 reads fails
-// both ranks, and neither waits.
+// about the most. The losses are one process's.
 TEST(ResumeRead, WhatExpertParallelismReplicatesIsReadOnce) {
   if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
   TempDir tmp;
-  const std::string model = tmp / "rep.json";
-  std::ofstream(model) << R"({"name": "replicated-heavy", "d_model": 128, "n_layers": 1, "n_heads": 2, )"
-                       << R"("n_kv_heads": 2, "head_dim": 12, "mla_q_rank": 256, "mla_kv_rank": 256, )"
-                       << R"("mla_rope_dim": 4, "mla_v_dim": 4, "n_experts": 2, "top_k": 1, "moe_ffn": 8, )"
-                       << R"("max_seq_len": 32})";
-  const std::string save = tmp / "run";
-  ASSERT_EQ(RunCli("train --model " + model + " --steps 1 --threads 1 --save " + save).exit_code, 0);
-  double first_loss = 0;
-  for (const auto& [np, layout] :
-       std::vector<std::pair<int, std::string>>{{1, "tp=1"}, {2, "ep=2"}, {4, "ep=2,dp=2"}}) {
+  const std::string step = SaveReplicatedHeavy(tmp);
+  const double first_loss = ResumeAndReport(tmp, step, 1, "tp=1").loss;
+  for (const auto& [np, layout] : std::vector<std::pair<int, std::string>>{{2, "ep=2"}, {4, "ep=2,dp=2"}}) {
     SCOPED_TRACE(layout);
-    const std::string log = tmp / ("log" + std::to_string(np));
-    const CommandResult r =
-        RunShell("timeout 120 " + Launcher(np) + std::string(RS_CLI) + " train --threads 1 --resume " + save +
-                 "/step-00000001 --steps 2 --layout " + layout + " --log " + log);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::size_t at = r.output.find("; read ");
-    ASSERT_NE(at, std::string::npos) << r.output;
-    const double sum = ParseBytes(r.output.substr(at + 7));
-    const std::size_t most_at = r.output.find("at most ", at);
-    ASSERT_NE(most_at, std::string::npos) << r.output;
-    const double most = ParseBytes(r.output.substr(most_at + 8));
-    const double loss = Losses(log).at(0);
-    if (np == 1) first_loss = loss;
-    EXPECT_NEAR(loss, first_loss, 1e-5 * first_loss);
-    if (np == 1) continue;
-    EXPECT_LT(sum, 1.25 * most) << r.output;  // was about 2x (each rank also reads the step counter)
+    const ResumeReport r = ResumeAndReport(tmp, step, np, layout);
+    EXPECT_NEAR(r.loss, first_loss, 1e-5 * first_loss);
+    EXPECT_LT(r.sum, 1.25 * r.most) << r.output;  // was about 2x (each rank also reads the step counter)
   }
-  const std::string step = save + "/step-00000001";
-  const nlohmann::json manifest = nlohmann::json::parse(Slurp(step + "/manifest.json"));
-  std::int64_t offset = -1;
-  for (const auto& shard : manifest.at("shards")) {
-    if (shard.at("tensor") == "layers.0.attn.q_a.weight/master") offset = shard.at("offset").get<std::int64_t>();
-  }
-  ASSERT_GT(offset, 0);
-  FlipByte(step + "/rank-00000.h5", offset + 1000);
-  const CommandResult bad = RunShell("timeout 120 " + Launcher(2) + std::string(RS_CLI) +
-                                     " train --threads 1 --resume " + step + " --steps 2 --layout ep=2");
-  EXPECT_NE(bad.exit_code, 0) << bad.output;
-  EXPECT_NE(bad.exit_code, 124) << "a rank waited for a broadcast that never came: " << bad.output;
-  EXPECT_NE(bad.output.find("rank-00000.h5"), std::string::npos) << bad.output;
-  EXPECT_NE(bad.output.find("another rank of this rank's expert-parallel group failed"), std::string::npos)
-      << bad.output;
+  ExpectDamageFailsTheGroup(step, 2, "ep=2", "another rank of this rank's expert-parallel group failed");
 }
 
 // A resume at dp = 2 or 4 reads the checkpoint once per data-parallel group, not once per
