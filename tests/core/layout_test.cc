@@ -207,6 +207,8 @@ TEST(LayoutTest, FromJsonErrorsNameTheField) {
   ExpectInvalid(with("/pp_split", Json::array({1})), "pp_split");
   ExpectInvalid(with("/pp_split", Json::array({1, -1})), "pp_split");
   ExpectInvalid(with("/pp_split/0", "x"), "layout.pp_split[0]");
+  ExpectInvalid(with("/pp_virtual", "2"), "layout.pp_virtual");
+  ExpectInvalid(with("/pp_virtual", 0), "pp_virtual");
   ExpectInvalid(with("/extra", 1), "extra");
   Json no_rules = good;
   no_rules.erase("rules");

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "train/data.h"
 #include "train/model.h"
 #include "train/pipeline.h"
 #include "train/pipeline_schedule.h"
@@ -177,6 +178,29 @@ TEST(MicroBatchTest, PipelineExecutorOnOneRankEqualsRunPerMicroBatch) {
   EXPECT_GE(trace.peak_slots, 1);
   EXPECT_LE(trace.peak_slots, sim->peak_in_flight[0]);
   EXPECT_EQ(trace.sent_bytes, 0);
+}
+
+// A run keeps its schedule unless another of the same stages, micro-batches and virtual stages
+// is given; a run without micro-batches has none to replace.
+TEST(MicroBatchTest, UseScheduleTakesOnlyAPlanOfTheRunsShape) {
+  TrainConfig t;
+  t.batch_size = 4;
+  t.seq_len = 8;
+  t.micro_batches = 2;
+  auto corpus = LoadCorpus(kDefaultCorpus);
+  ASSERT_TRUE(corpus.ok());
+  auto trainer = Trainer::Create(Config(0.1, 0.01), t, *corpus);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  ASSERT_TRUE((*trainer)->schedule().has_value());
+  EXPECT_FALSE((*trainer)->UseSchedule(*PlanPipeline(1, 4)).ok());  // 4 micro-batches, not 2
+  ASSERT_TRUE((*trainer)->UseSchedule(*PlanAllForwardAllBackward(1, 2)).ok());
+  EXPECT_EQ((*trainer)->schedule()->kind, PipeKind::kAllForwardAllBackward);
+  ASSERT_TRUE((*trainer)->Step().ok());
+  t.micro_batches = 1;
+  auto whole = Trainer::Create(Config(0.1, 0.01), t, *corpus);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_FALSE((*whole)->schedule().has_value());
+  EXPECT_EQ((*whole)->UseSchedule(*PlanPipeline(1, 1)).code(), ErrorCode::kInvalidArgument);
 }
 
 TEST(MicroBatchTest, ConfigFieldRoundTripsAndIsChecked) {

@@ -41,14 +41,7 @@ class MpiPipelineTest : public ::testing::Test {
     return path;
   }
   std::vector<double> Train(const std::string& layout, const std::string& args, const std::string& tag) {
-    const std::string log = tmp_.path().string() + "/" + tag + ".jsonl";
-    fs::remove(log);
-    const CommandResult r =
-        layout.empty()
-            ? RunCli("train " + args + " --threads 1 --log " + log)
-            : RunMpi(testing::Ranks(layout), "train " + args + " --threads 1 --layout " + layout + " --log " + log);
-    EXPECT_EQ(r.exit_code, 0) << layout << "\n" << r.output;
-    return testing::Losses(log);
+    return testing::TrainLosses(tmp_.path().string(), layout, args, tag);
   }
 };
 

@@ -66,6 +66,19 @@ inline int Ranks(const std::string& layout) {
   return n;
 }
 
+// `train ARGS --threads 1 --log DIR/TAG.jsonl` in one process (layout "") or over the layout's
+// ranks; its losses (the run must succeed).
+inline std::vector<double> TrainLosses(const std::string& dir, const std::string& layout, const std::string& args,
+                                       const std::string& tag) {
+  const std::string log = dir + "/" + tag + ".jsonl";
+  std::filesystem::remove(log);
+  const CommandResult r =
+      layout.empty() ? RunCli("train " + args + " --threads 1 --log " + log)
+                     : RunMpi(Ranks(layout), "train " + args + " --threads 1 --layout " + layout + " --log " + log);
+  EXPECT_EQ(r.exit_code, 0) << layout << "\n" << r.output;
+  return Losses(log);
+}
+
 // Starts the shell command `cmd` (an mpirun of `reshard train ... --log marker`), waits until the
 // log has a line, kills the newest rank whose command line names `marker` with SIGKILL, and
 // expects the whole run to end non-zero within 10 s with no rank left.

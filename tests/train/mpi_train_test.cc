@@ -105,12 +105,7 @@ class MpiTrainTest : public ::testing::Test {
     return worst;
   }
   std::vector<double> Train(const std::string& layout, const std::string& args, const std::string& tag) {
-    const std::string log = tmp_.path().string() + "/" + tag + ".jsonl";
-    const CommandResult r =
-        layout.empty() ? RunCli("train " + args + " --threads 1 --log " + log)
-                       : RunMpi(Ranks(layout), "train " + args + " --threads 1 --layout " + layout + " --log " + log);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    return Losses(log);
+    return testing::TrainLosses(tmp_.path().string(), layout, args, tag);
   }
 };
 
