@@ -44,6 +44,7 @@ struct ConvertArgs {
   std::string model;
   std::string output_format = "reshard";  // --format: reshard (ours) or dcp
   std::string dcp_names = "auto";         // --dcp-names: auto, ours or torchtitan
+  std::string megatron_spec = "te";       // --megatron-spec: te or local
 };
 
 // Everything both the single- and the multi-process path need.
@@ -119,7 +120,8 @@ void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, dou
       HumanBytes(s.plan.options.memory_budget).c_str(), static_cast<long long>(processes), processes == 1 ? "" : "es");
 }
 
-// --format dcp: the plan written as a PyTorch Distributed Checkpoint, by one process.
+// --format dcp / torch_dist: the plan written as a PyTorch Distributed Checkpoint (Megatron-Core's
+// torch_dist is one with Megatron's keys and two files more), by one process.
 void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& elapsed) {
   ExecuteOptions eo;
   eo.threads = a.threads;
@@ -137,21 +139,25 @@ void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& ela
       if (family.ok() && !(*family)->titan_names.empty()) names = DcpNames::kTorchtitan;
     }
   }
-  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names);
+  if (a.output_format == "torch_dist") names = DcpNames::kMegatron;
+  const Result<MegatronSpec> spec = ParseMegatronSpec(a.megatron_spec);
+  if (!spec.ok()) Fail("convert", spec.status());
+  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names, *spec);
   progress.reset();
   if (!stats.ok()) Fail("convert", stats.status());
   Report(a, s, *stats, elapsed(), 1);
 }
 
-// What --format dcp cannot be combined with.
+// What --format dcp / torch_dist cannot be combined with.
 Status CheckDcpOutput(const ConvertArgs& a, std::int64_t processes) {
-  if (a.output_format != "dcp") return Status::Ok();
-  if (processes > 1) return InvalidArgument("--format dcp: run it in one process (not under mpirun)");
-  if (a.codec != "none") return InvalidArgument("--format dcp: DCP chunks are not compressed; drop --codec");
-  if (a.with_replicas)
-    return InvalidArgument("--format dcp: a DCP checkpoint keeps each element once; drop --with-replicas");
-  if (!a.max_shard_size.empty()) {
-    return InvalidArgument("--format dcp: each target piece is one DCP chunk; drop --max-shard-size");
+  if (a.output_format == "reshard") return Status::Ok();
+  const std::string f = "--format " + a.output_format + ": ";
+  if (processes > 1) return InvalidArgument(f + "run it in one process (not under mpirun)");
+  if (a.codec != "none") return InvalidArgument(f + "DCP chunks are not compressed; drop --codec");
+  if (a.with_replicas) return InvalidArgument(f + "a DCP checkpoint keeps each element once; drop --with-replicas");
+  if (!a.max_shard_size.empty()) return InvalidArgument(f + "each target piece is one DCP chunk; drop --max-shard-size");
+  if (a.output_format == "torch_dist" && a.dcp_names != "auto") {
+    return InvalidArgument(f + "its keys are Megatron-Core's; drop --dcp-names");
   }
   return Status::Ok();
 }
@@ -190,7 +196,7 @@ void RunConvert(const ConvertArgs& a) {
     }
     if (!world.AllOk(sound.ok())) Fail("convert", sound.ok() ? DataLoss(a.src + ": the source is not sound") : sound);
   }
-  if (a.output_format == "dcp") {
+  if (a.output_format != "reshard") {
     WriteDcp(a, *setup, elapsed);
     return;
   }
@@ -237,14 +243,20 @@ void RegisterConvert(CLI::App& app) {
   cmd->get_option("--no-verify")->excludes("--verify-source");
   AddFormatOptions(cmd, &a->format);
   cmd->add_option("--format", a->output_format,
-                  "Output format: reshard (ours, the default) or dcp (a PyTorch Distributed Checkpoint that "
-                  "torch.distributed.checkpoint.load reads; formats/DCP.md §8)")
-      ->check(CLI::IsMember({"reshard", "dcp"}))
+                  "Output format: reshard (ours, the default), dcp (a PyTorch Distributed Checkpoint that "
+                  "torch.distributed.checkpoint.load reads; formats/DCP.md §8) or torch_dist (a Megatron-Core "
+                  "checkpoint that dist_checkpointing.load reads at any tp/ep/pp; formats/DCP.md §4.4)")
+      ->check(CLI::IsMember({"reshard", "dcp", "torch_dist"}))
       ->capture_default_str();
   cmd->add_option("--dcp-names", a->dcp_names,
                   "--format dcp: key names: torchtitan (the model family's torchtitan names, as torchtitan saves), "
                   "ours (model.<name> / optim.state.<name>.<state>), or auto (torchtitan where the family has them)")
       ->check(CLI::IsMember({"auto", "ours", "torchtitan"}))
+      ->capture_default_str();
+  cmd->add_option("--megatron-spec", a->megatron_spec,
+                  "--format torch_dist: the layer spec of the Megatron-Core run that loads it, which names some norms: "
+                  "te (Transformer Engine, Megatron-LM's default) or local")
+      ->check(CLI::IsMember({"te", "local"}))
       ->capture_default_str();
   cmd->add_option("--model", a->model,
                   "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");

@@ -197,6 +197,33 @@ Status DcpWriter::WriteWhole(std::int64_t rank, const std::string& tensor, std::
   return stream->Finish();
 }
 
+Status DcpWriter::AddBytes(std::int64_t rank, const std::string& fqn, std::span<const std::byte> bytes) {
+  std::lock_guard lock(mu_);
+  if (done_) return FailedPrecondition(dir_ + ": already committed");
+  if (fqn.empty()) return InvalidArgument("empty DCP key");
+  if (rank < 0) return InvalidArgument("blob '" + fqn + "': negative rank");
+  if (keys_.contains(fqn)) return InvalidArgument("DCP key '" + fqn + "' declared twice");
+  for (const Blob& b : blobs_) {
+    if (b.fqn == fqn) return InvalidArgument("DCP key '" + fqn + "' declared twice");
+  }
+  RS_ASSIGN_OR_RETURN(File * f, FileOf(rank));
+  const std::int64_t offset = f->end;
+  f->end += static_cast<std::int64_t>(bytes.size());
+  blobs_.push_back({fqn, rank, offset, static_cast<std::int64_t>(bytes.size())});
+  return PwriteAll(f->fd, offset, bytes, staging_ + "/" + FileName(rank));
+}
+
+Status DcpWriter::AddFile(const std::string& name, std::vector<std::byte> contents) {
+  std::lock_guard lock(mu_);
+  if (done_) return FailedPrecondition(dir_ + ": already committed");
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
+      name == kDcpMetadataFileName || (name.starts_with("__") && name.ends_with(".distcp"))) {
+    return InvalidArgument("'" + name + "' cannot be a file beside the DCP files");
+  }
+  if (!extra_files_.emplace(name, std::move(contents)).second) return InvalidArgument("file '" + name + "' given twice");
+  return Status::Ok();
+}
+
 std::vector<std::byte> DcpWriter::MetadataPickle() const {
   std::lock_guard lock(mu_);
   return MetadataPickleLocked();
@@ -258,6 +285,11 @@ std::vector<std::byte> DcpWriter::MetadataPickleLocked() const {
     p.Appends();
     EndObject(p);
   }
+  for (const Blob& b : blobs_) {
+    p.String(b.fqn);
+    BeginObject(p, kMeta, "BytesStorageMetadata");
+    EndObject(p);
+  }
   p.SetItems();
   p.String("planner_data");
   p.EmptyDict();
@@ -267,6 +299,11 @@ std::vector<std::byte> DcpWriter::MetadataPickleLocked() const {
     p.Mark();
     for (const std::string& k : t.spec.path) p.String(k);
     p.Tuple();
+  }
+  for (const Blob& b : blobs_) {
+    p.String(b.fqn);
+    p.String(b.fqn);
+    p.Tuple1();
   }
   p.SetItems();
   p.String("storage_data");
@@ -292,6 +329,24 @@ std::vector<std::byte> DcpWriter::MetadataPickleLocked() const {
       p.Int(c.length);
       EndObject(p);
     }
+  }
+  for (const Blob& b : blobs_) {
+    BeginObject(p, kMeta, "MetadataIndex");
+    p.String("fqn");
+    p.String(b.fqn);
+    p.String("offset");
+    p.None();
+    p.String("index");
+    p.None();
+    EndObject(p);
+    BeginObject(p, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+    p.String("relative_path");
+    p.String(FileName(b.rank));
+    p.String("offset");
+    p.Int(b.offset);
+    p.String("length");
+    p.Int(b.length);
+    EndObject(p);
   }
   p.SetItems();
   p.String("storage_meta");
@@ -341,6 +396,10 @@ Status DcpWriter::Commit() {
   // The writer never publishes what its own reader refuses.
   if (Result<DcpMetadata> check = ParseDcpMetadata(meta, staging_ + "/.metadata"); !check.ok()) {
     return Internal("refusing to publish a .metadata our reader rejects: " + check.status().message());
+  }
+  for (const auto& [name, contents] : extra_files_) {
+    RS_RETURN_IF_ERROR(WriteNewFileDurably(staging_ + "/" + name,
+                                           std::string(reinterpret_cast<const char*>(contents.data()), contents.size())));
   }
   RS_RETURN_IF_ERROR(WriteNewFileDurably(staging_ + "/" + std::string(kDcpMetadataFileName),
                                          std::string(reinterpret_cast<const char*>(meta.data()), meta.size())));

@@ -60,6 +60,15 @@ class DcpWriter final : public ShardDestination {
   // A whole tensor written at once by `rank` (small things: an optimizer step per parameter).
   Status WriteWhole(std::int64_t rank, const std::string& tensor, std::span<const std::byte> bytes);
 
+  // A BytesStorageMetadata entry `fqn`: a blob (a torch.save'd Python value, as
+  // torch.distributed.checkpoint stores a BytesIO) written at once into `rank`'s file.
+  // InvalidArgument for a key declared before (tensor or blob).
+  Status AddBytes(std::int64_t rank, const std::string& fqn, std::span<const std::byte> bytes);
+  // A file `name` of the directory beside the DCP ones (Megatron-Core's metadata.json and
+  // common.pt), written durably by Commit. InvalidArgument for a name with '/', or one of the
+  // DCP files' own names, or given twice.
+  Status AddFile(const std::string& name, std::vector<std::byte> contents);
+
   // Checks coverage, writes .metadata and publishes the directory (see the file comment).
   // DataLoss naming a tensor whose chunks leave elements out or overlap; IoError from the file
   // system; FailedPrecondition while streams are open or after a first Commit.
@@ -85,6 +94,12 @@ class DcpWriter final : public ShardDestination {
     DcpTensorSpec spec;
     std::vector<Chunk> chunks;
   };
+  struct Blob {
+    std::string fqn;
+    std::int64_t rank = 0;
+    std::int64_t offset = 0;
+    std::int64_t length = 0;
+  };
   struct File {
     int fd = -1;
     std::int64_t end = 0;  // bytes reserved so far
@@ -101,6 +116,8 @@ class DcpWriter final : public ShardDestination {
   std::map<std::string, std::size_t> index_;  // our name -> tensors_
   std::map<std::string, std::size_t> keys_;   // fqn -> tensors_
   std::map<std::int64_t, File> files_;
+  std::vector<Blob> blobs_;
+  std::map<std::string, std::vector<std::byte>> extra_files_;
 };
 
 }  // namespace rs

@@ -10,7 +10,9 @@
 #include "formats/dcp.h"
 #include "formats/manifest.h"
 #include "formats/pickle.h"
+#include "formats/pickle_writer.h"
 #include "formats/stored_zip.h"
+#include "formats/torch_save_writer.h"
 
 namespace rs {
 namespace {
@@ -181,27 +183,220 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
     return *step;
   };
 
-  const std::size_t inner = DictGet(tree, DictGet(tree, tree.root(), "optimizer"), "optimizer");
-  if (const std::size_t common = DictGet(tree, DictGet(tree, inner, "state"), "common_step"); common != kPickleNoNode) {
-    RS_ASSIGN_OR_RETURN(const std::int64_t step, count(common, "optimizer.optimizer.state.common_step"));
-    return std::optional<std::int64_t>(step);
+  // One optimizer (`optimizer.optimizer`), or a chain of them (Megatron-LM's ChainedOptimizer:
+  // `optimizer.<i>.optimizer`, dense and expert-parallel parameters apart); all must agree.
+  const std::size_t outer = DictGet(tree, tree.root(), "optimizer");
+  std::vector<std::pair<std::size_t, std::string>> inners;  // node, field path
+  if (const std::size_t one = DictGet(tree, outer, "optimizer"); one != kPickleNoNode) {
+    inners.emplace_back(one, "optimizer.optimizer");
+  } else if (outer != kPickleNoNode && tree.node(outer).kind == PickleKind::kDict) {
+    const auto& items = tree.node(outer).items;
+    for (std::size_t k = 0; k + 1 < items.size(); k += 2) {
+      if (tree.node(items[k]).kind != PickleKind::kInt) continue;
+      const std::size_t inner = DictGet(tree, items[k + 1], "optimizer");
+      if (inner != kPickleNoNode) inners.emplace_back(inner, "optimizer." + std::to_string(tree.node(items[k]).i) + ".optimizer");
+    }
   }
-  const std::size_t groups = DictGet(tree, inner, "param_groups");
   std::optional<std::int64_t> step;
-  if (groups != kPickleNoNode && tree.node(groups).kind == PickleKind::kList) {
+  std::string step_field;
+  const auto agree = [&](std::int64_t v, const std::string& field) -> Status {
+    if (step && *step != v) {
+      return DataLoss(path + ": the optimizer steps differ (" + std::to_string(*step) + " at " + step_field + ", " +
+                      std::to_string(v) + " at " + field + "); one optimizer.step cannot hold both");
+    }
+    step = v;
+    step_field = field;
+    return Status::Ok();
+  };
+  for (const auto& [inner, name] : inners) {
+    if (const std::size_t common = DictGet(tree, DictGet(tree, inner, "state"), "common_step");
+        common != kPickleNoNode) {
+      const std::string field = name + ".state.common_step";
+      RS_ASSIGN_OR_RETURN(const std::int64_t v, count(common, field));
+      RS_RETURN_IF_ERROR(agree(v, field));
+      continue;
+    }
+    const std::size_t groups = DictGet(tree, inner, "param_groups");
+    if (groups == kPickleNoNode || tree.node(groups).kind != PickleKind::kList) continue;
     for (std::size_t g = 0; g < tree.node(groups).items.size(); ++g) {
       const std::size_t s = DictGet(tree, tree.node(groups).items[g], "step");
       if (s == kPickleNoNode) continue;
-      const std::string field = "optimizer.optimizer.param_groups[" + std::to_string(g) + "].step";
+      const std::string field = name + ".param_groups[" + std::to_string(g) + "].step";
       RS_ASSIGN_OR_RETURN(const std::int64_t v, count(s, field));
-      if (step && *step != v) {
-        return DataLoss(path + ": the param groups' steps differ (" + std::to_string(*step) + " and " +
-                        std::to_string(v) + " at " + field + "); one optimizer.step cannot hold both");
-      }
-      step = v;
+      RS_RETURN_IF_ERROR(agree(v, field));
     }
   }
   return step;
+}
+
+std::string MegatronMetadataJson() {
+  return R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", )"
+         R"("common_backend_version": 1})";
+}
+
+namespace {
+
+// A JSON value as the Python value Megatron-LM keeps: null as None, arrays as lists, objects
+// as dicts with string keys; a string "torch.<dtype>" of a floating dtype as that torch
+// attribute (how args.params_dtype is saved).
+void PickleJson(PickleWriter& p, const nlohmann::json& v) {
+  switch (v.type()) {
+    case nlohmann::json::value_t::null:
+      p.None();
+      return;
+    case nlohmann::json::value_t::boolean:
+      p.Bool(v.get<bool>());
+      return;
+    case nlohmann::json::value_t::number_integer:
+    case nlohmann::json::value_t::number_unsigned:
+      p.Int(v.get<std::int64_t>());
+      return;
+    case nlohmann::json::value_t::number_float:
+      p.Float(v.get<double>());
+      return;
+    case nlohmann::json::value_t::string: {
+      const auto& s = v.get_ref<const std::string&>();
+      for (std::string_view dtype : {"float32", "bfloat16", "float16"}) {
+        if (s == "torch." + std::string(dtype)) {
+          p.Global("torch", dtype);
+          return;
+        }
+      }
+      p.String(s);
+      return;
+    }
+    case nlohmann::json::value_t::array:
+      p.EmptyList();
+      if (v.empty()) return;
+      p.Mark();
+      for (const auto& item : v) PickleJson(p, item);
+      p.Appends();
+      return;
+    case nlohmann::json::value_t::object:
+      p.EmptyDict();
+      if (v.empty()) return;
+      p.Mark();
+      for (const auto& [k, item] : v.items()) {
+        p.String(k);
+        PickleJson(p, item);
+      }
+      p.SetItems();
+      return;
+    default:
+      p.None();  // binary values: never built here
+      return;
+  }
+}
+
+// One optimizer of the chain: its param groups (the decayed and the undecayed one) for
+// dense (`experts` false) or expert-parallel parameters.
+void PickleOptimizer(PickleWriter& p, const MegatronCommon::Optimizer& o, bool expert_parallel) {
+  p.EmptyDict();
+  p.Mark();
+  p.String("optimizer");
+  p.EmptyDict();
+  p.Mark();
+  p.String("param_groups");
+  p.EmptyList();
+  p.Mark();
+  for (const double wd_mult : {1.0, 0.0}) {
+    p.EmptyDict();
+    p.Mark();
+    const auto real = [&](const char* k, double x) {
+      p.String(k);
+      p.Float(x);
+    };
+    const auto flag = [&](const char* k, bool x) {
+      p.String(k);
+      p.Bool(x);
+    };
+    real("lr", o.lr);
+    p.String("betas");
+    p.Float(o.beta1);
+    p.Float(o.beta2);
+    p.Tuple2();
+    real("eps", o.eps);
+    real("weight_decay", o.weight_decay * wd_mult);
+    flag("amsgrad", false);
+    p.String("foreach");
+    p.None();
+    flag("maximize", false);
+    flag("capturable", false);
+    flag("differentiable", false);
+    p.String("fused");
+    p.None();
+    flag("decoupled_weight_decay", true);
+    real("wd_mult", wd_mult);
+    real("lr_mult", 1.0);
+    flag("is_expert_parallel", expert_parallel);
+    flag("is_decoupled_lr", false);
+    flag("default_config", true);
+    real("max_lr", o.lr);
+    real("min_lr", o.min_lr);
+    p.String("step");
+    p.Int(o.step);
+    p.SetItems();
+  }
+  p.Appends();
+  p.SetItems();
+  p.String("param_state_sharding_type");
+  p.String("fully_reshardable");
+  p.SetItems();
+}
+
+}  // namespace
+
+std::vector<std::byte> MegatronCommonPt(const MegatronCommon& c) {
+  PickleWriter p;
+  p.EmptyDict();
+  p.Mark();
+  if (!c.args.is_null()) {
+    p.String("args");
+    p.Global("argparse", "Namespace");
+    p.Tuple0();
+    p.NewObj();
+    PickleJson(p, c.args);
+    p.Build();
+  }
+  p.String("checkpoint_version");
+  p.Float(3.0);
+  p.String("iteration");
+  p.Int(c.iteration);
+  if (c.optimizer) {
+    p.String("optimizer");
+    if (c.optimizer->experts) {
+      p.EmptyDict();
+      p.Mark();
+      p.Int(0);
+      PickleOptimizer(p, *c.optimizer, false);
+      p.Int(1);
+      PickleOptimizer(p, *c.optimizer, true);
+      p.SetItems();
+    } else {
+      PickleOptimizer(p, *c.optimizer, false);
+    }
+  }
+  if (c.scheduler) {
+    const MegatronCommon::Scheduler& s = *c.scheduler;
+    PickleJson(p, "opt_param_scheduler");
+    PickleJson(p, nlohmann::json{{"max_lr", s.max_lr},
+                                 {"lr_warmup_steps", s.warmup_steps},
+                                 {"num_steps", s.num_steps},
+                                 {"lr_decay_style", "cosine"},
+                                 {"lr_decay_steps", s.decay_steps},
+                                 {"min_lr", s.min_lr},
+                                 {"start_wd", s.weight_decay},
+                                 {"end_wd", s.weight_decay},
+                                 {"wd_incr_style", "constant"},
+                                 {"wd_incr_steps", s.decay_steps}});
+  }
+  p.String("content_metadata");
+  PickleJson(p, nlohmann::json{{"singleton_local_shards", false},
+                               {"distrib_optim_sharding_type", "fully_reshardable"},
+                               {"chained_optim_avoid_prefix", true}});
+  p.SetItems();
+  p.Stop();
+  return ValueArchive(p.bytes());
 }
 
 }  // namespace rs

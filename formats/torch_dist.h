@@ -7,10 +7,12 @@
 // through a DcpKeyMapper (formats/dcp_source.h) built by reshard/framework_names.h.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 
@@ -46,5 +48,47 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir);
 // nullopt when there is no common.pt or it has no `args` (dist_checkpointing.save alone writes
 // none); DataLoss naming the file when `args` is not a namespace of named values.
 Result<std::optional<nlohmann::json>> ReadMegatronArgs(const std::string& dir);
+
+// ---- Writing (`convert --format torch_dist`, formats/DCP.md §4.4) ----
+
+// `metadata.json` of a torch_dist checkpoint: the torch_dist sharded backend and the torch
+// common backend, version 1 each, as dist_checkpointing.save writes it.
+std::string MegatronMetadataJson();
+
+// What `common.pt` holds: the dict Megatron-LM's save_checkpoint keeps outside the sharded
+// tensors, for a checkpoint whose optimizer states are the distributed optimizer's
+// `fully_reshardable` model-space tensors.
+struct MegatronCommon {
+  // Megatron-LM's argument namespace (models/megatron_config.h, MegatronArgsFromModel), saved
+  // as an argparse.Namespace; null: none saved.
+  nlohmann::json args;
+  std::int64_t iteration = 0;
+  struct Optimizer {
+    std::int64_t step = 0;
+    double lr = 0, min_lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+    // Megatron-LM's ChainedOptimizer of a model with routed experts: `optimizer` holds one
+    // entry per optimizer, 0 for the dense parameters and 1 for the expert-parallel ones.
+    bool experts = false;
+  };
+  std::optional<Optimizer> optimizer;
+  // OptimizerParamScheduler.state_dict(), counted in samples as Megatron-LM counts them
+  // (iterations × global batch); nullopt: none saved.
+  struct Scheduler {
+    std::int64_t num_steps = 0, warmup_steps = 0, decay_steps = 0;
+    double max_lr = 0, min_lr = 0, weight_decay = 0;
+  };
+  std::optional<Scheduler> scheduler;
+};
+
+// The torch.save archive of `common` (protocol 2, written by formats/pickle_writer.h): a dict
+// with `args`, `checkpoint_version` 3.0, `iteration`, `optimizer` (per optimizer its
+// `optimizer.param_groups` without params and with the step, Megatron's group identifiers
+// wd_mult, lr_mult, is_expert_parallel and is_decoupled_lr set for both the decayed and the
+// undecayed group, and `param_state_sharding_type` "fully_reshardable"),
+// `opt_param_scheduler` and `content_metadata` (the distributed optimizer's sharding type,
+// chained_optim_avoid_prefix, singleton_local_shards false). Every class it names is one
+// torch.load(weights_only=True) accepts once megatron.core is imported (argparse.Namespace,
+// torch dtypes).
+std::vector<std::byte> MegatronCommonPt(const MegatronCommon& common);
 
 }  // namespace rs

@@ -160,7 +160,10 @@ Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::st
       }
     } else if (score == "softmax") {
       if (expert_bias) return a.Cannot("moe_router_enable_expert_bias", "is true with a softmax router");
-      if (groups > 1) {
+      RS_ASSIGN_OR_RETURN(const std::string balancing, a.Text("moe_router_load_balancing_type", "aux_loss"));
+      if (balancing == "sinkhorn") {
+        c.router = RouterKind::kSinkhorn;
+      } else if (groups > 1) {
         c.router = RouterKind::kGroupLimited;
         c.router_groups = groups;
         c.router_groups_kept = groups_kept;
@@ -204,6 +207,100 @@ Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::st
   }
   if (const Status valid = c.Validate(); !valid.ok()) return valid.WithContext(what + ": the model of 'args'");
   return c;
+}
+
+Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t tp, std::int64_t pp,
+                                             std::int64_t ep) {
+  RS_RETURN_IF_ERROR(m.Validate());
+  const auto cannot = [](const char* field, const std::string& why) {
+    return Unimplemented("model field '" + std::string(field) + "' " + why + ": Megatron-LM's arguments cannot say it");
+  };
+  if (m.shared_gate) return cannot("shared_gate", "is true (a gated shared expert)");
+  if (m.attn_output_gate) return cannot("attn_output_gate", "is true");
+  if (m.norm_zero_centered) return cannot("norm_zero_centered", "is true");
+  if (m.router == RouterKind::kSigmoidBias && !m.router_norm_topk && m.top_k > 1) {
+    return cannot("router_norm_topk", "is false (Megatron's sigmoid router normalises its top-k weights)");
+  }
+  const nlohmann::json null;
+  nlohmann::json a = {
+      {"num_layers", m.n_layers},
+      {"hidden_size", m.d_model},
+      {"ffn_hidden_size", m.dense_ffn},
+      {"num_attention_heads", m.n_heads},
+      {"group_query_attention", !m.IsMla() && m.n_kv_heads != m.n_heads},
+      {"num_query_groups", m.IsMla() ? m.n_heads : m.n_kv_heads},
+      {"kv_channels", m.IsMla() ? m.mla_v_dim : m.head_dim},
+      {"max_position_embeddings", m.max_seq_len},
+      {"seq_length", m.max_seq_len},
+      {"vocab_size", m.vocab_size},
+      {"padded_vocab_size", m.vocab_size},
+      {"make_vocab_size_divisible_by", 1},
+      {"normalization", "RMSNorm"},
+      {"norm_epsilon", m.norm_eps},
+      {"swiglu", true},
+      {"add_bias_linear", false},
+      {"add_qkv_bias", false},
+      {"untie_embeddings_and_output_weights", true},
+      {"position_embedding_type", "rope"},
+      {"rotary_base", m.rope_theta},
+      {"rotary_percent", static_cast<double>(m.RotaryDim()) / static_cast<double>(m.IsMla() ? m.mla_rope_dim : m.head_dim)},
+      {"qk_layernorm", m.IsMla() || m.qk_norm},
+      {"bf16", m.param_dtype == DType::kBF16},
+      {"fp16", m.param_dtype == DType::kF16},
+      {"params_dtype", "torch." + std::string(m.param_dtype == DType::kBF16   ? "bfloat16"
+                                              : m.param_dtype == DType::kF16 ? "float16"
+                                                                             : "float32")},
+      {"multi_latent_attention", m.IsMla()},
+      {"experimental_attention_variant", m.full_attn_interval > 0 ? nlohmann::json("gated_delta_net") : null},
+      {"tensor_model_parallel_size", tp},
+      {"pipeline_model_parallel_size", pp},
+      {"expert_model_parallel_size", ep},
+      {"ckpt_format", "torch_dist"},
+      {"use_distributed_optimizer", true},
+  };
+  if (m.IsMla()) a["rotary_percent"] = 1.0;
+  if (m.n_experts > 0 && m.AnyMoeLayer()) {
+    a["num_experts"] = m.n_experts;
+    a["moe_ffn_hidden_size"] = m.moe_ffn;
+    a["moe_router_topk"] = m.top_k;
+    if (m.AnyDenseLayer()) {
+      nlohmann::json freq = nlohmann::json::array();
+      for (std::int64_t i = 0; i < m.n_layers; ++i) freq.push_back(m.IsMoeLayer(i) ? 1 : 0);
+      a["moe_layer_freq"] = freq;
+    } else {
+      a["moe_layer_freq"] = 1;
+    }
+    a["moe_shared_expert_intermediate_size"] = m.shared_ffn > 0 ? nlohmann::json(m.shared_ffn) : null;
+    a["moe_aux_loss_coeff"] = m.aux_loss_coef;
+    a["moe_z_loss_coeff"] = m.z_loss_coef > 0 ? nlohmann::json(m.z_loss_coef) : null;
+    a["moe_router_topk_scaling_factor"] = m.router_scale != 1.0 ? nlohmann::json(m.router_scale) : null;
+    a["moe_router_score_function"] = m.router == RouterKind::kSigmoidBias ? "sigmoid" : "softmax";
+    a["moe_router_pre_softmax"] = m.router == RouterKind::kSoftmaxBefore;
+    a["moe_router_enable_expert_bias"] = m.router == RouterKind::kSigmoidBias;
+    a["moe_router_load_balancing_type"] = m.router == RouterKind::kSinkhorn ? "sinkhorn" : "aux_loss";
+    const bool grouped = m.router == RouterKind::kGroupLimited || (m.router == RouterKind::kSigmoidBias && m.router_grouped);
+    a["moe_router_num_groups"] = grouped ? nlohmann::json(m.router_groups) : null;
+    a["moe_router_group_topk"] = grouped ? nlohmann::json(m.router_groups_kept) : null;
+    if (m.router == RouterKind::kSigmoidBias) a["moe_router_bias_update_rate"] = m.bias_update_rate;
+  } else {
+    a["num_experts"] = null;
+  }
+  if (m.IsMla()) {
+    a["q_lora_rank"] = m.mla_q_rank > 0 ? nlohmann::json(m.mla_q_rank) : null;
+    a["kv_lora_rank"] = m.mla_kv_rank;
+    a["qk_head_dim"] = m.mla_nope_dim();
+    a["qk_pos_emb_head_dim"] = m.mla_rope_dim;
+    a["v_head_dim"] = m.mla_v_dim;
+  }
+  if (m.full_attn_interval > 0) {
+    a["linear_attention_freq"] = m.full_attn_interval;
+    a["linear_num_key_heads"] = m.gdn_key_heads;
+    a["linear_num_value_heads"] = m.gdn_value_heads;
+    a["linear_key_head_dim"] = m.gdn_key_dim;
+    a["linear_value_head_dim"] = m.gdn_value_dim;
+    a["linear_conv_kernel_dim"] = m.gdn_conv_kernel;
+  }
+  return a;
 }
 
 std::optional<std::string> FirstStructuralDifference(const ModelConfig& a, const ModelConfig& b) {

@@ -22,6 +22,16 @@ namespace rs {
 // without expert bias).
 Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& args, const std::string& what);
 
+// The namespace Megatron-LM would record for a run of `model` (the arguments
+// ModelFromMegatronArgs reads, by the same names, with Megatron-LM's spellings: None as null,
+// `params_dtype` as "torch.<dtype>"), with the parallel sizes `tp`, `pp`, `ep` of the layout it
+// was written at. ModelFromMegatronArgs of the result is `model` again in every structural
+// field (FirstStructuralDifference), dtype, router and its coefficients. Unimplemented naming
+// the field for what Megatron-LM's arguments cannot say (a gated shared expert, an attention
+// output gate, zero-centred norms, an unnormalised sigmoid router).
+Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& model, std::int64_t tp, std::int64_t pp,
+                                             std::int64_t ep);
+
 // The first field in which two models disagree about what their checkpoints hold (tensor
 // names, shapes, fused parts and layer kinds: sizes, head counts, dense/MoE layers, q/k norms,
 // MLA, gated-delta-net, router kind), as "<field>: <a> vs <b>"; nullopt when they agree.

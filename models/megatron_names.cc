@@ -1,6 +1,7 @@
 #include "models/megatron_names.h"
 
 #include <algorithm>
+#include <set>
 #include <string_view>
 
 #include "core/model.h"
@@ -258,6 +259,176 @@ std::vector<RowRun> MegatronQkvRuns(std::int64_t begin, std::int64_t end, std::i
     m += rows;
   }
   return runs;
+}
+
+Result<MegatronSpec> ParseMegatronSpec(std::string_view name) {
+  if (name == "te") return MegatronSpec::kTransformerEngine;
+  if (name == "local") return MegatronSpec::kLocal;
+  return InvalidArgument("Megatron-Core layer spec '" + std::string(name) + "': te or local");
+}
+
+namespace {
+
+// The key of layer tensor `u` (ours, without "layers.<i>.") of a layer of the given kind, for
+// tensors with one key; empty when `u` has none of its own (QKV rows, gated-delta-net parts).
+std::string LayerKeyOf(std::string_view u, MegatronSpec spec, bool mla, bool gdn, bool moe) {
+  const bool te = spec == MegatronSpec::kTransformerEngine;
+  if (u == "attn_norm.weight") {
+    if (mla) return "input_layernorm.weight";
+    if (gdn && te) return "self_attention.in_proj.layer_norm_weight";
+    return "self_attention.linear_qkv.layer_norm_weight";
+  }
+  if (u == "mlp_norm.weight") {
+    if (te) return moe ? "pre_mlp_layernorm.weight" : "mlp.linear_fc1.layer_norm_weight";
+    return mla ? "pre_mlp_layernorm.weight" : "mlp.linear_fc1.layer_norm_weight";
+  }
+  if (u == "attn.q_a_norm.weight") {
+    return te ? "self_attention.linear_q_up_proj.layer_norm_weight" : "self_attention.q_layernorm.weight";
+  }
+  if (u == "attn.kv_a_norm.weight") {
+    return te ? "self_attention.linear_kv_up_proj.layer_norm_weight" : "self_attention.kv_layernorm.weight";
+  }
+  for (const NameRule& r : kLayerRules) {
+    if (r.ours == u) return std::string(r.megatron);
+  }
+  return "";
+}
+
+// The linear module a key's weight belongs to ("self_attention.linear_qkv" of
+// "self_attention.linear_qkv.weight", "self_attention.in_proj" of its parts), or "" for a key
+// that is no linear layer's weight (norms, the router, gated-delta-net's own tensors).
+std::string LinearModuleOf(const std::string& suffix) {
+  const std::size_t w = suffix.find(".weight");
+  if (w == std::string::npos || suffix.find("layer_norm") != std::string::npos) return "";
+  const std::string module = suffix.substr(0, w);
+  const std::size_t dot = module.rfind('.');
+  const std::string_view last = std::string_view(module).substr(dot == std::string::npos ? 0 : dot + 1);
+  if (last.starts_with("linear_") || last == "in_proj" || last == "out_proj") return module;
+  return "";
+}
+
+std::string JoinDims(const std::vector<std::int64_t>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += '.';
+    s += std::to_string(v[i]);
+  }
+  return s;
+}
+
+}  // namespace
+
+Result<MegatronKeys> MegatronKeysOf(const ModelConfig& m, MegatronSpec spec) {
+  RS_RETURN_IF_ERROR(m.Validate());
+  if (m.shared_gate) {
+    return Unimplemented("the model's shared expert is gated (shared_gate): no Megatron-Core key is written for it");
+  }
+  if (m.attn_output_gate) {
+    return Unimplemented("the model's attention has an output gate (attn_output_gate): no Megatron-Core key is written "
+                         "for it");
+  }
+  if (m.norm_zero_centered) {
+    return Unimplemented("the model's norms are zero-centred (norm_zero_centered): Megatron-Core's RMSNorm weights are "
+                         "not");
+  }
+  const std::vector<TensorSpec> params = ModelParameters(m);
+  // Each layer's tensors without their "layers.<i>." prefix.
+  std::vector<std::map<std::string, Shape>> layers(static_cast<std::size_t>(m.n_layers));
+  const auto unlayered = [](const TensorSpec& t) {
+    return t.name.substr(("layers." + std::to_string(t.place.layer) + ".").size());
+  };
+  for (const TensorSpec& t : params) {
+    if (t.place.layer >= 0) layers[static_cast<std::size_t>(t.place.layer)][unlayered(t)] = t.shape;
+  }
+  MegatronKeys out;
+  out.stacked = std::all_of(layers.begin(), layers.end(), [&](const auto& l) { return l == layers[0]; });
+  const std::int64_t n_layers = m.n_layers;
+  std::vector<std::set<std::string>> modules(layers.size());  // linear modules per layer, once each
+  for (const TensorSpec& t : params) {
+    std::vector<MegatronPlacement>& to = out.placements[t.name];
+    const auto whole = [&](const std::string& key, const Shape& key_shape, Shape lead) {
+      to.push_back({key, key_shape, Box::Full(t.shape), std::move(lead), Shape(t.shape.size(), 0)});
+    };
+    if (t.place.layer < 0) {
+      std::string key;
+      for (const NameRule& r : kModelRules) {
+        if (r.ours == t.name) key = r.megatron;
+      }
+      if (key.empty()) return Unimplemented("tensor '" + t.name + "' has no Megatron-Core key");
+      whole(key, t.shape, {});
+      continue;
+    }
+    const std::int64_t layer = t.place.layer;
+    const std::string u = unlayered(t);
+    const std::string prefix = out.stacked ? "decoder.layers." : "decoder.layers." + std::to_string(layer) + ".";
+    Shape key_shape = t.shape;
+    Shape lead;
+    if (out.stacked) {
+      key_shape.insert(key_shape.begin(), n_layers);
+      lead = {layer};
+    }
+    std::string suffix;
+    if (u == "attn.qkv.weight") {
+      if (m.n_heads % m.n_kv_heads != 0) {
+        return Unimplemented("tensor '" + t.name + "': " + std::to_string(m.n_heads) + " query heads in " +
+                             std::to_string(m.n_kv_heads) + " groups; Megatron-Core's QKV needs whole groups");
+      }
+      suffix = "self_attention.linear_qkv.weight";
+      for (const RowRun& r : MegatronQkvRuns(0, t.shape[0], m.n_heads, m.n_kv_heads, m.head_dim)) {
+        Box box = Box::Full(t.shape);
+        box.offset[0] = r.dst;
+        box.shape[0] = r.rows;
+        Shape origin(t.shape.size(), 0);
+        origin[0] = r.src;
+        to.push_back({prefix + suffix, key_shape, box, lead, origin});
+      }
+    } else if (u == "gdn.in_proj.weight" || u == "gdn.conv1d.weight") {
+      const bool in_proj = u == "gdn.in_proj.weight";
+      suffix = in_proj ? "self_attention.in_proj.weight" : "self_attention.conv1d.weight";
+      for (const std::string& label : MegatronPartLabels(u, MegatronSection::kQuery)) {
+        const MegatronSection section = *ParseSection(label);
+        RS_ASSIGN_OR_RETURN(const SectionRows rows, MegatronSectionRows(section, u, t.shape, m));
+        Box box = Box::Full(t.shape);
+        box.offset[rows.dim] = rows.begin;
+        box.shape[rows.dim] = rows.end - rows.begin;
+        Shape part_shape = key_shape;
+        part_shape[rows.dim + lead.size()] = box.shape[rows.dim];
+        to.push_back({prefix + suffix + "." + label, part_shape, box, lead, Shape(t.shape.size(), 0)});
+      }
+    } else {
+      suffix = LayerKeyOf(u, spec, m.IsMla(), m.IsGdnLayer(layer), m.IsMoeLayer(layer));
+      if (suffix.empty()) return Unimplemented("tensor '" + t.name + "' has no Megatron-Core key");
+      whole(prefix + suffix, key_shape, lead);
+    }
+    const std::string module = LinearModuleOf(suffix);
+    if (!module.empty()) modules[static_cast<std::size_t>(layer)].insert(module);
+  }
+  // The linear layers' extra states, layer by layer (each layer's modules in name order).
+  for (std::int64_t l = 0; l < n_layers; ++l) {
+    for (const std::string& module : modules[static_cast<std::size_t>(l)]) {
+      const bool experts = module.starts_with("mlp.experts.experts.");
+      const std::string prefix = out.stacked ? "decoder.layers." : "decoder.layers." + std::to_string(l) + ".";
+      const std::int64_t n = experts ? m.n_experts : 1;
+      for (std::int64_t e = 0; e < n; ++e) {
+        std::vector<std::int64_t> offsets, shape;
+        if (out.stacked) {
+          offsets.push_back(l);
+          shape.push_back(n_layers);
+        }
+        if (experts) {
+          offsets.push_back(e);
+          shape.push_back(n);
+        }
+        if (offsets.empty()) {
+          offsets.push_back(0);
+          shape.push_back(1);
+        }
+        out.extra_states.push_back(prefix + module + "._extra_state/shard_" + JoinDims(offsets) + "_" +
+                                   JoinDims(shape));
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace rs

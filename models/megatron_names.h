@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -100,4 +101,53 @@ struct RowRun {
 // n_groups) * head_dim.
 std::vector<RowRun> MegatronQkvRuns(std::int64_t begin, std::int64_t end, std::int64_t n_heads, std::int64_t n_groups,
                                     std::int64_t head_dim);
+
+// Writing: the keys a Megatron-Core GPTModel of `model` asks for when it loads a torch_dist
+// checkpoint, and where each of our parameters lies in them. The names of a few norms depend
+// on the layer spec the loading run builds its layers with:
+//  - kTransformerEngine (Megatron-LM's default, `--transformer-impl transformer_engine`): norms
+//    fused into the linear that follows them are `<linear>.layer_norm_weight`
+//    (`self_attention.linear_qkv.`, `self_attention.in_proj.` of a gated-delta-net layer,
+//    `mlp.linear_fc1.` of a dense layer, MLA's `linear_q_up_proj.` / `linear_kv_up_proj.`);
+//    MoE layers and MLA layers keep `input_layernorm` / `pre_mlp_layernorm` of their own;
+//  - kLocal (`--transformer-impl local`): the layer's norms are renamed to the TE names
+//    (`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`) for
+//    every layer but MLA ones, which keep `input_layernorm`, `pre_mlp_layernorm`,
+//    `self_attention.q_layernorm` and `self_attention.kv_layernorm`.
+// Layer-stacked keys (`decoder.layers.<name>`, a leading layer axis) when every layer holds the
+// same tensors (Megatron's homogeneous blocks: `moe_layer_freq` 1, no linear attention);
+// per-layer keys (`decoder.layers.<i>.<name>`) otherwise. Routed experts keep their expert
+// axis (SequentialMLP / TEGroupedMLP's TP-independent form); fc1 weights are whole [gate; up];
+// the fused QKV is in Megatron's grouped row order; gated-delta-net in_proj and conv1d are one
+// key per part.
+enum class MegatronSpec : std::uint8_t { kTransformerEngine, kLocal };
+Result<MegatronSpec> ParseMegatronSpec(std::string_view name);  // "te" or "local"
+
+// A box of one of our tensors that is a box of a Megatron key: our box `box` lies in the key at
+// `lead` (the coordinates of the key's leading dims that ours lacks: the layer of a stacked
+// key) followed by `origin` (one coordinate per dim of ours).
+struct MegatronPlacement {
+  std::string key;
+  Shape key_shape;  // the key's global shape
+  Box box;
+  Shape lead;
+  Shape origin;
+};
+
+struct MegatronKeys {
+  bool stacked = false;
+  // Our parameter (every tensor of ModelParameters) -> where its items go, covering it exactly.
+  std::map<std::string, std::vector<MegatronPlacement>> placements;
+  // Megatron's ShardedObject keys of the linear layers' `_extra_state`
+  // ("<module>._extra_state/shard_<offsets>_<shape>", offsets and shape over the layer axis of
+  // stacked keys and the expert axis of routed experts, joined by '.'), one per layer (per
+  // expert), which a loading GPTModel asks for.
+  std::vector<std::string> extra_states;
+};
+
+// Unimplemented naming the tensor or setting for what Megatron-Core's keys cannot hold (a
+// gated shared expert, an attention output gate, QKV heads not in whole groups, ...); errors
+// of model.Validate().
+Result<MegatronKeys> MegatronKeysOf(const ModelConfig& model, MegatronSpec spec);
+
 }  // namespace rs

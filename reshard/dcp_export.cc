@@ -1,12 +1,18 @@
 #include "reshard/dcp_export.h"
 
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
 
 #include "core/model.h"
+#include "formats/pickle_writer.h"
+#include "formats/torch_dist.h"
+#include "formats/torch_save_writer.h"
 #include "models/family.h"
+#include "models/megatron_config.h"
+#include "models/megatron_names.h"
 #include "models/names.h"
 
 namespace rs {
@@ -14,11 +20,47 @@ namespace {
 
 constexpr std::string_view kStepTensor = "optimizer.step";
 
-// One of their tensors that is a box of one of ours (torchtitan names).
+// A box of one of our tensors that is a box of one of theirs: torchtitan's (a tensor of theirs is
+// exactly the box, less the expert dim of a per-expert one) or Megatron-Core's (the box lies in
+// their key at `lead` + `origin`: a stacked key's layer, the grouped QKV rows, ...).
 struct Part {
   std::string key;  // the DcpWriter name: their FQN of the parameter, plus "/<state>" for states
   Box box;          // in our tensor
   bool per_expert = false;
+  Shape lead;    // coordinates of their leading dims that ours lacks (each of size 1 here)
+  Shape origin;  // where box.offset lies in their tensor (empty: at 0)
+
+  // The box `x` (inside `box`) in their tensor.
+  Box Theirs(const Box& x) const {
+    Box t = x;
+    for (std::size_t d = 0; d < t.rank(); ++d) {
+      t.offset[d] += (origin.empty() ? 0 : origin[d]) - box.offset[d];
+    }
+    if (per_expert) {
+      t.offset.erase(t.offset.begin());
+      t.shape.erase(t.shape.begin());
+    }
+    t.offset.insert(t.offset.begin(), lead.begin(), lead.end());
+    t.shape.insert(t.shape.begin(), lead.size(), 1);
+    return t;
+  }
+};
+
+// Every item to each of several streams (a parameter that is also Megatron's `param` state).
+class TeeStream final : public ShardStream {
+ public:
+  explicit TeeStream(std::vector<std::unique_ptr<ShardStream>> to) : to_(std::move(to)) {}
+  Status Append(std::span<const std::byte> bytes) override {
+    for (auto& s : to_) RS_RETURN_IF_ERROR(s->Append(bytes));
+    return Status::Ok();
+  }
+  Status Finish() override {
+    for (auto& s : to_) RS_RETURN_IF_ERROR(s->Finish());
+    return Status::Ok();
+  }
+
+ private:
+  std::vector<std::unique_ptr<ShardStream>> to_;
 };
 
 // A piece of our tensor streamed into the chunks of their tensors it overlaps: the piece's
@@ -98,7 +140,8 @@ class SplitStream final : public ShardStream {
 // names, our tensors cut into theirs.
 class StepCatcher final : public ShardDestination {
  public:
-  StepCatcher(DcpWriter& writer, const std::map<std::string, std::vector<Part>>& parts,
+  // `parts`: our tensor -> one or more copies, each a partition of it into their tensors.
+  StepCatcher(DcpWriter& writer, const std::map<std::string, std::vector<std::vector<Part>>>& parts,
               const std::map<std::string, std::size_t>& element)
       : writer_(writer), parts_(parts), element_(element) {}
 
@@ -111,21 +154,19 @@ class StepCatcher final : public ShardDestination {
       return InvalidArgument("tensor '" + tensor + "': the piece " + BoxToString(piece.box) +
                              " is an item range (a flat FSDP shard); DCP chunks are boxes (use fsdp_form=box)");
     }
-    std::vector<SplitStream::Target> targets;
-    for (const Part& p : it->second) {
-      const std::optional<Box> x = Intersect(piece.box, p.box);
-      if (!x || x->numel() == 0) continue;
-      Box theirs = *x;  // in their tensor: shifted by the part's offset, without the expert dim
-      for (std::size_t d = 0; d < theirs.rank(); ++d) theirs.offset[d] -= p.box.offset[d];
-      if (p.per_expert) {
-        theirs.offset.erase(theirs.offset.begin());
-        theirs.shape.erase(theirs.shape.begin());
+    std::vector<std::unique_ptr<ShardStream>> copies;
+    for (const std::vector<Part>& copy : it->second) {
+      std::vector<SplitStream::Target> targets;
+      for (const Part& p : copy) {
+        const std::optional<Box> x = Intersect(piece.box, p.box);
+        if (!x || x->numel() == 0) continue;
+        RS_ASSIGN_OR_RETURN(auto s, writer_.BeginShard(rank, p.key, Piece{p.Theirs(*x), std::nullopt}, replica));
+        targets.push_back({*x, std::move(s)});
       }
-      RS_ASSIGN_OR_RETURN(auto s, writer_.BeginShard(rank, p.key, Piece{theirs, std::nullopt}, replica));
-      targets.push_back({*x, std::move(s)});
+      copies.push_back(std::make_unique<SplitStream>(piece.box, element_.at(tensor), std::move(targets)));
     }
-    return std::unique_ptr<ShardStream>(
-        std::make_unique<SplitStream>(piece.box, element_.at(tensor), std::move(targets)));
+    if (copies.size() == 1) return std::move(copies[0]);
+    return std::unique_ptr<ShardStream>(std::make_unique<TeeStream>(std::move(copies)));
   }
   const std::vector<std::byte>& step_bytes() const { return bytes_; }
   bool caught() const { return caught_; }
@@ -150,7 +191,7 @@ class StepCatcher final : public ShardDestination {
     std::vector<std::byte> bytes_;
   };
   DcpWriter& writer_;
-  const std::map<std::string, std::vector<Part>>& parts_;
+  const std::map<std::string, std::vector<std::vector<Part>>>& parts_;
   const std::map<std::string, std::size_t>& element_;
   std::mutex mu_;
   std::vector<std::byte> bytes_;
@@ -195,12 +236,17 @@ struct Naming {
   std::map<std::string, std::string> whole;        // our parameter -> their FQN (renamed whole)
 };
 
-Result<Naming> TitanNaming(const ShardSource& source) {
+// The model the source's manifest records (`what` names what needs it).
+Result<ModelConfig> SourceModel(const ShardSource& source, const std::string& what) {
   const nlohmann::json& meta = source.manifest().metadata;
   if (!meta.is_object() || !meta.contains("model")) {
-    return FailedPrecondition(source.dir() + ": torchtitan names need the model, and the source records none");
+    return FailedPrecondition(source.dir() + ": " + what + " need the model, and the source records none");
   }
-  RS_ASSIGN_OR_RETURN(const ModelConfig model, ModelConfigFromJson(meta["model"]));
+  return ModelConfigFromJson(meta["model"]);
+}
+
+Result<Naming> TitanNaming(const ShardSource& source) {
+  RS_ASSIGN_OR_RETURN(const ModelConfig model, SourceModel(source, "torchtitan names"));
   RS_ASSIGN_OR_RETURN(const ModelFamily* family, FindModelFamily(model.family));
   if (family->titan_names.empty()) {
     return FailedPrecondition("the model family '" + family->name + "' has no torchtitan names (`reshard models`)");
@@ -215,15 +261,173 @@ Result<Naming> TitanNaming(const ShardSource& source) {
       n.whole[tensor] = named[0]->name;
       continue;
     }
-    for (const NamedBox* b : named) n.parts[tensor].push_back({b->name, b->box, b->per_expert});
+    for (const NamedBox* b : named) n.parts[tensor].push_back({b->name, b->box, b->per_expert, {}, {}});
   }
   return n;
+}
+
+Status RefuseReplicas(const ReshardPlan& plan) {
+  for (const TargetShard& ts : plan.targets) {
+    if (ts.replica != ReplicaKind::kMain) {
+      return InvalidArgument("tensor '" + plan.tensors[ts.tensor].name +
+                             "': the target layout stores replicas; a DCP checkpoint keeps each element once");
+    }
+  }
+  return Status::Ok();
+}
+
+// torch.save([None]): the value Megatron-Core's torch_dist backend stores for a linear layer's
+// `_extra_state` ShardedObject that holds nothing (local layers; Transformer Engine layers
+// without FP8 metadata take None as "nothing to restore").
+std::vector<std::byte> NoneListArchive() {
+  PickleWriter p;
+  p.EmptyList();
+  p.Mark();
+  p.None();
+  p.Appends();
+  p.Stop();
+  return ValueArchive(p.bytes());
+}
+
+std::vector<std::byte> Bytes(const std::string& s) {
+  const auto b = std::as_bytes(std::span(s));
+  return {b.begin(), b.end()};
+}
+
+// A number of the source's training settings (manifest metadata "train"), or `fallback`.
+double TrainNumber(const nlohmann::json& meta, std::initializer_list<const char*> path, double fallback) {
+  const nlohmann::json* j = &meta;
+  for (const char* k : path) {
+    if (!j->is_object() || !j->contains(k)) return fallback;
+    j = &(*j)[k];
+  }
+  return j->is_number() ? j->get<double>() : fallback;
+}
+
+// `convert --format torch_dist`: Megatron-Core's keys (models/megatron_names.h), the distributed
+// optimizer's fully_reshardable states, the linear layers' empty extra states, metadata.json
+// and common.pt (formats/torch_dist.h).
+Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
+                                     const ExecuteOptions& options, MegatronSpec spec) {
+  RS_ASSIGN_OR_RETURN(const ModelConfig model, SourceModel(source, "Megatron-Core keys"));
+  RS_ASSIGN_OR_RETURN(const MegatronKeys keys, MegatronKeysOf(model, spec));
+  const Mesh& mesh = plan.target.layout.mesh();
+  RS_ASSIGN_OR_RETURN(const nlohmann::json args, MegatronArgsFromModel(model, mesh.AxisSize("tp"), mesh.AxisSize("pp"),
+                                                                       mesh.AxisSize("ep")));
+  RS_RETURN_IF_ERROR(RefuseReplicas(plan));
+  std::set<std::string> with_master, with_states;
+  for (const TensorSpec& t : plan.tensors) {
+    if (t.role != TensorRole::kOptimizerState) continue;
+    with_states.insert(t.param);
+    if (t.state == "master") with_master.insert(t.param);
+  }
+  RS_ASSIGN_OR_RETURN(auto writer, DcpWriter::Create(dir));
+  std::map<std::string, DType> declared;  // a stacked key holds every layer's tensor of ours
+  std::map<std::string, std::vector<std::vector<Part>>> parts;
+  std::map<std::string, std::size_t> element;
+  const TensorSpec* step = nullptr;
+  for (const TensorSpec& t : plan.tensors) {
+    if (t.name == kStepTensor && t.role == TensorRole::kScalar) {
+      step = &t;
+      continue;
+    }
+    const bool state = t.role == TensorRole::kOptimizerState;
+    const std::string param = state ? t.param : t.name;
+    const auto placed = keys.placements.find(param);
+    if (placed == keys.placements.end()) {
+      return FailedPrecondition("tensor '" + t.name + "' is not one of the model's (" + model.name +
+                                "): Megatron-Core has no key for it");
+    }
+    std::string prefix;
+    if (state) {
+      const std::string name = t.state == "master" ? "param" : t.state;
+      if (name != "param" && name != "exp_avg" && name != "exp_avg_sq") {
+        return Unimplemented("tensor '" + t.name + "': optimizer state '" + t.state +
+                             "' (Megatron's distributed optimizer keeps param, exp_avg and exp_avg_sq)");
+      }
+      prefix = "optimizer.state." + name + ".";
+    }
+    element[t.name] = DTypeSize(t.dtype);
+    const auto copy = [&](const std::string& pre, DType dtype) -> Status {
+      std::vector<Part> c;
+      for (const MegatronPlacement& m : placed->second) {
+        const std::string key = pre + m.key;
+        const auto [it, fresh] = declared.emplace(key, dtype);
+        if (fresh) {
+          RS_RETURN_IF_ERROR(writer->AddTensor(key, DcpTensorSpec{key, {key}, dtype, m.key_shape}));
+        } else if (it->second != dtype) {
+          return InvalidArgument("Megatron-Core key '" + key + "' would hold tensors of dtypes " +
+                                 std::string(DTypeName(it->second)) + " and " + std::string(DTypeName(dtype)) +
+                                 " (from '" + t.name + "')");
+        }
+        c.push_back({key, m.box, false, m.lead, m.origin});
+      }
+      parts[t.name].push_back(std::move(c));
+      return Status::Ok();
+    };
+    RS_RETURN_IF_ERROR(copy(prefix, t.dtype));
+    if (!state && with_states.contains(param) && !with_master.contains(param)) {
+      // The distributed optimizer keeps an fp32 copy of every parameter (`param`); without a
+      // master copy of ours, that is the parameter itself.
+      if (t.dtype != DType::kF32) {
+        return FailedPrecondition("tensor '" + t.name + "' is " + std::string(DTypeName(t.dtype)) +
+                                  " with optimizer states but no 'master' state: Megatron's distributed optimizer "
+                                  "needs its fp32 copy");
+      }
+      RS_RETURN_IF_ERROR(copy("optimizer.state.param.", DType::kF32));
+    }
+  }
+  StepCatcher destination(*writer, parts, element);
+  RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, source, destination, options));
+  const std::vector<std::byte> none = NoneListArchive();
+  for (const std::string& k : keys.extra_states) RS_RETURN_IF_ERROR(writer->AddBytes(0, k, none));
+
+  MegatronCommon common;
+  common.args = args;
+  if (step != nullptr) {
+    if (!destination.caught()) return Internal("the optimizer step was not delivered");
+    RS_ASSIGN_OR_RETURN(const float value, StepValue(*step, destination.step_bytes()));
+    common.iteration = static_cast<std::int64_t>(std::llround(value));
+  }
+  const nlohmann::json& meta = source.manifest().metadata;
+  const auto train = [&](std::initializer_list<const char*> path, double fallback) {
+    return TrainNumber(meta, path, fallback);
+  };
+  if (!with_states.empty()) {
+    MegatronCommon::Optimizer o;
+    o.step = common.iteration;
+    o.lr = train({"train", "optimizer", "lr"}, 3e-3);
+    o.min_lr = train({"train", "optimizer", "min_lr"}, 3e-4);
+    o.beta1 = train({"train", "optimizer", "beta1"}, 0.9);
+    o.beta2 = train({"train", "optimizer", "beta2"}, 0.95);
+    o.eps = train({"train", "optimizer", "eps"}, 1e-8);
+    o.weight_decay = train({"train", "optimizer", "weight_decay"}, 0.1);
+    o.experts = model.n_experts > 0 && model.AnyMoeLayer();
+    common.optimizer = o;
+    if (meta.is_object() && meta.contains("train")) {
+      // Megatron-LM's scheduler counts samples: iterations × the global batch.
+      const auto batch = static_cast<std::int64_t>(train({"train", "batch_size"}, 1));
+      MegatronCommon::Scheduler sch;
+      sch.num_steps = common.iteration * batch;
+      sch.warmup_steps = static_cast<std::int64_t>(train({"train", "optimizer", "warmup_steps"}, 0)) * batch;
+      sch.decay_steps = static_cast<std::int64_t>(train({"train", "optimizer", "decay_steps"}, 0)) * batch;
+      sch.max_lr = o.lr;
+      sch.min_lr = o.min_lr;
+      sch.weight_decay = o.weight_decay;
+      common.scheduler = sch;
+    }
+  }
+  RS_RETURN_IF_ERROR(writer->AddFile("metadata.json", Bytes(MegatronMetadataJson())));
+  RS_RETURN_IF_ERROR(writer->AddFile("common.pt", MegatronCommonPt(common)));
+  RS_RETURN_IF_ERROR(writer->Commit());
+  return stats;
 }
 
 }  // namespace
 
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
-                               const ExecuteOptions& options, DcpNames names) {
+                               const ExecuteOptions& options, DcpNames names, MegatronSpec spec) {
+  if (names == DcpNames::kMegatron) return ExportTorchDist(plan, source, dir, options, spec);
   Naming naming;
   if (names == DcpNames::kTorchtitan) {
     RS_ASSIGN_OR_RETURN(naming, TitanNaming(source));
@@ -231,7 +435,7 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
   RS_ASSIGN_OR_RETURN(auto writer, DcpWriter::Create(dir));
   const TensorSpec* step = nullptr;
   std::set<std::string> with_states;               // their parameter FQNs with optimizer states, in name order
-  std::map<std::string, std::vector<Part>> parts;  // our tensor (parameter or state) -> theirs
+  std::map<std::string, std::vector<std::vector<Part>>> parts;  // our tensor (parameter or state) -> theirs
   std::map<std::string, std::size_t> element;
   // The key of their parameter `fqn` (or its state) under the chosen spelling.
   const auto key = [&](const std::string& fqn, const std::string& state) -> DcpTensorSpec {
@@ -271,15 +475,12 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
       const std::string name = state ? p.key + "/" + t.state : p.key;
       if (state) with_states.insert(p.key);
       RS_RETURN_IF_ERROR(writer->AddTensor(name, s));
-      parts[t.name].push_back({name, p.box, p.per_expert});
+      auto& copies = parts[t.name];
+      if (copies.empty()) copies.emplace_back();
+      copies[0].push_back({name, p.box, p.per_expert, {}, {}});
     }
   }
-  for (const TargetShard& ts : plan.targets) {
-    if (ts.replica != ReplicaKind::kMain) {
-      return InvalidArgument("tensor '" + plan.tensors[ts.tensor].name +
-                             "': the target layout stores replicas; a DCP checkpoint keeps each element once");
-    }
-  }
+  RS_RETURN_IF_ERROR(RefuseReplicas(plan));
   StepCatcher destination(*writer, parts, element);
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, source, destination, options));
   if (step != nullptr && !with_states.empty()) {

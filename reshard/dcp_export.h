@@ -23,12 +23,20 @@
 
 #include "formats/dcp_writer.h"
 #include "formats/shard_source.h"
+#include "models/megatron_names.h"
 #include "reshard/execute.h"
 #include "reshard/plan.h"
 
 namespace rs {
 
-enum class DcpNames : std::uint8_t { kOurs, kTorchtitan };
+// kMegatron: a Megatron-Core `torch_dist` checkpoint (formats/DCP.md §4.4): the keys a GPTModel
+// of the source's model asks for (models/megatron_names.h, MegatronKeysOf, with the norms
+// named for `spec`), the distributed optimizer's `fully_reshardable` states
+// `optimizer.state.<param|exp_avg|exp_avg_sq>.<key>` (`param` our master weights, or the
+// parameter itself when it has none and is f32), an empty `_extra_state` per linear layer, and
+// metadata.json and common.pt (formats/torch_dist.h: Megatron-LM's args, iteration, the
+// optimizer's param groups and step, the scheduler).
+enum class DcpNames : std::uint8_t { kOurs, kTorchtitan, kMegatron };
 
 // Executes `plan` reading `source` into a new DCP directory `dir`, committed atomically.
 // kTorchtitan needs the source's model (its manifest's metadata) and a family with a
@@ -37,6 +45,7 @@ enum class DcpNames : std::uint8_t { kOurs, kTorchtitan };
 // tensors; errors of reading and writing pass through, and nothing is left at `dir` on any
 // error.
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
-                               const ExecuteOptions& options, DcpNames names = DcpNames::kOurs);
+                               const ExecuteOptions& options, DcpNames names = DcpNames::kOurs,
+                               MegatronSpec spec = MegatronSpec::kTransformerEngine);
 
 }  // namespace rs

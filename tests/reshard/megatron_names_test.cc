@@ -284,7 +284,8 @@ TEST(MegatronSourceTest, DamagedDirectoriesAreNamed) {
        {"chunk at [0, 0, 0] of the layer-stacked key 'decoder.layers.mlp.router.weight' spans 2 layers"}},
       {"hetero_bf16",
        "steps_differ.common.pt",
-       {"common.pt: the param groups' steps differ (2 and 3 at optimizer.optimizer.param_groups[1].step)"}},
+       {"common.pt: the optimizer steps differ (2 at optimizer.optimizer.param_groups[0].step, 3 at "
+        "optimizer.optimizer.param_groups[1].step)"}},
       {"hetero_bf16",
        "step_string.common.pt",
        {"common.pt: optimizer.optimizer.state.common_step is a str, not a number"}},
