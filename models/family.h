@@ -57,6 +57,7 @@ struct FamilyCapabilities {
   bool hf_import = false;
   bool hf_export = false;
   bool megatron_import = false;
+  bool megatron_export = false;  // `convert --format torch_dist` (models/megatron_names.h)
   bool titan_dcp = false;  // torchtitan DCP checkpoints read (titan_names)
 };
 

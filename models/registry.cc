@@ -104,8 +104,8 @@ std::string ModelFamilyTable() {
   auto mark = [](bool b) { return std::string(b ? "yes" : "–"); };
   std::string out =
       "| family | what | HF model_type | train (CPU) | train (CUDA) | HF import | HF export | Megatron import | "
-      "torchtitan DCP |\n"
-      "|---|---|---|---|---|---|---|---|---|\n";
+      "Megatron export | torchtitan DCP |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n";
   for (const ModelFamily* f : ModelFamilies()) {
     std::string types;
     for (const auto& t : f->hf_model_types) types += (types.empty() ? "`" : ", `") + t + "`";
@@ -113,7 +113,8 @@ std::string ModelFamilyTable() {
     if (f->can.hf_export && !f->hf_export_as.empty()) exp = "as " + f->hf_export_as;
     out += "| `" + f->name + "` | " + f->description + " | " + (types.empty() ? "–" : types) + " | " +
            mark(f->can.train_cpu) + " | " + mark(f->can.train_cuda) + " | " + mark(f->can.hf_import) + " | " + exp +
-           " | " + mark(f->can.megatron_import) + " | " + mark(f->can.titan_dcp) + " |\n";
+           " | " + mark(f->can.megatron_import) + " | " + mark(f->can.megatron_export) + " | " + mark(f->can.titan_dcp) +
+           " |\n";
   }
   return out;
 }

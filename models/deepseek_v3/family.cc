@@ -216,6 +216,7 @@ const ModelFamily& DeepSeekV3Family() {
               .hf_import = true,
               .hf_export = true,
               .megatron_import = true,
+              .megatron_export = true,
               .titan_dcp = true},
   };
   return f;

@@ -133,6 +133,7 @@ const ModelFamily& Qwen3MoeFamily() {
               .hf_import = true,
               .hf_export = true,
               .megatron_import = true,
+              .megatron_export = true,
               .titan_dcp = true},
   };
   return f;
