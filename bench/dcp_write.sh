@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# `convert --format dcp` benchmark: writes an example checkpoint (>= 2 GiB with its AdamW
-# states) at tp=2,ep=4, then in one run times
+# `convert --format dcp` / `--format torch_dist` benchmark: writes an example checkpoint (>= 2
+# GiB with its AdamW states) at tp=2,ep=4, then in one run times
 #   - `reshard convert SRC --to fsdp=4 --format dcp` (a PyTorch DCP directory at another layout),
 #   - `cp -r` + `sync` of the DCP directory it wrote (the same bytes),
 #   - PyTorch's own reshard of that DCP directory: dcp.load into DTensors on 2 gloo processes
 #     (Shard(0)) + dcp.save to a new directory (bench/dcp_torch_reshard.py; skipped without a
 #     Python that has torch: set RS_TORCH_PYTHON),
+#   - the same three for `--format torch_dist` (a Megatron-Core checkpoint; PyTorch's reshard
+#     of it is the same dcp.load + dcp.save of its keys, with metadata.json and common.pt
+#     copied beside them),
 # with each command's peak RSS (GNU time: the largest process), and checks that both DCP
 # directories hold the source's values (`reshard diff`, our DCP reader). Caches are not dropped.
 #
@@ -54,4 +57,29 @@ if "$PY" -c 'import torch' 2>/dev/null; then
   echo "values: ours $ours_same to the source; PyTorch's reshard $torch_same"
 else
   echo "values: ours $ours_same to the source; PyTorch not run (no torch in $PY; set RS_TORCH_PYTHON)"
+fi
+
+# Megatron-Core torch_dist: the same plan under Megatron's keys, plus metadata.json and common.pt.
+read -r t_td rss_td < <(timed "$CLI" convert "$DIR/src" --to fsdp=4 --format torch_dist --memory-budget 256MiB -o "$DIR/td")
+sync
+read -r t_cp_td _ < <(timed bash -c "cp_sync '$DIR/td' '$DIR/td-copy'")
+rm -rf "$DIR/td-copy"
+"$CLI" diff "$DIR/src" "$DIR/td" >/dev/null && td_same="identical" || td_same="DIFFERENT"
+printf '\n%-52s %8s %10s %10s %10s\n' operation seconds written "vs cp -r" "peak RSS"
+printf '%-52s %8.2f %10s %10s %10s\n' "cp -r + sync of the torch_dist directory" "$t_cp_td" "$(gib "$(size "$DIR/td")")" 1.00x -
+printf '%-52s %8.2f %10s %9.2fx %7d MiB\n' "convert --to fsdp=4 --format torch_dist" "$t_td" \
+  "$(gib "$(size "$DIR/td")")" "$(awk -v a="$t_cp_td" -v b="$t_td" 'BEGIN { print a / b }')" $((rss_td / 1024))
+if "$PY" -c 'import torch' 2>/dev/null; then
+  rm -rf "$DIR/torch"
+  read -r t_torch rss_torch < <(timed "$PY" bench/dcp_torch_reshard.py "$DIR/td" "$DIR/torch-td" --procs 2)
+  read -r t_load t_save < "$DIR/out"
+  cp "$DIR/td/metadata.json" "$DIR/td/common.pt" "$DIR/torch-td/"
+  "$CLI" diff "$DIR/src" "$DIR/torch-td" >/dev/null && torch_same="identical" || torch_same="DIFFERENT"
+  printf '%-52s %8.2f %10s %9.2fx %7d MiB\n' "PyTorch dcp.load + dcp.save, 2 gloo processes" "$t_torch" \
+    "$(gib "$(size "$DIR/torch-td")")" "$(awk -v a="$t_cp_td" -v b="$t_torch" 'BEGIN { print a / b }')" \
+    $((rss_torch / 1024))
+  printf '  (of which load %.2f s, save %.2f s; process start-up and imports the rest)\n' "$t_load" "$t_save"
+  echo "values: ours $td_same to the source; PyTorch's reshard $torch_same"
+else
+  echo "values: ours $td_same to the source; PyTorch not run (no torch in $PY; set RS_TORCH_PYTHON)"
 fi

@@ -197,7 +197,8 @@ Status DcpWriter::WriteWhole(std::int64_t rank, const std::string& tensor, std::
   return stream->Finish();
 }
 
-Status DcpWriter::AddBytes(std::int64_t rank, const std::string& fqn, std::span<const std::byte> bytes) {
+Status DcpWriter::AddBytes(std::int64_t rank, const std::string& fqn, std::span<const std::byte> bytes,
+                           std::vector<std::string> path) {
   std::lock_guard lock(mu_);
   if (done_) return FailedPrecondition(dir_ + ": already committed");
   if (fqn.empty()) return InvalidArgument("empty DCP key");
@@ -209,7 +210,8 @@ Status DcpWriter::AddBytes(std::int64_t rank, const std::string& fqn, std::span<
   RS_ASSIGN_OR_RETURN(File * f, FileOf(rank));
   const std::int64_t offset = f->end;
   f->end += static_cast<std::int64_t>(bytes.size());
-  blobs_.push_back({fqn, rank, offset, static_cast<std::int64_t>(bytes.size())});
+  if (path.empty()) path = {fqn};
+  blobs_.push_back({fqn, std::move(path), rank, offset, static_cast<std::int64_t>(bytes.size())});
   return PwriteAll(f->fd, offset, bytes, staging_ + "/" + FileName(rank));
 }
 
@@ -302,8 +304,9 @@ std::vector<std::byte> DcpWriter::MetadataPickleLocked() const {
   }
   for (const Blob& b : blobs_) {
     p.String(b.fqn);
-    p.String(b.fqn);
-    p.Tuple1();
+    p.Mark();
+    for (const std::string& k : b.path) p.String(k);
+    p.Tuple();
   }
   p.SetItems();
   p.String("storage_data");

@@ -63,7 +63,9 @@ class DcpWriter final : public ShardDestination {
   // A BytesStorageMetadata entry `fqn`: a blob (a torch.save'd Python value, as
   // torch.distributed.checkpoint stores a BytesIO) written at once into `rank`'s file.
   // InvalidArgument for a key declared before (tensor or blob).
-  Status AddBytes(std::int64_t rank, const std::string& fqn, std::span<const std::byte> bytes);
+  // `path`: its state-dict nesting (Metadata.planner_data; empty: the key alone).
+  Status AddBytes(std::int64_t rank, const std::string& fqn, std::span<const std::byte> bytes,
+                  std::vector<std::string> path = {});
   // A file `name` of the directory beside the DCP ones (Megatron-Core's metadata.json and
   // common.pt), written durably by Commit. InvalidArgument for a name with '/', or one of the
   // DCP files' own names, or given twice.
@@ -96,6 +98,7 @@ class DcpWriter final : public ShardDestination {
   };
   struct Blob {
     std::string fqn;
+    std::vector<std::string> path;
     std::int64_t rank = 0;
     std::int64_t offset = 0;
     std::int64_t length = 0;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -423,6 +424,52 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
   return stats;
 }
 
+// torchtitan's optimizer param groups, flattened as get_optimizer_state_dict(...,
+// flatten_optimizer_state_dict=True) flattens them and torchtitan saves them: per parameter FQN
+// with states, `optimizer.param_groups.<fqn>.<hyper-parameter>` for every key of a torch 2.15
+// AdamW group, each a torch.save'd value. Values from the source's training settings (or
+// train/optimizer.h's defaults when it records none); weight decay as ours applies it (tensors
+// of rank >= 2).
+Status WriteTitanParamGroups(DcpWriter& writer, const ShardSource& source, const std::set<std::string>& with_states,
+                             const std::map<std::string, std::size_t>& ranks) {
+  const nlohmann::json& meta = source.manifest().metadata;
+  const auto train = [&](const char* k, double fallback) { return TrainNumber(meta, {"train", "optimizer", k}, fallback); };
+  const double lr = train("lr", 3e-3), beta1 = train("beta1", 0.9), beta2 = train("beta2", 0.95),
+               eps = train("eps", 1e-8), wd = train("weight_decay", 0.1);
+  const auto archive = [](const std::function<void(PickleWriter&)>& value) {
+    PickleWriter p;
+    value(p);
+    p.Stop();
+    return ValueArchive(p.bytes());
+  };
+  for (const std::string& fqn : with_states) {
+    const double decay = ranks.at(fqn) >= 2 ? wd : 0.0;
+    const std::vector<std::pair<const char*, std::function<void(PickleWriter&)>>> groups = {
+        {"lr", [&](PickleWriter& p) { p.Float(lr); }},
+        {"betas",
+         [&](PickleWriter& p) {
+           p.Float(beta1);
+           p.Float(beta2);
+           p.Tuple2();
+         }},
+        {"eps", [&](PickleWriter& p) { p.Float(eps); }},
+        {"weight_decay", [&](PickleWriter& p) { p.Float(decay); }},
+        {"amsgrad", [](PickleWriter& p) { p.Bool(false); }},
+        {"maximize", [](PickleWriter& p) { p.Bool(false); }},
+        {"foreach", [](PickleWriter& p) { p.None(); }},
+        {"capturable", [](PickleWriter& p) { p.Bool(false); }},
+        {"differentiable", [](PickleWriter& p) { p.Bool(false); }},
+        {"fused", [](PickleWriter& p) { p.None(); }},
+        {"decoupled_weight_decay", [](PickleWriter& p) { p.Bool(true); }},
+    };
+    for (const auto& [k, value] : groups) {
+      const std::string rest = "param_groups." + fqn + "." + k;
+      RS_RETURN_IF_ERROR(writer.AddBytes(0, "optimizer." + rest, archive(value), {"optimizer", rest}));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
@@ -435,6 +482,7 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
   RS_ASSIGN_OR_RETURN(auto writer, DcpWriter::Create(dir));
   const TensorSpec* step = nullptr;
   std::set<std::string> with_states;               // their parameter FQNs with optimizer states, in name order
+  std::map<std::string, std::size_t> ranks;        // their parameter FQN -> its number of dims
   std::map<std::string, std::vector<std::vector<Part>>> parts;  // our tensor (parameter or state) -> theirs
   std::map<std::string, std::size_t> element;
   // The key of their parameter `fqn` (or its state) under the chosen spelling.
@@ -462,6 +510,7 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
       s.dtype = t.dtype;
       s.shape = t.shape;
       if (state) with_states.insert(fqn);
+      ranks[fqn] = t.shape.size();
       RS_RETURN_IF_ERROR(writer->AddTensor(t.name, s));
       continue;
     }
@@ -474,6 +523,7 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
       s.shape = nb.shape();
       const std::string name = state ? p.key + "/" + t.state : p.key;
       if (state) with_states.insert(p.key);
+      ranks[p.key] = s.shape.size();
       RS_RETURN_IF_ERROR(writer->AddTensor(name, s));
       auto& copies = parts[t.name];
       if (copies.empty()) copies.emplace_back();
@@ -496,6 +546,7 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
       RS_RETURN_IF_ERROR(writer->WriteWhole(0, name, bytes));
     }
   }
+  if (names == DcpNames::kTorchtitan) RS_RETURN_IF_ERROR(WriteTitanParamGroups(*writer, source, with_states, ranks));
   RS_RETURN_IF_ERROR(writer->Commit());
   return stats;
 }

@@ -2,11 +2,14 @@
 // of tests/fixtures/dcp, written by torch.distributed.checkpoint.save).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "formats/dcp.h"
+#include "formats/pickle.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace rs::testing {
@@ -290,6 +293,26 @@ TEST(DcpCliTest, ConvertToDcpWithTorchtitanNames) {
       EXPECT_TRUE(Has(i.output, key)) << key << "\n" << i.output;
     }
     EXPECT_FALSE(Has(i.output, "attn.qkv")) << i.output;
+    // The optimizer's param groups, flattened per parameter as torchtitan saves them: every
+    // AdamW hyper-parameter of every parameter with states, weight decay on matrices only.
+    Result<std::unique_ptr<DcpCheckpoint>> dcp = DcpCheckpoint::Open(out);
+    ASSERT_TRUE(dcp.ok()) << dcp.status().ToString();
+    const std::size_t with_states = static_cast<std::size_t>(std::count_if(
+        (*dcp)->metadata().tensors.begin(), (*dcp)->metadata().tensors.end(),
+        [](const DcpTensor& t) { return t.fqn.starts_with("optimizer.state.") && t.fqn.ends_with(".step"); }));
+    EXPECT_GT(with_states, 0u);
+    EXPECT_EQ((*dcp)->metadata().objects.size(), 11 * with_states);
+    const auto value = [&](const std::string& key) -> std::string {
+      Result<PickleTree> t = (*dcp)->ReadObject(key);
+      if (!t.ok()) return t.status().ToString();
+      Result<nlohmann::json> j = PickleToJson(*t, t->root());
+      return j.ok() ? j->dump() : j.status().ToString();
+    };
+    EXPECT_EQ(value("optimizer.param_groups.layers.0.attention.wq.weight.weight_decay"), "0.1");
+    EXPECT_EQ(value("optimizer.param_groups.layers.0.attention.q_norm.weight.weight_decay"), "0.0");
+    EXPECT_EQ(value("optimizer.param_groups.layers.2.moe.experts.w1.betas"), "[0.9,0.95]");
+    EXPECT_EQ(value("optimizer.param_groups.norm.weight.foreach"), "null");
+    EXPECT_EQ(value("optimizer.param_groups.norm.weight.decoupled_weight_decay"), "true");
     EXPECT_EQ(RunCli("verify " + out).exit_code, 0);
     const CommandResult d = RunCli("diff " + out + " " + titan + "/qwen3_moe_tiny" + model);
     EXPECT_EQ(d.exit_code, 0) << d.output;
@@ -351,6 +374,13 @@ TEST(DcpCliTest, ConvertToDcpLoadsInPyTorch) {
                                    titan + "/qwen3_moe_tiny --procs 2 2>&1");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(Has(r.output, " 0 differ")) << r.output;
+  // A torchtitan-style resume (get/set_optimizer_state_dict, flattened): model, optimizer
+  // states and param groups restored from ours equal those restored from the checkpoint
+  // PyTorch wrote; the source records no training settings, so the groups hold our defaults.
+  const CommandResult resume = RunShell(python + " " + RS_SOURCE_DIR + "/tests/cli/titan_resume.py " + (tmp / "qd") +
+                                        " " + titan + "/qwen3_moe_tiny --lr 0.003 --wd 0.1 2>&1");
+  EXPECT_EQ(resume.exit_code, 0) << resume.output;
+  EXPECT_TRUE(resume.output.starts_with("OK ") || Has(resume.output, "\nOK ")) << resume.output;
 }
 
 // No model where none is needed: a conversion that cuts nothing (tp=1, dp replicas, flat FSDP

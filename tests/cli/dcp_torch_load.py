@@ -82,6 +82,8 @@ def run(rank, args, port, result):
         expected = load_file(args.expected)
     state, full = {}, {}
     for key, md in meta.state_dict_metadata.items():
+        if not hasattr(md, "size"):  # a torch.save'd value (param groups): titan_resume.py checks those
+            continue
         dtype, size = md.properties.dtype, tuple(md.size)
         dim = args.dim if len(size) > args.dim else 0
         blank = torch.full(size, float("nan") if dtype.is_floating_point else -1, dtype=dtype)
