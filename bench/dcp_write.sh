@@ -74,7 +74,8 @@ if "$PY" -c 'import torch' 2>/dev/null; then
   read -r t_torch rss_torch < <(timed "$PY" bench/dcp_torch_reshard.py "$DIR/td" "$DIR/torch-td" --procs 2)
   read -r t_load t_save < "$DIR/out"
   cp "$DIR/td/metadata.json" "$DIR/td/common.pt" "$DIR/torch-td/"
-  "$CLI" diff "$DIR/src" "$DIR/torch-td" >/dev/null && torch_same="identical" || torch_same="DIFFERENT"
+  "$CLI" diff "$DIR/src" "$DIR/torch-td" >"$DIR/diff" 2>&1 && torch_same="identical" ||
+    torch_same="DIFFERENT: $(tail -3 "$DIR/diff")"
   printf '%-52s %8.2f %10s %9.2fx %7d MiB\n' "PyTorch dcp.load + dcp.save, 2 gloo processes" "$t_torch" \
     "$(gib "$(size "$DIR/torch-td")")" "$(awk -v a="$t_cp_td" -v b="$t_torch" 'BEGIN { print a / b }')" \
     $((rss_torch / 1024))

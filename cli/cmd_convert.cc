@@ -62,7 +62,8 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   sa.checksums = a.no_verify ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
   RS_ASSIGN_OR_RETURN(s.source, OpenSource(a.src, sa));
   RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.source->manifest()));
-  RS_RETURN_IF_ERROR(CheckTargetWithoutModel(a.src, sa, s.source->manifest(), target));
+  RS_ASSIGN_OR_RETURN(const Manifest planned, WithTensorAxesRules(s.source->manifest(), target));
+  RS_RETURN_IF_ERROR(CheckTargetWithoutModel(a.src, sa, planned, target));
   ReshardOptions o;
   RS_ASSIGN_OR_RETURN(o.memory_budget, ParseByteSize(a.memory_budget));
   if (!a.max_shard_size.empty()) {
@@ -75,7 +76,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
     if (!t) return InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'");
     o.param_dtype = *t;
   }
-  auto plan = PlanReshard(s.source->manifest(), target, o);
+  auto plan = PlanReshard(planned, target, o);
   if (!plan.ok()) return plan.status().WithContext(SourceIndexPath(*s.source));
   s.plan = std::move(*plan);
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
@@ -155,7 +156,8 @@ Status CheckDcpOutput(const ConvertArgs& a, std::int64_t processes) {
   if (processes > 1) return InvalidArgument(f + "run it in one process (not under mpirun)");
   if (a.codec != "none") return InvalidArgument(f + "DCP chunks are not compressed; drop --codec");
   if (a.with_replicas) return InvalidArgument(f + "a DCP checkpoint keeps each element once; drop --with-replicas");
-  if (!a.max_shard_size.empty()) return InvalidArgument(f + "each target piece is one DCP chunk; drop --max-shard-size");
+  if (!a.max_shard_size.empty())
+    return InvalidArgument(f + "each target piece is one DCP chunk; drop --max-shard-size");
   if (a.output_format == "torch_dist" && a.dcp_names != "auto") {
     return InvalidArgument(f + "its keys are Megatron-Core's; drop --dcp-names");
   }
@@ -223,7 +225,9 @@ void RegisterConvert(CLI::App& app) {
                   "Target layout, e.g. tp=2,ep=8,fsdp=2 [,fsdp_form=flat][,vocab_multiple=N][,pp_split=A/B]")
       ->required();
   cmd->add_option("--rules", a->rules,
-                  "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file (default: the source's)");
+                  "Logical axis rules: " + BuiltinRulesHelp() +
+                      " or a JSON file (default: the source's); its optional \"tensors\" patterns give tensors no "
+                      "model declares their axes (README, Layouts)");
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();
   cmd->add_option("--memory-budget", a->memory_budget, "Bytes of shard buffers in flight, e.g. 256MiB")
       ->capture_default_str();

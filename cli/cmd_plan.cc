@@ -37,6 +37,9 @@ void RunPlan(const PlanArgs& a) {
   const Manifest* manifest = &(*source)->manifest();
   auto target = TargetLayoutArg(a.to, a.rules, *manifest);
   if (!target.ok()) Fail("plan", target.status());
+  auto planned = WithTensorAxesRules(*manifest, *target);
+  if (!planned.ok()) Fail("plan", planned.status());
+  manifest = &*planned;
   if (const Status st = CheckTargetWithoutModel(a.src, sa, *manifest, *target); !st.ok()) Fail("plan", st);
   ReshardOptions o;
   auto budget = ParseByteSize(a.memory_budget);

@@ -2,6 +2,8 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+
 #include "cli/util.h"
 #include "formats/dcp.h"
 #include "formats/dcp_source.h"
@@ -108,6 +110,27 @@ Status CheckTargetWithoutModel(const std::string& dir, const SourceArgs& args, c
                          ") have no logical axes (it was converted from a PyTorch DCP checkpoint without a model), so "
                          "a layout that cuts them (" +
                          cutting + ") cannot be planned; convert that DCP checkpoint again with --model");
+}
+
+Result<Manifest> WithTensorAxesRules(const Manifest& source, const PhysicalLayout& target) {
+  Manifest m = source;
+  Result<std::int64_t> given = ApplyTensorAxesRules(target.layout.rules(), m.tensors);
+  if (!given.ok()) return given.status().WithContext("--rules");
+  if (*given == 0) return m;
+  std::string whole;
+  std::int64_t n = 0;
+  for (const TensorSpec& t : m.tensors) {
+    if (t.shape.empty() || t.role == TensorRole::kOptimizerState) continue;
+    if (std::any_of(t.axes.begin(), t.axes.end(), [](const std::string& a) { return !a.empty(); })) continue;
+    if (n < 3) whole += (whole.empty() ? "'" : ", '") + t.name + "'";
+    ++n;
+  }
+  if (n > 0) {
+    if (n > 3) whole += " and " + std::to_string(n - 3) + " more";
+    PrintErr("note: %lld tensor%s no --rules pattern names %s carried whole: %s\n", static_cast<long long>(n),
+             n == 1 ? "" : "s", n == 1 ? "is" : "are", whole.c_str());
+  }
+  return m;
 }
 
 }  // namespace rs::cli

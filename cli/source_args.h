@@ -34,6 +34,12 @@ Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const So
 Status CheckTargetWithoutModel(const std::string& dir, const SourceArgs& args, const Manifest& source,
                                const PhysicalLayout& target);
 
+// The source's manifest with the target rule set's tensor patterns applied (core/layout.h,
+// ApplyTensorAxesRules: logical axes for tensors no model declares), which is what plans.
+// When some tensors got axes and others declare none while the target cuts, a note names the
+// ones carried whole (replicated). Errors of ApplyTensorAxesRules, prefixed with `--rules`.
+Result<Manifest> WithTensorAxesRules(const Manifest& source, const PhysicalLayout& target);
+
 // The file a source's tensors and shards come from: its manifest.json, or a DCP directory's
 // .metadata (errors about what the source holds name it).
 std::string SourceIndexPath(const ShardSource& source);

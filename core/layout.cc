@@ -1,5 +1,7 @@
 #include "core/layout.h"
 
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <charconv>
 #include <nlohmann/json.hpp>
@@ -86,7 +88,7 @@ std::vector<std::string> BuiltinRuleSetNames() { return {"megatron", "ep-as-cp",
 Result<RuleSet> RuleSetFromJson(const nlohmann::json& j) {
   if (!j.is_object()) return InvalidArgument("rule set: expected a JSON object");
   for (const auto& [key, value] : j.items()) {
-    if (key != "name" && key != "rules" && key != "description") {
+    if (key != "name" && key != "rules" && key != "description" && key != "tensors") {
       return InvalidArgument("rule set: unknown field '" + key + "'");
     }
   }
@@ -117,6 +119,35 @@ Result<RuleSet> RuleSetFromJson(const nlohmann::json& j) {
     }
     r.rules[logical] = std::move(names);
   }
+  if (j.contains("tensors")) {
+    const nlohmann::json& t = j["tensors"];
+    if (!t.is_array()) return InvalidArgument(where + ".tensors: expected an array");
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      const std::string field = where + ".tensors[" + std::to_string(i) + "]";
+      const nlohmann::json& e = t[i];
+      if (!e.is_object()) return InvalidArgument(field + ": expected {\"pattern\": ..., \"axes\": [...]}");
+      for (const auto& [key, value] : e.items()) {
+        if (key != "pattern" && key != "axes") return InvalidArgument(field + ": unknown field '" + key + "'");
+      }
+      if (!e.contains("pattern") || !e["pattern"].is_string() || e["pattern"].get<std::string>().empty()) {
+        return InvalidArgument(field + ".pattern: expected a non-empty string");
+      }
+      if (!e.contains("axes") || !e["axes"].is_array()) return InvalidArgument(field + ".axes: expected an array");
+      TensorAxesRule rule;
+      rule.pattern = e["pattern"].get<std::string>();
+      for (const auto& a : e["axes"]) {
+        if (a.is_null()) {
+          rule.axes.emplace_back();
+        } else if (a.is_string()) {
+          rule.axes.push_back(a.get<std::string>());
+        } else {
+          return InvalidArgument(field + ".axes: expected logical axis names (or \"\" / null: not cut), got " +
+                                 a.dump());
+        }
+      }
+      r.tensors.push_back(std::move(rule));
+    }
+  }
   return r;
 }
 
@@ -124,6 +155,41 @@ void to_json(nlohmann::json& j, const RuleSet& r) {
   nlohmann::json rules = nlohmann::json::object();
   for (const auto& [logical, mesh_axes] : r.rules) rules[logical] = mesh_axes;
   j = nlohmann::json{{"name", r.name}, {"rules", std::move(rules)}};
+  if (!r.tensors.empty()) {
+    nlohmann::json t = nlohmann::json::array();
+    for (const TensorAxesRule& rule : r.tensors) t.push_back({{"pattern", rule.pattern}, {"axes", rule.axes}});
+    j["tensors"] = std::move(t);
+  }
+}
+
+Result<std::int64_t> ApplyTensorAxesRules(const RuleSet& rules, std::vector<TensorSpec>& tensors) {
+  if (rules.tensors.empty()) return std::int64_t{0};
+  std::int64_t given = 0;
+  for (TensorSpec& t : tensors) {
+    if (t.shape.empty()) continue;
+    const std::string& name = t.role == TensorRole::kOptimizerState && !t.param.empty() ? t.param : t.name;
+    const auto rule = std::find_if(rules.tensors.begin(), rules.tensors.end(), [&](const TensorAxesRule& r) {
+      return ::fnmatch(r.pattern.c_str(), name.c_str(), 0) == 0;
+    });
+    if (rule == rules.tensors.end()) continue;
+    const bool declared = std::any_of(t.axes.begin(), t.axes.end(), [](const std::string& a) { return !a.empty(); });
+    if (declared) {
+      if (t.axes == rule->axes) continue;  // given by this rule before (a checkpoint it converted)
+      std::string axes;
+      for (const std::string& a : t.axes) axes += (axes.empty() ? "" : ", ") + (a.empty() ? std::string("-") : a);
+      return InvalidArgument("rule set '" + rules.name + "': pattern '" + rule->pattern + "' matches tensor '" +
+                             t.name + "', which declares other axes of its own (" + axes +
+                             "); tensor patterns are for tensors no model declares");
+    }
+    if (rule->axes.size() != t.shape.size()) {
+      return InvalidArgument("rule set '" + rules.name + "': pattern '" + rule->pattern + "' gives " +
+                             std::to_string(rule->axes.size()) + " axes to tensor '" + t.name + "' of shape " +
+                             ShapeToString(t.shape) + " (one per dim)");
+    }
+    t.axes = rule->axes;
+    ++given;
+  }
+  return given;
 }
 
 Result<Layout> Layout::Create(Mesh mesh, RuleSet rules, std::vector<std::int64_t> pp_split, std::int64_t pp_virtual) {

@@ -26,9 +26,21 @@
 
 namespace rs {
 
+// Logical axes for tensors no model declares (a DCP checkpoint read without a model: a buffer
+// of torchtitan's, Megatron's names of tensors our families lack), by name pattern, so that a
+// layout can cut them: a tensor whose name matches `pattern` (fnmatch: `*` and `?` match any
+// characters, dots included) gets `axes`, one logical axis per dim ("" = not cut); its
+// optimizer states follow it (matched by their parameter's name).
+struct TensorAxesRule {
+  std::string pattern;
+  std::vector<std::string> axes;
+  friend bool operator==(const TensorAxesRule&, const TensorAxesRule&) = default;
+};
+
 struct RuleSet {
   std::string name;
   std::map<std::string, std::vector<std::string>> rules;  // logical axis -> mesh axes
+  std::vector<TensorAxesRule> tensors;                    // first match wins
   friend bool operator==(const RuleSet&, const RuleSet&) = default;
 };
 
@@ -39,11 +51,20 @@ struct RuleSet {
 Result<RuleSet> BuiltinRuleSet(const std::string& name);
 std::vector<std::string> BuiltinRuleSetNames();
 // Parses a rule-set JSON document: {"name": "...", "rules": {"embed": ["fsdp"], ...}} (an
-// optional "description" string is allowed). InvalidArgument naming the field for a missing
-// or empty name, unknown fields, a mesh axis that is not in CanonicalMeshAxes() or is "pp",
-// or one listed twice in a rule.
+// optional "description" string is allowed; an optional "tensors": [{"pattern": "extra.*",
+// "axes": ["vocab", ""]}, ...] gives tensors no model declares their logical axes). InvalidArgument naming the field
+// for a missing or empty name, unknown fields, a mesh axis that is not in CanonicalMeshAxes() or is "pp", or one listed
+// twice in a rule.
 Result<RuleSet> RuleSetFromJson(const nlohmann::json& j);
 void to_json(nlohmann::json& j, const RuleSet& r);
+
+// Gives the tensors of `tensors` that declare no logical axis the axes of the first of
+// `rules.tensors` whose pattern their name (an optimizer state: its parameter's) matches.
+// InvalidArgument naming the tensor and the pattern when the axes are not one per dim, or when
+// a pattern matches a tensor that declares other axes of its own (a model's: patterns are for
+// the others; the same axes, as a checkpoint this rule set converted records them, are fine).
+// Scalars are left alone. Returns how many tensors got axes.
+Result<std::int64_t> ApplyTensorAxesRules(const RuleSet& rules, std::vector<TensorSpec>& tensors);
 
 // Canonical order of the mesh axes the short form accepts; the last varies fastest.
 inline const std::vector<std::string>& CanonicalMeshAxes() {

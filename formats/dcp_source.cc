@@ -165,9 +165,11 @@ Status CheckParts(const std::string& meta_path, const Mapping& m) {
 }
 
 // One chunk of a key that is `part` of one of our tensors (`ours`: its shape in the model; `box`
-// the chunk's box in the key's tensor, `shape` that tensor's shape, layer axis taken off).
+// the chunk's box in the key's tensor, `shape` that tensor's shape, layer axis taken off; `base`
+// the first byte in the chunk: a layer's slice of a chunk spanning layers).
 Status AddPartChunk(Mapping& m, const std::string& meta_path, const DcpTensor& t, std::size_t index, std::size_t chunk,
-                    const DcpName& n, const DcpKeyPart& part, const Shape& shape, const Shape& ours, Box box) {
+                    const DcpName& n, const DcpKeyPart& part, const Shape& shape, const Shape& ours, Box box,
+                    std::int64_t base) {
   Shape want = part.box.shape;
   if (part.box.shape.size() != ours.size() || part.box.offset.size() != ours.size()) {
     return FailedPrecondition(meta_path + ": '" + t.fqn + "' is named a part of '" + n.param + "', whose shape " +
@@ -195,7 +197,7 @@ Status AddPartChunk(Mapping& m, const std::string& meta_path, const DcpTensor& t
     box.shape.insert(box.shape.begin(), 1);
   }
   for (std::size_t d = 0; d < box.offset.size(); ++d) box.offset[d] += part.box.offset[d];
-  RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, chunk, 0, box}, slot));
+  RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, chunk, base, box}, slot));
   MappedTensor& mapped = m.tensors.at(n.name);
   mapped.labels = part.labels;
   mapped.per_expert = part.per_expert;
@@ -211,44 +213,51 @@ Status AddKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std:
   }
   const Shape shape = part.layer_axis ? Shape(t.size.begin() + 1, t.size.end()) : t.size;
   const bool is_part = !part.label.empty() || part.per_expert;
+  const auto element = static_cast<std::int64_t>(DTypeSize(t.dtype));
   for (std::size_t c = 0; c < t.chunks.size(); ++c) {
     const DcpChunk& ch = t.chunks[c];
-    Box box{ch.offsets, ch.sizes};
-    std::string param = part.param;
-    if (part.layer_axis) {
-      if (ch.sizes[0] != 1) {
-        return DataLoss(meta_path + ": chunk at " + ShapeToString(ch.offsets) + " of the layer-stacked key '" + t.fqn +
-                        "' spans " + std::to_string(ch.sizes[0]) + " layers (one layer per chunk)");
+    // A layer-stacked key's chunk is one piece per layer it spans (Megatron writes one layer
+    // per chunk; a plain DCP reshard of its keys, e.g. dcp.load + dcp.save, may not): each
+    // layer's slice is a contiguous run of the chunk's bytes.
+    const std::int64_t layers = part.layer_axis ? ch.sizes[0] : 1;
+    std::int64_t layer_bytes = element;
+    for (std::size_t d = 1; d < ch.sizes.size(); ++d) layer_bytes *= ch.sizes[d];
+    for (std::int64_t k = 0; k < layers; ++k) {
+      Box box{ch.offsets, ch.sizes};
+      std::string param = part.param;
+      std::int64_t base = 0;  // the piece's first byte in the chunk
+      if (part.layer_axis) {
+        param = "layers." + std::to_string(ch.offsets[0] + k) + "." + param;
+        base = k * layer_bytes;
+        box.offset.erase(box.offset.begin());
+        box.shape.erase(box.shape.begin());
       }
-      param = "layers." + std::to_string(ch.offsets[0]) + "." + param;
-      box.offset.erase(box.offset.begin());
-      box.shape.erase(box.shape.begin());
-    }
-    DcpName n = named;
-    n.param = param;
-    n.name = named.role == TensorRole::kOptimizerState ? OptimizerStateName(param, named.state) : param;
-    const auto ours = model_shapes.find(param);
-    if (is_part) {
-      if (ours == model_shapes.end()) {
-        m.unmapped.push_back(t.fqn + " (a part of '" + param + "', which the model does not have)");
-        return Status::Ok();
+      DcpName n = named;
+      n.param = param;
+      n.name = named.role == TensorRole::kOptimizerState ? OptimizerStateName(param, named.state) : param;
+      const auto ours = model_shapes.find(param);
+      if (is_part) {
+        if (ours == model_shapes.end()) {
+          m.unmapped.push_back(t.fqn + " (a part of '" + param + "', which the model does not have)");
+          return Status::Ok();
+        }
+        RS_RETURN_IF_ERROR(AddPartChunk(m, meta_path, t, index, c, n, part, shape, ours->second, box, base));
+        continue;
       }
-      RS_RETURN_IF_ERROR(AddPartChunk(m, meta_path, t, index, c, n, part, shape, ours->second, box));
-      continue;
-    }
-    if (!part.row_runs || ours == model_shapes.end() || ours->second != shape || box.shape.empty() ||
-        box.shape[0] == 0) {
-      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{index, c, 0, box}));
-      continue;
-    }
-    std::int64_t row_bytes = static_cast<std::int64_t>(DTypeSize(t.dtype));
-    for (std::size_t d = 1; d < box.shape.size(); ++d) row_bytes *= box.shape[d];
-    for (const DcpKeyPart::RowRun& r : part.row_runs(box.offset[0], box.offset[0] + box.shape[0])) {
-      Box run = box;
-      run.offset[0] = r.dst;
-      run.shape[0] = r.rows;
-      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
-                                   MappedPiece{index, c, (r.src - box.offset[0]) * row_bytes, run}));
+      if (!part.row_runs || ours == model_shapes.end() || ours->second != shape || box.shape.empty() ||
+          box.shape[0] == 0) {
+        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{index, c, base, box}));
+        continue;
+      }
+      std::int64_t row_bytes = element;
+      for (std::size_t d = 1; d < box.shape.size(); ++d) row_bytes *= box.shape[d];
+      for (const DcpKeyPart::RowRun& r : part.row_runs(box.offset[0], box.offset[0] + box.shape[0])) {
+        Box run = box;
+        run.offset[0] = r.dst;
+        run.shape[0] = r.rows;
+        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
+                                     MappedPiece{index, c, base + (r.src - box.offset[0]) * row_bytes, run}));
+      }
     }
   }
   if (t.chunks.empty() && !is_part) {

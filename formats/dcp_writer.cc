@@ -138,9 +138,6 @@ Status DcpWriter::AddTensor(const std::string& name, const DcpTensorSpec& spec) 
   for (const std::int64_t d : spec.shape) {
     if (d < 0) return InvalidArgument("tensor '" + name + "': negative dim");
   }
-  if (Result<std::string> cls = TorchStorageClass(spec.dtype); !cls.ok()) {
-    return cls.status().WithContext("tensor '" + name + "'");
-  }
   index_[name] = tensors_.size();
   keys_[spec.fqn] = tensors_.size();
   tensors_.push_back({spec, {}});
@@ -222,7 +219,8 @@ Status DcpWriter::AddFile(const std::string& name, std::vector<std::byte> conten
       name == kDcpMetadataFileName || (name.starts_with("__") && name.ends_with(".distcp"))) {
     return InvalidArgument("'" + name + "' cannot be a file beside the DCP files");
   }
-  if (!extra_files_.emplace(name, std::move(contents)).second) return InvalidArgument("file '" + name + "' given twice");
+  if (!extra_files_.emplace(name, std::move(contents)).second)
+    return InvalidArgument("file '" + name + "' given twice");
   return Status::Ok();
 }
 
@@ -401,8 +399,8 @@ Status DcpWriter::Commit() {
     return Internal("refusing to publish a .metadata our reader rejects: " + check.status().message());
   }
   for (const auto& [name, contents] : extra_files_) {
-    RS_RETURN_IF_ERROR(WriteNewFileDurably(staging_ + "/" + name,
-                                           std::string(reinterpret_cast<const char*>(contents.data()), contents.size())));
+    RS_RETURN_IF_ERROR(WriteNewFileDurably(
+        staging_ + "/" + name, std::string(reinterpret_cast<const char*>(contents.data()), contents.size())));
   }
   RS_RETURN_IF_ERROR(WriteNewFileDurably(staging_ + "/" + std::string(kDcpMetadataFileName),
                                          std::string(reinterpret_cast<const char*>(meta.data()), meta.size())));

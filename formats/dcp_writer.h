@@ -50,7 +50,7 @@ class DcpWriter final : public ShardDestination {
 
   // Declares a tensor under the name `name` that BeginShard uses (ours; the key in the output
   // is spec.fqn). InvalidArgument for a name or key declared twice, an empty key, a negative
-  // dim; Unimplemented for a dtype torch.save has no storage class for (float8).
+  // dim.
   Status AddTensor(const std::string& name, const DcpTensorSpec& spec);
   // A chunk of `tensor`: `piece` must be a box (DCP chunks are boxes; an item range of a flat
   // FSDP layout is InvalidArgument naming the tensor) and the main copy (replicas are not

@@ -194,7 +194,8 @@ Result<std::optional<std::int64_t>> ReadMegatronStep(const std::string& dir) {
     for (std::size_t k = 0; k + 1 < items.size(); k += 2) {
       if (tree.node(items[k]).kind != PickleKind::kInt) continue;
       const std::size_t inner = DictGet(tree, items[k + 1], "optimizer");
-      if (inner != kPickleNoNode) inners.emplace_back(inner, "optimizer." + std::to_string(tree.node(items[k]).i) + ".optimizer");
+      if (inner != kPickleNoNode)
+        inners.emplace_back(inner, "optimizer." + std::to_string(tree.node(items[k]).i) + ".optimizer");
     }
   }
   std::optional<std::int64_t> step;

@@ -233,18 +233,27 @@ std::vector<ZipRecord> ArchiveRecords(std::vector<std::byte> pickle, const ZipRe
 }  // namespace
 
 Result<ZipLayout> TensorArchive(DType dtype, const Shape& sizes, bool force_zip64) {
-  RS_ASSIGN_OR_RETURN(const std::string storage_class, TorchStorageClass(dtype));
   const std::int64_t numel = Numel(sizes);
+  const std::int64_t nbytes = numel * static_cast<std::int64_t>(DTypeSize(dtype));
+  // dtypes with a legacy storage class: _rebuild_tensor_v2 of ('storage', torch.<T>Storage,
+  // '0', 'cpu', numel); the others (float8): _rebuild_tensor_v3 of ('storage',
+  // torch.storage.UntypedStorage, '0', 'cpu', nbytes), the dtype its last argument.
+  const std::string_view storage_class = NamesOf(dtype).storage;
+  const bool v3 = storage_class.empty();
   PickleWriter p;
-  p.Global("torch._utils", "_rebuild_tensor_v2");
+  p.Global("torch._utils", v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
   p.Mark();
   {
-    p.Mark();  // the persistent id: ('storage', torch.<T>Storage, '0', 'cpu', numel)
+    p.Mark();  // the persistent id
     p.String("storage");
-    p.Global("torch", storage_class);
+    if (v3) {
+      p.Global("torch.storage", "UntypedStorage");
+    } else {
+      p.Global("torch", storage_class);
+    }
     p.String("0");
     p.String("cpu");
-    p.Int(numel);
+    p.Int(v3 ? nbytes : numel);
     p.Tuple();
     p.BinPersId();
   }
@@ -261,10 +270,11 @@ Result<ZipLayout> TensorArchive(DType dtype, const Shape& sizes, bool force_zip6
   p.Global("collections", "OrderedDict");
   p.Tuple0();
   p.Reduce();  // backward hooks
+  if (v3) p.Global("torch", NamesOf(dtype).global);
   p.Tuple();
   p.Reduce();
   p.Stop();
-  ZipRecord storage{"archive/data/0", {}, true, numel * static_cast<std::int64_t>(DTypeSize(dtype))};
+  ZipRecord storage{"archive/data/0", {}, true, nbytes};
   return LayOutStoredZip(ArchiveRecords(p.Take(), &storage), force_zip64);
 }
 

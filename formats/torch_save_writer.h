@@ -55,8 +55,10 @@ Result<std::string> TorchStorageClass(DType dtype);
 std::string TorchDTypeGlobal(DType dtype);
 
 // The archive of a contiguous tensor of `dtype` and `sizes` on the CPU, not requiring grad,
-// as torch.save(tensor) writes it; its elements (little-endian, row-major) are the external
-// record "archive/data/0".
+// as torch.save(tensor) writes it (`_rebuild_tensor_v2` of a typed storage; for float8, which
+// has no legacy storage class, `_rebuild_tensor_v3` of an UntypedStorage with the dtype as its
+// last argument, as PyTorch 2.15 writes it); its elements (little-endian, row-major) are the
+// external record "archive/data/0".
 Result<ZipLayout> TensorArchive(DType dtype, const Shape& sizes, bool force_zip64 = false);
 
 // The archive of a plain Python value whose pickle (protocol 2, no persistent ids) is

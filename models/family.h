@@ -58,7 +58,7 @@ struct FamilyCapabilities {
   bool hf_export = false;
   bool megatron_import = false;
   bool megatron_export = false;  // `convert --format torch_dist` (models/megatron_names.h)
-  bool titan_dcp = false;  // torchtitan DCP checkpoints read (titan_names)
+  bool titan_dcp = false;        // torchtitan DCP checkpoints read (titan_names)
 };
 
 // A config.json reader that names the file and the field in every error.

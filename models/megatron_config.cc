@@ -209,8 +209,7 @@ Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::st
   return c;
 }
 
-Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t tp, std::int64_t pp,
-                                             std::int64_t ep) {
+Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t tp, std::int64_t pp, std::int64_t ep) {
   RS_RETURN_IF_ERROR(m.Validate());
   const auto cannot = [](const char* field, const std::string& why) {
     return Unimplemented("model field '" + std::string(field) + "' " + why + ": Megatron-LM's arguments cannot say it");
@@ -243,11 +242,12 @@ Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t 
       {"untie_embeddings_and_output_weights", true},
       {"position_embedding_type", "rope"},
       {"rotary_base", m.rope_theta},
-      {"rotary_percent", static_cast<double>(m.RotaryDim()) / static_cast<double>(m.IsMla() ? m.mla_rope_dim : m.head_dim)},
+      {"rotary_percent",
+       static_cast<double>(m.RotaryDim()) / static_cast<double>(m.IsMla() ? m.mla_rope_dim : m.head_dim)},
       {"qk_layernorm", m.IsMla() || m.qk_norm},
       {"bf16", m.param_dtype == DType::kBF16},
       {"fp16", m.param_dtype == DType::kF16},
-      {"params_dtype", "torch." + std::string(m.param_dtype == DType::kBF16   ? "bfloat16"
+      {"params_dtype", "torch." + std::string(m.param_dtype == DType::kBF16  ? "bfloat16"
                                               : m.param_dtype == DType::kF16 ? "float16"
                                                                              : "float32")},
       {"multi_latent_attention", m.IsMla()},
@@ -278,7 +278,8 @@ Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t 
     a["moe_router_pre_softmax"] = m.router == RouterKind::kSoftmaxBefore;
     a["moe_router_enable_expert_bias"] = m.router == RouterKind::kSigmoidBias;
     a["moe_router_load_balancing_type"] = m.router == RouterKind::kSinkhorn ? "sinkhorn" : "aux_loss";
-    const bool grouped = m.router == RouterKind::kGroupLimited || (m.router == RouterKind::kSigmoidBias && m.router_grouped);
+    const bool grouped =
+        m.router == RouterKind::kGroupLimited || (m.router == RouterKind::kSigmoidBias && m.router_grouped);
     a["moe_router_num_groups"] = grouped ? nlohmann::json(m.router_groups) : null;
     a["moe_router_group_topk"] = grouped ? nlohmann::json(m.router_groups_kept) : null;
     if (m.router == RouterKind::kSigmoidBias) a["moe_router_bias_update_rate"] = m.bias_update_rate;

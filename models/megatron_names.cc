@@ -324,12 +324,14 @@ Result<MegatronKeys> MegatronKeysOf(const ModelConfig& m, MegatronSpec spec) {
     return Unimplemented("the model's shared expert is gated (shared_gate): no Megatron-Core key is written for it");
   }
   if (m.attn_output_gate) {
-    return Unimplemented("the model's attention has an output gate (attn_output_gate): no Megatron-Core key is written "
-                         "for it");
+    return Unimplemented(
+        "the model's attention has an output gate (attn_output_gate): no Megatron-Core key is written "
+        "for it");
   }
   if (m.norm_zero_centered) {
-    return Unimplemented("the model's norms are zero-centred (norm_zero_centered): Megatron-Core's RMSNorm weights are "
-                         "not");
+    return Unimplemented(
+        "the model's norms are zero-centred (norm_zero_centered): Megatron-Core's RMSNorm weights are "
+        "not");
   }
   const std::vector<TensorSpec> params = ModelParameters(m);
   // Each layer's tensors without their "layers.<i>." prefix.

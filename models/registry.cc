@@ -113,8 +113,8 @@ std::string ModelFamilyTable() {
     if (f->can.hf_export && !f->hf_export_as.empty()) exp = "as " + f->hf_export_as;
     out += "| `" + f->name + "` | " + f->description + " | " + (types.empty() ? "–" : types) + " | " +
            mark(f->can.train_cpu) + " | " + mark(f->can.train_cuda) + " | " + mark(f->can.hf_import) + " | " + exp +
-           " | " + mark(f->can.megatron_import) + " | " + mark(f->can.megatron_export) + " | " + mark(f->can.titan_dcp) +
-           " |\n";
+           " | " + mark(f->can.megatron_import) + " | " + mark(f->can.megatron_export) + " | " +
+           mark(f->can.titan_dcp) + " |\n";
   }
   return out;
 }

@@ -313,8 +313,8 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
   RS_ASSIGN_OR_RETURN(const ModelConfig model, SourceModel(source, "Megatron-Core keys"));
   RS_ASSIGN_OR_RETURN(const MegatronKeys keys, MegatronKeysOf(model, spec));
   const Mesh& mesh = plan.target.layout.mesh();
-  RS_ASSIGN_OR_RETURN(const nlohmann::json args, MegatronArgsFromModel(model, mesh.AxisSize("tp"), mesh.AxisSize("pp"),
-                                                                       mesh.AxisSize("ep")));
+  RS_ASSIGN_OR_RETURN(const nlohmann::json args,
+                      MegatronArgsFromModel(model, mesh.AxisSize("tp"), mesh.AxisSize("pp"), mesh.AxisSize("ep")));
   RS_RETURN_IF_ERROR(RefuseReplicas(plan));
   std::set<std::string> with_master, with_states;
   for (const TensorSpec& t : plan.tensors) {
@@ -433,7 +433,9 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
 Status WriteTitanParamGroups(DcpWriter& writer, const ShardSource& source, const std::set<std::string>& with_states,
                              const std::map<std::string, std::size_t>& ranks) {
   const nlohmann::json& meta = source.manifest().metadata;
-  const auto train = [&](const char* k, double fallback) { return TrainNumber(meta, {"train", "optimizer", k}, fallback); };
+  const auto train = [&](const char* k, double fallback) {
+    return TrainNumber(meta, {"train", "optimizer", k}, fallback);
+  };
   const double lr = train("lr", 3e-3), beta1 = train("beta1", 0.9), beta2 = train("beta2", 0.95),
                eps = train("eps", 1e-8), wd = train("weight_decay", 0.1);
   const auto archive = [](const std::function<void(PickleWriter&)>& value) {
@@ -481,8 +483,8 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
   }
   RS_ASSIGN_OR_RETURN(auto writer, DcpWriter::Create(dir));
   const TensorSpec* step = nullptr;
-  std::set<std::string> with_states;               // their parameter FQNs with optimizer states, in name order
-  std::map<std::string, std::size_t> ranks;        // their parameter FQN -> its number of dims
+  std::set<std::string> with_states;         // their parameter FQNs with optimizer states, in name order
+  std::map<std::string, std::size_t> ranks;  // their parameter FQN -> its number of dims
   std::map<std::string, std::vector<std::vector<Part>>> parts;  // our tensor (parameter or state) -> theirs
   std::map<std::string, std::size_t> element;
   // The key of their parameter `fqn` (or its state) under the chosen spelling.

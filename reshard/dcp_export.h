@@ -41,9 +41,9 @@ enum class DcpNames : std::uint8_t { kOurs, kTorchtitan, kMegatron };
 // Executes `plan` reading `source` into a new DCP directory `dir`, committed atomically.
 // kTorchtitan needs the source's model (its manifest's metadata) and a family with a
 // torchtitan table: FailedPrecondition naming what is missing. InvalidArgument for what DCP
-// cannot hold (a flat FSDP item range, replicas, a key twice); Unimplemented for float8
-// tensors; errors of reading and writing pass through, and nothing is left at `dir` on any
-// error.
+// cannot hold (a flat FSDP item range, replicas, a key twice); kMegatron: Unimplemented for
+// models or optimizer states Megatron-Core's keys cannot hold; errors of reading and writing
+// pass through, and nothing is left at `dir` on any error.
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
                                const ExecuteOptions& options, DcpNames names = DcpNames::kOurs,
                                MegatronSpec spec = MegatronSpec::kTransformerEngine);

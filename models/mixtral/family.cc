@@ -135,7 +135,12 @@ const ModelFamily& MixtralFamily() {
       .titan_names = {},
       .hf_variants = {"block_sparse_moe", "per_expert", "fused"},
       .hf_export_as = "",
-      .can = {.train_cpu = true, .train_cuda = true, .hf_import = true, .hf_export = true, .megatron_import = false, .megatron_export = true},
+      .can = {.train_cpu = true,
+              .train_cuda = true,
+              .hf_import = true,
+              .hf_export = true,
+              .megatron_import = false,
+              .megatron_export = true},
   };
   return f;
 }

@@ -17,7 +17,12 @@ const ModelFamily& MoeFamily() {
       .titan_names = {},
       .hf_variants = {},
       .hf_export_as = "mixtral",
-      .can = {.train_cpu = true, .train_cuda = true, .hf_import = false, .hf_export = true, .megatron_import = true, .megatron_export = true},
+      .can = {.train_cpu = true,
+              .train_cuda = true,
+              .hf_import = false,
+              .hf_export = true,
+              .megatron_import = true,
+              .megatron_export = true},
   };
   return f;
 }

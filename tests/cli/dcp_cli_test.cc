@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -388,6 +389,49 @@ TEST(DcpCliTest, ConvertToDcpLoadsInPyTorch) {
 // ours declares (Megatron-Core's: MegatronCliTest.ModelFromCommonPtArgs) – with every value intact (read back through
 // our HDF5 reader and compared with the DCP source read through the torch.save archives). A layout that would cut them
 // is refused naming them, and nothing is written.
+// Tensors no model declares, cut by an explicit rule: a --rules file whose `tensors` patterns
+// give torchtitan's embedding, output and experts logical axes converts the torchtitan
+// checkpoint without --model to tp=2,ep=2, cutting exactly those (the rest carried whole, named
+// in a note); the result verifies, records the axes, and converts back equal to the source.
+TEST(DcpCliTest, RulesPatternsCutTensorsNoModelDeclares) {
+  TempDir tmp;
+  const std::string titan = std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan/qwen3_moe_tiny";
+  const std::string rules = tmp / "titan_rules.json";
+  std::ofstream(rules) << R"({"name": "titan-patterns", "rules": {"vocab": ["tp"], "exp": ["ep"]},
+    "tensors": [{"pattern": "tok_embeddings.weight", "axes": ["vocab", ""]},
+                {"pattern": "output.weight", "axes": ["vocab", ""]},
+                {"pattern": "layers.*.moe.experts.w[123]", "axes": ["exp", "", ""]}]})";
+  const std::string out = tmp / "cut";
+  const CommandResult c = RunCli("convert " + titan + " --to tp=2,ep=2 --rules " + rules + " -o " + out);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_TRUE(Has(c.output, "30 tensors no --rules pattern names are carried whole: 'norm.weight'")) << c.output;
+  EXPECT_EQ(RunCli("verify " + out).exit_code, 0);
+  const nlohmann::json m = nlohmann::json::parse(FileBytes(out + "/manifest.json"));
+  std::map<std::string, std::int64_t> pieces;  // main shards per tensor
+  for (const auto& sh : m["shards"]) {
+    if (!sh.value("replica", false)) ++pieces[sh["tensor"].get<std::string>()];
+  }
+  EXPECT_EQ(pieces["tok_embeddings.weight"], 2);
+  EXPECT_EQ(pieces["tok_embeddings.weight/exp_avg"], 2);
+  EXPECT_EQ(pieces["layers.2.moe.experts.w1"], 2);
+  EXPECT_EQ(pieces["norm.weight"], 1);
+  const CommandResult d = RunCli("diff " + titan + " " + out);
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+  EXPECT_TRUE(Has(d.output, "identical")) << d.output;
+  // The result records the axes: it converts on without the rules file.
+  ASSERT_EQ(RunCli("convert " + out + " --to ep=4 -o " + out + "_ep4").exit_code, 0);
+  EXPECT_TRUE(Has(RunCli("diff " + titan + " " + out + "_ep4").output, "identical"));
+  // A pattern giving the wrong number of axes is refused naming tensor and pattern.
+  std::ofstream(tmp / "bad.json") << R"({"name": "bad", "rules": {"vocab": ["tp"]},
+    "tensors": [{"pattern": "tok_embeddings.*", "axes": ["vocab"]}]})";
+  const CommandResult bad =
+      RunCli("convert " + titan + " --to tp=2 --rules " + (tmp / "bad.json") + " -o " + (tmp / "x"));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_TRUE(Has(bad.output, "pattern 'tok_embeddings.*' gives 1 axes to tensor 'tok_embeddings.weight'"))
+      << bad.output;
+  EXPECT_FALSE(fs::exists(tmp / "x"));
+}
+
 TEST(DcpCliTest, ConvertWithoutModelWhereNoneIsNeeded) {
   TempDir tmp;
   const std::string root = std::string(RS_SOURCE_DIR) + "/tests/fixtures";

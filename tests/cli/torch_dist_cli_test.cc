@@ -63,8 +63,8 @@ TEST(TorchDistCliTest, KeysAreMegatronCoresOwn) {
   for (const char* fixture : {"homogeneous_f32", "hetero_bf16", "mla_f32", "qk_norm_f32"}) {
     SCOPED_TRACE(fixture);
     const std::string out = tmp / fixture;
-    const CommandResult c = RunCli("convert " + Ours(tmp, fixture) +
-                                   " --to tp=2,ep=2 --format torch_dist --megatron-spec local -o " + out);
+    const CommandResult c =
+        RunCli("convert " + Ours(tmp, fixture) + " --to tp=2,ep=2 --format torch_dist --megatron-spec local -o " + out);
     ASSERT_EQ(c.exit_code, 0) << c.output;
     const std::map<std::string, std::string> ours = Keys(out, false);
     const std::map<std::string, std::string> theirs = Keys(kMegatron + "/" + fixture, false);
@@ -78,10 +78,10 @@ TEST(TorchDistCliTest, KeysAreMegatronCoresOwn) {
         EXPECT_EQ(it->second, shape) << s << " of " << key;
       }
     }
-    EXPECT_EQ(states.size(), 3 * (ours.size() - static_cast<std::size_t>(std::count_if(
-                                                   ours.begin(), ours.end(), [](const auto& kv) {
-                                                     return kv.second == "bytes" || kv.first.ends_with("expert_bias");
-                                                   }))));
+    EXPECT_EQ(states.size(),
+              3 * (ours.size() - static_cast<std::size_t>(std::count_if(ours.begin(), ours.end(), [](const auto& kv) {
+                     return kv.second == "bytes" || kv.first.ends_with("expert_bias");
+                   }))));
     EXPECT_EQ(FileBytes(out + "/metadata.json"), FileBytes(kMegatron + "/" + fixture + "/metadata.json"));
   }
 }
@@ -95,16 +95,16 @@ TEST(TorchDistCliTest, TransformerEngineSpecNamesFusedNorms) {
     std::vector<std::string> present;
     std::vector<std::string> absent;
   };
-  for (const Case& c : {Case{"mla_f32",
-                             {"decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight",
-                              "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight",
-                              "decoder.layers.input_layernorm.weight", "decoder.layers.pre_mlp_layernorm.weight"},
-                             {"decoder.layers.self_attention.q_layernorm.weight"}},
-                        Case{"hetero_bf16",
-                             {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
-                              "decoder.layers.1.pre_mlp_layernorm.weight",
-                              "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"},
-                             {"decoder.layers.1.mlp.linear_fc1.layer_norm_weight"}}}) {
+  for (const Case& c :
+       {Case{"mla_f32",
+             {"decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight",
+              "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight",
+              "decoder.layers.input_layernorm.weight", "decoder.layers.pre_mlp_layernorm.weight"},
+             {"decoder.layers.self_attention.q_layernorm.weight"}},
+        Case{"hetero_bf16",
+             {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+              "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"},
+             {"decoder.layers.1.mlp.linear_fc1.layer_norm_weight"}}}) {
     SCOPED_TRACE(c.fixture);
     const std::string ours = Ours(tmp, c.fixture);
     const std::string out = tmp / c.fixture;
@@ -161,6 +161,41 @@ TEST(TorchDistCliTest, ReadsBackAtAnyLayout) {
   }
 }
 
+// A layer-stacked key need not be one chunk per layer: PyTorch's own dcp.load + dcp.save of a
+// torch_dist directory in one process (tests/fixtures/megatron/resaved_one_chunk,
+// make_resaved.sh) writes each key as one chunk spanning every layer, which reads as each
+// layer's slice of it. A chunk said to span layers that another chunk also holds (the
+// two_layer_chunk variant) is refused by convert and named by verify.
+TEST(TorchDistCliTest, ChunksSpanningLayersRead) {
+  TempDir tmp;
+  const std::string resaved = kMegatron + "/resaved_one_chunk";
+  const std::string written = tmp / "written";
+  ASSERT_EQ(RunCli("convert " + Ours(tmp, "homogeneous_f32") +
+                   " --to tp=2,ep=2 --format torch_dist --megatron-spec local -o " + written)
+                .exit_code,
+            0);
+  const CommandResult d = RunCli("diff " + resaved + " " + written);
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+  EXPECT_TRUE(Has(d.output, "identical")) << d.output;
+  const CommandResult p = RunCli("diff " + resaved + " " + kMegatron + "/homogeneous_f32 --role parameter");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+
+  const std::string two = tmp / "two";
+  fs::create_directories(two);
+  for (const auto& e : fs::directory_iterator(kMegatron + "/homogeneous_f32")) {
+    fs::copy_file(e.path(), two + "/" + e.path().filename().string());
+  }
+  fs::copy_file(kMegatron + "/variants/two_layer_chunk.metadata", two + "/.metadata",
+                fs::copy_options::overwrite_existing);
+  const CommandResult c = RunCli("convert " + two + " --to tp=1 -o " + (tmp / "x"));
+  EXPECT_EQ(c.exit_code, 1) << c.output;
+  EXPECT_TRUE(Has(c.output, "of tensor 'layers.1.moe.router.weight' (overlapping shards in the source")) << c.output;
+  EXPECT_FALSE(fs::exists(tmp / "x"));
+  const CommandResult v = RunCli("verify " + two);
+  EXPECT_EQ(v.exit_code, 1) << v.output;
+  EXPECT_TRUE(Has(v.output, "overlap: tensor 'decoder.layers.mlp.router.weight'")) << v.output;
+}
+
 // The files depend on nothing but the source and the layout (not on --threads).
 TEST(TorchDistCliTest, ReproducibleWhateverTheThreads) {
   TempDir tmp;
@@ -193,7 +228,8 @@ TEST(TorchDistCliTest, RefusesWhatItCannotWrite) {
                         Case{std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan/qwen3_moe_tiny", "",
                              "Megatron-Core keys need the model, and the source records none"}}) {
     SCOPED_TRACE(c.extra);
-    const CommandResult r = RunCli("convert " + c.src + " --to tp=1 --format torch_dist" + c.extra + " -o " + (tmp / "x"));
+    const CommandResult r =
+        RunCli("convert " + c.src + " --to tp=1 --format torch_dist" + c.extra + " -o " + (tmp / "x"));
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_TRUE(Has(r.output, c.message)) << r.output;
     EXPECT_FALSE(fs::exists(tmp / "x"));
@@ -234,9 +270,9 @@ TEST(TorchDistCliTest, LoadsInMegatronCore) {
     const char* layout;  // what we write at
     int tp, ep;          // what Megatron-Core loads at
   };
-  for (const Case& c : {Case{"homogeneous_f32", "tp=2,ep=2", 2, 1}, Case{"hetero_bf16", "pp=2", 1, 2},
-                        Case{"mla_f32", "tp=1", 2, 2}, Case{"qk_norm_f32", "fsdp=2,fsdp_form=box", 1, 2},
-                        Case{"gdn_singleton_f32", "tp=2", 2, 1}}) {
+  for (const Case& c :
+       {Case{"homogeneous_f32", "tp=2,ep=2", 2, 1}, Case{"hetero_bf16", "pp=2", 1, 2}, Case{"mla_f32", "tp=1", 2, 2},
+        Case{"qk_norm_f32", "fsdp=2,fsdp_form=box", 1, 2}, Case{"gdn_singleton_f32", "tp=2", 2, 1}}) {
     SCOPED_TRACE(c.fixture);
     const std::string out = tmp / c.fixture;
     ASSERT_EQ(RunCli("convert " + Ours(tmp, c.fixture) + " --to " + c.layout +
@@ -245,9 +281,9 @@ TEST(TorchDistCliTest, LoadsInMegatronCore) {
               0);
     const std::string work = out + "_work";
     fs::create_directories(work);
-    const CommandResult r = RunShell(python + " " + RS_SOURCE_DIR + "/tests/cli/megatron_torch_load.py " + c.fixture +
-                                     " " + out + " " + work + " " + std::to_string(c.tp) + " " + std::to_string(c.ep) +
-                                     " 2>&1");
+    const CommandResult r =
+        RunShell(python + " " + RS_SOURCE_DIR + "/tests/cli/megatron_torch_load.py " + c.fixture + " " + out + " " +
+                 work + " " + std::to_string(c.tp) + " " + std::to_string(c.ep) + " 2>&1");
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_TRUE(r.output.starts_with("OK ") || Has(r.output, "\nOK ")) << r.output;
   }

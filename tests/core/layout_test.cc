@@ -90,6 +90,70 @@ TEST(LayoutTest, RuleSetJson) {
   ExpectInvalid(RuleSetFromJson(Json::parse(R"({"name": "x", "rules": {"mlp": ["tp", "tp"]}})")).status(), "twice");
 }
 
+// Tensor patterns: logical axes for tensors no model declares, in the rule set's JSON and
+// applied to specs (states follow their parameter; declared tensors and wrong ranks refused).
+TEST(LayoutTest, TensorAxesRules) {
+  auto r = RuleSetFromJson(Json::parse(
+      R"({"name": "x", "rules": {"vocab": ["tp"], "exp": ["ep"]},
+          "tensors": [{"pattern": "tok_embeddings.weight", "axes": ["vocab", null]},
+                      {"pattern": "layers.*.moe.experts.w?", "axes": ["exp", "", ""]},
+                      {"pattern": "layers.*", "axes": ["", ""]}]})"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->tensors.size(), 3u);
+  EXPECT_EQ(r->tensors[0].axes, (std::vector<std::string>{"vocab", ""}));
+  Json j;
+  to_json(j, *r);
+  EXPECT_EQ(*RuleSetFromJson(j), *r);
+  Json plain;
+  to_json(plain, Rules("megatron"));
+  EXPECT_FALSE(plain.contains("tensors"));  // layouts written before keep their bytes
+
+  const auto spec = [](std::string name, Shape shape, TensorRole role = TensorRole::kParameter,
+                       std::string param = "") {
+    TensorSpec t;
+    t.name = std::move(name);
+    t.shape = std::move(shape);
+    t.axes.assign(t.shape.size(), "");
+    t.role = role;
+    t.param = std::move(param);
+    return t;
+  };
+  std::vector<TensorSpec> ts = {
+      spec("tok_embeddings.weight", {16, 8}),
+      spec("tok_embeddings.weight/exp_avg", {16, 8}, TensorRole::kOptimizerState, "tok_embeddings.weight"),
+      spec("layers.1.moe.experts.w1", {4, 8, 8}),
+      spec("layers.1.attention.wq.weight", {8, 8}),
+      spec("norm.weight", {8}),
+      spec("optimizer.step", {}, TensorRole::kScalar)};
+  auto given = ApplyTensorAxesRules(*r, ts);
+  ASSERT_TRUE(given.ok()) << given.status().ToString();
+  EXPECT_EQ(*given, 4);
+  EXPECT_EQ(ts[0].axes, (std::vector<std::string>{"vocab", ""}));
+  EXPECT_EQ(ts[1].axes, (std::vector<std::string>{"vocab", ""}));
+  EXPECT_EQ(ts[2].axes, (std::vector<std::string>{"exp", "", ""}));  // the first match wins
+  EXPECT_EQ(ts[3].axes, (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(ts[4].axes, (std::vector<std::string>{""}));  // no pattern names it
+
+  std::vector<TensorSpec> wrong = {spec("layers.0.moe.experts.w2", {4, 8})};
+  ExpectInvalid(ApplyTensorAxesRules(*r, wrong).status(), "gives 3 axes to tensor 'layers.0.moe.experts.w2'");
+  std::vector<TensorSpec> declared = {spec("tok_embeddings.weight", {16, 8})};
+  declared[0].axes = {"vocab", "embed"};
+  ExpectInvalid(ApplyTensorAxesRules(*r, declared).status(), "declares other axes of its own (vocab, embed)");
+  declared[0].axes = {"vocab", ""};  // as this rule gave them before
+  EXPECT_EQ(*ApplyTensorAxesRules(*r, declared), 0);
+  ExpectInvalid(RuleSetFromJson(Json::parse(R"({"name": "x", "rules": {}, "tensors": {}})")).status(), "tensors");
+  ExpectInvalid(RuleSetFromJson(Json::parse(R"({"name": "x", "rules": {}, "tensors": [{"axes": []}]})")).status(),
+                "tensors[0].pattern");
+  ExpectInvalid(
+      RuleSetFromJson(Json::parse(R"({"name": "x", "rules": {}, "tensors": [{"pattern": "a", "axes": [1]}]})"))
+          .status(),
+      "tensors[0].axes");
+  ExpectInvalid(RuleSetFromJson(Json::parse(R"({"name": "x", "rules": {}, "tensors": [{"pattern": "a", "axes": [],
+                                                "dims": 2}]})"))
+                    .status(),
+                "dims");
+}
+
 TEST(LayoutTest, ParseShortForm) {
   const Layout l = ParseOk("tp=2,ep=4,fsdp=2,pp=1,dp=1");
   std::vector<std::string> names;

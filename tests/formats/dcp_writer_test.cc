@@ -153,9 +153,18 @@ TEST(TorchSaveWriterTest, StoredZipReadsBack) {
   }
 }
 
-TEST(TorchSaveWriterTest, Float8HasNoStorageClass) {
-  EXPECT_EQ(TensorArchive(DType::kF8E4M3, {2}).status().code(), ErrorCode::kUnimplemented);
+// float8 has no legacy storage class: torch.save writes _rebuild_tensor_v3 of an
+// UntypedStorage whose size is in bytes, with the dtype as the last argument.
+TEST(TorchSaveWriterTest, Float8IsAnUntypedStorageWithItsDtype) {
+  Result<ZipLayout> z = TensorArchive(DType::kF8E4M3, {2, 3});
+  ASSERT_TRUE(z.ok());
+  const std::string head(reinterpret_cast<const char*>(z->head.data()), z->head.size());
+  EXPECT_NE(head.find("_rebuild_tensor_v3"), std::string::npos);
+  EXPECT_NE(head.find("UntypedStorage"), std::string::npos);
+  EXPECT_NE(head.find("float8_e4m3fn"), std::string::npos);
+  EXPECT_EQ(z->external_size, 6);
   EXPECT_TRUE(TensorArchive(DType::kBF16, {}).ok());
+  EXPECT_EQ(TorchStorageClass(DType::kF8E5M2).status().code(), ErrorCode::kUnimplemented);
 }
 
 // Random tensors cut into random box grids, written by random ranks, committed, and read back
@@ -180,8 +189,9 @@ TEST(DcpWriterTest, RandomBoxGridsReadBackExactly) {
     for (int i = 0; i < n; ++i) {
       T t;
       t.name = "t" + std::to_string(i);
-      const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kI64, DType::kF64, DType::kU8};
-      t.dtype = dtypes[rng() % 5];
+      const DType dtypes[] = {DType::kF32, DType::kBF16,   DType::kI64,   DType::kF64,
+                              DType::kU8,  DType::kF8E4M3, DType::kF8E5M2};
+      t.dtype = dtypes[rng() % std::size(dtypes)];
       const int rank = static_cast<int>(rng() % 4);
       for (int d = 0; d < rank; ++d) t.shape.push_back(1 + static_cast<std::int64_t>(rng() % 7));
       t.data.resize(static_cast<std::size_t>(Numel(t.shape)) * DTypeSize(t.dtype));
@@ -271,7 +281,6 @@ TEST(DcpWriterTest, RefusesWhatDcpCannotHoldAndLeavesNothing) {
     ASSERT_TRUE((*w)->AddTensor("a", {"model.a", {"model", "a"}, DType::kF32, {4, 2}}).ok());
     EXPECT_EQ((*w)->AddTensor("a", {"model.b", {}, DType::kF32, {1}}).code(), ErrorCode::kInvalidArgument);
     EXPECT_EQ((*w)->AddTensor("b", {"model.a", {}, DType::kF32, {1}}).code(), ErrorCode::kInvalidArgument);
-    EXPECT_EQ((*w)->AddTensor("f8", {"model.f8", {}, DType::kF8E4M3, {1}}).code(), ErrorCode::kUnimplemented);
     const Box half{{0, 0}, {2, 2}};
     const auto range = (*w)->BeginShard(0, "a", {half, ItemRange{0, 3}}, ReplicaKind::kMain);
     EXPECT_EQ(range.status().code(), ErrorCode::kInvalidArgument);

@@ -279,9 +279,6 @@ TEST(MegatronSourceTest, DamagedDirectoriesAreNamed) {
       {"gdn_singleton_f32",
        "part_dtype.metadata",
        {"in_proj.weight.beta'", "parts of the tensor 'layers.0.gdn.in_proj.weight', differ in dtype (f32 and bf16)"}},
-      {"homogeneous_f32",
-       "two_layer_chunk.metadata",
-       {"chunk at [0, 0, 0] of the layer-stacked key 'decoder.layers.mlp.router.weight' spans 2 layers"}},
       {"hetero_bf16",
        "steps_differ.common.pt",
        {"common.pt: the optimizer steps differ (2 at optimizer.optimizer.param_groups[0].step, 3 at "

@@ -132,7 +132,8 @@ TEST(MegatronWriteTest, KeysMapBackThroughTheReadersTable) {
           const MegatronKey k = MapMegatronKey(p.key);
           ASSERT_TRUE(k.mapped) << p.key << ": " << k.why;
           std::string param = k.param;
-          if (m.IsMla() && param.ends_with("attn.q_norm.weight")) param = param.substr(0, param.size() - 13) + "q_a_norm.weight";
+          if (m.IsMla() && param.ends_with("attn.q_norm.weight"))
+            param = param.substr(0, param.size() - 13) + "q_a_norm.weight";
           EXPECT_EQ(k.layer_axis, keys->stacked && t.place.layer >= 0) << p.key;
           EXPECT_EQ(param, k.layer_axis ? Unlayered(t.name) : t.name) << p.key;
           if (k.section != MegatronSection::kWhole) {
