@@ -19,6 +19,7 @@
 #include "comm/mpi.h"
 #include "formats/checkpoint_commit.h"
 #include "formats/dcp_verify.h"
+#include "formats/dcp_writer.h"
 #include "formats/verify.h"
 #include "models/family.h"
 #include "reshard/dcp_export.h"
@@ -122,13 +123,30 @@ void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, dou
 }
 
 // --format dcp / torch_dist: the plan written as a PyTorch Distributed Checkpoint (Megatron-Core's
-// torch_dist is one with Megatron's keys and two files more), by one process.
+// torch_dist is one with Megatron's keys and two files more). Under mpirun each process writes
+// the files of the target ranks AssignRanks gives it into a shared staging directory, and
+// rank 0 publishes it when every process's part succeeded (formats/dcp_writer.h).
 void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& elapsed) {
+  comm::MpiWorld& world = comm::MpiWorld::Get();
   ExecuteOptions eo;
   eo.threads = a.threads;
   eo.map_sources = true;
-  auto progress = std::make_unique<Progress>("convert", s.plan.Total().bytes_written);
-  eo.progress = [&progress](std::int64_t done, std::int64_t) { progress->Update(done); };
+  DcpShare share;
+  std::vector<std::int64_t> owner;
+  if (world.size() > 1) {
+    Result<std::string> txn = BeginTogether(world.comm());
+    if (!txn.ok()) Fail("convert", txn.status());
+    owner = AssignRanks(s.plan, world.size());
+    share.txn = *txn;
+    share.process = world.rank();
+    share.extras = owner.empty() || owner[0] == world.rank();
+    eo.owns_rank = [&owner, &world](std::int64_t r) { return owner[static_cast<std::size_t>(r)] == world.rank(); };
+  }
+  std::unique_ptr<Progress> progress;
+  if (world.rank() == 0) {
+    progress = std::make_unique<Progress>("convert", s.plan.Total().bytes_written);
+    eo.progress = [&progress](std::int64_t done, std::int64_t) { progress->Update(done); };
+  }
   // auto: torchtitan's names where the model's family has them.
   DcpNames names = a.dcp_names == "torchtitan" ? DcpNames::kTorchtitan : DcpNames::kOurs;
   if (a.dcp_names == "auto") {
@@ -143,17 +161,23 @@ void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& ela
   if (a.output_format == "torch_dist") names = DcpNames::kMegatron;
   const Result<MegatronSpec> spec = ParseMegatronSpec(a.megatron_spec);
   if (!spec.ok()) Fail("convert", spec.status());
-  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names, *spec);
+  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names, *spec, share);
   progress.reset();
-  if (!stats.ok()) Fail("convert", stats.status());
-  Report(a, s, *stats, elapsed(), 1);
+  if (world.size() > 1) {
+    const Status st = CommitTogether(
+        world.comm(), a.out, stats.status(), [&] { return DcpWriter::PublishStaged(a.out, share.txn, world.size()); },
+        [&] { return DcpWriter::AbortStaged(a.out, share.txn); });
+    if (!st.ok()) Fail("convert", st);
+  } else if (!stats.ok()) {
+    Fail("convert", stats.status());
+  }
+  if (world.rank() == 0) Report(a, s, *stats, elapsed(), world.size());
 }
 
 // What --format dcp / torch_dist cannot be combined with.
-Status CheckDcpOutput(const ConvertArgs& a, std::int64_t processes) {
+Status CheckDcpOutput(const ConvertArgs& a) {
   if (a.output_format == "reshard") return Status::Ok();
   const std::string f = "--format " + a.output_format + ": ";
-  if (processes > 1) return InvalidArgument(f + "run it in one process (not under mpirun)");
   if (a.codec != "none") return InvalidArgument(f + "DCP chunks are not compressed; drop --codec");
   if (a.with_replicas) return InvalidArgument(f + "a DCP checkpoint keeps each element once; drop --with-replicas");
   if (!a.max_shard_size.empty())
@@ -168,7 +192,7 @@ void RunConvert(const ConvertArgs& a) {
   comm::MpiWorld& world = comm::MpiWorld::Get();
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
-  if (const Status st = CheckDcpOutput(a, world.size()); !st.ok()) Fail("convert", st);
+  if (const Status st = CheckDcpOutput(a); !st.ok()) Fail("convert", st);
   auto setup = Prepare(a);
   // Every process plans the same conversion; all must succeed before any writes.
   if (!world.AllOk(setup.ok())) {

@@ -26,12 +26,16 @@ Status WriteMyPart(std::int64_t world_size, std::int64_t rank, const std::string
 
 Status CommitTogether(comm::Communicator& world, const std::string& dir, const std::string& txn, const Status& mine) {
   if (world.size() == 1) return mine;
+  return CommitTogether(
+      world, dir, mine, [&] { return CheckpointWriter::CommitStaged(dir, txn, world.size()); },
+      [&] { return CheckpointWriter::AbortStaged(dir, txn); });
+}
+
+Status CommitTogether(comm::Communicator& world, const std::string& dir, const Status& mine,
+                      const std::function<Status()>& publish, const std::function<Status()>& abort) {
   RS_ASSIGN_OR_RETURN(const std::int64_t failed, FirstFailedRank(world, mine.ok()));
   Status published = Status::Ok();
-  if (world.rank() == 0) {
-    published =
-        failed < 0 ? CheckpointWriter::CommitStaged(dir, txn, world.size()) : CheckpointWriter::AbortStaged(dir, txn);
-  }
+  if (world.rank() == 0) published = failed < 0 ? publish() : abort();
   RS_ASSIGN_OR_RETURN(const std::int64_t publish_failed, FirstFailedRank(world, published.ok()));
   if (!mine.ok()) return mine;
   if (failed >= 0) {

@@ -33,5 +33,9 @@ Result<std::string> BeginTogether(comm::Communicator& world);
 Status WriteMyPart(std::int64_t world_size, std::int64_t rank, const std::string& dir, const std::string& txn,
                    const WriterOptions& options, const std::function<Status(CheckpointWriter&)>& write);
 Status CommitTogether(comm::Communicator& world, const std::string& dir, const std::string& txn, const Status& mine);
+// The same agreement for another staged writer (convert --format dcp under mpirun): rank 0 runs
+// `publish` when every process's part succeeded, else `abort`.
+Status CommitTogether(comm::Communicator& world, const std::string& dir, const Status& mine,
+                      const std::function<Status()>& publish, const std::function<Status()>& abort);
 
 }  // namespace rs

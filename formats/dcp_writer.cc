@@ -7,9 +7,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "core/cleanup.h"
 #include "core/file.h"
+#include "core/shape.h"
 #include "formats/dcp.h"
 #include "formats/durable_file.h"
 #include "formats/pickle_writer.h"
@@ -122,11 +124,13 @@ DcpWriter::~DcpWriter() {
   for (auto& [rank, f] : files_) {
     if (f.fd >= 0) ::close(f.fd);
   }
-  if (!done_) {
+  if (!done_ && !staged_) {
     std::error_code ec;
     fs::remove_all(staging_, ec);
     UnregisterCleanupPath(staging_);
   }
+  // A staged part that failed leaves the shared staging directory to process 0, which removes
+  // it (AbortStaged) once every process has reported.
 }
 
 Status DcpWriter::AddTensor(const std::string& name, const DcpTensorSpec& spec) {
@@ -221,6 +225,137 @@ Status DcpWriter::AddFile(const std::string& name, std::vector<std::byte> conten
   }
   if (!extra_files_.emplace(name, std::move(contents)).second)
     return InvalidArgument("file '" + name + "' given twice");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<DcpWriter>> DcpWriter::CreateStaged(const std::string& dir_in, const std::string& txn) {
+  const std::string dir = StripTrailingSlashes(dir_in);
+  if (txn.empty() || txn.find('/') != std::string::npos) return InvalidArgument("bad transaction id '" + txn + "'");
+  RS_RETURN_IF_ERROR(PrepareNewOutputDir(dir));
+  std::unique_ptr<DcpWriter> w(new DcpWriter());
+  w->dir_ = dir;
+  w->staging_ = dir + ".tmp-" + txn;
+  w->staged_ = true;
+  // Every process calls this; whoever comes first creates the directory. A signal ends this
+  // process's part of the write, and so the write: the staging goes.
+  if (Status st = CreateCleanupDir(w->staging_, /*may_exist=*/true); !st.ok()) {
+    w->done_ = true;
+    return st;
+  }
+  return w;
+}
+
+namespace {
+
+std::string FragmentName(std::int64_t process) { return "fragment-" + std::to_string(process) + ".json"; }
+constexpr std::int64_t kMaxFragmentBytes = std::int64_t{1} << 30;
+
+}  // namespace
+
+Status DcpWriter::CommitFragment(std::int64_t process) {
+  std::lock_guard lock(mu_);
+  if (!staged_ || done_) return FailedPrecondition(dir_ + ": not a staged part, or already committed");
+  if (open_streams_ > 0) return FailedPrecondition(dir_ + ": shards are still being written");
+  for (auto& [rank, f] : files_) {
+    const std::string path = staging_ + "/" + FileName(rank);
+    if (::ftruncate(f.fd, static_cast<off_t>(f.end)) != 0) return IoError(Errno(path + ": truncate"));
+    if (::fsync(f.fd) != 0) return IoError(Errno(path + ": fsync"));
+    if (::close(f.fd) != 0) return IoError(Errno(path + ": close"));
+    f.fd = -1;
+  }
+  for (const auto& [name, contents] : extra_files_) {
+    RS_RETURN_IF_ERROR(WriteNewFileDurably(
+        staging_ + "/" + name, std::string(reinterpret_cast<const char*>(contents.data()), contents.size())));
+  }
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const Tensor& t : tensors_) {
+    nlohmann::json chunks = nlohmann::json::array();
+    for (const Chunk& c : t.chunks) chunks.push_back({c.box.offset, c.box.shape, c.rank, c.offset, c.length});
+    tensors.push_back({{"fqn", t.spec.fqn},
+                       {"path", t.spec.path},
+                       {"dtype", DTypeName(t.spec.dtype)},
+                       {"shape", t.spec.shape},
+                       {"chunks", std::move(chunks)}});
+  }
+  nlohmann::json blobs = nlohmann::json::array();
+  for (const Blob& b : blobs_) blobs.push_back({b.fqn, b.path, b.rank, b.offset, b.length});
+  const nlohmann::json fragment = {{"tensors", std::move(tensors)}, {"blobs", std::move(blobs)}};
+  RS_RETURN_IF_ERROR(WriteNewFileDurably(staging_ + "/" + FragmentName(process), fragment.dump()));
+  done_ = true;  // the staging directory is process 0's to publish or remove
+  return Status::Ok();
+}
+
+Status DcpWriter::PublishStaged(const std::string& dir_in, const std::string& txn, std::int64_t processes) {
+  const std::string dir = StripTrailingSlashes(dir_in);
+  std::unique_ptr<DcpWriter> w(new DcpWriter());
+  w->dir_ = dir;
+  w->staging_ = dir + ".tmp-" + txn;
+  // Removed unless published (the destructor), as Commit leaves it on any error.
+  RegisterCleanupPath(w->staging_);
+  for (std::int64_t p = 0; p < processes; ++p) {
+    const std::string path = w->staging_ + "/" + FragmentName(p);
+    RS_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, kMaxFragmentBytes));
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    const auto bad = [&](const std::string& why) { return DataLoss(path + ": " + why); };
+    if (!j.is_object() || !j.contains("tensors") || !j["tensors"].is_array() || !j.contains("blobs") ||
+        !j["blobs"].is_array()) {
+      return bad("not a fragment of this writer");
+    }
+    try {
+      const nlohmann::json& ts = j["tensors"];
+      if (p == 0) {
+        for (const auto& t : ts) {
+          DcpTensorSpec spec;
+          spec.fqn = t.at("fqn").get<std::string>();
+          spec.path = t.at("path").get<std::vector<std::string>>();
+          const std::optional<DType> dt = ParseDType(t.at("dtype").get<std::string>());
+          if (!dt) return bad("tensor '" + spec.fqn + "': unknown dtype");
+          spec.dtype = *dt;
+          spec.shape = t.at("shape").get<Shape>();
+          w->keys_[spec.fqn] = w->tensors_.size();
+          w->tensors_.push_back({spec, {}});
+        }
+      } else if (ts.size() != w->tensors_.size()) {
+        return bad("declares " + std::to_string(ts.size()) + " tensors, process 0 " +
+                   std::to_string(w->tensors_.size()));
+      }
+      for (std::size_t i = 0; i < ts.size(); ++i) {
+        Tensor& t = w->tensors_[i];
+        if (ts[i].at("fqn").get<std::string>() != t.spec.fqn || ts[i].at("shape").get<Shape>() != t.spec.shape) {
+          return bad("tensor " + std::to_string(i) + " is '" + ts[i].at("fqn").get<std::string>() +
+                     "', process 0 declared '" + t.spec.fqn + "'");
+        }
+        for (const auto& c : ts[i].at("chunks")) {
+          Chunk chunk{Box{c.at(0).get<Shape>(), c.at(1).get<Shape>()}, c.at(2).get<std::int64_t>(),
+                      c.at(3).get<std::int64_t>(), c.at(4).get<std::int64_t>()};
+          if (chunk.box.rank() != t.spec.shape.size() || !chunk.box.Within(t.spec.shape) || chunk.rank < 0) {
+            return bad("tensor '" + t.spec.fqn + "': a chunk outside it");
+          }
+          t.chunks.push_back(std::move(chunk));
+        }
+      }
+      for (const auto& b : j["blobs"]) {
+        w->blobs_.push_back({b.at(0).get<std::string>(), b.at(1).get<std::vector<std::string>>(),
+                             b.at(2).get<std::int64_t>(), b.at(3).get<std::int64_t>(), b.at(4).get<std::int64_t>()});
+      }
+    } catch (const nlohmann::json::exception& e) {
+      return bad(std::string("malformed: ") + e.what());
+    }
+  }
+  for (std::int64_t p = 0; p < processes; ++p) {
+    std::error_code ec;
+    fs::remove(w->staging_ + "/" + FragmentName(p), ec);
+    if (ec) return IoError(w->staging_ + "/" + FragmentName(p) + ": " + ec.message());
+  }
+  return w->Commit();
+}
+
+Status DcpWriter::AbortStaged(const std::string& dir_in, const std::string& txn) {
+  const std::string staging = StripTrailingSlashes(dir_in) + ".tmp-" + txn;
+  std::error_code ec;
+  fs::remove_all(staging, ec);
+  UnregisterCleanupPath(staging);
+  if (ec) return IoError(staging + ": " + ec.message());
   return Status::Ok();
 }
 

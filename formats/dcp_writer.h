@@ -76,6 +76,22 @@ class DcpWriter final : public ShardDestination {
   // system; FailedPrecondition while streams are open or after a first Commit.
   Status Commit();
 
+  // ---- Several processes writing one DCP directory (convert under mpirun) ----
+  // Every process declares the same tensors and writes the files of the target ranks it owns
+  // into the shared staging directory "<dir>.tmp-<txn>"; CommitFragment makes its part durable
+  // and records what it wrote (fragment-<process>.json); when every process has, process 0
+  // calls PublishStaged, which merges the fragments, checks coverage as Commit does, writes
+  // .metadata and publishes the directory. AbortStaged removes the staging directory. (The
+  // files and .metadata are those one process would write: what a rank's file holds depends
+  // only on the order in which its shards are begun.)
+  static Result<std::unique_ptr<DcpWriter>> CreateStaged(const std::string& dir, const std::string& txn);
+  // Closes and fsyncs this process's files, writes its side files (AddFile) and its fragment.
+  Status CommitFragment(std::int64_t process);
+  // DataLoss naming the fragment when one is missing or not what this writer wrote, and as
+  // Commit otherwise; nothing is published on any error.
+  static Status PublishStaged(const std::string& dir, const std::string& txn, std::int64_t processes);
+  static Status AbortStaged(const std::string& dir, const std::string& txn);
+
   const std::string& dir() const { return dir_; }
   const std::string& staging_dir() const { return staging_; }
   // "__<rank>_0.distcp"
@@ -114,6 +130,7 @@ class DcpWriter final : public ShardDestination {
   std::string staging_;
   mutable std::mutex mu_;
   bool done_ = false;
+  bool staged_ = false;  // one process's part of a staged directory (CreateStaged)
   std::int64_t open_streams_ = 0;
   std::vector<Tensor> tensors_;
   std::map<std::string, std::size_t> index_;  // our name -> tensors_

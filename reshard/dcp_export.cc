@@ -308,8 +308,16 @@ double TrainNumber(const nlohmann::json& meta, std::initializer_list<const char*
 // `convert --format torch_dist`: Megatron-Core's keys (models/megatron_names.h), the distributed
 // optimizer's fully_reshardable states, the linear layers' empty extra states, metadata.json
 // and common.pt (formats/torch_dist.h).
+// A new writer: the whole directory, or this process's part of a staged one.
+Result<std::unique_ptr<DcpWriter>> NewWriter(const std::string& dir, const DcpShare& share) {
+  return share.txn.empty() ? DcpWriter::Create(dir) : DcpWriter::CreateStaged(dir, share.txn);
+}
+Status Finish(DcpWriter& writer, const DcpShare& share) {
+  return share.txn.empty() ? writer.Commit() : writer.CommitFragment(share.process);
+}
+
 Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
-                                     const ExecuteOptions& options, MegatronSpec spec) {
+                                     const ExecuteOptions& options, MegatronSpec spec, const DcpShare& share) {
   RS_ASSIGN_OR_RETURN(const ModelConfig model, SourceModel(source, "Megatron-Core keys"));
   RS_ASSIGN_OR_RETURN(const MegatronKeys keys, MegatronKeysOf(model, spec));
   const Mesh& mesh = plan.target.layout.mesh();
@@ -322,7 +330,7 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
     with_states.insert(t.param);
     if (t.state == "master") with_master.insert(t.param);
   }
-  RS_ASSIGN_OR_RETURN(auto writer, DcpWriter::Create(dir));
+  RS_ASSIGN_OR_RETURN(auto writer, NewWriter(dir, share));
   std::map<std::string, DType> declared;  // a stacked key holds every layer's tensor of ours
   std::map<std::string, std::vector<std::vector<Part>>> parts;
   std::map<std::string, std::size_t> element;
@@ -380,6 +388,10 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
   }
   StepCatcher destination(*writer, parts, element);
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, source, destination, options));
+  if (!share.extras) {
+    RS_RETURN_IF_ERROR(Finish(*writer, share));
+    return stats;
+  }
   const std::vector<std::byte> none = NoneListArchive();
   for (const std::string& k : keys.extra_states) RS_RETURN_IF_ERROR(writer->AddBytes(0, k, none));
 
@@ -420,7 +432,7 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
   }
   RS_RETURN_IF_ERROR(writer->AddFile("metadata.json", Bytes(MegatronMetadataJson())));
   RS_RETURN_IF_ERROR(writer->AddFile("common.pt", MegatronCommonPt(common)));
-  RS_RETURN_IF_ERROR(writer->Commit());
+  RS_RETURN_IF_ERROR(Finish(*writer, share));
   return stats;
 }
 
@@ -475,13 +487,14 @@ Status WriteTitanParamGroups(DcpWriter& writer, const ShardSource& source, const
 }  // namespace
 
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
-                               const ExecuteOptions& options, DcpNames names, MegatronSpec spec) {
-  if (names == DcpNames::kMegatron) return ExportTorchDist(plan, source, dir, options, spec);
+                               const ExecuteOptions& options, DcpNames names, MegatronSpec spec,
+                               const DcpShare& share) {
+  if (names == DcpNames::kMegatron) return ExportTorchDist(plan, source, dir, options, spec, share);
   Naming naming;
   if (names == DcpNames::kTorchtitan) {
     RS_ASSIGN_OR_RETURN(naming, TitanNaming(source));
   }
-  RS_ASSIGN_OR_RETURN(auto writer, DcpWriter::Create(dir));
+  RS_ASSIGN_OR_RETURN(auto writer, NewWriter(dir, share));
   const TensorSpec* step = nullptr;
   std::set<std::string> with_states;         // their parameter FQNs with optimizer states, in name order
   std::map<std::string, std::size_t> ranks;  // their parameter FQN -> its number of dims
@@ -536,20 +549,25 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
   StepCatcher destination(*writer, parts, element);
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, source, destination, options));
   if (step != nullptr && !with_states.empty()) {
-    if (!destination.caught()) return Internal("the optimizer step was not delivered");
-    RS_ASSIGN_OR_RETURN(const float value, StepValue(*step, destination.step_bytes()));
+    // Declared by every process (their fragments must agree), written by the one with extras.
     std::byte bytes[4];
-    std::memcpy(bytes, &value, 4);
+    if (share.extras) {
+      if (!destination.caught()) return Internal("the optimizer step was not delivered");
+      RS_ASSIGN_OR_RETURN(const float value, StepValue(*step, destination.step_bytes()));
+      std::memcpy(bytes, &value, 4);
+    }
     for (const std::string& fqn : with_states) {
       DcpTensorSpec s = key(fqn, "step");
       s.dtype = DType::kF32;
       const std::string name = fqn + "/step";
       RS_RETURN_IF_ERROR(writer->AddTensor(name, s));
-      RS_RETURN_IF_ERROR(writer->WriteWhole(0, name, bytes));
+      if (share.extras) RS_RETURN_IF_ERROR(writer->WriteWhole(0, name, bytes));
     }
   }
-  if (names == DcpNames::kTorchtitan) RS_RETURN_IF_ERROR(WriteTitanParamGroups(*writer, source, with_states, ranks));
-  RS_RETURN_IF_ERROR(writer->Commit());
+  if (names == DcpNames::kTorchtitan && share.extras) {
+    RS_RETURN_IF_ERROR(WriteTitanParamGroups(*writer, source, with_states, ranks));
+  }
+  RS_RETURN_IF_ERROR(Finish(*writer, share));
   return stats;
 }
 

@@ -44,8 +44,19 @@ enum class DcpNames : std::uint8_t { kOurs, kTorchtitan, kMegatron };
 // cannot hold (a flat FSDP item range, replicas, a key twice); kMegatron: Unimplemented for
 // models or optimizer states Megatron-Core's keys cannot hold; errors of reading and writing
 // pass through, and nothing is left at `dir` on any error.
+//
+// `share` (convert under mpirun): this process's part of a staged directory (DcpWriter::
+// CreateStaged, transaction `txn`): it writes the target ranks `options.owns_rank` gives it,
+// and, when `extras`, what belongs to no target piece (per-parameter steps, param groups, extra
+// states, metadata.json, common.pt: the process that owns target rank 0, which holds the
+// optimizer step), then commits its fragment; publishing is DcpWriter::PublishStaged's.
+struct DcpShare {
+  std::string txn;  // empty: one process writes everything and publishes
+  std::int64_t process = 0;
+  bool extras = true;
+};
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
                                const ExecuteOptions& options, DcpNames names = DcpNames::kOurs,
-                               MegatronSpec spec = MegatronSpec::kTransformerEngine);
+                               MegatronSpec spec = MegatronSpec::kTransformerEngine, const DcpShare& share = {});
 
 }  // namespace rs

@@ -196,6 +196,60 @@ TEST(TorchDistCliTest, ChunksSpanningLayersRead) {
   EXPECT_TRUE(Has(v.output, "overlap: tensor 'decoder.layers.mlp.router.weight'")) << v.output;
 }
 
+// Under mpirun each process writes the files of the target ranks it is given into one staging
+// directory and rank 0 publishes it: the files are byte for byte those one process writes
+// (DCP with torchtitan names and param groups, torch_dist with its side files), at 2 and 3
+// processes. A process whose source reads fail ends every process non-zero, and nothing is
+// left: no output, no staging directory.
+TEST(TorchDistCliTest, SeveralProcessesWriteTheSameFiles) {
+  if (!HaveMpirun()) GTEST_SKIP() << "mpirun not installed";
+  TempDir tmp;
+  const std::string titan = std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan";
+  const std::string qwen = tmp / "qwen";
+  ASSERT_EQ(RunCli("convert " + titan + "/qwen3_moe_tiny --to tp=2,ep=2 --model " + titan + "/model.json -o " + qwen)
+                .exit_code,
+            0);
+  struct Case {
+    std::string src, args;
+  };
+  for (const Case& c : {Case{qwen, "--to fsdp=2,ep=2,fsdp_form=box --format dcp"},
+                        Case{Ours(tmp, "hetero_bf16"), "--to tp=2,ep=2 --format torch_dist"}}) {
+    SCOPED_TRACE(c.args);
+    const std::string one = tmp / ("one_" + std::to_string(std::hash<std::string>{}(c.args)));
+    ASSERT_EQ(RunCli("convert " + c.src + " " + c.args + " -o " + one).exit_code, 0);
+    for (const int np : {2, 3}) {
+      const std::string out = one + "_np" + std::to_string(np);
+      const CommandResult r =
+          RunShell("timeout 120 mpirun --oversubscribe --allow-run-as-root -np " + std::to_string(np) + " " +
+                   std::string(RS_CLI) + " convert " + c.src + " " + c.args + " -o " + out + " 2>&1");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_TRUE(Has(r.output, std::to_string(np) + " processes")) << r.output;
+      std::vector<std::string> names;
+      for (const auto& e : fs::directory_iterator(one)) names.push_back(e.path().filename().string());
+      std::size_t files = 0;
+      for (const auto& e : fs::directory_iterator(out)) {
+        (void)e;
+        ++files;
+      }
+      EXPECT_EQ(files, names.size());
+      for (const std::string& f : names) EXPECT_EQ(FileBytes(out + "/" + f), FileBytes(one + "/" + f)) << f;
+    }
+  }
+  // Process 1 cannot read a source file (EIO): every process fails, nothing is published.
+  const std::string src = Ours(tmp, "hetero_bf16");
+  const std::string failed = tmp / "failed";
+  const std::string cmd = " convert " + src + " --to tp=2,ep=2 --format torch_dist -o " + failed;
+  const CommandResult r = RunShell("timeout 120 mpirun --oversubscribe --allow-run-as-root -np 1 " +
+                                   std::string(RS_CLI) + cmd + " : -np 1 env LD_PRELOAD=" + RS_EIO_PRELOAD +
+                                   " RS_EIO_FILE=/rank-00000.h5 RS_EIO_FROM=0 " + std::string(RS_CLI) + cmd + " 2>&1");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(Has(r.output, "rank 1 failed to write its part")) << r.output;
+  EXPECT_FALSE(fs::exists(failed));
+  for (const auto& e : fs::directory_iterator(tmp.path())) {
+    EXPECT_EQ(e.path().filename().string().find("failed.tmp-"), std::string::npos) << "left behind: " << e.path();
+  }
+}
+
 // The files depend on nothing but the source and the layout (not on --threads).
 TEST(TorchDistCliTest, ReproducibleWhateverTheThreads) {
   TempDir tmp;

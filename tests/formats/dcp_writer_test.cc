@@ -345,4 +345,63 @@ TEST(DcpWriterTest, MetadataIndependentOfOrder) {
 }
 
 }  // namespace
+
+// Staged parts (convert under mpirun): two writers of one staging directory, each writing its
+// ranks' chunks and a blob, give, once published, the .metadata and files one writer gives; a
+// missing fragment is named and nothing is published.
+TEST(DcpWriterTest, StagedPartsPublishAsOne) {
+  const auto write = [](DcpWriter& w, const std::vector<int>& ranks) {
+    ASSERT_TRUE(w.AddTensor("a", {"model.a", {"model", "a"}, DType::kF32, {4}}).ok());
+    for (const int k : ranks) {
+      auto s = w.BeginShard(k, "a", {Box{{k}, {1}}, std::nullopt}, ReplicaKind::kMain);
+      ASSERT_TRUE(s.ok());
+      const float v = static_cast<float>(k) + 0.5f;
+      ASSERT_TRUE((*s)->Append(std::as_bytes(std::span(&v, 1))).ok());
+      ASSERT_TRUE((*s)->Finish().ok());
+    }
+    if (std::find(ranks.begin(), ranks.end(), 0) != ranks.end()) {
+      const std::byte blob[3] = {std::byte{1}, std::byte{2}, std::byte{3}};
+      ASSERT_TRUE(w.AddBytes(0, "extra", blob).ok());
+      ASSERT_TRUE(w.AddFile("side.json", {std::byte{'{'}, std::byte{'}'}}).ok());
+    }
+  };
+  ScratchDir scratch;
+  {
+    auto one = DcpWriter::Create(scratch / "one");
+    ASSERT_TRUE(one.ok());
+    write(**one, {0, 1, 2, 3});
+    ASSERT_TRUE((*one)->Commit().ok());
+  }
+  for (const bool lose_one : {false, true}) {
+    SCOPED_TRACE(lose_one);
+    const std::string dir = scratch / (lose_one ? "lost" : "two");
+    {
+      auto p0 = DcpWriter::CreateStaged(dir, "t1");
+      auto p1 = DcpWriter::CreateStaged(dir, "t1");
+      ASSERT_TRUE(p0.ok() && p1.ok());
+      write(**p1, {1, 3});
+      write(**p0, {0, 2});
+      ASSERT_TRUE((*p0)->CommitFragment(0).ok());
+      if (!lose_one) ASSERT_TRUE((*p1)->CommitFragment(1).ok());
+    }
+    const Status published = DcpWriter::PublishStaged(dir, "t1", 2);
+    if (lose_one) {
+      EXPECT_FALSE(published.ok());
+      EXPECT_NE(published.message().find("fragment-1.json"), std::string::npos) << published.ToString();
+      EXPECT_FALSE(fs::exists(dir));
+      EXPECT_FALSE(fs::exists(dir + ".tmp-t1"));
+      continue;
+    }
+    ASSERT_TRUE(published.ok()) << published.ToString();
+    for (const char* f : {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "side.json"}) {
+      std::ifstream a(scratch / "one" + "/" + f, std::ios::binary), b(dir + "/" + f, std::ios::binary);
+      const std::string x{std::istreambuf_iterator<char>(a), {}}, y{std::istreambuf_iterator<char>(b), {}};
+      EXPECT_FALSE(x.empty()) << f;
+      EXPECT_EQ(x, y) << f;
+    }
+    EXPECT_FALSE(fs::exists(dir + "/fragment-0.json"));
+    EXPECT_FALSE(fs::exists(dir + ".tmp-t1"));
+  }
+}
+
 }  // namespace rs
