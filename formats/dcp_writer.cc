@@ -65,6 +65,36 @@ void EndObject(PickleWriter& p) {
   p.Build();
 }
 
+// One storage_data entry: MetadataIndex(fqn, offset, index) -> _StorageInfo(file, offset,
+// length); a blob's index has neither offset nor index (`chunk_offset` null).
+void PutStorage(PickleWriter& p, const std::string& fqn, const Shape* chunk_offset, std::int64_t index,
+                const std::string& file, std::int64_t offset, std::int64_t length) {
+  BeginObject(p, kMeta, "MetadataIndex");
+  p.String("fqn");
+  p.String(fqn);
+  p.String("offset");
+  if (chunk_offset != nullptr) {
+    PutSize(p, *chunk_offset);
+  } else {
+    p.None();
+  }
+  p.String("index");
+  if (chunk_offset != nullptr) {
+    p.Int(index);
+  } else {
+    p.None();
+  }
+  EndObject(p);
+  BeginObject(p, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+  p.String("relative_path");
+  p.String(file);
+  p.String("offset");
+  p.Int(offset);
+  p.String("length");
+  p.Int(length);
+  EndObject(p);
+}
+
 }  // namespace
 
 // One chunk's archive being streamed into its rank's file.
@@ -448,42 +478,11 @@ std::vector<std::byte> DcpWriter::MetadataPickleLocked() const {
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     for (std::size_t k = 0; k < sorted[i].size(); ++k) {
       const Chunk& c = sorted[i][k];
-      BeginObject(p, kMeta, "MetadataIndex");
-      p.String("fqn");
-      p.String(tensors_[i].spec.fqn);
-      p.String("offset");
-      PutSize(p, c.box.offset);
-      p.String("index");
-      p.Int(static_cast<std::int64_t>(k));
-      EndObject(p);
-      BeginObject(p, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
-      p.String("relative_path");
-      p.String(FileName(c.rank));
-      p.String("offset");
-      p.Int(c.offset);
-      p.String("length");
-      p.Int(c.length);
-      EndObject(p);
+      PutStorage(p, tensors_[i].spec.fqn, &c.box.offset, static_cast<std::int64_t>(k), FileName(c.rank), c.offset,
+                 c.length);
     }
   }
-  for (const Blob& b : blobs_) {
-    BeginObject(p, kMeta, "MetadataIndex");
-    p.String("fqn");
-    p.String(b.fqn);
-    p.String("offset");
-    p.None();
-    p.String("index");
-    p.None();
-    EndObject(p);
-    BeginObject(p, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
-    p.String("relative_path");
-    p.String(FileName(b.rank));
-    p.String("offset");
-    p.Int(b.offset);
-    p.String("length");
-    p.Int(b.length);
-    EndObject(p);
-  }
+  for (const Blob& b : blobs_) PutStorage(p, b.fqn, nullptr, -1, FileName(b.rank), b.offset, b.length);
   p.SetItems();
   p.String("storage_meta");
   p.None();

@@ -59,8 +59,8 @@ def optimizer_request(model, model_sd):
     return holders, request
 
 
-def load_and_resave(rank, world, port, kind, src, dst, tp, ep, failures_path):
-    init(rank, world, port)
+def load(kind, tp, ep, src):
+    """The fixture's GPTModel at tp / ep and its optimizer states, loaded from src by Megatron-Core."""
     from megatron.core import dist_checkpointing
     model = fx.build(kind, tp=tp, ep=ep)
     model_sd = model.sharded_state_dict()
@@ -70,6 +70,13 @@ def load_and_resave(rank, world, port, kind, src, dst, tp, ep, failures_path):
     for key in request:
         n, st = key.rsplit(".", 1)
         holders[(n, st)].copy_(loaded["optimizer"][key])
+    return model, holders
+
+
+def load_and_resave(rank, world, port, kind, src, dst, tp, ep, failures_path):
+    init(rank, world, port)
+    from megatron.core import dist_checkpointing
+    model, holders = load(kind, tp, ep, src)
     common = dist_checkpointing.load_common_state_dict(src)
     problems = []
     step = common.get("iteration")
@@ -112,15 +119,7 @@ def load_and_resave(rank, world, port, kind, src, dst, tp, ep, failures_path):
 
 def reference(_rank, kind, src, port, out):
     init(0, 1, port)
-    from megatron.core import dist_checkpointing
-    model = fx.build(kind, tp=1, ep=1)
-    model_sd = model.sharded_state_dict()
-    holders, request = optimizer_request(model, model_sd)
-    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": request}, src)
-    model.load_state_dict(loaded["model"], strict=False)
-    for key in request:
-        n, st = key.rsplit(".", 1)
-        holders[(n, st)].copy_(loaded["optimizer"][key])
+    model, holders = load(kind, 1, 1, src)
     mla = bool(fx.FIXTURES[kind].get("mla"))
     tensors = fx.our_names({n: t.detach() for n, t in model.state_dict().items()
                             if not n.endswith("_extra_state") and not n.endswith("local_tokens_per_expert")}, mla)
