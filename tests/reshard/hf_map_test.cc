@@ -239,8 +239,8 @@ TEST(HfMap, ParsesQwen3NextConfigs) {
   EXPECT_EQ(a->config.full_attn_interval, 4);
   EXPECT_EQ(a->config.rotary_dim, 4);
   // Refused, naming what is wrong.
-  const auto refused = [](nlohmann::json j, ErrorCode code, const std::string& what) {
-    const Status s = ParseHfConfig(j, "cfg").status();
+  const auto refused = [](const nlohmann::json& config, ErrorCode code, const std::string& what) {
+    const Status s = ParseHfConfig(config, "cfg").status();
     EXPECT_EQ(s.code(), code) << s.ToString();
     EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
   };
@@ -280,10 +280,11 @@ TEST(HfMap, Qwen3NextInterleavedRows) {
   EXPECT_EQ(q.hf_shape, (Shape{64, d}));
   ASSERT_EQ(q.segments.size(), 8u);
   for (std::int64_t h = 0; h < 4; ++h) {
-    EXPECT_EQ(q.segments[2 * h].flat_begin, h * 8 * d);
-    EXPECT_EQ(q.segments[2 * h].hf_begin, 2 * h * 8 * d);
-    EXPECT_EQ(q.segments[2 * h + 1].flat_begin, (32 + h * 8) * d);
-    EXPECT_EQ(q.segments[2 * h + 1].length, 8 * d);
+    const auto head = static_cast<std::size_t>(2 * h);
+    EXPECT_EQ(q.segments[head].flat_begin, h * 8 * d);
+    EXPECT_EQ(q.segments[head].hf_begin, 2 * h * 8 * d);
+    EXPECT_EQ(q.segments[head + 1].flat_begin, (32 + h * 8) * d);
+    EXPECT_EQ(q.segments[head + 1].length, 8 * d);
   }
   EXPECT_EQ(by.at("model.layers.1.self_attn.k_proj.weight").flat_begin, 64 * d);  // after query and gate
   // in_proj_qkvz [2·16 + 2·32, d]: key head g: q [g·8, +8), k [16 + g·8, +8), v [32 + g·16, +16), z [64 + g·16, +16).
