@@ -178,6 +178,25 @@ Status DcpWriter::AddTensor(const std::string& name, const DcpTensorSpec& spec) 
   return Status::Ok();
 }
 
+Status DcpWriter::CloseFilesLocked() {
+  for (auto& [rank, f] : files_) {
+    const std::string path = staging_ + "/" + FileName(rank);
+    if (::ftruncate(f.fd, static_cast<off_t>(f.end)) != 0) return IoError(Errno(path + ": truncate"));
+    if (::fsync(f.fd) != 0) return IoError(Errno(path + ": fsync"));
+    if (::close(f.fd) != 0) return IoError(Errno(path + ": close"));
+    f.fd = -1;
+  }
+  return Status::Ok();
+}
+
+Status DcpWriter::WriteExtraFilesLocked() {
+  for (const auto& [name, contents] : extra_files_) {
+    RS_RETURN_IF_ERROR(WriteNewFileDurably(
+        staging_ + "/" + name, std::string(reinterpret_cast<const char*>(contents.data()), contents.size())));
+  }
+  return Status::Ok();
+}
+
 Result<DcpWriter::File*> DcpWriter::FileOf(std::int64_t rank) {
   File& f = files_[rank];
   if (f.fd < 0) {
@@ -286,17 +305,8 @@ Status DcpWriter::CommitFragment(std::int64_t process) {
   std::lock_guard lock(mu_);
   if (!staged_ || done_) return FailedPrecondition(dir_ + ": not a staged part, or already committed");
   if (open_streams_ > 0) return FailedPrecondition(dir_ + ": shards are still being written");
-  for (auto& [rank, f] : files_) {
-    const std::string path = staging_ + "/" + FileName(rank);
-    if (::ftruncate(f.fd, static_cast<off_t>(f.end)) != 0) return IoError(Errno(path + ": truncate"));
-    if (::fsync(f.fd) != 0) return IoError(Errno(path + ": fsync"));
-    if (::close(f.fd) != 0) return IoError(Errno(path + ": close"));
-    f.fd = -1;
-  }
-  for (const auto& [name, contents] : extra_files_) {
-    RS_RETURN_IF_ERROR(WriteNewFileDurably(
-        staging_ + "/" + name, std::string(reinterpret_cast<const char*>(contents.data()), contents.size())));
-  }
+  RS_RETURN_IF_ERROR(CloseFilesLocked());
+  RS_RETURN_IF_ERROR(WriteExtraFilesLocked());
   nlohmann::json tensors = nlohmann::json::array();
   for (const Tensor& t : tensors_) {
     nlohmann::json chunks = nlohmann::json::array();
@@ -520,22 +530,13 @@ Status DcpWriter::Commit() {
                       std::to_string(Numel(t.spec.shape)) + " elements");
     }
   }
-  for (auto& [rank, f] : files_) {
-    const std::string path = staging_ + "/" + FileName(rank);
-    if (::ftruncate(f.fd, static_cast<off_t>(f.end)) != 0) return IoError(Errno(path + ": truncate"));
-    if (::fsync(f.fd) != 0) return IoError(Errno(path + ": fsync"));
-    if (::close(f.fd) != 0) return IoError(Errno(path + ": close"));
-    f.fd = -1;
-  }
+  RS_RETURN_IF_ERROR(CloseFilesLocked());
   const std::vector<std::byte> meta = MetadataPickleLocked();
   // The writer never publishes what its own reader refuses.
   if (Result<DcpMetadata> check = ParseDcpMetadata(meta, staging_ + "/.metadata"); !check.ok()) {
     return Internal("refusing to publish a .metadata our reader rejects: " + check.status().message());
   }
-  for (const auto& [name, contents] : extra_files_) {
-    RS_RETURN_IF_ERROR(WriteNewFileDurably(
-        staging_ + "/" + name, std::string(reinterpret_cast<const char*>(contents.data()), contents.size())));
-  }
+  RS_RETURN_IF_ERROR(WriteExtraFilesLocked());
   RS_RETURN_IF_ERROR(WriteNewFileDurably(staging_ + "/" + std::string(kDcpMetadataFileName),
                                          std::string(reinterpret_cast<const char*>(meta.data()), meta.size())));
   RS_RETURN_IF_ERROR(FsyncPath(staging_, /*directory=*/true));

@@ -124,6 +124,8 @@ class DcpWriter final : public ShardDestination {
     std::int64_t end = 0;  // bytes reserved so far
   };
   Result<File*> FileOf(std::int64_t rank);  // under mu_
+  Status CloseFilesLocked();                // truncates, fsyncs and closes this writer's files
+  Status WriteExtraFilesLocked();           // the side files (AddFile), durably
   std::vector<std::byte> MetadataPickleLocked() const;
 
   std::string dir_;
