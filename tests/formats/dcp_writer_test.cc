@@ -404,4 +404,34 @@ TEST(DcpWriterTest, StagedPartsPublishAsOne) {
   }
 }
 
+// Blobs and side files refuse what would clash with the DCP files or with each other.
+TEST(DcpWriterTest, BlobsAndSideFilesRefuseClashes) {
+  ScratchDir scratch;
+  auto w = DcpWriter::Create(scratch / "ckpt");
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->AddTensor("a", {"model.a", {"model", "a"}, DType::kF32, {1}}).ok());
+  const std::byte b[1] = {std::byte{7}};
+  EXPECT_EQ((*w)->AddBytes(0, "model.a", b).code(), ErrorCode::kInvalidArgument);  // a tensor's key
+  EXPECT_EQ((*w)->AddBytes(0, "", b).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ((*w)->AddBytes(-1, "x", b).code(), ErrorCode::kInvalidArgument);
+  ASSERT_TRUE((*w)->AddBytes(0, "x", b).ok());
+  EXPECT_EQ((*w)->AddBytes(1, "x", b).code(), ErrorCode::kInvalidArgument);  // twice
+  for (const char* bad : {"", ".", "..", "a/b", ".metadata", "__0_0.distcp"}) {
+    EXPECT_EQ((*w)->AddFile(bad, {}).code(), ErrorCode::kInvalidArgument) << bad;
+  }
+  ASSERT_TRUE((*w)->AddFile("common.pt", {}).ok());
+  EXPECT_EQ((*w)->AddFile("common.pt", {}).code(), ErrorCode::kInvalidArgument);
+  // A staged fragment that is not JSON is named, and nothing is published.
+  {
+    auto p0 = DcpWriter::CreateStaged(scratch / "staged", "t");
+    ASSERT_TRUE(p0.ok());
+    ASSERT_TRUE((*p0)->CommitFragment(0).ok());
+  }
+  std::ofstream(scratch / "staged.tmp-t" + "/fragment-1.json") << "{not json";
+  const Status st = DcpWriter::PublishStaged(scratch / "staged", "t", 2);
+  EXPECT_EQ(st.code(), ErrorCode::kDataLoss) << st.ToString();
+  EXPECT_NE(st.message().find("fragment-1.json"), std::string::npos) << st.ToString();
+  EXPECT_FALSE(fs::exists(scratch / "staged"));
+}
+
 }  // namespace rs
