@@ -88,14 +88,20 @@ Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
       {"moe_reshard", OurSettings(c)}};
 }
 
-// The period of a layer_types list: the k with layer i full attention exactly when
-// (i + 1) % k == 0 (k = n + 1 for no full attention at all), or 0 when it has none.
+// Whether a layer_types list has layer i full attention exactly when (i + 1) % k == 0.
+bool LayerTypesHavePeriod(const std::vector<bool>& full, std::int64_t k) {
+  for (std::size_t i = 0; i < full.size(); ++i) {
+    if (full[i] != ((static_cast<std::int64_t>(i) + 1) % k == 0)) return false;
+  }
+  return true;
+}
+
+// The period of a layer_types list: the smallest k it has (k = n + 1 for no full attention at
+// all), or 0 when it has none.
 std::int64_t LayerTypesPeriod(const std::vector<bool>& full) {
   const auto n = static_cast<std::int64_t>(full.size());
   for (std::int64_t k = 1; k <= n + 1; ++k) {
-    bool fits = true;
-    for (std::int64_t i = 0; i < n && fits; ++i) fits = full[static_cast<std::size_t>(i)] == ((i + 1) % k == 0);
-    if (fits) return k;
+    if (LayerTypesHavePeriod(full, k)) return k;
   }
   return 0;
 }
@@ -150,6 +156,12 @@ Result<ModelConfig> ReadConfig(const HfConfigFields& f) {
       full.push_back(types[i] == "full_attention");
     }
     interval = LayerTypesPeriod(full);
+    // Every period above n fits a list without full attention: the stated interval, when the
+    // list agrees with it, is the one the model was written with.
+    if (f.Has("full_attention_interval")) {
+      RS_ASSIGN_OR_RETURN(const std::int64_t stated, f.Int("full_attention_interval"));
+      if (stated >= 1 && interval != 0 && LayerTypesHavePeriod(full, stated)) interval = stated;
+    }
     if (interval == 0) diffs.push_back("layer_types without a period (ours: full attention every k-th layer)");
   } else {
     RS_ASSIGN_OR_RETURN(interval, f.Int("full_attention_interval", 4));

@@ -238,6 +238,27 @@ TEST(HfMap, ParsesQwen3NextConfigs) {
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   EXPECT_EQ(a->config.full_attn_interval, 4);
   EXPECT_EQ(a->config.rotary_dim, 4);
+  // No full-attention layer at all: every interval above num_hidden_layers fits layer_types, so
+  // the stated one is kept (and the smallest, n + 1, when none is stated); written back, the same.
+  nlohmann::json all_linear = Qwen3NextConfig();
+  all_linear["layer_types"] = {"linear_attention", "linear_attention", "linear_attention", "linear_attention"};
+  all_linear["full_attention_interval"] = 7;
+  auto l = ParseHfConfig(all_linear, "all_linear");
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->config.full_attn_interval, 7);
+  auto lj = HfConfigJson(l->config, DType::kF32);
+  ASSERT_TRUE(lj.ok()) << lj.status().ToString();
+  auto l_again = ParseHfConfig(*lj, "all_linear again");
+  ASSERT_TRUE(l_again.ok()) << l_again.status().ToString();
+  EXPECT_EQ(l_again->config, l->config);
+  all_linear["full_attention_interval"] = 2;  // contradicts layer_types, which win (as in transformers)
+  auto l2 = ParseHfConfig(all_linear, "contradicted");
+  ASSERT_TRUE(l2.ok()) << l2.status().ToString();
+  EXPECT_EQ(l2->config.full_attn_interval, 5);
+  all_linear.erase("full_attention_interval");
+  auto l3 = ParseHfConfig(all_linear, "unstated");
+  ASSERT_TRUE(l3.ok()) << l3.status().ToString();
+  EXPECT_EQ(l3->config.full_attn_interval, 5);
   // Refused, naming what is wrong.
   const auto refused = [](const nlohmann::json& config, ErrorCode code, const std::string& what) {
     const Status s = ParseHfConfig(config, "cfg").status();
