@@ -70,8 +70,8 @@ void RunDiff(const DiffArgs& args) {
   o.rtol = args.rtol;
   if (!args.role.empty()) {
     bool known = false;
-    for (TensorRole r :
-         {TensorRole::kParameter, TensorRole::kOptimizerState, TensorRole::kScalar, TensorRole::kBuffer}) {
+    for (TensorRole r : {TensorRole::kParameter, TensorRole::kOptimizerState, TensorRole::kScalar, TensorRole::kBuffer,
+                         TensorRole::kScale}) {
       if (TensorRoleName(r) == args.role) {
         o.role = r;
         known = true;
@@ -79,7 +79,7 @@ void RunDiff(const DiffArgs& args) {
     }
     if (!known) {
       Fail("diff",
-           InvalidArgument("--role '" + args.role + "': expected parameter, optimizer_state, scalar or buffer"));
+           InvalidArgument("--role '" + args.role + "': expected parameter, optimizer_state, scalar, buffer or scale"));
     }
   }
   auto report = DiffCheckpoints(**a, **b, o);
@@ -122,7 +122,8 @@ void RegisterDiff(CLI::App& app) {
                   "Also count as equal values differing by at most this fraction of the larger magnitude "
                   "(|a - b| <= tolerance + rtol * max(|a|, |b|))")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--role", a->role, "Compare only tensors of this role: parameter, optimizer_state, scalar or buffer");
+  cmd->add_option("--role", a->role,
+                  "Compare only tensors of this role: parameter, optimizer_state, scalar, buffer or scale");
   cmd->add_flag("--skip-checksums", a->skip_checksums,
                 "Compare only: do not check checksums or soundness (may call an unsound checkpoint identical)");
   cmd->add_option("--model", a->model,

@@ -80,6 +80,7 @@ struct ImportArgs {
   std::string data;
   int threads = 0;
   bool with_replicas = false;
+  bool keep_fp8 = false;
 };
 
 void RunImport(const ImportArgs& a) {
@@ -104,6 +105,7 @@ void RunImport(const ImportArgs& a) {
   o.codec = *codec;
   o.threads = a.threads;
   o.with_replicas = a.with_replicas;
+  o.keep_fp8 = a.keep_fp8;
   // What `train --resume` needs besides the tensors: the training settings (a fresh run's
   // defaults) and the data file whose FNV-1a the resumed run checks.
   nlohmann::json train_config;
@@ -175,6 +177,9 @@ void RegisterImport(CLI::App& app) {
   cmd->add_option("--data", a->data, "Data file recorded for `train --resume` (default: the training default corpus)");
   cmd->add_option("--threads", a->threads, "Compression threads (0 = all cores)")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas");
+  cmd->add_flag("--keep-fp8", a->keep_fp8,
+                "FP8 block-scaled weights (quantization_config) stay FP8, each with its block scales, instead of "
+                "being dequantized; no optimizer state is written");
   cmd->callback([a] { RunImport(*a); });
 }
 

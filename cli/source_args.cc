@@ -120,7 +120,7 @@ Result<Manifest> WithTensorAxesRules(const Manifest& source, const PhysicalLayou
   std::string whole;
   std::int64_t n = 0;
   for (const TensorSpec& t : m.tensors) {
-    if (t.shape.empty() || t.role == TensorRole::kOptimizerState) continue;
+    if (t.shape.empty() || t.role == TensorRole::kOptimizerState || t.role == TensorRole::kScale) continue;
     if (std::any_of(t.axes.begin(), t.axes.end(), [](const std::string& a) { return !a.empty(); })) continue;
     if (n < 3) whole += (whole.empty() ? "'" : ", '") + t.name + "'";
     ++n;

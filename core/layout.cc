@@ -167,7 +167,8 @@ Result<std::int64_t> ApplyTensorAxesRules(const RuleSet& rules, std::vector<Tens
   std::int64_t given = 0;
   for (TensorSpec& t : tensors) {
     if (t.shape.empty()) continue;
-    const std::string& name = t.role == TensorRole::kOptimizerState && !t.param.empty() ? t.param : t.name;
+    const bool owned = t.role == TensorRole::kOptimizerState || t.role == TensorRole::kScale;
+    const std::string& name = owned && !t.param.empty() ? t.param : t.name;
     const auto rule = std::find_if(rules.tensors.begin(), rules.tensors.end(), [&](const TensorAxesRule& r) {
       return ::fnmatch(r.pattern.c_str(), name.c_str(), 0) == 0;
     });

@@ -26,6 +26,8 @@ std::string_view TensorRoleName(TensorRole r) {
       return "scalar";
     case TensorRole::kBuffer:
       return "buffer";
+    case TensorRole::kScale:
+      return "scale";
   }
   return "unknown";
 }
@@ -46,6 +48,72 @@ Status CheckOptimizerStateName(const TensorSpec& t) {
   };
   if (t.name != OptimizerStateName(t.param, t.state)) {
     return bad("its name must be '<param>/<state>' = '" + OptimizerStateName(t.param, t.state) + "'");
+  }
+  return Status::Ok();
+}
+
+std::string ScaleTensorName(const std::string& param) { return param + "/" + std::string(kScaleSuffix); }
+
+Result<TensorSpec> ScaleSpecFor(const TensorSpec& param, const Shape& block) {
+  const std::string where = "tensor '" + param.name + "'";
+  if (param.role != TensorRole::kParameter && param.role != TensorRole::kBuffer) {
+    return InvalidArgument(where + ": only parameters and buffers have block scales, not a " +
+                           std::string(TensorRoleName(param.role)));
+  }
+  if (param.dtype != DType::kF8E4M3 && param.dtype != DType::kF8E5M2) {
+    return InvalidArgument(where + ": block scales belong to f8_e4m3 / f8_e5m2 tensors, it is " +
+                           std::string(DTypeName(param.dtype)));
+  }
+  if (block.size() != param.shape.size()) {
+    return InvalidArgument(where + ": block " + ShapeToString(block) + " needs one extent per dim of " +
+                           ShapeToString(param.shape));
+  }
+  TensorSpec s;
+  s.name = ScaleTensorName(param.name);
+  s.dtype = DType::kF32;
+  s.axes = param.axes;
+  s.role = TensorRole::kScale;
+  s.param = param.name;
+  s.block = block;
+  s.place = param.place;
+  s.expert = param.expert;
+  for (std::size_t d = 0; d < block.size(); ++d) {
+    if (block[d] < 1) return InvalidArgument(where + ": block " + ShapeToString(block) + " has an extent below 1");
+    s.shape.push_back(param.shape[d] == 0 ? 0 : (param.shape[d] - 1) / block[d] + 1);
+  }
+  if (param.vocab_size > 0 && !block.empty()) {
+    if (block[0] != 1) {
+      return InvalidArgument(where + ": its vocabulary dim (padded per rank) cannot be quantized in blocks of " +
+                             std::to_string(block[0]));
+    }
+    s.vocab_size = param.vocab_size;  // padded as its parameter is
+  }
+  if (!param.components.empty()) {
+    const auto dim = static_cast<std::size_t>(param.components.dim);
+    const std::int64_t b = block[dim];
+    s.components.dim = param.components.dim;
+    s.components.unit_rows = 1;
+    for (const Component& c : param.components.components) {
+      const std::int64_t rows = c.size * param.components.unit_rows;
+      if (rows % b != 0) {
+        return InvalidArgument(where + ": component '" + c.name + "' has " + std::to_string(rows) +
+                               " rows, not a whole number of " + std::to_string(b) + "-row blocks");
+      }
+      s.components.components.push_back({c.name, rows / b});
+    }
+  }
+  return s;
+}
+
+Status CheckScaleSpec(const TensorSpec& scale, const TensorSpec& param) {
+  auto want = ScaleSpecFor(param, scale.block);
+  if (!want.ok()) return want.status().WithContext("block scales '" + scale.name + "'");
+  if (*want != scale) {
+    nlohmann::json a, b;
+    to_json(a, scale);
+    to_json(b, *want);
+    return InvalidArgument("tensor '" + scale.name + "': block scales of '" + param.name + "' must be " + b.dump() +
+                           ", are " + a.dump());
   }
   return Status::Ok();
 }
@@ -108,6 +176,10 @@ void to_json(nlohmann::json& j, const TensorSpec& t) {
     j["param"] = t.param;
     j["state"] = t.state;
   }
+  if (t.role == TensorRole::kScale) {
+    j["param"] = t.param;
+    j["block"] = t.block;
+  }
   if (!t.components.empty()) {
     nlohmann::json parts = nlohmann::json::array();
     for (const auto& c : t.components.components) parts.push_back({{"name", c.name}, {"size", c.size}});
@@ -162,6 +234,18 @@ Result<TensorSpec> TensorSpecFromJson(const nlohmann::json& j) {
     t.role = TensorRole::kScalar;
   } else if (role == "buffer") {
     t.role = TensorRole::kBuffer;
+  } else if (role == "scale") {
+    t.role = TensorRole::kScale;
+    RS_ASSIGN_OR_RETURN(t.param, f.String("param"));
+    if (t.name != ScaleTensorName(t.param)) {
+      return f.Error("param", "is '" + t.param + "': the name of block scales must be '<param>/" +
+                                  std::string(kScaleSuffix) + "' = '" + ScaleTensorName(t.param) + "'");
+    }
+    RS_ASSIGN_OR_RETURN(t.block, f.IntList("block"));
+    if (t.block.size() != t.shape.size()) return f.Error("block", "must have one entry per dim of 'shape'");
+    for (const std::int64_t b : t.block) {
+      if (b < 1) return f.Error("block", "entries must be >= 1");
+    }
   } else {
     return f.Error("role", "has unknown value '" + role + "'");
   }

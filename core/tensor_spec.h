@@ -19,8 +19,9 @@ enum class TensorRole : std::uint8_t {
   kOptimizerState,  // a per-parameter optimizer state shaped like its parameter
   kScalar,          // replicated scalar state, e.g. the optimizer step counter
   kBuffer,          // non-trainable model state, e.g. a router's expert bias
+  kScale,           // the block scales of a quantized (FP8) parameter: ScaleSpecFor
 };
-std::string_view TensorRoleName(TensorRole r);  // "parameter", "optimizer_state", "scalar", "buffer"
+std::string_view TensorRoleName(TensorRole r);  // "parameter", "optimizer_state", "scalar", "buffer", "scale"
 
 // One component of a fused tensor: `size` units along the fused dim, where a unit is
 // `unit_rows` rows (1 for plain rows, head_dim for heads).
@@ -77,8 +78,9 @@ struct TensorSpec {
   Shape shape;
   std::vector<std::string> axes;  // one logical axis name per dim ("" = never sharded)
   TensorRole role = TensorRole::kParameter;
-  std::string param;          // kOptimizerState: the parameter it belongs to
+  std::string param;          // kOptimizerState, kScale: the parameter it belongs to
   std::string state;          // kOptimizerState: the state name ("exp_avg", "master", ...)
+  Shape block;                // kScale: the parameter's block extent per dim (1: not blocked)
   ComponentTable components;  // empty unless fused
   PipelinePlace place;
   bool expert = false;                    // routed-expert weight (or a state of one)
@@ -93,7 +95,7 @@ struct TensorSpec {
   friend bool operator==(const TensorSpec& a, const TensorSpec& b) {
     return a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.axes == b.axes && a.role == b.role &&
            a.param == b.param && a.state == b.state && a.components == b.components && a.place == b.place &&
-           a.expert == b.expert && a.vocab_size == b.vocab_size;
+           a.expert == b.expert && a.vocab_size == b.vocab_size && a.block == b.block;
   }
 };
 
@@ -109,5 +111,21 @@ std::string OptimizerStateName(const std::string& param, const std::string& stat
 // OptimizerStateName(param, state) (FORMAT.md §3.1), so that a state cannot silently belong to
 // another parameter of the same shape. Ok for other roles.
 Status CheckOptimizerStateName(const TensorSpec& t);
+
+// Block-scaled quantized parameters (FP8 as DeepSeek-V3 ships it, FORMAT.md §3.3): parameter P
+// stored as f8_e4m3 / f8_e5m2 comes with one f32 scale per block of `block` items, the tensor
+// "<P>/scale_inv" of role kScale; item x of P means stored(x) · scale_inv[x / block] (per dim,
+// rounded down). The scale tensor has P's logical axes, so a layout cuts it as it cuts P; its
+// dims are P's divided by the block, rounded up (a partial last block has a scale of its own),
+// and a fused P's component table carries over in blocks.
+inline constexpr std::string_view kScaleSuffix = "scale_inv";
+std::string ScaleTensorName(const std::string& param);  // "<param>/scale_inv"
+// The scale tensor of `param` quantized in blocks of `block` (one entry per dim, each >= 1).
+// InvalidArgument naming the tensor when `param` is not an FP8 parameter or buffer, `block`
+// does not fit its dims, a fused component is not a whole number of blocks, or it is
+// vocab-parallel with a blocked vocab dim.
+Result<TensorSpec> ScaleSpecFor(const TensorSpec& param, const Shape& block);
+// InvalidArgument naming both tensors unless `scale` is exactly ScaleSpecFor(param, scale.block).
+Status CheckScaleSpec(const TensorSpec& scale, const TensorSpec& param);
 
 }  // namespace rs

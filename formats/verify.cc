@@ -282,6 +282,16 @@ void CheckOptimizerStates(const Manifest& m, const std::string& manifest_path, F
   std::map<std::string_view, std::int64_t> index;
   for (std::size_t i = 0; i < m.tensors.size(); ++i) index.emplace(m.tensors[i].name, static_cast<std::int64_t>(i));
   for (const TensorSpec& t : m.tensors) {
+    if (t.role == TensorRole::kScale) {  // block scales: of a tensor held here, shaped as its blocks
+      const auto found = index.find(t.param);
+      if (found == index.end()) {
+        out.Add(FindingKind::kManifest, ErrorCode::kDataLoss, t.name, manifest_path,
+                "block scales '" + t.name + "' belong to '" + t.param + "', which the checkpoint does not hold");
+      } else if (Status s = CheckScaleSpec(t, m.tensors[static_cast<std::size_t>(found->second)]); !s.ok()) {
+        out.Add(FindingKind::kManifest, ErrorCode::kDataLoss, t.name, manifest_path, s.message());
+      }
+      continue;
+    }
     if (t.role != TensorRole::kOptimizerState) continue;
     const auto found = index.find(t.param);
     const std::int64_t p = found == index.end() ? -1 : found->second;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/arith.h"
 #include "core/check.h"
@@ -228,6 +229,11 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
       }
       param = it->second;
     }
+    if (spec.role == TensorRole::kScale) {
+      const auto it = by_name.find(spec.param);
+      if (it == by_name.end()) return InvalidArgument(where + ": block scales of unknown tensor '" + spec.param + "'");
+      RS_RETURN_IF_ERROR(CheckScaleSpec(m.tensors_[i], m.tensors_[it->second]));
+    }
     if (!spec.components.empty()) {
       const auto dim = static_cast<std::size_t>(spec.components.dim);
       if (dim >= spec.shape.size() || spec.components.total_units() * spec.components.unit_rows != spec.shape[dim]) {
@@ -237,6 +243,14 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
       const auto sharding = rules_layout.ShardingAxes(spec);
       for (const std::string& axis : sharding[dim]) degree *= mesh.AxisSize(axis);
       const auto fused = FusedDim(spec.components, 0, degree);
+      if (!fused.ok() && spec.role == TensorRole::kScale) {  // the parameter's parts are not whole blocks
+        return InvalidArgument("tensor '" + spec.param + "' is block-scaled in blocks of " + ShapeToString(spec.block) +
+                               ", and layout " + layout.ToString() + " cuts its dim " + std::to_string(dim) + " into " +
+                               std::to_string(degree) + " parts that split its blocks and their scales (" +
+                               fused.status().message() +
+                               ", in blocks); choose a layout whose cuts fall on block boundaries, or dequantize "
+                               "(import without --keep-fp8)");
+      }
       if (!fused.ok()) return fused.status().WithContext(where + " under layout " + layout.ToString());
     }
     if (spec.vocab_size > 0 && !spec.shape.empty()) {
@@ -259,6 +273,8 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
     m.placement_specs_.push_back(std::move(spec));
     m.param_index_.push_back(param);
   }
+
+  RS_RETURN_IF_ERROR(m.CheckScaleBlocks(by_name, rules_layout));
 
   if (layout.options.fsdp == FsdpForm::kFlat) {
     PlanOptions po;
@@ -294,6 +310,61 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
     }
   }
   return m;
+}
+
+// Every rank's scales of a block-scaled tensor must be exactly the blocks of what it holds of
+// the tensor: along each dim its stretches start on a block boundary and end on one (or at the
+// dim's end), and the scale tensor's stretches are those divided by the block. A cut inside a
+// block would leave that block's scale on both sides of it; it is refused instead, naming the
+// tensor, the rank and the cut, so that a rank's local FP8 tensor and its local scales always
+// describe each other (FORMAT.md §3.3). Flat FSDP replicates the scales over fsdp (they are not
+// parameters), so the check is on the TP-local tensors there.
+Status PhysicalMap::CheckScaleBlocks(const std::map<std::string, std::size_t>& by_name,
+                                     const Layout& rules_layout) const {
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorSpec& scale = tensors_[i];
+    if (scale.role != TensorRole::kScale) continue;
+    const std::size_t param = by_name.at(scale.param);
+    const TensorSpec& p = tensors_[param];
+    for (std::int64_t rank = 0; rank < num_ranks(); ++rank) {
+      const auto pm = LocalMap(param, rank, rules_layout);
+      const auto sm = LocalMap(i, rank, rules_layout);
+      if (pm.has_value() != sm.has_value()) {
+        return InvalidArgument("tensor '" + p.name + "' and its block scales are not on the same pipeline stage");
+      }
+      if (!pm) continue;
+      for (std::size_t d = 0; d < p.shape.size(); ++d) {
+        const std::int64_t b = scale.block[d];
+        const DimMap& pd = pm->dims()[d];
+        DimMap want{b == 1 ? pd.local_size : CeilDiv(pd.local_size, b), {}};
+        for (const DimSegment& seg : pd.segments) {
+          const std::int64_t end = seg.logical_begin + seg.length;
+          const bool aligned =
+              seg.logical_begin % b == 0 && seg.local_begin % b == 0 && (seg.length % b == 0 || end == p.shape[d]);
+          if (!aligned) {
+            const std::int64_t cut = seg.logical_begin % b != 0 ? seg.logical_begin : end;
+            return InvalidArgument(
+                "tensor '" + p.name + "' is block-scaled in blocks of " + ShapeToString(scale.block) + ", and layout " +
+                layout_.ToString() + " gives rank " + std::to_string(rank) + " items [" +
+                std::to_string(seg.logical_begin) + ", " + std::to_string(end) + ") of its dim " + std::to_string(d) +
+                " (size " + std::to_string(p.shape[d]) + "): the cut at " + std::to_string(cut) + " splits a block " +
+                "and its scale; choose a layout whose cuts fall on multiples of " + std::to_string(b) +
+                " there, or dequantize (import without --keep-fp8)");
+          }
+          want.segments.push_back(
+              {seg.local_begin / b, seg.logical_begin / b, CeilDiv(seg.length, b), seg.component, seg.replica});
+        }
+        if (sm->dims()[d] != want) {
+          std::ostringstream os;
+          os << "tensor '" << scale.name << "' on rank " << rank << ": its dim " << d << " holds " << sm->dims()[d]
+             << " where the blocks of its parameter's " << pd << " are " << want
+             << " (a component or a padding that does not divide into whole blocks)";
+          return InvalidArgument(os.str());
+        }
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 std::int64_t PhysicalMap::FsdpZeroRank(std::int64_t rank) const {

@@ -128,6 +128,7 @@ class PhysicalMap {
   const TensorSpec& PlacementSpec(std::size_t tensor) const { return placement_specs_[tensor]; }
   std::optional<LocalTensorMap> LocalMap(std::size_t tensor, std::int64_t rank, const Layout& rules_layout) const;
   std::int64_t FsdpZeroRank(std::int64_t rank) const;
+  Status CheckScaleBlocks(const std::map<std::string, std::size_t>& by_name, const Layout& rules_layout) const;
   bool FlatSharded(std::size_t tensor) const;
 
   PhysicalLayout layout_;

@@ -267,7 +267,18 @@ Result<Naming> TitanNaming(const ShardSource& source) {
   return n;
 }
 
-Status RefuseReplicas(const ReshardPlan& plan) {
+// What a DCP checkpoint cannot hold: replicas (it keeps each element once) and block-scaled FP8
+// weights (import --keep-fp8), whose scales no torchtitan or Megatron-Core model reads: those
+// frameworks checkpoint high-precision weights.
+Status RefuseUnwritable(const ReshardPlan& plan) {
+  for (const TensorSpec& t : plan.tensors) {
+    if (t.role == TensorRole::kScale) {
+      return FailedPrecondition("tensor '" + t.param + "' is FP8 with block scales '" + t.name +
+                                "' (import --keep-fp8): DCP and torch_dist checkpoints are written with "
+                                "high-precision weights only; import the Hugging Face directory without --keep-fp8 "
+                                "(dequantized) to convert to them");
+    }
+  }
   for (const TargetShard& ts : plan.targets) {
     if (ts.replica != ReplicaKind::kMain) {
       return InvalidArgument("tensor '" + plan.tensors[ts.tensor].name +
@@ -323,7 +334,7 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
   const Mesh& mesh = plan.target.layout.mesh();
   RS_ASSIGN_OR_RETURN(const nlohmann::json args,
                       MegatronArgsFromModel(model, mesh.AxisSize("tp"), mesh.AxisSize("pp"), mesh.AxisSize("ep")));
-  RS_RETURN_IF_ERROR(RefuseReplicas(plan));
+  RS_RETURN_IF_ERROR(RefuseUnwritable(plan));
   std::set<std::string> with_master, with_states;
   for (const TensorSpec& t : plan.tensors) {
     if (t.role != TensorRole::kOptimizerState) continue;
@@ -545,7 +556,7 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
       copies[0].push_back({name, p.box, p.per_expert, {}, {}});
     }
   }
-  RS_RETURN_IF_ERROR(RefuseReplicas(plan));
+  RS_RETURN_IF_ERROR(RefuseUnwritable(plan));
   StepCatcher destination(*writer, parts, element);
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, source, destination, options));
   if (step != nullptr && !with_states.empty()) {

@@ -39,6 +39,9 @@ double ExampleValue(const TensorSpec& t, std::uint64_t seed, std::int64_t flat) 
       return 0.01 * Uniform(SplitMix64(seed) ^ Fnv1a64(t.name), flat);
     case TensorRole::kScalar:
       return 1000.0 + static_cast<double>(seed % 1000);  // a step counter
+    case TensorRole::kScale:                             // block scales: powers of two, as an FP8 quantizer picks them
+      return std::ldexp(1.0,
+                        static_cast<int>(std::lround(8.0 * Uniform(SplitMix64(seed) ^ Fnv1a64(t.name), flat))) - 12);
     case TensorRole::kOptimizerState: {
       if (t.state == "master") return MasterValue(t, seed, flat);
       const double u = Uniform(SplitMix64(seed + 1) ^ Fnv1a64(t.name), flat);

@@ -16,6 +16,7 @@
 #include <set>
 #include <string_view>
 
+#include "core/arith.h"
 #include "core/check.h"
 #include "core/cleanup.h"
 #include "core/file.h"
@@ -27,6 +28,39 @@
 namespace rs {
 namespace fs = std::filesystem;
 namespace {
+
+// The scales of one FP8 HF tensor `h` ([hr, C] in blocks of `block` = [br, bc]) in our scale
+// tensor of `ours` ([..., R, C], the same blocks on its last two dims): the runs of HF scale
+// items and where they land, derived from h's runs of rows. FailedPrecondition naming the
+// tensor when a run of rows starts or ends inside a block (its scale would serve two tensors).
+Result<std::vector<HfSegment>> ScaleSegments(const HfTensor& h, const Shape& ours, std::int64_t br, std::int64_t bc) {
+  const std::int64_t C = ours.empty() ? 0 : ours.back();
+  const std::int64_t R = ours.size() < 2 ? 1 : ours[ours.size() - 2];
+  if (h.hf_shape.size() != 2 || ours.size() < 2 || h.hf_shape[1] != C || C == 0 || R == 0) {
+    return FailedPrecondition("HF tensor '" + h.hf_name + "' " + ShapeToString(h.hf_shape) + " is not whole rows of '" +
+                              h.tensor + "' " + ShapeToString(ours) + ": its FP8 blocks cannot be kept");
+  }
+  const std::int64_t hr = h.hf_shape[0], sc = CeilDiv(C, bc), sr = CeilDiv(R, br);
+  std::vector<HfSegment> out;
+  for (const HfSegment& seg : h.Segments()) {
+    if (seg.hf_begin % C != 0 || seg.flat_begin % C != 0 || seg.length % C != 0) {
+      return FailedPrecondition("HF tensor '" + h.hf_name + "' maps to '" + h.tensor +
+                                "' in runs that are not whole rows: its FP8 blocks cannot be kept");
+    }
+    const std::int64_t a = seg.hf_begin / C, g = seg.flat_begin / C, n = seg.length / C;
+    const std::int64_t m = g / R, r = g % R;
+    const bool whole = n % br == 0 || (a + n == hr && r + n == R);
+    if (a % br != 0 || r % br != 0 || !whole) {
+      return FailedPrecondition("HF tensor '" + h.hf_name + "' rows [" + std::to_string(a) + ", " +
+                                std::to_string(a + n) + ") land at rows [" + std::to_string(r) + ", " +
+                                std::to_string(r + n) + ") of '" + h.tensor + "', which cut its " + std::to_string(br) +
+                                "-row FP8 blocks: keeping them FP8 would give one scale to two tensors' rows (import "
+                                "without --keep-fp8 dequantizes instead)");
+    }
+    out.push_back({(a / br) * sc, (m * sr + r / br) * sc, CeilDiv(n, br) * sc});
+  }
+  return out;
+}
 
 Result<nlohmann::json> ReadJson(const std::string& path) {
   RS_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, std::int64_t{64} << 20));
@@ -124,6 +158,24 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   RS_ASSIGN_OR_RETURN(nlohmann::json config_json, HfConfigJson(*config, DType::kF32));
   const std::vector<TensorSpec> params = ModelParameters(*config);
 
+  // Block-scaled FP8 tensors (import --keep-fp8): written FP8 with their scales, in one block
+  // shape for the whole model (config.json's quantization_config.weight_block_size).
+  std::map<std::string, const TensorSpec*> scales;  // parameter -> its scale tensor
+  std::optional<std::pair<std::int64_t, std::int64_t>> block;
+  for (const TensorSpec& t : reader->manifest().tensors) {
+    if (t.role != TensorRole::kScale) continue;
+    const std::size_t n = t.block.size();
+    const bool matrix_blocks = n >= 2 && std::all_of(t.block.begin(), t.block.end() - 2, [](auto b) { return b == 1; });
+    if (!matrix_blocks || (block && *block != std::pair{t.block[n - 2], t.block[n - 1]})) {
+      return FailedPrecondition("checkpoint '" + ckpt + "': block scales '" + t.name + "' in blocks of " +
+                                ShapeToString(t.block) +
+                                ": Hugging Face's quantization_config holds one block shape for the last two dims of "
+                                "every weight");
+    }
+    block = std::pair{t.block[n - 2], t.block[n - 1]};
+    scales[t.param] = &t;
+  }
+
   // The checkpoint's parameters must be the model's, and the model's only.
   std::set<std::string> expected;
   std::set<DType> stored;
@@ -139,6 +191,14 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
       return DataLoss("checkpoint '" + ckpt + "': parameter '" + p.name + "' has non-floating dtype " +
                       std::string(DTypeName((*t)->dtype)));
     }
+    if (scales.count(p.name) != 0) {
+      if ((*t)->dtype != DType::kF8E4M3) {
+        return FailedPrecondition("checkpoint '" + ckpt + "': block-scaled tensor '" + p.name + "' is " +
+                                  std::string(DTypeName((*t)->dtype)) +
+                                  "; Hugging Face's FP8 form (quant_method fp8, fmt e4m3) is f8_e4m3");
+      }
+      continue;  // written as stored, not in the export dtype
+    }
     stored.insert((*t)->dtype);
   }
   for (const TensorSpec& t : reader->manifest().tensors) {
@@ -151,8 +211,8 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   DType dtype = DType::kF32;
   if (options.dtype) {
     dtype = *options.dtype;
-  } else if (stored.size() == 1) {
-    dtype = *stored.begin();
+  } else if (stored.size() <= 1) {
+    dtype = stored.empty() ? DType::kF32 : *stored.begin();
   } else {
     return InvalidArgument("checkpoint '" + ckpt + "' stores parameters in several dtypes; choose one with --dtype");
   }
@@ -160,14 +220,41 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
     return InvalidArgument("export dtype " + std::string(DTypeName(dtype)) + ": choose f32, bf16 or f16 (--dtype)");
   }
   RS_ASSIGN_OR_RETURN(config_json, family->write_hf_config(*config, dtype));
-  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> hf, HfTensorMap(params, *family, {}, &*config));
+  if (block) {
+    config_json["quantization_config"] = {{"quant_method", "fp8"},
+                                          {"fmt", "e4m3"},
+                                          {"activation_scheme", "dynamic"},
+                                          {"weight_block_size", {block->first, block->second}}};
+  }
+  RS_ASSIGN_OR_RETURN(const std::vector<HfTensor> weights, HfTensorMap(params, *family, {}, &*config));
+  // What is written: each HF tensor in the export dtype, or FP8 as stored followed by its
+  // "<name>_scale_inv" (f32, one per block) read from our scale tensor.
+  struct Output {
+    HfTensor h;  // its tensor: ours to read (the scale tensor for scales)
+    DType dtype;
+  };
+  std::vector<Output> hf;
+  for (const HfTensor& w : weights) {
+    const auto s = scales.find(w.tensor);
+    if (s == scales.end()) {
+      hf.push_back({w, dtype});
+      continue;
+    }
+    hf.push_back({w, DType::kF8E4M3});
+    HfTensor scale;
+    scale.hf_name = w.hf_name + "_scale_inv";
+    scale.hf_shape = {CeilDiv(w.hf_shape.at(0), block->first), CeilDiv(w.hf_shape.at(1), block->second)};
+    scale.tensor = s->second->name;
+    RS_ASSIGN_OR_RETURN(const TensorSpec* param, reader->FindTensor(w.tensor));
+    RS_ASSIGN_OR_RETURN(scale.segments, ScaleSegments(w, param->shape, block->first, block->second));
+    hf.push_back({std::move(scale), DType::kF32});
+  }
 
   // Files: tensors in our order, a new file when the next tensor would pass the limit.
-  const auto esize = static_cast<std::int64_t>(DTypeSize(dtype));
   std::vector<std::vector<std::size_t>> files;
   std::int64_t in_file = 0;
   for (std::size_t i = 0; i < hf.size(); ++i) {
-    const std::int64_t bytes = hf[i].numel() * esize;
+    const std::int64_t bytes = hf[i].h.numel() * static_cast<std::int64_t>(DTypeSize(hf[i].dtype));
     if (files.empty() || (in_file > 0 && in_file + bytes > options.max_shard_bytes)) {
       files.emplace_back();
       in_file = 0;
@@ -197,16 +284,18 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
   std::vector<std::byte> src, conv;
   for (std::size_t k = 0; k < files.size(); ++k) {
     std::vector<SafetensorsEntry> entries;
-    for (const std::size_t i : files[k]) entries.push_back({hf[i].hf_name, dtype, hf[i].hf_shape});
+    for (const std::size_t i : files[k]) entries.push_back({hf[i].h.hf_name, hf[i].dtype, hf[i].h.hf_shape});
     RS_ASSIGN_OR_RETURN(auto writer,
                         SafetensorsWriter::Create(staging + "/" + file_name(k), entries, {{"format", "pt"}}));
     for (const std::size_t i : files[k]) {
-      const HfTensor& h = hf[i];
+      const HfTensor& h = hf[i].h;
+      const DType to = hf[i].dtype;
+      const auto esize = static_cast<std::int64_t>(DTypeSize(to));
       RS_ASSIGN_OR_RETURN(const TensorSpec* spec, reader->FindTensor(h.tensor));
       const auto src_size = static_cast<std::int64_t>(DTypeSize(spec->dtype));
       // Items per piece: the source buffer plus, when converting, the converted one.
       const std::int64_t per =
-          std::max<std::int64_t>(1, options.memory_budget / (src_size + (spec->dtype != dtype ? esize : 0)));
+          std::max<std::int64_t>(1, options.memory_budget / (src_size + (spec->dtype != to ? esize : 0)));
       for (const HfSegment& seg : h.Segments()) {  // in the HF tensor's order
         for (std::int64_t a = 0; a < seg.length; a += per) {
           const std::int64_t n = std::min(per, seg.length - a);
@@ -216,9 +305,9 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
             return s.WithContext("export of '" + h.hf_name + "' from '" + h.tensor + "'");
           }
           std::span<const std::byte> bytes = src;
-          if (spec->dtype != dtype) {
+          if (spec->dtype != to) {
             conv.resize(static_cast<std::size_t>(n * esize));
-            ConvertFloats(spec->dtype, src.data(), dtype, conv.data(), static_cast<std::size_t>(n));
+            ConvertFloats(spec->dtype, src.data(), to, conv.data(), static_cast<std::size_t>(n));
             bytes = conv;
           }
           result.peak_buffer =
@@ -663,7 +752,47 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   }
   if (!IsFloating(config.param_dtype)) return InvalidArgument("--param-dtype must be a floating type");
 
-  const std::vector<TensorSpec> tensors = ModelCheckpointTensors(config, AdamStateNames());
+  // --keep-fp8: our tensors whose HF tensors are all FP8 stay FP8, each with its block scales
+  // (FORMAT.md §3.3), and the checkpoint holds no optimizer state (it is not trained as such).
+  std::set<std::string> kept;  // our tensors stored FP8
+  if (options.keep_fp8) {
+    if (!d->fp8) {
+      return InvalidArgument(dir + ": --keep-fp8, but config.json has no quantization_config (no weight is FP8)");
+    }
+    std::map<std::string, std::pair<int, int>> kinds;  // ours -> (FP8 HF tensors, others)
+    for (const HfTensor& h : hf) ++(d->scales.count(h.hf_name) != 0 ? kinds[h.tensor].first : kinds[h.tensor].second);
+    for (const auto& [name, k] : kinds) {
+      if (k.first > 0 && k.second > 0) {
+        return FailedPrecondition(dir + ": our tensor '" + name + "' is made of FP8 and non-FP8 HF tensors; " +
+                                  "--keep-fp8 keeps a tensor FP8 only when all of its HF tensors are");
+      }
+      if (k.first > 0) kept.insert(name);
+    }
+  }
+  std::vector<TensorSpec> tensors =
+      ModelCheckpointTensors(config, options.keep_fp8 ? std::vector<std::string>{} : AdamStateNames());
+  std::map<std::string, std::pair<std::size_t, std::size_t>> scale_of;  // our FP8 tensor -> (it, its scales)
+  for (std::size_t i = 0, n = tensors.size(); i < n; ++i) {
+    TensorSpec& t = tensors[i];
+    if (kept.count(t.name) == 0) continue;
+    t.dtype = DType::kF8E4M3;
+    Shape block(t.shape.size(), 1);
+    if (block.size() >= 2) {
+      block[block.size() - 2] = d->fp8->rows;
+      block.back() = d->fp8->cols;
+    }
+    auto scale = ScaleSpecFor(t, block);
+    if (!scale.ok()) return scale.status().WithContext("--keep-fp8");
+    scale_of[t.name] = {i, tensors.size()};
+    tensors.push_back(*std::move(scale));  // (t is not used past this: the push may move it)
+  }
+  if (!kept.empty()) {
+    std::erase_if(result.notes, [](const std::string& n) { return n.starts_with("dequantized "); });
+    result.notes.push_back("kept " + std::to_string(d->scales.size()) + " FP8 block-scaled HF weight(s) as " +
+                           std::to_string(kept.size()) + " f8_e4m3 tensor(s) with their block scales (blocks of " +
+                           std::to_string(d->fp8->rows) + " x " + std::to_string(d->fp8->cols) +
+                           "); no optimizer state");
+  }
   auto map = PhysicalMap::Create(options.layout, tensors);
   if (!map.ok())
     return map.status().WithContext("layout " + options.layout.ToString() + " for model '" + config.name + "'");
@@ -673,8 +802,19 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   // Sources of every tensor: parameters and master weights from the HF tensors, moments zero.
   std::map<std::string, std::vector<SourcePart>> parts_of;
   for (const HfTensor& h : hf) {
+    HfSource src = available[h.hf_name];
+    if (kept.count(h.tensor) != 0) {
+      src.scales = nullptr;  // the FP8 bytes as stored; their scales go to the scale tensor
+      const auto [param, scale] = scale_of.at(h.tensor);
+      RS_ASSIGN_OR_RETURN(const std::vector<HfSegment> segs,
+                          ScaleSegments(h, tensors[param].shape, d->fp8->rows, d->fp8->cols));
+      for (const HfSegment& seg : segs) {
+        parts_of[tensors[scale].name].push_back(
+            {seg.flat_begin, seg.length, seg.hf_begin, available[h.hf_name + "_scale_inv"]});
+      }
+    }
     for (const HfSegment& seg : h.Segments()) {
-      parts_of[h.tensor].push_back({seg.flat_begin, seg.length, seg.hf_begin, available[h.hf_name]});
+      parts_of[h.tensor].push_back({seg.flat_begin, seg.length, seg.hf_begin, src});
     }
   }
   std::vector<TensorSource> sources(tensors.size());
@@ -745,11 +885,13 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   meta["step"] = 0;
   meta["model"] = config;
   meta["physical_layout"] = options.layout.ToJson();
-  meta["import"] = {{"format", "hf"},
-                    {"source", dir},
-                    {"model_type", family.hf_model_types.empty() ? family.name : family.hf_model_types.front()},
-                    {"family", family.name},
-                    {"optimizer_state", "fresh: master = parameters in f32, exp_avg = exp_avg_sq = 0, step 0"}};
+  meta["import"] = {
+      {"format", "hf"},
+      {"source", dir},
+      {"model_type", family.hf_model_types.empty() ? family.name : family.hf_model_types.front()},
+      {"family", family.name},
+      {"optimizer_state", kept.empty() ? "fresh: master = parameters in f32, exp_avg = exp_avg_sq = 0, step 0"
+                                       : "none: FP8 weights kept with their block scales (--keep-fp8)"}};
   writer->SetMetadata(meta);
   RS_RETURN_IF_ERROR(writer->Commit());
   return result;

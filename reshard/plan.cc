@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "core/arith.h"
@@ -184,10 +185,21 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
   plan.target = target;
   plan.options = options;
   plan.options.window_bytes = window;
+  std::set<std::string> scaled;  // block-scaled parameters: their values need their scales
+  for (const TensorSpec& t : source.tensors) {
+    if (t.role == TensorRole::kScale) scaled.insert(t.param);
+  }
   for (std::size_t i = 0; i < source.tensors.size(); ++i) {
     TensorSpec t = source.tensors[i];
     if (options.param_dtype && t.role == TensorRole::kParameter && IsFloating(t.dtype) &&
         t.dtype != *options.param_dtype) {
+      if (scaled.count(t.name) != 0) {
+        return FailedPrecondition("--param-dtype " + std::string(DTypeName(*options.param_dtype)) + ": tensor '" +
+                                  t.name + "' is FP8 with block scales (" + ScaleTensorName(t.name) +
+                                  "), and convert moves bytes, it does not dequantize; import the Hugging Face "
+                                  "directory without --keep-fp8 for " +
+                                  std::string(DTypeName(*options.param_dtype)) + " weights");
+      }
       plan.converted.push_back(t.name + ": " + std::string(DTypeName(t.dtype)) + " -> " +
                                std::string(DTypeName(*options.param_dtype)));
       t.dtype = *options.param_dtype;

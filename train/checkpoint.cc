@@ -84,6 +84,12 @@ Status CheckModelAgainstManifest(const ModelConfig& c, const Manifest& m, const 
       return DataLoss("checkpoint '" + dir + "': tensor '" + want.name + "' has non-floating dtype " +
                       std::string(DTypeName(have.dtype)));
     }
+    if (by_name.count(ScaleTensorName(want.name)) != 0) {
+      return FailedPrecondition("checkpoint '" + dir + "': tensor '" + want.name + "' is " +
+                                std::string(DTypeName(have.dtype)) + " with block scales (import --keep-fp8), which " +
+                                "train and eval do not read; import the Hugging Face directory without --keep-fp8 " +
+                                "(dequantized)");
+    }
   }
   return Status::Ok();
 }

@@ -382,7 +382,9 @@ TEST(DcpWriterTest, StagedPartsPublishAsOne) {
       write(**p1, {1, 3});
       write(**p0, {0, 2});
       ASSERT_TRUE((*p0)->CommitFragment(0).ok());
-      if (!lose_one) ASSERT_TRUE((*p1)->CommitFragment(1).ok());
+      if (!lose_one) {
+        ASSERT_TRUE((*p1)->CommitFragment(1).ok());
+      }
     }
     const Status published = DcpWriter::PublishStaged(dir, "t1", 2);
     if (lose_one) {
