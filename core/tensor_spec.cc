@@ -91,15 +91,19 @@ Result<TensorSpec> ScaleSpecFor(const TensorSpec& param, const Shape& block) {
   if (!param.components.empty()) {
     const auto dim = static_cast<std::size_t>(param.components.dim);
     const std::int64_t b = block[dim];
+    const std::int64_t unit = param.components.unit_rows;
     s.components.dim = param.components.dim;
-    s.components.unit_rows = 1;
+    // Units (heads) of whole blocks stay units, so that a layout splits or replicates the
+    // scales' heads as it does the tensor's (more tp ranks than kv heads); otherwise rows of
+    // blocks, and a cut inside a block is refused by the layout.
+    s.components.unit_rows = unit % b == 0 ? unit / b : 1;
     for (const Component& c : param.components.components) {
-      const std::int64_t rows = c.size * param.components.unit_rows;
+      const std::int64_t rows = c.size * unit;
       if (rows % b != 0) {
         return InvalidArgument(where + ": component '" + c.name + "' has " + std::to_string(rows) +
                                " rows, not a whole number of " + std::to_string(b) + "-row blocks");
       }
-      s.components.components.push_back({c.name, rows / b});
+      s.components.components.push_back({c.name, unit % b == 0 ? c.size : rows / b});
     }
   }
   return s;

@@ -109,6 +109,7 @@ void ExpectSameTensors(const std::string& path_a, const std::string& path_b) {
     }
     ASSERT_NE(u, nullptr) << t.name;
     EXPECT_EQ(u->shape, t.shape) << t.name;
+    EXPECT_EQ(u->dtype, t.dtype) << t.name;
     std::vector<std::byte> x(static_cast<std::size_t>(t.nbytes())), y(x.size());
     ASSERT_TRUE((*a)->ReadTensorBytes(t, 0, x).ok());
     ASSERT_TRUE((*b)->ReadTensorBytes(*u, 0, y).ok());
@@ -536,6 +537,71 @@ TEST(HfFamilies, DeepSeekV3Fp8ImportDequantizesExactly) {
                          {{"model.layers.0.self_attn.q_a_layernorm.weight_scale_inv", {1}}}, DType::kF8E4M3);
         },
         "FP8 tensor 'model.layers.0.self_attn.q_a_layernorm.weight' has shape [12] (block scales need a matrix)"}});
+}
+
+// FP8 kept as FP8 (import --keep-fp8): each FP8 weight stays f8_e4m3 with its block scales as a
+// tensor of their own, cut with it. Imported at tp=1, converted to tp=2,ep=2 (blocks of 4: every
+// cut on a block boundary) and back, the checkpoint is the same to the byte (diff, no tolerance),
+// equals a direct import at tp=2,ep=2, and exports to the very FP8 and scale bytes of the source
+// directory; a cut inside a block is refused naming the tensor and the cut, and so is whatever
+// would read FP8 bytes without their scales.
+TEST(HfFamilies, DeepSeekV3Fp8KeptThroughConvertAndBack) {
+  TempDir tmp;
+  const std::string b4 = kFixtures + "/deepseek_v3_fp8_b4", b8 = kFixtures + "/deepseek_v3_fp8";
+  const CommandResult r =
+      RunCli("import " + b4 + " --format hf --layout tp=1 --keep-fp8 --data " + kData + " -o " + (tmp / "k1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(Contains(r.output,
+                       "kept 69 FP8 block-scaled HF weight(s) as 22 f8_e4m3 tensor(s) with their block "
+                       "scales (blocks of 4 x 4); no optimizer state"))
+      << r.output;
+  const CommandResult inspect = RunCli("inspect " + (tmp / "k1"));
+  EXPECT_TRUE(Contains(inspect.output, "layers.1.moe.experts.fc1.weight/scale_inv")) << inspect.output;
+  EXPECT_TRUE(Contains(inspect.output, "f8_e4m3")) << inspect.output;
+  for (const std::string& cmd : {"convert " + (tmp / "k1") + " --to tp=2,ep=2 -o " + (tmp / "k2"),
+                                 "convert " + (tmp / "k2") + " --to tp=1 -o " + (tmp / "k3"),
+                                 "import " + b4 + " --format hf --layout tp=2,ep=2 --keep-fp8 -o " + (tmp / "k4")}) {
+    const CommandResult c = RunCli(cmd);
+    ASSERT_EQ(c.exit_code, 0) << cmd << "\n" << c.output;
+  }
+  ASSERT_EQ(RunCli("verify " + (tmp / "k2")).exit_code, 0);
+  for (const auto& [a, b] : {std::pair{"k1", "k3"}, std::pair{"k2", "k4"}}) {
+    const CommandResult d = RunCli("diff " + (tmp / a) + " " + (tmp / b));
+    EXPECT_EQ(d.exit_code, 0) << d.output;
+    EXPECT_TRUE(Contains(d.output, "identical: 67 tensors")) << d.output;
+  }
+  // Back to Hugging Face from the tp=2,ep=2 checkpoint: the source's FP8 weights, scales and the
+  // rest, byte for byte, and its quantization_config.
+  const CommandResult e = RunCli("export " + (tmp / "k2") + " --format hf -o " + (tmp / "hf"));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  ExpectSameTensors(b4 + "/model.safetensors", tmp / "hf/model-00001-of-00001.safetensors");
+  EXPECT_EQ(ReadJson(tmp / "hf/config.json")["quantization_config"],
+            ReadJson(b4 + "/config.json")["quantization_config"]);
+
+  // Refused, naming the tensor and the cut: blocks of 8 at tp=2 (q_b's 40 rows cut at 20), at
+  // import and at convert.
+  const CommandResult cut = RunCli("import " + b8 + " --format hf --layout tp=2 --keep-fp8 -o " + (tmp / "no1"));
+  EXPECT_NE(cut.exit_code, 0);
+  EXPECT_TRUE(Contains(cut.output, "tensor 'layers.0.attn.q_b.weight' is block-scaled in blocks of [8, 8]"))
+      << cut.output;
+  EXPECT_TRUE(Contains(cut.output, "split")) << cut.output;
+  const CommandResult cut4 = RunCli("convert " + (tmp / "k1") + " --to tp=4 -o " + (tmp / "no2"));
+  EXPECT_NE(cut4.exit_code, 0);
+  EXPECT_TRUE(Contains(cut4.output, "is block-scaled in blocks of [4, 4]")) << cut4.output;
+  // What would read the FP8 bytes without their scales is refused.
+  for (const auto& [cmd, message] : std::vector<std::pair<std::string, std::string>>{
+           {"eval " + (tmp / "k1"), "with block scales (import --keep-fp8), which train and eval do not read"},
+           {"convert " + (tmp / "k1") + " --to tp=1 --param-dtype bf16 -o " + (tmp / "no3"),
+            "convert moves bytes, it does not dequantize"},
+           {"convert " + (tmp / "k1") + " --to tp=1 --format dcp -o " + (tmp / "no4"),
+            "DCP and torch_dist checkpoints are written with high-precision weights only"},
+           {"import " + kFixtures + "/deepseek_v3_tiny --format hf --layout tp=1 --keep-fp8 -o " + (tmp / "no5"),
+            "--keep-fp8, but config.json has no quantization_config"}}) {
+    const CommandResult c = RunCli(cmd);
+    EXPECT_NE(c.exit_code, 0) << cmd;
+    EXPECT_TRUE(Contains(c.output, message)) << cmd << "\n" << c.output;
+  }
+  for (const char* name : {"no1", "no2", "no3", "no4", "no5"}) EXPECT_FALSE(fs::exists(tmp / name)) << name;
 }
 
 // The same weights as torchtitan saves them (tests/fixtures/titan/make_deepseek_titan.py:

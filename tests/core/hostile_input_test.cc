@@ -10,8 +10,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <tuple>
 
 #include "core/file.h"
 #include "core/memory.h"
@@ -127,6 +129,79 @@ TEST(TensorSpecFromJson, OptimizerStateNameMustBeParamSlashState) {
   t.param = "b.w";
   t.state = "exp_avg";
   EXPECT_FALSE(CheckOptimizerStateName(t).ok());
+}
+
+// Block scales (FORMAT.md §3.3): "<param>/scale_inv" of role "scale" with the parameter's
+// name and one block extent per dim; ScaleSpecFor derives them (components in blocks, whole
+// heads staying heads) and CheckScaleSpec holds a manifest's scales to that.
+TEST(TensorSpecFromJson, BlockScalesAreDerivedFromTheirParameter) {
+  TensorSpec w;
+  w.name = "layers.0.mlp.fc1.weight";
+  w.dtype = DType::kF8E4M3;
+  w.shape = {2, 48, 20};  // [experts, 2 x 24 rows, 20 columns]
+  w.axes = {"exp", "mlp", "embed"};
+  w.expert = true;
+  w.place.layer = 0;
+  w.components = {1, 1, {{"gate", 24}, {"up", 24}}};
+  auto s = ScaleSpecFor(w, {1, 8, 8});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->name, "layers.0.mlp.fc1.weight/scale_inv");
+  EXPECT_EQ(s->shape, (Shape{2, 6, 3}));  // 20 columns: two whole blocks and a partial one
+  EXPECT_EQ(s->dtype, DType::kF32);
+  EXPECT_EQ(s->role, TensorRole::kScale);
+  EXPECT_EQ(s->axes, w.axes);
+  EXPECT_TRUE(s->expert);
+  EXPECT_EQ(s->components, (ComponentTable{1, 1, {{"gate", 3}, {"up", 3}}}));
+  // JSON round trip, and the manifest's form checked against its parameter.
+  json j;
+  to_json(j, *s);
+  EXPECT_EQ(j["role"], "scale");
+  EXPECT_EQ(j["block"], json({1, 8, 8}));
+  auto back = TensorSpecFromJson(j);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, *s);
+  EXPECT_TRUE(CheckScaleSpec(*back, w).ok());
+  TensorSpec other = *back;
+  other.shape = {2, 6, 2};
+  EXPECT_NE(CheckScaleSpec(other, w).message().find("block scales of 'layers.0.mlp.fc1.weight' must be"),
+            std::string::npos);
+  // Heads of whole blocks stay heads (a layout replicates them as it replicates the tensor's).
+  TensorSpec qkv = w;
+  qkv.shape = {2, 48, 20};
+  qkv.components = {1, 8, {{"q", 4}, {"k", 1}, {"v", 1}}};
+  auto hs = ScaleSpecFor(qkv, {1, 4, 4});
+  ASSERT_TRUE(hs.ok()) << hs.status().ToString();
+  EXPECT_EQ(hs->components, (ComponentTable{1, 2, {{"q", 4}, {"k", 1}, {"v", 1}}}));
+  // Refused, naming the tensor.
+  for (const auto& [block, dtype, message] : std::vector<std::tuple<Shape, DType, std::string>>{
+           {{1, 16, 8}, DType::kF8E4M3, "component 'gate' has 24 rows, not a whole number of 16-row blocks"},
+           {{8, 8}, DType::kF8E4M3, "needs one extent per dim"},
+           {{1, 0, 8}, DType::kF8E4M3, "has an extent below 1"},
+           {{1, 8, 8}, DType::kBF16, "block scales belong to f8_e4m3 / f8_e5m2 tensors, it is bf16"}}) {
+    TensorSpec t = w;
+    t.dtype = dtype;
+    const Status st = ScaleSpecFor(t, block).status();
+    EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("tensor 'layers.0.mlp.fc1.weight'"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(message), std::string::npos) << st.message();
+  }
+  for (const auto& [edit, message] : std::vector<std::pair<std::function<void(json&)>, std::string>>{
+           {[](json& e) { e["param"] = "layers.1.mlp.fc1.weight"; }, "the name of block scales must be"},
+           {[](json& e) { e.erase("block"); }, "field 'block'"},
+           {[](json& e) {
+              e["block"] = {1, 8};
+            },
+            "one entry per dim"},
+           {[](json& e) {
+              e["block"] = {1, -8, 8};
+            },
+            "entries must be >= 1"}}) {
+    json bad = j;
+    edit(bad);
+    const Status st = TensorSpecFromJson(bad).status();
+    EXPECT_FALSE(st.ok()) << bad.dump();
+    EXPECT_NE(st.message().find(message), std::string::npos) << st.message();
+  }
 }
 
 TEST(TensorSpecFromJson, DTypeMustBeTheSpecSpelling) {

@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/arith.h"
 #include "tests/layout/test_models.h"
 
 namespace rs {
@@ -280,6 +281,143 @@ TEST(PhysicalLayoutTest, RandomLayoutsCoverEveryTensorOnceAndMapLikeTheReference
   }
   EXPECT_GE(placed, 100);
   EXPECT_GE(flat, 30);
+}
+
+}  // namespace
+}  // namespace rs
+
+namespace rs {
+namespace {
+
+// Block scales (FP8 kept as stored, FORMAT.md §3.3) under random layouts. The reference, item
+// by item: on every rank, the local block of each local item of a quantized tensor must
+// correspond to exactly one logical block and back (a bijection between the local blocks it
+// holds and the logical blocks they hold); then the rank's local scales can describe its local
+// tensor. PhysicalMap::Create must accept exactly the layouts where this holds, and where it
+// accepts, the local scale tensor must hold, at each local block, that logical block's scale.
+TEST(PhysicalLayoutTest, BlockScalesFollowTheirTensorOnEveryRankOrTheLayoutIsRefused) {
+  std::mt19937_64 rng(77);
+  int accepted = 0, refused = 0;
+  for (int iter = 0; iter < 200; ++iter) {
+    const ModelConfig model = testing::RandomModel(rng);
+    const PhysicalLayout layout = testing::RandomPhysicalLayout(rng, model, 8);
+    std::vector<TensorSpec> tensors = ModelCheckpointTensors(model, {});
+    if (!PhysicalMap::Create(layout, tensors).ok()) continue;  // refused without scales already
+    // Quantize a random half of the matrices (not the vocab-parallel ones), blocks of 1, 2 or 4.
+    std::vector<std::pair<std::size_t, std::size_t>> quantized;  // (tensor, its scales)
+    for (std::size_t i = 0, n = tensors.size(); i < n; ++i) {
+      TensorSpec t = tensors[i];
+      if (t.shape.size() < 2 || t.vocab_size > 0 || t.role != TensorRole::kParameter || rng() % 2 == 0) continue;
+      t.dtype = DType::kF8E4M3;
+      Shape block(t.shape.size(), 1);
+      block[block.size() - 2] = testing::Pick(rng, {1, 2, 4});
+      block.back() = testing::Pick(rng, {1, 2, 4});
+      auto scale = ScaleSpecFor(t, block);
+      if (!scale.ok()) {  // only when a fused component is not whole blocks
+        ASSERT_FALSE(t.components.empty()) << scale.status().ToString();
+        continue;
+      }
+      tensors[i] = t;
+      quantized.push_back({i, tensors.size()});
+      tensors.push_back(*scale);
+    }
+    if (quantized.empty()) continue;
+    const std::string what = "layout " + layout.ToString() + " iter " + std::to_string(iter);
+    // The reference verdict, on the map without scales (the same placements of the tensors).
+    std::vector<TensorSpec> without(tensors.begin(),
+                                    tensors.begin() + static_cast<std::ptrdiff_t>(quantized[0].second));
+    without.erase(std::remove_if(without.begin(), without.end(),
+                                 [](const TensorSpec& t) { return t.role == TensorRole::kScale; }),
+                  without.end());
+    auto plain = PhysicalMap::Create(layout, without);
+    ASSERT_TRUE(plain.ok()) << what << ": " << plain.status().ToString();
+    // Per rank and tensor: local block -> logical block, as the items say (or empty when they
+    // disagree).
+    auto blocks_of = [&](const Placement& p, const TensorSpec& spec, const Shape& block,
+                         bool& consistent) -> std::map<std::int64_t, std::int64_t> {
+      std::map<std::int64_t, std::int64_t> local_to_logical, logical_to_local, held;
+      const Shape& local_shape = p.local.local_shape();
+      const Shape sl = [&] {
+        Shape s;
+        for (std::size_t d = 0; d < block.size(); ++d) s.push_back(CeilDiv(local_shape[d], block[d]));
+        return s;
+      }();
+      const Shape sg = [&] {
+        Shape s;
+        for (std::size_t d = 0; d < block.size(); ++d) s.push_back(CeilDiv(spec.shape[d], block[d]));
+        return s;
+      }();
+      for (std::int64_t li = 0; li < p.local.local_numel(); ++li) {
+        const auto item = p.local.LocalToLogical(li);
+        if (!item) continue;
+        // Row-major coordinates, local and logical, then their blocks' flat indices.
+        std::int64_t lb = 0, gb = 0, rest_l = li, rest_g = item->flat;
+        std::int64_t inner_l = p.local.local_numel(), inner_g = spec.numel();
+        for (std::size_t d = 0; d < block.size(); ++d) {
+          inner_l /= local_shape[d];
+          inner_g /= spec.shape[d];
+          lb = lb * sl[d] + rest_l / inner_l / block[d];
+          gb = gb * sg[d] + rest_g / inner_g / block[d];
+          rest_l %= inner_l;
+          rest_g %= inner_g;
+        }
+        const auto [a, fresh_a] = local_to_logical.emplace(lb, gb);
+        const auto [b, fresh_b] = logical_to_local.emplace(gb, lb);
+        if (a->second != gb || b->second != lb) consistent = false;
+        ++held[gb];
+      }
+      // And each logical block it touches is its whole: a block cut between two ranks would
+      // need its scale on both.
+      for (const auto& [gb, count] : held) {
+        std::int64_t whole = 1;
+        for (std::size_t d = block.size(), rest = 0; d-- > 0;) {
+          (void)rest;
+          std::int64_t index = gb;
+          for (std::size_t e = block.size(); --e > d;) index /= sg[e];
+          index %= sg[d];
+          whole *= std::min(block[d], spec.shape[d] - index * block[d]);
+        }
+        if (count != whole) consistent = false;
+      }
+      return local_to_logical;
+    };
+    bool holds = true;
+    for (std::int64_t rank = 0; rank < plain->num_ranks() && holds; ++rank) {
+      for (const auto& [ti, si] : quantized) {
+        const auto p = plain->Place(IndexOf(without, tensors[ti].name), rank);
+        if (p) blocks_of(*p, tensors[ti], tensors[si].block, holds);
+      }
+    }
+    auto created = PhysicalMap::Create(layout, tensors);
+    ASSERT_EQ(created.ok(), holds) << what << ": " << (created.ok() ? "accepted" : created.status().ToString());
+    if (!created.ok()) {
+      ASSERT_EQ(created.status().code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(created.status().message().find("block"), std::string::npos) << created.status().ToString();
+      ++refused;
+      continue;
+    }
+    ++accepted;
+    ExpectExactCover(*created, what);
+    for (std::int64_t rank = 0; rank < created->num_ranks(); ++rank) {
+      for (const auto& [ti, si] : quantized) {
+        const auto p = created->Place(ti, rank);
+        const auto s = created->Place(si, rank);
+        // (Under flat FSDP a rank may hold no slice of the tensor; its scales are replicated
+        // over fsdp, not sliced, so every rank of the tensor's stage holds them.)
+        if (!p) continue;
+        ASSERT_TRUE(s.has_value()) << what;
+        bool consistent = true;
+        for (const auto& [lb, gb] : blocks_of(*p, tensors[ti], tensors[si].block, consistent)) {
+          const auto item = s->local.LocalToLogical(lb);
+          ASSERT_TRUE(item.has_value()) << what << " " << tensors[si].name << " rank " << rank;
+          ASSERT_EQ(item->flat, gb) << what << " " << tensors[si].name << " rank " << rank << " local block " << lb;
+        }
+        ASSERT_TRUE(consistent) << what;
+      }
+    }
+  }
+  EXPECT_GE(accepted, 40);
+  EXPECT_GE(refused, 20);
 }
 
 }  // namespace
