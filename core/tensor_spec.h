@@ -112,7 +112,7 @@ std::string OptimizerStateName(const std::string& param, const std::string& stat
 // another parameter of the same shape. Ok for other roles.
 Status CheckOptimizerStateName(const TensorSpec& t);
 
-// Block-scaled quantized parameters (FP8 as DeepSeek-V3 ships it, FORMAT.md §3.3): parameter P
+// Block-scaled quantized parameters (FP8 as DeepSeek-V3 ships it, FORMAT.md §3.5): parameter P
 // stored as f8_e4m3 / f8_e5m2 comes with one f32 scale per block of `block` items, the tensor
 // "<P>/scale_inv" of role kScale; item x of P means stored(x) · scale_inv[x / block] (per dim,
 // rounded down). The scale tensor has P's logical axes, so a layout cuts it as it cuts P; its

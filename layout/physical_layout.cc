@@ -317,7 +317,7 @@ Result<PhysicalMap> PhysicalMap::Create(const PhysicalLayout& layout, std::vecto
 // dim's end), and the scale tensor's stretches are those divided by the block. A cut inside a
 // block would leave that block's scale on both sides of it; it is refused instead, naming the
 // tensor, the rank and the cut, so that a rank's local FP8 tensor and its local scales always
-// describe each other (FORMAT.md §3.3). Flat FSDP replicates the scales over fsdp (they are not
+// describe each other (FORMAT.md §3.5). Flat FSDP replicates the scales over fsdp (they are not
 // parameters), so the check is on the TP-local tensors there.
 Status PhysicalMap::CheckScaleBlocks(const std::map<std::string, std::size_t>& by_name,
                                      const Layout& rules_layout) const {

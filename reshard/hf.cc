@@ -753,7 +753,7 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
   if (!IsFloating(config.param_dtype)) return InvalidArgument("--param-dtype must be a floating type");
 
   // --keep-fp8: our tensors whose HF tensors are all FP8 stay FP8, each with its block scales
-  // (FORMAT.md §3.3), and the checkpoint holds no optimizer state (it is not trained as such).
+  // (FORMAT.md §3.5), and the checkpoint holds no optimizer state (it is not trained as such).
   std::set<std::string> kept;  // our tensors stored FP8
   if (options.keep_fp8) {
     if (!d->fp8) {

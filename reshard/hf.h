@@ -83,7 +83,7 @@ struct HfImportOptions {
   int threads = 0;
   bool with_replicas = false;
   // FP8 block-scaled weights (quantization_config) stored as they are, f8_e4m3 with a
-  // "<param>/scale_inv" tensor each (FORMAT.md §3.3), rather than dequantized; no optimizer
+  // "<param>/scale_inv" tensor each (FORMAT.md §3.5), rather than dequantized; no optimizer
   // state is written. InvalidArgument when config.json has no quantization_config.
   bool keep_fp8 = false;
   nlohmann::json extra_metadata = nlohmann::json::object();  // merged into the metadata (train, data)

@@ -131,7 +131,7 @@ TEST(TensorSpecFromJson, OptimizerStateNameMustBeParamSlashState) {
   EXPECT_FALSE(CheckOptimizerStateName(t).ok());
 }
 
-// Block scales (FORMAT.md §3.3): "<param>/scale_inv" of role "scale" with the parameter's
+// Block scales (FORMAT.md §3.5): "<param>/scale_inv" of role "scale" with the parameter's
 // name and one block extent per dim; ScaleSpecFor derives them (components in blocks, whole
 // heads staying heads) and CheckScaleSpec holds a manifest's scales to that.
 TEST(TensorSpecFromJson, BlockScalesAreDerivedFromTheirParameter) {

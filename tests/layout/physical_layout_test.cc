@@ -289,7 +289,7 @@ TEST(PhysicalLayoutTest, RandomLayoutsCoverEveryTensorOnceAndMapLikeTheReference
 namespace rs {
 namespace {
 
-// Block scales (FP8 kept as stored, FORMAT.md §3.3) under random layouts. The reference, item
+// Block scales (FP8 kept as stored, FORMAT.md §3.5) under random layouts. The reference, item
 // by item: on every rank, the local block of each local item of a quantized tensor must
 // correspond to exactly one logical block and back (a bijection between the local blocks it
 // holds and the logical blocks they hold); then the rank's local scales can describe its local
