@@ -4,7 +4,8 @@
 # checkpoints' layout; values random, never NaN), then times `reshard import --format hf`
 # (dequantizing to bf16 parameters, at ep=4,tp=2 under --memory-budget 256MiB) against
 # `cp -r` + `sync` of the FP8 directory and of the checkpoint import writes, in the same run,
-# with each command's peak RSS (GNU time). The generator is Python's standard library only.
+# with each command's peak RSS (GNU time); then `import --keep-fp8` and a `convert` of its
+# output to ep=8 against `cp -r` of that checkpoint. The generator is Python's standard library only.
 #
 # Usage: bench/fp8_import.sh [BUILD_DIR (build)] [SCRATCH (/tmp)] [N_EXPERTS (64; a multiple of the 8 groups)]
 # (N_EXPERTS 216 gives a 2.06 GiB FP8 directory and a 28 GiB checkpoint.)
@@ -104,3 +105,17 @@ printf '%-58s %8.2f %10s %10s %10s\n' "cp -r + sync of the FP8 directory" "$t_cp
 printf '%-58s %8.2f %10s %10s %10s\n' "cp -r + sync of the imported checkpoint" "$t_cp2" "$(gib "$(size "$DIR/imp")")" 1.00x -
 printf '%-58s %8.2f %10s %9.2fx %7d MiB\n' "import --format hf, FP8 -> bf16 (--memory-budget 256MiB)" "$t_imp" \
   "$(gib "$(size "$DIR/imp")")" "$(awk -v a="$t_cp2" -v b="$t_imp" 'BEGIN { print a / b }')" $((rss_imp / 1024))
+rm -rf "$DIR/imp" "$DIR/imp-copy"
+# FP8 kept (import --keep-fp8): the weights stay FP8 with their scales, no optimizer state; then a
+# convert to another layout, which moves weights and scales together, against cp -r of its input.
+read -r t_keep rss_keep < <(timed "$CLI" import "$DIR/hf" --format hf --layout ep=4,tp=2 --keep-fp8 \
+  --memory-budget 256MiB -o "$DIR/keep")
+sync
+read -r t_cp3 _ < <(timed bash -c "cp_sync '$DIR/keep' '$DIR/keep-copy'")
+rm -rf "$DIR/keep-copy"
+read -r t_conv rss_conv < <(timed "$CLI" convert "$DIR/keep" --to ep=8 --memory-budget 256MiB -o "$DIR/keep-ep8")
+printf '%-58s %8.2f %10s %10s %10s\n' "cp -r + sync of the FP8-kept checkpoint" "$t_cp3" "$(gib "$(size "$DIR/keep")")" 1.00x -
+printf '%-58s %8.2f %10s %9.2fx %7d MiB\n' "import --keep-fp8 (ep=4,tp=2, --memory-budget 256MiB)" "$t_keep" \
+  "$(gib "$(size "$DIR/keep")")" "$(awk -v a="$t_cp3" -v b="$t_keep" 'BEGIN { print a / b }')" $((rss_keep / 1024))
+printf '%-58s %8.2f %10s %9.2fx %7d MiB\n' "convert FP8-kept ep=4,tp=2 -> ep=8 (--memory-budget 256MiB)" "$t_conv" \
+  "$(gib "$(size "$DIR/keep-ep8")")" "$(awk -v a="$t_cp3" -v b="$t_conv" 'BEGIN { print a / b }')" $((rss_conv / 1024))

@@ -1,6 +1,7 @@
 #include "core/model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <variant>
 
@@ -205,6 +206,28 @@ Status ModelConfig::Validate() const {
   if (family.empty() || family.size() > 64) return bad("family", "must be a family name (1 to 64 characters)");
   if (!(norm_eps > 0)) return bad("norm_eps", "must be > 0");
   if (!(rope_theta > 0)) return bad("rope_theta", "must be > 0");
+  if (!(yarn_factor >= 0) || yarn_factor > 1e6) return bad("yarn_factor", "must be in [0, 1e6] (0: no YaRN)");
+  if (yarn_factor == 0) {
+    const ModelConfig plain;
+    const YarnParams a = yarn(), b = plain.yarn();
+    if (a.original_max_pos != b.original_max_pos || a.beta_fast != b.beta_fast || a.beta_slow != b.beta_slow ||
+        a.mscale != b.mscale || a.mscale_all_dim != b.mscale_all_dim || a.attention_factor != b.attention_factor ||
+        a.truncate != b.truncate) {
+      return bad("yarn_factor", "is 0 (no YaRN) but other yarn_ fields are set");
+    }
+  } else {
+    if (yarn_original_max_pos < 1 || yarn_original_max_pos > (std::int64_t{1} << 40)) {
+      return bad("yarn_original_max_pos", "must be in [1, 2^40] with YaRN");
+    }
+    for (const auto& [field, v] : {std::pair{"yarn_beta_fast", yarn_beta_fast}, {"yarn_beta_slow", yarn_beta_slow}}) {
+      if (!(v > 0) || v > 1e6) return bad(field, "must be in (0, 1e6]");
+    }
+    for (const auto& [field, v] : {std::pair{"yarn_mscale", yarn_mscale},
+                                   {"yarn_mscale_all_dim", yarn_mscale_all_dim},
+                                   {"yarn_attention_factor", yarn_attention_factor}}) {
+      if (!(v >= 0) || v > 1e6) return bad(field, "must be in [0, 1e6] (0: not given)");
+    }
+  }
   // Each dim is in range; their products must be too (sizes of tensors, of the model).
   if (ParameterCount(*this).overflow) {
     return InvalidArgument("model '" + name + "': its parameter count overflows int64 (vocab_size " +
@@ -271,6 +294,14 @@ const FieldRow kFields[] = {
     {"shared_ffn", &ModelConfig::shared_ffn, Write::kAlways},
     {"max_seq_len", &ModelConfig::max_seq_len, Write::kAlways},
     {"rope_theta", &ModelConfig::rope_theta, Write::kAlways},
+    {"yarn_factor", &ModelConfig::yarn_factor, Write::kUnlessDefault},
+    {"yarn_original_max_pos", &ModelConfig::yarn_original_max_pos, Write::kUnlessDefault},
+    {"yarn_beta_fast", &ModelConfig::yarn_beta_fast, Write::kUnlessDefault},
+    {"yarn_beta_slow", &ModelConfig::yarn_beta_slow, Write::kUnlessDefault},
+    {"yarn_mscale", &ModelConfig::yarn_mscale, Write::kUnlessDefault},
+    {"yarn_mscale_all_dim", &ModelConfig::yarn_mscale_all_dim, Write::kUnlessDefault},
+    {"yarn_attention_factor", &ModelConfig::yarn_attention_factor, Write::kUnlessDefault},
+    {"yarn_truncate", &ModelConfig::yarn_truncate, Write::kUnlessDefault},
     {"norm_eps", &ModelConfig::norm_eps, Write::kAlways},
     {"param_dtype", &ModelConfig::param_dtype, Write::kAlways},
     {"router", &ModelConfig::router, Write::kAlways},
@@ -610,6 +641,50 @@ ModelTensors DeclareModel(const ModelConfig& c) {
 }
 
 std::vector<TensorSpec> ModelParameters(const ModelConfig& c) { return DeclareModel(c).specs; }
+
+double YarnParams::Mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+double YarnParams::AttentionFactor() const {
+  if (!on()) return 1.0;
+  if (attention_factor > 0) return attention_factor;
+  if (mscale > 0 && mscale_all_dim > 0) return Mscale(factor, mscale) / Mscale(factor, mscale_all_dim);
+  return Mscale(factor, 1.0);
+}
+
+double YarnParams::SoftmaxFactor() const {
+  if (!on() || mscale_all_dim <= 0) return 1.0;
+  const double m = Mscale(factor, mscale_all_dim);
+  return m * m;
+}
+
+std::vector<double> YarnParams::InvFreq(std::int64_t dim, double theta) const {
+  const std::int64_t half = dim / 2;
+  std::vector<double> inv(static_cast<std::size_t>(half));
+  const auto d = static_cast<double>(dim);
+  for (std::int64_t i = 0; i < half; ++i)
+    inv[static_cast<std::size_t>(i)] = std::pow(theta, -2.0 * static_cast<double>(i) / d);
+  if (!on()) return inv;
+  // The dim whose wavelength makes `rotations` turns over the original context.
+  const auto correction_dim = [&](double rotations) {
+    return d * std::log(static_cast<double>(original_max_pos) / (rotations * 2.0 * M_PI)) / (2.0 * std::log(theta));
+  };
+  double low = correction_dim(beta_fast), high = correction_dim(beta_slow);
+  if (truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, d - 1.0);
+  if (low == high) high += 0.001;
+  for (std::int64_t i = 0; i < half; ++i) {
+    // Pairs below `low` keep their frequency (extrapolation), above `high` are divided by the
+    // factor (interpolation), linearly in between.
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    const double plain = inv[static_cast<std::size_t>(i)];
+    inv[static_cast<std::size_t>(i)] = plain / factor * ramp + plain * (1.0 - ramp);
+  }
+  return inv;
+}
 
 std::vector<TensorSpec> ModelCheckpointTensors(const ModelConfig& c, const std::vector<std::string>& states) {
   std::vector<TensorSpec> out = ModelParameters(c);

@@ -23,6 +23,33 @@ enum class RouterKind : std::uint8_t {
 std::string_view RouterKindName(RouterKind k);
 Result<RouterKind> ParseRouterKind(std::string_view name);
 
+// YaRN RoPE scaling (the "yarn" rope type of transformers' `_compute_yarn_parameters` and
+// Megatron-Core's YarnRotaryEmbedding; DeepSeek-V3's long-context setting; train/MODEL.md §2):
+// rotary frequencies blended between plain and interpolated by `factor` over the dims whose
+// wavelengths fall between beta_fast and beta_slow rotations of original_max_pos, and cos / sin
+// multiplied by an attention factor. Off when factor is 0.
+struct YarnParams {
+  double factor = 0.0;
+  std::int64_t original_max_pos = 0;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 0.0;            // 0: not given
+  double mscale_all_dim = 0.0;    // 0: not given
+  double attention_factor = 0.0;  // 0: derived from factor and the mscales
+  bool truncate = true;           // the correction range rounded outwards to whole dims
+  bool on() const { return factor > 0; }
+  // 0.1 · m · ln(scale) + 1 for scale > 1, else 1 (YaRN's "get_mscale").
+  static double Mscale(double scale, double m);
+  // The factor on cos and sin: attention_factor when given; with both mscales given
+  // Mscale(factor, mscale) / Mscale(factor, mscale_all_dim); else Mscale(factor, 1). 1 when off.
+  double AttentionFactor() const;
+  // Multi-latent attention's extra softmax factor (DeepSeek-V3, Megatron-Core MLA):
+  // Mscale(factor, mscale_all_dim)² when on and mscale_all_dim is given, else 1.
+  double SoftmaxFactor() const;
+  // The inverse frequency of each of the dim / 2 rotary pairs under base `theta`, in double.
+  std::vector<double> InvFreq(std::int64_t dim, double theta) const;
+};
+
 struct ModelConfig {
   std::string name = "tiny-moe";
   // The model family (models/: its Hugging Face, Megatron-Core and torchtitan names and config
@@ -53,6 +80,19 @@ struct ModelConfig {
   double norm_weight_offset() const { return norm_zero_centered ? 1.0 : 0.0; }
   std::int64_t max_seq_len = 64;
   double rope_theta = 10000.0;
+  // YaRN (YarnParams; yarn_factor 0 = plain RoPE).
+  double yarn_factor = 0.0;
+  std::int64_t yarn_original_max_pos = 0;
+  double yarn_beta_fast = 32.0;
+  double yarn_beta_slow = 1.0;
+  double yarn_mscale = 0.0;
+  double yarn_mscale_all_dim = 0.0;
+  double yarn_attention_factor = 0.0;
+  bool yarn_truncate = true;
+  YarnParams yarn() const {
+    return {yarn_factor, yarn_original_max_pos, yarn_beta_fast,        yarn_beta_slow,
+            yarn_mscale, yarn_mscale_all_dim,   yarn_attention_factor, yarn_truncate};
+  }
   double norm_eps = 1e-5;
   DType param_dtype = DType::kF32;  // storage dtype of parameters in checkpoints
   // Router.

@@ -128,9 +128,12 @@ std::string ModelFamilyTable();
 // Helpers the families' config binders share.
 std::string TorchDTypeName(DType t);                    // "bfloat16"; "" for none
 std::optional<DType> DTypeFromTorch(std::string name);  // "torch.bfloat16", "bfloat16", "float" ...
-// rope_theta from rope_parameters (transformers 5) / rope_scaling / rope_theta; a scaled RoPE
-// is appended to `diffs`.
-Result<double> ReadRopeTheta(const HfConfigFields& f, double fallback, std::vector<std::string>& diffs);
+// rope_theta from rope_parameters (transformers 5) / rope_scaling / rope_theta, and YaRN's
+// settings (rope type "yarn") into c.yarn_*; another scaled RoPE is appended to `diffs`.
+// c.max_seq_len must be read first (YaRN's factor may default to it over the original length).
+Status ReadRope(const HfConfigFields& f, double fallback, ModelConfig& c, std::vector<std::string>& diffs);
+// rope_parameters as transformers 5 writes them: rope_type "default" or "yarn" with its fields.
+nlohmann::json HfRopeParameters(const ModelConfig& c);
 // What Llama-family decoders spell alike: vocab_size, hidden_size, num_hidden_layers,
 // num_attention_heads, num_key_value_heads, head_dim (default d / heads), max_position_embeddings
 // and rms_norm_eps (the family's defaults), RoPE theta; and what our model cannot express is

@@ -190,6 +190,35 @@ Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::st
     c.head_dim = nope + c.mla_rope_dim;
     c.n_kv_heads = c.n_heads;
     c.rope_interleave = true;
+    // RoPE of MLA: Megatron's MLATransformerConfig defaults rope_type to "yarn" (Megatron-LM's
+    // --rope-type None); YarnRotaryEmbedding multiplies cos / sin by Mscale(f, mscale) /
+    // Mscale(f, mscale_all_dim) whatever the mscales (kept as the explicit attention factor, so
+    // that HF's rule for absent mscales does not apply), and MultiLatentAttention's softmax by
+    // Mscale(f, mscale_all_dim)² even under plain RoPE.
+    RS_ASSIGN_OR_RETURN(const std::string rope, a.Text("rope_type", "yarn"));
+    RS_ASSIGN_OR_RETURN(const double factor, a.Real("rotary_scaling_factor", 1.0));
+    RS_ASSIGN_OR_RETURN(const double mscale, a.Real("mscale", 1.0));
+    RS_ASSIGN_OR_RETURN(const double mscale_all_dim, a.Real("mscale_all_dim", 0.0));
+    if (rope == "yarn" && factor != 1.0) {  // (a factor of 1 is plain RoPE: Mscale(1, m) = 1)
+      if (!(factor > 0)) return a.Bad("rotary_scaling_factor", "must be > 0");
+      c.yarn_factor = factor;
+      RS_ASSIGN_OR_RETURN(c.yarn_original_max_pos, a.Int("original_max_position_embeddings", 4096));
+      RS_ASSIGN_OR_RETURN(c.yarn_beta_fast, a.Real("beta_fast", 32.0));
+      RS_ASSIGN_OR_RETURN(c.yarn_beta_slow, a.Real("beta_slow", 1.0));
+      c.yarn_mscale = mscale;
+      c.yarn_mscale_all_dim = mscale_all_dim;
+      // Explicit only where HF's rule (Mscale(f, 1) unless both mscales are given) differs.
+      const double megatron = YarnParams::Mscale(factor, mscale) / YarnParams::Mscale(factor, mscale_all_dim);
+      if (std::abs(c.yarn().AttentionFactor() - megatron) > 1e-12 * megatron) c.yarn_attention_factor = megatron;
+    } else if (rope == "rope" || rope == "yarn") {
+      if (rope == "rope" && YarnParams::Mscale(factor, mscale_all_dim) != 1.0) {
+        return a.Cannot("mscale_all_dim",
+                        "scales MLA's softmax under plain RoPE (rope_type 'rope'); ours does so "
+                        "only with YaRN");
+      }
+    } else {
+      return a.Cannot("rope_type", "is '" + rope + "' (rope or yarn are mapped)");
+    }
   } else {
     c.qk_norm = qk_layernorm;
   }
@@ -215,6 +244,16 @@ Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t 
     return Unimplemented("model field '" + std::string(field) + "' " + why + ": Megatron-LM's arguments cannot say it");
   };
   if (m.shared_gate) return cannot("shared_gate", "is true (a gated shared expert)");
+  if (const YarnParams y = m.yarn(); y.on()) {
+    if (!m.IsMla()) return cannot("yarn_factor", "is set on a model without multi-latent attention");
+    // Megatron's cos / sin factor is always Mscale(f, mscale) / Mscale(f, mscale_all_dim).
+    const double megatron = YarnParams::Mscale(y.factor, y.mscale) / YarnParams::Mscale(y.factor, y.mscale_all_dim);
+    if (std::abs(y.AttentionFactor() - megatron) > 1e-12 * megatron) {
+      return cannot("yarn_attention_factor", "gives cos / sin a factor " + std::to_string(y.AttentionFactor()) +
+                                                 " where Megatron's mscales give " + std::to_string(megatron));
+    }
+    if (!y.truncate) return cannot("yarn_truncate", "is false");
+  }
   if (m.attn_output_gate) return cannot("attn_output_gate", "is true");
   if (m.norm_zero_centered) return cannot("norm_zero_centered", "is true");
   if (m.router == RouterKind::kSigmoidBias && !m.router_norm_topk && m.top_k > 1) {
@@ -292,6 +331,16 @@ Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t 
     a["qk_head_dim"] = m.mla_nope_dim();
     a["qk_pos_emb_head_dim"] = m.mla_rope_dim;
     a["v_head_dim"] = m.mla_v_dim;
+    const YarnParams y = m.yarn();
+    a["rope_type"] = y.on() ? "yarn" : "rope";
+    a["rotary_scaling_factor"] = y.on() ? y.factor : 1.0;
+    a["mscale"] = y.on() ? y.mscale : 1.0;
+    a["mscale_all_dim"] = y.on() ? y.mscale_all_dim : 0.0;
+    if (y.on()) {
+      a["original_max_position_embeddings"] = y.original_max_pos;
+      a["beta_fast"] = y.beta_fast;
+      a["beta_slow"] = y.beta_slow;
+    }
   }
   if (m.full_attn_interval > 0) {
     a["linear_attention_freq"] = m.full_attn_interval;

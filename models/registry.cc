@@ -1,9 +1,11 @@
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <mutex>
 
 #include "core/check.h"
+#include "core/text.h"
 #include "models/family.h"
 
 namespace rs {
@@ -199,24 +201,80 @@ std::optional<DType> DTypeFromTorch(std::string s) {
   return std::nullopt;
 }
 
-Result<double> ReadRopeTheta(const HfConfigFields& f, double fallback, std::vector<std::string>& diffs) {
-  RS_ASSIGN_OR_RETURN(double theta, f.Real("rope_theta", fallback));
+namespace {
+
+// A number field of a rope_parameters / rope_scaling object: `fallback` when absent or null.
+Result<double> RopeNumber(const HfConfigFields& f, const std::string& key, const nlohmann::json& r, const char* field,
+                          double fallback) {
+  if (!r.contains(field) || r[field].is_null()) return fallback;
+  if (!r[field].is_number()) return InvalidArgument(f.what() + ": '" + key + "." + field + "' is not a number");
+  const double v = r[field].get<double>();
+  if (!std::isfinite(v)) return InvalidArgument(f.what() + ": '" + key + "." + field + "' is not finite");
+  return v;
+}
+
+// YaRN as transformers' _compute_yarn_parameters reads it: factor (null: max_position_embeddings
+// / original_max_position_embeddings), beta_fast / beta_slow (0 or null: 32 / 1), mscale,
+// mscale_all_dim and attention_factor (null: not given), truncate (default true).
+Status ReadYarn(const HfConfigFields& f, const std::string& key, const nlohmann::json& r, ModelConfig& c) {
+  const std::string what = f.what() + ": '" + key + "'";
+  if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer()) {
+    return InvalidArgument(what + " of type 'yarn' needs an integer 'original_max_position_embeddings'");
+  }
+  c.yarn_original_max_pos = r["original_max_position_embeddings"].get<std::int64_t>();
+  if (c.yarn_original_max_pos < 1) return InvalidArgument(what + ".original_max_position_embeddings must be >= 1");
+  RS_ASSIGN_OR_RETURN(c.yarn_factor,
+                      RopeNumber(f, key, r, "factor",
+                                 static_cast<double>(c.max_seq_len) / static_cast<double>(c.yarn_original_max_pos)));
+  if (!(c.yarn_factor > 0)) return InvalidArgument(what + ".factor must be > 0");
+  RS_ASSIGN_OR_RETURN(c.yarn_beta_fast, RopeNumber(f, key, r, "beta_fast", 0.0));
+  RS_ASSIGN_OR_RETURN(c.yarn_beta_slow, RopeNumber(f, key, r, "beta_slow", 0.0));
+  if (c.yarn_beta_fast == 0) c.yarn_beta_fast = 32.0;  // Python's `or 32`
+  if (c.yarn_beta_slow == 0) c.yarn_beta_slow = 1.0;
+  RS_ASSIGN_OR_RETURN(c.yarn_mscale, RopeNumber(f, key, r, "mscale", 0.0));
+  RS_ASSIGN_OR_RETURN(c.yarn_mscale_all_dim, RopeNumber(f, key, r, "mscale_all_dim", 0.0));
+  RS_ASSIGN_OR_RETURN(c.yarn_attention_factor, RopeNumber(f, key, r, "attention_factor", 0.0));
+  if (r.contains("truncate") && !r["truncate"].is_null()) {
+    if (!r["truncate"].is_boolean()) return InvalidArgument(what + ".truncate is not true or false");
+    c.yarn_truncate = r["truncate"].get<bool>();
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ReadRope(const HfConfigFields& f, double fallback, ModelConfig& c, std::vector<std::string>& diffs) {
+  RS_ASSIGN_OR_RETURN(c.rope_theta, f.Real("rope_theta", fallback));
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
-    if (!f.Has(key)) continue;
+    if (!f.Has(key) || f[key].is_null()) continue;
     const nlohmann::json& r = f[key];
     if (!r.is_object()) return InvalidArgument(f.what() + ": '" + key + "' is not an object");
     std::string type = "default";
     for (const char* k : {"rope_type", "type"}) {
       if (r.contains(k) && r[k].is_string()) type = r[k].get<std::string>();
     }
-    if (type != "default") {
-      diffs.push_back(std::string(key) + " of type '" + type + "' (our RoPE is unscaled)");
-    } else if (r.contains("rope_theta")) {
-      if (!r["rope_theta"].is_number()) return InvalidArgument(f.what() + ": '" + key + ".rope_theta' is not a number");
-      theta = r["rope_theta"].get<double>();
+    if (type != "default" && type != "yarn") {
+      diffs.push_back(std::string(key) + " of type '" + SafeText(type) + "' (our RoPE is plain or YaRN)");
+      continue;
     }
+    RS_ASSIGN_OR_RETURN(c.rope_theta, RopeNumber(f, key, r, "rope_theta", c.rope_theta));
+    if (type == "yarn") RS_RETURN_IF_ERROR(ReadYarn(f, key, r, c));
   }
-  return theta;
+  return Status::Ok();
+}
+
+nlohmann::json HfRopeParameters(const ModelConfig& c) {
+  nlohmann::json r = {{"rope_type", c.yarn().on() ? "yarn" : "default"}, {"rope_theta", c.rope_theta}};
+  if (!c.yarn().on()) return r;
+  r["factor"] = c.yarn_factor;
+  r["original_max_position_embeddings"] = c.yarn_original_max_pos;
+  r["beta_fast"] = c.yarn_beta_fast;
+  r["beta_slow"] = c.yarn_beta_slow;
+  if (c.yarn_mscale > 0) r["mscale"] = c.yarn_mscale;
+  if (c.yarn_mscale_all_dim > 0) r["mscale_all_dim"] = c.yarn_mscale_all_dim;
+  if (c.yarn_attention_factor > 0) r["attention_factor"] = c.yarn_attention_factor;
+  if (!c.yarn_truncate) r["truncate"] = false;
+  return r;
 }
 
 Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, ModelConfig& c,
@@ -230,7 +288,7 @@ Status ReadLlamaConfig(const HfConfigFields& f, const LlamaDefaults& defaults, M
   RS_ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim", c.d_model / c.n_heads));
   RS_ASSIGN_OR_RETURN(c.max_seq_len, f.Int("max_position_embeddings", defaults.max_position_embeddings));
   RS_ASSIGN_OR_RETURN(c.norm_eps, f.Real("rms_norm_eps", defaults.rms_norm_eps));
-  RS_ASSIGN_OR_RETURN(c.rope_theta, ReadRopeTheta(f, defaults.rope_theta, diffs));
+  RS_RETURN_IF_ERROR(ReadRope(f, defaults.rope_theta, c, diffs));
   RS_ASSIGN_OR_RETURN(const double partial_rotary, f.Real("partial_rotary_factor", 1.0));
   if (partial_rotary != 1.0)
     diffs.push_back("partial_rotary_factor " + std::to_string(partial_rotary) + " (we rotate whole heads)");

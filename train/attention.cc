@@ -45,17 +45,19 @@ void ApplyRopeInterleaved(T* x, std::int64_t n_heads, std::int64_t head_dim, std
 }
 
 template <typename T>
-void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vector<T>& cos, std::vector<T>& sin) {
+void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vector<T>& cos, std::vector<T>& sin,
+               const YarnParams& yarn) {
   const std::int64_t half = dim / 2;
   cos.resize(static_cast<std::size_t>(positions * half));
   sin.resize(cos.size());
+  const std::vector<double> inv_freq = yarn.InvFreq(dim, theta);
+  const double factor = yarn.AttentionFactor();
   for (std::int64_t p = 0; p < positions; ++p) {
     for (std::int64_t i = 0; i < half; ++i) {
       // Angles in double, then rounded once to T (MODEL.md states this precisely).
-      const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
-      const double angle = static_cast<double>(p) * inv_freq;
-      cos[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::cos(angle));
-      sin[static_cast<std::size_t>(p * half + i)] = static_cast<T>(std::sin(angle));
+      const double angle = static_cast<double>(p) * inv_freq[static_cast<std::size_t>(i)];
+      cos[static_cast<std::size_t>(p * half + i)] = static_cast<T>(factor * std::cos(angle));
+      sin[static_cast<std::size_t>(p * half + i)] = static_cast<T>(factor * std::sin(angle));
     }
   }
 }
@@ -120,7 +122,7 @@ void Attention<T>::Rope(T* row, std::int64_t pos, RopeDirection dir) const {
 template <typename T>
 void Attention<T>::EnsureRopeTable(std::int64_t seq) {
   if (rope_seq_ == seq) return;
-  RopeTable(seq, s_.rope_dim(), s_.rope_theta, cos_, sin_);
+  RopeTable(seq, s_.rope_dim(), s_.rope_theta, cos_, sin_, s_.yarn);
   rope_seq_ = seq;
 }
 
@@ -325,12 +327,12 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   Gemm<T>(Trans::kYes, Trans::kNo, w, d, n, T(1), dqkv.data(), w, x_, d, T(1), dwqkv, d);
 }
 
-#define RS_ATTENTION_HELPERS(T)                                                                           \
-  template void ApplyRopeInterleaved<T>(T*, std::int64_t, std::int64_t, std::int64_t, const T*, const T*, \
-                                        RopeDirection);                                                   \
-  template void RopeTable<T>(std::int64_t, std::int64_t, double, std::vector<T>&, std::vector<T>&);       \
-  template void CausalSoftmaxRows<T>(T*, std::int64_t, std::int64_t, std::int64_t);                       \
-  template void CausalSoftmaxRowsLse<T>(T*, std::int64_t, std::int64_t, std::int64_t, T*);                \
+#define RS_ATTENTION_HELPERS(T)                                                                                        \
+  template void ApplyRopeInterleaved<T>(T*, std::int64_t, std::int64_t, std::int64_t, const T*, const T*,              \
+                                        RopeDirection);                                                                \
+  template void RopeTable<T>(std::int64_t, std::int64_t, double, std::vector<T>&, std::vector<T>&, const YarnParams&); \
+  template void CausalSoftmaxRows<T>(T*, std::int64_t, std::int64_t, std::int64_t);                                    \
+  template void CausalSoftmaxRowsLse<T>(T*, std::int64_t, std::int64_t, std::int64_t, T*);                             \
   template void CausalSoftmaxBackwardRows<T>(const T*, T*, std::int64_t, std::int64_t, std::int64_t);
 RS_ATTENTION_HELPERS(float)
 RS_ATTENTION_HELPERS(double)

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/model.h"
 #include "train/model_parallel.h"
 
 namespace rs::train {
@@ -18,6 +19,7 @@ struct AttentionShape {
   double rope_theta = 10000.0;
   bool output_gate = false;     // QKV rows [q; gate; k; v]: each head's output × sigmoid(its gate)
   std::int64_t rotary_dim = 0;  // rotate the first rotary_dim values of each head (0: all)
+  YarnParams yarn{};            // YaRN RoPE scaling (off by default)
   std::int64_t rope_dim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   std::int64_t key_offset() const { return (output_gate ? 2 : 1) * n_heads * head_dim; }  // in a QKV row
   std::int64_t qkv_width() const { return key_offset() + 2 * n_kv_heads * head_dim; }
@@ -36,9 +38,11 @@ void ApplyRope(T* x, std::int64_t n_heads, std::int64_t head_dim, const T* cos, 
 template <typename T>
 void ApplyRopeInterleaved(T* x, std::int64_t n_heads, std::int64_t head_dim, std::int64_t stride, const T* cos,
                           const T* sin, RopeDirection dir);
-// cos / sin [positions, dim/2] of angle p · theta^(−2i/dim), computed in double.
+// cos / sin [positions, dim/2] of angle p · theta^(−2i/dim), computed in double; under YaRN the
+// angle uses YarnParams::InvFreq and both are multiplied by its AttentionFactor.
 template <typename T>
-void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vector<T>& cos, std::vector<T>& sin);
+void RopeTable(std::int64_t positions, std::int64_t dim, double theta, std::vector<T>& cos, std::vector<T>& sin,
+               const YarnParams& yarn = {});
 
 // Row i of the scores p [rows, cols] (query at global position first + i) becomes its causal
 // softmax over keys 0..first+i, zeros after.

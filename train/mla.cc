@@ -38,7 +38,7 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   x_ = x;
   const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
   if (rope_seq_ != total) {
-    RopeTable(total, s_.rope_dim, s_.rope_theta, cos_, sin_);
+    RopeTable(total, s_.rope_dim, s_.rope_theta, cos_, sin_, s_.yarn);
     rope_seq_ = total;
   }
   const std::int64_t d = s_.d_model, h = s_.n_heads, dh = s_.head_dim, dr = s_.rope_dim, dn = s_.nope_dim();
@@ -102,7 +102,7 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   }
   probs_.resize(sz(batch * h * seq * total));
   ctx_.resize(sz(n * c));
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
+  const T scale = static_cast<T>(s_.yarn.SoftmaxFactor() / std::sqrt(static_cast<double>(dh)));
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t j = 0; j < h; ++j) {
       T* p = probs_.data() + (b * h + j) * seq * total;
@@ -127,7 +127,7 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
   const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
   const std::int64_t n = batch * seq, nk = batch * total, qw = h * dh, kvw = h * (dn + dv), cw = rkv + dr, c = h * dv;
   const auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
+  const T scale = static_cast<T>(s_.yarn.SoftmaxFactor() / std::sqrt(static_cast<double>(dh)));
 
   std::vector<T> dctx(sz(n * c));
   Gemm<T>(Trans::kNo, Trans::kNo, n, c, d, T(1), dy, d, w.out, c, T(0), dctx.data(), c);

@@ -28,6 +28,7 @@ struct MlaShape {
   double rope_theta = 10000.0;
   bool rope_interleave = false;
   double norm_eps = 1e-6;
+  YarnParams yarn{};  // YaRN RoPE scaling, and its softmax factor (YarnParams::SoftmaxFactor)
   std::int64_t nope_dim() const { return head_dim - rope_dim; }
 };
 

@@ -201,7 +201,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
                         c_.head_dim,        c_.mla_rope_dim,
                         c_.mla_v_dim,       c_.mla_q_rank,
                         c_.mla_kv_rank,     c_.rope_theta,
-                        c_.rope_interleave, c_.norm_eps};
+                        c_.rope_interleave, c_.norm_eps,
+                        c_.yarn()};
     } else {
       RS_CHECK_MSG(t.attn.qkv != kNoTensor, "layer " << i << " has no softmax attention");
       // The rank's heads, read off its local tensors: out [d, nq_l·dh], qkv [(nq_l + 2·nkv_l)·dh, d].
@@ -209,7 +210,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       const std::int64_t nq = dim(t.attn.out, 1) / c_.head_dim;
       const std::int64_t nkv = (dim(t.attn.qkv, 0) / c_.head_dim - (c_.attn_output_gate ? 2 : 1) * nq) / 2;
       RS_CHECK_MSG(nq >= 1 && nkv >= 1 && nq % nkv == 0, "local attention of " << nq << " / " << nkv << " heads");
-      l->attn = AttentionShape{c_.d_model, nq, nkv, c_.head_dim, c_.rope_theta, c_.attn_output_gate, c_.rotary_dim};
+      l->attn = AttentionShape{c_.d_model,    nq,       nkv, c_.head_dim, c_.rope_theta, c_.attn_output_gate,
+                               c_.rotary_dim, c_.yarn()};
       l->qkv = t.attn.qkv;
       l->q_norm = t.attn.q_norm;
       l->k_norm = t.attn.k_norm;

@@ -78,7 +78,7 @@ Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
                         {"max_position_embeddings", c.max_seq_len},
                         {"rms_norm_eps", c.norm_eps},
                         {"rope_theta", c.rope_theta},
-                        {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+                        {"rope_parameters", HfRopeParameters(c)},
                         {"tie_word_embeddings", false},
                         {"attention_bias", false},
                         {"attention_dropout", 0.0},

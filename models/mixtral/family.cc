@@ -69,7 +69,7 @@ Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
                         {"hidden_act", "silu"},
                         {"rms_norm_eps", c.norm_eps},
                         {"rope_theta", c.rope_theta},
-                        {"rope_scaling", nullptr},
+                        {"rope_scaling", c.yarn().on() ? HfRopeParameters(c) : nlohmann::json()},
                         {"sliding_window", nullptr},
                         {"vocab_size", c.vocab_size},
                         {"max_position_embeddings", c.max_seq_len},

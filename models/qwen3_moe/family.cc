@@ -58,7 +58,7 @@ Result<nlohmann::json> WriteConfig(const ModelConfig& c, DType dtype) {
                         {"hidden_act", "silu"},
                         {"rms_norm_eps", c.norm_eps},
                         {"rope_theta", c.rope_theta},
-                        {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+                        {"rope_parameters", HfRopeParameters(c)},
                         {"max_position_embeddings", c.max_seq_len},
                         {"tie_word_embeddings", false},
                         {"attention_bias", false},

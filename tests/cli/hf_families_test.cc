@@ -216,7 +216,7 @@ TEST(HfFamilies, ModelsListsTheFamilies) {
 // layouts that cut the heads (the q/k norms stay whole) and the experts.
 TEST(HfFamilies, Qwen3MoeImportReproducesTransformersLoss) {
   TempDir tmp;
-  for (const char* name : {"qwen3_moe_tiny", "qwen3_moe_step2"}) {
+  for (const char* name : {"qwen3_moe_tiny", "qwen3_moe_step2", "qwen3_moe_yarn"}) {
     SCOPED_TRACE(name);
     const std::string dir = kFixtures + "/" + name;
     const double expected = ReadJson(dir + "/expected.json")["mean_ce"].get<double>();
@@ -432,7 +432,7 @@ TEST(HfFamilies, Qwen3MoeBadInputIsRefused) {
 // loss at layouts that cut the heads (the down projections stay whole) and the experts.
 TEST(HfFamilies, DeepSeekV3ImportReproducesTransformersLoss) {
   TempDir tmp;
-  for (const char* name : {"deepseek_v3_tiny", "deepseek_v3_noq"}) {
+  for (const char* name : {"deepseek_v3_tiny", "deepseek_v3_noq", "deepseek_v3_yarn"}) {
     SCOPED_TRACE(name);
     const std::string dir = kFixtures + "/" + name;
     const double expected = ReadJson(dir + "/expected.json")["mean_ce"].get<double>();
@@ -460,7 +460,7 @@ TEST(HfFamilies, DeepSeekV3ImportReproducesTransformersLoss) {
 // bias included), and the config fields transformers reads.
 TEST(HfFamilies, DeepSeekV3ExportWritesTransformersNamesAndConfig) {
   TempDir tmp;
-  for (const char* name : {"deepseek_v3_tiny", "deepseek_v3_noq"}) {
+  for (const char* name : {"deepseek_v3_tiny", "deepseek_v3_noq", "deepseek_v3_yarn"}) {
     SCOPED_TRACE(name);
     const std::string src = kFixtures + "/" + name;
     const std::string imp = tmp / (std::string(name) + "-imp"), hf = tmp / (std::string(name) + "-hf");
@@ -469,10 +469,11 @@ TEST(HfFamilies, DeepSeekV3ExportWritesTransformersNamesAndConfig) {
     ASSERT_EQ(e.exit_code, 0) << e.output;
     EXPECT_TRUE(Contains(e.output, "(deepseek_v3, f32)")) << e.output;
     const nlohmann::json theirs = ReadJson(src + "/config.json"), ours = ReadJson(hf + "/config.json");
-    for (const char* key : {"model_type", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
-                            "topk_group", "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor",
-                            "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                            "rope_interleave", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"}) {
+    for (const char* key :
+         {"model_type", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+          "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor", "q_lora_rank", "kv_lora_rank",
+          "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave", "num_key_value_heads",
+          "intermediate_size", "moe_intermediate_size", "rope_parameters"}) {
       EXPECT_EQ(ours[key], theirs[key]) << key;
     }
     // Export writes per-expert names; the fused fixture is compared after a re-import.
@@ -686,37 +687,48 @@ TEST(HfFamilies, DeepSeekV3BadInputIsRefused) {
   const std::string src = kFixtures + "/deepseek_v3_tiny";
   const Shape wrong{40, 8};
   ExpectImportRefused(
-      src, {{"awq",
-             [](nlohmann::json& c, const std::string&) {
-               c["quantization_config"] = {{"quant_method", "awq"}};
-             },
-             "config.json: quantization_config.quant_method 'awq' is not read"},
-            {"fp8_no_blocks",
-             [](nlohmann::json& c, const std::string&) {
-               c["quantization_config"] = {{"quant_method", "fp8"}};
-             },
-             "config.json: quantization_config.weight_block_size must be two integers"},
-            {"yarn",
-             [](nlohmann::json& c, const std::string&) {
-               c["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 40}, {"rope_theta", 5000.0}};
-             },
-             "rope_parameters of type 'yarn'"},
-            {"groups", [](nlohmann::json& c, const std::string&) { c["n_group"] = 3; },
-             "field 'router_groups' must divide n_experts"},
-            {"rope_odd", [](nlohmann::json& c, const std::string&) { c["qk_rope_head_dim"] = 3; },
-             "field 'mla_rope_dim' must be even"},
-            {"kv_b_shape",
-             [&](nlohmann::json&, const std::string& dir) {
-               RewriteTensors(dir, "model.layers.1.self_attn.kv_b_proj.weight", &wrong);
-             },
-             "model.safetensors: tensor 'model.layers.1.self_attn.kv_b_proj.weight' has shape [40, 8], config.json "
-             "implies [48, 8]"},
-            {"bias_missing",
-             [](nlohmann::json&, const std::string& dir) {
-               RewriteTensors(dir, "model.layers.2.mlp.gate.e_score_correction_bias", nullptr);
-             },
-             "tensor 'model.layers.2.mlp.gate.e_score_correction_bias' [8] (our 'layers.2.moe.router.expert_bias') is "
-             "missing"}});
+      src,
+      {{"awq",
+        [](nlohmann::json& c, const std::string&) {
+          c["quantization_config"] = {{"quant_method", "awq"}};
+        },
+        "config.json: quantization_config.quant_method 'awq' is not read"},
+       {"fp8_no_blocks",
+        [](nlohmann::json& c, const std::string&) {
+          c["quantization_config"] = {{"quant_method", "fp8"}};
+        },
+        "config.json: quantization_config.weight_block_size must be two integers"},
+       {"yarn",  // YaRN is read (deepseek_v3_yarn), but needs the original length
+        [](nlohmann::json& c, const std::string&) {
+          c["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 40}, {"rope_theta", 5000.0}};
+        },
+        "'rope_parameters' of type 'yarn' needs an integer 'original_max_position_embeddings'"},
+       {"yarn_factor",
+        [](nlohmann::json& c, const std::string&) {
+          c["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", "forty"}, {"original_max_position_embeddings", 16}};
+        },
+        "'rope_parameters.factor' is not a number"},
+       {"llama3",
+        [](nlohmann::json& c, const std::string&) {
+          c["rope_parameters"] = {{"rope_type", "llama3"}, {"factor", 8}, {"rope_theta", 5000.0}};
+        },
+        "rope_parameters of type 'llama3'"},
+       {"groups", [](nlohmann::json& c, const std::string&) { c["n_group"] = 3; },
+        "field 'router_groups' must divide n_experts"},
+       {"rope_odd", [](nlohmann::json& c, const std::string&) { c["qk_rope_head_dim"] = 3; },
+        "field 'mla_rope_dim' must be even"},
+       {"kv_b_shape",
+        [&](nlohmann::json&, const std::string& dir) {
+          RewriteTensors(dir, "model.layers.1.self_attn.kv_b_proj.weight", &wrong);
+        },
+        "model.safetensors: tensor 'model.layers.1.self_attn.kv_b_proj.weight' has shape [40, 8], config.json "
+        "implies [48, 8]"},
+       {"bias_missing",
+        [](nlohmann::json&, const std::string& dir) {
+          RewriteTensors(dir, "model.layers.2.mlp.gate.e_score_correction_bias", nullptr);
+        },
+        "tensor 'model.layers.2.mlp.gate.e_score_correction_bias' [8] (our 'layers.2.moe.router.expert_bias') is "
+        "missing"}});
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 // the layer pattern of moe_layer_freq, and every refusal naming its argument.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "models/megatron_config.h"
 
 namespace rs {
@@ -81,7 +83,8 @@ TEST(MegatronArgsModel, MoeLayerFrequency) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->first_dense_layers, 2);
   EXPECT_EQ(c->dense_layers, (std::vector<std::int64_t>{4}));
-  for (std::int64_t i = 0; i < 6; ++i) EXPECT_EQ(c->IsMoeLayer(i), j["moe_layer_freq"][i] == 1) << i;
+  for (std::int64_t i = 0; i < 6; ++i)
+    EXPECT_EQ(c->IsMoeLayer(i), j["moe_layer_freq"][static_cast<std::size_t>(i)] == 1) << i;
   for (const nlohmann::json& bad :
        {nlohmann::json(0), nlohmann::json({1, 0}), nlohmann::json({1, 0, 2, 1, 1, 1}), nlohmann::json("[1]*6")}) {
     j["moe_layer_freq"] = bad;
@@ -129,6 +132,70 @@ TEST(MegatronArgsModel, RoutersMlaAndGdn) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->full_attn_interval, 4);
   EXPECT_EQ(c->gdn_value_heads, 4);
+}
+
+// MLA's RoPE: Megatron's yarn settings as ours (YarnParams), the cos / sin factor Megatron
+// computes kept exactly (explicit only where HF's rule differs), back to the same arguments;
+// rope_type absent is MLA's default yarn, which with factor 1 is plain RoPE.
+TEST(MegatronArgsModel, MlaYarn) {
+  nlohmann::json j = Qwen3Like();
+  j["qk_layernorm"] = true;
+  j["multi_latent_attention"] = true;
+  j["q_lora_rank"] = 24;
+  j["kv_lora_rank"] = 16;
+  j["qk_head_dim"] = 12;
+  j["qk_pos_emb_head_dim"] = 4;
+  j["v_head_dim"] = 10;
+  auto plain = ModelFromMegatronArgs(j, "common.pt");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_FALSE(plain->yarn().on());  // default yarn of factor 1
+  j["rope_type"] = "yarn";
+  j["rotary_scaling_factor"] = 40.0;
+  j["original_max_position_embeddings"] = 32;
+  j["beta_fast"] = 16.0;
+  j["beta_slow"] = 2.0;
+  j["mscale"] = 1.0;
+  j["mscale_all_dim"] = 1.0;
+  auto c = ModelFromMegatronArgs(j, "common.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const YarnParams y = c->yarn();
+  EXPECT_EQ(y.factor, 40.0);
+  EXPECT_EQ(y.original_max_pos, 32);
+  EXPECT_EQ(y.beta_fast, 16.0);
+  EXPECT_EQ(y.beta_slow, 2.0);
+  EXPECT_EQ(y.attention_factor, 0.0);  // HF's rule gives Megatron's ratio, 1
+  EXPECT_DOUBLE_EQ(y.AttentionFactor(), 1.0);
+  const double m = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_DOUBLE_EQ(y.SoftmaxFactor(), m * m);
+  // Megatron's defaults mscale 1, mscale_all_dim 0, and an mscale HF would ignore.
+  for (const auto& [mscale, want_explicit] : {std::pair{1.0, false}, std::pair{0.5, true}}) {
+    nlohmann::json k = j;
+    k["mscale"] = mscale;
+    k["mscale_all_dim"] = 0.0;
+    auto d = ModelFromMegatronArgs(k, "common.pt");
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_DOUBLE_EQ(d->yarn().AttentionFactor(), 0.1 * mscale * std::log(40.0) + 1.0);
+    EXPECT_EQ(d->yarn_attention_factor != 0.0, want_explicit) << mscale;
+    EXPECT_EQ(d->yarn().SoftmaxFactor(), 1.0);
+    auto args = MegatronArgsFromModel(*d, 1, 1, 1);
+    ASSERT_TRUE(args.ok()) << args.status().ToString();
+    auto again = ModelFromMegatronArgs(*args, "written");
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    EXPECT_EQ(again->yarn().AttentionFactor(), d->yarn().AttentionFactor());
+    EXPECT_EQ(again->yarn_factor, 40.0);
+  }
+  auto args = MegatronArgsFromModel(*c, 1, 1, 1);
+  ASSERT_TRUE(args.ok()) << args.status().ToString();
+  EXPECT_EQ((*args)["rope_type"], "yarn");
+  auto again = ModelFromMegatronArgs(*args, "written");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(*again, *c);
+  // Refused by name: a softmax scaled under plain RoPE, another RoPE type.
+  nlohmann::json r = j;
+  r["rope_type"] = "rope";
+  EXPECT_NE(ModelFromMegatronArgs(r, "x").status().message().find("'mscale_all_dim'"), std::string::npos);
+  r["rope_type"] = "llama3";
+  EXPECT_NE(ModelFromMegatronArgs(r, "x").status().message().find("'rope_type'"), std::string::npos);
 }
 
 TEST(MegatronArgsModel, RefusalsNameTheArgument) {

@@ -25,6 +25,10 @@ class CudaEngine final : public train::StepEngine {
 
   Status Attach(train::Trainer& t) override {
     const ModelConfig& c = t.model_config();
+    if (c.yarn().on()) {
+      return Unimplemented("train --device cuda: model '" + c.name +
+                           "' scales its RoPE with YaRN (yarn_factor), which only the CPU path computes");
+    }
     if (c.IsMla()) {
       return Unimplemented("train --device cuda: model '" + c.name +
                            "' has multi-latent attention (mla_kv_rank > 0), which only the CPU path trains");
