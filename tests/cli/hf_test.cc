@@ -475,9 +475,9 @@ TEST_F(HfTest, ImportRefusesWhatOurModelCannotExpress) {
       {"tied_embeddings", [](HfDir& h) { h.config["tie_word_embeddings"] = true; }, "tie_word_embeddings true"},
       {"rope_scaling",
        [](HfDir& h) {
-         h.config["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+         h.config["rope_scaling"] = {{"rope_type", "longrope"}, {"factor", 4.0}};
        },
-       "rope_scaling of type 'yarn'"},
+       "rope_scaling of type 'longrope'"},
       {"sliding_window", [](HfDir& h) { h.config["sliding_window"] = 16; }, "sliding_window 16"},
       {"gelu", [](HfDir& h) { h.config["hidden_act"] = "gelu"; }, "hidden_act 'gelu'"},
       {"unknown_model_type", [](HfDir& h) { h.config["model_type"] = "llama"; }, "model_type 'llama'"},
