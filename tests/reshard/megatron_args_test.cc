@@ -39,6 +39,16 @@ nlohmann::json Qwen3Like() {
           {"lr", 1e-4}};
 }
 
+// Multi-latent attention's arguments (q bottleneck 24, latent 16, heads of 12 + 4 rotary, v 10).
+void WithMla(nlohmann::json& j) {
+  j["multi_latent_attention"] = true;
+  j["q_lora_rank"] = 24;
+  j["kv_lora_rank"] = 16;
+  j["qk_head_dim"] = 12;
+  j["qk_pos_emb_head_dim"] = 4;
+  j["v_head_dim"] = 10;
+}
+
 TEST(MegatronArgsModel, FieldByField) {
   auto c = ModelFromMegatronArgs(Qwen3Like(), "common.pt");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -101,12 +111,7 @@ TEST(MegatronArgsModel, RoutersMlaAndGdn) {
   j["moe_router_num_groups"] = 4;
   j["moe_router_group_topk"] = 2;
   j["moe_router_topk_scaling_factor"] = 2.5;
-  j["multi_latent_attention"] = true;
-  j["q_lora_rank"] = 24;
-  j["kv_lora_rank"] = 16;
-  j["qk_head_dim"] = 12;
-  j["qk_pos_emb_head_dim"] = 4;
-  j["v_head_dim"] = 10;
+  WithMla(j);
   auto c = ModelFromMegatronArgs(j, "common.pt");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->router, RouterKind::kSigmoidBias);
@@ -139,13 +144,7 @@ TEST(MegatronArgsModel, RoutersMlaAndGdn) {
 // rope_type absent is MLA's default yarn, which with factor 1 is plain RoPE.
 TEST(MegatronArgsModel, MlaYarn) {
   nlohmann::json j = Qwen3Like();
-  j["qk_layernorm"] = true;
-  j["multi_latent_attention"] = true;
-  j["q_lora_rank"] = 24;
-  j["kv_lora_rank"] = 16;
-  j["qk_head_dim"] = 12;
-  j["qk_pos_emb_head_dim"] = 4;
-  j["v_head_dim"] = 10;
+  WithMla(j);
   auto plain = ModelFromMegatronArgs(j, "common.pt");
   ASSERT_TRUE(plain.ok()) << plain.status().ToString();
   EXPECT_FALSE(plain->yarn().on());  // default yarn of factor 1
