@@ -242,11 +242,12 @@ Result<HfExportResult> ExportHf(const std::string& ckpt, const std::string& out,
     }
     hf.push_back({w, DType::kF8E4M3});
     HfTensor scale;
-    scale.hf_name = w.hf_name + "_scale_inv";
-    scale.hf_shape = {CeilDiv(w.hf_shape.at(0), block->first), CeilDiv(w.hf_shape.at(1), block->second)};
-    scale.tensor = s->second->name;
     RS_ASSIGN_OR_RETURN(const TensorSpec* param, reader->FindTensor(w.tensor));
+    // (ScaleSegments refuses an HF tensor that is not a matrix of whole rows of ours.)
     RS_ASSIGN_OR_RETURN(scale.segments, ScaleSegments(w, param->shape, block->first, block->second));
+    scale.hf_name = w.hf_name + "_scale_inv";
+    scale.hf_shape = {CeilDiv(w.hf_shape[0], block->first), CeilDiv(w.hf_shape[1], block->second)};
+    scale.tensor = s->second->name;
     hf.push_back({std::move(scale), DType::kF32});
   }
 
@@ -770,7 +771,7 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     }
   }
   std::vector<TensorSpec> tensors =
-      ModelCheckpointTensors(config, options.keep_fp8 ? std::vector<std::string>{} : AdamStateNames());
+      ModelCheckpointTensors(config, kept.empty() ? AdamStateNames() : std::vector<std::string>{});
   std::map<std::string, std::pair<std::size_t, std::size_t>> scale_of;  // our FP8 tensor -> (it, its scales)
   for (std::size_t i = 0, n = tensors.size(); i < n; ++i) {
     TensorSpec& t = tensors[i];
