@@ -336,7 +336,7 @@ Status PhysicalMap::CheckScaleBlocks(const std::map<std::string, std::size_t>& b
       for (std::size_t d = 0; d < p.shape.size(); ++d) {
         const std::int64_t b = scale.block[d];
         const DimMap& pd = pm->dims()[d];
-        DimMap want{b == 1 ? pd.local_size : CeilDiv(pd.local_size, b), {}};
+        DimMap want{CeilDiv(pd.local_size, b), {}};
         for (const DimSegment& seg : pd.segments) {
           const std::int64_t end = seg.logical_begin + seg.length;
           const bool aligned =

@@ -85,6 +85,12 @@ Status ReadMoeLayers(const Args& a, ModelConfig& c) {
   return Status::Ok();
 }
 
+// Megatron-Core's YaRN cos / sin factor (_yarn_get_concentration_factor): always the ratio of
+// the two mscales, where HF's rule falls back to Mscale(f, 1) unless both are given.
+double MegatronYarnConcentration(double factor, double mscale, double mscale_all_dim) {
+  return YarnParams::Mscale(factor, mscale) / YarnParams::Mscale(factor, mscale_all_dim);
+}
+
 }  // namespace
 
 Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::string& what) {
@@ -208,7 +214,7 @@ Result<ModelConfig> ModelFromMegatronArgs(const nlohmann::json& j, const std::st
       c.yarn_mscale = mscale;
       c.yarn_mscale_all_dim = mscale_all_dim;
       // Explicit only where HF's rule (Mscale(f, 1) unless both mscales are given) differs.
-      const double megatron = YarnParams::Mscale(factor, mscale) / YarnParams::Mscale(factor, mscale_all_dim);
+      const double megatron = MegatronYarnConcentration(factor, mscale, mscale_all_dim);
       if (std::abs(c.yarn().AttentionFactor() - megatron) > 1e-12 * megatron) c.yarn_attention_factor = megatron;
     } else if (rope == "rope" || rope == "yarn") {
       if (rope == "rope" && YarnParams::Mscale(factor, mscale_all_dim) != 1.0) {
@@ -247,7 +253,7 @@ Result<nlohmann::json> MegatronArgsFromModel(const ModelConfig& m, std::int64_t 
   if (const YarnParams y = m.yarn(); y.on()) {
     if (!m.IsMla()) return cannot("yarn_factor", "is set on a model without multi-latent attention");
     // Megatron's cos / sin factor is always Mscale(f, mscale) / Mscale(f, mscale_all_dim).
-    const double megatron = YarnParams::Mscale(y.factor, y.mscale) / YarnParams::Mscale(y.factor, y.mscale_all_dim);
+    const double megatron = MegatronYarnConcentration(y.factor, y.mscale, y.mscale_all_dim);
     if (std::abs(y.AttentionFactor() - megatron) > 1e-12 * megatron) {
       return cannot("yarn_attention_factor", "gives cos / sin a factor " + std::to_string(y.AttentionFactor()) +
                                                  " where Megatron's mscales give " + std::to_string(megatron));

@@ -602,7 +602,21 @@ TEST(HfFamilies, DeepSeekV3Fp8KeptThroughConvertAndBack) {
     EXPECT_NE(c.exit_code, 0) << cmd;
     EXPECT_TRUE(Contains(c.output, message)) << cmd << "\n" << c.output;
   }
-  for (const char* name : {"no1", "no2", "no3", "no4", "no5"}) EXPECT_FALSE(fs::exists(tmp / name)) << name;
+  // A tensor of ours made of FP8 and non-FP8 HF tensors (expert 0's up projection stored f32,
+  // without a scale) cannot stay FP8 as one tensor.
+  const std::string mixed = tmp / "mixed";
+  fs::create_directories(mixed);
+  fs::copy_file(b4 + "/model.safetensors", mixed + "/model.safetensors");
+  fs::copy_file(b4 + "/config.json", mixed + "/config.json");
+  const std::string up = "model.layers.1.mlp.experts.0.up_proj.weight";
+  const Shape up_shape{16, 32};
+  RewriteTensors(mixed, up, &up_shape, {}, DType::kF32);
+  RewriteTensors(mixed, up + "_scale_inv", nullptr);
+  const CommandResult m = RunCli("import " + mixed + " --format hf --layout tp=1 --keep-fp8 -o " + (tmp / "no6"));
+  EXPECT_NE(m.exit_code, 0);
+  EXPECT_TRUE(Contains(m.output, "our tensor 'layers.1.moe.experts.fc1.weight' is made of FP8 and non-FP8 HF tensors"))
+      << m.output;
+  for (const char* name : {"no1", "no2", "no3", "no4", "no5", "no6"}) EXPECT_FALSE(fs::exists(tmp / name)) << name;
 }
 
 // The same weights as torchtitan saves them (tests/fixtures/titan/make_deepseek_titan.py:

@@ -247,6 +247,18 @@ TEST(ModelConfig, SizesFromFilesAreBounded) {
   c.n_layers = ModelConfig::kMaxLayers + 1;
   EXPECT_NE(c.Validate().message().find("n_layers"), std::string::npos);
   // Files spell param_dtype canonically; hand-written model files may use aliases.
+  // YaRN's fields: bounded when on, and not set at all when off.
+  for (const auto& [edit, field] : std::vector<std::pair<json, std::string>>{
+           {{{"yarn_factor", -1.0}}, "yarn_factor"},
+           {{{"yarn_factor", 4.0}}, "yarn_original_max_pos"},
+           {{{"yarn_factor", 4.0}, {"yarn_original_max_pos", 16}, {"yarn_beta_fast", 0.0}}, "yarn_beta_fast"},
+           {{{"yarn_factor", 4.0}, {"yarn_original_max_pos", 16}, {"yarn_mscale", -1.0}}, "yarn_mscale"},
+           {{{"yarn_mscale_all_dim", 1.0}}, "yarn_factor"}}) {
+    const Status y = ModelConfigFromJson(edit).status();
+    EXPECT_EQ(y.code(), ErrorCode::kInvalidArgument) << edit.dump();
+    EXPECT_NE(y.message().find("'" + field + "'"), std::string::npos) << y.message();
+  }
+  EXPECT_TRUE(ModelConfigFromJson({{"yarn_factor", 4.0}, {"yarn_original_max_pos", 16}}).ok());
   const json j = {{"param_dtype", "bfloat16"}};
   EXPECT_TRUE(ModelConfigFromJson(j).ok());
   const Status strict = ModelConfigFromJson(j, DTypeSpelling::kCanonical).status();

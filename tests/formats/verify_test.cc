@@ -181,6 +181,37 @@ TEST(Verify, OptimizerStatesShapedLikeTheirParameter) {
   EXPECT_EQ(rep.findings[1].tensor, "fc9/exp_avg");
 }
 
+// Block scales (FORMAT.md §3.5) must belong to a tensor of the checkpoint and be shaped as its
+// blocks: a stray or misshapen scale tensor is a manifest finding naming it.
+TEST(Verify, BlockScalesBelongToTheirTensor) {
+  ScratchDir tmp;
+  auto w = CheckpointWriter::Create(tmp / "c", Opts());
+  ASSERT_TRUE(w.ok());
+  const TensorSpec p = Spec("fc1", DType::kF8E4M3, {16, 12});
+  auto good = ScaleSpecFor(p, {8, 8});
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  EXPECT_EQ(good->shape, (Shape{2, 2}));
+  TensorSpec stray = *good;  // of a tensor the checkpoint does not hold
+  stray.param = "fc9";
+  stray.name = ScaleTensorName("fc9");
+  const TensorSpec q = Spec("fc2", DType::kF8E4M3, {16, 12});
+  TensorSpec misshapen = *ScaleSpecFor(q, {8, 8});
+  misshapen.shape = {2, 3};
+  for (const TensorSpec& t : {p, *good, stray, q, misshapen}) {
+    ASSERT_TRUE((*w)->AddTensor(t).ok()) << t.name;
+    ASSERT_TRUE((*w)->WriteShard(0, t.name, Piece{Box::Full(t.shape), std::nullopt}, testing::TensorBytes(t, 2)).ok());
+  }
+  ASSERT_TRUE((*w)->Commit().ok());
+  const VerifyReport rep = VerifyCheckpoint(tmp / "c");
+  ASSERT_EQ(rep.Count(FindingKind::kManifest), 2) << rep.ToText();
+  EXPECT_EQ(rep.findings.size(), 2u) << rep.ToText();
+  EXPECT_EQ(rep.findings[0].tensor, "fc9/scale_inv");
+  EXPECT_NE(rep.findings[0].message.find("which the checkpoint does not hold"), std::string::npos);
+  EXPECT_EQ(rep.findings[1].tensor, "fc2/scale_inv");
+  EXPECT_NE(rep.findings[1].message.find("block scales of 'fc2' must be"), std::string::npos)
+      << rep.findings[1].message;
+}
+
 // Coverage is computed on item intervals, never per item: a manifest describing a tensor of
 // 2^40 items with holes is checked instantly (its data files do not even exist).
 TEST(Verify, CoverageSweepIsNotPerItem) {

@@ -195,6 +195,23 @@ TEST(MegatronArgsModel, MlaYarn) {
   EXPECT_NE(ModelFromMegatronArgs(r, "x").status().message().find("'mscale_all_dim'"), std::string::npos);
   r["rope_type"] = "llama3";
   EXPECT_NE(ModelFromMegatronArgs(r, "x").status().message().find("'rope_type'"), std::string::npos);
+  // What Megatron's arguments cannot say, refused by field on the way back.
+  const auto refused = [](const ModelConfig& model, const std::string& field) {
+    const Status s = MegatronArgsFromModel(model, 1, 1, 1).status();
+    EXPECT_EQ(s.code(), ErrorCode::kUnimplemented) << field << ": " << s.ToString();
+    EXPECT_NE(s.message().find("'" + field + "'"), std::string::npos) << s.message();
+  };
+  ModelConfig explicit_factor = *c;
+  explicit_factor.yarn_attention_factor = 2.0;  // not Megatron's ratio of the mscales
+  refused(explicit_factor, "yarn_attention_factor");
+  ModelConfig untruncated = *c;
+  untruncated.yarn_truncate = false;
+  refused(untruncated, "yarn_truncate");
+  auto gqa = ModelFromMegatronArgs(Qwen3Like(), "common.pt");
+  ASSERT_TRUE(gqa.ok());
+  gqa->yarn_factor = 4.0;
+  gqa->yarn_original_max_pos = 32;
+  refused(*gqa, "yarn_factor");  // YaRN outside MLA
 }
 
 TEST(MegatronArgsModel, RefusalsNameTheArgument) {
