@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "core/check.h"
 #include "train/gemm.h"
 #include "train/layers.h"
+#include "train/vec_math.h"
 
 namespace rs::train {
 
@@ -72,11 +74,16 @@ void CausalSoftmaxRowsLse(T* p, std::int64_t rows, std::int64_t cols, std::int64
   for (std::int64_t i = 0; i < rows; ++i) {
     T* row = p + i * cols;
     const std::int64_t last = first + i;
-    const T mx = *std::max_element(row, row + last + 1);
-    T sum = 0;
-    for (std::int64_t j = 0; j <= last; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
+    T mx, sum = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      mx = MaxOf(row, last + 1);
+      sum = ExpShiftSum(row, last + 1, mx);
+    } else {
+      mx = *std::max_element(row, row + last + 1);
+      for (std::int64_t j = 0; j <= last; ++j) {
+        row[j] = std::exp(row[j] - mx);
+        sum += row[j];
+      }
     }
     const T inv = T(1) / sum;
     for (std::int64_t j = 0; j <= last; ++j) row[j] *= inv;
@@ -182,14 +189,18 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   }
   // By blocks of kQueryBlock queries: a block's scores are [rows, keys up to its last query's
   // position] – never the keys the causal mask hides from the whole block, and never more than
-  // one block's scores in memory; each row's log-sum-exp is kept for the backward pass.
-  std::vector<T> p(static_cast<std::size_t>(std::min(seq, kQueryBlock) * total));
-  for (std::int64_t b = 0; b < batch; ++b) {
+  // one block's scores per thread in memory; each row's log-sum-exp is kept for the backward
+  // pass. One task per (sequence, kv head): its query heads in order, on one thread.
+  const std::int64_t block = std::min(seq, kQueryBlock);
+  std::vector<std::vector<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
+  ParallelGemmTasks(batch * nkv, [&](std::int64_t task, int worker) {
+    const std::int64_t b = task / nkv, g = task % nkv;
+    std::vector<T>& p = scratch[static_cast<std::size_t>(worker)];
+    p.resize(static_cast<std::size_t>(block * total));
     const T* base = qkv_.data() + b * seq * w;
-    for (std::int64_t h = 0; h < nq; ++h) {
-      const std::int64_t g = h / group;
-      const T* k = kv + b * kv_batch + g * dh;
-      const T* v = kv + b * kv_batch + (nkv + g) * dh;
+    const T* k = kv + b * kv_batch + g * dh;
+    const T* v = kv + b * kv_batch + (nkv + g) * dh;
+    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
       for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
         const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
         Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, base + i0 * w + h * dh, w, k, kv_stride, T(0), p.data(),
@@ -199,7 +210,7 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
                 ctx_.data() + (b * seq + i0) * c + h * dh, c);
       }
     }
-  }
+  }, static_cast<int>(scratch.size()));
   if (s_.output_gate) {  // each head's output × sigmoid(its gate), the gate columns after the queries
     ungated_ = ctx_;
     for (std::int64_t r = 0; r < n; ++r) {
@@ -261,47 +272,63 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   // scores and the kept log-sum-exp, P = exp(S − lse) (zero where the mask is); then
   // dP = dO · Vᵀ, dS = P ⊙ (dP − D) with D = rowsum(dO ⊙ O) (= rowsum(P ⊙ dP)), and
   // dQ += scale · dS · K, dK += scale · dSᵀ · Q, dV += Pᵀ · dO over the block's keys.
+  // One task per (sequence, kv head), as in the forward pass: the task owns its group's dK and
+  // dV and its heads' dQ, so tasks never write the same values and each sums in a fixed order.
   const std::int64_t block = std::min(seq, kQueryBlock);
-  std::vector<T> p(static_cast<std::size_t>(block * total)), ds(p.size()), dsum(static_cast<std::size_t>(block));
   const std::vector<T>& heads_out = s_.output_gate ? ungated_ : ctx_;  // O, each head's output
-  for (std::int64_t b = 0; b < batch; ++b) {
+  struct Scratch {
+    std::vector<T> p, ds, dsum;
+  };
+  std::vector<Scratch> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
+  ParallelGemmTasks(batch * nkv, [&](std::int64_t task, int worker) {
+    const std::int64_t b = task / nkv, g = task % nkv;
+    Scratch& sc = scratch[static_cast<std::size_t>(worker)];
+    sc.p.resize(static_cast<std::size_t>(block * total));
+    sc.ds.resize(sc.p.size());
+    sc.dsum.resize(static_cast<std::size_t>(block));
+    T* p = sc.p.data();
+    T* ds = sc.ds.data();
     const T* base = qkv_.data() + b * seq * w;
     T* dbase = dqkv.data() + b * seq * w;
-    for (std::int64_t h = 0; h < nq; ++h) {
-      const std::int64_t g = h / group;
-      const T* k = kv + b * kv_batch + g * dh;
-      const T* v = kv + b * kv_batch + (nkv + g) * dh;
-      T* dk = dkv + b * kv_batch + g * dh;
-      T* dv = dkv + b * kv_batch + (nkv + g) * dh;
+    const T* k = kv + b * kv_batch + g * dh;
+    const T* v = kv + b * kv_batch + (nkv + g) * dh;
+    T* dk = dkv + b * kv_batch + g * dh;
+    T* dv = dkv + b * kv_batch + (nkv + g) * dh;
+    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
       for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
         const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
         const T* q = base + i0 * w + h * dh;
         const T* dc = dctx.data() + (b * seq + i0) * c + h * dh;
         const T* o = heads_out.data() + (b * seq + i0) * c + h * dh;
         const T* lse = lse_.data() + (b * nq + h) * seq + i0;
-        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, q, w, k, kv_stride, T(0), p.data(), keys);
+        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, q, w, k, kv_stride, T(0), p, keys);
         for (std::int64_t r = 0; r < rows; ++r) {
-          T* pr = p.data() + r * keys;
+          T* pr = p + r * keys;
           const std::int64_t last = first + i0 + r;
-          for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[r]);
+          if constexpr (std::is_same_v<T, float>) {
+            ExpShift(pr, last + 1, lse[r]);
+          } else {
+            for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[r]);
+          }
           std::fill(pr + last + 1, pr + keys, T(0));
           T dot = 0;
           for (std::int64_t e = 0; e < dh; ++e) dot += dc[r * c + e] * o[r * c + e];
-          dsum[static_cast<std::size_t>(r)] = dot;
+          sc.dsum[static_cast<std::size_t>(r)] = dot;
         }
-        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, T(1), dc, c, v, kv_stride, T(0), ds.data(), keys);
-        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, T(1), p.data(), keys, dc, c, T(1), dv, kv_stride);
+        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, T(1), dc, c, v, kv_stride, T(0), ds, keys);
+        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, T(1), p, keys, dc, c, T(1), dv, kv_stride);
         for (std::int64_t r = 0; r < rows; ++r) {
-          const T* pr = p.data() + r * keys;
-          T* dr = ds.data() + r * keys;
-          for (std::int64_t j = 0; j < keys; ++j) dr[j] = pr[j] * (dr[j] - dsum[static_cast<std::size_t>(r)]);
+          const T* pr = p + r * keys;
+          T* dr = ds + r * keys;
+          const T dsum = sc.dsum[static_cast<std::size_t>(r)];
+          for (std::int64_t j = 0; j < keys; ++j) dr[j] = pr[j] * (dr[j] - dsum);
         }
-        Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, scale, ds.data(), keys, k, kv_stride, T(1),
-                dbase + i0 * w + h * dh, w);
-        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, scale, ds.data(), keys, q, w, T(1), dk, kv_stride);
+        Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, scale, ds, keys, k, kv_stride, T(1), dbase + i0 * w + h * dh,
+                w);
+        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, scale, ds, keys, q, w, T(1), dk, kv_stride);
       }
     }
-  }
+  }, static_cast<int>(scratch.size()));
   if (cp > 1) {  // every rank's share of each position's k/v gradient, summed where it lives
     std::vector<T> send(static_cast<std::size_t>(cp * n * kvw)), mine(static_cast<std::size_t>(n * kvw));
     for (std::int64_t q = 0; q < cp; ++q) {

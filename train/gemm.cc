@@ -2,9 +2,13 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+#include <atomic>
 #include <limits>
+#include <mutex>
 
 #include "core/check.h"
+#include "core/thread_pool.h"
 
 namespace rs::train {
 namespace {
@@ -49,6 +53,77 @@ void Gemm<double>(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64
 void SetBlasThreads(int n) {
   RS_CHECK(n >= 1);
   openblas_set_num_threads(n);
+}
+
+namespace {
+
+// OpenBLAS at one thread while any ParallelGemmTasks runs (calls from several threads nest:
+// the first sets it, the last gives the count back).
+class OneBlasThread {
+ public:
+  OneBlasThread() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (holders_++ == 0) {
+      saved_ = BlasThreads();
+      openblas_set_num_threads(1);
+    }
+  }
+  ~OneBlasThread() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (--holders_ == 0) openblas_set_num_threads(saved_);
+  }
+  OneBlasThread(const OneBlasThread&) = delete;
+  OneBlasThread& operator=(const OneBlasThread&) = delete;
+
+ private:
+  static inline std::mutex mu_;
+  static inline int holders_ = 0;
+  static inline int saved_ = 1;
+};
+
+}  // namespace
+
+int BlasThreads() { return std::max(1, openblas_get_num_threads()); }
+
+namespace {
+std::atomic<int> g_worker_cap{0};
+}  // namespace
+
+void SetGemmTaskWorkerCap(int cap) {
+  RS_CHECK(cap >= 0);
+  g_worker_cap.store(cap);
+}
+
+int GemmTaskThreads(std::int64_t tasks) {
+  const std::int64_t pool = static_cast<std::int64_t>(SharedPool().size()) + 1;
+  const int cap = g_worker_cap.load();
+  std::int64_t threads = std::min({static_cast<std::int64_t>(BlasThreads()), tasks, pool});
+  if (cap > 0) threads = std::min<std::int64_t>(threads, cap);
+  return static_cast<int>(std::max<std::int64_t>(1, threads));
+}
+
+void ParallelGemmTasks(std::int64_t tasks, const std::function<void(std::int64_t, int)>& task, int max_workers) {
+  if (tasks <= 0) return;
+  if (tasks == 1) {  // one product set: OpenBLAS's threads split it
+    task(0, 0);
+    return;
+  }
+  const int threads = std::min(GemmTaskThreads(tasks), std::max(1, max_workers));
+  OneBlasThread one;
+  if (threads == 1) {
+    for (std::int64_t i = 0; i < tasks; ++i) task(i, 0);
+    return;
+  }
+  std::atomic<std::int64_t> next{0};
+  auto work = [&](int worker) {
+    for (std::int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) task(i, worker);
+  };
+  {
+    TaskGroup group(&SharedPool());
+    for (int t = 1; t < threads; ++t) group.Run([&work, t] { work(t); });
+    work(0);
+    group.Wait();
+  }
 }
 
 }  // namespace rs::train

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#include "train/vec_math.h"
 
 namespace rs::train {
 
@@ -47,6 +50,10 @@ void SwiGluForward(const T* h, std::int64_t n, std::int64_t f, T* a) {
     const T* gate = h + i * 2 * f;
     const T* up = gate + f;
     T* ai = a + i * f;
+    if constexpr (std::is_same_v<T, float>) {
+      SwiGluRow(gate, up, f, ai);
+      continue;
+    }
     for (std::int64_t j = 0; j < f; ++j) {
       const T g = gate[j];
       ai[j] = g / (T(1) + std::exp(-g)) * up[j];
@@ -62,6 +69,10 @@ void SwiGluBackward(const T* da, const T* h, std::int64_t n, std::int64_t f, T* 
     const T* dai = da + i * f;
     T* dgate = dh + i * 2 * f;
     T* dup = dgate + f;
+    if constexpr (std::is_same_v<T, float>) {
+      SwiGluBackwardRow(dai, gate, up, f, dgate, dup);
+      continue;
+    }
     for (std::int64_t j = 0; j < f; ++j) {
       const T g = gate[j];
       const T s = T(1) / (T(1) + std::exp(-g));

@@ -78,6 +78,10 @@ void CheckGroupedSwiGlu(const std::vector<std::int64_t>& rows, const char* name)
 
 TEST(SwiGluTest, DenseGradientMatchesFiniteDifferences) { CheckGroupedSwiGlu({7}, "dense"); }
 TEST(SwiGluTest, GroupedExpertsGradientMatchesFiniteDifferences) { CheckGroupedSwiGlu({3, 0, 4, 2}, "experts"); }
+// Enough experts with rows that they run as tasks on the BLAS threads (train/experts.cc).
+TEST(SwiGluTest, ExpertsAsTasksGradientMatchesFiniteDifferences) {
+  CheckGroupedSwiGlu({3, 0, 4, 2, 5, 1, 2, 0, 3, 1}, "experts_as_tasks");
+}
 
 TEST(SwiGluTest, ZeroRowsGiveZeroOutputsAndNoWeightGradient) {
   const std::int64_t d = 4, f = 3;
