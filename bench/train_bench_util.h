@@ -14,13 +14,15 @@
 
 #include "train/blas_kernels.h"
 #include "train/gemm.h"
+#include "train/process_memory.h"
 #include "train/rng.h"
 
 namespace rs::bench {
 
 // The start of every training-core benchmark's main: positional arguments, the GEMM kernels
 // this CPU allows (train/blas_kernels.h: may execute the program again with OPENBLAS_CORETYPE
-// set), and a line saying which kernels the numbers are of. `-h` / `--help` prints `usage` and
+// set), freed memory kept as `reshard train` keeps it (train/process_memory.h), and a line
+// saying which kernels the numbers are of. `-h` / `--help` prints `usage` and
 // exits 0; an argument that is not a positive integer where one is expected exits 2 naming it
 // (reading "--help" as the number 0 used to end in a failed CHECK).
 class BenchArgs {
@@ -33,6 +35,7 @@ class BenchArgs {
       }
     }
     train::SelectBlasKernels(argv);
+    train::KeepFreedMemory();  // as `reshard train` does
     const train::BlasReport blas = train::DescribeBlasKernels();
     std::printf("%s\n", blas.line.c_str());
     if (!blas.warning.empty()) std::printf("%s\n", blas.warning.c_str());

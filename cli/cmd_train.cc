@@ -38,6 +38,7 @@
 #include "train/data.h"
 #include "train/eval.h"
 #include "train/gemm.h"
+#include "train/process_memory.h"
 #include "train/trainer.h"
 
 namespace rs::cli {
@@ -269,6 +270,7 @@ void RunTrain(TrainArgs& a) {
     world.Abort(1);
   };
   if (a.threads > 0) train::SetBlasThreads(a.threads);
+  train::KeepFreedMemory();
   if (a.steps < 0) fail_all(InvalidArgument("--steps must be >= 0"));
   if (a.device == "cpu" && a.precision != "f32") {
     fail_all(InvalidArgument("--precision " + a.precision + " needs --device cuda (the CPU trains in f32)"));
@@ -537,6 +539,7 @@ struct EvalArgs {
 
 void RunEval(const EvalArgs& a) {
   if (a.threads > 0) train::SetBlasThreads(a.threads);
+  train::KeepFreedMemory();
   Result<ModelConfig> config = a.model.empty() ? train::CheckpointModelConfig(a.checkpoint) : LoadModelArg(a.model);
   if (!config.ok()) Fail("eval", config.status());
   train::ReadStats read;

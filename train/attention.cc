@@ -193,24 +193,27 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   // pass. One task per (sequence, kv head): its query heads in order, on one thread.
   const std::int64_t block = std::min(seq, kQueryBlock);
   std::vector<std::vector<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
-  ParallelGemmTasks(batch * nkv, [&](std::int64_t task, int worker) {
-    const std::int64_t b = task / nkv, g = task % nkv;
-    std::vector<T>& p = scratch[static_cast<std::size_t>(worker)];
-    p.resize(static_cast<std::size_t>(block * total));
-    const T* base = qkv_.data() + b * seq * w;
-    const T* k = kv + b * kv_batch + g * dh;
-    const T* v = kv + b * kv_batch + (nkv + g) * dh;
-    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-      for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
-        const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
-        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, base + i0 * w + h * dh, w, k, kv_stride, T(0), p.data(),
-                keys);
-        CausalSoftmaxRowsLse(p.data(), rows, keys, first + i0, lse_.data() + (b * nq + h) * seq + i0);
-        Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, T(1), p.data(), keys, v, kv_stride, T(0),
-                ctx_.data() + (b * seq + i0) * c + h * dh, c);
-      }
-    }
-  }, static_cast<int>(scratch.size()));
+  ParallelGemmTasks(
+      batch * nkv,
+      [&](std::int64_t task, int worker) {
+        const std::int64_t b = task / nkv, g = task % nkv;
+        std::vector<T>& p = scratch[static_cast<std::size_t>(worker)];
+        p.resize(static_cast<std::size_t>(block * total));
+        const T* base = qkv_.data() + b * seq * w;
+        const T* k = kv + b * kv_batch + g * dh;
+        const T* v = kv + b * kv_batch + (nkv + g) * dh;
+        for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+          for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
+            const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
+            Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, base + i0 * w + h * dh, w, k, kv_stride, T(0),
+                    p.data(), keys);
+            CausalSoftmaxRowsLse(p.data(), rows, keys, first + i0, lse_.data() + (b * nq + h) * seq + i0);
+            Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, T(1), p.data(), keys, v, kv_stride, T(0),
+                    ctx_.data() + (b * seq + i0) * c + h * dh, c);
+          }
+        }
+      },
+      static_cast<int>(scratch.size()));
   if (s_.output_gate) {  // each head's output × sigmoid(its gate), the gate columns after the queries
     ungated_ = ctx_;
     for (std::int64_t r = 0; r < n; ++r) {
@@ -280,55 +283,58 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
     std::vector<T> p, ds, dsum;
   };
   std::vector<Scratch> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
-  ParallelGemmTasks(batch * nkv, [&](std::int64_t task, int worker) {
-    const std::int64_t b = task / nkv, g = task % nkv;
-    Scratch& sc = scratch[static_cast<std::size_t>(worker)];
-    sc.p.resize(static_cast<std::size_t>(block * total));
-    sc.ds.resize(sc.p.size());
-    sc.dsum.resize(static_cast<std::size_t>(block));
-    T* p = sc.p.data();
-    T* ds = sc.ds.data();
-    const T* base = qkv_.data() + b * seq * w;
-    T* dbase = dqkv.data() + b * seq * w;
-    const T* k = kv + b * kv_batch + g * dh;
-    const T* v = kv + b * kv_batch + (nkv + g) * dh;
-    T* dk = dkv + b * kv_batch + g * dh;
-    T* dv = dkv + b * kv_batch + (nkv + g) * dh;
-    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-      for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
-        const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
-        const T* q = base + i0 * w + h * dh;
-        const T* dc = dctx.data() + (b * seq + i0) * c + h * dh;
-        const T* o = heads_out.data() + (b * seq + i0) * c + h * dh;
-        const T* lse = lse_.data() + (b * nq + h) * seq + i0;
-        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, q, w, k, kv_stride, T(0), p, keys);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          T* pr = p + r * keys;
-          const std::int64_t last = first + i0 + r;
-          if constexpr (std::is_same_v<T, float>) {
-            ExpShift(pr, last + 1, lse[r]);
-          } else {
-            for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[r]);
+  ParallelGemmTasks(
+      batch * nkv,
+      [&](std::int64_t task, int worker) {
+        const std::int64_t b = task / nkv, g = task % nkv;
+        Scratch& sc = scratch[static_cast<std::size_t>(worker)];
+        sc.p.resize(static_cast<std::size_t>(block * total));
+        sc.ds.resize(sc.p.size());
+        sc.dsum.resize(static_cast<std::size_t>(block));
+        T* p = sc.p.data();
+        T* ds = sc.ds.data();
+        const T* base = qkv_.data() + b * seq * w;
+        T* dbase = dqkv.data() + b * seq * w;
+        const T* k = kv + b * kv_batch + g * dh;
+        const T* v = kv + b * kv_batch + (nkv + g) * dh;
+        T* dk = dkv + b * kv_batch + g * dh;
+        T* dv = dkv + b * kv_batch + (nkv + g) * dh;
+        for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+          for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
+            const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
+            const T* q = base + i0 * w + h * dh;
+            const T* dc = dctx.data() + (b * seq + i0) * c + h * dh;
+            const T* o = heads_out.data() + (b * seq + i0) * c + h * dh;
+            const T* lse = lse_.data() + (b * nq + h) * seq + i0;
+            Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, q, w, k, kv_stride, T(0), p, keys);
+            for (std::int64_t r = 0; r < rows; ++r) {
+              T* pr = p + r * keys;
+              const std::int64_t last = first + i0 + r;
+              if constexpr (std::is_same_v<T, float>) {
+                ExpShift(pr, last + 1, lse[r]);
+              } else {
+                for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[r]);
+              }
+              std::fill(pr + last + 1, pr + keys, T(0));
+              T dot = 0;
+              for (std::int64_t e = 0; e < dh; ++e) dot += dc[r * c + e] * o[r * c + e];
+              sc.dsum[static_cast<std::size_t>(r)] = dot;
+            }
+            Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, T(1), dc, c, v, kv_stride, T(0), ds, keys);
+            Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, T(1), p, keys, dc, c, T(1), dv, kv_stride);
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const T* pr = p + r * keys;
+              T* dr = ds + r * keys;
+              const T dsum = sc.dsum[static_cast<std::size_t>(r)];
+              for (std::int64_t j = 0; j < keys; ++j) dr[j] = pr[j] * (dr[j] - dsum);
+            }
+            Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, scale, ds, keys, k, kv_stride, T(1),
+                    dbase + i0 * w + h * dh, w);
+            Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, scale, ds, keys, q, w, T(1), dk, kv_stride);
           }
-          std::fill(pr + last + 1, pr + keys, T(0));
-          T dot = 0;
-          for (std::int64_t e = 0; e < dh; ++e) dot += dc[r * c + e] * o[r * c + e];
-          sc.dsum[static_cast<std::size_t>(r)] = dot;
         }
-        Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, T(1), dc, c, v, kv_stride, T(0), ds, keys);
-        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, T(1), p, keys, dc, c, T(1), dv, kv_stride);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const T* pr = p + r * keys;
-          T* dr = ds + r * keys;
-          const T dsum = sc.dsum[static_cast<std::size_t>(r)];
-          for (std::int64_t j = 0; j < keys; ++j) dr[j] = pr[j] * (dr[j] - dsum);
-        }
-        Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, scale, ds, keys, k, kv_stride, T(1), dbase + i0 * w + h * dh,
-                w);
-        Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, scale, ds, keys, q, w, T(1), dk, kv_stride);
-      }
-    }
-  }, static_cast<int>(scratch.size()));
+      },
+      static_cast<int>(scratch.size()));
   if (cp > 1) {  // every rank's share of each position's k/v gradient, summed where it lives
     std::vector<T> send(static_cast<std::size_t>(cp * n * kvw)), mine(static_cast<std::size_t>(n * kvw));
     for (std::int64_t q = 0; q < cp; ++q) {

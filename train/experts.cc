@@ -73,8 +73,7 @@ void GroupedSwiGlu<T>::Backward(const T* dy, const T* fc1, const T* fc2, T* dx, 
     T* dag = da.data() + off * f;
     T* dhg = dh.data() + off * 2 * f;
     Gemm<T>(Trans::kNo, Trans::kNo, m, f, d, T(1), dy + off * d, d, fc2 + g * d * f, f, T(0), dag, f);
-    Gemm<T>(Trans::kYes, Trans::kNo, d, f, m, T(1), dy + off * d, d, a_.data() + off * f, f, T(1), dfc2 + g * d * f,
-            f);
+    Gemm<T>(Trans::kYes, Trans::kNo, d, f, m, T(1), dy + off * d, d, a_.data() + off * f, f, T(1), dfc2 + g * d * f, f);
     SwiGluBackward(dag, h_.data() + off * 2 * f, m, f, dhg);
     if (dx != nullptr) {
       Gemm<T>(Trans::kNo, Trans::kNo, m, d, 2 * f, T(1), dhg, 2 * f, fc1 + g * 2 * f * d, d, T(0), dx + off * d, d);

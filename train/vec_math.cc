@@ -5,8 +5,7 @@ namespace {
 constexpr std::int64_t kLanes = 8;
 }  // namespace
 
-__attribute__((target_clones("avx2", "default"))) float ExpShiftSum(float* __restrict x, std::int64_t n,
-                                                                     float shift) {
+__attribute__((target_clones("avx2", "default"))) float ExpShiftSum(float* __restrict x, std::int64_t n, float shift) {
   float lane[kLanes] = {};
   std::int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
