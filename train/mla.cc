@@ -103,18 +103,18 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   probs_.resize(sz(batch * h * seq * total));
   ctx_.resize(sz(n * c));
   const T scale = static_cast<T>(s_.yarn.SoftmaxFactor() / std::sqrt(static_cast<double>(dh)));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t j = 0; j < h; ++j) {
-      T* p = probs_.data() + (b * h + j) * seq * total;
-      const T* qj = q_.data() + b * seq * qw + j * dh;
-      const T* kj = k_.data() + b * total * qw + j * dh;
-      const T* vj = kvb_.data() + b * total * kvw + j * (dn + dv) + dn;
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, scale, qj, qw, kj, qw, T(0), p, total);
-      CausalSoftmaxRows(p, seq, total, first);
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dv, total, T(1), p, total, vj, kvw, T(0), ctx_.data() + b * seq * c + j * dv,
-              c);
-    }
-  }
+  // One task per (sequence, head): every head has its own keys and values after kv_b.
+  ParallelGemmTasks(batch * h, [&](std::int64_t task, int) {
+    const std::int64_t b = task / h, j = task % h;
+    T* p = probs_.data() + (b * h + j) * seq * total;
+    const T* qj = q_.data() + b * seq * qw + j * dh;
+    const T* kj = k_.data() + b * total * qw + j * dh;
+    const T* vj = kvb_.data() + b * total * kvw + j * (dn + dv) + dn;
+    Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, scale, qj, qw, kj, qw, T(0), p, total);
+    CausalSoftmaxRows(p, seq, total, first);
+    Gemm<T>(Trans::kNo, Trans::kNo, seq, dv, total, T(1), p, total, vj, kvw, T(0), ctx_.data() + b * seq * c + j * dv,
+            c);
+  });
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, c, T(1), ctx_.data(), c, w.out, c, T(0), y, d);
 }
 
@@ -133,23 +133,26 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
   Gemm<T>(Trans::kNo, Trans::kNo, n, c, d, T(1), dy, d, w.out, c, T(0), dctx.data(), c);
   Gemm<T>(Trans::kYes, Trans::kNo, d, c, n, T(1), dy, d, ctx_.data(), c, T(1), g.out, c);
 
-  std::vector<T> dq(sz(n * qw), T(0)), dk(sz(nk * qw), T(0)), dkvb(sz(nk * kvw), T(0)), ds(sz(seq * total));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t j = 0; j < h; ++j) {
-      const T* p = probs_.data() + (b * h + j) * seq * total;
-      const T* dc = dctx.data() + b * seq * c + j * dv;
-      const std::int64_t qo = b * seq * qw + j * dh, ko = b * total * qw + j * dh;
-      const std::int64_t vo = b * total * kvw + j * (dn + dv) + dn;
-      // dP = dctx · Vᵀ, dV = Pᵀ · dctx, then through the softmax, then dQ and dK.
-      Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), total);
-      Gemm<T>(Trans::kYes, Trans::kNo, total, dv, seq, T(1), p, total, dc, c, T(1), dkvb.data() + vo, kvw);
-      CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
-      Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k_.data() + ko, qw, T(1), dq.data() + qo,
-              qw);
-      Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q_.data() + qo, qw, T(1),
-              dk.data() + ko, qw);
-    }
-  }
+  std::vector<T> dq(sz(n * qw), T(0)), dk(sz(nk * qw), T(0)), dkvb(sz(nk * kvw), T(0));
+  // One task per (sequence, head), as forward: a head's dQ, dK and dV columns are its own.
+  std::vector<std::vector<T>> scratch(sz(GemmTaskThreads(batch * h)));
+  ParallelGemmTasks(batch * h, [&](std::int64_t task, int worker) {
+    const std::int64_t b = task / h, j = task % h;
+    std::vector<T>& ds = scratch[sz(worker)];
+    ds.resize(sz(seq * total));
+    const T* p = probs_.data() + (b * h + j) * seq * total;
+    const T* dc = dctx.data() + b * seq * c + j * dv;
+    const std::int64_t qo = b * seq * qw + j * dh, ko = b * total * qw + j * dh;
+    const std::int64_t vo = b * total * kvw + j * (dn + dv) + dn;
+    // dP = dctx · Vᵀ, dV = Pᵀ · dctx, then through the softmax, then dQ and dK.
+    Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), total);
+    Gemm<T>(Trans::kYes, Trans::kNo, total, dv, seq, T(1), p, total, dc, c, T(1), dkvb.data() + vo, kvw);
+    CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
+    Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k_.data() + ko, qw, T(1), dq.data() + qo,
+            qw);
+    Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q_.data() + qo, qw, T(1), dk.data() + ko,
+            qw);
+  }, static_cast<int>(scratch.size()));
   // Each key head's nope part goes back to its kv_b rows; every head's rotary part to the one
   // shared rotary key. d_in: the gradient of every position's [normed latent | rotated key].
   std::vector<T> d_in(sz(nk * cw), T(0));

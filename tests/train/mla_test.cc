@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
+#include "train/gemm.h"
 
 namespace rs::train {
 namespace {
@@ -109,6 +110,28 @@ TEST(MlaTest, GradientMatchesFiniteDifferences) {
       }
     }
   }
+}
+
+// Heads run as tasks on the BLAS threads (train/gemm.h): the same bits as one after another.
+TEST(MlaTest, HeadsAsTasksEqualThemOneAfterAnother) {
+  const MlaShape s = Shape(7, true);
+  const std::int64_t batch = 3, seq = 9, n = batch * seq;
+  const Weights w(s, 50);
+  const auto x = RandomVector(n * s.d_model, 51), dy = RandomVector(n * s.d_model, 52);
+  SetBlasThreads(2);
+  ASSERT_EQ(GemmTaskThreads(batch * s.n_heads), 2);
+  auto run = [&](int cap) {
+    SetGemmTaskWorkerCap(cap);
+    LatentAttention<double> mla(s);
+    std::vector<double> y(n * s.d_model), dx(x.size());
+    Grads g(w);
+    mla.Forward(x.data(), batch, seq, w.View(), y.data());
+    mla.Backward(dy.data(), w.View(), dx.data(), g.View());
+    SetGemmTaskWorkerCap(0);
+    return std::vector<std::vector<double>>{y, dx, g.q_a, g.q_a_norm, g.q_b, g.kv_a, g.kv_a_norm, g.kv_b, g.out};
+  };
+  const auto one = run(1), tasks = run(0);
+  for (std::size_t i = 0; i < one.size(); ++i) EXPECT_EQ(one[i], tasks[i]) << i;
 }
 
 TEST(MlaTest, IsCausalAndRotaryPositionsMatter) {
