@@ -299,41 +299,25 @@ void ShardFileWriter::ReleaseTurn(std::int64_t seq) {
   turn_cv_.notify_all();
 }
 
-Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool,
-                                const std::string& what) {
-  constexpr std::int64_t kBlock = std::int64_t{8} << 20;
+// One thread writes a file's bytes, in order. Buffered writes to one ext4 file from several
+// threads take the inode's lock in turn, and the waiters spin on it: measured on a small-moe
+// save (1.6 GiB, 2 cores), 8 MiB blocks written by the pool took 7.7–9.1 s and 14–16 s of
+// system time against 7.2–7.6 s and 11 s in one thread.
+Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> bytes, const std::string& what) {
   constexpr std::int64_t kWritePiece = std::int64_t{256} << 10;
   const auto n = static_cast<std::int64_t>(bytes.size());
-  std::mutex mu;
-  Status first_error;
-  auto write_block = [&, this](std::int64_t begin) {
-    const std::int64_t len = std::min(kBlock, n - begin);
-    std::int64_t done = 0;
-    while (done < len) {
-      // Measured on Linux 6.x / ext4: buffered writes of <= 256 KiB per call copy into the page
-      // cache several times faster than single calls of 1 MiB and more (large-folio path).
-      const std::int64_t piece = std::min<std::int64_t>(len - done, kWritePiece);
-      const ssize_t w = ::pwrite(sync_fd_, bytes.data() + begin + done, static_cast<std::size_t>(piece),
-                                 static_cast<off_t>(offset + begin + done));
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (first_error.ok()) {
-          first_error = IoError(what + ": " + Errno("pwrite") + " at offset " + std::to_string(offset + begin + done));
-        }
-        return;
-      }
-      done += w;
-    }
-  };
-  if (pool == nullptr || n <= kBlock) {
-    for (std::int64_t begin = 0; begin < n; begin += kBlock) write_block(begin);
-    return first_error;
+  std::int64_t done = 0;
+  while (done < n) {
+    // Measured on Linux 6.x / ext4: buffered writes of <= 256 KiB per call copy into the page
+    // cache several times faster than single calls of 1 MiB and more (large-folio path).
+    const std::int64_t piece = std::min<std::int64_t>(n - done, kWritePiece);
+    const ssize_t w =
+        ::pwrite(sync_fd_, bytes.data() + done, static_cast<std::size_t>(piece), static_cast<off_t>(offset + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return IoError(what + ": " + Errno("pwrite") + " at offset " + std::to_string(offset + done));
+    done += w;
   }
-  TaskGroup group(pool);
-  for (std::int64_t begin = 0; begin < n; begin += kBlock) group.Run([begin, &write_block] { write_block(begin); });
-  group.Wait();
-  return first_error;
+  return Status::Ok();
 }
 
 void ShardFileWriter::StartWriteback() {
@@ -478,7 +462,7 @@ Result<std::uint64_t> DatasetWriter::WriteTable() {
   RS_CHECK_MSG(static_cast<std::int64_t>(table_.size()) == BlockCount(spec_.nbytes, zstd_ ? chunk_ : spec_.block_bytes),
                what_ << ": " << table_.size() << " block checksums");
   const std::vector<std::byte> bytes = EncodeBlockTable(zstd_ ? Codec::kZstd : Codec::kNone, table_);
-  RS_RETURN_IF_ERROR(file_->WriteAt(table_offset_, bytes, nullptr, what_ + ", block table '" + spec_.table + "'"));
+  RS_RETURN_IF_ERROR(file_->WriteAt(table_offset_, bytes, what_ + ", block table '" + spec_.table + "'"));
   return Xxh3(bytes);
 }
 
@@ -497,7 +481,7 @@ Status DatasetWriter::Append(std::span<const std::byte> bytes) {
   }
   if (!zstd_) {
     if (block_hash_ != nullptr) HashBlocks(bytes);
-    RS_RETURN_IF_ERROR(file_->WriteAt(offset_ + written_, bytes, pool_, what_));
+    RS_RETURN_IF_ERROR(file_->WriteAt(offset_ + written_, bytes, what_));
     written_ += n;
     return Status::Ok();
   }

@@ -242,7 +242,7 @@ class ShardFileWriter {
   friend class DatasetWriter;
   ShardFileWriter() = default;
   void StartWriteback();
-  Status WriteAt(std::int64_t offset, std::span<const std::byte> bytes, ThreadPool* pool, const std::string& what);
+  Status WriteAt(std::int64_t offset, std::span<const std::byte> bytes, const std::string& what);
   // Creates a dataset (and its attribute and block table) in the file. Called in turn.
   Status CreateDataset(const DatasetSpec& spec, std::int64_t chunk, std::int64_t* dset_out, std::int64_t* data_offset,
                        std::int64_t* table_offset, const std::string& what);

@@ -136,23 +136,26 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
   std::vector<T> dq(sz(n * qw), T(0)), dk(sz(nk * qw), T(0)), dkvb(sz(nk * kvw), T(0));
   // One task per (sequence, head), as forward: a head's dQ, dK and dV columns are its own.
   std::vector<std::vector<T>> scratch(sz(GemmTaskThreads(batch * h)));
-  ParallelGemmTasks(batch * h, [&](std::int64_t task, int worker) {
-    const std::int64_t b = task / h, j = task % h;
-    std::vector<T>& ds = scratch[sz(worker)];
-    ds.resize(sz(seq * total));
-    const T* p = probs_.data() + (b * h + j) * seq * total;
-    const T* dc = dctx.data() + b * seq * c + j * dv;
-    const std::int64_t qo = b * seq * qw + j * dh, ko = b * total * qw + j * dh;
-    const std::int64_t vo = b * total * kvw + j * (dn + dv) + dn;
-    // dP = dctx · Vᵀ, dV = Pᵀ · dctx, then through the softmax, then dQ and dK.
-    Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), total);
-    Gemm<T>(Trans::kYes, Trans::kNo, total, dv, seq, T(1), p, total, dc, c, T(1), dkvb.data() + vo, kvw);
-    CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
-    Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k_.data() + ko, qw, T(1), dq.data() + qo,
-            qw);
-    Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q_.data() + qo, qw, T(1), dk.data() + ko,
-            qw);
-  }, static_cast<int>(scratch.size()));
+  ParallelGemmTasks(
+      batch * h,
+      [&](std::int64_t task, int worker) {
+        const std::int64_t b = task / h, j = task % h;
+        std::vector<T>& ds = scratch[sz(worker)];
+        ds.resize(sz(seq * total));
+        const T* p = probs_.data() + (b * h + j) * seq * total;
+        const T* dc = dctx.data() + b * seq * c + j * dv;
+        const std::int64_t qo = b * seq * qw + j * dh, ko = b * total * qw + j * dh;
+        const std::int64_t vo = b * total * kvw + j * (dn + dv) + dn;
+        // dP = dctx · Vᵀ, dV = Pᵀ · dctx, then through the softmax, then dQ and dK.
+        Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), total);
+        Gemm<T>(Trans::kYes, Trans::kNo, total, dv, seq, T(1), p, total, dc, c, T(1), dkvb.data() + vo, kvw);
+        CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
+        Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k_.data() + ko, qw, T(1),
+                dq.data() + qo, qw);
+        Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q_.data() + qo, qw, T(1),
+                dk.data() + ko, qw);
+      },
+      static_cast<int>(scratch.size()));
   // Each key head's nope part goes back to its kv_b rows; every head's rotary part to the one
   // shared rotary key. d_in: the gradient of every position's [normed latent | rotated key].
   std::vector<T> d_in(sz(nk * cw), T(0));

@@ -151,36 +151,29 @@ TEST(ParallelGemmTasksTest, AttentionHeadsAsTasksEqualThemOneAfterAnotherAndFloa
   const std::int64_t b = 3, seq = 70, n = b * seq, d = 32, w = s.qkv_width(), c = s.n_heads * s.head_dim;
   const auto x = RandomVector(n * d, 1), wqkv = RandomVector(w * d, 2, 0.3), wout = RandomVector(d * c, 3, 0.3);
   const auto dy = RandomVector(n * d, 4);
-  struct Out {
-    std::vector<float> y, dx, dqkv, dout;
-  };
   SetBlasThreads(2);
   ASSERT_EQ(GemmTaskThreads(b * s.n_kv_heads), 2);
   auto run_float = [&](int cap) {
     SetGemmTaskWorkerCap(cap);
     Attention<float> attn(s);
     const auto xf = ToFloat(x), wqkvf = ToFloat(wqkv), woutf = ToFloat(wout), dyf = ToFloat(dy);
-    Out o{std::vector<float>(n * d), std::vector<float>(n * d), std::vector<float>(w * d, 0.f),
-          std::vector<float>(d * c, 0.f)};
-    attn.Forward(xf.data(), b, seq, wqkvf.data(), woutf.data(), o.y.data());
-    attn.Backward(dyf.data(), wqkvf.data(), woutf.data(), o.dx.data(), o.dqkv.data(), o.dout.data(), nullptr, nullptr);
+    std::vector<float> y(n * d), dx(n * d), dqkv(w * d, 0.f), dout(d * c, 0.f);
+    attn.Forward(xf.data(), b, seq, wqkvf.data(), woutf.data(), y.data());
+    attn.Backward(dyf.data(), wqkvf.data(), woutf.data(), dx.data(), dqkv.data(), dout.data(), nullptr, nullptr);
     SetGemmTaskWorkerCap(0);
-    return o;
+    return std::vector<std::vector<float>>{y, dx, dqkv, dout};
   };
-  const Out one = run_float(1), two = run_float(0);
-  EXPECT_EQ(one.y, two.y);
-  EXPECT_EQ(one.dx, two.dx);
-  EXPECT_EQ(one.dqkv, two.dqkv);
-  EXPECT_EQ(one.dout, two.dout);
+  const auto one = run_float(1), two = run_float(0);
+  EXPECT_EQ(one, two);
 
   Attention<double> ref(s);
   std::vector<double> y(n * d), dx(n * d), dqkv(w * d, 0.0), dout(d * c, 0.0);
   ref.Forward(x.data(), b, seq, wqkv.data(), wout.data(), y.data());
   ref.Backward(dy.data(), wqkv.data(), wout.data(), dx.data(), dqkv.data(), dout.data(), nullptr, nullptr);
-  ExpectClose(two.y, y, "y");
-  ExpectClose(two.dx, dx, "dx");
-  ExpectClose(two.dqkv, dqkv, "dqkv");
-  ExpectClose(two.dout, dout, "dout");
+  ExpectClose(two[0], y, "y");
+  ExpectClose(two[1], dx, "dx");
+  ExpectClose(two[2], dqkv, "dqkv");
+  ExpectClose(two[3], dout, "dout");
 }
 
 // The routed experts with enough groups to run as tasks on two threads: the same bits as one
@@ -193,34 +186,27 @@ TEST(ParallelGemmTasksTest, ExpertsAsTasksEqualThemOneAfterAnotherAndFloat64) {
   const auto g = static_cast<std::int64_t>(rows.size());
   const auto x = RandomVector(n * d, 10), fc1 = RandomVector(g * 2 * f * d, 11, 0.5);
   const auto fc2 = RandomVector(g * d * f, 12, 0.5), dy = RandomVector(n * d, 13);
-  struct Out {
-    std::vector<float> y, dx, dfc1, dfc2;
-  };
   const auto xf = ToFloat(x), fc1f = ToFloat(fc1), fc2f = ToFloat(fc2), dyf = ToFloat(dy);
   SetBlasThreads(2);
   auto run_float = [&](int cap) {
     SetGemmTaskWorkerCap(cap);
     GroupedSwiGlu<float> mlp(d, f);
-    Out o{std::vector<float>(n * d), std::vector<float>(n * d), std::vector<float>(fc1.size(), 0.f),
-          std::vector<float>(fc2.size(), 0.f)};
-    mlp.Forward(xf.data(), rows, fc1f.data(), fc2f.data(), o.y.data());
-    mlp.Backward(dyf.data(), fc1f.data(), fc2f.data(), o.dx.data(), o.dfc1.data(), o.dfc2.data());
+    std::vector<float> y(n * d), dx(n * d), dfc1(fc1.size(), 0.f), dfc2(fc2.size(), 0.f);
+    mlp.Forward(xf.data(), rows, fc1f.data(), fc2f.data(), y.data());
+    mlp.Backward(dyf.data(), fc1f.data(), fc2f.data(), dx.data(), dfc1.data(), dfc2.data());
     SetGemmTaskWorkerCap(0);
-    return o;
+    return std::vector<std::vector<float>>{y, dx, dfc1, dfc2};
   };
-  const Out one = run_float(1), two = run_float(0);
-  EXPECT_EQ(one.y, two.y);
-  EXPECT_EQ(one.dx, two.dx);
-  EXPECT_EQ(one.dfc1, two.dfc1);
-  EXPECT_EQ(one.dfc2, two.dfc2);
+  const auto one = run_float(1), two = run_float(0);
+  EXPECT_EQ(one, two);
   GroupedSwiGlu<double> ref(d, f);
   std::vector<double> y(n * d), dx(n * d), dfc1(fc1.size(), 0.0), dfc2(fc2.size(), 0.0);
   ref.Forward(x.data(), rows, fc1.data(), fc2.data(), y.data());
   ref.Backward(dy.data(), fc1.data(), fc2.data(), dx.data(), dfc1.data(), dfc2.data());
-  ExpectClose(two.y, y, "y");
-  ExpectClose(two.dx, dx, "dx");
-  ExpectClose(two.dfc1, dfc1, "dfc1");
-  ExpectClose(two.dfc2, dfc2, "dfc2");
+  ExpectClose(two[0], y, "y");
+  ExpectClose(two[1], dx, "dx");
+  ExpectClose(two[2], dfc1, "dfc1");
+  ExpectClose(two[3], dfc2, "dfc2");
 }
 
 }  // namespace
