@@ -311,7 +311,7 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
               T* pr = p + r * keys;
               const std::int64_t last = first + i0 + r;
               if constexpr (std::is_same_v<T, float>) {
-                ExpShift(pr, last + 1, lse[r]);
+                ExpShiftSum(pr, last + 1, lse[r]);  // P = exp(S − lse); the sum is not needed
               } else {
                 for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[r]);
               }

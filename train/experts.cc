@@ -1,7 +1,6 @@
 #include "train/experts.h"
 
 #include <algorithm>
-#include <numeric>
 
 #include "core/check.h"
 #include "train/gemm.h"

@@ -52,11 +52,11 @@ void SwiGluForward(const T* h, std::int64_t n, std::int64_t f, T* a) {
     T* ai = a + i * f;
     if constexpr (std::is_same_v<T, float>) {
       SwiGluRow(gate, up, f, ai);
-      continue;
-    }
-    for (std::int64_t j = 0; j < f; ++j) {
-      const T g = gate[j];
-      ai[j] = g / (T(1) + std::exp(-g)) * up[j];
+    } else {
+      for (std::int64_t j = 0; j < f; ++j) {
+        const T g = gate[j];
+        ai[j] = g / (T(1) + std::exp(-g)) * up[j];
+      }
     }
   }
 }
@@ -71,15 +71,15 @@ void SwiGluBackward(const T* da, const T* h, std::int64_t n, std::int64_t f, T* 
     T* dup = dgate + f;
     if constexpr (std::is_same_v<T, float>) {
       SwiGluBackwardRow(dai, gate, up, f, dgate, dup);
-      continue;
-    }
-    for (std::int64_t j = 0; j < f; ++j) {
-      const T g = gate[j];
-      const T s = T(1) / (T(1) + std::exp(-g));
-      const T silu = g * s;
-      dup[j] = dai[j] * silu;
-      // silu'(g) = σ(g) · (1 + g · (1 − σ(g)))
-      dgate[j] = dai[j] * up[j] * s * (T(1) + g * (T(1) - s));
+    } else {
+      for (std::int64_t j = 0; j < f; ++j) {
+        const T g = gate[j];
+        const T s = T(1) / (T(1) + std::exp(-g));
+        const T silu = g * s;
+        dup[j] = dai[j] * silu;
+        // silu'(g) = σ(g) · (1 + g · (1 − σ(g)))
+        dgate[j] = dai[j] * up[j] * s * (T(1) + g * (T(1) - s));
+      }
     }
   }
 }

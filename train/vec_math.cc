@@ -25,20 +25,9 @@ __attribute__((target_clones("avx2", "default"))) float ExpShiftSum(float* __res
   return sum;
 }
 
-__attribute__((target_clones("avx2", "default"))) void ExpShift(float* __restrict x, std::int64_t n, float shift) {
-  for (std::int64_t j = 0; j < n; ++j) x[j] = ExpF(x[j] - shift);
-}
-
-__attribute__((target_clones("avx2", "default"))) float MaxOf(const float* __restrict x, std::int64_t n) {
-  float lane[kLanes];
-  for (float& v : lane) v = x[0];
-  std::int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (std::int64_t l = 0; l < kLanes; ++l) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
-  }
-  for (; j < n; ++j) lane[0] = x[j] > lane[0] ? x[j] : lane[0];
-  float mx = lane[0];
-  for (const float v : lane) mx = v > mx ? v : mx;
+float MaxOf(const float* x, std::int64_t n) {
+  float mx = x[0];
+  for (std::int64_t j = 1; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
   return mx;
 }
 

@@ -1,6 +1,6 @@
 // Elementwise float kernels of the training step that the compiler vectorises: a branch-free
-// exp, and the passes built on it (softmax rows, SwiGLU). Each is compiled for AVX2 and for the
-// baseline x86-64 (SSE2) and picked at run time; neither clone uses FMA and every sum runs in
+// exp, and the passes built on it (softmax rows, SwiGLU). Those passes are compiled for AVX2 and
+// for the baseline x86-64 (SSE2) and picked at run time; neither clone uses FMA and every sum runs in
 // eight fixed lanes, so both give the same bits (vec_math_test compares them with the scalar
 // definition). The double versions of the layers stay on std::exp: they are the references.
 #pragma once
@@ -38,9 +38,9 @@ inline float ExpF(float x) {
 
 // x[j] = ExpF(x[j] − shift) for j < n; returns their sum (eight lanes, then the lanes in order).
 float ExpShiftSum(float* x, std::int64_t n, float shift);
-// x[j] = ExpF(x[j] − shift), no sum.
-void ExpShift(float* x, std::int64_t n, float shift);
-// The largest of x[0..n) (n ≥ 1). A NaN is passed over (ExpShift then carries it on).
+// The largest of x[0..n) (n ≥ 1). A NaN after x[0] is passed over (ExpShiftSum then carries it
+// on); GCC does not vectorise this max without -ffinite-math-only, and it is a small part of a
+// softmax row's cost.
 float MaxOf(const float* x, std::int64_t n);
 // a[j] = silu(gate[j]) · up[j] for j < f, silu(g) = g / (1 + ExpF(−g)).
 void SwiGluRow(const float* gate, const float* up, std::int64_t f, float* a);
