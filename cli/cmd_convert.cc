@@ -36,6 +36,7 @@ struct ConvertArgs {
   std::string memory_budget = "1GiB";
   std::string max_shard_size;
   int threads = 0;
+  bool buffered_writes = false;
   std::string codec = "none";
   std::string param_dtype;
   bool with_replicas = false;
@@ -82,6 +83,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   s.plan = std::move(*plan);
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
+  s.writer.direct_io = !a.buffered_writes;
   s.writer.producer = "reshard convert";
   s.writer.format_version = a.format.version;
   RS_ASSIGN_OR_RETURN(s.writer.block_bytes, BlockBytesArg(a.format));
@@ -258,6 +260,8 @@ void RegisterConvert(CLI::App& app) {
   cmd->add_option("--max-shard-size", a->max_shard_size,
                   "Store larger target pieces as several shards (default: one shard per piece)");
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
+  cmd->add_flag("--buffered-writes", a->buffered_writes,
+                "Write uncompressed data through the page cache (default: O_DIRECT where the file system allows it)");
   cmd->add_option("--codec", a->codec, "Target codec: none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_option("--param-dtype", a->param_dtype,
                   "Convert parameters (not optimizer states) to this dtype, e.g. bf16");

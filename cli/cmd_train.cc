@@ -65,6 +65,7 @@ struct TrainArgs {
   std::string layout = "tp=1";
   std::string rules = "megatron";
   bool with_replicas = false;
+  bool buffered_writes = false;
   std::string device = "cpu";
   std::string precision = "f32";
   std::string device_comm = "nccl";
@@ -394,7 +395,7 @@ void RunTrain(TrainArgs& a) {
   }
   std::unique_ptr<train::AsyncSaver> saver;
   if (a.async_save) {
-    saver = std::make_unique<train::AsyncSaver>(*trainer, a.with_replicas);
+    saver = std::make_unique<train::AsyncSaver>(*trainer, a.with_replicas, !a.buffered_writes);
     const std::int64_t bytes = saver->snapshot_bytes();
     // The snapshot is a copy of this rank's owned state, held while the background writer
     // works: it must fit next to the run.
@@ -449,7 +450,7 @@ void RunTrain(TrainArgs& a) {
       if (Status s = saver->Start(dir); !s.ok()) fail_all(s);
       return;
     }
-    if (Status s = train::SaveCheckpoint(dir, *trainer, a.with_replicas); !s.ok()) fail_all(s);
+    if (Status s = train::SaveCheckpoint(dir, *trainer, a.with_replicas, !a.buffered_writes); !s.ok()) fail_all(s);
     committed(dir);
   };
 
@@ -629,6 +630,8 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--rules", a->rules, "Logical axis rules: " + BuiltinRulesHelp() + " or a JSON file")
       ->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Checkpoints also hold the replicas of the layout");
+  cmd->add_flag("--buffered-writes", a->buffered_writes,
+                "Write checkpoint data through the page cache (default: O_DIRECT where the file system allows it)");
   cmd->add_option("--device", a->device,
                   "Where steps run: cpu, or cuda (one GPU per rank; every layout the CPU trains)")
       ->check(CLI::IsMember({"cpu", "cuda"}))

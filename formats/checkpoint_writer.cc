@@ -278,7 +278,7 @@ Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
   auto& slot = files_[rank];
   if (slot == nullptr) slot = std::make_unique<RankFile>();
   if (slot->writer == nullptr) {
-    Result<std::unique_ptr<ShardFileWriter>> w = ShardFileWriter::Create(staging_ + "/" + RankFileName(rank));
+    Result<std::unique_ptr<ShardFileWriter>> w = ShardFileWriter::Create(staging_ + "/" + RankFileName(rank), options_.direct_io);
     if (!w.ok()) {
       files_.erase(rank);
       return w.status();
@@ -394,7 +394,9 @@ Status ShardSink::Finish() {
 
 Status CheckpointWriter::CloseFiles() {
   for (auto& [rank, f] : files_) {
-    if (f->writer != nullptr) RS_RETURN_IF_ERROR(f->writer->Close());
+    if (f->writer == nullptr) continue;
+    RS_RETURN_IF_ERROR(f->writer->Close());
+    direct_bytes_ += f->writer->direct_bytes();
   }
   file_entries_.clear();
   if (options_.format_version < 2) return Status::Ok();

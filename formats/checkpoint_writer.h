@@ -88,6 +88,9 @@ struct WriterOptions {
   // checkpoints for older readers (and tests of reading them).
   std::int64_t format_version = kFormatVersion;
   std::int64_t block_bytes = kDefaultBlockBytes;  // version 2: block size of uncompressed shards
+  // Uncompressed shard data written past the page cache (O_DIRECT) where the file system
+  // allows it (see ShardFileWriter::Create); false: every byte through the page cache.
+  bool direct_io = true;
 };
 
 class CheckpointWriter {
@@ -143,6 +146,9 @@ class CheckpointWriter {
   const std::string& staging_dir() const { return staging_; }
   // Bytes stored in data files so far (after compression).
   std::int64_t stored_bytes() const;
+  // Of the data files' bytes, how many went to them with O_DIRECT (WriterOptions::direct_io);
+  // known once the files are closed (Commit).
+  std::int64_t direct_bytes() const { return direct_bytes_; }
 
  private:
   friend class ShardSink;
@@ -179,6 +185,7 @@ class CheckpointWriter {
   nlohmann::json layout_;
   nlohmann::json metadata_ = nlohmann::json::object();
   std::int64_t stored_bytes_ = 0;
+  std::int64_t direct_bytes_ = 0;
   std::int64_t open_sinks_ = 0;
 };
 

@@ -10,10 +10,12 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
 
+#include "core/arith.h"
 #include "core/check.h"
 #include "core/file.h"
 #include "core/isolate.h"
@@ -30,6 +32,14 @@ constexpr std::int64_t kMaxChunkBytes = std::int64_t{1} << 30;
 constexpr std::int64_t kStreamBlock = std::int64_t{256} << 10;
 
 std::string Errno(const char* op) { return std::string(op) + ": " + std::strerror(errno); }
+
+// O_DIRECT data writes (ShardFileWriter::Create): whole 4 KiB pages (the largest logical block
+// size of common devices; smaller ones accept it too), from an aligned staging block. A dataset
+// with less than kDirectMinBytes of whole pages is written buffered: the open() and the staging
+// block would cost more than they save.
+constexpr std::int64_t kDirectAlign = 4096;
+constexpr std::int64_t kDirectMinBytes = std::int64_t{1} << 20;
+constexpr std::int64_t kDirectStageBytes = std::int64_t{8} << 20;
 
 // The operating system's reason for a failed HDF5 call, when it left one in errno (set to 0
 // before the call): HDF5's own message is only "write failed", and a full disk must say so.
@@ -219,7 +229,7 @@ std::int64_t BlockCache::misses() const {
 // ---------------------------------------------------------------------------------------------
 // Writer
 
-Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::string& path) {
+Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::string& path, bool direct_io) {
   auto lock = h5::Lock();
   // No modification times in object headers (the root group's included): the same data gives
   // the same bytes (reproducible checkpoints, FORMAT.md §6).
@@ -252,6 +262,7 @@ Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::stri
   w->path_ = path;
   w->file_id_ = fid;
   w->sync_fd_ = sync_fd;
+  w->direct_io_ = direct_io;
   return w;
 }
 
@@ -420,7 +431,43 @@ Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const Datas
   ReleaseTurn(d->seq_);  // the rest is pwrite, outside HDF5
   d->turn_released_ = true;
   RS_RETURN_IF_ERROR(created);
+  if (direct_io_ && !direct_refused_.load() && spec.nbytes > 0) {
+    d->direct_begin_ = RoundUp(d->offset_, kDirectAlign);
+    d->direct_end_ = (d->offset_ + spec.nbytes) / kDirectAlign * kDirectAlign;
+    if (d->direct_end_ - d->direct_begin_ >= kDirectMinBytes) d->StartDirect();
+  }
   return d;
+}
+
+// The dataset's own O_DIRECT descriptor (opened per large dataset rather than per file, so a
+// conversion holding many rank files open needs no more descriptors than before) and its
+// staging block: whole pages, filled in order, written when full.
+struct DatasetWriter::DirectStage {
+  int fd = -1;
+  std::byte* buf = nullptr;  // kDirectAlign-aligned, `capacity` bytes
+  std::int64_t capacity = 0;
+  std::int64_t start = 0;  // the file offset of buf[0]
+  std::int64_t filled = 0;
+  ~DirectStage() {
+    if (fd >= 0) ::close(fd);
+    std::free(buf);
+  }
+};
+
+void DatasetWriter::StartDirect() {
+  auto st = std::make_unique<DirectStage>();
+  st->fd = ::open(file_->path_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+  if (st->fd < 0) {
+    // EINVAL: the file system has no O_DIRECT. Anything else (out of descriptors) only costs
+    // the buffered path; a real problem with the file shows in its buffered writes.
+    if (errno == EINVAL) file_->direct_refused_.store(true);
+    return;
+  }
+  st->capacity = std::min(kDirectStageBytes, direct_end_ - direct_begin_);
+  st->buf = static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, static_cast<std::size_t>(st->capacity)));
+  if (st->buf == nullptr) return;
+  st->start = direct_begin_;
+  direct_ = std::move(st);
 }
 
 // One chunk being compressed on the pool.
@@ -481,7 +528,7 @@ Status DatasetWriter::Append(std::span<const std::byte> bytes) {
   }
   if (!zstd_) {
     if (block_hash_ != nullptr) HashBlocks(bytes);
-    RS_RETURN_IF_ERROR(file_->WriteAt(offset_ + written_, bytes, what_));
+    RS_RETURN_IF_ERROR(WriteData(bytes));
     written_ += n;
     return Status::Ok();
   }
@@ -496,6 +543,67 @@ Status DatasetWriter::Append(std::span<const std::byte> bytes) {
     written_ += static_cast<std::int64_t>(take);
     if (static_cast<std::int64_t>(partial_.size()) == chunk_) RS_RETURN_IF_ERROR(SubmitChunk());
   }
+  return Status::Ok();
+}
+
+Status DatasetWriter::WriteData(std::span<const std::byte> bytes) {
+  std::int64_t pos = offset_ + written_;
+  while (!bytes.empty()) {
+    const auto n = static_cast<std::int64_t>(bytes.size());
+    if (direct_ == nullptr || pos < direct_begin_ || pos >= direct_end_) {
+      // Buffered: the partial page before the whole pages, the one after, or everything when
+      // O_DIRECT is not in use.
+      const std::int64_t take = direct_ != nullptr && pos < direct_begin_ ? std::min(n, direct_begin_ - pos) : n;
+      RS_RETURN_IF_ERROR(file_->WriteAt(pos, bytes.first(static_cast<std::size_t>(take)), what_));
+      pos += take;
+      bytes = bytes.subspan(static_cast<std::size_t>(take));
+      continue;
+    }
+    DirectStage& st = *direct_;
+    RS_CHECK(pos == st.start + st.filled);
+    const std::int64_t take = std::min({n, st.capacity - st.filled, direct_end_ - pos});
+    std::memcpy(st.buf + st.filled, bytes.data(), static_cast<std::size_t>(take));
+    st.filled += take;
+    pos += take;
+    bytes = bytes.subspan(static_cast<std::size_t>(take));
+    if (st.filled == st.capacity || pos == direct_end_) RS_RETURN_IF_ERROR(FlushDirect());
+  }
+  return Status::Ok();
+}
+
+Status DatasetWriter::FlushDirect() {
+  DirectStage& st = *direct_;
+  std::int64_t done = 0;
+  bool give_up = false;
+  while (done < st.filled && !give_up) {
+    if (file_->direct_refused_.load()) {
+      give_up = true;
+      break;
+    }
+    const ssize_t w = ::pwrite(st.fd, st.buf + done, static_cast<std::size_t>(st.filled - done),
+                               static_cast<off_t>(st.start + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && errno == EINVAL) {
+      // The device wants a larger alignment than a page: buffered from here on, for the file.
+      file_->direct_refused_.store(true);
+      give_up = true;
+      break;
+    }
+    if (w < 0) {
+      return IoError(what_ + ": " + Errno("pwrite (O_DIRECT)") + " at offset " + std::to_string(st.start + done));
+    }
+    done += w;
+    // A short write (w == 0, or off the page grid) leaves the rest to the buffered path.
+    if (w == 0 || w % kDirectAlign != 0) give_up = true;
+  }
+  file_->direct_bytes_.fetch_add(done);
+  if (done < st.filled) {
+    const std::span<const std::byte> rest(st.buf + done, static_cast<std::size_t>(st.filled - done));
+    RS_RETURN_IF_ERROR(file_->WriteAt(st.start + done, rest, what_));
+  }
+  st.start += st.filled;
+  st.filled = 0;
+  if (give_up) direct_.reset();  // later bytes go through the page cache
   return Status::Ok();
 }
 
@@ -602,6 +710,8 @@ Result<DatasetWriter::Written> DatasetWriter::Finish() {
       table_.push_back({block_hash_->Digest(), 0, 0, 0});
       block_filled_ = 0;
     }
+    RS_CHECK(direct_ == nullptr || direct_->filled == 0);  // flushed at direct_end_
+    direct_.reset();
     RS_ASSIGN_OR_RETURN(table_checksum, WriteTable());
     stored_ = spec_.nbytes;
   }

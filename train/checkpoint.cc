@@ -98,9 +98,10 @@ Status CheckModelAgainstManifest(const ModelConfig& c, const Manifest& m, const 
 
 namespace {
 
-WriterOptions TrainWriterOptions() {
+WriterOptions TrainWriterOptions(bool direct_io) {
   WriterOptions options;
   options.producer = "rs-train";
+  options.direct_io = direct_io;
   return options;
 }
 
@@ -131,18 +132,19 @@ double Since(std::chrono::steady_clock::time_point t) {
 
 }  // namespace
 
-Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas) {
+Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas, bool direct_io) {
   RS_RETURN_IF_ERROR(trainer.SyncToHost());  // a run on a device: its state, not the stale host copy
   const ShardedState& state = trainer.state();
   const nlohmann::json metadata = SaveMetadata(trainer);
-  return WriteCheckpointTogether(*trainer.groups().world, dir, TrainWriterOptions(), [&](CheckpointWriter& writer) {
+  return WriteCheckpointTogether(*trainer.groups().world, dir, TrainWriterOptions(direct_io), [&](CheckpointWriter& writer) {
     return WriteSave(writer, state, metadata, [&](CheckpointWriter& w) {
       return state.Save(w, trainer.model(), trainer.step(), with_replicas);
     });
   });
 }
 
-AsyncSaver::AsyncSaver(Trainer& trainer, bool with_replicas) : trainer_(trainer), with_replicas_(with_replicas) {}
+AsyncSaver::AsyncSaver(Trainer& trainer, bool with_replicas, bool direct_io)
+    : trainer_(trainer), with_replicas_(with_replicas), direct_io_(direct_io) {}
 
 AsyncSaver::~AsyncSaver() {
   if (worker_.joinable()) {
@@ -174,7 +176,7 @@ Status AsyncSaver::Start(const std::string& dir) {
   worker_ = std::thread([this, metadata, size, rank] {
     const auto w0 = std::chrono::steady_clock::now();
     const ShardedState& state = trainer_.state();  // placements only: fixed for the run
-    result_ = WriteMyPart(size, rank, dir_, txn_, TrainWriterOptions(), [&](CheckpointWriter& writer) {
+    result_ = WriteMyPart(size, rank, dir_, txn_, TrainWriterOptions(direct_io_), [&](CheckpointWriter& writer) {
       return WriteSave(writer, state, *metadata, [&](CheckpointWriter& w) {
         return state.SaveSnapshot(w, trainer_.model(), snapshot_, with_replicas_);
       });

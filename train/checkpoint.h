@@ -24,8 +24,9 @@ namespace rs::train {
 // trainer's layout: every rank writes its own shards into "rank-<rank>.h5" (main replicas, all
 // with `with_replicas`), and the checkpoint is committed once, atomically, for all ranks
 // (formats/checkpoint_commit.h). Collective over the trainer's world. IoError from the file system; a
-// failure on any rank fails every rank and leaves nothing at `dir`.
-Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas = false);
+// failure on any rank fails every rank and leaves nothing at `dir`. `direct_io`: see
+// WriterOptions (false: every byte through the page cache).
+Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas = false, bool direct_io = true);
 
 // Saves in the background (`train --async-save`). Start() takes a snapshot of this rank's
 // owned state at a step boundary (a host-memory copy of exactly what SaveCheckpoint writes:
@@ -41,7 +42,7 @@ Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replic
 // own error naming its file, or "rank N failed to write its part"); nothing is published then.
 class AsyncSaver {
  public:
-  AsyncSaver(Trainer& trainer, bool with_replicas);
+  AsyncSaver(Trainer& trainer, bool with_replicas, bool direct_io = true);
   ~AsyncSaver();  // waits for a write still running; it is not committed (its staging is removed)
   AsyncSaver(const AsyncSaver&) = delete;
   AsyncSaver& operator=(const AsyncSaver&) = delete;
@@ -70,6 +71,7 @@ class AsyncSaver {
   Result<std::string> Commit();
   Trainer& trainer_;
   bool with_replicas_;
+  bool direct_io_;
   std::thread worker_;
   std::atomic<bool> done_{false};
   Status result_ = Status::Ok();

@@ -1,5 +1,7 @@
 // Round trips through CheckpointWriter / CheckpointReader and the commit protocol.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <thread>
@@ -281,6 +283,105 @@ TEST_P(RoundTrip, StreamingShardsInOddPieces) {
   EXPECT_EQ((*r)->manifest().shards.size(), 3u);
   EXPECT_EQ(*(*r)->ReadTensor("w"), full);
   EXPECT_EQ(*(*r)->ReadTensor("u"), u_bytes);
+}
+
+// Whether `dir`'s file system takes O_DIRECT (ext4, xfs, tmpfs since Linux 6.6; the fallback
+// where it does not is tested with an LD_PRELOAD library: Faults.DirectWritesRefused...).
+bool TakesDirectIo(const std::string& dir) {
+  const std::string probe = dir + "/direct-probe";
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return true;
+}
+
+struct DirectWrite {
+  std::int64_t direct_bytes = 0;
+  std::vector<std::pair<TensorSpec, std::vector<std::byte>>> tensors;
+};
+
+// Large shards whose data starts and ends off the page grid, fed in pieces that straddle the
+// 8 MiB staging block and the page edges, with small shards (written buffered) between them,
+// on two rank files, the second one with two shards open at once and fed alternately.
+DirectWrite WriteForDirectIo(const std::string& dir, bool direct_io) {
+  WriterOptions o = Options("none");
+  o.direct_io = direct_io;
+  auto w = CheckpointWriter::Create(dir, o);
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  DirectWrite out;
+  const std::vector<std::pair<std::string, Shape>> shapes = {
+      {"big", {1001, 2999}}, {"tiny", {3, 5}}, {"mid", {513, 1031}}, {"page", {1024, 1024}}};
+  std::uint64_t seed = 11;
+  for (const auto& [name, shape] : shapes) {
+    const TensorSpec t = Spec(name, DType::kF32, shape);
+    out.tensors.emplace_back(t, testing::TensorBytes(t, seed++));
+    EXPECT_TRUE((*w)->AddTensor(t).ok());
+  }
+  // Rank 0: every tensor whole, in pieces of a prime number of bytes.
+  for (const auto& [t, full] : out.tensors) {
+    auto sink = (*w)->BeginShard(0, t.name, BoxPiece(Shape(t.shape.size(), 0), t.shape));
+    EXPECT_TRUE(sink.ok()) << sink.status().ToString();
+    for (std::size_t at = 0; at < full.size(); at += 1000003) {
+      const std::size_t n = std::min<std::size_t>(1000003, full.size() - at);
+      EXPECT_TRUE((*sink)->Append(std::span(full).subspan(at, n)).ok());
+    }
+    EXPECT_TRUE((*sink)->Finish().ok());
+  }
+  // Rank 1: replicas of flat ranges of "big" and "mid", open at the same time, fed alternately.
+  {
+    const auto& [big, big_full] = out.tensors[0];
+    const auto& [mid, mid_full] = out.tensors[2];
+    const Piece pb{Box{Shape(2, 0), big.shape}, ItemRange{7, 2000003}};
+    const Piece pm{Box{Shape(2, 0), mid.shape}, ItemRange{1, 400001}};
+    const std::vector<std::byte> b = Cut(big, big_full, pb), m = Cut(mid, mid_full, pm);
+    auto sb = (*w)->BeginShard(1, "big", pb, ReplicaKind::kReplica);
+    auto sm = (*w)->BeginShard(1, "mid", pm, ReplicaKind::kReplica);
+    EXPECT_TRUE(sb.ok() && sm.ok());
+    std::size_t ab = 0, am = 0;
+    while (ab < b.size() || am < m.size()) {
+      const std::size_t nb = std::min<std::size_t>(777777, b.size() - ab), nm = std::min<std::size_t>(333331, m.size() - am);
+      if (nb > 0) {
+        EXPECT_TRUE((*sb)->Append(std::span(b).subspan(ab, nb)).ok());
+      }
+      if (nm > 0) {
+        EXPECT_TRUE((*sm)->Append(std::span(m).subspan(am, nm)).ok());
+      }
+      ab += nb;
+      am += nm;
+    }
+    EXPECT_TRUE((*sb)->Finish().ok() && (*sm)->Finish().ok());
+  }
+  EXPECT_TRUE((*w)->Commit().ok());
+  out.direct_bytes = (*w)->direct_bytes();
+  return out;
+}
+
+TEST(CheckpointWriter, DirectIoWritesTheSameFiles) {
+  ScratchDir tmp;
+  const DirectWrite direct = WriteForDirectIo(tmp / "direct", true);
+  const DirectWrite buffered = WriteForDirectIo(tmp / "buffered", false);
+  EXPECT_EQ(buffered.direct_bytes, 0);
+  if (TakesDirectIo(tmp.path())) {
+    // Everything but the partial pages at the large shards' ends and the shards under 1 MiB.
+    std::int64_t large = 0;
+    for (const auto& [t, full] : direct.tensors) large += t.nbytes() >= (1 << 20) ? t.nbytes() : 0;
+    large += 2000003 * 4 + 400001 * 4;
+    EXPECT_GT(direct.direct_bytes, large - 16 * 4096);
+    EXPECT_LE(direct.direct_bytes, large);
+  } else {
+    EXPECT_EQ(direct.direct_bytes, 0) << "the file system refuses O_DIRECT: every byte goes buffered";
+  }
+  for (const char* f : {"rank-00000.h5", "rank-00001.h5", "manifest.json"}) {
+    const std::vector<char> a = testing::ReadAll(tmp / ("direct/" + std::string(f)));
+    EXPECT_FALSE(a.empty()) << f;
+    EXPECT_TRUE(a == testing::ReadAll(tmp / ("buffered/" + std::string(f))))
+        << f << " differs between O_DIRECT and buffered writes";
+  }
+  auto r = CheckpointReader::Open(tmp / "direct");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  for (std::size_t i = 0; i < (*r)->manifest().shards.size(); ++i) EXPECT_TRUE((*r)->VerifyShard(i).ok()) << i;
+  for (const auto& [t, full] : direct.tensors) EXPECT_EQ(*(*r)->ReadTensor(t.name), full) << t.name;
 }
 
 TEST(Codec, ParseAndPrint) {

@@ -8,12 +8,19 @@
 // 1 over pread / pread64 / read) first truncates the file to half its size (another process
 // truncating it while it is read: a log rotation, a cleanup job, a rewrite by the training run),
 // then goes ahead - so the truncation lands exactly in the middle of the command's reads.
+//
+// With $RS_DIRECT_REFUSE=open, every open with O_DIRECT fails with EINVAL (a file system without
+// O_DIRECT); with =write, those opens succeed and every pwrite through such a descriptor fails
+// with EINVAL (a device that wants a larger alignment). Each refusal creates the file named by
+// $RS_DIRECT_MARK, if set, so a test knows a direct write was tried.
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdarg>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -61,6 +68,30 @@ Fn Next(const char* name) {
   return reinterpret_cast<Fn>(::dlsym(RTLD_NEXT, name));
 }
 
+// Whether O_DIRECT is refused at `stage` ("open" or "write"); records the refusal.
+bool RefuseDirect(const char* stage) {
+  const char* mode = std::getenv("RS_DIRECT_REFUSE");
+  if (mode == nullptr || std::strcmp(mode, stage) != 0) return false;
+  if (const char* mark = std::getenv("RS_DIRECT_MARK"); mark != nullptr && *mark != '\0') {
+    static const auto real_open = Next<int (*)(const char*, int, ...)>("open");
+    const int fd = real_open(mark, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd >= 0) ::close(fd);
+  }
+  errno = EINVAL;
+  return true;
+}
+
+int OpenWith(const char* name, const char* path, int flags, va_list args) {
+  const mode_t mode = (flags & (O_CREAT | O_TMPFILE)) != 0 ? static_cast<mode_t>(va_arg(args, int)) : 0;
+  if ((flags & O_DIRECT) != 0 && RefuseDirect("open")) return -1;
+  return Next<int (*)(const char*, int, ...)>(name)(path, flags, mode);
+}
+
+bool DirectWriteRefused(int fd) {
+  const int fl = ::fcntl(fd, F_GETFL);
+  return fl >= 0 && (fl & O_DIRECT) != 0 && RefuseDirect("write");
+}
+
 }  // namespace
 
 extern "C" {
@@ -90,6 +121,34 @@ ssize_t read(int fd, void* buf, size_t count) {
     return -1;
   }
   return next(fd, buf, count);
+}
+
+int open(const char* path, int flags, ...) {
+  va_list args;
+  va_start(args, flags);
+  const int fd = OpenWith("open", path, flags, args);
+  va_end(args);
+  return fd;
+}
+
+int open64(const char* path, int flags, ...) {
+  va_list args;
+  va_start(args, flags);
+  const int fd = OpenWith("open64", path, flags, args);
+  va_end(args);
+  return fd;
+}
+
+ssize_t pwrite(int fd, const void* buf, size_t count, off_t offset) {
+  static const auto next = Next<ssize_t (*)(int, const void*, size_t, off_t)>("pwrite");
+  if (DirectWriteRefused(fd)) return -1;
+  return next(fd, buf, count, offset);
+}
+
+ssize_t pwrite64(int fd, const void* buf, size_t count, off_t offset) {
+  static const auto next = Next<ssize_t (*)(int, const void*, size_t, off_t)>("pwrite64");
+  if (DirectWriteRefused(fd)) return -1;
+  return next(fd, buf, count, offset);
 }
 
 void* mmap(void* addr, size_t length, int prot, int flags, int fd, off_t offset) {
