@@ -503,17 +503,22 @@ void RunTrain(TrainArgs& a) {
   const double in_loop = checkpoint_seconds;
   timed([&] { poll(/*wait=*/true); });
   if (saves > 0 && lead) {
+    // Updates that waited for a snapshot's background copy blocked the loop inside steps.
+    const double fence = saver != nullptr ? saver->stats().fence_seconds : 0.0;
     PrintErr("checkpoints: %lld saves %s; the step loop was blocked %.3f s by them (%.1f ms per save)",
-             static_cast<long long>(saves), saver != nullptr ? "in the background" : "synchronous", in_loop,
-             1000.0 * in_loop / static_cast<double>(saves));
-    if (saver != nullptr) PrintErr(", and %.3f s at the end for the last one", checkpoint_seconds - in_loop);
+             static_cast<long long>(saves), saver != nullptr ? "in the background" : "synchronous", in_loop + fence,
+             1000.0 * (in_loop + fence) / static_cast<double>(saves));
+    if (saver != nullptr) {
+      PrintErr(", of which %.3f s inside steps (updates waiting for the snapshot's copy)", fence);
+      PrintErr(", and %.3f s at the end for the last one", checkpoint_seconds - in_loop);
+    }
     PrintErr("\n");
   }
   if (saver != nullptr && lead) {
     const auto& st = saver->stats();
     PrintErr(
-        "async save: %lld saves; the step loop was blocked %.3f s taking snapshots and %.3f s waiting for an "
-        "earlier save; %.3f s of writing in the background\n",
+        "async save: %lld saves; the step loop was blocked %.3f s by snapshots and %.3f s waiting for an "
+        "earlier save; %.3f s of copying and writing in the background\n",
         static_cast<long long>(st.saves), st.stall_seconds, st.waited_seconds, st.write_seconds);
   }
   if (lead) {

@@ -278,7 +278,8 @@ Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
   auto& slot = files_[rank];
   if (slot == nullptr) slot = std::make_unique<RankFile>();
   if (slot->writer == nullptr) {
-    Result<std::unique_ptr<ShardFileWriter>> w = ShardFileWriter::Create(staging_ + "/" + RankFileName(rank), options_.direct_io);
+    Result<std::unique_ptr<ShardFileWriter>> w =
+        ShardFileWriter::Create(staging_ + "/" + RankFileName(rank), options_.direct_io);
     if (!w.ok()) {
       files_.erase(rank);
       return w.status();

@@ -580,8 +580,8 @@ Status DatasetWriter::FlushDirect() {
       give_up = true;
       break;
     }
-    const ssize_t w = ::pwrite(st.fd, st.buf + done, static_cast<std::size_t>(st.filled - done),
-                               static_cast<off_t>(st.start + done));
+    const ssize_t w =
+        ::pwrite(st.fd, st.buf + done, static_cast<std::size_t>(st.filled - done), static_cast<off_t>(st.start + done));
     if (w < 0 && errno == EINTR) continue;
     if (w < 0 && errno == EINVAL) {
       // The device wants a larger alignment than a page: buffered from here on, for the file.

@@ -204,7 +204,7 @@ class DatasetWriter {
   std::int64_t seq_ = -1;  // position among the datasets of the file (the order they were begun)
   bool turn_released_ = false;
   std::int64_t written_ = 0;
-  std::int64_t offset_ = -1;        // codec none: file offset of the early-allocated storage
+  std::int64_t offset_ = -1;  // codec none: file offset of the early-allocated storage
   // codec none, O_DIRECT: the whole pages of the data, [direct_begin_, direct_end_), go
   // through an aligned staging block; the partial pages at either end through the page cache.
   struct DirectStage;
@@ -235,8 +235,8 @@ class ShardFileWriter {
   // `direct_io`: uncompressed data is written with O_DIRECT, from an aligned staging block, in
   // whole pages (the partial pages at a dataset's ends, the block tables, HDF5's metadata and
   // zstd chunks go through the page cache as before). Copying into the page cache and writing
-  // it back costs the kernel several times the CPU of handing the device the bytes (measured on
-  // a 1.6 GiB small-moe save, FORMAT.md §6), and that CPU is taken from training while a
+  // it back costs the kernel several times the CPU of handing the device the bytes (FORMAT.md
+  // §6, "How the data reaches the disk"), and that CPU is taken from training while a
   // checkpoint is written in the background. Where the file system refuses O_DIRECT (tmpfs,
   // some network and FUSE file systems: EINVAL), the file is written buffered. The bytes in
   // the file are the same either way.

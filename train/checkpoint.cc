@@ -136,17 +136,21 @@ Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replic
   RS_RETURN_IF_ERROR(trainer.SyncToHost());  // a run on a device: its state, not the stale host copy
   const ShardedState& state = trainer.state();
   const nlohmann::json metadata = SaveMetadata(trainer);
-  return WriteCheckpointTogether(*trainer.groups().world, dir, TrainWriterOptions(direct_io), [&](CheckpointWriter& writer) {
-    return WriteSave(writer, state, metadata, [&](CheckpointWriter& w) {
-      return state.Save(w, trainer.model(), trainer.step(), with_replicas);
-    });
-  });
+  return WriteCheckpointTogether(*trainer.groups().world, dir, TrainWriterOptions(direct_io),
+                                 [&](CheckpointWriter& writer) {
+                                   return WriteSave(writer, state, metadata, [&](CheckpointWriter& w) {
+                                     return state.Save(w, trainer.model(), trainer.step(), with_replicas);
+                                   });
+                                 });
 }
 
 AsyncSaver::AsyncSaver(Trainer& trainer, bool with_replicas, bool direct_io)
-    : trainer_(trainer), with_replicas_(with_replicas), direct_io_(direct_io) {}
+    : trainer_(trainer), with_replicas_(with_replicas), direct_io_(direct_io) {
+  trainer_.SetBeforeUpdate([this] { AwaitSnapshot(); });
+}
 
 AsyncSaver::~AsyncSaver() {
+  trainer_.SetBeforeUpdate(nullptr);
   if (worker_.joinable()) {
     worker_.join();
     // Not committed: a multi-process part stays in the staging directory, which the signal
@@ -168,14 +172,24 @@ Status AsyncSaver::Start(const std::string& dir) {
   comm::Communicator& world = *trainer_.groups().world;
   RS_ASSIGN_OR_RETURN(txn_, BeginTogether(world));
   dir_ = dir;
-  trainer_.state().TakeSnapshot(trainer_.model(), trainer_.step(), snapshot_);  // reuses the last one's memory
+  // Into the last snapshot's memory. The parameters (when taken) now: the next step's gather
+  // overwrites them. The rest in the background, before the next update (AwaitSnapshot).
+  trainer_.state().SnapshotParams(trainer_.model(), snapshot_);
   auto metadata = std::make_shared<nlohmann::json>(SaveMetadata(trainer_));
   done_ = false;
   result_ = Status::Ok();
-  const std::int64_t size = world.size(), rank = world.rank();
-  worker_ = std::thread([this, metadata, size, rank] {
+  snapshot_copied_ = false;
+  const std::int64_t size = world.size(), rank = world.rank(), step = trainer_.step();
+  worker_ = std::thread([this, metadata, size, rank, step] {
     const auto w0 = std::chrono::steady_clock::now();
     const ShardedState& state = trainer_.state();  // placements only: fixed for the run
+    if (snapshot_delay_.count() > 0) std::this_thread::sleep_for(snapshot_delay_);
+    state.SnapshotOptimizerState(step, snapshot_, /*on_pool=*/false);
+    {
+      std::lock_guard<std::mutex> lock(snapshot_mu_);
+      snapshot_copied_ = true;
+    }
+    snapshot_cv_.notify_all();
     result_ = WriteMyPart(size, rank, dir_, txn_, TrainWriterOptions(direct_io_), [&](CheckpointWriter& writer) {
       return WriteSave(writer, state, *metadata, [&](CheckpointWriter& w) {
         return state.SaveSnapshot(w, trainer_.model(), snapshot_, with_replicas_);
@@ -187,6 +201,16 @@ Status AsyncSaver::Start(const std::string& dir) {
   ++stats_.saves;
   stats_.stall_seconds += Since(t);
   return Status::Ok();
+}
+
+void AsyncSaver::AwaitSnapshot() {
+  std::unique_lock<std::mutex> lock(snapshot_mu_);
+  if (snapshot_copied_) return;
+  const auto t = std::chrono::steady_clock::now();
+  snapshot_cv_.wait(lock, [&] { return snapshot_copied_; });
+  const double waited = Since(t);
+  stats_.fence_seconds += waited;
+  stats_.stall_seconds += waited;
 }
 
 Result<std::string> AsyncSaver::Commit() {

@@ -8,7 +8,10 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -28,20 +31,23 @@ namespace rs::train {
 // WriterOptions (false: every byte through the page cache).
 Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replicas = false, bool direct_io = true);
 
-// Saves in the background (`train --async-save`). Start() takes a snapshot of this rank's
+// Saves in the background (`train --async-save`). Start() begins a snapshot of this rank's
 // owned state at a step boundary (a host-memory copy of exactly what SaveCheckpoint writes:
 // ShardedState::Snapshot) and a background thread writes and fsyncs this rank's files from it
-// while training goes on. The commit happens at a later step boundary once every rank's files
-// are durable (Poll: one small all-reduce per step while a save is in flight), or when the
-// next save or the end of the run waits for it (Finish). At most one save is in flight: the
-// caller Finishes the previous one before it Starts the next (back-pressure: the time the step
-// loop spends waiting for a write is `waited_seconds`). The files are
-// byte for byte those SaveCheckpoint writes at the same step. Every method is collective over
-// the trainer's world: all ranks call it at the same step boundaries. A failed background
-// write is returned by the Poll / Finish / Start that commits it, on every rank (this rank's
-// own error naming its file, or "rank N failed to write its part"); nothing is published then.
+// while training goes on. The background thread first copies the master weights and moments
+// while the next step's passes run; that step's optimizer update waits for the copy
+// (Trainer::SetBeforeUpdate), so the step loop is blocked only if the copy outlasts the passes.
+// The model's parameters, when the snapshot takes them, are copied by Start itself. The commit happens at a later step
+// boundary once every rank's files are durable (Poll: one small all-reduce per step while a save is in flight), or when
+// the next save or the end of the run waits for it (Finish). At most one save is in flight: the caller Finishes the
+// previous one before it Starts the next (back-pressure: the time the step loop spends waiting for a write is
+// `waited_seconds`). The files are byte for byte those SaveCheckpoint writes at the same step. Every method is
+// collective over the trainer's world: all ranks call it at the same step boundaries. A failed background write is
+// returned by the Poll / Finish / Start that commits it, on every rank (this rank's own error naming its file, or "rank
+// N failed to write its part"); nothing is published then.
 class AsyncSaver {
  public:
+  // Registers itself as `trainer`'s before-update fence until destroyed.
   AsyncSaver(Trainer& trainer, bool with_replicas, bool direct_io = true);
   ~AsyncSaver();  // waits for a write still running; it is not committed (its staging is removed)
   AsyncSaver(const AsyncSaver&) = delete;
@@ -59,9 +65,16 @@ class AsyncSaver {
   Result<std::string> Finish();
   bool pending() const { return worker_.joinable(); }
 
+  // Tests: the background copy starts this much later, so that a step's update would overtake
+  // it without the fence.
+  void DelaySnapshotForTesting(std::chrono::milliseconds delay) { snapshot_delay_ = delay; }
+
   struct Stats {
     std::int64_t saves = 0;
-    double stall_seconds = 0;   // the step loop blocked by Start: snapshot + transaction id
+    // The step loop blocked by Start (transaction id, the parameters' copy when taken) and by
+    // an optimizer update that waited for the background copy (also inside that step's time).
+    double stall_seconds = 0;
+    double fence_seconds = 0;   // of which: updates waiting for the background copy
     double waited_seconds = 0;  // blocked in Finish while a save was still being written
     double write_seconds = 0;   // background: serialise, checksum, write, fsync
   };
@@ -69,6 +82,7 @@ class AsyncSaver {
 
  private:
   Result<std::string> Commit();
+  void AwaitSnapshot();  // the fence: returns once the background copy is complete
   Trainer& trainer_;
   bool with_replicas_;
   bool direct_io_;
@@ -77,6 +91,10 @@ class AsyncSaver {
   Status result_ = Status::Ok();
   std::string dir_, txn_;
   ShardedState::Snapshot snapshot_;  // read by the worker while it runs; kept for the next save
+  std::mutex snapshot_mu_;
+  std::condition_variable snapshot_cv_;
+  bool snapshot_copied_ = true;  // the background copy of the current save is complete
+  std::chrono::milliseconds snapshot_delay_{0};
   Stats stats_;
 };
 

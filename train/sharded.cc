@@ -862,21 +862,39 @@ std::int64_t ShardedState::SnapshotBytes(const Transformer<float>& model) const 
                                    sizeof(float));
 }
 
+namespace {
+
+// Copied in 4 MiB chunks on the shared pool when the step loop waits for the copy (two threads
+// copy 1.2 GiB in 0.11-0.14 s here against 0.17 s for one); on the calling thread alone when it
+// runs beside a step, whose threads the pool's are.
+void CopySnapshot(std::span<const float> from, std::vector<float>& to, bool on_pool) {
+  to.resize(from.size());
+  if (!on_pool) {
+    std::copy(from.begin(), from.end(), to.begin());
+    return;
+  }
+  ParallelChunks(static_cast<std::int64_t>(from.size()), std::int64_t{1} << 20,
+                 [&](std::int64_t, std::int64_t b, std::int64_t e) {
+                   std::memcpy(to.data() + b, from.data() + b, static_cast<std::size_t>(e - b) * sizeof(float));
+                 });
+}
+
+}  // namespace
+
 void ShardedState::TakeSnapshot(const Transformer<float>& model, std::int64_t step, Snapshot& s) const {
+  SnapshotParams(model, s);
+  SnapshotOptimizerState(step, s, /*on_pool=*/true);
+}
+
+void ShardedState::SnapshotParams(const Transformer<float>& model, Snapshot& s) const {
+  if (HasBuffers(map_->tensors())) CopySnapshot(model.params(), s.params, /*on_pool=*/true);
+}
+
+void ShardedState::SnapshotOptimizerState(std::int64_t step, Snapshot& s, bool on_pool) const {
   s.step = step;
-  // Copied in 4 MiB chunks on the shared pool: the step loop waits for this copy, and two
-  // threads copy 1.2 GiB in 0.11-0.14 s here against 0.17 s for one.
-  const auto copy = [](std::span<const float> from, std::vector<float>& to) {
-    to.resize(from.size());
-    ParallelChunks(static_cast<std::int64_t>(from.size()), std::int64_t{1} << 20,
-                   [&](std::int64_t, std::int64_t b, std::int64_t e) {
-                     std::memcpy(to.data() + b, from.data() + b, static_cast<std::size_t>(e - b) * sizeof(float));
-                   });
-  };
-  copy(master_, s.master);
-  copy(opt_->exp_avg(), s.exp_avg);
-  copy(opt_->exp_avg_sq(), s.exp_avg_sq);
-  if (HasBuffers(map_->tensors())) copy(model.params(), s.params);
+  CopySnapshot(master_, s.master, on_pool);
+  CopySnapshot(opt_->exp_avg(), s.exp_avg, on_pool);
+  CopySnapshot(opt_->exp_avg_sq(), s.exp_avg_sq, on_pool);
 }
 
 Status ShardedState::Save(CheckpointWriter& writer, const Transformer<float>& model, std::int64_t step,

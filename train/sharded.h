@@ -167,6 +167,12 @@ class ShardedState {
   // Fills `into`, reusing its memory (a second snapshot into the same object copies without
   // allocating or faulting in fresh pages: most of the first one's cost).
   void TakeSnapshot(const Transformer<float>& model, std::int64_t step, Snapshot& into) const;
+  // TakeSnapshot in two parts, for a snapshot whose larger part is copied while the next step
+  // runs: the model's parameters when the checkpoint takes them (models with buffers), which the
+  // next step overwrites first (its parameter gather), and the owned master weights and moments
+  // (on the shared pool, or on the calling thread only), which only its optimizer update changes.
+  void SnapshotParams(const Transformer<float>& model, Snapshot& into) const;
+  void SnapshotOptimizerState(std::int64_t step, Snapshot& into, bool on_pool) const;
   // Bytes TakeSnapshot would copy (for planning the staging memory before a run).
   std::int64_t SnapshotBytes(const Transformer<float>& model) const;
   // Save of a snapshot: the same calls into `writer`, the same bytes. Reads only the snapshot

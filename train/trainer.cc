@@ -181,6 +181,7 @@ Status Trainer::SetEngine(std::unique_ptr<StepEngine> engine) {
 
 Status Trainer::SyncToHost() {
   if (engine_ == nullptr || !host_stale_) return Status::Ok();
+  if (before_update_) before_update_();  // the engine's state overwrites the host's
   RS_RETURN_IF_ERROR(engine_->SyncToHost(*this));
   host_stale_ = false;
   return Status::Ok();
@@ -248,6 +249,7 @@ Result<StepReport> Trainer::Step() {
   if (Status s = state_->ReduceGradients(groups_, model_); !s.ok()) return s.WithContext(at + "reduce gradients");
   r.comm_seconds += since(t0);
   // Phase 4: global norm, clip, AdamW on the owned items.
+  if (before_update_) before_update_();
   t0 = Clock::now();
   auto update = state_->Update(groups_, step_);
   if (!update.ok()) return update.status().WithContext(at + "optimizer update");

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
@@ -120,6 +121,11 @@ class Trainer {
   StepEngine* engine() const { return engine_.get(); }
   // Brings the engine's state back to the host state (no-op without an engine).
   Status SyncToHost();
+  // Called by every CPU step before its optimizer update, the first write to the owned master
+  // weights and moments since the previous step's (the parameter gather, the passes and the
+  // gradient reduction only read them), and by SyncToHost before an engine's state replaces
+  // them: a background snapshot of them (AsyncSaver) waits here until it is complete. Empty: none.
+  void SetBeforeUpdate(std::function<void()> fence) { before_update_ = std::move(fence); }
 
   // With micro-batches or pipeline stages: the schedule steps run (1F1B, or interleaved with
   // pp_virtual), and another plan of the same stages, micro-batches and virtual stages in its
@@ -167,6 +173,7 @@ class Trainer {
   Status PipelinedPasses(const Batch& b, StepReport& r);
   std::unique_ptr<StepEngine> engine_;
   bool host_stale_ = false;  // the engine ran steps since the last SyncToHost
+  std::function<void()> before_update_;
 };
 
 }  // namespace rs::train

@@ -340,7 +340,8 @@ DirectWrite WriteForDirectIo(const std::string& dir, bool direct_io) {
     EXPECT_TRUE(sb.ok() && sm.ok());
     std::size_t ab = 0, am = 0;
     while (ab < b.size() || am < m.size()) {
-      const std::size_t nb = std::min<std::size_t>(777777, b.size() - ab), nm = std::min<std::size_t>(333331, m.size() - am);
+      const std::size_t nb = std::min<std::size_t>(777777, b.size() - ab),
+                        nm = std::min<std::size_t>(333331, m.size() - am);
       if (nb > 0) {
         EXPECT_TRUE((*sb)->Append(std::span(b).subspan(ab, nb)).ok());
       }
