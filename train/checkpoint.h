@@ -36,15 +36,17 @@ Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replic
 // ShardedState::Snapshot) and a background thread writes and fsyncs this rank's files from it
 // while training goes on. The background thread first copies the master weights and moments
 // while the next step's passes run; that step's optimizer update waits for the copy
-// (Trainer::SetBeforeUpdate), so the step loop is blocked only if the copy outlasts the passes.
-// The model's parameters, when the snapshot takes them, are copied by Start itself. The commit happens at a later step
-// boundary once every rank's files are durable (Poll: one small all-reduce per step while a save is in flight), or when
-// the next save or the end of the run waits for it (Finish). At most one save is in flight: the caller Finishes the
-// previous one before it Starts the next (back-pressure: the time the step loop spends waiting for a write is
-// `waited_seconds`). The files are byte for byte those SaveCheckpoint writes at the same step. Every method is
-// collective over the trainer's world: all ranks call it at the same step boundaries. A failed background write is
-// returned by the Poll / Finish / Start that commits it, on every rank (this rank's own error naming its file, or "rank
-// N failed to write its part"); nothing is published then.
+// (Trainer::SetBeforeUpdate), so the step loop is blocked only if the copy outlasts the
+// passes. The model's parameters, when the snapshot takes them, are copied by Start itself.
+// The commit happens at a later step boundary once every rank's files are durable (Poll: one
+// small all-reduce per step while a save is in flight), or when the next save or the end of
+// the run waits for it (Finish). At most one save is in flight: the caller Finishes the
+// previous one before it Starts the next (back-pressure: the time the step loop spends waiting
+// for a write is `waited_seconds`). The files are byte for byte those SaveCheckpoint writes at
+// the same step. Every method is collective over the trainer's world: all ranks call it at the
+// same step boundaries. A failed background write is returned by the Poll / Finish / Start that
+// commits it, on every rank (this rank's own error naming its file, or "rank N failed to write
+// its part"); nothing is published then.
 class AsyncSaver {
  public:
   // Registers itself as `trainer`'s before-update fence until destroyed.
@@ -76,7 +78,7 @@ class AsyncSaver {
     double stall_seconds = 0;
     double fence_seconds = 0;   // of which: updates waiting for the background copy
     double waited_seconds = 0;  // blocked in Finish while a save was still being written
-    double write_seconds = 0;   // background: serialise, checksum, write, fsync
+    double write_seconds = 0;   // background: copy, serialise, checksum, write, fsync
   };
   const Stats& stats() const { return stats_; }
 

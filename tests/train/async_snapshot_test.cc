@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
-#include <span>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "tests/cli/cli_test_util.h"
@@ -25,7 +25,8 @@ using testing::TempDir;
 std::unique_ptr<Trainer> MakeTrainer(bool with_buffers) {
   ModelConfig m;  // the small default MoE
   m.n_layers = 2;
-  if (with_buffers) m.router = RouterKind::kSigmoidBias;  // the expert bias: a buffer, saved from the model's parameters
+  if (with_buffers)
+    m.router = RouterKind::kSigmoidBias;  // the expert bias: a buffer, saved from the model's parameters
   TrainConfig c;
   c.batch_size = 2;
   c.seq_len = 16;
