@@ -887,7 +887,16 @@ void ShardedState::TakeSnapshot(const Transformer<float>& model, std::int64_t st
 }
 
 void ShardedState::SnapshotParams(const Transformer<float>& model, Snapshot& s) const {
-  if (HasBuffers(map_->tensors())) CopySnapshot(model.params(), s.params, /*on_pool=*/true);
+  const auto& all = map_->tensors();
+  if (!HasBuffers(all)) return;
+  // Only the buffers are saved from the model's parameters (SaveFrom); the copy keeps the
+  // model's layout, so that SaveFrom finds them at the model's offsets.
+  s.params.resize(model.params().size());
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (all[i].role != TensorRole::kBuffer) continue;
+    const auto at = static_cast<std::ptrdiff_t>(model.offset(i));
+    std::copy_n(model.params().begin() + at, model.numel(i), s.params.begin() + at);
+  }
 }
 
 void ShardedState::SnapshotOptimizerState(std::int64_t step, Snapshot& s, bool on_pool) const {

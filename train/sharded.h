@@ -168,9 +168,9 @@ class ShardedState {
   // allocating or faulting in fresh pages: most of the first one's cost).
   void TakeSnapshot(const Transformer<float>& model, std::int64_t step, Snapshot& into) const;
   // TakeSnapshot in two parts, for a snapshot whose larger part is copied while the next step
-  // runs: the model's parameters when the checkpoint takes them (models with buffers), which the
-  // next step overwrites first (its parameter gather), and the owned master weights and moments
-  // (on the shared pool, or on the calling thread only), which only its optimizer update changes.
+  // runs: the buffers among the model's parameters (the only values Save reads from them), which
+  // the next step changes first, and the owned master weights and moments (on the shared pool,
+  // or on the calling thread only), which only its optimizer update changes.
   void SnapshotParams(const Transformer<float>& model, Snapshot& into) const;
   void SnapshotOptimizerState(std::int64_t step, Snapshot& into, bool on_pool) const;
   // Bytes TakeSnapshot would copy (for planning the staging memory before a run).

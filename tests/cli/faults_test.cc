@@ -341,7 +341,7 @@ TEST(Faults, SourceShrinksDuringConvert) {
 // LD_PRELOAD library fails every O_DIRECT open, or every write through such a descriptor, with
 // EINVAL: a file system without it, a device that wants a larger alignment), convert writes
 // through the page cache instead: it succeeds, and the data file holds the same bytes as with
-// O_DIRECT and with --buffered-writes.
+// O_DIRECT and with --buffered-writes. Any other failed direct write fails the command.
 TEST(Faults, DirectWritesRefusedFallBackToTheSameBytes) {
   TempDir tmp;
   const std::string src = tmp / "src";
@@ -371,6 +371,15 @@ TEST(Faults, DirectWritesRefusedFallBackToTheSameBytes) {
     const CommandResult v = RunCli("verify " + out);
     EXPECT_EQ(v.exit_code, 0) << v.output;
   }
+  // A direct write that fails otherwise (EIO, as from a failing disk) fails the command, naming
+  // the file; nothing is published.
+  const std::string failed = tmp / "failed";
+  const CommandResult eio =
+      RunShell("LD_PRELOAD=" + std::string(RS_EIO_PRELOAD) + " RS_DIRECT_REFUSE=eio " + convert + failed + " 2>&1");
+  EXPECT_EQ(eio.exit_code, 1) << eio.output;
+  EXPECT_NE(eio.output.find("pwrite (O_DIRECT): Input/output error"), std::string::npos) << eio.output;
+  EXPECT_NE(eio.output.find(data), std::string::npos) << "the error names the file: " << eio.output;
+  EXPECT_FALSE(fs::exists(failed));
 }
 
 // A checkpoint of many more data files than the process may hold open: readers keep at most a

@@ -11,8 +11,9 @@
 //
 // With $RS_DIRECT_REFUSE=open, every open with O_DIRECT fails with EINVAL (a file system without
 // O_DIRECT); with =write, those opens succeed and every pwrite through such a descriptor fails
-// with EINVAL (a device that wants a larger alignment). Each refusal creates the file named by
-// $RS_DIRECT_MARK, if set, so a test knows a direct write was tried.
+// with EINVAL (a device that wants a larger alignment); with =eio, with EIO (a failing disk).
+// Each refusal creates the file named by $RS_DIRECT_MARK, if set, so a test knows a direct
+// write was tried.
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -68,8 +69,8 @@ Fn Next(const char* name) {
   return reinterpret_cast<Fn>(::dlsym(RTLD_NEXT, name));
 }
 
-// Whether O_DIRECT is refused at `stage` ("open" or "write"); records the refusal.
-bool RefuseDirect(const char* stage) {
+// Whether O_DIRECT is refused at `stage` ("open", "write" or "eio"); records the refusal.
+bool RefuseDirect(const char* stage, int err = EINVAL) {
   const char* mode = std::getenv("RS_DIRECT_REFUSE");
   if (mode == nullptr || std::strcmp(mode, stage) != 0) return false;
   if (const char* mark = std::getenv("RS_DIRECT_MARK"); mark != nullptr && *mark != '\0') {
@@ -77,7 +78,7 @@ bool RefuseDirect(const char* stage) {
     const int fd = real_open(mark, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     if (fd >= 0) ::close(fd);
   }
-  errno = EINVAL;
+  errno = err;
   return true;
 }
 
@@ -89,7 +90,7 @@ int OpenWith(const char* name, const char* path, int flags, va_list args) {
 
 bool DirectWriteRefused(int fd) {
   const int fl = ::fcntl(fd, F_GETFL);
-  return fl >= 0 && (fl & O_DIRECT) != 0 && RefuseDirect("write");
+  return fl >= 0 && (fl & O_DIRECT) != 0 && (RefuseDirect("write") || RefuseDirect("eio", EIO));
 }
 
 }  // namespace
