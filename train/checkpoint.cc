@@ -172,8 +172,8 @@ Status AsyncSaver::Start(const std::string& dir) {
   comm::Communicator& world = *trainer_.groups().world;
   RS_ASSIGN_OR_RETURN(txn_, BeginTogether(world));
   dir_ = dir;
-  // Into the last snapshot's memory. The parameters (when taken) now: the next step's gather
-  // overwrites them. The rest in the background, before the next update (AwaitSnapshot).
+  // Into the last snapshot's memory. The buffers now: the next step changes
+  // them first. The rest in the background, before the next update (AwaitSnapshot).
   trainer_.state().SnapshotParams(trainer_.model(), snapshot_);
   auto metadata = std::make_shared<nlohmann::json>(SaveMetadata(trainer_));
   done_ = false;

@@ -37,8 +37,8 @@ Status SaveCheckpoint(const std::string& dir, Trainer& trainer, bool with_replic
 // while training goes on. The background thread first copies the master weights and moments
 // while the next step's passes run; that step's optimizer update waits for the copy
 // (Trainer::SetBeforeUpdate), so the step loop is blocked only if the copy outlasts the
-// passes. The model's parameters, when the snapshot takes them, are copied by Start itself.
-// The commit happens at a later step boundary once every rank's files are durable (Poll: one
+// passes. The buffers (in the model's parameters, which the next step changes first) are copied
+// by Start itself. The commit happens at a later step boundary once every rank's files are durable (Poll: one
 // small all-reduce per step while a save is in flight), or when the next save or the end of
 // the run waits for it (Finish). At most one save is in flight: the caller Finishes the
 // previous one before it Starts the next (back-pressure: the time the step loop spends waiting
@@ -73,7 +73,7 @@ class AsyncSaver {
 
   struct Stats {
     std::int64_t saves = 0;
-    // The step loop blocked by Start (transaction id, the parameters' copy when taken) and by
+    // The step loop blocked by Start (transaction id, the buffers' copy) and by
     // an optimizer update that waited for the background copy (also inside that step's time).
     double stall_seconds = 0;
     double fence_seconds = 0;   // of which: updates waiting for the background copy

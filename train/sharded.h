@@ -157,8 +157,8 @@ class ShardedState {
   // tensor into `writer`; parameters rounded from the master weights to their dtype.
   Status Save(CheckpointWriter& writer, const Transformer<float>& model, std::int64_t step, bool with_replicas) const;
 
-  // A copy of exactly what Save reads (the owned master weights and moments, and the model's
-  // parameters when the model has buffers), taken at a step boundary so that a background
+  // A copy of exactly what Save reads (the owned master weights and moments, and the buffers
+  // among the model's parameters, in the model's layout), taken at a step boundary so that a background
   // writer can write it while training goes on (`train --async-save`).
   struct Snapshot {
     std::int64_t step = 0;
