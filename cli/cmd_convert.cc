@@ -73,6 +73,8 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   }
   o.with_replicas = a.with_replicas;
   o.threads = a.threads;
+  // The budget counts our writer's O_DIRECT block; DCP files are written from the windows.
+  if (a.buffered_writes || a.output_format != "reshard") o.write_block_bytes = 0;
   if (!a.param_dtype.empty()) {
     const auto t = ParseDType(a.param_dtype);
     if (!t) return InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'");
@@ -83,7 +85,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   s.plan = std::move(*plan);
   RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
-  s.writer.direct_io = !a.buffered_writes;
+  FitWriterToPlan(s.plan, s.writer);
   s.writer.producer = "reshard convert";
   s.writer.format_version = a.format.version;
   RS_ASSIGN_OR_RETURN(s.writer.block_bytes, BlockBytesArg(a.format));

@@ -23,6 +23,7 @@ struct PlanArgs {
   std::string param_dtype;
   int threads = 0;
   bool with_replicas = false;
+  bool buffered_writes = false;
   bool json = false;
   bool detail = false;
   std::string model;
@@ -52,6 +53,7 @@ void RunPlan(const PlanArgs& a) {
   }
   o.threads = a.threads;
   o.with_replicas = a.with_replicas;
+  if (a.buffered_writes) o.write_block_bytes = 0;
   if (!a.param_dtype.empty()) {
     const auto t = ParseDType(a.param_dtype);
     if (!t) Fail("plan", InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'"));
@@ -88,6 +90,8 @@ void RegisterPlan(CLI::App& app) {
   cmd->add_option("--max-shard-size", a->max_shard_size, "As for convert");
   cmd->add_option("--param-dtype", a->param_dtype, "As for convert");
   cmd->add_option("--threads", a->threads, "As for convert (for the peak buffer estimate)")->capture_default_str();
+  cmd->add_flag("--buffered-writes", a->buffered_writes,
+                "As for convert (the peak buffer then has no O_DIRECT write blocks)");
   cmd->add_flag("--with-replicas", a->with_replicas, "As for convert");
   cmd->add_flag("--json", a->json, "Machine-readable output");
   cmd->add_flag("--detail", a->detail, "List every target shard and its transfers");

@@ -309,22 +309,35 @@ void RunTrain(TrainArgs& a) {
     if (!dir.ok()) fail_all(dir.status());
     resumed_from = *dir;
     train::ReadStats read;
+    const auto load_start = std::chrono::steady_clock::now();
     auto t = train::ResumeFromCheckpoint(*dir, data, parallel, &read);
     if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
     trainer = std::move(*t);
-    // Read amplification: bytes read by all ranks against the checkpoint's stored bytes.
-    std::int64_t sum = read.bytes_read, most = read.bytes_read;
+    // Read amplification: bytes read by all ranks against the checkpoint's stored bytes; the
+    // load's time is the slowest rank's (the AllOk above waited for all of them).
+    const double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+    std::vector<std::int64_t> per_rank(static_cast<std::size_t>(world.size()), read.bytes_read);
     if (world.active()) {
-      if (Status s = world.comm().AllReduce(std::span<std::int64_t>(&sum, 1), comm::ReduceOp::kSum); !s.ok())
-        fail_one(s);
-      if (Status s = world.comm().AllReduce(std::span<std::int64_t>(&most, 1), comm::ReduceOp::kMax); !s.ok())
+      if (Status s = world.comm().AllGather(std::span<const std::int64_t>(&read.bytes_read, 1), per_rank); !s.ok())
         fail_one(s);
     }
     if (lead) {
-      PrintErr("resumed %s at step %" PRId64 "; read %s of its %s of data files (%.2fx; at most %s by one rank)\n",
-               dir->c_str(), trainer->step(), HumanBytes(sum).c_str(), HumanBytes(read.stored_bytes).c_str(),
+      std::int64_t sum = 0, most = 0;
+      std::string each;
+      for (const std::int64_t b : per_rank) {
+        sum += b;
+        most = std::max(most, b);
+        each += (each.empty() ? "" : " ") + HumanBytes(b);
+      }
+      PrintErr("resumed %s at step %" PRId64
+               " in %.2f s (%.1f MiB/s of data files); read %s of its %s of data "
+               "files (%.2fx; at most %s by one rank)\n",
+               dir->c_str(), trainer->step(), load_seconds,
+               load_seconds > 0 ? static_cast<double>(read.stored_bytes) / 1048576.0 / load_seconds : 0.0,
+               HumanBytes(sum).c_str(), HumanBytes(read.stored_bytes).c_str(),
                read.stored_bytes > 0 ? static_cast<double>(sum) / static_cast<double>(read.stored_bytes) : 0.0,
                HumanBytes(most).c_str());
+      if (per_rank.size() > 1) PrintErr("read per rank: %s\n", each.c_str());
     }
   } else {
     auto model = LoadModelArg(a.model);
@@ -399,16 +412,18 @@ void RunTrain(TrainArgs& a) {
     const std::int64_t bytes = saver->snapshot_bytes();
     // The snapshot is a copy of this rank's owned state, held while the background writer
     // works: it must fit next to the run.
-    if (Status fits = CheckMemory(2 * bytes,
+    if (Status fits = CheckMemory(2 * bytes + saver->write_block_bytes(),
                                   "--async-save (twice the snapshot of this rank's owned state: the "
-                                  "snapshot and headroom for the writer)");
+                                  "snapshot and headroom for the writer, and its O_DIRECT block)");
         !world.AllOk(fits.ok())) {
       fail_all(fits.ok() ? FailedPrecondition("--async-save does not fit in another rank's memory") : fits);
     }
     saver->Reserve();
     if (lead) {
-      PrintErr("async save: %s of staging memory per rank (a snapshot of its owned state), reserved\n",
-               HumanBytes(bytes).c_str());
+      PrintErr(
+          "async save: %s of staging memory per rank (a snapshot of its owned state), reserved; the writer "
+          "adds %s (its O_DIRECT block)\n",
+          HumanBytes(bytes).c_str(), HumanBytes(saver->write_block_bytes()).c_str());
     }
   }
   auto committed = [&](const std::string& dir) {

@@ -98,6 +98,11 @@ Status CheckOptions(const WriterOptions& o) {
                            std::to_string(kMinBlockBytes) + ", " + std::to_string(kMaxBlockBytes) + "]");
   }
   if (o.chunk_bytes <= 0) return InvalidArgument("chunk size " + std::to_string(o.chunk_bytes) + " must be positive");
+  if (o.direct_block_bytes < kDirectAlign || o.direct_block_bytes > (std::int64_t{1} << 30) ||
+      o.direct_block_bytes % kDirectAlign != 0) {
+    return InvalidArgument("O_DIRECT block size " + std::to_string(o.direct_block_bytes) +
+                           " must be a multiple of 4096 in [4 KiB, 1 GiB]");
+  }
   return Status::Ok();
 }
 
@@ -274,12 +279,17 @@ std::int64_t CheckpointWriter::stored_bytes() const {
   return stored_bytes_;
 }
 
+std::int64_t CheckpointWriter::StagingBytes(std::int64_t nbytes) const {
+  if (!options_.direct_io || options_.codec.codec != Codec::kNone) return 0;
+  return DirectStagingBytes(nbytes, options_.direct_block_bytes);
+}
+
 Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
   auto& slot = files_[rank];
   if (slot == nullptr) slot = std::make_unique<RankFile>();
   if (slot->writer == nullptr) {
     Result<std::unique_ptr<ShardFileWriter>> w =
-        ShardFileWriter::Create(staging_ + "/" + RankFileName(rank), options_.direct_io);
+        ShardFileWriter::Create(staging_ + "/" + RankFileName(rank), options_.direct_io, options_.direct_block_bytes);
     if (!w.ok()) {
       files_.erase(rank);
       return w.status();

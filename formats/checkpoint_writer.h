@@ -34,6 +34,7 @@
 #include "core/tensor_spec.h"
 #include "formats/codec.h"
 #include "formats/manifest.h"
+#include "formats/shard_file.h"
 
 namespace rs {
 
@@ -91,6 +92,9 @@ struct WriterOptions {
   // Uncompressed shard data written past the page cache (O_DIRECT) where the file system
   // allows it (see ShardFileWriter::Create); false: every byte through the page cache.
   bool direct_io = true;
+  // The O_DIRECT staging block each shard being written holds (a multiple of 4 KiB, at least
+  // 4 KiB and at most 1 GiB; see StagingBytes).
+  std::int64_t direct_block_bytes = kDefaultDirectBlockBytes;
 };
 
 class CheckpointWriter {
@@ -146,6 +150,10 @@ class CheckpointWriter {
   const std::string& staging_dir() const { return staging_; }
   // Bytes stored in data files so far (after compression).
   std::int64_t stored_bytes() const;
+  // The most memory the writer holds for a shard of `nbytes` while it is being written beyond
+  // what the caller hands it: its O_DIRECT staging block (0 for buffered or compressed shards).
+  // Callers with a memory budget count it (reshard/execute.h).
+  std::int64_t StagingBytes(std::int64_t nbytes) const;
   // Of the data files' bytes, how many went to them with O_DIRECT (WriterOptions::direct_io);
   // known once the files are closed (Commit).
   std::int64_t direct_bytes() const { return direct_bytes_; }

@@ -31,6 +31,9 @@ class ShardDestination {
   // by the caller, so that the output does not depend on timing.
   virtual Result<std::unique_ptr<ShardStream>> BeginShard(std::int64_t rank, const std::string& tensor,
                                                           const Piece& piece, ReplicaKind replica) = 0;
+  // Memory the destination itself holds while a shard of `nbytes` is being written (beyond the
+  // windows handed to Append), which a memory budget must count.
+  virtual std::int64_t StagingBytes(std::int64_t /*nbytes*/) const { return 0; }
 };
 
 }  // namespace rs

@@ -33,14 +33,6 @@ constexpr std::int64_t kStreamBlock = std::int64_t{256} << 10;
 
 std::string Errno(const char* op) { return std::string(op) + ": " + std::strerror(errno); }
 
-// O_DIRECT data writes (ShardFileWriter::Create): whole 4 KiB pages (the largest logical block
-// size of common devices; smaller ones accept it too), from an aligned staging block. A dataset
-// with less than kDirectMinBytes of whole pages is written buffered: the open() and the staging
-// block would cost more than they save.
-constexpr std::int64_t kDirectAlign = 4096;
-constexpr std::int64_t kDirectMinBytes = std::int64_t{1} << 20;
-constexpr std::int64_t kDirectStageBytes = std::int64_t{8} << 20;
-
 // The operating system's reason for a failed HDF5 call, when it left one in errno (set to 0
 // before the call): HDF5's own message is only "write failed", and a full disk must say so.
 std::string OsReason() { return errno != 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string(); }
@@ -229,7 +221,20 @@ std::int64_t BlockCache::misses() const {
 // ---------------------------------------------------------------------------------------------
 // Writer
 
-Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::string& path, bool direct_io) {
+std::int64_t DirectStagingBytes(std::int64_t nbytes, std::int64_t block_bytes) {
+  // A dataset's whole pages are at most its size rounded down to pages.
+  const std::int64_t pages = nbytes / kDirectAlign * kDirectAlign;
+  return pages < kDirectMinBytes ? 0 : std::min(block_bytes, pages);
+}
+
+std::int64_t DirectBlockWithin(std::int64_t room) {
+  const std::int64_t block = std::min(kDefaultDirectBlockBytes, room / 2 / kDirectAlign * kDirectAlign);
+  return block < (std::int64_t{64} << 10) ? 0 : block;
+}
+
+Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::string& path, bool direct_io,
+                                                                 std::int64_t direct_block_bytes) {
+  RS_CHECK(direct_block_bytes >= kDirectAlign && direct_block_bytes % kDirectAlign == 0);
   auto lock = h5::Lock();
   // No modification times in object headers (the root group's included): the same data gives
   // the same bytes (reproducible checkpoints, FORMAT.md §6).
@@ -263,6 +268,7 @@ Result<std::unique_ptr<ShardFileWriter>> ShardFileWriter::Create(const std::stri
   w->file_id_ = fid;
   w->sync_fd_ = sync_fd;
   w->direct_io_ = direct_io;
+  w->direct_block_bytes_ = direct_block_bytes;
   return w;
 }
 
@@ -463,7 +469,7 @@ void DatasetWriter::StartDirect() {
     if (errno == EINVAL) file_->direct_refused_.store(true);
     return;
   }
-  st->capacity = std::min(kDirectStageBytes, direct_end_ - direct_begin_);
+  st->capacity = std::min(file_->direct_block_bytes_, direct_end_ - direct_begin_);
   st->buf = static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, static_cast<std::size_t>(st->capacity)));
   if (st->buf == nullptr) return;
   st->start = direct_begin_;

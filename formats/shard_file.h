@@ -228,6 +228,24 @@ class DatasetWriter {
   Status error_;
 };
 
+// O_DIRECT data writes (ShardFileWriter::Create) go in whole pages of kDirectAlign bytes (the
+// largest logical block size of common devices; smaller ones accept it too) from an aligned
+// staging block of each dataset, kDefaultDirectBlockBytes unless the writer is given another
+// size (a multiple of kDirectAlign). A dataset with less than kDirectMinBytes of whole pages is
+// written buffered: the open() and the staging block would cost more than they save.
+inline constexpr std::int64_t kDirectAlign = 4096;
+inline constexpr std::int64_t kDirectMinBytes = std::int64_t{1} << 20;
+inline constexpr std::int64_t kDefaultDirectBlockBytes = std::int64_t{8} << 20;
+
+// The most staging memory a dataset of `nbytes` uncompressed bytes holds while it is written
+// with O_DIRECT blocks of `block_bytes`: 0 where it is written buffered. An upper bound, since
+// where the dataset starts in the file (which decides its whole pages) is not known before.
+std::int64_t DirectStagingBytes(std::int64_t nbytes, std::int64_t block_bytes);
+// The O_DIRECT block a writer that must stay within `room` bytes next to its other buffers
+// affords: half of them in whole pages, at most kDefaultDirectBlockBytes; 0 (write buffered)
+// below 64 KiB, where the system calls would cost more than the page cache.
+std::int64_t DirectBlockWithin(std::int64_t room);
+
 class ShardFileWriter {
  public:
   // Creates `path` (which must not exist: IoError otherwise).
@@ -239,8 +257,10 @@ class ShardFileWriter {
   // §6, "How the data reaches the disk"), and that CPU is taken from training while a
   // checkpoint is written in the background. Where the file system refuses O_DIRECT (tmpfs,
   // some network and FUSE file systems: EINVAL), the file is written buffered. The bytes in
-  // the file are the same either way.
-  static Result<std::unique_ptr<ShardFileWriter>> Create(const std::string& path, bool direct_io = true);
+  // the file are the same either way. `direct_block_bytes`: the staging block's size (a
+  // multiple of kDirectAlign), held by each dataset while it is written (DirectStagingBytes).
+  static Result<std::unique_ptr<ShardFileWriter>> Create(const std::string& path, bool direct_io = true,
+                                                         std::int64_t direct_block_bytes = kDefaultDirectBlockBytes);
   ~ShardFileWriter();  // closes without fsync if Close() was not called
 
   // Creates dataset `spec.name` of `spec.nbytes` bytes, whose bytes then arrive through
@@ -278,6 +298,7 @@ class ShardFileWriter {
   std::int64_t file_id_ = -1;
   int sync_fd_ = -1;  // our own descriptor of the file, for early writeback and fsync
   bool direct_io_ = false;
+  std::int64_t direct_block_bytes_ = kDefaultDirectBlockBytes;
   // Set when the file system refused O_DIRECT (EINVAL at open or at a write: tmpfs, or a device
   // that wants a larger alignment): the rest of the file is written buffered.
   std::atomic<bool> direct_refused_{false};

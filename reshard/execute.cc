@@ -356,6 +356,7 @@ class CheckpointDestination final : public ShardDestination {
     RS_ASSIGN_OR_RETURN(auto sink, writer_.BeginShard(rank, tensor, piece, replica));
     return std::unique_ptr<ShardStream>(std::make_unique<CheckpointStream>(std::move(sink)));
   }
+  std::int64_t StagingBytes(std::int64_t nbytes) const override { return writer_.StagingBytes(nbytes); }
 
  private:
   CheckpointWriter& writer_;
@@ -386,6 +387,16 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, S
       job.staging = job.staging || convert || (t.dense && t.runs > 1);
     }
     if (job.staging) job.reserve += plan.options.staging_bytes;
+    // The writer's O_DIRECT block: the plan left room for write_block_bytes of it per job.
+    const std::int64_t held = writer.StagingBytes(ts.nbytes);
+    if (held > plan.options.write_block_bytes) {
+      return FailedPrecondition("the destination holds " + std::to_string(held) + " bytes while it writes shard " +
+                                std::to_string(i) + " of '" + plan.tensors[ts.tensor].name +
+                                "', more than the plan's write block of " +
+                                std::to_string(plan.options.write_block_bytes) +
+                                " (the writer's options do not follow the plan: FitWriterToPlan)");
+    }
+    job.reserve += held;
     total_bytes += ts.nbytes;
     jobs.push_back(job);
   }
@@ -434,6 +445,14 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, S
   stats.peak_reserved = sched.peak();
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return stats;
+}
+
+void FitWriterToPlan(const ReshardPlan& plan, WriterOptions& writer) {
+  if (plan.options.write_block_bytes == 0) {
+    writer.direct_io = false;
+  } else {
+    writer.direct_block_bytes = plan.options.write_block_bytes;
+  }
 }
 
 std::vector<std::int64_t> AssignRanks(const ReshardPlan& plan, std::int64_t processes) {
@@ -490,6 +509,7 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
   wo.codec = options.codec;
   wo.threads = options.threads;
   wo.producer = options.producer;
+  FitWriterToPlan(plan, wo);
   RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(dst, wo));
   for (const TensorSpec& t : plan.tensors) RS_RETURN_IF_ERROR(writer->AddTensor(t));
   ExecuteOptions eo;

@@ -2,10 +2,10 @@
 // the checkpoint writer with a fixed memory budget.
 //
 // Each target shard is one job: reserve one window of it (at most ReshardOptions::
-// window_bytes, plus a staging block when it gathers strided or converted reads) from the
-// budget, then window by window fill the buffer from the source (pread straight into it where
-// the bytes are contiguous and need no conversion; else through the staging block, with dtype
-// conversion) and append it to the shard's sink (the writer compresses on its own pool);
+// window_bytes, plus a staging block when it gathers strided or converted reads, plus what the
+// destination holds while writing it: our writer's O_DIRECT block) from the budget, then window by window fill the
+// buffer from the source (pread straight into it where the bytes are contiguous and need no conversion; else through
+// the staging block, with dtype conversion) and append it to the shard's sink (the writer compresses on its own pool);
 // release. Worker threads run jobs concurrently, so reads, decompression, copies, compression
 // and writes of different jobs overlap, and bytes in flight never exceed the budget whatever
 // the size of a shard. Reservations are granted in job order and each rank file begins its
@@ -62,6 +62,11 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, C
 // The same for one of our checkpoints.
 Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, CheckpointReader& source, CheckpointWriter& writer,
                                  const ExecuteOptions& options);
+
+// Sets our writer's O_DIRECT block to the one the plan budgeted (ReshardOptions::
+// write_block_bytes), or buffered writes where the plan left none. ExecutePlan refuses a writer
+// that holds more per shard than the plan counted.
+void FitWriterToPlan(const ReshardPlan& plan, WriterOptions& writer);
 
 // Divides the target rank files of `plan` among `processes` writers, balancing bytes (largest
 // first, each to the least loaded process; deterministic). Returns the process of each rank.

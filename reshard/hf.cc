@@ -831,16 +831,21 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     }
   }
 
-  // Memory: one block of HF bytes, one window of the shard being written.
+  // Memory: one block of HF bytes, one window of the shard being written and the writer's
+  // O_DIRECT block (buffered writes where the budget affords none).
   const std::int64_t budget = std::max<std::int64_t>(options.memory_budget, 64);
   const std::int64_t block =
       std::max<std::int64_t>(8, std::min<std::int64_t>(std::int64_t{4} << 20, budget / 4) / 8 * 8);
-  const std::int64_t window = std::max<std::int64_t>(8, std::min<std::int64_t>(std::int64_t{64} << 20, budget - block));
+  const std::int64_t write_block = options.codec.codec == Codec::kNone ? DirectBlockWithin(budget - block) : 0;
+  const std::int64_t window =
+      std::max<std::int64_t>(8, std::min<std::int64_t>(std::int64_t{64} << 20, budget - block - write_block));
 
   WriterOptions wo;
   wo.codec = options.codec;
   wo.threads = options.threads;
   wo.producer = options.producer;
+  wo.direct_io = write_block > 0;
+  if (write_block > 0) wo.direct_block_bytes = write_block;
   RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(out, wo));
   for (const TensorSpec& t : tensors) RS_RETURN_IF_ERROR(writer->AddTensor(t));
   BlockReader blocks(block);
@@ -850,7 +855,8 @@ Result<HfImportResult> ImportHf(const std::string& dir, const std::string& out, 
     const auto esize = static_cast<std::int64_t>(DTypeSize(t.dtype));
     const std::int64_t window_items = std::max<std::int64_t>(1, window / esize);
     buf.resize(static_cast<std::size_t>(std::min(window_items, s.piece.numel()) * esize));
-    result.peak_buffer = std::max<std::int64_t>(result.peak_buffer, static_cast<std::int64_t>(buf.size()) + block);
+    result.peak_buffer = std::max<std::int64_t>(result.peak_buffer, static_cast<std::int64_t>(buf.size()) + block +
+                                                                        writer->StagingBytes(s.piece.numel() * esize));
     RS_ASSIGN_OR_RETURN(auto sink, writer->BeginShard(s.rank, t.name, s.piece, s.replica));
     std::int64_t pos = 0;
     const std::vector<Run> runs = PieceToRuns(t.shape, s.piece);

@@ -157,7 +157,10 @@ std::int64_t ReshardPlan::LargestShardBytes() const {
 }
 
 std::int64_t ReshardPlan::LargestJobBytes() const {
-  return std::min(LargestShardBytes(), options.window_bytes) + options.staging_bytes;
+  const std::int64_t largest = LargestShardBytes();
+  const std::int64_t write_block =
+      options.write_block_bytes > 0 ? DirectStagingBytes(largest, options.write_block_bytes) : 0;
+  return std::min(largest, options.window_bytes) + options.staging_bytes + write_block;
 }
 
 std::int64_t ReshardPlan::PeakBufferBytes() const {
@@ -174,8 +177,14 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
       (options.max_shard_bytes != 0 && options.max_shard_bytes < 4096)) {
     return InvalidArgument("staging, window and shard sizes must be at least 4 KiB");
   }
-  // Every job holds one window of its target shard plus its staging block.
-  const std::int64_t window = std::min(options.window_bytes, options.memory_budget - options.staging_bytes);
+  if (options.write_block_bytes < 0 || options.write_block_bytes % 4096 != 0) {
+    return InvalidArgument("the write block must be a multiple of 4 KiB");
+  }
+  // Every job holds one window of its target shard, its staging block and the writer's O_DIRECT
+  // block, which gets at most half of what the staging block leaves.
+  const std::int64_t room = options.memory_budget - options.staging_bytes;
+  const std::int64_t write_block = std::min(options.write_block_bytes, DirectBlockWithin(room));
+  const std::int64_t window = std::min(options.window_bytes, room - write_block);
   if (window < 4096) {
     return InvalidArgument("memory budget " + Bytes(options.memory_budget) + " is too small: it must hold a " +
                            Bytes(options.staging_bytes) + " staging block plus at least 4 KiB");
@@ -185,6 +194,7 @@ Result<ReshardPlan> PlanReshard(const Manifest& source, const PhysicalLayout& ta
   plan.target = target;
   plan.options = options;
   plan.options.window_bytes = window;
+  plan.options.write_block_bytes = write_block;
   std::set<std::string> scaled;  // block-scaled parameters: their values need their scales
   for (const TensorSpec& t : source.tensors) {
     if (t.role == TensorRole::kScale) scaled.insert(t.param);
@@ -313,7 +323,10 @@ std::string ReshardPlan::Summary() const {
      << "bytes read: " << Bytes(t.bytes_read) << " (" << t.bytes_read << "), needed " << Bytes(t.bytes_needed)
      << ", read amplification " << amp << "\n"
      << "largest shard: " << Bytes(LargestShardBytes()) << "; largest job buffer: " << Bytes(LargestJobBytes())
-     << "; peak buffer: " << Bytes(PeakBufferBytes()) << " (memory budget " << Bytes(options.memory_budget) << ")\n";
+     << "; peak buffer: " << Bytes(PeakBufferBytes()) << " (memory budget " << Bytes(options.memory_budget)
+     << "; per job: window " << Bytes(options.window_bytes) << ", staging " << Bytes(options.staging_bytes)
+     << ", O_DIRECT write block " << (options.write_block_bytes > 0 ? Bytes(options.write_block_bytes) : "none")
+     << ")\n";
   for (const std::string& c : converted) os << "dtype conversion: " << c << "\n";
   os << "rank  shards  written  read  copies\n";
   for (std::size_t r = 0; r < ranks.size(); ++r) {
@@ -365,6 +378,9 @@ void to_json(nlohmann::json& j, const ReshardPlan& plan) {
                      {"largest_shard_bytes", plan.LargestShardBytes()},
                      {"peak_buffer_bytes", plan.PeakBufferBytes()},
                      {"memory_budget", plan.options.memory_budget},
+                     {"window_bytes", plan.options.window_bytes},
+                     {"staging_bytes", plan.options.staging_bytes},
+                     {"write_block_bytes", plan.options.write_block_bytes},
                      {"dtype_conversions", plan.converted},
                      {"ranks", std::move(ranks)}};
 }

@@ -21,6 +21,7 @@
 #include "core/dtype.h"
 #include "core/tensor_spec.h"
 #include "formats/manifest.h"
+#include "formats/shard_file.h"
 #include "layout/physical_layout.h"
 
 namespace rs {
@@ -34,6 +35,11 @@ struct ReshardOptions {
   // A job's target buffer: at most this much of its shard at a time (shrunk by PlanReshard to
   // fit the budget with the staging block).
   std::int64_t window_bytes = std::int64_t{64} << 20;
+  // The staging block our writer holds per shard while it writes it with O_DIRECT
+  // (CheckpointWriter::StagingBytes), counted in the budget. PlanReshard shrinks it to what the
+  // budget affords next to the staging block (DirectBlockWithin; 0: write buffered); 0 also
+  // for destinations that hold none (DCP) or buffered writes. A multiple of 4 KiB.
+  std::int64_t write_block_bytes = kDefaultDirectBlockBytes;
   int threads = 0;  // executor workers; 0 = hardware concurrency
 };
 
@@ -89,7 +95,8 @@ struct ReshardPlan {
   RankCost Total() const;
   double ReadAmplification() const;  // bytes_read / bytes_needed (1 when nothing is read)
   std::int64_t LargestShardBytes() const;
-  // Bytes one job holds: its window of the target shard plus a staging block.
+  // Bytes the largest job holds: its window of the target shard, a staging block and the
+  // writer's O_DIRECT block.
   std::int64_t LargestJobBytes() const;
   // Bytes the executor may hold at once: the budget, or less when every job fits below it.
   std::int64_t PeakBufferBytes() const;

@@ -267,6 +267,25 @@ TEST_F(HfTest, Bf16ExportAndImport) {
   EXPECT_EQ(Slurp(hfb + "/model-00001-of-00001.safetensors"), Slurp(tmp_ / "hfb2/model-00001-of-00001.safetensors"));
 }
 
+// An import's --memory-budget counts the writer's O_DIRECT block: 8 MiB holds a 2 MiB read
+// block, the 2 MiB embedding (its window) and a write block of its size; the files are those of
+// a large budget.
+TEST(HfImportBudget, CountsTheWritersDirectBlock) {
+  TempDir tmp;
+  WriteText(tmp / "model.json", R"({"name": "wide", "vocab_size": 4096, "d_model": 128, "n_layers": 1,
+                                    "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "n_experts": 2, "top_k": 1,
+                                    "moe_ffn": 64, "max_seq_len": 32})");
+  ASSERT_EQ(RunCli("example --model " + (tmp / "model.json") + " -o " + (tmp / "src")).exit_code, 0);
+  ASSERT_EQ(RunCli("export " + (tmp / "src") + " --format hf -o " + (tmp / "hf")).exit_code, 0);
+  const CommandResult r =
+      RunCli("import " + (tmp / "hf") + " --format hf --layout tp=1 --memory-budget 8MiB -o " + (tmp / "small"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(Contains(r.output, "peak buffer 6.00 MiB of budget 8.00 MiB")) << r.output;
+  const CommandResult big = RunCli("import " + (tmp / "hf") + " --format hf --layout tp=1 -o " + (tmp / "big"));
+  ASSERT_EQ(big.exit_code, 0) << big.output;
+  EXPECT_EQ(Slurp(tmp / "small/rank-00000.h5"), Slurp(tmp / "big/rank-00000.h5"));
+}
+
 // --memory-budget bounds the tensor data held at once (the read buffer plus the converted
 // one); the files are the same whatever the budget. Too small a budget is a usage error.
 TEST_F(HfTest, ExportStaysWithinItsMemoryBudget) {

@@ -304,9 +304,11 @@ struct DirectWrite {
 // Large shards whose data starts and ends off the page grid, fed in pieces that straddle the
 // 8 MiB staging block and the page edges, with small shards (written buffered) between them,
 // on two rank files, the second one with two shards open at once and fed alternately.
-DirectWrite WriteForDirectIo(const std::string& dir, bool direct_io) {
+DirectWrite WriteForDirectIo(const std::string& dir, bool direct_io,
+                             std::int64_t block_bytes = kDefaultDirectBlockBytes) {
   WriterOptions o = Options("none");
   o.direct_io = direct_io;
+  o.direct_block_bytes = block_bytes;
   auto w = CheckpointWriter::Create(dir, o);
   EXPECT_TRUE(w.ok()) << w.status().ToString();
   DirectWrite out;
@@ -383,6 +385,57 @@ TEST(CheckpointWriter, DirectIoWritesTheSameFiles) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   for (std::size_t i = 0; i < (*r)->manifest().shards.size(); ++i) EXPECT_TRUE((*r)->VerifyShard(i).ok()) << i;
   for (const auto& [t, full] : direct.tensors) EXPECT_EQ(*(*r)->ReadTensor(t.name), full) << t.name;
+}
+
+// A staging block of three pages (what a small --memory-budget leaves): many more O_DIRECT
+// writes, the same files.
+TEST(CheckpointWriter, SmallDirectBlocksWriteTheSameFiles) {
+  ScratchDir tmp;
+  const DirectWrite small = WriteForDirectIo(tmp / "small", true, 3 * 4096);
+  const DirectWrite large = WriteForDirectIo(tmp / "large", true);
+  EXPECT_EQ(small.direct_bytes, large.direct_bytes);
+  if (TakesDirectIo(tmp.path())) {
+    EXPECT_GT(small.direct_bytes, 0);
+  }
+  for (const char* f : {"rank-00000.h5", "rank-00001.h5", "manifest.json"}) {
+    EXPECT_TRUE(testing::ReadAll(tmp / ("small/" + std::string(f))) ==
+                testing::ReadAll(tmp / ("large/" + std::string(f))))
+        << f << " differs between O_DIRECT blocks of 12 KiB and 8 MiB";
+  }
+}
+
+TEST(CheckpointWriter, StagingBytesBoundWhatADatasetHolds) {
+  ScratchDir tmp;
+  WriterOptions o = Options("none");
+  o.direct_block_bytes = 3 * 4096;
+  auto w = CheckpointWriter::Create(tmp / "a", o);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ((*w)->StagingBytes(100), 0);
+  EXPECT_EQ((*w)->StagingBytes((1 << 20) - 1), 0);  // less than 1 MiB of whole pages: buffered
+  EXPECT_EQ((*w)->StagingBytes(1 << 20), 3 * 4096);
+  EXPECT_EQ(DirectStagingBytes(std::int64_t{5} << 20, kDefaultDirectBlockBytes), std::int64_t{5} << 20);
+  EXPECT_EQ(DirectStagingBytes(std::int64_t{100} << 20, kDefaultDirectBlockBytes), kDefaultDirectBlockBytes);
+  EXPECT_EQ(DirectStagingBytes((std::int64_t{1} << 20) + 4095, 1 << 30), std::int64_t{1} << 20);
+  o.direct_io = false;
+  auto b = CheckpointWriter::Create(tmp / "b", o);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->StagingBytes(std::int64_t{100} << 20), 0);
+  o = Options("zstd");
+  auto z = CheckpointWriter::Create(tmp / "z", o);
+  ASSERT_TRUE(z.ok());
+  EXPECT_EQ((*z)->StagingBytes(std::int64_t{100} << 20), 0);
+  // The budget's share: half the room in whole pages, at most 8 MiB, none below 64 KiB.
+  EXPECT_EQ(DirectBlockWithin(std::int64_t{1} << 30), kDefaultDirectBlockBytes);
+  EXPECT_EQ(DirectBlockWithin(std::int64_t{6} << 20), std::int64_t{3} << 20);
+  EXPECT_EQ(DirectBlockWithin((128 << 10) + 8191), 64 << 10);
+  EXPECT_EQ(DirectBlockWithin((128 << 10) - 1), 0);
+  for (const std::int64_t bad : {0, 4095, 5000, (1 << 30) + 4096}) {
+    o = Options("none");
+    o.direct_block_bytes = bad;
+    EXPECT_EQ(CheckpointWriter::Create(tmp / ("bad" + std::to_string(bad)), o).status().code(),
+              ErrorCode::kInvalidArgument)
+        << bad;
+  }
 }
 
 TEST(Codec, ParseAndPrint) {

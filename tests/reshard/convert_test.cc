@@ -182,6 +182,65 @@ TEST(ConvertTest, SmallBudgetStreamsShardsInWindows) {
   ExpectSound(tmp / "c", "split");
 }
 
+// The writer's O_DIRECT staging blocks are part of the memory budget: the plan sizes them to
+// fit next to the windows, every job reserves its shard's block, a budget too small for one
+// writes buffered, and a writer that holds more than the plan counted is refused.
+TEST(ConvertTest, BudgetCountsTheWritersDirectBlocks) {
+  TempDir tmp;
+  ModelConfig model;
+  model.vocab_size = 4096;  // embedding and head: 2 MiB each in f32, copied whole from ep=2
+  model.d_model = 128;
+  const auto rules = *BuiltinRuleSet("megatron");
+  {
+    const Status st_ = WriteExample(model, *PhysicalLayout::Parse("ep=2", rules), "none", tmp / "a");
+    ASSERT_TRUE(st_.ok()) << st_.ToString();
+  }
+  const PhysicalLayout to = *PhysicalLayout::Parse("tp=1", rules);
+  const std::int64_t mib = 1 << 20;
+  ConvertOptions o;
+  o.threads = 1;  // the peak is then the largest job's reservation
+  o.reshard.memory_budget = 12 * mib;
+  o.reshard.staging_bytes = 64 << 10;
+  auto r = Convert(tmp / "a", to, tmp / "b", o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const std::int64_t block = r->plan.options.write_block_bytes;
+  EXPECT_EQ(block, DirectBlockWithin(12 * mib - (64 << 10)));
+  EXPECT_EQ(r->plan.LargestShardBytes(), 2 * mib);
+  // The 2 MiB shards: their window and a write block as large as themselves.
+  EXPECT_EQ(r->stats.peak_reserved, 4 * mib);
+  EXPECT_EQ(r->plan.PeakBufferBytes(), 4 * mib + (64 << 10));
+  EXPECT_LE(r->stats.peak_reserved, o.reshard.memory_budget);
+  ExpectSameContent(tmp / "a", tmp / "b", "direct blocks");
+  ExpectSound(tmp / "b", "direct blocks");
+
+  // Buffered writes reserve none.
+  o.reshard.write_block_bytes = 0;
+  auto buffered = Convert(tmp / "a", to, tmp / "c", o);
+  ASSERT_TRUE(buffered.ok()) << buffered.status().ToString();
+  EXPECT_EQ(buffered->stats.peak_reserved, 2 * mib);
+  ExpectSameContent(tmp / "a", tmp / "c", "buffered");
+
+  // A budget that leaves no room for a 64 KiB block next to the staging block writes buffered
+  // (and still finishes: every job fits).
+  o.reshard.write_block_bytes = kDefaultDirectBlockBytes;
+  o.reshard.memory_budget = (64 << 10) + (100 << 10);
+  auto tight = Convert(tmp / "a", to, tmp / "d", o);
+  ASSERT_TRUE(tight.ok()) << tight.status().ToString();
+  EXPECT_EQ(tight->plan.options.write_block_bytes, 0);
+  EXPECT_LE(tight->stats.peak_reserved, o.reshard.memory_budget);
+  ExpectSameContent(tmp / "a", tmp / "d", "tight");
+
+  // The plan counted no write block; a writer with O_DIRECT blocks is refused before any job.
+  auto reader = CheckpointReader::Open(tmp / "a");
+  ASSERT_TRUE(reader.ok());
+  auto writer = CheckpointWriter::Create(tmp / "e", WriterOptions{});
+  ASSERT_TRUE(writer.ok());
+  for (const TensorSpec& t : buffered->plan.tensors) ASSERT_TRUE((*writer)->AddTensor(t).ok());
+  const auto refused = ExecutePlan(buffered->plan, **reader, **writer, ExecuteOptions{});
+  EXPECT_EQ(refused.status().code(), ErrorCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("FitWriterToPlan"), std::string::npos) << refused.status().ToString();
+}
+
 TEST(ConvertTest, ParamDtypeIsRecordedAndStatesStayExact) {
   TempDir tmp;
   ModelConfig model;

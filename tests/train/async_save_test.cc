@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,7 @@ void SameAsSynchronous(int np, const std::string& layout) {
     if (async) {
       EXPECT_NE(r.output.find("async save: 3 saves"), std::string::npos) << r.output;
       EXPECT_NE(r.output.find("of staging memory per rank"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("the writer adds 8.00 MiB (its O_DIRECT block)"), std::string::npos) << r.output;
     }
     files[async] = Files(save);
     losses[async] = Losses(log);
@@ -228,6 +230,24 @@ ResumeReport ResumeAndReport(const TempDir& tmp, const std::string& step, int np
   out.sum = ParseBytes(r.output.substr(at + 7));
   out.most = ParseBytes(r.output.substr(most_at + 8));
   out.loss = Losses(log).at(0);
+  // "read per rank: 1.34 MiB 0.93 MiB": one value per rank, which add up to the sum.
+  const std::size_t each_at = r.output.find("read per rank: ");
+  EXPECT_EQ(each_at != std::string::npos, np > 1) << r.output;
+  if (each_at != std::string::npos) {
+    std::istringstream each(r.output.substr(each_at + 15, r.output.find('\n', each_at) - each_at - 15));
+    double value = 0, total = 0, most = 0;
+    std::string unit;
+    int ranks = 0;
+    while (each >> value >> unit) {
+      const double b = ParseBytes(std::to_string(value) + " " + unit);
+      total += b;
+      most = std::max(most, b);
+      ++ranks;
+    }
+    EXPECT_EQ(ranks, np) << r.output;
+    EXPECT_NEAR(total, out.sum, 0.01 * out.sum) << r.output;
+    EXPECT_NEAR(most, out.most, 0.01 * out.most) << r.output;
+  }
   return out;
 }
 
