@@ -338,7 +338,10 @@ Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
   }
   if (!in.ok()) return in.status();
   std::unique_ptr<CheckpointReader> reader = std::move(in->reader);
-  RS_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(in->model, in->train, std::move(in->corpus), parallel));
+  // Every parameter's master weights (and the buffers) are read below, and each step gathers
+  // the parameters from the master weights: nothing to draw first.
+  RS_ASSIGN_OR_RETURN(auto trainer,
+                      Trainer::Create(in->model, in->train, std::move(in->corpus), parallel, /*initialize=*/false));
   RS_RETURN_IF_ERROR(trainer->state().LoadOncePerReplicaGroup(*reader, trainer->model(), trainer->groups().dp.get(),
                                                               trainer->groups().tp.get(), trainer->groups().ep.get()));
   RS_ASSIGN_OR_RETURN(const TensorSpec* step_spec, reader->FindTensor("optimizer.step"));

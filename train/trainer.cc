@@ -77,7 +77,7 @@ PhysicalLayout TrainParallel::DefaultLayout() {
 }
 
 Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus,
-                                                 const TrainParallel& parallel) {
+                                                 const TrainParallel& parallel, bool initialize) {
   RS_RETURN_IF_ERROR(model.Validate());
   RS_RETURN_IF_ERROR(CheckTrainable(model));  // what any layout needs; cp is checked below
   RS_RETURN_IF_ERROR(ValidateTrainConfig(train, model));
@@ -127,7 +127,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const ModelConfig& model, const
   t->self_ = std::move(self);
   t->plan_ = std::move(plan);
   t->chunks_ = std::move(chunks);
-  t->state_->Initialize(t->model_, train.seed, train.init_std);
+  if (initialize) t->state_->Initialize(t->model_, train.seed, train.init_std);
   return t;
 }
 

@@ -107,9 +107,11 @@ class Trainer {
   // A fresh run: parameters initialised from train.seed, optimizer state zero, step 0.
   // InvalidArgument for bad configs, a corpus too short for seq_len, a batch that the data-
   // parallel degree does not divide, or a layout that does not fit; Unimplemented for layouts
-  // the training core does not support. Collective over parallel.world.
+  // the training core does not support. Collective over parallel.world. `initialize` false
+  // leaves the parameters and master weights zero, for a caller that loads every one of them
+  // (ResumeFromCheckpoint: drawing them first took half of a resume's time).
   static Result<std::unique_ptr<Trainer>> Create(const ModelConfig& model, const TrainConfig& train, Corpus corpus,
-                                                 const TrainParallel& parallel = {});
+                                                 const TrainParallel& parallel = {}, bool initialize = true);
 
   // One step; a failed collective or phase is returned (the state is then undefined).
   Result<StepReport> Step();
