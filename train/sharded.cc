@@ -363,7 +363,11 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     }
   } else {
     // Box groups: experts over fsdp; other parameters over fsdp, and ep too under cp. Each
-    // group's tensors are one segment of the owned vectors, in model order.
+    // group's tensors are one segment of the owned vectors, in model order. Where neither
+    // group has more than one rank, all tensors are one segment in model order: the owned
+    // vectors are then the model's own item for item where nothing else is cut or left out
+    // (SameLayoutAsModel).
+    const bool any_group = fsdp > 1 || (cp_by_ep && ep > 1);
     for (const bool experts : {false, true}) {
       BoxGroup g;
       g.axes = {kFsdpAxis};
@@ -371,7 +375,8 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       g.begin = owned;
       for (std::size_t i = 0; i < params.size(); ++i) {
         Tensor& t = s->tensors_[i];
-        if (params[i].role != TensorRole::kParameter || params[i].expert != experts || !t.on_stage) continue;
+        const bool in_group = any_group ? params[i].expert == experts : !experts;
+        if (params[i].role != TensorRole::kParameter || !in_group || !t.on_stage) continue;
         t.owned = owned;
         owned += t.placement->buffer_numel();
       }
@@ -966,8 +971,42 @@ Status ShardedState::SaveFrom(CheckpointWriter& writer, const Transformer<float>
   return Status::Ok();
 }
 
+bool ShardedState::SameLayoutAsModel(const Transformer<float>& model) const {
+  if (plan_ != nullptr || !box_groups_.empty() || !ep_shared_.empty() || master_.size() != model.params().size()) {
+    return false;
+  }
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    const Tensor& t = tensors_[i];
+    if (!t.on_stage || t.box_group >= 0 || t.owned != model.offset(i)) return false;
+    std::int64_t covered = 0;
+    for (const CopyRun& r : t.self) {
+      if (r.owned != r.compute) return false;
+      covered += r.length;
+    }
+    if (covered != model.numel(i)) return false;
+  }
+  return true;
+}
+
+namespace {
+
+// dst = src, in 1 MiB chunks over the shared pool.
+void ParallelCopy(std::span<const float> src, std::span<float> dst) {
+  RS_CHECK(src.size() == dst.size());
+  ParallelChunks(static_cast<std::int64_t>(src.size()), std::int64_t{1} << 18,
+                 [&](std::int64_t, std::int64_t b, std::int64_t e) {
+                   std::memcpy(dst.data() + b, src.data() + b, static_cast<std::size_t>(e - b) * sizeof(float));
+                 });
+}
+
+}  // namespace
+
 Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>& model) {
   std::span<float> params = model.params();
+  if (model_layout_.value_or(false)) {
+    ParallelCopy(master_, params);
+    return Status::Ok();
+  }
   if (plan_ != nullptr) {  // flat: one all-gather per bucket
     std::vector<float> full;
     for (const BucketShard& sh : shards_) {
@@ -1063,7 +1102,13 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
       RS_RETURN_IF_ERROR(groups.kv->AllReduce(kv, comm::ReduceOp::kSum));
     }
   }
-  if (plan_ != nullptr) {  // flat: one reduce-scatter per bucket
+  if (!model_layout_) {
+    model_layout_ = SameLayoutAsModel(model);
+    if (*model_layout_) grad_ = std::vector<float>();  // never used: the model's gradient is read
+  }
+  if (*model_layout_) {
+    model_grads_ = grads;         // the owned gradient is the model's: no copy (dp's sum below)
+  } else if (plan_ != nullptr) {  // flat: one reduce-scatter per bucket
     std::vector<float> full;
     for (const BucketShard& sh : shards_) {
       const Bucket& b = plan_->buckets[sh.bucket];
@@ -1109,13 +1154,13 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
     }
   }
   if (groups.dp != nullptr && groups.dp->size() > 1) {
-    RS_RETURN_IF_ERROR(groups.dp->AllReduce(std::span<float>(grad_), comm::ReduceOp::kSum));
+    RS_RETURN_IF_ERROR(groups.dp->AllReduce(this->grads(), comm::ReduceOp::kSum));
   }
   return Status::Ok();
 }
 
 Result<UpdateInfo> ShardedState::Update(ProcessGroups& groups, std::int64_t step) {
-  return opt_->Update(master_, grad_, step, [&](double sq) -> Result<double> {
+  return opt_->Update(master_, grads(), step, [&](double sq) -> Result<double> {
     if (groups.world != nullptr)
       RS_RETURN_IF_ERROR(groups.world->AllReduce(std::span<double>(&sq, 1), comm::ReduceOp::kSum));
     return sq;
