@@ -73,8 +73,12 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   }
   o.with_replicas = a.with_replicas;
   o.threads = a.threads;
-  // The budget counts our writer's O_DIRECT block; DCP files are written from the windows.
-  if (a.buffered_writes || a.output_format != "reshard") o.write_block_bytes = 0;
+  // The budget counts our writer's O_DIRECT block where it holds one: not for buffered or
+  // compressed writes, and DCP files are written from the windows.
+  RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
+  if (a.buffered_writes || a.output_format != "reshard" || s.writer.codec.codec != Codec::kNone) {
+    o.write_block_bytes = 0;
+  }
   if (!a.param_dtype.empty()) {
     const auto t = ParseDType(a.param_dtype);
     if (!t) return InvalidArgument("--param-dtype: unknown dtype '" + a.param_dtype + "'");
@@ -83,7 +87,6 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   auto plan = PlanReshard(planned, target, o);
   if (!plan.ok()) return plan.status().WithContext(SourceIndexPath(*s.source));
   s.plan = std::move(*plan);
-  RS_ASSIGN_OR_RETURN(s.writer.codec, ParseCodecSpec(a.codec));
   s.writer.threads = a.threads;
   FitWriterToPlan(s.plan, s.writer);
   s.writer.producer = "reshard convert";

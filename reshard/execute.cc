@@ -503,6 +503,7 @@ Result<ConvertResult> Convert(const std::string& src, const PhysicalLayout& targ
   }
   ReshardOptions reshard = options.reshard;
   reshard.threads = options.threads;
+  if (options.codec.codec != Codec::kNone) reshard.write_block_bytes = 0;  // compressed: no O_DIRECT block
   RS_ASSIGN_OR_RETURN(ReshardPlan plan, PlanReshard(reader->manifest(), target, reshard));
 
   WriterOptions wo;

@@ -872,16 +872,22 @@ namespace {
 // Copied in 4 MiB chunks on the shared pool when the step loop waits for the copy (two threads
 // copy 1.2 GiB in 0.11-0.14 s here against 0.17 s for one); on the calling thread alone when it
 // runs beside a step, whose threads the pool's are.
+// dst = src, in 4 MiB chunks over the shared pool.
+void ParallelCopy(std::span<const float> src, std::span<float> dst) {
+  RS_CHECK(src.size() == dst.size());
+  ParallelChunks(static_cast<std::int64_t>(src.size()), std::int64_t{1} << 20,
+                 [&](std::int64_t, std::int64_t b, std::int64_t e) {
+                   std::memcpy(dst.data() + b, src.data() + b, static_cast<std::size_t>(e - b) * sizeof(float));
+                 });
+}
+
 void CopySnapshot(std::span<const float> from, std::vector<float>& to, bool on_pool) {
   to.resize(from.size());
   if (!on_pool) {
     std::copy(from.begin(), from.end(), to.begin());
     return;
   }
-  ParallelChunks(static_cast<std::int64_t>(from.size()), std::int64_t{1} << 20,
-                 [&](std::int64_t, std::int64_t b, std::int64_t e) {
-                   std::memcpy(to.data() + b, from.data() + b, static_cast<std::size_t>(e - b) * sizeof(float));
-                 });
+  ParallelCopy(from, to);
 }
 
 }  // namespace
@@ -987,19 +993,6 @@ bool ShardedState::SameLayoutAsModel(const Transformer<float>& model) const {
   }
   return true;
 }
-
-namespace {
-
-// dst = src, in 1 MiB chunks over the shared pool.
-void ParallelCopy(std::span<const float> src, std::span<float> dst) {
-  RS_CHECK(src.size() == dst.size());
-  ParallelChunks(static_cast<std::int64_t>(src.size()), std::int64_t{1} << 18,
-                 [&](std::int64_t, std::int64_t b, std::int64_t e) {
-                   std::memcpy(dst.data() + b, src.data() + b, static_cast<std::size_t>(e - b) * sizeof(float));
-                 });
-}
-
-}  // namespace
 
 Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>& model) {
   std::span<float> params = model.params();

@@ -230,6 +230,14 @@ TEST(ConvertTest, BudgetCountsTheWritersDirectBlocks) {
   EXPECT_LE(tight->stats.peak_reserved, o.reshard.memory_budget);
   ExpectSameContent(tmp / "a", tmp / "d", "tight");
 
+  // Compressed output holds no O_DIRECT block, so the plan reserves none.
+  o.reshard.memory_budget = 12 * mib;
+  o.codec = *ParseCodecSpec("zstd:1");
+  auto zstd = Convert(tmp / "a", to, tmp / "z", o);
+  ASSERT_TRUE(zstd.ok()) << zstd.status().ToString();
+  EXPECT_EQ(zstd->plan.options.write_block_bytes, 0);
+  ExpectSameContent(tmp / "a", tmp / "z", "zstd");
+
   // The plan counted no write block; a writer with O_DIRECT blocks is refused before any job.
   auto reader = CheckpointReader::Open(tmp / "a");
   ASSERT_TRUE(reader.ok());

@@ -175,5 +175,37 @@ TEST(PlanTest, ParamDtypeConversionIsListed) {
   EXPECT_NE(plan->Summary().find("dtype conversion"), std::string::npos);
 }
 
+// The writer's O_DIRECT block: shrunk to what the budget affords next to the staging block
+// (none below 64 KiB), never more than asked; a block that is not whole pages is refused.
+TEST(PlanTest, WriteBlockFitsTheBudget) {
+  ModelConfig c;
+  const auto tensors = ModelCheckpointTensors(c, AdamStateNames());
+  auto a = PhysicalMap::Create(*PhysicalLayout::Parse("tp=2", *BuiltinRuleSet("megatron")), tensors);
+  const PhysicalLayout to = *PhysicalLayout::Parse("tp=1", *BuiltinRuleSet("megatron"));
+  ReshardOptions o;
+  auto plan = PlanReshard(ManifestOf(*a), to, o);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->options.write_block_bytes, kDefaultDirectBlockBytes);
+  o.memory_budget = (std::int64_t{4} << 20) + (std::int64_t{1} << 20);  // 1 MiB after the staging block
+  plan = PlanReshard(ManifestOf(*a), to, o);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->options.write_block_bytes, 512 << 10);
+  EXPECT_EQ(plan->options.window_bytes, 512 << 10);
+  o.write_block_bytes = 64 << 10;
+  plan = PlanReshard(ManifestOf(*a), to, o);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->options.write_block_bytes, 64 << 10);
+  o.memory_budget = (std::int64_t{4} << 20) + (100 << 10);
+  o.write_block_bytes = kDefaultDirectBlockBytes;
+  plan = PlanReshard(ManifestOf(*a), to, o);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->options.write_block_bytes, 0);
+  EXPECT_EQ(plan->options.window_bytes, 100 << 10);
+  o.write_block_bytes = 5000;
+  const auto bad = PlanReshard(ManifestOf(*a), to, o);
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("write block"), std::string::npos) << bad.status().ToString();
+}
+
 }  // namespace
 }  // namespace rs
