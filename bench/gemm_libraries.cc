@@ -1,10 +1,11 @@
 // Benchmark: single-precision GEMM of three libraries side by side in one run, on the shapes
 // the training core multiplies – OpenBLAS (what `reshard` links, with the kernel set
-// train/blas_kernels.h selects), BLIS (Debian's libblis4-pthread, which picks its kernels from
-// the CPU's features at run time) and oneDNN (Debian's libdnnl2, dnnl_sgemm, OpenMP threads).
-// BLIS and oneDNN are loaded with dlopen (RTLD_DEEPBIND, so that BLIS's CBLAS layer calls its
-// own BLAS and not the OpenBLAS symbols of this process); a library that is not installed is
-// left out. Each product is also checked against a float64 reference on the same inputs.
+// train/blas_kernels.h selects; both as train::Gemm runs it, one OpenBLAS thread per block of C
+// with the blocks on the shared pool, and with OpenBLAS splitting each product itself), BLIS (Debian's
+// libblis4-pthread, which picks its kernels from the CPU's features at run time) and oneDNN (Debian's libdnnl2,
+// dnnl_sgemm, OpenMP threads). BLIS and oneDNN are loaded with dlopen (RTLD_DEEPBIND, so that BLIS's CBLAS layer calls
+// its own BLAS and not the OpenBLAS symbols of this process); a library that is not installed is left out. Each product
+// is also checked against a float64 reference on the same inputs.
 //
 //   bench_gemm_libraries [reps]   default 5 (best of reps per shape, library and thread count)
 //
@@ -61,11 +62,25 @@ std::int64_t Ldb(const Shape& s) { return s.tb == Trans::kNo ? s.n : s.k; }
 
 std::vector<Library> Libraries() {
   std::vector<Library> libs;
-  libs.push_back({"OpenBLAS",
+  libs.push_back({"OpenBLAS, train::Gemm",
                   [](const Shape& s, const float* a, const float* b, float* c) {
                     rs::train::Gemm<float>(s.ta, s.tb, s.m, s.n, s.k, 1.0f, a, Lda(s), b, Ldb(s), 0.0f, c, s.n);
                   },
                   [](int n) { rs::train::SetBlasThreads(n); }});
+  // The same OpenBLAS splitting each product over its own workers (cblas_sgemm called directly,
+  // as a program that leaves threading to OpenBLAS does): what train::Gemm replaced.
+  static int own_threads = 1;
+  libs.push_back({"OpenBLAS own threads",
+                  [](const Shape& s, const float* a, const float* b, float* c) {
+                    openblas_set_num_threads(own_threads);
+                    cblas_sgemm(CblasRowMajor, s.ta == Trans::kNo ? CblasNoTrans : CblasTrans,
+                                s.tb == Trans::kNo ? CblasNoTrans : CblasTrans, static_cast<blasint>(s.m),
+                                static_cast<blasint>(s.n), static_cast<blasint>(s.k), 1.0f, a,
+                                static_cast<blasint>(Lda(s)), b, static_cast<blasint>(Ldb(s)), 0.0f, c,
+                                static_cast<blasint>(s.n));
+                    openblas_set_num_threads(1);
+                  },
+                  [](int n) { own_threads = n; }});
   // BLIS: its CBLAS layer (CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112).
   if (void* h =
           ::dlopen("/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4", RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND)) {

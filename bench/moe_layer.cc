@@ -33,7 +33,9 @@ int main(int argc, char** argv) {
   const std::int64_t d = c.d_model, e = c.n_experts, f = c.moe_ffn;
 
   double peak = rs::bench::SgemmPeakGflops(2048, 10);
-  std::printf("sgemm peak (2048^3, OpenBLAS default threads, best of 10): %.1f GFLOP/s\n", peak);
+  std::printf(
+      "sgemm peak (2048^3 on %d threads, OpenBLAS splitting it or split by train::Gemm, best of 10): %.1f GFLOP/s\n",
+      rs::train::BlasThreads(), peak);
   std::printf("MoE layer: T=%lld d=%lld E=%lld k=%lld f=%lld align=%lld router=%s\n", static_cast<long long>(t),
               static_cast<long long>(d), static_cast<long long>(e), static_cast<long long>(c.top_k),
               static_cast<long long>(f), static_cast<long long>(align), std::string(RouterKindName(c.router)).c_str());

@@ -48,7 +48,9 @@ int main(int argc, char** argv) {
   const int steps = static_cast<int>(args.Int(4, "steps", 3));
 
   const double peak = rs::bench::SgemmPeakGflops(2048, 10);
-  std::printf("sgemm peak (2048^3, OpenBLAS default threads, best of 10): %.1f GFLOP/s\n", peak);
+  std::printf(
+      "sgemm peak (2048^3 on %d threads, OpenBLAS splitting it or split by train::Gemm, best of 10): %.1f GFLOP/s\n",
+      rs::train::BlasThreads(), peak);
 
   auto corpus = rs::train::LoadCorpus(rs::train::kDefaultCorpus);
   if (!corpus.ok()) {

@@ -6,7 +6,25 @@
 
 namespace rs {
 
-ThreadPool::ThreadPool(std::size_t threads) {
+namespace {
+
+// Spins until done() or `limit` has passed; returns done().
+template <typename F>
+bool SpinFor(std::chrono::microseconds limit, F&& done) {
+  if (limit.count() <= 0) return done();
+  const auto end = std::chrono::steady_clock::now() + limit;
+  for (int i = 0;; ++i) {
+    if (done()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() >= end) return done();
+  }
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(std::size_t threads, std::chrono::microseconds spin) : spin_(spin) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   workers_.reserve(threads);
   for (std::size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
@@ -25,6 +43,7 @@ void ThreadPool::Submit(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(task));
+    queued_.store(queue_.size(), std::memory_order_release);
   }
   cv_.notify_one();
 }
@@ -36,6 +55,7 @@ bool ThreadPool::RunOne() {
     if (queue_.empty()) return false;
     task = std::move(queue_.front());
     queue_.pop_front();
+    queued_.store(queue_.size(), std::memory_order_release);
   }
   task();
   return true;
@@ -44,12 +64,14 @@ bool ThreadPool::RunOne() {
 void ThreadPool::WorkerLoop() {
   for (;;) {
     std::function<void()> task;
+    SpinFor(spin_, [this] { return queued_.load(std::memory_order_acquire) > 0; });
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stop_ and drained
       task = std::move(queue_.front());
       queue_.pop_front();
+      queued_.store(queue_.size(), std::memory_order_release);
     }
     task();
   }
@@ -63,7 +85,7 @@ void TaskGroup::Run(std::function<void()> task) {
   pool_->Submit([state = state_, task = std::move(task)] {
     task();
     std::lock_guard<std::mutex> lock(state->mu);
-    if (--state->pending == 0) state->cv.notify_all();
+    if (state->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) state->cv.notify_all();
   });
 }
 
@@ -74,6 +96,7 @@ void TaskGroup::Wait() {
       if (state_->pending == 0) return;
     }
     if (pool_->RunOne()) continue;
+    if (SpinFor(pool_->spin(), [this] { return state_->pending.load(std::memory_order_acquire) == 0; })) return;
     // Nothing queued: our remaining tasks are running on other threads. The timed wait
     // re-checks the queue now and then, because a running task may enqueue work we can help with.
     std::unique_lock<std::mutex> lock(state_->mu);
@@ -100,7 +123,13 @@ void RunWorkers(std::size_t workers, const std::function<void(std::size_t)>& wor
 }
 
 ThreadPool& SharedPool() {
-  static ThreadPool pool(0);
+  // Its rounds (the trainer's products split over threads, elementwise chunks) take 0.1-10 ms:
+  // a worker stays awake 200 µs after its last task.
+  // The caller of a round is one of its threads, so the pool has one worker fewer than the
+  // machine has cores: a spinning spare worker would take a core from a busy one.
+  static ThreadPool pool(
+      std::max(1u, std::thread::hardware_concurrency()) > 1 ? std::thread::hardware_concurrency() - 1 : 1,
+      std::chrono::microseconds(200));
   return pool;
 }
 

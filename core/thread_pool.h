@@ -11,6 +11,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -27,8 +29,11 @@ namespace rs {
 
 class ThreadPool {
  public:
-  // `threads` workers; 0 means std::thread::hardware_concurrency() (at least 1).
-  explicit ThreadPool(std::size_t threads);
+  // `threads` workers; 0 means std::thread::hardware_concurrency() (at least 1). A worker whose
+  // queue runs dry, and a TaskGroup waiting on this pool, first spin for up to `spin` before
+  // sleeping: for fork-join work in short rounds, where waking a sleeping thread (on a virtual
+  // machine: a halted virtual CPU) can cost more than the round itself.
+  explicit ThreadPool(std::size_t threads, std::chrono::microseconds spin = std::chrono::microseconds(0));
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -38,6 +43,7 @@ class ThreadPool {
   // Runs one queued task on the calling thread, if any; returns whether it ran one. Lets a
   // thread that waits for tasks help instead of blocking, so nested waits cannot deadlock.
   bool RunOne();
+  std::chrono::microseconds spin() const { return spin_; }
 
  private:
   void WorkerLoop();
@@ -45,7 +51,9 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
+  std::atomic<std::size_t> queued_{0};  // queue_.size(), read without the lock while spinning
   bool stop_ = false;
+  std::chrono::microseconds spin_;
   std::vector<std::thread> workers_;
 };
 
@@ -65,7 +73,7 @@ class TaskGroup {
   struct State {
     std::mutex mu;
     std::condition_variable cv;
-    std::size_t pending = 0;
+    std::atomic<std::size_t> pending{0};  // changed under mu; read without it while spinning
   };
   ThreadPool* pool_;
   std::shared_ptr<State> state_;
@@ -80,7 +88,7 @@ std::size_t WorkerCount(int threads, std::size_t max_useful = SIZE_MAX);
 // once and workers may wait for one another. Returns when all have returned.
 void RunWorkers(std::size_t workers, const std::function<void(std::size_t)>& work);
 
-// The process's shared pool (hardware concurrency threads, created on first use) for short
+// The process's shared pool (one thread fewer than the cores, at least one; created on first use) for short
 // tasks that never block on one another.
 ThreadPool& SharedPool();
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <mutex>
 
+#include "core/arith.h"
 #include "core/check.h"
 #include "core/thread_pool.h"
 
@@ -34,56 +35,125 @@ bool Degenerate(std::int64_t m, std::int64_t n, std::int64_t k, T beta, T* c, st
   return true;
 }
 
+// The compute threads: how many threads the products (and ParallelGemmTasks) use. OpenBLAS
+// itself always runs one thread; a product large enough is split here into blocks of C's rows
+// or columns, one single-threaded OpenBLAS call each, on the shared pool. OpenBLAS's own
+// workers never run, so none of them spins between products on a core a task needs (on the
+// project's 2-core machine its idle worker yielding was about a tenth of a training step's
+// samples). The count starts as OpenBLAS's default (OPENBLAS_NUM_THREADS, else the cores).
+class ComputeThreads {
+ public:
+  static int Get() {
+    Init();
+    return count_.load(std::memory_order_relaxed);
+  }
+  static void Set(int n) {
+    Init();
+    count_.store(n, std::memory_order_relaxed);
+  }
+
+ private:
+  static void Init() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      count_.store(std::max(1, openblas_get_num_threads()), std::memory_order_relaxed);
+      openblas_set_num_threads(1);
+    });
+  }
+  static inline std::atomic<int> count_{1};
+};
+
+// Set on a thread while it runs ParallelGemmTasks' tasks or a block of a split product: its
+// products are not split again.
+thread_local int t_single = 0;
+
+class SingleThreaded {
+ public:
+  SingleThreaded() { ++t_single; }
+  ~SingleThreaded() { --t_single; }
+  SingleThreaded(const SingleThreaded&) = delete;
+  SingleThreaded& operator=(const SingleThreaded&) = delete;
+};
+
+// Products below this many multiply-adds run on one thread: waking a worker costs more.
+constexpr std::int64_t kSplitMinWork = std::int64_t{1} << 21;
+// Blocks of C are whole multiples of this many rows or columns (the kernels' tile sizes divide
+// it), at least one such unit per block.
+constexpr std::int64_t kSplitUnit = 16;
+
+// How many blocks a product is split into (GemmSplitBlocks).
+int Blocks(std::int64_t m, std::int64_t n, std::int64_t k) {
+  if (t_single > 0) return 1;
+  const int threads = ComputeThreads::Get();
+  if (threads <= 1 || m * n * k < kSplitMinWork) return 1;
+  const std::int64_t units = CeilDiv(std::max(m, n), kSplitUnit);
+  return static_cast<int>(std::min<std::int64_t>({threads, units, static_cast<std::int64_t>(SharedPool().size()) + 1}));
+}
+
+// C = alpha · op(A) · op(B) + beta · C as Blocks() blocks of C's rows (or columns, when C has
+// more columns than rows), each one single-threaded call(m, n, a, b, c) with the block's
+// offsets applied. The blocks are fixed by the shape and thread count, so the result does not
+// depend on which thread runs which block.
+template <typename T, typename Call>
+void Split(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, const T* a, std::int64_t lda, const T* b,
+           std::int64_t ldb, T* c, std::int64_t ldc, const Call& call) {
+  const std::int64_t blocks = Blocks(m, n, k);
+  const bool by_rows = m >= n;
+  const std::int64_t dim = by_rows ? m : n;
+  const std::int64_t units = CeilDiv(dim, kSplitUnit);
+  if (blocks <= 1) {
+    call(m, n, a, b, c);
+    return;
+  }
+  auto block = [&](std::int64_t i) {
+    const SingleThreaded single;
+    const std::int64_t lo = std::min(dim, units * i / blocks * kSplitUnit);
+    const std::int64_t hi = std::min(dim, units * (i + 1) / blocks * kSplitUnit);
+    if (hi <= lo) return;
+    if (by_rows) {  // rows [lo, hi) of op(A) and C
+      call(hi - lo, n, ta == Trans::kNo ? a + lo * lda : a + lo, b, c + lo * ldc);
+    } else {  // columns [lo, hi) of op(B) and C
+      call(m, hi - lo, a, tb == Trans::kNo ? b + lo : b + lo * ldb, c + lo);
+    }
+  };
+  TaskGroup group(&SharedPool());
+  for (std::int64_t i = 1; i < blocks; ++i) group.Run([&block, i] { block(i); });
+  block(0);
+  group.Wait();
+}
+
 }  // namespace
 
 template <>
 void Gemm<float>(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                  std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (Degenerate(m, n, k, beta, c, ldc)) return;
-  cblas_sgemm(CblasRowMajor, Op(ta), Op(tb), B(m), B(n), B(k), alpha, a, Ld(lda), b, Ld(ldb), beta, c, Ld(ldc));
+  Split(ta, tb, m, n, k, a, lda, b, ldb, c, ldc,
+        [&](std::int64_t bm, std::int64_t bn, const float* ba, const float* bb, float* bc) {
+          cblas_sgemm(CblasRowMajor, Op(ta), Op(tb), B(bm), B(bn), B(k), alpha, ba, Ld(lda), bb, Ld(ldb), beta, bc,
+                      Ld(ldc));
+        });
 }
 
 template <>
 void Gemm<double>(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, double alpha, const double* a,
                   std::int64_t lda, const double* b, std::int64_t ldb, double beta, double* c, std::int64_t ldc) {
   if (Degenerate(m, n, k, beta, c, ldc)) return;
-  cblas_dgemm(CblasRowMajor, Op(ta), Op(tb), B(m), B(n), B(k), alpha, a, Ld(lda), b, Ld(ldb), beta, c, Ld(ldc));
+  Split(ta, tb, m, n, k, a, lda, b, ldb, c, ldc,
+        [&](std::int64_t bm, std::int64_t bn, const double* ba, const double* bb, double* bc) {
+          cblas_dgemm(CblasRowMajor, Op(ta), Op(tb), B(bm), B(bn), B(k), alpha, ba, Ld(lda), bb, Ld(ldb), beta, bc,
+                      Ld(ldc));
+        });
 }
 
 void SetBlasThreads(int n) {
   RS_CHECK(n >= 1);
-  openblas_set_num_threads(n);
+  ComputeThreads::Set(n);
 }
 
-namespace {
+int BlasThreads() { return t_single > 0 ? 1 : ComputeThreads::Get(); }
 
-// OpenBLAS at one thread while any ParallelGemmTasks runs (calls from several threads nest:
-// the first sets it, the last gives the count back).
-class OneBlasThread {
- public:
-  OneBlasThread() {
-    const std::lock_guard<std::mutex> lock(mu_);
-    if (holders_++ == 0) {
-      saved_ = BlasThreads();
-      openblas_set_num_threads(1);
-    }
-  }
-  ~OneBlasThread() {
-    const std::lock_guard<std::mutex> lock(mu_);
-    if (--holders_ == 0) openblas_set_num_threads(saved_);
-  }
-  OneBlasThread(const OneBlasThread&) = delete;
-  OneBlasThread& operator=(const OneBlasThread&) = delete;
-
- private:
-  static inline std::mutex mu_;
-  static inline int holders_ = 0;
-  static inline int saved_ = 1;
-};
-
-}  // namespace
-
-int BlasThreads() { return std::max(1, openblas_get_num_threads()); }
+int GemmSplitBlocks(std::int64_t m, std::int64_t n, std::int64_t k) { return Blocks(m, n, k); }
 
 namespace {
 std::atomic<int> g_worker_cap{0};
@@ -104,18 +174,19 @@ int GemmTaskThreads(std::int64_t tasks) {
 
 void ParallelGemmTasks(std::int64_t tasks, const std::function<void(std::int64_t, int)>& task, int max_workers) {
   if (tasks <= 0) return;
-  if (tasks == 1) {  // one product set: OpenBLAS's threads split it
+  if (tasks == 1) {  // one product set: split over the compute threads
     task(0, 0);
     return;
   }
   const int threads = std::min(GemmTaskThreads(tasks), std::max(1, max_workers));
-  OneBlasThread one;
   if (threads == 1) {
+    const SingleThreaded single;
     for (std::int64_t i = 0; i < tasks; ++i) task(i, 0);
     return;
   }
   std::atomic<std::int64_t> next{0};
   auto work = [&](int worker) {
+    const SingleThreaded single;
     for (std::int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) task(i, worker);
   };
   {

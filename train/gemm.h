@@ -17,11 +17,22 @@ template <typename T>
 void Gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda,
           const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc);
 
-// Sets OpenBLAS's worker threads (n >= 1). Results are bit-reproducible for a fixed BLAS build
-// and thread count; a different count may round differently.
+// Sets the compute threads (n >= 1): how many threads a product, and ParallelGemmTasks, use.
+// OpenBLAS itself always runs one thread; Gemm splits a large product into blocks of C's rows
+// (or columns, when C is wider than tall) in whole multiples of 16, one single-threaded
+// OpenBLAS call per block, on the shared pool (core/thread_pool.h). Why: OpenBLAS's own
+// workers spin between products on cores the trainer's tasks need (README, "CPU speed").
+// Results are the same bits on every run for a fixed OpenBLAS build, kernel set and thread
+// count; another count may round differently (a block's call may order a sum differently).
+// The count starts as OpenBLAS's default (OPENBLAS_NUM_THREADS, else the number of cores).
 void SetBlasThreads(int n);
-// OpenBLAS's current thread count.
+// The compute threads; 1 on a thread that runs ParallelGemmTasks' tasks or a block of a split
+// product.
 int BlasThreads();
+// How many blocks Gemm splits an m x n x k product into on this thread: 1 for products under
+// 2^21 multiply-adds, inside tasks, or with one compute thread; else up to the compute threads
+// (at most one per 16 rows or columns, and the shared pool's workers plus the caller).
+int GemmSplitBlocks(std::int64_t m, std::int64_t n, std::int64_t k);
 
 // Runs task(i, worker) for every i in [0, tasks) on up to GemmTaskThreads(tasks) threads (the
 // caller's and the shared pool's; at most `max_workers`): for many small independent products

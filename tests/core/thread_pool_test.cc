@@ -34,6 +34,35 @@ TEST(ThreadPool, GroupsRunEveryTaskAndNestedWaitsFinish) {
   EXPECT_EQ(count.load(), 64);
 }
 
+// Spinning workers and waiters (the shared pool's mode): many short rounds, the spin running
+// out between some of them, nested groups; every task runs once and no round loses its wake-up
+// (a lost one would hang here).
+TEST(ThreadPool, SpinningPoolRunsManyShortRoundsAndNestedWaits) {
+  ThreadPool pool(2, std::chrono::microseconds(50));
+  EXPECT_EQ(pool.spin(), std::chrono::microseconds(50));
+  std::atomic<int> count{0};
+  int expected = 0;
+  for (int round = 0; round < 3000; ++round) {
+    if (round % 500 == 0) std::this_thread::sleep_for(std::chrono::microseconds(300));  // workers asleep
+    TaskGroup group(&pool);
+    const int tasks = 1 + round % 4;
+    for (int i = 0; i < tasks; ++i) group.Run([&] { ++count; });
+    group.Wait();
+    expected += tasks;
+    ASSERT_EQ(count.load(), expected) << "round " << round;
+  }
+  TaskGroup outer(&pool);
+  std::atomic<int> nested{0};
+  for (int i = 0; i < 8; ++i) {
+    outer.Run([&] {
+      TaskGroup inner(&pool);
+      for (int j = 0; j < 8; ++j) inner.Run([&] { ++nested; });
+    });
+  }
+  outer.Wait();
+  EXPECT_EQ(nested.load(), 64);
+}
+
 TEST(ThreadPool, WorkerCountClamps) {
   EXPECT_EQ(WorkerCount(3), 3U);
   EXPECT_EQ(WorkerCount(3, 2), 2U);
