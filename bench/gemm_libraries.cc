@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/train_bench_util.h"
@@ -125,6 +126,35 @@ std::vector<Library> Libraries() {
   return libs;
 }
 
+// The core clock, measured: a chain of dependent integer adds retires one add per cycle on
+// every x86 core of the last decade, so adds per second is cycles per second (with turbo, the
+// clock the core actually ran at). Run on `threads` threads at once (all cores busy, as during
+// a multi-threaded product); the slowest thread's rate is returned.
+double ClockGhz(int threads) {
+  constexpr std::int64_t kIterations = std::int64_t{1} << 26;  // 8 adds each
+  std::vector<double> ghz(static_cast<std::size_t>(threads));
+  auto chain = [&](int t) {
+    std::uint64_t x = 0;
+    const double s = rs::bench::Now();
+    for (std::int64_t i = 0; i < kIterations; ++i) {
+#if defined(__x86_64__)
+      asm volatile(
+          "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+          "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0"
+          : "+r"(x));
+#else
+      x += 8;
+#endif
+    }
+    ghz[static_cast<std::size_t>(t)] = static_cast<double>(x) / (rs::bench::Now() - s) * 1e-9;
+  };
+  std::vector<std::thread> others;
+  for (int t = 1; t < threads; ++t) others.emplace_back(chain, t);
+  chain(0);
+  for (auto& o : others) o.join();
+  return *std::min_element(ghz.begin(), ghz.end());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -134,10 +164,26 @@ int main(int argc, char** argv) {
       "sgemm of OpenBLAS, BLIS and oneDNN on the training core's shapes, 1 and 2 threads, checked in float64.");
   const int reps = static_cast<int>(args.Int(1, "reps", 5));
   const std::vector<Library> libs = Libraries();
+  // The FMA peak: 2 FMA units per core (Skylake-SP Gold/Platinum and later Xeons, Zen 2 and
+  // later; some Xeon Silver/Bronze have one) × the vector's float lanes × 2 FLOPs, at the clock
+  // measured with every thread busy (best of 3).
+  const rs::train::IsaLevel isa = rs::train::CpuLevel();
+  const int lanes = isa == rs::train::IsaLevel::kAvx512 ? 16 : isa == rs::train::IsaLevel::kSse ? 4 : 8;
+  const int fma_units = isa >= rs::train::IsaLevel::kAvx2 ? 2 : 1;
+  double clock[3] = {0, 0, 0};
+  for (const int threads : {1, 2}) {
+    for (int i = 0; i < 3; ++i) clock[threads] = std::max(clock[threads], ClockGhz(threads));
+  }
+  auto fma_peak = [&](int threads) { return threads * clock[threads] * fma_units * lanes * 2; };
+  std::printf(
+      "clock (dependent adds, best of 3): %.2f GHz on 1 thread, %.2f GHz with 2 busy; %s: %d FMA units x %d "
+      "float lanes x 2 FLOP = %d FLOP/cycle per core -> FMA peak %.1f GFLOP/s (1 thread), %.1f (2)\n",
+      clock[1], clock[2], std::string(rs::train::IsaLevelName(isa)).c_str(), fma_units, lanes, fma_units * lanes * 2,
+      fma_peak(1), fma_peak(2));
   rs::train::Rng rng(11);
   std::printf("%-38s %3s", "shape (m x n x k)", "thr");
   for (const Library& l : libs) std::printf(" | %22s", l.name.c_str());
-  std::printf("\n");
+  std::printf(" | train::Gemm / FMA peak\n");
   for (const Shape& s : kShapes) {
     const std::int64_t a_items = s.m * s.k, b_items = s.k * s.n, c_items = s.m * s.n;
     std::vector<float> a(static_cast<std::size_t>(a_items)), b(static_cast<std::size_t>(b_items)),
@@ -163,7 +209,7 @@ int main(int argc, char** argv) {
         if (li == 0) base = gflops;
         std::printf(" | %6.1f GF/s %5.2fx e%-5.0e", gflops, gflops / base, err / ref_max);
       }
-      std::printf("\n");
+      std::printf(" | %5.1f%%\n", 100.0 * base / fma_peak(threads));
     }
   }
   std::printf("GF/s: best of %d; x: against OpenBLAS at the same thread count; e: max |C - C64| / max |C64|\n", reps);
