@@ -641,7 +641,9 @@ void RegisterTrain(CLI::App& app) {
   cmd->add_option("--tensorboard", a->tensorboard,
                   "Also write TensorBoard event files to this directory (rank 0): every log field as a scalar "
                   "train/<field>, per MoE layer the expert-load histogram and max/mean load");
-  cmd->add_option("--threads", a->threads, "OpenBLAS threads (0 = its default); results depend on it");
+  cmd->add_option("--threads", a->threads,
+                  "compute threads: products split over them, tasks and elementwise passes (0 = OpenBLAS's default: "
+                  "OPENBLAS_NUM_THREADS, else the cores); results depend on it");
   cmd->add_option("--layout", a->layout,
                   "Parallel layout, e.g. tp=2,fsdp=2,dp=2 or pp=2,tp=2 (run with mpirun -np <ranks>); fsdp_form=flat "
                   "(default) or box (the default under rules that use ep as context parallelism, such as ep-as-cp); "
@@ -677,7 +679,7 @@ void RegisterTrain(CLI::App& app) {
   ev->add_option("--windows", e->windows, "Evaluate the first N windows (0 = all)")->capture_default_str();
   ev->add_flag("--json", e->json, "Print a JSON object");
   ev->add_option("--model", e->model, "Model preset or JSON, when the checkpoint's metadata has none");
-  ev->add_option("--threads", e->threads, "OpenBLAS threads (0 = its default)");
+  ev->add_option("--threads", e->threads, "compute threads (0 = OPENBLAS_NUM_THREADS, else the cores)");
   ev->callback([e] { RunEval(*e); });
 }
 

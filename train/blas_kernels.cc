@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "train/gemm.h"
+
 namespace rs::train {
 namespace {
 
@@ -124,6 +126,9 @@ BlasReport DescribeBlasKernels() {
   } else {
     r.line += ", detected by OpenBLAS";
   }
+  const int threads = BlasThreads();
+  r.line += "; " + std::to_string(threads) + " compute thread" + (threads == 1 ? "" : "s") +
+            " (products split into blocks by train::Gemm, one single-threaded OpenBLAS call each)";
   if (level < cpu) {
     r.warning = "warning: the GEMM kernels are for " + std::string(IsaLevelName(level)) + " on a CPU with " +
                 std::string(IsaLevelName(cpu)) + ": matrix products may run several times slower than this CPU allows";

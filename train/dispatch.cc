@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "core/arith.h"
 #include "core/check.h"
+#include "core/thread_pool.h"
+#include "train/gemm.h"
 
 namespace rs::train {
 namespace {
@@ -22,6 +25,12 @@ void ZeroRows(T* dst, std::int64_t rows, std::int64_t d) {
   if (rows > 0) std::memset(dst, 0, Z(rows * d) * sizeof(T));
 }
 
+// Tokens per chunk of the combine passes on the compute threads: each token's output (or its
+// rows' gradients) is its own, so chunks give the same bits on any number of threads.
+constexpr std::int64_t kTokenChunk = 64;
+
+std::size_t Threads() { return static_cast<std::size_t>(BlasThreads()); }
+
 // out[t] = Σ_j w_j · y[row_j]: the one accumulation loop shared by the fused and unfused
 // paths, so both sum in the same order and agree bit for bit. The first term initialises the
 // row (no separate zero fill); restrict lets the compiler vectorise the row loops.
@@ -31,53 +40,65 @@ void GatherWeighted(const T* y, std::int64_t d, const std::int32_t* rows, const 
   // Columns in blocks that stay in registers: each output element is written once and the k
   // source rows are streamed side by side (the sum per element is still j = 0, 1, ... in order).
   constexpr std::int64_t kBlock = 32;
-  std::vector<const T*> src(static_cast<std::size_t>(k));
-  std::vector<T> w(static_cast<std::size_t>(k));
-  for (std::int64_t t = 0; t < n; ++t) {
-    for (std::int64_t j = 0; j < k; ++j) {
-      src[static_cast<std::size_t>(j)] = y + static_cast<std::int64_t>(rows[t * k + j]) * d;
-      w[static_cast<std::size_t>(j)] = probs != nullptr ? probs[t * k + j] : T(1);
-    }
-    T* __restrict o = out + t * d;
-    std::int64_t i = 0;
-    for (; i + kBlock <= d; i += kBlock) {
-      T acc[kBlock];
-      const T* __restrict s0 = src[0] + i;
-      for (std::int64_t b = 0; b < kBlock; ++b) acc[b] = w[0] * s0[b];
-      for (std::int64_t j = 1; j < k; ++j) {
-        const T* __restrict sj = src[static_cast<std::size_t>(j)] + i;
-        const T wj = w[static_cast<std::size_t>(j)];
-        for (std::int64_t b = 0; b < kBlock; ++b) acc[b] += wj * sj[b];
-      }
-      for (std::int64_t b = 0; b < kBlock; ++b) o[i + b] = acc[b];
-    }
-    for (; i < d; ++i) {
-      T acc = w[0] * src[0][i];
-      for (std::int64_t j = 1; j < k; ++j) acc += w[static_cast<std::size_t>(j)] * src[static_cast<std::size_t>(j)][i];
-      o[i] = acc;
-    }
-  }
+  ParallelChunks(
+      n, kTokenChunk,
+      [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+        std::vector<const T*> src(static_cast<std::size_t>(k));
+        std::vector<T> w(static_cast<std::size_t>(k));
+        for (std::int64_t t = begin; t < end; ++t) {
+          for (std::int64_t j = 0; j < k; ++j) {
+            src[static_cast<std::size_t>(j)] = y + static_cast<std::int64_t>(rows[t * k + j]) * d;
+            w[static_cast<std::size_t>(j)] = probs != nullptr ? probs[t * k + j] : T(1);
+          }
+          T* __restrict o = out + t * d;
+          std::int64_t i = 0;
+          for (; i + kBlock <= d; i += kBlock) {
+            T acc[kBlock];
+            const T* __restrict s0 = src[0] + i;
+            for (std::int64_t b = 0; b < kBlock; ++b) acc[b] = w[0] * s0[b];
+            for (std::int64_t j = 1; j < k; ++j) {
+              const T* __restrict sj = src[static_cast<std::size_t>(j)] + i;
+              const T wj = w[static_cast<std::size_t>(j)];
+              for (std::int64_t b = 0; b < kBlock; ++b) acc[b] += wj * sj[b];
+            }
+            for (std::int64_t b = 0; b < kBlock; ++b) o[i + b] = acc[b];
+          }
+          for (; i < d; ++i) {
+            T acc = w[0] * src[0][i];
+            for (std::int64_t j = 1; j < k; ++j)
+              acc += w[static_cast<std::size_t>(j)] * src[static_cast<std::size_t>(j)][i];
+            o[i] = acc;
+          }
+        }
+      },
+      Threads());
 }
 
-// dy[row_j] = p · dout[t]; dprobs[t, j] = <y[row_j], dout[t]>.
+// dy[row_j] = p · dout[t]; dprobs[t, j] = <y[row_j], dout[t]>. Every (token, slot) has its own
+// row, so chunks of tokens write disjoint rows.
 template <typename T>
 void ScatterWeighted(const T* dout, const T* y, std::int64_t d, const std::int32_t* rows, const T* probs,
                      std::int64_t n, std::int64_t k, T* dy, T* dprobs) {
-  for (std::int64_t t = 0; t < n; ++t) {
-    const T* __restrict g = dout + t * d;
-    for (std::int64_t j = 0; j < k; ++j) {
-      const std::int64_t r = rows[t * k + j];
-      const T p = probs != nullptr ? probs[t * k + j] : T(1);
-      T* __restrict dst = dy + r * d;
-      for (std::int64_t i = 0; i < d; ++i) dst[i] = p * g[i];
-      if (dprobs != nullptr) {
-        const T* __restrict src = y + r * d;
-        T dot = 0;
-        for (std::int64_t i = 0; i < d; ++i) dot += src[i] * g[i];
-        dprobs[t * k + j] = dot;
-      }
-    }
-  }
+  ParallelChunks(
+      n, kTokenChunk,
+      [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+        for (std::int64_t t = begin; t < end; ++t) {
+          const T* __restrict g = dout + t * d;
+          for (std::int64_t j = 0; j < k; ++j) {
+            const std::int64_t r = rows[t * k + j];
+            const T p = probs != nullptr ? probs[t * k + j] : T(1);
+            T* __restrict dst = dy + r * d;
+            for (std::int64_t i = 0; i < d; ++i) dst[i] = p * g[i];
+            if (dprobs != nullptr) {
+              const T* __restrict src = y + r * d;
+              T dot = 0;
+              for (std::int64_t i = 0; i < d; ++i) dot += src[i] * g[i];
+              dprobs[t * k + j] = dot;
+            }
+          }
+        }
+      },
+      Threads());
 }
 
 }  // namespace
@@ -133,15 +154,19 @@ DispatchPlan PlanDispatch(const std::int32_t* experts, std::int64_t n, std::int6
 
 template <typename T>
 void PermutePad(const T* x, std::int64_t d, const DispatchPlan& plan, T* out) {
-  // One pass over the destination: each expert's rows, then its zero tail.
-  for (std::int64_t e = 0; e < plan.num_experts; ++e) {
-    const std::int64_t begin = plan.padded_offsets[Z(e)];
-    const std::int64_t filled = begin + plan.counts[Z(e)];
-    for (std::int64_t r = begin; r < filled; ++r) {
-      CopyRow(x + static_cast<std::int64_t>(plan.token_of_padded_row[Z(r)]) * d, d, out + r * d);
-    }
-    ZeroRows(out + filled * d, plan.padded_offsets[Z(e + 1)] - filled, d);
-  }
+  // One pass over the destination: each expert's rows, then its zero tail; experts on the
+  // compute threads (each writes only its own rows).
+  ParallelChunks(
+      plan.num_experts, 1,
+      [&](std::int64_t e, std::int64_t, std::int64_t) {
+        const std::int64_t begin = plan.padded_offsets[Z(e)];
+        const std::int64_t filled = begin + plan.counts[Z(e)];
+        for (std::int64_t r = begin; r < filled; ++r) {
+          CopyRow(x + static_cast<std::int64_t>(plan.token_of_padded_row[Z(r)]) * d, d, out + r * d);
+        }
+        ZeroRows(out + filled * d, plan.padded_offsets[Z(e + 1)] - filled, d);
+      },
+      Threads());
 }
 
 template <typename T>

@@ -70,6 +70,12 @@ TEST(BlasKernels, TrainReportsAndFixesAFallback) {
   r = testing::RunShell("env -u OPENBLAS_CORETYPE -u RESHARD_TEST_OPENBLAS_CORE " + std::string(RS_CLI) + train);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("gemm: OpenBLAS"), std::string::npos) << r.output;
+  // And how many compute threads split the products.
+  r = testing::RunShell("env -u OPENBLAS_CORETYPE -u RESHARD_TEST_OPENBLAS_CORE " + std::string(RS_CLI) +
+                        " train --model tiny-moe --steps 1 --batch-size 2 --threads 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("; 3 compute threads (products split into blocks by train::Gemm"), std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "tests/train/grad_check.h"
 #include "train/attention.h"
 #include "train/experts.h"
+#include "train/gemm.h"
 
 namespace rs::train {
 namespace {
@@ -38,6 +39,49 @@ TEST(RmsNormTest, GradientMatchesFiniteDifferences) {
   RmsNormBackward(r.data(), x.data(), w.data(), rstd.data(), n, d, dx.data(), dw.data());
   ExpectGradMatches("rmsnorm.x", x, dx, loss);
   ExpectGradMatches("rmsnorm.w", w, dw, loss);
+}
+
+// Many rows: the norms run in chunks of rows on the compute threads, the weight gradient as
+// per-chunk partial sums. The float pass equals the float64 one to float precision, the float64
+// gradient of the weight still matches central differences through many chunks, and the float
+// bits are the same on one thread as on two. dx aliasing dy is allowed.
+TEST(RmsNormTest, ManyRowsInChunksMatchFloat64AndAreTheSameOnAnyThreadCount) {
+  const std::int64_t n = 1000, d = 96;  // 682 rows per chunk: two chunks
+  const auto x = RandomVector(n * d, 4), w = RandomVector(d, 5), dy = RandomVector(n * d, 6);
+  std::vector<double> y64(n * d), rstd64(n), dx64(n * d), dw64(d, 0.5);
+  RmsNormForward(x.data(), w.data(), n, d, 1e-5, y64.data(), rstd64.data(), 1.0);
+  RmsNormBackward(dy.data(), x.data(), w.data(), rstd64.data(), n, d, dx64.data(), dw64.data(), 1.0);
+  auto to_float = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  const std::vector<float> xf = to_float(x), wf = to_float(w), dyf = to_float(dy);
+  std::vector<std::vector<float>> runs;
+  for (const int threads : {1, 2}) {
+    SetBlasThreads(threads);
+    std::vector<float> y(n * d), rstd(n), dx = dyf, dw(d, 0.5f);
+    RmsNormForward(xf.data(), wf.data(), n, d, 1e-5, y.data(), rstd.data(), 1.0);
+    RmsNormBackward(dx.data(), xf.data(), wf.data(), rstd.data(), n, d, dx.data(), dw.data(), 1.0);  // in place
+    for (std::int64_t i = 0; i < n * d; ++i) {
+      ASSERT_NEAR(y[i], y64[i], 1e-5 * (1 + std::abs(y64[i]))) << i;
+      ASSERT_NEAR(dx[i], dx64[i], 1e-5 * (1 + std::abs(dx64[i]))) << i;
+    }
+    for (std::int64_t j = 0; j < d; ++j) ASSERT_NEAR(dw[j], dw64[j], 1e-4 * (1 + std::abs(dw64[j]))) << j;
+    y.insert(y.end(), dx.begin(), dx.end());
+    y.insert(y.end(), dw.begin(), dw.end());
+    runs.push_back(y);
+  }
+  EXPECT_EQ(runs[0], runs[1]);
+  // The float64 weight gradient through two chunks, against central differences.
+  const std::int64_t m = 1400, e = 48;  // 1365 rows per chunk
+  auto xm = RandomVector(m * e, 7), wm = RandomVector(e, 8);
+  const auto r = RandomVector(m * e, 9);
+  std::vector<double> ym(m * e), rm(m);
+  auto loss = [&] {
+    RmsNormForward(xm.data(), wm.data(), m, e, 1e-5, ym.data(), rm.data());
+    return Dot(ym, r);
+  };
+  loss();
+  std::vector<double> dxm(m * e), dwm(e, 0.0);
+  RmsNormBackward(r.data(), xm.data(), wm.data(), rm.data(), m, e, dxm.data(), dwm.data());
+  ExpectGradMatches("rmsnorm.w (chunks)", wm, dwm, loss);
 }
 
 TEST(CrossEntropyTest, GradientMatchesAndValueIsLogVocabForZeroLogits) {
