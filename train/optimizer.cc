@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "core/thread_pool.h"
+#include "train/gemm.h"
 
 namespace rs::train {
 
@@ -111,6 +112,10 @@ AdamW::AdamW(const OptimizerConfig& c, std::vector<ParamSegment> segments, std::
 
 namespace {
 
+// The passes' threads: the compute threads (train/gemm.h, `--threads`); the chunks, and so the
+// results, are the same whatever their number.
+std::size_t Threads() { return static_cast<std::size_t>(BlasThreads()); }
+
 struct AdamWScalars {
   float clip, b1, b2, bc1, bc2, lr, eps, wd;
 };
@@ -159,19 +164,22 @@ Result<UpdateInfo> AdamW::Update(std::span<float> params, std::span<const float>
         std::upper_bound(runs_.begin(), runs_.end(), begin, [](std::int64_t x, const Run& r) { return x < r.end; });
     for (; it != runs_.end() && it->begin < end; ++it) f(*it, std::max(begin, it->begin), std::min(end, it->end));
   };
-  ParallelChunks(n, kChunk, [&](std::int64_t c, std::int64_t begin, std::int64_t end) {
-    // In item order, as a loop over every item that adds 0 for the others would (adding +0.0
-    // to a sum of squares changes nothing): the same bits.
-    double sq = 0;
-    for_runs(begin, end, [&](const Run& r, std::int64_t lo, std::int64_t hi) {
-      if (!r.in_norm) return;
-      for (std::int64_t i = lo; i < hi; ++i) {
-        const auto g = static_cast<double>(grads[static_cast<std::size_t>(i)]);
-        sq += g * g;
-      }
-    });
-    partial[static_cast<std::size_t>(c)] = sq;
-  });
+  ParallelChunks(
+      n, kChunk,
+      [&](std::int64_t c, std::int64_t begin, std::int64_t end) {
+        // In item order, as a loop over every item that adds 0 for the others would (adding +0.0
+        // to a sum of squares changes nothing): the same bits.
+        double sq = 0;
+        for_runs(begin, end, [&](const Run& r, std::int64_t lo, std::int64_t hi) {
+          if (!r.in_norm) return;
+          for (std::int64_t i = lo; i < hi; ++i) {
+            const auto g = static_cast<double>(grads[static_cast<std::size_t>(i)]);
+            sq += g * g;
+          }
+        });
+        partial[static_cast<std::size_t>(c)] = sq;
+      },
+      Threads());
   double sq = 0;
   for (const double p : partial) sq += p;
   RS_ASSIGN_OR_RETURN(sq, reduce(sq));
@@ -185,13 +193,16 @@ Result<UpdateInfo> AdamW::Update(std::span<float> params, std::span<const float>
   const auto eps = static_cast<float>(c_.eps);
   const auto clip = static_cast<float>(info.clip_scale);
   AdamWScalars k{clip, b1, b2, bc1, bc2, lr, eps, 0.0f};
-  ParallelChunks(n, kChunk, [&](std::int64_t, std::int64_t begin, std::int64_t end) {
-    for_runs(begin, end, [&](const Run& r, std::int64_t lo, std::int64_t hi) {
-      AdamWScalars run = k;
-      run.wd = r.decay ? static_cast<float>(c_.weight_decay) : 0.0f;
-      AdamWItems(params.data() + lo, grads.data() + lo, m_.data() + lo, v_.data() + lo, hi - lo, run);
-    });
-  });
+  ParallelChunks(
+      n, kChunk,
+      [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+        for_runs(begin, end, [&](const Run& r, std::int64_t lo, std::int64_t hi) {
+          AdamWScalars run = k;
+          run.wd = r.decay ? static_cast<float>(c_.weight_decay) : 0.0f;
+          AdamWItems(params.data() + lo, grads.data() + lo, m_.data() + lo, v_.data() + lo, hi - lo, run);
+        });
+      },
+      Threads());
   return info;
 }
 
