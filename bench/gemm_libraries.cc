@@ -73,13 +73,8 @@ std::vector<Library> Libraries() {
   static int own_threads = 1;
   libs.push_back({"OpenBLAS own threads",
                   [](const Shape& s, const float* a, const float* b, float* c) {
-                    openblas_set_num_threads(own_threads);
-                    cblas_sgemm(CblasRowMajor, s.ta == Trans::kNo ? CblasNoTrans : CblasTrans,
-                                s.tb == Trans::kNo ? CblasNoTrans : CblasTrans, static_cast<blasint>(s.m),
-                                static_cast<blasint>(s.n), static_cast<blasint>(s.k), 1.0f, a,
-                                static_cast<blasint>(Lda(s)), b, static_cast<blasint>(Ldb(s)), 0.0f, c,
-                                static_cast<blasint>(s.n));
-                    openblas_set_num_threads(1);
+                    rs::bench::OpenBlasOwnThreadsSgemm(own_threads, s.ta, s.tb, s.m, s.n, s.k, a, Lda(s), b, Ldb(s), c,
+                                                       s.n);
                   },
                   [](int n) { own_threads = n; }});
   // BLIS: its CBLAS layer (CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112).

@@ -80,6 +80,19 @@ double BestSeconds(int reps, F&& f) {
   return t.front();
 }
 
+// Row-major C = op(A) · op(B) (alpha 1, beta 0) by one cblas_sgemm with OpenBLAS splitting it
+// over `threads` of its own workers – how a program that leaves threading to OpenBLAS runs, and
+// what train::Gemm's split (train/gemm.h) replaced; OpenBLAS is back at one thread after.
+inline void OpenBlasOwnThreadsSgemm(int threads, train::Trans ta, train::Trans tb, std::int64_t m, std::int64_t n,
+                                    std::int64_t k, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
+                                    float* c, std::int64_t ldc) {
+  const auto op = [](train::Trans t) { return t == train::Trans::kNo ? CblasNoTrans : CblasTrans; };
+  openblas_set_num_threads(threads);
+  cblas_sgemm(CblasRowMajor, op(ta), op(tb), static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k),
+              1.0f, a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c, static_cast<blasint>(ldc));
+  openblas_set_num_threads(1);
+}
+
 // Best GFLOP/s of an n x n x n sgemm over `reps` runs, the larger of two ways of running it on
 // the compute threads: train::Gemm (OpenBLAS at one thread per block of C, the blocks on the
 // shared pool: how the training core multiplies) and one cblas_sgemm with OpenBLAS splitting it
@@ -96,11 +109,8 @@ inline double SgemmPeakGflops(std::int64_t n = 2048, int reps = 5) {
     for (int i = 0; i < reps + 1; ++i) {
       const double s = Now();
       if (own_threads) {
-        openblas_set_num_threads(threads);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(n), static_cast<blasint>(n),
-                    static_cast<blasint>(n), 1.0f, a.data(), static_cast<blasint>(n), b.data(), static_cast<blasint>(n),
-                    0.0f, c.data(), static_cast<blasint>(n));
-        openblas_set_num_threads(1);
+        OpenBlasOwnThreadsSgemm(threads, train::Trans::kNo, train::Trans::kNo, n, n, n, a.data(), n, b.data(), n,
+                                c.data(), n);
       } else {
         train::Gemm<float>(train::Trans::kNo, train::Trans::kNo, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
                            c.data(), n);

@@ -11,7 +11,7 @@ namespace {
 
 // Runs group(g) for every group with rows. With at least two such groups per BLAS thread, the
 // groups are tasks on as many threads (largest first, each group's products single-threaded):
-// OpenBLAS splitting each small per-expert product over its threads costs more than it gains.
+// splitting each small per-expert product over the compute threads costs more than it gains.
 // Otherwise one after another, each product on all threads. A group's result is the same
 // either way: its products and elementwise passes touch only its own rows and weights.
 template <typename F>

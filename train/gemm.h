@@ -36,10 +36,10 @@ int GemmSplitBlocks(std::int64_t m, std::int64_t n, std::int64_t k);
 
 // Runs task(i, worker) for every i in [0, tasks) on up to GemmTaskThreads(tasks) threads (the
 // caller's and the shared pool's; at most `max_workers`): for many small independent products
-// (attention's heads and blocks, per-expert products) that OpenBLAS would otherwise split one at
-// a time over its threads. With two tasks or more, OpenBLAS runs one thread during the call
-// (every product single-threaded) and gets its count back after (calls from several threads
-// nest); a single task runs on the caller with OpenBLAS's threads. `worker` in
+// (attention's heads and blocks, per-expert products) that Gemm would otherwise split one at a
+// time over the compute threads. With two tasks or more, every product inside a task runs on
+// its task's thread alone (BlasThreads() is 1 there); a single task runs on the caller, its
+// products split as usual. `worker` in
 // [0, max_workers) names the running thread, for per-thread scratch. A task's result must not
 // depend on which worker runs it or on the other tasks; it is then the same whatever the
 // number of workers.

@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/arith.h"
 #include "core/thread_pool.h"
 #include "train/gemm.h"
 #include "train/vec_math.h"
@@ -45,7 +46,7 @@ template <typename T>
 void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw,
                      double offset) {
   const T off = static_cast<T>(offset);
-  const std::int64_t chunk = NormChunkRows(d), chunks = n > 0 ? (n + chunk - 1) / chunk : 0;
+  const std::int64_t chunk = NormChunkRows(d), chunks = CeilDiv(n, chunk);
   // dw's sum over rows: one chunk adds straight into dw; several each sum their rows into their
   // own partial (rows in order), and the partials are added to dw in chunk order – fixed by the
   // chunk size alone, so the same bits whatever the number of threads. dx may alias dy.
@@ -70,7 +71,8 @@ void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::in
         }
       },
       static_cast<std::size_t>(BlasThreads()));
-  for (std::int64_t c = 0; c < chunks && chunks > 1; ++c) {
+  if (chunks == 1) return;
+  for (std::int64_t c = 0; c < chunks; ++c) {
     const T* pc = partial.data() + c * d;
     for (std::int64_t j = 0; j < d; ++j) dw[j] += pc[j];
   }
