@@ -106,6 +106,63 @@ void CausalSoftmaxBackwardRows(const T* p, T* ds, std::int64_t rows, std::int64_
 }
 
 template <typename T>
+void CausalHeadForward(const CausalHead<T>& h, T* out, std::int64_t out_stride, T* lse, CausalHeadScratch<T>& s) {
+  const std::int64_t block = std::min(h.seq, kAttentionQueryBlock);
+  s.p.resize(static_cast<std::size_t>(block * (h.first + h.seq)));
+  T* p = s.p.data();
+  for (std::int64_t i0 = 0; i0 < h.seq; i0 += kAttentionQueryBlock) {
+    const std::int64_t rows = std::min(kAttentionQueryBlock, h.seq - i0), keys = h.first + i0 + rows;
+    Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, h.qk_dim, h.scale, h.q + i0 * h.q_stride, h.q_stride, h.k, h.k_stride,
+            T(0), p, keys);
+    CausalSoftmaxRowsLse(p, rows, keys, h.first + i0, lse + i0);
+    Gemm<T>(Trans::kNo, Trans::kNo, rows, h.v_dim, keys, T(1), p, keys, h.v, h.v_stride, T(0), out + i0 * out_stride,
+            out_stride);
+  }
+}
+
+template <typename T>
+void CausalHeadBackward(const CausalHead<T>& h, const T* out, std::int64_t out_stride, const T* dout,
+                        std::int64_t dout_stride, const T* lse, const CausalHeadGrads<T>& g, CausalHeadScratch<T>& s) {
+  const std::int64_t block = std::min(h.seq, kAttentionQueryBlock);
+  s.p.resize(static_cast<std::size_t>(block * (h.first + h.seq)));
+  s.ds.resize(s.p.size());
+  s.dsum.resize(static_cast<std::size_t>(block));
+  T* p = s.p.data();
+  T* ds = s.ds.data();
+  for (std::int64_t i0 = 0; i0 < h.seq; i0 += kAttentionQueryBlock) {
+    const std::int64_t rows = std::min(kAttentionQueryBlock, h.seq - i0), keys = h.first + i0 + rows;
+    const T* q = h.q + i0 * h.q_stride;
+    const T* dc = dout + i0 * dout_stride;
+    const T* o = out + i0 * out_stride;
+    Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, h.qk_dim, h.scale, q, h.q_stride, h.k, h.k_stride, T(0), p, keys);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      T* pr = p + r * keys;
+      const std::int64_t last = h.first + i0 + r;
+      if constexpr (std::is_same_v<T, float>) {
+        ExpShiftSum(pr, last + 1, lse[i0 + r]);  // P = exp(S − lse); the sum is not needed
+      } else {
+        for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[i0 + r]);
+      }
+      std::fill(pr + last + 1, pr + keys, T(0));
+      T dot = 0;
+      for (std::int64_t e = 0; e < h.v_dim; ++e) dot += dc[r * dout_stride + e] * o[r * out_stride + e];
+      s.dsum[static_cast<std::size_t>(r)] = dot;
+    }
+    Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, h.v_dim, T(1), dc, dout_stride, h.v, h.v_stride, T(0), ds, keys);
+    Gemm<T>(Trans::kYes, Trans::kNo, keys, h.v_dim, rows, T(1), p, keys, dc, dout_stride, T(1), g.dv, g.dv_stride);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* pr = p + r * keys;
+      T* dr = ds + r * keys;
+      const T dsum = s.dsum[static_cast<std::size_t>(r)];
+      for (std::int64_t j = 0; j < keys; ++j) dr[j] = pr[j] * (dr[j] - dsum);
+    }
+    Gemm<T>(Trans::kNo, Trans::kNo, rows, h.qk_dim, keys, h.scale, ds, keys, h.k, h.k_stride, T(1),
+            g.dq + i0 * g.dq_stride, g.dq_stride);
+    Gemm<T>(Trans::kYes, Trans::kNo, keys, h.qk_dim, rows, h.scale, ds, keys, q, h.q_stride, T(1), g.dk, g.dk_stride);
+  }
+}
+
+template <typename T>
 Attention<T>::Attention(const AttentionShape& shape, ModelParallel* par)
     : s_(shape), par_(par != nullptr ? par : &SingleProcess()) {
   RS_CHECK(s_.n_heads > 0 && s_.n_kv_heads > 0 && s_.n_heads % s_.n_kv_heads == 0);
@@ -187,30 +244,22 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
     kv_stride = kvw;
     kv_batch = total * kvw;
   }
-  // By blocks of kQueryBlock queries: a block's scores are [rows, keys up to its last query's
-  // position] – never the keys the causal mask hides from the whole block, and never more than
-  // one block's scores per thread in memory; each row's log-sum-exp is kept for the backward
-  // pass. One task per (sequence, kv head): its query heads in order, on one thread.
-  const std::int64_t block = std::min(seq, kQueryBlock);
-  std::vector<std::vector<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
+  // One task per (sequence, kv head): its query heads one after another, on one thread, each
+  // by query blocks (CausalHeadForward: never more than one block's scores per thread).
+  std::vector<CausalHeadScratch<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
   ParallelGemmTasks(
       batch * nkv,
       [&](std::int64_t task, int worker) {
         const std::int64_t b = task / nkv, g = task % nkv;
-        std::vector<T>& p = scratch[static_cast<std::size_t>(worker)];
-        p.resize(static_cast<std::size_t>(block * total));
-        const T* base = qkv_.data() + b * seq * w;
-        const T* k = kv + b * kv_batch + g * dh;
-        const T* v = kv + b * kv_batch + (nkv + g) * dh;
+        CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
+        head.k = kv + b * kv_batch + g * dh;
+        head.v = kv + b * kv_batch + (nkv + g) * dh;
+        head.k_stride = head.v_stride = kv_stride;
+        head.q_stride = w;
         for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-          for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
-            const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
-            Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, base + i0 * w + h * dh, w, k, kv_stride, T(0),
-                    p.data(), keys);
-            CausalSoftmaxRowsLse(p.data(), rows, keys, first + i0, lse_.data() + (b * nq + h) * seq + i0);
-            Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, T(1), p.data(), keys, v, kv_stride, T(0),
-                    ctx_.data() + (b * seq + i0) * c + h * dh, c);
-          }
+          head.q = qkv_.data() + b * seq * w + h * dh;
+          CausalHeadForward(head, ctx_.data() + b * seq * c + h * dh, c, lse_.data() + (b * nq + h) * seq,
+                            scratch[static_cast<std::size_t>(worker)]);
         }
       },
       static_cast<int>(scratch.size()));
@@ -271,67 +320,30 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
     kv_stride = kvw;
     kv_batch = total * kvw;
   }
-  // By the forward pass's query blocks: the block's probabilities are recomputed from its
-  // scores and the kept log-sum-exp, P = exp(S − lse) (zero where the mask is); then
-  // dP = dO · Vᵀ, dS = P ⊙ (dP − D) with D = rowsum(dO ⊙ O) (= rowsum(P ⊙ dP)), and
-  // dQ += scale · dS · K, dK += scale · dSᵀ · Q, dV += Pᵀ · dO over the block's keys.
-  // One task per (sequence, kv head), as in the forward pass: the task owns its group's dK and
-  // dV and its heads' dQ, so tasks never write the same values and each sums in a fixed order.
-  const std::int64_t block = std::min(seq, kQueryBlock);
+  // One task per (sequence, kv head), as in the forward pass (CausalHeadBackward per query
+  // head): the task owns its group's dK and dV and its heads' dQ, so tasks never write the same
+  // values and each sums in a fixed order.
   const std::vector<T>& heads_out = s_.output_gate ? ungated_ : ctx_;  // O, each head's output
-  struct Scratch {
-    std::vector<T> p, ds, dsum;
-  };
-  std::vector<Scratch> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
+  std::vector<CausalHeadScratch<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
   ParallelGemmTasks(
       batch * nkv,
       [&](std::int64_t task, int worker) {
         const std::int64_t b = task / nkv, g = task % nkv;
-        Scratch& sc = scratch[static_cast<std::size_t>(worker)];
-        sc.p.resize(static_cast<std::size_t>(block * total));
-        sc.ds.resize(sc.p.size());
-        sc.dsum.resize(static_cast<std::size_t>(block));
-        T* p = sc.p.data();
-        T* ds = sc.ds.data();
-        const T* base = qkv_.data() + b * seq * w;
-        T* dbase = dqkv.data() + b * seq * w;
-        const T* k = kv + b * kv_batch + g * dh;
-        const T* v = kv + b * kv_batch + (nkv + g) * dh;
-        T* dk = dkv + b * kv_batch + g * dh;
-        T* dv = dkv + b * kv_batch + (nkv + g) * dh;
+        CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
+        head.k = kv + b * kv_batch + g * dh;
+        head.v = kv + b * kv_batch + (nkv + g) * dh;
+        head.k_stride = head.v_stride = kv_stride;
+        head.q_stride = w;
+        CausalHeadGrads<T> grads{.dk = dkv + b * kv_batch + g * dh, .dk_stride = kv_stride};
+        grads.dv = dkv + b * kv_batch + (nkv + g) * dh;
+        grads.dv_stride = kv_stride;
+        grads.dq_stride = w;
         for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-          for (std::int64_t i0 = 0; i0 < seq; i0 += kQueryBlock) {
-            const std::int64_t rows = std::min(kQueryBlock, seq - i0), keys = first + i0 + rows;
-            const T* q = base + i0 * w + h * dh;
-            const T* dc = dctx.data() + (b * seq + i0) * c + h * dh;
-            const T* o = heads_out.data() + (b * seq + i0) * c + h * dh;
-            const T* lse = lse_.data() + (b * nq + h) * seq + i0;
-            Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, scale, q, w, k, kv_stride, T(0), p, keys);
-            for (std::int64_t r = 0; r < rows; ++r) {
-              T* pr = p + r * keys;
-              const std::int64_t last = first + i0 + r;
-              if constexpr (std::is_same_v<T, float>) {
-                ExpShiftSum(pr, last + 1, lse[r]);  // P = exp(S − lse); the sum is not needed
-              } else {
-                for (std::int64_t j = 0; j <= last; ++j) pr[j] = std::exp(pr[j] - lse[r]);
-              }
-              std::fill(pr + last + 1, pr + keys, T(0));
-              T dot = 0;
-              for (std::int64_t e = 0; e < dh; ++e) dot += dc[r * c + e] * o[r * c + e];
-              sc.dsum[static_cast<std::size_t>(r)] = dot;
-            }
-            Gemm<T>(Trans::kNo, Trans::kYes, rows, keys, dh, T(1), dc, c, v, kv_stride, T(0), ds, keys);
-            Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, T(1), p, keys, dc, c, T(1), dv, kv_stride);
-            for (std::int64_t r = 0; r < rows; ++r) {
-              const T* pr = p + r * keys;
-              T* dr = ds + r * keys;
-              const T dsum = sc.dsum[static_cast<std::size_t>(r)];
-              for (std::int64_t j = 0; j < keys; ++j) dr[j] = pr[j] * (dr[j] - dsum);
-            }
-            Gemm<T>(Trans::kNo, Trans::kNo, rows, dh, keys, scale, ds, keys, k, kv_stride, T(1),
-                    dbase + i0 * w + h * dh, w);
-            Gemm<T>(Trans::kYes, Trans::kNo, keys, dh, rows, scale, ds, keys, q, w, T(1), dk, kv_stride);
-          }
+          head.q = qkv_.data() + b * seq * w + h * dh;
+          grads.dq = dqkv.data() + b * seq * w + h * dh;
+          const std::int64_t o = b * seq * c + h * dh;
+          CausalHeadBackward(head, heads_out.data() + o, c, dctx.data() + o, c, lse_.data() + (b * nq + h) * seq, grads,
+                             scratch[static_cast<std::size_t>(worker)]);
         }
       },
       static_cast<int>(scratch.size()));
@@ -366,7 +378,10 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   template void RopeTable<T>(std::int64_t, std::int64_t, double, std::vector<T>&, std::vector<T>&, const YarnParams&); \
   template void CausalSoftmaxRows<T>(T*, std::int64_t, std::int64_t, std::int64_t);                                    \
   template void CausalSoftmaxRowsLse<T>(T*, std::int64_t, std::int64_t, std::int64_t, T*);                             \
-  template void CausalSoftmaxBackwardRows<T>(const T*, T*, std::int64_t, std::int64_t, std::int64_t);
+  template void CausalSoftmaxBackwardRows<T>(const T*, T*, std::int64_t, std::int64_t, std::int64_t);                  \
+  template void CausalHeadForward<T>(const CausalHead<T>&, T*, std::int64_t, T*, CausalHeadScratch<T>&);               \
+  template void CausalHeadBackward<T>(const CausalHead<T>&, const T*, std::int64_t, const T*, std::int64_t, const T*,  \
+                                      const CausalHeadGrads<T>&, CausalHeadScratch<T>&);
 RS_ATTENTION_HELPERS(float)
 RS_ATTENTION_HELPERS(double)
 #undef RS_ATTENTION_HELPERS

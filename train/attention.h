@@ -55,14 +55,60 @@ void CausalSoftmaxRowsLse(T* p, std::int64_t rows, std::int64_t cols, std::int64
 template <typename T>
 void CausalSoftmaxBackwardRows(const T* p, T* ds, std::int64_t rows, std::int64_t cols, std::int64_t first);
 
+// Causal attention of one query head, by blocks of kAttentionQueryBlock queries: each block's
+// scores are computed against the keys up to its last query (what the causal mask leaves) and
+// only one block's scores exist at once, so the memory is linear in the sequence; each query's
+// log-sum-exp is kept, and the backward pass recomputes a block's probabilities from it. Both
+// grouped-query attention (Attention below: a kv head's query heads one after another) and
+// multi-latent attention (train/mla.h: every head its own keys and values, value heads of
+// another width) run their heads through these two functions.
+inline constexpr std::int64_t kAttentionQueryBlock = 64;
+
+template <typename T>
+struct CausalHead {
+  std::int64_t seq = 0;    // queries: rows of q, out, dout
+  std::int64_t first = 0;  // global position of query 0; the keys are positions 0 .. first + seq − 1
+  std::int64_t qk_dim = 0;
+  std::int64_t v_dim = 0;
+  T scale = T(1);  // scores = scale · q · kᵀ
+  const T* q = nullptr;
+  std::int64_t q_stride = 0;  // between consecutive rows (positions)
+  const T* k = nullptr;
+  std::int64_t k_stride = 0;
+  const T* v = nullptr;
+  std::int64_t v_stride = 0;
+};
+template <typename T>
+struct CausalHeadGrads {  // accumulated into (+=)
+  T* dq = nullptr;
+  std::int64_t dq_stride = 0;
+  T* dk = nullptr;
+  std::int64_t dk_stride = 0;
+  T* dv = nullptr;
+  std::int64_t dv_stride = 0;
+};
+// Per-thread working memory of the two functions (one block's scores; kept between calls).
+template <typename T>
+struct CausalHeadScratch {
+  std::vector<T> p, ds, dsum;
+};
+
+// Writes out [seq, v_dim] (rows out_stride apart) and lse [seq].
+template <typename T>
+void CausalHeadForward(const CausalHead<T>& h, T* out, std::int64_t out_stride, T* lse, CausalHeadScratch<T>& s);
+// From the forward pass's out and lse and the output gradient dout: P = exp(S − lse) per block,
+// dP = dO · Vᵀ, dS = P ⊙ (dP − D) with D = rowsum(dO ⊙ O), and dQ += scale · dS · K,
+// dK += scale · dSᵀ · Q, dV += Pᵀ · dO over the block's keys.
+template <typename T>
+void CausalHeadBackward(const CausalHead<T>& h, const T* out, std::int64_t out_stride, const T* dout,
+                        std::int64_t dout_stride, const T* lse, const CausalHeadGrads<T>& g, CausalHeadScratch<T>& s);
+
 template <typename T>
 class Attention {
  public:
-  // Scores are computed kQueryBlock queries at a time, each block against the keys up to its
-  // last query (what the causal mask leaves), and only a block's scores exist at once: the
-  // memory is linear in the sequence (the per-row log-sum-exp is kept; the backward pass
-  // recomputes a block's probabilities from it), and the products skip most of the masked half.
-  static constexpr std::int64_t kQueryBlock = 64;
+  // Heads run through CausalHeadForward / CausalHeadBackward (above): blocks of
+  // kAttentionQueryBlock queries, memory linear in the sequence.
+  static constexpr std::int64_t kQueryBlock = kAttentionQueryBlock;
 
   // With context parallelism (`par->cp` of P ranks) a rank holds positions [r·seq, (r+1)·seq)
   // of each sequence: its queries attend to the keys and values of all P·seq positions, which

@@ -30,6 +30,23 @@ void LatentAttention<T>::Rope(T* x, std::int64_t heads, std::int64_t stride, std
 }
 
 template <typename T>
+CausalHead<T> LatentAttention<T>::Head(std::int64_t b, std::int64_t j) const {
+  const std::int64_t h = s_.n_heads, dh = s_.head_dim, dn = s_.nope_dim(), dv = s_.v_dim;
+  const std::int64_t total = par_->cp_size() * seq_, qw = h * dh, kvw = h * (dn + dv);
+  return CausalHead<T>{.seq = seq_,
+                       .first = par_->cp_rank() * seq_,
+                       .qk_dim = dh,
+                       .v_dim = dv,
+                       .scale = static_cast<T>(s_.yarn.SoftmaxFactor() / std::sqrt(static_cast<double>(dh))),
+                       .q = q_.data() + b * seq_ * qw + j * dh,
+                       .q_stride = qw,
+                       .k = k_.data() + b * total * qw + j * dh,
+                       .k_stride = qw,
+                       .v = kvb_.data() + b * total * kvw + j * (dn + dv) + dn,
+                       .v_stride = kvw};
+}
+
+template <typename T>
 void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, const MlaWeights<T>& w, T* y) {
   RS_CHECK((s_.q_rank > 0) == (w.q_a != nullptr && w.q_a_norm != nullptr && w.q_b != nullptr));
   RS_CHECK((s_.q_rank > 0) != (w.q != nullptr));
@@ -100,21 +117,21 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
       std::copy_n(kv_in_.data() + r * cw + rkv, dr, kj + dn);
     }
   }
-  probs_.resize(sz(batch * h * seq * total));
+  lse_.resize(sz(batch * h * seq));
   ctx_.resize(sz(n * c));
-  const T scale = static_cast<T>(s_.yarn.SoftmaxFactor() / std::sqrt(static_cast<double>(dh)));
-  // One task per (sequence, head): every head has its own keys and values after kv_b.
-  ParallelGemmTasks(batch * h, [&](std::int64_t task, int) {
-    const std::int64_t b = task / h, j = task % h;
-    T* p = probs_.data() + (b * h + j) * seq * total;
-    const T* qj = q_.data() + b * seq * qw + j * dh;
-    const T* kj = k_.data() + b * total * qw + j * dh;
-    const T* vj = kvb_.data() + b * total * kvw + j * (dn + dv) + dn;
-    Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dh, scale, qj, qw, kj, qw, T(0), p, total);
-    CausalSoftmaxRows(p, seq, total, first);
-    Gemm<T>(Trans::kNo, Trans::kNo, seq, dv, total, T(1), p, total, vj, kvw, T(0), ctx_.data() + b * seq * c + j * dv,
-            c);
-  });
+  // One task per (sequence, head): every head has its own keys and values after kv_b. Each runs
+  // by query blocks (CausalHeadForward): one block's scores per thread, each query's
+  // log-sum-exp kept for the backward pass.
+  std::vector<CausalHeadScratch<T>> scratch(sz(GemmTaskThreads(batch * h)));
+  ParallelGemmTasks(
+      batch * h,
+      [&](std::int64_t task, int worker) {
+        const std::int64_t b = task / h, j = task % h;
+        const CausalHead<T> head = Head(b, j);
+        CausalHeadForward(head, ctx_.data() + b * seq * c + j * dv, c, lse_.data() + (b * h + j) * seq,
+                          scratch[sz(worker)]);
+      },
+      static_cast<int>(scratch.size()));
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, c, T(1), ctx_.data(), c, w.out, c, T(0), y, d);
 }
 
@@ -127,7 +144,6 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
   const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
   const std::int64_t n = batch * seq, nk = batch * total, qw = h * dh, kvw = h * (dn + dv), cw = rkv + dr, c = h * dv;
   const auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  const T scale = static_cast<T>(s_.yarn.SoftmaxFactor() / std::sqrt(static_cast<double>(dh)));
 
   std::vector<T> dctx(sz(n * c));
   Gemm<T>(Trans::kNo, Trans::kNo, n, c, d, T(1), dy, d, w.out, c, T(0), dctx.data(), c);
@@ -135,25 +151,22 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
 
   std::vector<T> dq(sz(n * qw), T(0)), dk(sz(nk * qw), T(0)), dkvb(sz(nk * kvw), T(0));
   // One task per (sequence, head), as forward: a head's dQ, dK and dV columns are its own.
-  std::vector<std::vector<T>> scratch(sz(GemmTaskThreads(batch * h)));
+  std::vector<CausalHeadScratch<T>> scratch(sz(GemmTaskThreads(batch * h)));
   ParallelGemmTasks(
       batch * h,
       [&](std::int64_t task, int worker) {
         const std::int64_t b = task / h, j = task % h;
-        std::vector<T>& ds = scratch[sz(worker)];
-        ds.resize(sz(seq * total));
-        const T* p = probs_.data() + (b * h + j) * seq * total;
-        const T* dc = dctx.data() + b * seq * c + j * dv;
+        const CausalHead<T> head = Head(b, j);
         const std::int64_t qo = b * seq * qw + j * dh, ko = b * total * qw + j * dh;
-        const std::int64_t vo = b * total * kvw + j * (dn + dv) + dn;
-        // dP = dctx · Vᵀ, dV = Pᵀ · dctx, then through the softmax, then dQ and dK.
-        Gemm<T>(Trans::kNo, Trans::kYes, seq, total, dv, T(1), dc, c, kvb_.data() + vo, kvw, T(0), ds.data(), total);
-        Gemm<T>(Trans::kYes, Trans::kNo, total, dv, seq, T(1), p, total, dc, c, T(1), dkvb.data() + vo, kvw);
-        CausalSoftmaxBackwardRows(p, ds.data(), seq, total, first);
-        Gemm<T>(Trans::kNo, Trans::kNo, seq, dh, total, scale, ds.data(), total, k_.data() + ko, qw, T(1),
-                dq.data() + qo, qw);
-        Gemm<T>(Trans::kYes, Trans::kNo, total, dh, seq, scale, ds.data(), total, q_.data() + qo, qw, T(1),
-                dk.data() + ko, qw);
+        const CausalHeadGrads<T> grads{.dq = dq.data() + qo,
+                                       .dq_stride = qw,
+                                       .dk = dk.data() + ko,
+                                       .dk_stride = qw,
+                                       .dv = dkvb.data() + b * total * kvw + j * (dn + dv) + dn,
+                                       .dv_stride = kvw};
+        const std::int64_t co = b * seq * c + j * dv;
+        CausalHeadBackward(head, ctx_.data() + co, c, dctx.data() + co, c, lse_.data() + (b * h + j) * seq, grads,
+                           scratch[sz(worker)]);
       },
       static_cast<int>(scratch.size()));
   // Each key head's nope part goes back to its kv_b rows; every head's rotary part to the one

@@ -74,6 +74,8 @@ class LatentAttention {
 
  private:
   void Rope(T* x, std::int64_t heads, std::int64_t stride, std::int64_t pos, RopeDirection dir) const;
+  // Sequence b's head j: its queries, keys and values in q_, k_ and kvb_.
+  CausalHead<T> Head(std::int64_t b, std::int64_t j) const;
 
   MlaShape s_;
   ModelParallel* par_;
@@ -87,7 +89,7 @@ class LatentAttention {
   std::vector<T> kv_in_;              // [batch, P·seq, kv_rank + rope_dim]: normed latent, rotated key
   std::vector<T> k_;                  // [batch·P·seq, H·head_dim]: per head [k nope | rotary key]
   std::vector<T> kvb_;                // [batch·P·seq, H·(nope + v_dim)]: per head [k nope | v]
-  std::vector<T> probs_;              // [batch, H, seq, P·seq]
+  std::vector<T> lse_;                // [batch, H, seq] each query's log-sum-exp
   std::vector<T> ctx_;                // [N, H·v_dim]
 };
 

@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -160,6 +162,114 @@ TEST(MlaTest, IsCausalAndRotaryPositionsMatter) {
   EXPECT_GT(spread, 1e-6);
   // Position 0 attends to itself only, where every rotation is the identity.
   for (std::int64_t j = 0; j < s.d_model; ++j) EXPECT_NEAR(y0[j], y1[j], 1e-12);
+}
+
+// MLA written out with every head's full S×S scores (the form before query blocks), from the
+// formulas: q = x·Wqᵀ, [latent | rotary key] = x·Wkv_aᵀ, the latent RMS-normed, per head
+// k = [kv_b's nope rows · latent | the one rotated key], v = kv_b's value rows · latent,
+// causal softmax(q·kᵀ / √dh)·v, then the output projection. Half-split rotary pairs, no
+// bottleneck, one sequence.
+std::vector<double> FullScoresMla(const MlaShape& s, const Weights& w, const std::vector<double>& x, std::int64_t seq) {
+  const std::int64_t d = s.d_model, H = s.n_heads, dh = s.head_dim, dr = s.rope_dim, dn = s.nope_dim();
+  const std::int64_t dv = s.v_dim, rkv = s.kv_rank, cw = rkv + dr, half = dr / 2;
+  std::vector<double> cos, sin;
+  RopeTable(seq, dr, s.rope_theta, cos, sin);
+  auto matvec = [](const double* m, std::int64_t rows, std::int64_t cols, const double* v, double* out) {
+    for (std::int64_t i = 0; i < rows; ++i) {
+      double acc = 0;
+      for (std::int64_t j = 0; j < cols; ++j) acc += m[i * cols + j] * v[j];
+      out[i] = acc;
+    }
+  };
+  std::vector<double> q(seq * H * dh), k(seq * H * dh), v(seq * H * dv), ckv(cw), latn(rkv), kvb(H * (dn + dv));
+  for (std::int64_t p = 0; p < seq; ++p) {
+    const double* xp = x.data() + p * d;
+    matvec(w.q.data(), H * dh, d, xp, q.data() + p * H * dh);
+    for (std::int64_t h = 0; h < H; ++h) {
+      ApplyRope(q.data() + p * H * dh + h * dh + dn, 1, dr, cos.data() + p * half, sin.data() + p * half,
+                RopeDirection::kForward);
+    }
+    matvec(w.kv_a.data(), cw, d, xp, ckv.data());
+    double ms = 0;
+    for (std::int64_t i = 0; i < rkv; ++i) ms += ckv[i] * ckv[i];
+    const double rstd = 1.0 / std::sqrt(ms / static_cast<double>(rkv) + s.norm_eps);
+    for (std::int64_t i = 0; i < rkv; ++i) latn[i] = ckv[i] * rstd * w.kv_a_norm[i];
+    ApplyRope(ckv.data() + rkv, 1, dr, cos.data() + p * half, sin.data() + p * half, RopeDirection::kForward);
+    matvec(w.kv_b.data(), H * (dn + dv), rkv, latn.data(), kvb.data());
+    for (std::int64_t h = 0; h < H; ++h) {
+      double* kh = k.data() + p * H * dh + h * dh;
+      std::copy_n(kvb.data() + h * (dn + dv), dn, kh);
+      std::copy_n(ckv.data() + rkv, dr, kh + dn);
+      std::copy_n(kvb.data() + h * (dn + dv) + dn, dv, v.data() + p * H * dv + h * dv);
+    }
+  }
+  std::vector<double> ctx(seq * H * dv, 0.0), scores(seq * seq), y(seq * d);
+  for (std::int64_t h = 0; h < H; ++h) {
+    for (std::int64_t i = 0; i < seq; ++i) {
+      double mx = -1e300;
+      for (std::int64_t j = 0; j <= i; ++j) {
+        double dot = 0;
+        for (std::int64_t e = 0; e < dh; ++e) dot += q[i * H * dh + h * dh + e] * k[j * H * dh + h * dh + e];
+        scores[i * seq + j] = dot / std::sqrt(static_cast<double>(dh));
+        mx = std::max(mx, scores[i * seq + j]);
+      }
+      double sum = 0;
+      for (std::int64_t j = 0; j <= i; ++j) sum += (scores[i * seq + j] = std::exp(scores[i * seq + j] - mx));
+      for (std::int64_t j = 0; j <= i; ++j) {
+        for (std::int64_t e = 0; e < dv; ++e)
+          ctx[i * H * dv + h * dv + e] += scores[i * seq + j] / sum * v[j * H * dv + h * dv + e];
+      }
+    }
+  }
+  for (std::int64_t p = 0; p < seq; ++p) matvec(w.out.data(), d, H * dv, ctx.data() + p * H * dv, y.data() + p * d);
+  return y;
+}
+
+// Longer than one query block (kAttentionQueryBlock = 64): three blocks, the last partial, each
+// against the keys up to its last query – against the full-scores reference, gradients against
+// central differences, and float against float64.
+TEST(MlaTest, QueryBlocksMatchAFullScoresReference) {
+  static_assert(kAttentionQueryBlock == 64);
+  const MlaShape s = Shape(0, false);
+  const std::int64_t seq = 150, d = s.d_model;
+  Weights w(s, 70);
+  auto x = RandomVector(seq * d, 71);
+  const auto r = RandomVector(seq * d, 72);
+  LatentAttention<double> mla(s);
+  std::vector<double> y(seq * d);
+  mla.Forward(x.data(), 1, seq, w.View(), y.data());
+  const std::vector<double> ref = FullScoresMla(s, w, x, seq);
+  for (std::size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], ref[i], 1e-12 * (1 + std::abs(ref[i]))) << i;
+
+  auto loss = [&] {
+    mla.Forward(x.data(), 1, seq, w.View(), y.data());
+    return Dot(y, r);
+  };
+  loss();
+  Grads g(w);
+  std::vector<double> dx(x.size());
+  mla.Backward(r.data(), w.View(), dx.data(), g.View());
+  ExpectGradMatches("mla.blocks.x", x, dx, loss);
+  ExpectGradMatches("mla.blocks.q", w.q, g.q, loss);
+  ExpectGradMatches("mla.blocks.kv_a", w.kv_a, g.kv_a, loss);
+  ExpectGradMatches("mla.blocks.kv_b", w.kv_b, g.kv_b, loss);
+
+  // float (the vectorised exps) against float64 through the same blocks.
+  auto f = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  const std::vector<float> q = f(w.q), kv_a = f(w.kv_a), kv_a_norm = f(w.kv_a_norm), kv_b = f(w.kv_b), out = f(w.out),
+                           xf = f(x);
+  MlaWeights<float> wf;
+  wf.q = q.data();
+  wf.kv_a = kv_a.data();
+  wf.kv_a_norm = kv_a_norm.data();
+  wf.kv_b = kv_b.data();
+  wf.out = out.data();
+  LatentAttention<float> mla_f(s);
+  std::vector<float> yf(seq * d);
+  mla_f.Forward(xf.data(), 1, seq, wf, yf.data());
+  double scale = 0;
+  for (const double v : ref) scale = std::max(scale, std::abs(v));
+  for (std::size_t i = 0; i < yf.size(); ++i) EXPECT_NEAR(yf[i], ref[i], 2e-5 * scale) << i;
 }
 
 // Rows [h0·u, h1·u) of a per-head tensor with u rows per head.
