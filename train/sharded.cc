@@ -366,7 +366,9 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
     // group's tensors are one segment of the owned vectors, in model order. Where neither
     // group has more than one rank, all tensors are one segment in model order: the owned
     // vectors are then the model's own item for item where nothing else is cut or left out
-    // (SameLayoutAsModel).
+    // (SameLayoutAsModel). There a buffer (the expert bias: not trained, so not owned) keeps
+    // its place as a gap of untouched items – the optimizer has no segment there, so no item of
+    // it is read or written – and the owned vectors stay the model's item for item.
     const bool any_group = fsdp > 1 || (cp_by_ep && ep > 1);
     for (const bool experts : {false, true}) {
       BoxGroup g;
@@ -376,6 +378,10 @@ Result<std::unique_ptr<ShardedState>> ShardedState::Create(const ModelConfig& mo
       for (std::size_t i = 0; i < params.size(); ++i) {
         Tensor& t = s->tensors_[i];
         const bool in_group = any_group ? params[i].expert == experts : !experts;
+        if (!any_group && in_group && params[i].role == TensorRole::kBuffer && t.on_stage && t.placement) {
+          owned += t.placement->buffer_numel();  // a gap
+          continue;
+        }
         if (params[i].role != TensorRole::kParameter || !in_group || !t.on_stage) continue;
         t.owned = owned;
         owned += t.placement->buffer_numel();
@@ -983,6 +989,7 @@ bool ShardedState::SameLayoutAsModel(const Transformer<float>& model) const {
   }
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const Tensor& t = tensors_[i];
+    if (t.on_stage && t.owned < 0 && map_->tensors()[t.ckpt].role == TensorRole::kBuffer) continue;  // a gap
     if (!t.on_stage || t.box_group >= 0 || t.owned != model.offset(i)) return false;
     std::int64_t covered = 0;
     for (const CopyRun& r : t.self) {
@@ -996,8 +1003,10 @@ bool ShardedState::SameLayoutAsModel(const Transformer<float>& model) const {
 
 Status ShardedState::GatherParameters(ProcessGroups& groups, Transformer<float>& model) {
   std::span<float> params = model.params();
-  if (model_layout_.value_or(false)) {
-    ParallelCopy(master_, params);
+  if (model_layout_.value_or(false)) {  // the parameters' items; a buffer's gap is the model's own
+    for (const auto& [begin, end] : param_runs_) {
+      ParallelCopy(std::span<const float>(master_).subspan(begin, end - begin), params.subspan(begin, end - begin));
+    }
     return Status::Ok();
   }
   if (plan_ != nullptr) {  // flat: one all-gather per bucket
@@ -1097,7 +1106,19 @@ Status ShardedState::ReduceGradients(ProcessGroups& groups, Transformer<float>& 
   }
   if (!model_layout_) {
     model_layout_ = SameLayoutAsModel(model);
-    if (*model_layout_) grad_ = std::vector<float>();  // never used: the model's gradient is read
+    if (*model_layout_) {
+      grad_ = std::vector<float>();  // never used: the model's gradient is read
+      for (std::size_t i = 0; i < tensors_.size(); ++i) {
+        if (tensors_[i].owned < 0) continue;  // a buffer
+        const auto begin = static_cast<std::size_t>(tensors_[i].owned),
+                   end = begin + static_cast<std::size_t>(model.numel(i));
+        if (!param_runs_.empty() && param_runs_.back().second == begin) {
+          param_runs_.back().second = end;
+        } else {
+          param_runs_.emplace_back(begin, end);
+        }
+      }
+    }
   }
   if (*model_layout_) {
     model_grads_ = grads;         // the owned gradient is the model's: no copy (dp's sum below)

@@ -308,9 +308,13 @@ class ShardedState {
   // for item: every tensor trained, owned whole at its model offset): the optimizer reads the
   // model's gradient where it is (`model_grads_`, grad_ freed) and the parameters are one
   // parallel copy of the master weights – the per-tensor copies took 7 % of a small-moe step.
-  // Decided at the first ReduceGradients (SameLayoutAsModel).
+  // Decided at the first ReduceGradients (SameLayoutAsModel). A buffer (the expert bias) is a
+  // gap in the owned vectors at its model offset: no optimizer segment covers it, and the copy
+  // covers only `param_runs_` ([begin, end) of the parameters' items, merged where adjacent),
+  // so the model's buffer is never overwritten.
   bool SameLayoutAsModel(const Transformer<float>& model) const;
   std::optional<bool> model_layout_;
+  std::vector<std::pair<std::size_t, std::size_t>> param_runs_;
   std::span<float> model_grads_;
   std::unique_ptr<AdamW> opt_;
   ModelConfig config_;

@@ -89,14 +89,47 @@ TEST(OwnedLayout, OneProcessReadsTheModelsGradientInPlace) {
   EXPECT_TRUE(std::equal(p.begin(), p.end(), m.begin(), m.end()));
 }
 
-TEST(OwnedLayout, ModelWithBuffersCopiesTheGradient) {
+// A model with buffers (the expert bias, which follows the loads, not the optimizer): the bias
+// is a gap in the owned vectors at its model offset, so the gradient is still read in place –
+// and the parameter copy must leave the bias to the model: a copy over the gap would reset it
+// to the master vector's untouched zeros every step.
+TEST(OwnedLayout, ModelWithBuffersReadsInPlaceAndKeepsTheBias) {
   auto t = MakeTrainer(/*with_buffers=*/true);
   const std::span<float> master = t->state().master();
   const std::vector<float> before(master.begin(), master.end());
   ASSERT_TRUE(t->Step().ok());
-  EXPECT_NE(t->state().grads().data(), t->model().grads().data());
-  EXPECT_LT(t->state().master().size(), t->model().params().size());  // the bias is not trained
+  EXPECT_EQ(t->state().grads().data(), t->model().grads().data());
+  ASSERT_EQ(t->state().master().size(), t->model().params().size());  // the bias: a gap, not trained
+  std::int64_t bias_items = 0;
+  for (std::size_t i = 0; i < t->model().specs().size(); ++i) {
+    if (t->model().specs()[i].role != TensorRole::kBuffer) continue;
+    EXPECT_TRUE(t->state().Owned(t->state().master(), i).empty()) << t->model().specs()[i].name;
+    bias_items += t->model().numel(i);
+  }
+  ASSERT_GT(bias_items, 0);
   ExpectFirstStepIsAdamW(*t, before);
+  // Two more steps: the biases moved (u · sign per step) and the copy of the master weights
+  // into the parameters kept them; every other item is the master weight.
+  ASSERT_TRUE(t->Step().ok());
+  ASSERT_TRUE(t->Step().ok());
+  const Transformer<float>& model = t->model();
+  const std::vector<float> params_before(model.params().begin(), model.params().end());
+  ASSERT_TRUE(t->state().GatherParameters(t->groups(), t->model()).ok());
+  double moved = 0;
+  for (std::size_t i = 0; i < model.specs().size(); ++i) {
+    const auto at = static_cast<std::size_t>(model.offset(i)), n = static_cast<std::size_t>(model.numel(i));
+    const std::span<const float> p = model.params().subspan(at, n);
+    if (model.specs()[i].role == TensorRole::kBuffer) {
+      for (std::size_t k = 0; k < n; ++k) {
+        EXPECT_EQ(p[k], params_before[at + k]) << model.specs()[i].name << " item " << k;
+        moved += std::abs(static_cast<double>(p[k]));
+      }
+    } else {
+      const std::span<const float> m = t->state().Owned(t->state().master(), i);
+      EXPECT_TRUE(std::equal(p.begin(), p.end(), m.begin(), m.end())) << model.specs()[i].name;
+    }
+  }
+  EXPECT_GT(moved, 0.0);  // the biases are not all still zero
 }
 
 }  // namespace
