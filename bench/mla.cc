@@ -11,6 +11,8 @@
 // thread holds one block's scores, 64 × seq floats, and each query's log-sum-exp is kept – the
 // form before held every head's full probabilities, heads × seq × seq floats, from the forward
 // pass to the backward pass. To compare with another build, build this file there.
+#include "train/mla.h"
+
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -19,7 +21,6 @@
 
 #include "bench/train_bench_util.h"
 #include "train/gemm.h"
-#include "train/mla.h"
 #include "train/rng.h"
 
 int main(int argc, char** argv) {
@@ -50,10 +51,10 @@ int main(int argc, char** argv) {
   std::vector<float> kv_a = random(cw * d, 0.05), kv_b = random(kvw * s.kv_rank, 0.05);
   std::vector<float> out = random(d * h * s.v_dim, 0.05), q_norm(static_cast<std::size_t>(s.q_rank), 1.f),
                      kv_norm(static_cast<std::size_t>(s.kv_rank), 1.f);
-  const rs::train::MlaWeights<float> w{q_a.data(),  q_norm.data(), q_b.data(),  nullptr,
+  const rs::train::MlaWeights<float> w{q_a.data(),  q_norm.data(),  q_b.data(),  nullptr,
                                        kv_a.data(), kv_norm.data(), kv_b.data(), out.data()};
-  std::vector<float> g_q_a(q_a.size()), g_q_b(q_b.size()), g_kv_a(kv_a.size()), g_kv_b(kv_b.size()),
-      g_out(out.size()), g_q_norm(q_norm.size()), g_kv_norm(kv_norm.size());
+  std::vector<float> g_q_a(q_a.size()), g_q_b(q_b.size()), g_kv_a(kv_a.size()), g_kv_b(kv_b.size()), g_out(out.size()),
+      g_q_norm(q_norm.size()), g_kv_norm(kv_norm.size());
   const rs::train::MlaGrads<float> g{g_q_a.data(),  g_q_norm.data(),  g_q_b.data(),  nullptr,
                                      g_kv_a.data(), g_kv_norm.data(), g_kv_b.data(), g_out.data()};
   std::printf("threads %d; d %lld, %lld heads of %lld (%lld rotary), values %lld, q rank %lld, kv rank %lld\n",
