@@ -2,7 +2,8 @@
 // UT-transform, chunk 64) against the token-by-token recurrence in the same run, at sequence
 // lengths 256, 1024 and 4096 (or those given): tokens/s of each form, their ratio, and how each
 // one's time grows with the sequence (both are linear in it; the chunked form turns the work into
-// matrix products of chunk x head-dim size).
+// matrix products of chunk x head-dim size). Both on one thread; then the chunked form again on
+// the compute threads (OPENBLAS_NUM_THREADS, else the cores), its heads as tasks.
 //
 //   bench_gdn [reps] [dk] [seq...]   defaults: 3 128 256 1024 4096
 #include "train/gdn.h"
@@ -62,19 +63,22 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> seqs;
   for (int i = 3; i < argc; ++i) seqs.push_back(args.Int(i, "seq", 0));
   if (seqs.empty()) seqs = {256, 1024, 4096};
-  rs::train::SetBlasThreads(1);
+  const int threads = rs::train::BlasThreads();
   std::printf("gated delta rule fwd+bwd, batch 1, 2 key / 4 value heads, dk = dv = %lld, 1 thread, best of %d\n",
               static_cast<long long>(dim), reps);
-  std::printf("%8s %14s %14s %9s %14s %14s\n", "seq", "chunked tok/s", "recur. tok/s", "ratio", "chunked x/seq",
-              "recur. x/seq");
+  std::printf("%8s %14s %14s %9s %14s %14s %17s\n", "seq", "chunked tok/s", "recur. tok/s", "ratio", "chunked x/seq",
+              "recur. x/seq", "chunked, N thr.");
   double prev_c = 0, prev_r = 0;
   std::int64_t prev_seq = 0;
   for (const std::int64_t seq : seqs) {
     const DeltaRuleShape s{1, seq, 2, 4, dim, dim};
     Inputs in(s);
     DeltaRule<float> chunked(DeltaRuleForm::kChunked, 64), recurrent(DeltaRuleForm::kRecurrent);
+    rs::train::SetBlasThreads(1);
     const double c = rs::bench::BestSeconds(reps, [&] { in.Run(chunked, s); });
     const double r = rs::bench::BestSeconds(reps, [&] { in.Run(recurrent, s); });
+    rs::train::SetBlasThreads(threads);
+    const double cn = rs::bench::BestSeconds(reps, [&] { in.Run(chunked, s); });
     const double tokens = static_cast<double>(seq);
     char grow_c[32] = "-", grow_r[32] = "-";
     if (prev_seq > 0) {
@@ -83,11 +87,12 @@ int main(int argc, char** argv) {
       std::snprintf(grow_c, sizeof grow_c, "%.2f", c / prev_c / f);
       std::snprintf(grow_r, sizeof grow_r, "%.2f", r / prev_r / f);
     }
-    std::printf("%8lld %14.0f %14.0f %8.2fx %14s %14s\n", static_cast<long long>(seq), tokens / c, tokens / r, r / c,
-                grow_c, grow_r);
+    std::printf("%8lld %14.0f %14.0f %8.2fx %14s %14s %9.0f (%.2fx)\n", static_cast<long long>(seq), tokens / c,
+                tokens / r, r / c, grow_c, grow_r, tokens / cn, c / cn);
     prev_c = c;
     prev_r = r;
     prev_seq = seq;
   }
+  std::printf("N = %d compute threads\n", threads);
   return 0;
 }

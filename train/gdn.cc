@@ -146,19 +146,19 @@ void DeltaRule<T>::Forward(const DeltaRuleShape& shape, const T* q, const T* k, 
   } else {
     initial_.assign(Sz(s_.batch * s_.nv * state), T(0));
   }
-  std::vector<T> st(Sz(state));
-  for (std::int64_t b = 0; b < s_.batch; ++b) {
-    for (std::int64_t h = 0; h < s_.nv; ++h) {
-      T* oh = o + (b * s_.nv + h) * s_.seq * s_.dv;
-      std::copy_n(initial_.data() + (b * s_.nv + h) * state, state, st.data());
-      if (form_ == DeltaRuleForm::kChunked) {
-        ChunkForward(b, h, oh, st.data());
-      } else {
-        RecurrentForward(b, h, oh, st.data());
-      }
-      if (final != nullptr) std::copy(st.begin(), st.end(), final + (b * s_.nv + h) * state);
+  // One task per (sequence, value head): each writes only its own output rows, kept states and
+  // final state, so the result is the same on any number of threads.
+  ParallelGemmTasks(s_.batch * s_.nv, [&](std::int64_t task, int) {
+    const std::int64_t b = task / s_.nv, h = task % s_.nv;
+    std::vector<T> st(initial_.begin() + task * state, initial_.begin() + (task + 1) * state);
+    T* oh = o + task * s_.seq * s_.dv;
+    if (form_ == DeltaRuleForm::kChunked) {
+      ChunkForward(b, h, oh, st.data());
+    } else {
+      RecurrentForward(b, h, oh, st.data());
     }
-  }
+    if (final != nullptr) std::copy(st.begin(), st.end(), final + task * state);
+  });
 }
 
 template <typename T>
@@ -166,11 +166,14 @@ void DeltaRule<T>::Backward(const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta, 
   RS_CHECK_MSG(q_ != nullptr, "DeltaRule::Backward before Forward");
   std::fill_n(dq, s_.batch * s_.nk * s_.seq * s_.dk, T(0));
   std::fill_n(dk, s_.batch * s_.nk * s_.seq * s_.dk, T(0));
-  const std::int64_t state = s_.dk * s_.dv;
-  std::vector<T> ds(Sz(state));
-  for (std::int64_t b = 0; b < s_.batch; ++b) {
-    for (std::int64_t h = 0; h < s_.nv; ++h) {
-      const std::int64_t kh = (b * s_.nk + h / (s_.nv / s_.nk)) * s_.seq * s_.dk;
+  const std::int64_t state = s_.dk * s_.dv, group = s_.nv / s_.nk;
+  // One task per (sequence, key head): its value heads one after another, in order – they all
+  // add into the key head's dq and dk, which the task owns – so every sum runs in the serial
+  // order and the result is the same on any number of threads.
+  ParallelGemmTasks(s_.batch * s_.nk, [&](std::int64_t task, int) {
+    const std::int64_t b = task / s_.nk, kh = task * s_.seq * s_.dk;
+    std::vector<T> ds(Sz(state));
+    for (std::int64_t h = task % s_.nk * group; h < (task % s_.nk + 1) * group; ++h) {
       const std::int64_t vh = (b * s_.nv + h) * s_.seq;
       if (d_final != nullptr) {
         std::copy_n(d_final + (b * s_.nv + h) * state, state, ds.data());
@@ -184,7 +187,7 @@ void DeltaRule<T>::Backward(const T* d_o, T* dq, T* dk, T* dv, T* dg, T* dbeta, 
       }
       if (d_initial != nullptr) std::copy(ds.begin(), ds.end(), d_initial + (b * s_.nv + h) * state);
     }
-  }
+  });
 }
 
 template <typename T>

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
+#include "train/gemm.h"
 
 namespace rs::train {
 namespace {
@@ -186,6 +187,35 @@ TEST(DeltaRuleTest, ChunkSizeDoesNotChangeTheResult) {
   DeltaRule<double> one(DeltaRuleForm::kChunked, 1), whole(DeltaRuleForm::kChunked, 64);
   const auto a = in.Run(one), b = in.Run(whole);
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-12) << i;
+}
+
+// Heads run as tasks on the compute threads (forward: one per sequence and value head;
+// backward: one per sequence and key head, its value heads in order since they all add into
+// its dq and dk): the same bits as one after another, both forms, with an initial state and a
+// final-state gradient so every input and output of the rule is compared.
+TEST(DeltaRuleTest, HeadsAsTasksEqualThemOneAfterAnother) {
+  SetBlasThreads(2);
+  for (const DeltaRuleForm form : {DeltaRuleForm::kRecurrent, DeltaRuleForm::kChunked}) {
+    const RuleInputs in(DeltaRuleShape{3, 9, 2, 4, 3, 4}, 400);
+    const std::int64_t states = in.s.batch * in.s.nv * in.s.dk * in.s.dv;
+    const auto initial = RandomVector(states, 401, 0.3), d_final = RandomVector(states, 402);
+    const auto d_o = RandomVector(in.v.size(), 403);
+    auto run = [&](int cap) {
+      SetGemmTaskWorkerCap(cap);
+      DeltaRule<double> rule(form, 4);
+      std::vector<double> o(in.v.size()), final(states), dq(in.q.size()), dk(in.k.size()), dv(in.v.size()),
+          dg(in.g.size()), dbeta(in.beta.size()), d_initial(states);
+      rule.Forward(in.s, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), o.data(), initial.data(),
+                   final.data());
+      rule.Backward(d_o.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), d_final.data(),
+                    d_initial.data());
+      SetGemmTaskWorkerCap(0);
+      return std::vector<std::vector<double>>{o, final, dq, dk, dv, dg, dbeta, d_initial};
+    };
+    ASSERT_EQ(GemmTaskThreads(in.s.batch * in.s.nk), 2);
+    const auto one = run(1), tasks = run(0);
+    for (std::size_t i = 0; i < one.size(); ++i) EXPECT_EQ(one[i], tasks[i]) << i;
+  }
 }
 
 // ---- The whole mixer -------------------------------------------------------------------------
