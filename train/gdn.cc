@@ -5,6 +5,7 @@
 #include <span>
 
 #include "core/check.h"
+#include "core/thread_pool.h"
 #include "train/gemm.h"
 
 namespace rs::train {
@@ -120,6 +121,32 @@ struct ChunkTerms {
 };
 
 }  // namespace
+
+// The per-token passes of the mixer run over chunks of about 64K values of rows on the compute
+// threads. A sum over rows (a weight's gradient) goes through ChunkedRowSums: each chunk sums its
+// rows in order into its own zeroed partial of `width` values, and the partials are added to
+// `into` in chunk order – fixed by the chunk size alone, so the same bits on any thread count.
+std::int64_t RowChunk(std::int64_t width) { return std::max<std::int64_t>(1, (std::int64_t{1} << 16) / width); }
+
+template <typename F>
+void ChunkedRows(std::int64_t n, std::int64_t width, F&& f) {
+  ParallelChunks(
+      n, RowChunk(width), [&](std::int64_t, std::int64_t begin, std::int64_t end) { f(begin, end); },
+      Sz(BlasThreads()));
+}
+
+template <typename T, typename F>
+void ChunkedRowSums(std::int64_t n, std::int64_t row_width, std::int64_t width, T* into, F&& f) {
+  const std::int64_t chunk = RowChunk(row_width), chunks = CeilDiv(n, chunk);
+  std::vector<T> partial(Sz(chunks * width), T(0));
+  ParallelChunks(
+      n, chunk,
+      [&](std::int64_t c, std::int64_t begin, std::int64_t end) { f(begin, end, partial.data() + c * width); },
+      Sz(BlasThreads()));
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    for (std::int64_t i = 0; i < width; ++i) into[i] += partial[Sz(c * width + i)];
+  }
+}
 
 template <typename T>
 DeltaRule<T>::DeltaRule(DeltaRuleForm form, std::int64_t chunk) : form_(form), chunk_(chunk) {
@@ -462,16 +489,6 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
     }
   }
   conv_.assign(Sz(n * cw), T(0));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t t = 0; t < seq; ++t) {
-      T* out = conv_.data() + (b * seq + t) * cw;
-      for (std::int64_t j = cp > 1 ? 0 : std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
-        const std::int64_t src = t - (kw - 1) + j;
-        const T* in = src >= 0 ? proj_.data() + (b * seq + src) * pw : prev_tail_.data() + (b * tail + tail + src) * cw;
-        for (std::int64_t ch = 0; ch < cw; ++ch) out[ch] += w.conv[ch * kw + j] * in[ch];
-      }
-    }
-  }
   q_.resize(Sz(batch * nk * seq * dk));
   k_.resize(q_.size());
   qk_rnorm_.resize(Sz(batch * 2 * nk * seq));
@@ -479,10 +496,17 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
   g_.resize(Sz(batch * nv * seq));
   beta_.resize(g_.size());
   const T scale = T(1) / std::sqrt(static_cast<T>(dk));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t t = 0; t < seq; ++t) {
-      const std::int64_t row = b * seq + t;
-      const T* cv = conv_.data() + row * cw;
+  // Row by row (each writes only its own values): the conv, SiLU, the q/k norms, beta and g.
+  ChunkedRows(n, pw, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t b = row / seq, t = row % seq;
+      T* out = conv_.data() + row * cw;
+      for (std::int64_t j = cp > 1 ? 0 : std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
+        const std::int64_t src = t - (kw - 1) + j;
+        const T* in = src >= 0 ? proj_.data() + (b * seq + src) * pw : prev_tail_.data() + (b * tail + tail + src) * cw;
+        for (std::int64_t ch = 0; ch < cw; ++ch) out[ch] += w.conv[ch * kw + j] * in[ch];
+      }
+      const T* cv = out;
       for (std::int64_t part = 0; part < 2; ++part) {  // q, k
         for (std::int64_t hh = 0; hh < nk; ++hh) {
           const T* in = cv + (part * nk + hh) * dk;
@@ -508,7 +532,7 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
         g_[gi] = -std::exp(w.a_log[hh]) * Softplus(pr[oa + hh] + w.dt_bias[hh]);
       }
     }
-  }
+  });
   o_.resize(v_.size());
   std::vector<T> initial;
   if (cp > 1) initial = IncomingState(batch, seq);
@@ -517,10 +541,10 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
   // Gated RMSNorm per value head: norm ⊙ o·rstd ⊙ silu(z).
   o_rstd_.resize(g_.size());
   ctx_.resize(Sz(n * nv * dv));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t hh = 0; hh < nv; ++hh) {
-      for (std::int64_t t = 0; t < seq; ++t) {
-        const std::int64_t row = b * seq + t;
+  ChunkedRows(n, nv * dv, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t b = row / seq, t = row % seq;
+      for (std::int64_t hh = 0; hh < nv; ++hh) {
         const T* oh = o_.data() + ((b * nv + hh) * seq + t) * dv;
         const T rstd = T(1) / std::sqrt(DotN(oh, oh, dv) / static_cast<T>(dv) + static_cast<T>(s_.norm_eps));
         o_rstd_[Sz((b * nv + hh) * seq + t)] = rstd;
@@ -529,7 +553,7 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
         for (std::int64_t j = 0; j < dv; ++j) out[j] = w.norm[j] * oh[j] * rstd * z[j] * Sigmoid(z[j]);
       }
     }
-  }
+  });
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, nv * dv, T(1), ctx_.data(), nv * dv, w.out, nv * dv, T(0), y, d);
 }
 
@@ -545,11 +569,12 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
   Gemm<T>(Trans::kNo, Trans::kNo, n, c, d, T(1), dy, d, w.out, c, T(0), dctx.data(), c);
   std::vector<T> dproj(Sz(n * pw), T(0));
   // Gated RMSNorm: y = w ⊙ x̂ ⊙ silu(z), x̂ = o·rstd.
-  std::vector<T> d_o(o_.size()), dxh(Sz(dv));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t hh = 0; hh < nv; ++hh) {
-      for (std::int64_t t = 0; t < seq; ++t) {
-        const std::int64_t row = b * seq + t;
+  std::vector<T> d_o(o_.size());
+  ChunkedRowSums(n, c, dv, g.norm, [&](std::int64_t begin, std::int64_t end, T* dnorm) {
+    std::vector<T> dxh(Sz(dv));
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t b = row / seq, t = row % seq;
+      for (std::int64_t hh = 0; hh < nv; ++hh) {
         const std::size_t hi = Sz(((b * nv + hh) * seq + t) * dv);
         const T* oh = o_.data() + hi;
         const T rstd = o_rstd_[Sz((b * nv + hh) * seq + t)];
@@ -559,7 +584,7 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
         T mean = 0;
         for (std::int64_t j = 0; j < dv; ++j) {
           const T xh = oh[j] * rstd, sz = z[j] * Sigmoid(z[j]);
-          g.norm[j] += dc[j] * xh * sz;
+          dnorm[j] += dc[j] * xh * sz;
           dz[j] = dc[j] * w.norm[j] * xh * SiluGrad(z[j]);
           dxh[Sz(j)] = dc[j] * w.norm[j] * sz;
           mean += dxh[Sz(j)] * xh;
@@ -568,7 +593,7 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
         for (std::int64_t j = 0; j < dv; ++j) d_o[hi + Sz(j)] = rstd * (dxh[Sz(j)] - oh[j] * rstd * mean);
       }
     }
-  }
+  });
   std::vector<T> dq(q_.size()), dkk(k_.size()), dvv(v_.size()), dg(g_.size()), dbeta(beta_.size());
   const std::int64_t cp = par_->cp_size(), tail = kw - 1;
   std::vector<T> d_final;
@@ -584,9 +609,10 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
   // Back through the SiLU'd conv outputs: dconv [N, cw] before the activation.
   std::vector<T> dconv(Sz(n * cw));
   const T scale = T(1) / std::sqrt(static_cast<T>(dk));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t t = 0; t < seq; ++t) {
-      const std::int64_t row = b * seq + t;
+  std::vector<T> dgates(Sz(2 * nv), T(0));  // [A_log | dt_bias] gradients, summed over rows
+  ChunkedRowSums(n, pw, 2 * nv, dgates.data(), [&](std::int64_t begin, std::int64_t end, T* acc) {
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t b = row / seq, t = row % seq;
       const T* cv = conv_.data() + row * cw;
       T* dcv = dconv.data() + row * cw;
       for (std::int64_t part = 0; part < 2; ++part) {
@@ -615,27 +641,47 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
         // beta = σ(b); g = −exp(A_log)·softplus(u), u = alpha + dt_bias
         const T bt = beta_[gi];
         dpr[ob + hh] = dbeta[gi] * bt * (T(1) - bt);
-        g.a_log[hh] += dg[gi] * g_[gi];
+        acc[hh] += dg[gi] * g_[gi];
         const T du = -dg[gi] * std::exp(w.a_log[hh]) * Sigmoid(pr[oa + hh] + w.dt_bias[hh]);
         dpr[oa + hh] = du;
-        g.dt_bias[hh] += du;
+        acc[nv + hh] += du;
       }
     }
+  });
+  for (std::int64_t hh = 0; hh < nv; ++hh) {
+    g.a_log[hh] += dgates[Sz(hh)];
+    g.dt_bias[hh] += dgates[Sz(nv + hh)];
   }
-  // The conv: dW[c, j] += Σ_t dout[t, c]·in[t − (K − 1) + j, c]; din[t', c] += dout[t, c]·W[c, j].
-  // Under cp the inputs before this rank's first position are the previous rank's: their
-  // gradient goes back to it.
-  std::vector<T> d_tail(cp > 1 ? Sz(batch * tail * cw) : 0, T(0));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t t = 0; t < seq; ++t) {
-      const T* dout = dconv.data() + (b * seq + t) * cw;
+  // The conv: dW[c, j] += Σ_t dout[t, c]·in[t − (K − 1) + j, c]; din[t', c] += dout[t, c]·W[c, j]
+  // for t' = t − (K − 1) + j, gathered per input row t' (from the outputs t' .. t' + K − 1 of its
+  // sequence) so that each row's gradient is written by one thread. Under cp the inputs before
+  // this rank's first position are the previous rank's: their gradient goes back to it.
+  ChunkedRowSums(n, pw, cw * kw, g.conv, [&](std::int64_t begin, std::int64_t end, T* dconv_w) {
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t b = row / seq, t = row % seq;
+      const T* dout = dconv.data() + row * cw;
       for (std::int64_t j = cp > 1 ? 0 : std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
         const std::int64_t src = t - (kw - 1) + j;
         const T* in = src >= 0 ? proj_.data() + (b * seq + src) * pw : prev_tail_.data() + (b * tail + tail + src) * cw;
-        T* din = src >= 0 ? dproj.data() + (b * seq + src) * pw : d_tail.data() + (b * tail + tail + src) * cw;
-        for (std::int64_t ch = 0; ch < cw; ++ch) {
-          g.conv[ch * kw + j] += dout[ch] * in[ch];
-          din[ch] += dout[ch] * w.conv[ch * kw + j];
+        for (std::int64_t ch = 0; ch < cw; ++ch) dconv_w[ch * kw + j] += dout[ch] * in[ch];
+      }
+      T* din = dproj.data() + row * pw;  // input row t: the outputs t + (K − 1) − j in the sequence
+      for (std::int64_t j = kw - 1; j >= 0; --j) {
+        const std::int64_t to = t + (kw - 1) - j;
+        if (to >= seq) continue;
+        const T* dto = dconv.data() + (b * seq + to) * cw;
+        for (std::int64_t ch = 0; ch < cw; ++ch) din[ch] += dto[ch] * w.conv[ch * kw + j];
+      }
+    }
+  });
+  std::vector<T> d_tail(cp > 1 ? Sz(batch * tail * cw) : 0, T(0));
+  if (cp > 1) {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t t = 0; t < std::min(tail, seq); ++t) {
+        const T* dout = dconv.data() + (b * seq + t) * cw;
+        for (std::int64_t j = 0; t - (kw - 1) + j < 0; ++j) {
+          T* din = d_tail.data() + (b * tail + tail + t - (kw - 1) + j) * cw;
+          for (std::int64_t ch = 0; ch < cw; ++ch) din[ch] += dout[ch] * w.conv[ch * kw + j];
         }
       }
     }

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -383,6 +384,48 @@ TEST(GatedDeltaNetTest, GradientMatchesFiniteDifferences) {
     ExpectGradMatches(what + ".norm", w.norm, g.norm, loss);
     ExpectGradMatches(what + ".out", w.out, g.out, loss);
   }
+}
+
+// Enough rows for the per-token passes to run in two chunks (train/gdn.cc: about 64K values of
+// rows each, 1,260 rows at this width), the boundary inside the second sequence so that the
+// conv's input gradient gathers across it: the transcription of transformers' formulas, central
+// differences through both chunks, and the same bits on one and two compute threads.
+TEST(GatedDeltaNetTest, ManyRowsInChunksMatchTheReferenceOnAnyThreadCount) {
+  const GdnShape s = Shape(2, 4);
+  const std::int64_t batch = 2, seq = 700, n = batch * seq;
+  Weights w(s, 60);
+  auto x = RandomVector(n * s.d_model, 61);
+  const auto r = RandomVector(n * s.d_model, 62);
+  GatedDeltaNet<double> gdn(s);
+  std::vector<double> y(x.size());
+  gdn.Forward(x.data(), batch, seq, w.View(), y.data());
+  const auto ref = Reference(s, w, x, batch, seq);
+  for (std::size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], ref[i], 1e-12 * (1 + std::abs(ref[i]))) << i;
+  auto run = [&](int threads) {
+    SetBlasThreads(threads);
+    Grads g(w);
+    std::vector<double> dx(x.size());
+    gdn.Forward(x.data(), batch, seq, w.View(), y.data());
+    gdn.Backward(r.data(), w.View(), dx.data(), g.View());
+    return std::vector<std::vector<double>>{y, dx, g.in_proj, g.conv, g.dt_bias, g.a_log, g.norm, g.out};
+  };
+  const auto one = run(1), two = run(2);
+  for (std::size_t i = 0; i < one.size(); ++i) EXPECT_EQ(one[i], two[i]) << i;
+  auto loss = [&] {
+    gdn.Forward(x.data(), batch, seq, w.View(), y.data());
+    return Dot(y, r);
+  };
+  auto grads = two;
+  ExpectGradMatches("gdn.chunks.x", x, grads[1], loss);
+  // Every input of the four rows on each side of the chunk boundary (row 65536 / 52 = 1,260 at
+  // this proj width): their conv gradients come from outputs in both chunks.
+  const std::size_t edge = (std::size_t{1} << 16) / 52 - 4, d = static_cast<std::size_t>(s.d_model);
+  ExpectGradMatches("gdn.chunks.x_edge", std::span<double>(x).subspan(edge * d, 8 * d),
+                    std::span<const double>(grads[1]).subspan(edge * d, 8 * d), loss, 8 * d);
+  ExpectGradMatches("gdn.chunks.conv", w.conv, grads[3], loss);
+  ExpectGradMatches("gdn.chunks.dt_bias", w.dt_bias, grads[4], loss);
+  ExpectGradMatches("gdn.chunks.A_log", w.a_log, grads[5], loss);
+  ExpectGradMatches("gdn.chunks.norm", w.norm, grads[6], loss);
 }
 
 TEST(GatedDeltaNetTest, IsCausal) {
