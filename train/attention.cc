@@ -217,16 +217,20 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
     const std::int64_t qkw = (nq + nkv) * dh;
     qk_raw_.resize(static_cast<std::size_t>(n * qkw));
     qk_rstd_.resize(static_cast<std::size_t>(n * (nq + nkv)));
-    for (std::int64_t r = 0; r < n; ++r) {
-      T* row = qkv_.data() + r * w;
-      std::copy_n(row, nq * dh, qk_raw_.data() + r * qkw);
-      std::copy_n(row + ko, nkv * dh, qk_raw_.data() + r * qkw + nq * dh);
-      T* rstd = qk_rstd_.data() + r * (nq + nkv);
-      RmsNormForward(row, qk_norm_.q, nq, dh, qk_norm_.eps, row, rstd, qk_norm_.offset);
-      RmsNormForward(row + ko, qk_norm_.k, nkv, dh, qk_norm_.eps, row + ko, rstd + nq, qk_norm_.offset);
-    }
+    ParallelRows(n, w, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t r = begin; r < end; ++r) {
+        T* row = qkv_.data() + r * w;
+        std::copy_n(row, nq * dh, qk_raw_.data() + r * qkw);
+        std::copy_n(row + ko, nkv * dh, qk_raw_.data() + r * qkw + nq * dh);
+        T* rstd = qk_rstd_.data() + r * (nq + nkv);
+        RmsNormForward(row, qk_norm_.q, nq, dh, qk_norm_.eps, row, rstd, qk_norm_.offset);
+        RmsNormForward(row + ko, qk_norm_.k, nkv, dh, qk_norm_.eps, row + ko, rstd + nq, qk_norm_.offset);
+      }
+    });
   }
-  for (std::int64_t r = 0; r < n; ++r) Rope(qkv_.data() + r * w, first + r % seq, RopeDirection::kForward);
+  ParallelRows(n, w, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) Rope(qkv_.data() + r * w, first + r % seq, RopeDirection::kForward);
+  });
   // Keys and values of all positions: this rank's own rows, or every cp rank's, gathered.
   const T* kv = qkv_.data() + ko;
   std::int64_t kv_stride = w, kv_batch = seq * w;
@@ -357,7 +361,9 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
     par_->ReduceScatterCp(std::span<const T>(send), std::span<T>(mine));
     for (std::int64_t r = 0; r < n; ++r) std::copy_n(mine.data() + r * kvw, kvw, dqkv.data() + r * w + ko);
   }
-  for (std::int64_t r = 0; r < n; ++r) Rope(dqkv.data() + r * w, first + r % seq, RopeDirection::kInverse);
+  ParallelRows(n, w, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) Rope(dqkv.data() + r * w, first + r % seq, RopeDirection::kInverse);
+  });
   if (qk_norm_.q != nullptr) {  // through the per-head norms (in place: RmsNormBackward allows dx == dy)
     const std::int64_t qkw = (nq + nkv) * dh;
     for (std::int64_t r = 0; r < n; ++r) {

@@ -122,19 +122,10 @@ struct ChunkTerms {
 
 }  // namespace
 
-// The per-token passes of the mixer run over chunks of about 64K values of rows on the compute
-// threads. A sum over rows (a weight's gradient) goes through ChunkedRowSums: each chunk sums its
-// rows in order into its own zeroed partial of `width` values, and the partials are added to
-// `into` in chunk order – fixed by the chunk size alone, so the same bits on any thread count.
-std::int64_t RowChunk(std::int64_t width) { return std::max<std::int64_t>(1, (std::int64_t{1} << 16) / width); }
-
-template <typename F>
-void ChunkedRows(std::int64_t n, std::int64_t width, F&& f) {
-  ParallelChunks(
-      n, RowChunk(width), [&](std::int64_t, std::int64_t begin, std::int64_t end) { f(begin, end); },
-      Sz(BlasThreads()));
-}
-
+// The per-token passes of the mixer run over chunks of rows on the compute threads (ParallelRows,
+// train/gemm.h). A sum over rows (a weight's gradient) goes through ChunkedRowSums: each chunk
+// sums its rows in order into its own zeroed partial of `width` values, and the partials are
+// added to `into` in chunk order – the same bits on any thread count.
 template <typename T, typename F>
 void ChunkedRowSums(std::int64_t n, std::int64_t row_width, std::int64_t width, T* into, F&& f) {
   const std::int64_t chunk = RowChunk(row_width), chunks = CeilDiv(n, chunk);
@@ -497,7 +488,7 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
   beta_.resize(g_.size());
   const T scale = T(1) / std::sqrt(static_cast<T>(dk));
   // Row by row (each writes only its own values): the conv, SiLU, the q/k norms, beta and g.
-  ChunkedRows(n, pw, [&](std::int64_t begin, std::int64_t end) {
+  ParallelRows(n, pw, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / seq, t = row % seq;
       T* out = conv_.data() + row * cw;
@@ -541,7 +532,7 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
   // Gated RMSNorm per value head: norm ⊙ o·rstd ⊙ silu(z).
   o_rstd_.resize(g_.size());
   ctx_.resize(Sz(n * nv * dv));
-  ChunkedRows(n, nv * dv, [&](std::int64_t begin, std::int64_t end) {
+  ParallelRows(n, nv * dv, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / seq, t = row % seq;
       for (std::int64_t hh = 0; hh < nv; ++hh) {

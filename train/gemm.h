@@ -3,8 +3,11 @@
 // share one code path.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+
+#include "core/thread_pool.h"
 
 namespace rs::train {
 
@@ -50,5 +53,20 @@ int GemmTaskThreads(std::int64_t tasks);
 void SetGemmTaskWorkerCap(int cap);
 void ParallelGemmTasks(std::int64_t tasks, const std::function<void(std::int64_t task, int worker)>& task,
                        int max_workers = 1 << 30);
+
+// Row passes (norms, activations, copies): rows per chunk for rows of `width` values – about
+// 64K values a chunk, fixed by the width alone, so a pass that sums over rows through
+// per-chunk partials added in chunk order gives the same bits on any number of threads.
+inline std::int64_t RowChunk(std::int64_t width) {
+  return std::max<std::int64_t>(1, (std::int64_t{1} << 16) / std::max<std::int64_t>(1, width));
+}
+// Runs f(begin, end) over the chunks of rows [0, n) (RowChunk(width) rows each) on the compute
+// threads; for passes whose rows are independent of each other.
+template <typename F>
+void ParallelRows(std::int64_t n, std::int64_t width, F&& f) {
+  ParallelChunks(
+      n, RowChunk(width), [&](std::int64_t, std::int64_t begin, std::int64_t end) { f(begin, end); },
+      static_cast<std::size_t>(BlasThreads()));
+}
 
 }  // namespace rs::train

@@ -12,20 +12,12 @@
 
 namespace rs::train {
 
-namespace {
-
-// Rows per chunk of the norms' passes over the shared pool (on at most the compute threads,
-// train/gemm.h): about 64K elements, whole rows.
-std::int64_t NormChunkRows(std::int64_t d) { return std::max<std::int64_t>(1, (std::int64_t{1} << 16) / d); }
-
-}  // namespace
-
 template <typename T>
 void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, double eps, T* y, T* rstd, double offset) {
   const T off = static_cast<T>(offset);
   // Row by row, each independent of the others: chunks of rows on the shared pool.
   ParallelChunks(
-      n, NormChunkRows(d),
+      n, RowChunk(d),
       [&](std::int64_t, std::int64_t begin, std::int64_t end) {
         for (std::int64_t i = begin; i < end; ++i) {
           const T* xi = x + i * d;
@@ -46,7 +38,7 @@ template <typename T>
 void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw,
                      double offset) {
   const T off = static_cast<T>(offset);
-  const std::int64_t chunk = NormChunkRows(d), chunks = CeilDiv(n, chunk);
+  const std::int64_t chunk = RowChunk(d), chunks = CeilDiv(n, chunk);
   // dw's sum over rows: one chunk adds straight into dw; several each sum their rows into their
   // own partial (rows in order), and the partials are added to dw in chunk order – fixed by the
   // chunk size alone, so the same bits whatever the number of threads. dx may alias dy.

@@ -80,7 +80,9 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   // The norm reads contiguous rows: the latent is copied out of ckv_ (the backward pass copies
   // it again rather than keeping a second [N, kv_rank] buffer alive).
   std::vector<T> lat(sz(n * rkv));
-  for (std::int64_t r = 0; r < n; ++r) std::copy_n(ckv_.data() + r * cw, rkv, lat.data() + r * rkv);
+  ParallelRows(n, cw, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) std::copy_n(ckv_.data() + r * cw, rkv, lat.data() + r * rkv);
+  });
   std::vector<T> latn(sz(n * rkv));
   rstd_kv_.resize(sz(n));
   RmsNormForward(lat.data(), w.kv_a_norm, n, rkv, s_.norm_eps, latn.data(), rstd_kv_.data());
@@ -88,13 +90,15 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   // context parallelism this is what the cp ranks exchange (rkv + dr values a position,
   // instead of every head's keys and values).
   std::vector<T> mine(sz(n * cw));
-  for (std::int64_t r = 0; r < n; ++r) {
-    const std::int64_t pos = first + r % seq;
-    Rope(q_.data() + r * qw + dn, h, dh, pos, RopeDirection::kForward);
-    std::copy_n(latn.data() + r * rkv, rkv, mine.data() + r * cw);
-    std::copy_n(ckv_.data() + r * cw + rkv, dr, mine.data() + r * cw + rkv);
-    Rope(mine.data() + r * cw + rkv, 1, dr, pos, RopeDirection::kForward);
-  }
+  ParallelRows(n, qw, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const std::int64_t pos = first + r % seq;
+      Rope(q_.data() + r * qw + dn, h, dh, pos, RopeDirection::kForward);
+      std::copy_n(latn.data() + r * rkv, rkv, mine.data() + r * cw);
+      std::copy_n(ckv_.data() + r * cw + rkv, dr, mine.data() + r * cw + rkv);
+      Rope(mine.data() + r * cw + rkv, 1, dr, pos, RopeDirection::kForward);
+    }
+  });
   kv_in_.resize(sz(nk * cw));  // [batch, total, cw]
   if (cp > 1) {
     std::vector<T> all(sz(cp * n * cw));
@@ -110,13 +114,15 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   kvb_.resize(sz(nk * kvw));
   Gemm<T>(Trans::kNo, Trans::kYes, nk, kvw, rkv, T(1), kv_in_.data(), cw, w.kv_b, rkv, T(0), kvb_.data(), kvw);
   k_.resize(sz(nk * qw));
-  for (std::int64_t r = 0; r < nk; ++r) {
-    for (std::int64_t j = 0; j < h; ++j) {
-      T* kj = k_.data() + r * qw + j * dh;
-      std::copy_n(kvb_.data() + r * kvw + j * (dn + dv), dn, kj);
-      std::copy_n(kv_in_.data() + r * cw + rkv, dr, kj + dn);
+  ParallelRows(nk, qw, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      for (std::int64_t j = 0; j < h; ++j) {
+        T* kj = k_.data() + r * qw + j * dh;
+        std::copy_n(kvb_.data() + r * kvw + j * (dn + dv), dn, kj);
+        std::copy_n(kv_in_.data() + r * cw + rkv, dr, kj + dn);
+      }
     }
-  }
+  });
   lse_.resize(sz(batch * h * seq));
   ctx_.resize(sz(n * c));
   // One task per (sequence, head): every head has its own keys and values after kv_b. Each runs
@@ -172,15 +178,17 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
   // Each key head's nope part goes back to its kv_b rows; every head's rotary part to the one
   // shared rotary key. d_in: the gradient of every position's [normed latent | rotated key].
   std::vector<T> d_in(sz(nk * cw), T(0));
-  for (std::int64_t r = 0; r < nk; ++r) {
-    T* dkr = d_in.data() + r * cw + rkv;
-    for (std::int64_t j = 0; j < h; ++j) {
-      const T* dkj = dk.data() + r * qw + j * dh;
-      T* dst = dkvb.data() + r * kvw + j * (dn + dv);
-      for (std::int64_t i = 0; i < dn; ++i) dst[i] += dkj[i];
-      for (std::int64_t i = 0; i < dr; ++i) dkr[i] += dkj[dn + i];
+  ParallelRows(nk, qw, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      T* dkr = d_in.data() + r * cw + rkv;
+      for (std::int64_t j = 0; j < h; ++j) {
+        const T* dkj = dk.data() + r * qw + j * dh;
+        T* dst = dkvb.data() + r * kvw + j * (dn + dv);
+        for (std::int64_t i = 0; i < dn; ++i) dst[i] += dkj[i];
+        for (std::int64_t i = 0; i < dr; ++i) dkr[i] += dkj[dn + i];
+      }
     }
-  }
+  });
   // kv_b: this rank's queries' share over every position (summed over cp by the trainer, as
   // every weight gradient is); the normed latents' gradients go to the positions' ranks.
   Gemm<T>(Trans::kNo, Trans::kNo, nk, rkv, kvw, T(1), dkvb.data(), kvw, w.kv_b, rkv, T(0), d_in.data(), cw);
@@ -198,17 +206,21 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
     dmine = std::move(d_in);
   }
   std::vector<T> dlat(sz(n * rkv)), lat(sz(n * rkv)), dckv(sz(n * cw));
-  for (std::int64_t r = 0; r < n; ++r) {
-    const std::int64_t pos = first + r % seq;
-    Rope(dq.data() + r * qw + dn, h, dh, pos, RopeDirection::kInverse);
-    T* dkr = dmine.data() + r * cw + rkv;
-    Rope(dkr, 1, dr, pos, RopeDirection::kInverse);
-    std::copy_n(dkr, dr, dckv.data() + r * cw + rkv);
-    std::copy_n(dmine.data() + r * cw, rkv, dlat.data() + r * rkv);
-    std::copy_n(ckv_.data() + r * cw, rkv, lat.data() + r * rkv);
-  }
+  ParallelRows(n, qw, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const std::int64_t pos = first + r % seq;
+      Rope(dq.data() + r * qw + dn, h, dh, pos, RopeDirection::kInverse);
+      T* dkr = dmine.data() + r * cw + rkv;
+      Rope(dkr, 1, dr, pos, RopeDirection::kInverse);
+      std::copy_n(dkr, dr, dckv.data() + r * cw + rkv);
+      std::copy_n(dmine.data() + r * cw, rkv, dlat.data() + r * rkv);
+      std::copy_n(ckv_.data() + r * cw, rkv, lat.data() + r * rkv);
+    }
+  });
   RmsNormBackward(dlat.data(), lat.data(), w.kv_a_norm, rstd_kv_.data(), n, rkv, dlat.data(), g.kv_a_norm);
-  for (std::int64_t r = 0; r < n; ++r) std::copy_n(dlat.data() + r * rkv, rkv, dckv.data() + r * cw);
+  ParallelRows(n, cw, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) std::copy_n(dlat.data() + r * rkv, rkv, dckv.data() + r * cw);
+  });
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, cw, T(1), dckv.data(), cw, w.kv_a, d, T(0), dx, d);
   Gemm<T>(Trans::kYes, Trans::kNo, cw, d, n, T(1), dckv.data(), cw, x_, d, T(1), g.kv_a, d);
 
