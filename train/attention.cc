@@ -250,23 +250,17 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   }
   // One task per (sequence, kv head): its query heads one after another, on one thread, each
   // by query blocks (CausalHeadForward: never more than one block's scores per thread).
-  std::vector<CausalHeadScratch<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
-  ParallelGemmTasks(
-      batch * nkv,
-      [&](std::int64_t task, int worker) {
-        const std::int64_t b = task / nkv, g = task % nkv;
-        CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
-        head.k = kv + b * kv_batch + g * dh;
-        head.v = kv + b * kv_batch + (nkv + g) * dh;
-        head.k_stride = head.v_stride = kv_stride;
-        head.q_stride = w;
-        for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-          head.q = qkv_.data() + b * seq * w + h * dh;
-          CausalHeadForward(head, ctx_.data() + b * seq * c + h * dh, c, lse_.data() + (b * nq + h) * seq,
-                            scratch[static_cast<std::size_t>(worker)]);
-        }
-      },
-      static_cast<int>(scratch.size()));
+  CausalHeadTasks<T>(batch, nkv, [&](std::int64_t b, std::int64_t g, CausalHeadScratch<T>& scratch) {
+    CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
+    head.k = kv + b * kv_batch + g * dh;
+    head.v = kv + b * kv_batch + (nkv + g) * dh;
+    head.k_stride = head.v_stride = kv_stride;
+    head.q_stride = w;
+    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+      head.q = qkv_.data() + b * seq * w + h * dh;
+      CausalHeadForward(head, ctx_.data() + b * seq * c + h * dh, c, lse_.data() + (b * nq + h) * seq, scratch);
+    }
+  });
   if (s_.output_gate) {  // each head's output × sigmoid(its gate), the gate columns after the queries
     ungated_ = ctx_;
     for (std::int64_t r = 0; r < n; ++r) {
@@ -328,29 +322,24 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   // head): the task owns its group's dK and dV and its heads' dQ, so tasks never write the same
   // values and each sums in a fixed order.
   const std::vector<T>& heads_out = s_.output_gate ? ungated_ : ctx_;  // O, each head's output
-  std::vector<CausalHeadScratch<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * nkv)));
-  ParallelGemmTasks(
-      batch * nkv,
-      [&](std::int64_t task, int worker) {
-        const std::int64_t b = task / nkv, g = task % nkv;
-        CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
-        head.k = kv + b * kv_batch + g * dh;
-        head.v = kv + b * kv_batch + (nkv + g) * dh;
-        head.k_stride = head.v_stride = kv_stride;
-        head.q_stride = w;
-        CausalHeadGrads<T> grads{.dk = dkv + b * kv_batch + g * dh, .dk_stride = kv_stride};
-        grads.dv = dkv + b * kv_batch + (nkv + g) * dh;
-        grads.dv_stride = kv_stride;
-        grads.dq_stride = w;
-        for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-          head.q = qkv_.data() + b * seq * w + h * dh;
-          grads.dq = dqkv.data() + b * seq * w + h * dh;
-          const std::int64_t o = b * seq * c + h * dh;
-          CausalHeadBackward(head, heads_out.data() + o, c, dctx.data() + o, c, lse_.data() + (b * nq + h) * seq, grads,
-                             scratch[static_cast<std::size_t>(worker)]);
-        }
-      },
-      static_cast<int>(scratch.size()));
+  CausalHeadTasks<T>(batch, nkv, [&](std::int64_t b, std::int64_t g, CausalHeadScratch<T>& scratch) {
+    CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
+    head.k = kv + b * kv_batch + g * dh;
+    head.v = kv + b * kv_batch + (nkv + g) * dh;
+    head.k_stride = head.v_stride = kv_stride;
+    head.q_stride = w;
+    CausalHeadGrads<T> grads{.dk = dkv + b * kv_batch + g * dh, .dk_stride = kv_stride};
+    grads.dv = dkv + b * kv_batch + (nkv + g) * dh;
+    grads.dv_stride = kv_stride;
+    grads.dq_stride = w;
+    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+      head.q = qkv_.data() + b * seq * w + h * dh;
+      grads.dq = dqkv.data() + b * seq * w + h * dh;
+      const std::int64_t o = b * seq * c + h * dh;
+      CausalHeadBackward(head, heads_out.data() + o, c, dctx.data() + o, c, lse_.data() + (b * nq + h) * seq, grads,
+                         scratch);
+    }
+  });
   if (cp > 1) {  // every rank's share of each position's k/v gradient, summed where it lives
     std::vector<T> send(static_cast<std::size_t>(cp * n * kvw)), mine(static_cast<std::size_t>(n * kvw));
     for (std::int64_t q = 0; q < cp; ++q) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/model.h"
+#include "train/gemm.h"
 #include "train/model_parallel.h"
 
 namespace rs::train {
@@ -102,6 +103,18 @@ void CausalHeadForward(const CausalHead<T>& h, T* out, std::int64_t out_stride, 
 template <typename T>
 void CausalHeadBackward(const CausalHead<T>& h, const T* out, std::int64_t out_stride, const T* dout,
                         std::int64_t dout_stride, const T* lse, const CausalHeadGrads<T>& g, CausalHeadScratch<T>& s);
+
+// f(b, j, scratch) for every sequence b < batch and head (or kv group) j < heads, one task
+// each on the compute threads (ParallelGemmTasks, train/gemm.h), with the running thread's
+// scratch for CausalHeadForward / CausalHeadBackward.
+template <typename T, typename F>
+void CausalHeadTasks(std::int64_t batch, std::int64_t heads, F&& f) {
+  std::vector<CausalHeadScratch<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * heads)));
+  ParallelGemmTasks(
+      batch * heads,
+      [&](std::int64_t task, int worker) { f(task / heads, task % heads, scratch[static_cast<std::size_t>(worker)]); },
+      static_cast<int>(scratch.size()));
+}
 
 template <typename T>
 class Attention {

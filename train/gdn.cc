@@ -122,23 +122,6 @@ struct ChunkTerms {
 
 }  // namespace
 
-// The per-token passes of the mixer run over chunks of rows on the compute threads (ParallelRows,
-// train/gemm.h). A sum over rows (a weight's gradient) goes through ChunkedRowSums: each chunk
-// sums its rows in order into its own zeroed partial of `width` values, and the partials are
-// added to `into` in chunk order – the same bits on any thread count.
-template <typename T, typename F>
-void ChunkedRowSums(std::int64_t n, std::int64_t row_width, std::int64_t width, T* into, F&& f) {
-  const std::int64_t chunk = RowChunk(row_width), chunks = CeilDiv(n, chunk);
-  std::vector<T> partial(Sz(chunks * width), T(0));
-  ParallelChunks(
-      n, chunk,
-      [&](std::int64_t c, std::int64_t begin, std::int64_t end) { f(begin, end, partial.data() + c * width); },
-      Sz(BlasThreads()));
-  for (std::int64_t c = 0; c < chunks; ++c) {
-    for (std::int64_t i = 0; i < width; ++i) into[i] += partial[Sz(c * width + i)];
-  }
-}
-
 template <typename T>
 DeltaRule<T>::DeltaRule(DeltaRuleForm form, std::int64_t chunk) : form_(form), chunk_(chunk) {
   RS_CHECK(chunk_ >= 1);
@@ -479,7 +462,7 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
       std::copy(from, from + batch * tail * cw, prev_tail_.begin());
     }
   }
-  conv_.assign(Sz(n * cw), T(0));
+  conv_.resize(Sz(n * cw));
   q_.resize(Sz(batch * nk * seq * dk));
   k_.resize(q_.size());
   qk_rnorm_.resize(Sz(batch * 2 * nk * seq));
@@ -492,6 +475,7 @@ void GatedDeltaNet<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq,
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / seq, t = row % seq;
       T* out = conv_.data() + row * cw;
+      std::fill_n(out, cw, T(0));
       for (std::int64_t j = cp > 1 ? 0 : std::max<std::int64_t>(0, kw - 1 - t); j < kw; ++j) {
         const std::int64_t src = t - (kw - 1) + j;
         const T* in = src >= 0 ? proj_.data() + (b * seq + src) * pw : prev_tail_.data() + (b * tail + tail + src) * cw;
@@ -561,7 +545,7 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
   std::vector<T> dproj(Sz(n * pw), T(0));
   // Gated RMSNorm: y = w ⊙ x̂ ⊙ silu(z), x̂ = o·rstd.
   std::vector<T> d_o(o_.size());
-  ChunkedRowSums(n, c, dv, g.norm, [&](std::int64_t begin, std::int64_t end, T* dnorm) {
+  ParallelRowSums(n, c, dv, g.norm, [&](std::int64_t begin, std::int64_t end, T* dnorm) {
     std::vector<T> dxh(Sz(dv));
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / seq, t = row % seq;
@@ -601,7 +585,7 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
   std::vector<T> dconv(Sz(n * cw));
   const T scale = T(1) / std::sqrt(static_cast<T>(dk));
   std::vector<T> dgates(Sz(2 * nv), T(0));  // [A_log | dt_bias] gradients, summed over rows
-  ChunkedRowSums(n, pw, 2 * nv, dgates.data(), [&](std::int64_t begin, std::int64_t end, T* acc) {
+  ParallelRowSums(n, pw, 2 * nv, dgates.data(), [&](std::int64_t begin, std::int64_t end, T* acc) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / seq, t = row % seq;
       const T* cv = conv_.data() + row * cw;
@@ -647,7 +631,7 @@ void GatedDeltaNet<T>::Backward(const T* dy, const GdnWeights<T>& w, T* dx, cons
   // for t' = t − (K − 1) + j, gathered per input row t' (from the outputs t' .. t' + K − 1 of its
   // sequence) so that each row's gradient is written by one thread. Under cp the inputs before
   // this rank's first position are the previous rank's: their gradient goes back to it.
-  ChunkedRowSums(n, pw, cw * kw, g.conv, [&](std::int64_t begin, std::int64_t end, T* dconv_w) {
+  ParallelRowSums(n, pw, cw * kw, g.conv, [&](std::int64_t begin, std::int64_t end, T* dconv_w) {
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t b = row / seq, t = row % seq;
       const T* dout = dconv.data() + row * cw;

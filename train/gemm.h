@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "core/thread_pool.h"
 
@@ -67,6 +68,24 @@ void ParallelRows(std::int64_t n, std::int64_t width, F&& f) {
   ParallelChunks(
       n, RowChunk(width), [&](std::int64_t, std::int64_t begin, std::int64_t end) { f(begin, end); },
       static_cast<std::size_t>(BlasThreads()));
+}
+// A row pass that also sums `width` values over the rows (a weight's gradient) into `into`:
+// f(begin, end, acc) adds its rows, in order, into acc – `into` itself when there is one
+// chunk, else the chunk's own zeroed partial, the partials then added to `into` in chunk
+// order. The chunks are fixed by `row_width` alone: the same bits on any number of threads.
+template <typename T, typename F>
+void ParallelRowSums(std::int64_t n, std::int64_t row_width, std::int64_t width, T* into, F&& f) {
+  const std::int64_t chunk = RowChunk(row_width), chunks = n > 0 ? (n + chunk - 1) / chunk : 0;
+  std::vector<T> partial(chunks > 1 ? static_cast<std::size_t>(chunks * width) : 0, T(0));
+  ParallelChunks(
+      n, chunk,
+      [&](std::int64_t c, std::int64_t begin, std::int64_t end) {
+        f(begin, end, chunks > 1 ? partial.data() + c * width : into);
+      },
+      static_cast<std::size_t>(BlasThreads()));
+  for (std::int64_t c = 0; c < chunks && chunks > 1; ++c) {
+    for (std::int64_t i = 0; i < width; ++i) into[i] += partial[static_cast<std::size_t>(c * width + i)];
+  }
 }
 
 }  // namespace rs::train

@@ -16,58 +16,43 @@ template <typename T>
 void RmsNormForward(const T* x, const T* w, std::int64_t n, std::int64_t d, double eps, T* y, T* rstd, double offset) {
   const T off = static_cast<T>(offset);
   // Row by row, each independent of the others: chunks of rows on the shared pool.
-  ParallelChunks(
-      n, RowChunk(d),
-      [&](std::int64_t, std::int64_t begin, std::int64_t end) {
-        for (std::int64_t i = begin; i < end; ++i) {
-          const T* xi = x + i * d;
-          // The mean square accumulates in double so that float training and the double reference
-          // see the same statistic up to the final rounding.
-          double ss = 0;
-          for (std::int64_t j = 0; j < d; ++j) ss += static_cast<double>(xi[j]) * static_cast<double>(xi[j]);
-          const T r = static_cast<T>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
-          rstd[i] = r;
-          T* yi = y + i * d;
-          for (std::int64_t j = 0; j < d; ++j) yi[j] = xi[j] * r * (off + w[j]);
-        }
-      },
-      static_cast<std::size_t>(BlasThreads()));
+  ParallelRows(n, d, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T* xi = x + i * d;
+      // The mean square accumulates in double so that float training and the double reference
+      // see the same statistic up to the final rounding.
+      double ss = 0;
+      for (std::int64_t j = 0; j < d; ++j) ss += static_cast<double>(xi[j]) * static_cast<double>(xi[j]);
+      const T r = static_cast<T>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+      rstd[i] = r;
+      T* yi = y + i * d;
+      for (std::int64_t j = 0; j < d; ++j) yi[j] = xi[j] * r * (off + w[j]);
+    }
+  });
 }
 
 template <typename T>
 void RmsNormBackward(const T* dy, const T* x, const T* w, const T* rstd, std::int64_t n, std::int64_t d, T* dx, T* dw,
                      double offset) {
   const T off = static_cast<T>(offset);
-  const std::int64_t chunk = RowChunk(d), chunks = CeilDiv(n, chunk);
-  // dw's sum over rows: one chunk adds straight into dw; several each sum their rows into their
-  // own partial (rows in order), and the partials are added to dw in chunk order – fixed by the
-  // chunk size alone, so the same bits whatever the number of threads. dx may alias dy.
-  std::vector<T> partial(chunks > 1 ? static_cast<std::size_t>(chunks * d) : 0, T(0));
-  ParallelChunks(
-      n, chunk,
-      [&](std::int64_t c, std::int64_t begin, std::int64_t end) {
-        T* acc = chunks > 1 ? partial.data() + c * d : dw;
-        for (std::int64_t i = begin; i < end; ++i) {
-          const T* xi = x + i * d;
-          const T* dyi = dy + i * d;
-          const T r = rstd[i];
-          double dot = 0;  // Σ_j g_j x̂_j
-          for (std::int64_t j = 0; j < d; ++j) {
-            const T xhat = xi[j] * r;
-            dot += static_cast<double>(dyi[j] * (off + w[j])) * static_cast<double>(xhat);
-            acc[j] += dyi[j] * xhat;
-          }
-          const T mean = static_cast<T>(dot / static_cast<double>(d));
-          T* dxi = dx + i * d;
-          for (std::int64_t j = 0; j < d; ++j) dxi[j] = r * (dyi[j] * (off + w[j]) - xi[j] * r * mean);
-        }
-      },
-      static_cast<std::size_t>(BlasThreads()));
-  if (chunks == 1) return;
-  for (std::int64_t c = 0; c < chunks; ++c) {
-    const T* pc = partial.data() + c * d;
-    for (std::int64_t j = 0; j < d; ++j) dw[j] += pc[j];
-  }
+  // dw's sum over rows: per chunk of rows in order, the chunks' partials added in chunk order
+  // (ParallelRowSums): the same bits whatever the number of threads. dx may alias dy.
+  ParallelRowSums(n, d, d, dw, [&](std::int64_t begin, std::int64_t end, T* acc) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T* xi = x + i * d;
+      const T* dyi = dy + i * d;
+      const T r = rstd[i];
+      double dot = 0;  // Σ_j g_j x̂_j
+      for (std::int64_t j = 0; j < d; ++j) {
+        const T xhat = xi[j] * r;
+        dot += static_cast<double>(dyi[j] * (off + w[j])) * static_cast<double>(xhat);
+        acc[j] += dyi[j] * xhat;
+      }
+      const T mean = static_cast<T>(dot / static_cast<double>(d));
+      T* dxi = dx + i * d;
+      for (std::int64_t j = 0; j < d; ++j) dxi[j] = r * (dyi[j] * (off + w[j]) - xi[j] * r * mean);
+    }
+  });
 }
 
 template <typename T>

@@ -29,21 +29,6 @@ void LatentAttention<T>::Rope(T* x, std::int64_t heads, std::int64_t stride, std
   for (std::int64_t h = 0; h < heads; ++h) ApplyRope(x + h * stride, 1, s_.rope_dim, c, s, dir);
 }
 
-namespace {
-
-// f(b, j, scratch) for every sequence b and head j, one task each on the compute threads
-// (ParallelGemmTasks), with the running thread's scratch.
-template <typename T, typename F>
-void HeadTasks(std::int64_t batch, std::int64_t heads, F&& f) {
-  std::vector<CausalHeadScratch<T>> scratch(static_cast<std::size_t>(GemmTaskThreads(batch * heads)));
-  ParallelGemmTasks(
-      batch * heads,
-      [&](std::int64_t task, int worker) { f(task / heads, task % heads, scratch[static_cast<std::size_t>(worker)]); },
-      static_cast<int>(scratch.size()));
-}
-
-}  // namespace
-
 template <typename T>
 CausalHead<T> LatentAttention<T>::Head(std::int64_t b, std::int64_t j) const {
   const std::int64_t h = s_.n_heads, dh = s_.head_dim, dn = s_.nope_dim(), dv = s_.v_dim;
@@ -143,7 +128,7 @@ void LatentAttention<T>::Forward(const T* x, std::int64_t batch, std::int64_t se
   // One task per (sequence, head): every head has its own keys and values after kv_b. Each runs
   // by query blocks (CausalHeadForward): one block's scores per thread, each query's
   // log-sum-exp kept for the backward pass.
-  HeadTasks<T>(batch, h, [&](std::int64_t b, std::int64_t j, CausalHeadScratch<T>& scratch) {
+  CausalHeadTasks<T>(batch, h, [&](std::int64_t b, std::int64_t j, CausalHeadScratch<T>& scratch) {
     CausalHeadForward(Head(b, j), ctx_.data() + b * seq * c + j * dv, c, lse_.data() + (b * h + j) * seq, scratch);
   });
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, c, T(1), ctx_.data(), c, w.out, c, T(0), y, d);
@@ -165,7 +150,7 @@ void LatentAttention<T>::Backward(const T* dy, const MlaWeights<T>& w, T* dx, co
 
   std::vector<T> dq(sz(n * qw), T(0)), dk(sz(nk * qw), T(0)), dkvb(sz(nk * kvw), T(0));
   // One task per (sequence, head), as forward: a head's dQ, dK and dV columns are its own.
-  HeadTasks<T>(batch, h, [&](std::int64_t b, std::int64_t j, CausalHeadScratch<T>& scratch) {
+  CausalHeadTasks<T>(batch, h, [&](std::int64_t b, std::int64_t j, CausalHeadScratch<T>& scratch) {
     const std::int64_t qo = b * seq * qw + j * dh, ko = b * total * qw + j * dh, co = b * seq * c + j * dv;
     const CausalHeadGrads<T> grads{.dq = dq.data() + qo,
                                    .dq_stride = qw,
