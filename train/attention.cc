@@ -354,13 +354,22 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
     for (std::int64_t r = begin; r < end; ++r) Rope(dqkv.data() + r * w, first + r % seq, RopeDirection::kInverse);
   });
   if (qk_norm_.q != nullptr) {  // through the per-head norms (in place: RmsNormBackward allows dx == dy)
+    // Rows in chunks on the compute threads; the norms' weight gradients as [dq_norm | dk_norm]
+    // partials per chunk, added in chunk order: the same bits on any number of threads.
     const std::int64_t qkw = (nq + nkv) * dh;
-    for (std::int64_t r = 0; r < n; ++r) {
-      T* row = dqkv.data() + r * w;
-      const T* raw = qk_raw_.data() + r * qkw;
-      const T* rstd = qk_rstd_.data() + r * (nq + nkv);
-      RmsNormBackward(row, raw, qk_norm_.q, rstd, nq, dh, row, dq_norm, qk_norm_.offset);
-      RmsNormBackward(row + ko, raw + nq * dh, qk_norm_.k, rstd + nq, nkv, dh, row + ko, dk_norm, qk_norm_.offset);
+    std::vector<T> dnorm(static_cast<std::size_t>(2 * dh), T(0));
+    ParallelRowSums(n, w, 2 * dh, dnorm.data(), [&](std::int64_t begin, std::int64_t end, T* acc) {
+      for (std::int64_t r = begin; r < end; ++r) {
+        T* row = dqkv.data() + r * w;
+        const T* raw = qk_raw_.data() + r * qkw;
+        const T* rstd = qk_rstd_.data() + r * (nq + nkv);
+        RmsNormBackward(row, raw, qk_norm_.q, rstd, nq, dh, row, acc, qk_norm_.offset);
+        RmsNormBackward(row + ko, raw + nq * dh, qk_norm_.k, rstd + nq, nkv, dh, row + ko, acc + dh, qk_norm_.offset);
+      }
+    });
+    for (std::int64_t j = 0; j < dh; ++j) {
+      dq_norm[j] += dnorm[static_cast<std::size_t>(j)];
+      dk_norm[j] += dnorm[static_cast<std::size_t>(dh + j)];
     }
   }
   Gemm<T>(Trans::kNo, Trans::kNo, n, d, w, T(1), dqkv.data(), w, wqkv, d, T(0), dx, d);

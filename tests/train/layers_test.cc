@@ -294,6 +294,60 @@ TEST(AttentionTest, QueryBlocksMatchTheReference) {
   ExpectGatedAttentionMatchesReference(1, 150);
 }
 
+// More rows than one chunk of the q/k norms' backward row pass (RowChunk(48) = 1365 rows of the
+// 48-wide qkv rows): the norms' weight gradients as per-chunk partials. The float64 gradients
+// still match central differences across the chunks, float follows float64, and the float bits
+// are the same on one compute thread as on two.
+TEST(AttentionTest, QkNormGradientsInChunksMatchAndAreTheSameOnAnyThreadCount) {
+  AttentionShape s{/*d_model=*/8, /*n_heads=*/4, /*n_kv_heads=*/2, /*head_dim=*/4, /*rope_theta=*/100.0};
+  s.output_gate = true;
+  s.rotary_dim = 2;
+  const std::int64_t b = 3, seq = 500, n = b * seq, dh = 4, nq = 4, d = 8, w = s.qkv_width();
+  ASSERT_EQ(w, 48);
+  ASSERT_GT(n, RowChunk(w));
+  auto x = RandomVector(n * d, 51), wqkv = RandomVector(w * d, 52, 0.5), wout = RandomVector(d * nq * dh, 53, 0.5);
+  auto qn = RandomVector(dh, 54, 0.3), kn = RandomVector(dh, 55, 0.3);
+  const auto r = RandomVector(n * d, 56);
+  Attention<double> attn(s);
+  std::vector<double> y(n * d);
+  auto loss = [&] {
+    attn.Forward(x.data(), b, seq, wqkv.data(), wout.data(), y.data(), {qn.data(), kn.data(), 1e-6, 1.0});
+    return Dot(y, r);
+  };
+  loss();
+  std::vector<double> dx(n * d), dqkv(wqkv.size(), 0.0), dout(wout.size(), 0.0), dqn(dh, 0.25), dkn(dh, 0.25);
+  attn.Backward(r.data(), wqkv.data(), wout.data(), dx.data(), dqkv.data(), dout.data(), dqn.data(), dkn.data());
+  for (std::int64_t j = 0; j < dh; ++j) {  // the gradients add to what was there
+    dqn[j] -= 0.25;
+    dkn[j] -= 0.25;
+  }
+  ExpectGradMatches("chunks.q_norm", qn, dqn, loss);
+  ExpectGradMatches("chunks.k_norm", kn, dkn, loss);
+  ExpectGradMatches("chunks.x", x, dx, loss, 24);
+  auto to_float = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  const auto xf = to_float(x), wqkvf = to_float(wqkv), woutf = to_float(wout), qnf = to_float(qn), knf = to_float(kn),
+             rf = to_float(r);
+  std::vector<std::vector<float>> runs;
+  const int saved = BlasThreads();
+  for (const int threads : {1, 2}) {
+    SetBlasThreads(threads);
+    Attention<float> fa(s);
+    std::vector<float> yf(n * d), dxf(n * d), dqkvf(wqkv.size(), 0.0f), doutf(wout.size(), 0.0f), dqnf(dh, 0.0f),
+        dknf(dh, 0.0f);
+    fa.Forward(xf.data(), b, seq, wqkvf.data(), woutf.data(), yf.data(), {qnf.data(), knf.data(), 1e-6, 1.0});
+    fa.Backward(rf.data(), wqkvf.data(), woutf.data(), dxf.data(), dqkvf.data(), doutf.data(), dqnf.data(),
+                dknf.data());
+    for (std::int64_t j = 0; j < dh; ++j) {
+      EXPECT_NEAR(dqnf[j], dqn[j], 1e-4 * (1 + std::abs(dqn[j]))) << j;
+      EXPECT_NEAR(dknf[j], dkn[j], 1e-4 * (1 + std::abs(dkn[j]))) << j;
+    }
+    for (const auto* v : {&dxf, &dqkvf, &dqnf, &dknf}) yf.insert(yf.end(), v->begin(), v->end());
+    runs.push_back(yf);
+  }
+  SetBlasThreads(saved);
+  EXPECT_EQ(runs[0], runs[1]);
+}
+
 TEST(AttentionTest, IsCausal) {
   // Changing the last token of a sequence must not change any earlier output.
   const AttentionShape s{8, 2, 1, 4, 10000.0};
