@@ -190,6 +190,25 @@ void Attention<T>::EnsureRopeTable(std::int64_t seq) {
   rope_seq_ = seq;
 }
 
+namespace {
+
+// Sequence b's kv head g as a causal head: its keys and values at `kv` (rows kv_stride apart,
+// sequences kv_batch apart, keys before values); the caller sets each query head's q.
+template <typename T>
+CausalHead<T> KvGroupHead(const AttentionShape& s, const T* kv, std::int64_t kv_stride, std::int64_t kv_batch,
+                          std::int64_t b, std::int64_t g, std::int64_t seq, std::int64_t first) {
+  const std::int64_t dh = s.head_dim;
+  CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh};
+  head.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
+  head.k = kv + b * kv_batch + g * dh;
+  head.v = kv + b * kv_batch + (s.n_kv_heads + g) * dh;
+  head.k_stride = head.v_stride = kv_stride;
+  head.q_stride = s.qkv_width();
+  return head;
+}
+
+}  // namespace
+
 template <typename T>
 void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, const T* wqkv, const T* wout, T* y,
                            const QkNorm& qk_norm) {
@@ -207,7 +226,6 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   const std::int64_t kvw = 2 * nkv * dh;    // k and v of one position
   const std::int64_t n = batch * seq;
   const std::int64_t group = nq / nkv;
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
   qkv_.resize(static_cast<std::size_t>(n * w));
   lse_.resize(static_cast<std::size_t>(batch * nq * seq));
   ctx_.resize(static_cast<std::size_t>(n * c));
@@ -251,23 +269,22 @@ void Attention<T>::Forward(const T* x, std::int64_t batch, std::int64_t seq, con
   // One task per (sequence, kv head): its query heads one after another, on one thread, each
   // by query blocks (CausalHeadForward: never more than one block's scores per thread).
   CausalHeadTasks<T>(batch, nkv, [&](std::int64_t b, std::int64_t g, CausalHeadScratch<T>& scratch) {
-    CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
-    head.k = kv + b * kv_batch + g * dh;
-    head.v = kv + b * kv_batch + (nkv + g) * dh;
-    head.k_stride = head.v_stride = kv_stride;
-    head.q_stride = w;
+    CausalHead<T> head = KvGroupHead(s_, kv, kv_stride, kv_batch, b, g, seq, first);
     for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
       head.q = qkv_.data() + b * seq * w + h * dh;
       CausalHeadForward(head, ctx_.data() + b * seq * c + h * dh, c, lse_.data() + (b * nq + h) * seq, scratch);
     }
   });
   if (s_.output_gate) {  // each head's output × sigmoid(its gate), the gate columns after the queries
-    ungated_ = ctx_;
-    for (std::int64_t r = 0; r < n; ++r) {
-      const T* gate = qkv_.data() + r * w + c;
-      T* out = ctx_.data() + r * c;
-      for (std::int64_t j = 0; j < c; ++j) out[j] *= T(1) / (T(1) + std::exp(-gate[j]));
-    }
+    ungated_.resize(ctx_.size());
+    ParallelRows(n, c, [&](std::int64_t begin, std::int64_t end) {
+      std::copy(ctx_.data() + begin * c, ctx_.data() + end * c, ungated_.data() + begin * c);
+      for (std::int64_t r = begin; r < end; ++r) {
+        const T* gate = qkv_.data() + r * w + c;
+        T* out = ctx_.data() + r * c;
+        for (std::int64_t j = 0; j < c; ++j) out[j] *= T(1) / (T(1) + std::exp(-gate[j]));
+      }
+    });
   }
   Gemm<T>(Trans::kNo, Trans::kYes, n, d, c, T(1), ctx_.data(), c, wout, c, T(0), y, d);
 }
@@ -285,7 +302,6 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   const std::int64_t cp = par_->cp_size(), first = par_->cp_rank() * seq, total = cp * seq;
   const std::int64_t n = batch * seq;
   const std::int64_t group = nq / nkv;
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(dh)));
 
   std::vector<T> dctx(static_cast<std::size_t>(n * c));
   Gemm<T>(Trans::kNo, Trans::kNo, n, c, d, T(1), dy, d, wout, c, T(0), dctx.data(), c);
@@ -293,17 +309,19 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
 
   std::vector<T> dqkv(static_cast<std::size_t>(n * w), T(0));
   if (s_.output_gate) {  // out = o ⊙ σ(gate): dgate = dout ⊙ o ⊙ σ(1 − σ), do = dout ⊙ σ
-    for (std::int64_t r = 0; r < n; ++r) {
-      const T* gate = qkv_.data() + r * w + c;
-      const T* o = ungated_.data() + r * c;
-      T* dgate = dqkv.data() + r * w + c;
-      T* dc = dctx.data() + r * c;
-      for (std::int64_t j = 0; j < c; ++j) {
-        const T sg = T(1) / (T(1) + std::exp(-gate[j]));
-        dgate[j] = dc[j] * o[j] * sg * (T(1) - sg);
-        dc[j] *= sg;
+    ParallelRows(n, w, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t r = begin; r < end; ++r) {
+        const T* gate = qkv_.data() + r * w + c;
+        const T* o = ungated_.data() + r * c;
+        T* dgate = dqkv.data() + r * w + c;
+        T* dc = dctx.data() + r * c;
+        for (std::int64_t j = 0; j < c; ++j) {
+          const T sg = T(1) / (T(1) + std::exp(-gate[j]));
+          dgate[j] = dc[j] * o[j] * sg * (T(1) - sg);
+          dc[j] *= sg;
+        }
       }
-    }
+    });
   }
   // Key/value gradients of all positions: straight into dqkv, or (cp) into a buffer that is
   // reduce-scattered to the ranks that hold them.
@@ -323,11 +341,7 @@ void Attention<T>::Backward(const T* dy, const T* wqkv, const T* wout, T* dx, T*
   // values and each sums in a fixed order.
   const std::vector<T>& heads_out = s_.output_gate ? ungated_ : ctx_;  // O, each head's output
   CausalHeadTasks<T>(batch, nkv, [&](std::int64_t b, std::int64_t g, CausalHeadScratch<T>& scratch) {
-    CausalHead<T> head{.seq = seq, .first = first, .qk_dim = dh, .v_dim = dh, .scale = scale};
-    head.k = kv + b * kv_batch + g * dh;
-    head.v = kv + b * kv_batch + (nkv + g) * dh;
-    head.k_stride = head.v_stride = kv_stride;
-    head.q_stride = w;
+    CausalHead<T> head = KvGroupHead(s_, kv, kv_stride, kv_batch, b, g, seq, first);
     CausalHeadGrads<T> grads{.dk = dkv + b * kv_batch + g * dh, .dk_stride = kv_stride};
     grads.dv = dkv + b * kv_batch + (nkv + g) * dh;
     grads.dv_stride = kv_stride;
