@@ -4,12 +4,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
+#include <string>
 
 #include "core/arith.h"
 #include "core/check.h"
 #include "core/thread_pool.h"
+#include "train/blas_kernels.h"
+#include "train/sgemm_avx2.h"
 
 namespace rs::train {
 namespace {
@@ -122,14 +126,75 @@ void Split(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, c
   group.Wait();
 }
 
+// The float kernels: chosen once (FloatGemmKernels), changed only by SetFloatGemmKernels.
+class FloatKernelChoice {
+ public:
+  static FloatKernels Get() {
+    Init();
+    return static_cast<FloatKernels>(kernels_.load(std::memory_order_relaxed));
+  }
+  static void Set(FloatKernels k) {
+    Init();
+    RS_CHECK_MSG(k != FloatKernels::kAvx2 || Avx2SgemmAvailable(), "this CPU has no AVX2 + FMA for the own kernels");
+    kernels_.store(static_cast<int>(k), std::memory_order_relaxed);
+  }
+  static const std::string& Why() {
+    Init();
+    return why_;
+  }
+
+ private:
+  static void Init() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      const char* core_name = openblas_get_corename();
+      const std::string core = core_name != nullptr ? core_name : "unknown";
+      const bool avx2 = Avx2SgemmAvailable(), openblas_avx512 = CoreLevel(core) >= IsaLevel::kAvx512;
+      FloatKernels k = avx2 && !openblas_avx512 ? FloatKernels::kAvx2 : FloatKernels::kOpenBlas;
+      why_ = !avx2             ? "this CPU has no AVX2 + FMA"
+             : openblas_avx512 ? "OpenBLAS runs AVX-512 kernels (" + core + ")"
+                               : "this CPU has AVX2 + FMA and OpenBLAS runs " + core + " kernels";
+      const char* env = std::getenv("RESHARD_SGEMM");
+      const std::string want = env != nullptr ? env : "";
+      if (want == "openblas") {
+        k = FloatKernels::kOpenBlas;
+        why_ = "RESHARD_SGEMM=openblas";
+      } else if (want == "avx2" && avx2) {
+        k = FloatKernels::kAvx2;
+        why_ = "RESHARD_SGEMM=avx2";
+      } else if (!want.empty()) {
+        why_ += "; RESHARD_SGEMM=" + want + " ignored (openblas, or avx2 on a CPU with AVX2 + FMA)";
+      }
+      kernels_.store(static_cast<int>(k), std::memory_order_relaxed);
+    });
+  }
+  static inline std::atomic<int> kernels_{0};
+  static inline std::string why_;
+};
+
 }  // namespace
+
+FloatKernels FloatGemmKernels() { return FloatKernelChoice::Get(); }
+
+void SetFloatGemmKernels(FloatKernels kernels) { FloatKernelChoice::Set(kernels); }
+
+std::string FloatGemmKernelsReport() {
+  return std::string(FloatGemmKernels() == FloatKernels::kAvx2 ? "own AVX2+FMA kernels (train/sgemm_avx2.h)"
+                                                               : "OpenBLAS") +
+         ", chosen because " + FloatKernelChoice::Why();
+}
 
 template <>
 void Gemm<float>(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                  std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (Degenerate(m, n, k, beta, c, ldc)) return;
   Split(ta, tb, m, n, k, a, lda, b, ldb, c, ldc,
-        [&](std::int64_t bm, std::int64_t bn, const float* ba, const float* bb, float* bc) {
+        [&, own = FloatKernelChoice::Get() == FloatKernels::kAvx2](std::int64_t bm, std::int64_t bn, const float* ba,
+                                                                   const float* bb, float* bc) {
+          if (own) {
+            Avx2Sgemm(ta, tb, bm, bn, k, alpha, ba, lda, bb, ldb, beta, bc, ldc);
+            return;
+          }
           cblas_sgemm(CblasRowMajor, Op(ta), Op(tb), B(bm), B(bn), B(k), alpha, ba, Ld(lda), bb, Ld(ldb), beta, bc,
                       Ld(ldc));
         });

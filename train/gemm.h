@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/thread_pool.h"
@@ -20,6 +21,20 @@ enum class Trans : std::uint8_t { kNo, kYes };
 template <typename T>
 void Gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda,
           const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc);
+
+// Which kernels the float products run; double products (the references) always run OpenBLAS.
+//  - kOpenBlas: cblas_sgemm with the kernel set OpenBLAS chose (train/blas_kernels.h).
+//  - kAvx2: the training core's own AVX2 + FMA kernels (train/sgemm_avx2.h).
+// The default, fixed at the first product: kAvx2 when this CPU runs AVX2 + FMA and OpenBLAS's
+// kernels are not AVX-512 ones (those use twice the vector width), else kOpenBlas. The
+// environment variable RESHARD_SGEMM=openblas or =avx2 overrides it (avx2 only where the CPU
+// has it). Measured in README, "CPU speed".
+enum class FloatKernels : std::uint8_t { kOpenBlas, kAvx2 };
+FloatKernels FloatGemmKernels();
+// For tests and benchmarks: kAvx2 requires Avx2SgemmAvailable().
+void SetFloatGemmKernels(FloatKernels kernels);
+// "OpenBLAS" or "own AVX2+FMA", and why the default is what it is (for the kernel report).
+std::string FloatGemmKernelsReport();
 
 // Sets the compute threads (n >= 1): how many threads a product, and ParallelGemmTasks, use.
 // OpenBLAS itself always runs one thread; Gemm splits a large product into blocks of C's rows

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "train/rng.h"
+#include "train/sgemm_avx2.h"
 
 namespace rs::train {
 namespace {
@@ -68,10 +69,21 @@ std::vector<float> Multiply(const Case& t, const Operands& o) {
   return c;
 }
 
+// Every float kernel set this CPU runs: OpenBLAS, and the own AVX2 kernels where available.
+std::vector<FloatKernels> KernelSets() {
+  std::vector<FloatKernels> sets = {FloatKernels::kOpenBlas};
+  if (Avx2SgemmAvailable()) sets.push_back(FloatKernels::kAvx2);
+  return sets;
+}
+
 class GemmTest : public ::testing::Test {
  protected:
-  void TearDown() override { SetBlasThreads(saved_); }
+  void TearDown() override {
+    SetBlasThreads(saved_);
+    SetFloatGemmKernels(saved_kernels_);
+  }
   int saved_ = BlasThreads();
+  FloatKernels saved_kernels_ = FloatGemmKernels();
 };
 
 // Against a float64 triple loop: each element within a few float roundings of the sum of its
@@ -80,30 +92,33 @@ TEST_F(GemmTest, MatchesFloat64OnRandomShapes) {
   Rng rng(41);
   for (const int threads : {1, 2}) {
     SetBlasThreads(threads);
-    for (int trial = 0; trial < 60; ++trial) {
-      const Case t = RandomCase(rng, trial < 40 ? 40 : 300);
-      const Operands o = MakeOperands(t, rng);
-      const std::vector<float> c = Multiply(t, o);
-      for (std::int64_t i = 0; i < t.m; ++i) {
-        for (std::int64_t j = 0; j < t.ldc; ++j) {
-          const auto at = static_cast<std::size_t>(i * t.ldc + j);
-          if (j >= t.n) {
-            ASSERT_EQ(c[at], o.c0[at]) << "padding written at " << i << "," << j;
-            continue;
+    for (const FloatKernels kernels : KernelSets()) {
+      SetFloatGemmKernels(kernels);
+      for (int trial = 0; trial < 60; ++trial) {
+        const Case t = RandomCase(rng, trial < 40 ? 40 : 300);
+        const Operands o = MakeOperands(t, rng);
+        const std::vector<float> c = Multiply(t, o);
+        for (std::int64_t i = 0; i < t.m; ++i) {
+          for (std::int64_t j = 0; j < t.ldc; ++j) {
+            const auto at = static_cast<std::size_t>(i * t.ldc + j);
+            if (j >= t.n) {
+              ASSERT_EQ(c[at], o.c0[at]) << "padding written at " << i << "," << j;
+              continue;
+            }
+            double sum = 0, mag = 0;
+            for (std::int64_t p = 0; p < t.k; ++p) {
+              const double term =
+                  static_cast<double>(At(o.a, t.ta, t.lda, i, p)) * static_cast<double>(At(o.b, t.tb, t.ldb, p, j));
+              sum += term;
+              mag += std::abs(term);
+            }
+            const double alpha = t.alpha, beta = t.beta, c0 = o.c0[at];
+            const double want = alpha * sum + (beta == 0.0 ? 0.0 : beta * c0);
+            const double bound = 1e-6 * (std::abs(alpha) * mag * 4 + std::abs(beta * c0)) + 1e-30;
+            ASSERT_NEAR(static_cast<double>(c[at]), want, bound)
+                << "trial " << trial << " threads " << threads << " kernels " << static_cast<int>(kernels) << " m "
+                << t.m << " n " << t.n << " k " << t.k << " at " << i << "," << j;
           }
-          double sum = 0, mag = 0;
-          for (std::int64_t p = 0; p < t.k; ++p) {
-            const double term =
-                static_cast<double>(At(o.a, t.ta, t.lda, i, p)) * static_cast<double>(At(o.b, t.tb, t.ldb, p, j));
-            sum += term;
-            mag += std::abs(term);
-          }
-          const double alpha = t.alpha, beta = t.beta, c0 = o.c0[at];
-          const double want = alpha * sum + (beta == 0.0 ? 0.0 : beta * c0);
-          const double bound = 1e-6 * (std::abs(alpha) * mag * 4 + std::abs(beta * c0)) + 1e-30;
-          ASSERT_NEAR(static_cast<double>(c[at]), want, bound)
-              << "trial " << trial << " threads " << threads << " m " << t.m << " n " << t.n << " k " << t.k << " at "
-              << i << "," << j;
         }
       }
     }
@@ -124,23 +139,26 @@ TEST_F(GemmTest, SplitProductsAreTheOneThreadValuesAndReproducible) {
       {Trans::kNo, Trans::kYes, 33, 2003, 65, 65, 70, 2010, 1.0f, 1.0f},    // columns, odd n
       {Trans::kYes, Trans::kNo, 1001, 19, 333, 1003, 19, 20, 1.0f, 0.75f},
   };
-  Rng rng(5);
-  for (const Case& t : cases) {
-    const Operands o = MakeOperands(t, rng);
-    SetBlasThreads(1);
-    EXPECT_EQ(GemmSplitBlocks(t.m, t.n, t.k), 1);
-    const std::vector<float> one = Multiply(t, o);
-    SetBlasThreads(2);
-    EXPECT_EQ(GemmSplitBlocks(t.m, t.n, t.k), 2) << t.m << "x" << t.n << "x" << t.k;
-    const std::vector<float> two = Multiply(t, o);
-    ASSERT_EQ(one.size(), two.size());
-    for (std::size_t i = 0; i < one.size(); ++i) {
-      ASSERT_NEAR(one[i], two[i], 1e-5f * (1.0f + std::abs(one[i])))
-          << t.m << "x" << t.n << "x" << t.k << " element " << i;
-    }
-    for (int again = 0; again < 10; ++again) {
-      const std::vector<float> rerun = Multiply(t, o);
-      ASSERT_EQ(0, std::memcmp(rerun.data(), two.data(), two.size() * sizeof(float))) << "run " << again;
+  for (const FloatKernels kernels : KernelSets()) {
+    SetFloatGemmKernels(kernels);
+    Rng rng(5);
+    for (const Case& t : cases) {
+      const Operands o = MakeOperands(t, rng);
+      SetBlasThreads(1);
+      EXPECT_EQ(GemmSplitBlocks(t.m, t.n, t.k), 1);
+      const std::vector<float> one = Multiply(t, o);
+      SetBlasThreads(2);
+      EXPECT_EQ(GemmSplitBlocks(t.m, t.n, t.k), 2) << t.m << "x" << t.n << "x" << t.k;
+      const std::vector<float> two = Multiply(t, o);
+      ASSERT_EQ(one.size(), two.size());
+      for (std::size_t i = 0; i < one.size(); ++i) {
+        ASSERT_NEAR(one[i], two[i], 1e-5f * (1.0f + std::abs(one[i])))
+            << t.m << "x" << t.n << "x" << t.k << " element " << i;
+      }
+      for (int again = 0; again < 10; ++again) {
+        const std::vector<float> rerun = Multiply(t, o);
+        ASSERT_EQ(0, std::memcmp(rerun.data(), two.data(), two.size() * sizeof(float))) << "run " << again;
+      }
     }
   }
 }
