@@ -128,10 +128,12 @@ BlasReport DescribeBlasKernels() {
   }
   const int threads = BlasThreads();
   r.line += "; " + std::to_string(threads) + " compute thread" + (threads == 1 ? "" : "s") +
-            " (products split into blocks by train::Gemm, one single-threaded OpenBLAS call each)";
+            " (products split into blocks by train::Gemm, one single-threaded call each); float products: " +
+            FloatGemmKernelsReport();
   if (level < cpu) {
     r.warning = "warning: the GEMM kernels are for " + std::string(IsaLevelName(level)) + " on a CPU with " +
                 std::string(IsaLevelName(cpu)) + ": matrix products may run several times slower than this CPU allows";
+    if (FloatGemmKernels() == FloatKernels::kAvx2) r.warning += " (the float products run the own AVX2+FMA kernels)";
     if (!user.empty() && fallback.empty()) {
       r.warning += " (OPENBLAS_CORETYPE=" + user + " was set; unset it to let reshard choose)";
     } else if (level >= IsaLevel::kAvx2) {

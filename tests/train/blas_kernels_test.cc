@@ -4,11 +4,13 @@
 // fallback, since this machine's OpenBLAS may well recognise its CPU.
 #include "train/blas_kernels.h"
 
+#include <cblas.h>
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "tests/cli/cli_test_util.h"
+#include "train/sgemm_avx2.h"
 
 namespace rs::train {
 namespace {
@@ -75,6 +77,22 @@ TEST(BlasKernels, TrainReportsAndFixesAFallback) {
                         " train --model tiny-moe --steps 1 --batch-size 2 --threads 3");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("; 3 compute threads (products split into blocks by train::Gemm"), std::string::npos)
+      << r.output;
+  // Which kernels the float products run, and why; RESHARD_SGEMM chooses.
+  const bool own = Avx2SgemmAvailable() && CoreLevel(openblas_get_corename()) < IsaLevel::kAvx512;
+  EXPECT_NE(r.output.find(own ? "float products: own AVX2+FMA kernels (train/sgemm_avx2.h), chosen because this CPU"
+                              : "float products: OpenBLAS, chosen because"),
+            std::string::npos)
+      << r.output;
+  r = testing::RunShell("env -u OPENBLAS_CORETYPE -u RESHARD_TEST_OPENBLAS_CORE RESHARD_SGEMM=openblas " +
+                        std::string(RS_CLI) + train);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("float products: OpenBLAS, chosen because RESHARD_SGEMM=openblas"), std::string::npos)
+      << r.output;
+  r = testing::RunShell("env -u OPENBLAS_CORETYPE -u RESHARD_TEST_OPENBLAS_CORE RESHARD_SGEMM=fast " +
+                        std::string(RS_CLI) + train);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("RESHARD_SGEMM=fast ignored (openblas, or avx2 on a CPU with AVX2 + FMA)"), std::string::npos)
       << r.output;
 }
 
