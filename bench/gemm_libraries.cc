@@ -1,5 +1,7 @@
-// Benchmark: single-precision GEMM of three libraries side by side in one run, on the shapes
-// the training core multiplies – OpenBLAS (what `reshard` links, with the kernel set
+// Benchmark: single-precision GEMM of three libraries and the training core's own AVX2 + FMA
+// kernels (train/sgemm_avx2.h, where the CPU has them; split over threads by train::Gemm like
+// OpenBLAS) side by side in one run, alternating, on the shapes the training core multiplies –
+// OpenBLAS (what `reshard` links, with the kernel set
 // train/blas_kernels.h selects; both as train::Gemm runs it, one OpenBLAS thread per block of C
 // with the blocks on the shared pool, and with OpenBLAS splitting each product itself), BLIS (Debian's
 // libblis4-pthread, which picks its kernels from the CPU's features at run time) and oneDNN (Debian's libdnnl2,
@@ -7,7 +9,7 @@
 // its own BLAS and not the OpenBLAS symbols of this process); a library that is not installed is left out. Each product
 // is also checked against a float64 reference on the same inputs.
 //
-//   bench_gemm_libraries [reps]   default 5 (best of reps per shape, library and thread count)
+//   bench_gemm_libraries [reps]   default 5 (best of reps alternating rounds per shape and thread count)
 //
 // Install the other two with: apt-get install libblis4-pthread libdnnl2
 #include <dlfcn.h>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "bench/train_bench_util.h"
+#include "train/sgemm_avx2.h"
 
 namespace {
 
@@ -65,9 +68,21 @@ std::vector<Library> Libraries() {
   std::vector<Library> libs;
   libs.push_back({"OpenBLAS, train::Gemm",
                   [](const Shape& s, const float* a, const float* b, float* c) {
+                    rs::train::SetFloatGemmKernels(rs::train::FloatKernels::kOpenBlas);
                     rs::train::Gemm<float>(s.ta, s.tb, s.m, s.n, s.k, 1.0f, a, Lda(s), b, Ldb(s), 0.0f, c, s.n);
                   },
                   [](int n) { rs::train::SetBlasThreads(n); }});
+  // The training core's own AVX2 + FMA kernels (train/sgemm_avx2.h), split the same way.
+  if (rs::train::Avx2SgemmAvailable()) {
+    libs.push_back({"own AVX2, train::Gemm",
+                    [](const Shape& s, const float* a, const float* b, float* c) {
+                      rs::train::SetFloatGemmKernels(rs::train::FloatKernels::kAvx2);
+                      rs::train::Gemm<float>(s.ta, s.tb, s.m, s.n, s.k, 1.0f, a, Lda(s), b, Ldb(s), 0.0f, c, s.n);
+                    },
+                    [](int n) { rs::train::SetBlasThreads(n); }});
+  } else {
+    std::printf("this CPU has no AVX2 + FMA: the own kernels are left out\n");
+  }
   // The same OpenBLAS splitting each product over its own workers (cblas_sgemm called directly,
   // as a program that leaves threading to OpenBLAS does): what train::Gemm replaced.
   static int own_threads = 1;
@@ -99,7 +114,10 @@ std::vector<Library> Libraries() {
   } else {
     std::printf("BLIS not installed (apt-get install libblis4-pthread): left out\n");
   }
-  // oneDNN: dnnl_sgemm is row-major; threads are OpenMP's.
+  // oneDNN: dnnl_sgemm is row-major; threads are OpenMP's. Their workers would spin after each
+  // product on the cores the next library's product needs (the libraries alternate): passive
+  // waiting, set before libgomp is loaded (it reads the variable then), unless the user chose.
+  ::setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
   if (void* h = ::dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND)) {
     using DnnlSgemm = int (*)(char, char, std::int64_t, std::int64_t, std::int64_t, float, const float*, std::int64_t,
                               const float*, std::int64_t, float, float*, std::int64_t);
@@ -156,7 +174,8 @@ int main(int argc, char** argv) {
   const rs::bench::BenchArgs args(
       argc, argv,
       "bench_gemm_libraries [reps]   default 5\n"
-      "sgemm of OpenBLAS, BLIS and oneDNN on the training core's shapes, 1 and 2 threads, checked in float64.");
+      "sgemm of OpenBLAS, the own AVX2 kernels, BLIS and oneDNN on the training core's shapes, 1 and 2\n"
+      "threads, alternating, checked in float64.");
   const int reps = static_cast<int>(args.Int(1, "reps", 5));
   const std::vector<Library> libs = Libraries();
   // The FMA peak: 2 FMA units per core (Skylake-SP Gold/Platinum and later Xeons, Zen 2 and
@@ -178,7 +197,7 @@ int main(int argc, char** argv) {
   rs::train::Rng rng(11);
   std::printf("%-38s %3s", "shape (m x n x k)", "thr");
   for (const Library& l : libs) std::printf(" | %22s", l.name.c_str());
-  std::printf(" | train::Gemm / FMA peak\n");
+  std::printf(" | FMA peak: OpenBLAS / own\n");
   for (const Shape& s : kShapes) {
     const std::int64_t a_items = s.m * s.k, b_items = s.k * s.n, c_items = s.m * s.n;
     std::vector<float> a(static_cast<std::size_t>(a_items)), b(static_cast<std::size_t>(b_items)),
@@ -193,20 +212,35 @@ int main(int argc, char** argv) {
     const double flops = 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
     for (const int threads : {1, 2}) {
       std::printf("%-38s %3d", s.name, threads);
-      double base = 0;
+      // The libraries alternate, one call each per round (a round's noise hits them all), best
+      // of `reps` rounds after a warm-up round.
+      std::vector<double> best(libs.size(), 1e30);
+      for (int round = 0; round <= reps; ++round) {
+        for (std::size_t li = 0; li < libs.size(); ++li) {
+          libs[li].set_threads(threads);
+          const double start = rs::bench::Now();
+          libs[li].gemm(s, a.data(), b.data(), c.data());
+          if (round > 0) best[li] = std::min(best[li], rs::bench::Now() - start);
+        }
+      }
+      double base = 0, own = 0;
       for (std::size_t li = 0; li < libs.size(); ++li) {
         const Library& l = libs[li];
         l.set_threads(threads);
-        const double seconds = rs::bench::BestSeconds(reps, [&] { l.gemm(s, a.data(), b.data(), c.data()); });
+        l.gemm(s, a.data(), b.data(), c.data());
         double err = 0;
         for (std::size_t i = 0; i < c.size(); ++i) err = std::max(err, std::abs(static_cast<double>(c[i]) - ref[i]));
-        const double gflops = flops / seconds * 1e-9;
+        const double gflops = flops / best[li] * 1e-9;
         if (li == 0) base = gflops;
+        if (l.name.starts_with("own")) own = gflops;
         std::printf(" | %6.1f GF/s %5.2fx e%-5.0e", gflops, gflops / base, err / ref_max);
       }
-      std::printf(" | %5.1f%%\n", 100.0 * base / fma_peak(threads));
+      std::printf(" | %5.1f%% / %5.1f%%\n", 100.0 * base / fma_peak(threads), 100.0 * own / fma_peak(threads));
     }
   }
-  std::printf("GF/s: best of %d; x: against OpenBLAS at the same thread count; e: max |C - C64| / max |C64|\n", reps);
+  std::printf(
+      "GF/s: best of %d alternating rounds; x: against OpenBLAS at the same thread count; e: max |C - C64| / max "
+      "|C64|\n",
+      reps);
   return 0;
 }

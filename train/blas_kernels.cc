@@ -133,7 +133,11 @@ BlasReport DescribeBlasKernels() {
   if (level < cpu) {
     r.warning = "warning: the GEMM kernels are for " + std::string(IsaLevelName(level)) + " on a CPU with " +
                 std::string(IsaLevelName(cpu)) + ": matrix products may run several times slower than this CPU allows";
-    if (FloatGemmKernels() == FloatKernels::kAvx2) r.warning += " (the float products run the own AVX2+FMA kernels)";
+    if (FloatGemmKernels() == FloatKernels::kAvx2) {
+      r.warning += " (the float products run the own AVX2+FMA kernels)";
+    } else if (FloatGemmKernels() == FloatKernels::kAvx2Small) {
+      r.warning += " (the small float products run the own AVX2+FMA kernels)";
+    }
     if (!user.empty() && fallback.empty()) {
       r.warning += " (OPENBLAS_CORETYPE=" + user + " was set; unset it to let reshard choose)";
     } else if (level >= IsaLevel::kAvx2) {

@@ -135,7 +135,8 @@ class FloatKernelChoice {
   }
   static void Set(FloatKernels k) {
     Init();
-    RS_CHECK_MSG(k != FloatKernels::kAvx2 || Avx2SgemmAvailable(), "this CPU has no AVX2 + FMA for the own kernels");
+    RS_CHECK_MSG(k == FloatKernels::kOpenBlas || Avx2SgemmAvailable(),
+                 "this CPU has no AVX2 + FMA for the own kernels");
     kernels_.store(static_cast<int>(k), std::memory_order_relaxed);
   }
   static const std::string& Why() {
@@ -150,7 +151,7 @@ class FloatKernelChoice {
       const char* core_name = openblas_get_corename();
       const std::string core = core_name != nullptr ? core_name : "unknown";
       const bool avx2 = Avx2SgemmAvailable(), openblas_avx512 = CoreLevel(core) >= IsaLevel::kAvx512;
-      FloatKernels k = avx2 && !openblas_avx512 ? FloatKernels::kAvx2 : FloatKernels::kOpenBlas;
+      FloatKernels k = avx2 && !openblas_avx512 ? FloatKernels::kAvx2Small : FloatKernels::kOpenBlas;
       why_ = !avx2             ? "this CPU has no AVX2 + FMA"
              : openblas_avx512 ? "OpenBLAS runs AVX-512 kernels (" + core + ")"
                                : "this CPU has AVX2 + FMA and OpenBLAS runs " + core + " kernels";
@@ -159,11 +160,11 @@ class FloatKernelChoice {
       if (want == "openblas") {
         k = FloatKernels::kOpenBlas;
         why_ = "RESHARD_SGEMM=openblas";
-      } else if (want == "avx2" && avx2) {
-        k = FloatKernels::kAvx2;
-        why_ = "RESHARD_SGEMM=avx2";
+      } else if ((want == "avx2" || want == "avx2-small") && avx2) {
+        k = want == "avx2" ? FloatKernels::kAvx2 : FloatKernels::kAvx2Small;
+        why_ = "RESHARD_SGEMM=" + want;
       } else if (!want.empty()) {
-        why_ += "; RESHARD_SGEMM=" + want + " ignored (openblas, or avx2 on a CPU with AVX2 + FMA)";
+        why_ += "; RESHARD_SGEMM=" + want + " ignored (openblas, or avx2 / avx2-small on a CPU with AVX2 + FMA)";
       }
       kernels_.store(static_cast<int>(k), std::memory_order_relaxed);
     });
@@ -172,6 +173,12 @@ class FloatKernelChoice {
   static inline std::string why_;
 };
 
+// Whether an m x n x k float product runs the own kernels (the whole product decides, not a
+// block of it, so that every block of a split runs the same kernels).
+bool OwnKernels(FloatKernels k, std::int64_t m, std::int64_t kdim) {
+  return k == FloatKernels::kAvx2 || (k == FloatKernels::kAvx2Small && std::min(m, kdim) <= kAvx2SmallDim);
+}
+
 }  // namespace
 
 FloatKernels FloatGemmKernels() { return FloatKernelChoice::Get(); }
@@ -179,9 +186,13 @@ FloatKernels FloatGemmKernels() { return FloatKernelChoice::Get(); }
 void SetFloatGemmKernels(FloatKernels kernels) { FloatKernelChoice::Set(kernels); }
 
 std::string FloatGemmKernelsReport() {
-  return std::string(FloatGemmKernels() == FloatKernels::kAvx2 ? "own AVX2+FMA kernels (train/sgemm_avx2.h)"
-                                                               : "OpenBLAS") +
-         ", chosen because " + FloatKernelChoice::Why();
+  const FloatKernels k = FloatGemmKernels();
+  const std::string what = k == FloatKernels::kAvx2 ? "own AVX2+FMA kernels (train/sgemm_avx2.h)"
+                           : k == FloatKernels::kAvx2Small
+                               ? "own AVX2+FMA kernels (train/sgemm_avx2.h) for products with at most " +
+                                     std::to_string(kAvx2SmallDim) + " rows or terms per sum, OpenBLAS for the others"
+                               : "OpenBLAS";
+  return what + ", chosen because " + FloatKernelChoice::Why();
 }
 
 template <>
@@ -189,8 +200,8 @@ void Gemm<float>(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_
                  std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (Degenerate(m, n, k, beta, c, ldc)) return;
   Split(ta, tb, m, n, k, a, lda, b, ldb, c, ldc,
-        [&, own = FloatKernelChoice::Get() == FloatKernels::kAvx2](std::int64_t bm, std::int64_t bn, const float* ba,
-                                                                   const float* bb, float* bc) {
+        [&, own = OwnKernels(FloatKernelChoice::Get(), m, k)](std::int64_t bm, std::int64_t bn, const float* ba,
+                                                              const float* bb, float* bc) {
           if (own) {
             Avx2Sgemm(ta, tb, bm, bn, k, alpha, ba, lda, bb, ldb, beta, bc, ldc);
             return;

@@ -24,16 +24,22 @@ void Gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T 
 
 // Which kernels the float products run; double products (the references) always run OpenBLAS.
 //  - kOpenBlas: cblas_sgemm with the kernel set OpenBLAS chose (train/blas_kernels.h).
-//  - kAvx2: the training core's own AVX2 + FMA kernels (train/sgemm_avx2.h).
-// The default, fixed at the first product: kAvx2 when this CPU runs AVX2 + FMA and OpenBLAS's
-// kernels are not AVX-512 ones (those use twice the vector width), else kOpenBlas. The
-// environment variable RESHARD_SGEMM=openblas or =avx2 overrides it (avx2 only where the CPU
-// has it). Measured in README, "CPU speed".
-enum class FloatKernels : std::uint8_t { kOpenBlas, kAvx2 };
+//  - kAvx2: every float product on the training core's own AVX2 + FMA kernels
+//    (train/sgemm_avx2.h).
+//  - kAvx2Small: the own kernels for products with at most kAvx2SmallDim rows or terms per sum
+//    (min(m, k) <= 128: few-token experts, attention's blocks, the gated delta rule's chunks),
+//    where they measured 1.1–1.4x OpenBLAS; OpenBLAS for the large ones, where the two are
+//    within a few percent and OpenBLAS is ahead on the largest (README, "CPU speed").
+// The default, fixed at the first product: kAvx2Small when this CPU runs AVX2 + FMA and
+// OpenBLAS's kernels are not AVX-512 ones (those use twice the vector width), else kOpenBlas.
+// The environment variable RESHARD_SGEMM=openblas, =avx2 or =avx2-small overrides it (the
+// last two only where the CPU has AVX2 + FMA).
+enum class FloatKernels : std::uint8_t { kOpenBlas, kAvx2, kAvx2Small };
+inline constexpr std::int64_t kAvx2SmallDim = 128;
 FloatKernels FloatGemmKernels();
-// For tests and benchmarks: kAvx2 requires Avx2SgemmAvailable().
+// For tests and benchmarks: kAvx2 and kAvx2Small require Avx2SgemmAvailable().
 void SetFloatGemmKernels(FloatKernels kernels);
-// "OpenBLAS" or "own AVX2+FMA", and why the default is what it is (for the kernel report).
+// Which kernels run the float products and why the default is what it is (the kernel report).
 std::string FloatGemmKernelsReport();
 
 // Sets the compute threads (n >= 1): how many threads a product, and ParallelGemmTasks, use.

@@ -80,7 +80,8 @@ TEST(BlasKernels, TrainReportsAndFixesAFallback) {
       << r.output;
   // Which kernels the float products run, and why; RESHARD_SGEMM chooses.
   const bool own = Avx2SgemmAvailable() && CoreLevel(openblas_get_corename()) < IsaLevel::kAvx512;
-  EXPECT_NE(r.output.find(own ? "float products: own AVX2+FMA kernels (train/sgemm_avx2.h), chosen because this CPU"
+  EXPECT_NE(r.output.find(own ? "float products: own AVX2+FMA kernels (train/sgemm_avx2.h) for products with at most "
+                                "128 rows or terms per sum, OpenBLAS for the others, chosen because this CPU"
                               : "float products: OpenBLAS, chosen because"),
             std::string::npos)
       << r.output;
@@ -92,7 +93,8 @@ TEST(BlasKernels, TrainReportsAndFixesAFallback) {
   r = testing::RunShell("env -u OPENBLAS_CORETYPE -u RESHARD_TEST_OPENBLAS_CORE RESHARD_SGEMM=fast " +
                         std::string(RS_CLI) + train);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("RESHARD_SGEMM=fast ignored (openblas, or avx2 on a CPU with AVX2 + FMA)"), std::string::npos)
+  EXPECT_NE(r.output.find("RESHARD_SGEMM=fast ignored (openblas, or avx2 / avx2-small on a CPU with AVX2 + FMA)"),
+            std::string::npos)
       << r.output;
 }
 

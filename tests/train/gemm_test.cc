@@ -72,7 +72,10 @@ std::vector<float> Multiply(const Case& t, const Operands& o) {
 // Every float kernel set this CPU runs: OpenBLAS, and the own AVX2 kernels where available.
 std::vector<FloatKernels> KernelSets() {
   std::vector<FloatKernels> sets = {FloatKernels::kOpenBlas};
-  if (Avx2SgemmAvailable()) sets.push_back(FloatKernels::kAvx2);
+  if (Avx2SgemmAvailable()) {
+    sets.push_back(FloatKernels::kAvx2);
+    sets.push_back(FloatKernels::kAvx2Small);  // both kernels, by the product's shape
+  }
   return sets;
 }
 
