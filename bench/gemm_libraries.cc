@@ -48,6 +48,10 @@ const std::vector<Shape> kShapes = {
     {"small expert fwd (64 rows)", 64, 1024, 512, Trans::kNo, Trans::kYes},
     {"small expert dW  (64 rows)", 1024, 512, 64, Trans::kYes, Trans::kNo},
     {"attention QK^T   (S 256, dh 64)", 256, 256, 64, Trans::kNo, Trans::kYes},
+    {"attn block Q.K^T (64 q x 1024 keys)", 64, 1024, 64, Trans::kNo, Trans::kYes},
+    {"attn block P.V   (64 q x 1024 keys)", 64, 64, 1024, Trans::kNo, Trans::kNo},
+    {"attn block dK    dS^T.Q (1024 keys)", 1024, 64, 64, Trans::kYes, Trans::kNo},
+    {"delta rule chunk (64 x 64 x 64)", 64, 64, 64, Trans::kNo, Trans::kYes},
     {"output logits    (2048 x 512 -> 256)", 2048, 256, 512, Trans::kNo, Trans::kYes},
     {"square 2048", 2048, 2048, 2048, Trans::kNo, Trans::kNo},
 };

@@ -27,7 +27,7 @@ bool Avx2SgemmAvailable();
 // Avx2SgemmAvailable(). Every element of C sums its k products in the same order on every
 // call with the same shape and transposes: the same bits on every run. Packing buffers are
 // per thread, allocated at the first product and grown to the largest (at most 256 x 4096
-// floats for B and 144 x 256 for A, plus 128 x k for the few-row form when k <= 8192).
+// floats for B and 144 x 256 for A, plus 128 x k for the few-row form when 256 <= k <= 8192).
 void Avx2Sgemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);
 

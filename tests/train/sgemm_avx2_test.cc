@@ -1,6 +1,6 @@
 // train/sgemm_avx2.h, called directly: every blocking boundary of the packed form (k blocks of
 // 256 and the short-k order, row blocks of 144, column blocks of 4096, 6 x 16 tiles and their
-// edges) and of the few-row form (C = A·Bᵀ with up to 128 rows, k up to 8192), in all four
+// edges) and of the few-row form (C = A·Bᵀ with up to 128 rows, k from 256 to 8192), in all four
 // transposes, with padded leading dimensions, alpha and beta – against a float64 triple loop;
 // C not read when beta is 0, A and B not read when alpha is 0; the same bits on every call; and
 // within float rounding of OpenBLAS. Skipped on CPUs without AVX2 + FMA.
@@ -115,6 +115,8 @@ TEST_F(Avx2SgemmTest, EveryBlockingBoundaryMatchesFloat64) {
       {Trans::kNo, Trans::kNo, 13, 29, 513, 1.0f, -0.5f},   // three k blocks, the last of one
       {Trans::kNo, Trans::kNo, 129, 70, 300, 2.0f, 0.0f},   // 129 rows: not the few-row form
       {Trans::kNo, Trans::kNo, 128, 61, 600, 1.0f, 1.0f},   // 128 rows: the few-row form (NT), 3 k blocks
+      {Trans::kNo, Trans::kNo, 100, 50, 255, 1.0f, 0.0f},   // k 255: too short for the few-row form
+      {Trans::kNo, Trans::kNo, 100, 50, 256, 1.0f, 0.0f},   // k 256: the few-row form, one k block
       {Trans::kNo, Trans::kNo, 3, 4100, 20, 1.0f, 0.5f},    // two column blocks (4096 + 4)
       {Trans::kNo, Trans::kNo, 5, 7, 8200, 1.0f, 0.0f},     // few rows but k > 8192: packed form
   };
