@@ -95,97 +95,71 @@ inline void Transpose8x8(__m256& r0, __m256& r1, __m256& r2, __m256& r3, __m256&
   r7 = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// Packs op(A)[i0 : i0+mc, p0 : p0+kc] as panels of kMr rows, each laid out [kc][kMr] (rows past
-// mc are zeros). ta kNo: A is [m][k] with row stride lda; kYes: A is [k][m].
-void PackA(Trans ta, const float* a, std::int64_t lda, std::int64_t i0, std::int64_t p0, std::int64_t mc,
-           std::int64_t kc, float* dst_all) {
-  for (std::int64_t ir = 0; ir < mc; ir += kMr) {
-    const std::int64_t mr = std::min(kMr, mc - ir);
-    float* dst = dst_all + ir * kc;
-    if (ta == Trans::kNo) {
-      const float* src = a + (i0 + ir) * lda + p0;
-      std::int64_t p = 0;
-      if (mr == kMr) {  // 8 k at a time: six rows and two zero rows transposed, stored 8 wide in order
-        const float *s0 = src, *s1 = src + lda, *s2 = src + 2 * lda, *s3 = src + 3 * lda, *s4 = src + 4 * lda,
-                    *s5 = src + 5 * lda;
+// Loads Rows <= 8 rows of 8 floats, `stride` apart (zeros in place of the others), and stores
+// their 8 columns at dst, dst + dst_stride, ... – 8 wide, so with dst_stride below 8 each
+// store's tail is overwritten by the next, in order.
+template <int Rows>
+__attribute__((always_inline)) inline void TransposeStore8(const float* src, std::int64_t stride, float* dst,
+                                                           std::int64_t dst_stride) {
+  __m256 r[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) r[i] = i < Rows ? _mm256_loadu_ps(src + i * stride) : _mm256_setzero_ps();
+  Transpose8x8(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) _mm256_storeu_ps(dst + q * dst_stride, r[q]);
+}
+
+// Packs `count` rows (A) or columns (B) of an operand, from `first` on, over k in [p0, p0 + kc),
+// as panels of W, each laid out [kc][W] (entries past `count` are zeros). k_contiguous: entry e
+// at k index p is x[(first + e) · ld + p] (A as stored, or B transposed: transposed 8 x 8 at a
+// time); else x[p · ld + first + e] (A transposed, or B as stored: copied).
+template <int W>
+void PackPanels(bool k_contiguous, const float* x, std::int64_t ld, std::int64_t first, std::int64_t p0,
+                std::int64_t count, std::int64_t kc, float* dst_all) {
+  for (std::int64_t e0 = 0; e0 < count; e0 += W) {
+    const std::int64_t width = std::min<std::int64_t>(W, count - e0);
+    float* dst = dst_all + e0 * kc;
+    std::int64_t p = 0;
+    if (k_contiguous) {
+      const float* src = x + (first + e0) * ld + p0;
+      if (width == W) {
         for (; p + 8 <= kc; p += 8) {
-          __m256 r0 = _mm256_loadu_ps(s0 + p), r1 = _mm256_loadu_ps(s1 + p), r2 = _mm256_loadu_ps(s2 + p);
-          __m256 r3 = _mm256_loadu_ps(s3 + p), r4 = _mm256_loadu_ps(s4 + p), r5 = _mm256_loadu_ps(s5 + p);
-          __m256 r6 = _mm256_setzero_ps(), r7 = _mm256_setzero_ps();
-          Transpose8x8(r0, r1, r2, r3, r4, r5, r6, r7);
-          float* d = dst + p * kMr;  // each store's last two values are overwritten by the next
-          _mm256_storeu_ps(d + 0 * kMr, r0);
-          _mm256_storeu_ps(d + 1 * kMr, r1);
-          _mm256_storeu_ps(d + 2 * kMr, r2);
-          _mm256_storeu_ps(d + 3 * kMr, r3);
-          _mm256_storeu_ps(d + 4 * kMr, r4);
-          _mm256_storeu_ps(d + 5 * kMr, r5);
-          _mm256_storeu_ps(d + 6 * kMr, r6);
-          _mm256_storeu_ps(d + 7 * kMr, r7);
+#pragma GCC unroll 2
+          for (int h = 0; h < W; h += 8) {
+            if (W - h >= 8) {
+              TransposeStore8<8>(src + h * ld + p, ld, dst + p * W + h, W);
+            } else {
+              TransposeStore8<W % 8>(src + h * ld + p, ld, dst + p * W + h, W);
+            }
+          }
         }
       }
       for (; p < kc; ++p) {
-        for (std::int64_t r = 0; r < kMr; ++r) dst[p * kMr + r] = r < mr ? src[r * lda + p] : 0.0f;
+        for (std::int64_t e = 0; e < W; ++e) dst[p * W + e] = e < width ? src[e * ld + p] : 0.0f;
       }
     } else {
-      const float* src = a + p0 * lda + i0 + ir;
-      for (std::int64_t p = 0; p < kc; ++p) {
-        if (mr == kMr) {
-          std::memcpy(dst + p * kMr, src + p * lda, kMr * sizeof(float));
+      const float* src = x + p0 * ld + first + e0;
+      for (; p < kc; ++p) {
+        if (width == W) {
+          std::memcpy(dst + p * W, src + p * ld, W * sizeof(float));
         } else {
-          for (std::int64_t r = 0; r < kMr; ++r) dst[p * kMr + r] = r < mr ? src[p * lda + r] : 0.0f;
+          for (std::int64_t e = 0; e < W; ++e) dst[p * W + e] = e < width ? src[p * ld + e] : 0.0f;
         }
       }
     }
   }
 }
 
-// Packs op(B)[p0 : p0+kc, j0 : j0+nc] as panels of kNr columns, each laid out [kc][kNr] (columns
-// past nc are zeros). tb kNo: B is [k][n] with row stride ldb; kYes: B is [n][k].
+// op(A)[i0 : i0+mc, p0 : p0+kc] as panels of kMr rows; ta kNo: A is [m][k], kYes: [k][m].
+void PackA(Trans ta, const float* a, std::int64_t lda, std::int64_t i0, std::int64_t p0, std::int64_t mc,
+           std::int64_t kc, float* dst) {
+  PackPanels<kMr>(ta == Trans::kNo, a, lda, i0, p0, mc, kc, dst);
+}
+
+// op(B)[p0 : p0+kc, j0 : j0+nc] as panels of kNr columns; tb kNo: B is [k][n], kYes: [n][k].
 void PackB(Trans tb, const float* b, std::int64_t ldb, std::int64_t p0, std::int64_t j0, std::int64_t kc,
-           std::int64_t nc, float* dst_all) {
-  for (std::int64_t jr = 0; jr < nc; jr += kNr) {
-    const std::int64_t nr = std::min(kNr, nc - jr);
-    float* dst = dst_all + jr * kc;
-    if (tb == Trans::kNo) {
-      const float* src = b + p0 * ldb + j0 + jr;
-      for (std::int64_t p = 0; p < kc; ++p) {
-        if (nr == kNr) {
-          _mm256_store_ps(dst + p * kNr, _mm256_loadu_ps(src + p * ldb));
-          _mm256_store_ps(dst + p * kNr + 8, _mm256_loadu_ps(src + p * ldb + 8));
-        } else {
-          for (std::int64_t j = 0; j < kNr; ++j) dst[p * kNr + j] = j < nr ? src[p * ldb + j] : 0.0f;
-        }
-      }
-    } else {
-      const float* src = b + (j0 + jr) * ldb + p0;
-      std::int64_t p = 0;
-      if (nr == kNr) {  // two 8 x 8 transposes per 8 k
-        for (; p + 8 <= kc; p += 8) {
-          for (std::int64_t h = 0; h < 2; ++h) {
-            const float* s = src + 8 * h * ldb + p;
-            __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + ldb), r2 = _mm256_loadu_ps(s + 2 * ldb);
-            __m256 r3 = _mm256_loadu_ps(s + 3 * ldb), r4 = _mm256_loadu_ps(s + 4 * ldb);
-            __m256 r5 = _mm256_loadu_ps(s + 5 * ldb), r6 = _mm256_loadu_ps(s + 6 * ldb);
-            __m256 r7 = _mm256_loadu_ps(s + 7 * ldb);
-            Transpose8x8(r0, r1, r2, r3, r4, r5, r6, r7);
-            float* d = dst + p * kNr + 8 * h;
-            _mm256_store_ps(d + 0 * kNr, r0);
-            _mm256_store_ps(d + 1 * kNr, r1);
-            _mm256_store_ps(d + 2 * kNr, r2);
-            _mm256_store_ps(d + 3 * kNr, r3);
-            _mm256_store_ps(d + 4 * kNr, r4);
-            _mm256_store_ps(d + 5 * kNr, r5);
-            _mm256_store_ps(d + 6 * kNr, r6);
-            _mm256_store_ps(d + 7 * kNr, r7);
-          }
-        }
-      }
-      for (; p < kc; ++p) {
-        for (std::int64_t j = 0; j < kNr; ++j) dst[p * kNr + j] = j < nr ? src[j * ldb + p] : 0.0f;
-      }
-    }
-  }
+           std::int64_t nc, float* dst) {
+  PackPanels<kNr>(tb == Trans::kYes, b, ldb, j0, p0, nc, kc, dst);
 }
 
 // Stores alpha · acc into 8 values of C: C = alpha · acc + beta · C, C not read when beta is 0.
@@ -229,26 +203,10 @@ __attribute__((always_inline)) inline void Tile(std::int64_t kc, const float* __
 __attribute__((noinline)) void EdgeTile(std::int64_t mr, std::int64_t nr, std::int64_t kc, const float* a,
                                         const float* b, float* c, std::int64_t ldc, float alpha, float beta) {
   if (nr == kNr) {
-    switch (mr) {
-      case 5:
-        Tile<5>(kc, a, b, c, ldc, alpha, beta);
-        return;
-      case 4:
-        Tile<4>(kc, a, b, c, ldc, alpha, beta);
-        return;
-      case 3:
-        Tile<3>(kc, a, b, c, ldc, alpha, beta);
-        return;
-      case 2:
-        Tile<2>(kc, a, b, c, ldc, alpha, beta);
-        return;
-      case 1:
-        Tile<1>(kc, a, b, c, ldc, alpha, beta);
-        return;
-      default:
-        Tile<6>(kc, a, b, c, ldc, alpha, beta);
-        return;
-    }
+    using TileFn = void (*)(std::int64_t, const float*, const float*, float*, std::int64_t, float, float);
+    static constexpr TileFn kTiles[kMr + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>, Tile<5>, Tile<6>};
+    kTiles[mr](kc, a, b, c, ldc, alpha, beta);
+    return;
   }
   alignas(32) float tile[kMr * kNr];
   Tile<6>(kc, a, b, tile, kNr, alpha, 0.0f);
@@ -384,6 +342,10 @@ __attribute__((always_inline)) inline void FewRowsTile(std::int64_t k, const flo
 // where they lie, six at a time, each group against every A panel.
 void FewRowsNt(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a, std::int64_t lda,
                const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, float*, std::int64_t, std::int64_t,
+                          bool, float, float);
+  static constexpr TileFn kTiles[7] = {nullptr,        FewRowsTile<1>, FewRowsTile<2>, FewRowsTile<3>,
+                                       FewRowsTile<4>, FewRowsTile<5>, FewRowsTile<6>};
   const std::int64_t panels = (m + kNr - 1) / kNr;
   float* at = t_pack_a.Get(static_cast<std::size_t>(k * panels * kNr));
   PackB(Trans::kYes, a, lda, 0, 0, k, m, at);  // Aᵀ as [k][16] panels: op(B) = Aᵀ for B = A
@@ -395,26 +357,7 @@ void FewRowsNt(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, cons
       const std::int64_t rows = std::min(kNr, m - ir);
       const float* ai = at + ir * k;
       float* ct = c + ir * ldc + jr;
-      switch (nr) {
-        case 6:
-          FewRowsTile<6>(k, bj, ldb, ai, ct, ldc, rows, prefetch && ir == 0, alpha, beta);
-          break;
-        case 5:
-          FewRowsTile<5>(k, bj, ldb, ai, ct, ldc, rows, false, alpha, beta);
-          break;
-        case 4:
-          FewRowsTile<4>(k, bj, ldb, ai, ct, ldc, rows, false, alpha, beta);
-          break;
-        case 3:
-          FewRowsTile<3>(k, bj, ldb, ai, ct, ldc, rows, false, alpha, beta);
-          break;
-        case 2:
-          FewRowsTile<2>(k, bj, ldb, ai, ct, ldc, rows, false, alpha, beta);
-          break;
-        default:
-          FewRowsTile<1>(k, bj, ldb, ai, ct, ldc, rows, false, alpha, beta);
-          break;
-      }
+      kTiles[nr](k, bj, ldb, ai, ct, ldc, rows, prefetch && ir == 0, alpha, beta);
     }
   }
 }
