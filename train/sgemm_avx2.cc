@@ -368,6 +368,8 @@ void FewRowsNt(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, cons
 
 void Avx2Sgemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  static const bool available = Avx2SgemmAvailable();
+  RS_CHECK_MSG(available, "Avx2Sgemm called on a CPU without AVX2 + FMA");
   RS_CHECK(m >= 0 && n >= 0 && k >= 0);
   if (m == 0 || n == 0) return;
   if (k == 0 || alpha == 0.0f) {  // C = beta · C; A and B not read (as BLAS)
