@@ -27,17 +27,17 @@ void Gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T 
 //  - kAvx2: every float product on the training core's own AVX2 + FMA kernels
 //    (train/sgemm_avx2.h).
 //  - kAvx2Small: the own kernels for products with at most kAvx2SmallDim rows or terms per sum
-//    (min(m, k) <= 512: most products of the benchmark models, d_model 512 – experts,
-//    attention's blocks, the gated delta rule's chunks), where they measured 1.0–1.5x OpenBLAS
-//    (most on the small products); OpenBLAS for larger ones, where it was ahead (2048³ on one
-//    thread: 0.95x).
+//    (min(m, k) <= 128: few-token experts, attention's blocks, the gated delta rule's chunks),
+//    where they measured 1.1–1.4x OpenBLAS on one thread; OpenBLAS for the larger ones, where
+//    the two were even within this machine's noise on the 256- and 512-row expert products
+//    (0.92–1.03x on one thread, 0.96–1.39x on two) and OpenBLAS ahead on 2048³ (0.77–1.01x).
 //    README, "CPU speed".
 // The default, fixed at the first product: kAvx2Small when this CPU runs AVX2 + FMA and
 // OpenBLAS's kernels are not AVX-512 ones (those use twice the vector width), else kOpenBlas.
 // The environment variable RESHARD_SGEMM=openblas, =avx2 or =avx2-small overrides it (the
 // last two only where the CPU has AVX2 + FMA).
 enum class FloatKernels : std::uint8_t { kOpenBlas, kAvx2, kAvx2Small };
-inline constexpr std::int64_t kAvx2SmallDim = 512;
+inline constexpr std::int64_t kAvx2SmallDim = 128;
 FloatKernels FloatGemmKernels();
 // For tests and benchmarks: kAvx2 and kAvx2Small require Avx2SgemmAvailable().
 void SetFloatGemmKernels(FloatKernels kernels);

@@ -81,7 +81,7 @@ TEST(BlasKernels, TrainReportsAndFixesAFallback) {
   // Which kernels the float products run, and why; RESHARD_SGEMM chooses.
   const bool own = Avx2SgemmAvailable() && CoreLevel(openblas_get_corename()) < IsaLevel::kAvx512;
   EXPECT_NE(r.output.find(own ? "float products: own AVX2+FMA kernels (train/sgemm_avx2.h) for products with at most "
-                                "512 rows or terms per sum, OpenBLAS for the others, chosen because this CPU"
+                                "128 rows or terms per sum, OpenBLAS for the others, chosen because this CPU"
                               : "float products: OpenBLAS, chosen because"),
             std::string::npos)
       << r.output;
