@@ -5,12 +5,14 @@
 // blocks on its compute threads, as it does for OpenBLAS.
 //
 // Why it exists: on the AVX2 CPUs measured (README, "CPU speed") OpenBLAS's kernels reach
-// 86–90 % of the FMA peak on the large expert products but only 70–77 % on the small ones the
-// training step is full of (64-row experts, attention's 256 x 256 x 64 scores, products over
-// 64 rows): its packing of the whole weight and its separate pass that scales C cost as much
-// as the small product. This one is within a few percent of OpenBLAS on the large shapes and
-// 1.17–1.24x faster on the small ones (bench_gemm_libraries). On AVX-512 CPUs OpenBLAS's
-// SkylakeX kernels use twice the vector width, so train::Gemm keeps OpenBLAS there.
+// 86–90 % of the FMA peak on the large expert products but only 60–83 % on the small ones the
+// training step is full of (64-row experts, attention's blocks, the delta rule's 64³ chunks):
+// its packing of the whole weight and its separate pass that scales C cost as much as the
+// small product. This one is 1.1–1.4x faster on those (one thread, bench_gemm_libraries) and
+// even with OpenBLAS within noise on 256- and 512-row products, behind it on 2048³ – so
+// train::Gemm gives it only products with at most 128 rows or terms per sum (gemm.h,
+// FloatKernels). On AVX-512 CPUs OpenBLAS's SkylakeX kernels use twice the vector width, so
+// train::Gemm keeps OpenBLAS there.
 #pragma once
 
 #include <cstdint>
