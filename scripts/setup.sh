@@ -20,6 +20,7 @@ PACKAGES+=(time)
 PACKAGES+=(ccache)
 # The picture tests render every SVG the tool writes with a real renderer (rsvg-convert).
 PACKAGES+=(librsvg2-bin)
+t0=$SECONDS
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -37,10 +38,16 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
 
+echo "setup: packages $(( SECONDS - t0 )) s" >&2
+
 JOBS=${JOBS:-$(nproc)}
 LAUNCHER=()
 if command -v ccache >/dev/null 2>&1; then
   LAUNCHER=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 fi
+t0=$SECONDS
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release "${LAUNCHER[@]}" >/dev/null
+echo "setup: configure $(( SECONDS - t0 )) s" >&2
+t0=$SECONDS
 cmake --build "$BUILD_DIR" -j "$JOBS"
+echo "setup: build $(( SECONDS - t0 )) s" >&2

@@ -2,11 +2,17 @@
 # Builds everything and runs the whole test suite with CTest (GPU tests skip without a device).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$SECONDS
 scripts/setup.sh build
+echo "test: set-up and build $(( SECONDS - t0 )) s" >&2
 # Optional independent readers used by interoperability tests (skipped when unavailable).
 python3 -m pip install -q h5py hdf5plugin numpy safetensors >/dev/null 2>&1 || echo "test: python readers unavailable; interop tests will skip" >&2
 # TensorBoard reads the event files of `train --tensorboard` (its own dependencies are larger:
 # installed apart, so that a failure here does not take the readers above with it).
 python3 -m pip install -q tensorboard >/dev/null 2>&1 || echo "test: tensorboard unavailable; its interop tests will skip" >&2
 cd build
-ctest --output-on-failure -j "$(nproc)" --timeout 600 "$@"
+t0=$SECONDS
+rc=0
+ctest --output-on-failure -j "$(nproc)" --timeout 600 "$@" || rc=$?
+echo "test: ctest $(( SECONDS - t0 )) s" >&2
+exit "$rc"
