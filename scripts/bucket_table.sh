@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prints the README's FSDP bucket table: padding of every policy under both shard granularities
+# Prints the FSDP bucket table of docs/FSDP_BUCKETS.md: padding of every policy under both shard granularities
 # and the largest bucket, one bucket per FSDP unit, for the three presets at ep 1 and 8 and
 # dp 8, 64, 256. Usage: scripts/bucket_table.sh [path/to/reshard] [extra buckets flags...]
 set -euo pipefail

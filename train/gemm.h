@@ -31,7 +31,7 @@ void Gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T 
 //    where they measured 1.1–1.4x OpenBLAS on one thread; OpenBLAS for the larger ones, where
 //    the two were even within this machine's noise on the 256- and 512-row expert products
 //    (0.92–1.03x on one thread, 0.96–1.39x on two) and OpenBLAS ahead on 2048³ (0.77–1.01x).
-//    README, "CPU speed".
+//    docs/PERFORMANCE.md, "CPU speed".
 // The default, fixed at the first product: kAvx2Small when this CPU runs AVX2 + FMA and
 // OpenBLAS's kernels are not AVX-512 ones (those use twice the vector width), else kOpenBlas.
 // The environment variable RESHARD_SGEMM=openblas, =avx2 or =avx2-small overrides it (the
@@ -48,7 +48,7 @@ std::string FloatGemmKernelsReport();
 // OpenBLAS itself always runs one thread; Gemm splits a large product into blocks of C's rows
 // (or columns, when C is wider than tall) in whole multiples of 16, one single-threaded
 // OpenBLAS call per block, on the shared pool (core/thread_pool.h). Why: OpenBLAS's own
-// workers spin between products on cores the trainer's tasks need (README, "CPU speed").
+// workers spin between products on cores the trainer's tasks need (docs/PERFORMANCE.md, "CPU speed").
 // Results are the same bits on every run for a fixed OpenBLAS build, kernel set and thread
 // count; another count may round differently (a block's call may order a sum differently).
 // The count starts as OpenBLAS's default (OPENBLAS_NUM_THREADS, else the number of cores).

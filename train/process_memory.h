@@ -2,7 +2,7 @@
 // activation and gradient buffers (megabytes to gigabytes each). With glibc's defaults, blocks
 // above its mmap threshold are mapped and unmapped on each use and the heap's free top is
 // returned to the system, so each step faults every such page in again and the kernel zeroes
-// it: about a tenth of a small-moe step on this project's 2-core machine (README, "CPU speed").
+// it: about a tenth of a small-moe step on this project's 2-core machine (docs/PERFORMANCE.md, "CPU speed").
 #pragma once
 
 namespace rs::train {

@@ -4,7 +4,7 @@
 // packing the whole weight. Single-threaded: train::Gemm splits large products and runs the
 // blocks on its compute threads, as it does for OpenBLAS.
 //
-// Why it exists: on the AVX2 CPUs measured (README, "CPU speed") OpenBLAS's kernels reach
+// Why it exists: on the AVX2 CPUs measured (docs/PERFORMANCE.md, "CPU speed") OpenBLAS's kernels reach
 // 86–90 % of the FMA peak on the large expert products but only 60–83 % on the small ones the
 // training step is full of (64-row experts, attention's blocks, the delta rule's 64³ chunks):
 // its packing of the whole weight and its separate pass that scales C cost as much as the
