@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/check.h"
+#include "train/tp_gradients.h"
 
 namespace rs::train {
 namespace {

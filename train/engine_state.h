@@ -31,7 +31,7 @@
 #include "core/status.h"
 #include "train/model.h"
 #include "train/optimizer.h"
-#include "train/sharded.h"
+#include "train/sharded_state.h"
 
 namespace rs::train {
 

@@ -5,7 +5,7 @@
 // checkpoint stores, so resuming is exact: bit-exact at the same layout, build and --threads.
 //
 // One process is the layout "tp=1". Under mpirun every rank builds a Trainer for its rank of
-// the same PhysicalLayout (train/sharded.h): the global batch and its order do not depend on
+// the same PhysicalLayout (train/sharded_state.h): the global batch and its order do not depend on
 // the layout, each data-parallel rank takes its rows of it, and the losses are those of the
 // whole batch.
 #pragma once
@@ -28,7 +28,7 @@
 #include "train/optimizer.h"
 #include "train/pipeline.h"
 #include "train/pipeline_schedule.h"
-#include "train/sharded.h"
+#include "train/sharded_state.h"
 
 namespace rs::train {
 

@@ -40,10 +40,13 @@
 // Supported now: pp, tp, fsdp (flat and box), ep, etp, dp. The separate cp axis is refused
 // with Unimplemented (context parallelism trains as ep under the ep-as-cp rules; cp layouts
 // remain convertible with `reshard convert`).
+//
+// The class's members are defined by what they do: creation, the layout's predicates and the
+// groups in sharded_state.cc; load, save and snapshots in sharded_state_checkpoint.cc; the step
+// phases and the engines' gather / scatter in sharded_state_steps.cc.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -57,36 +60,9 @@
 #include "layout/physical_layout.h"
 #include "train/model.h"
 #include "train/optimizer.h"
+#include "train/process_groups.h"
 
 namespace rs::train {
-
-// The process groups of a rank; null members are groups of one.
-struct ProcessGroups {
-  comm::Communicator* world = nullptr;
-  std::unique_ptr<comm::Communicator> tp, fsdp, dp, ep, etp, data, kv;
-  // dp × fsdp: without expert-tensor or context parallelism, the ranks that hold the same
-  // experts (every rank's expert tensors are its tp index's share of its ep index's block).
-  std::unique_ptr<comm::Communicator> same_experts;
-  // The ranks that share every coordinate but the pipeline stage (group rank = stage): where
-  // activations and their gradients go point to point.
-  std::unique_ptr<comm::Communicator> pp;
-  std::vector<std::unique_ptr<comm::Communicator>> box;  // per box group of the state
-  // Bytes this rank received in every group since the last reset.
-  comm::CommStats Stats() const;
-  void ResetStats();
-};
-
-// Whether `t` is an attention projection whose component table is query, key and value heads
-// (the fused QKV), and how many rows of a rank's local copy are its query heads when tp ranks
-// split them evenly.
-bool IsFusedQkv(const TensorSpec& t);
-std::int64_t LocalQueryRows(const TensorSpec& qkv, std::int64_t tp);  // query and output-gate rows
-
-// Sums over tp (one packed all-reduce) the gradients of the tensors declared
-// TpGrad::kReplicatedSum: every tp rank holds them whole but computed its gradient from its own
-// heads only. `grad(i)` is tensor i's gradient in the caller's memory.
-Status SumOverTp(comm::Communicator& tp, const std::vector<TensorSpec>& specs,
-                 const std::function<std::span<float>(std::size_t)>& grad);
 
 class ShardedState {
  public:
@@ -276,6 +252,26 @@ class ShardedState {
     std::int64_t base = 0;  // offset of this rank's shard in the owned vectors
   };
   ShardedState() = default;
+  // The steps of Create, in its order: each fills the members it names and returns the errors
+  // Create documents for what it checks.
+  // The rank's mesh coordinates: stage, fsdp index, data and context-parallel parts, kv replication.
+  Status PlaceOnMesh(const PhysicalLayout& layout, bool sequence_over_ep);
+  // tensors_ and local_specs_: every model tensor's compute tensor and placement on this rank.
+  Status PlaceTensors(const PhysicalLayout& layout, const std::vector<TensorSpec>& params);
+  void FindVocabOffset(const PhysicalLayout& layout, const std::vector<TensorSpec>& params);
+  // experts_over_ep_ and expert_offset_, after checking how the rules cut the experts.
+  Status PlaceExperts(const PhysicalLayout& layout, const RuleSet& expert_rules, const Layout& expert_layout,
+                      const std::vector<TensorSpec>& params);
+  // Every placement's runs in its compute tensor (Tensor::self).
+  Status FindSelfRuns(const PhysicalLayout& layout, const std::vector<TensorSpec>& params);
+  // The owned vectors' layout: flat fsdp bucket shards, or box groups (or model order); the
+  // number of owned items.
+  std::int64_t LayOutBucketShards();
+  Result<std::int64_t> LayOutBoxGroups(const std::vector<TensorSpec>& params, bool sequence_over_ep);
+  // master_, grad_ and the optimizer over the owned runs of every parameter.
+  void MakeOptimizer(const OptimizerConfig& optimizer, const std::vector<TensorSpec>& params, std::int64_t owned);
+  // ep_shared_: the owned ranges whose gradients are summed over ep.
+  void FindEpSharedRanges(const std::vector<TensorSpec>& params);
   std::size_t CkptIndex(const std::string& name) const;
   Status PlanBoxGroup(const Mesh& mesh, BoxGroup& group);
   bool CutBeyondEp(std::size_t i) const;
