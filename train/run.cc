@@ -229,7 +229,10 @@ bool TrainRun::RunSteps() {
 Status TrainRun::Run() {
   if (!BuildTrainer() || !AttachEngine()) return status_;
   if (lead_) {
-    if (Status s = sink_.Started(*trainer_); !s.ok() && !FailOne(s)) return status_;
+    if (Status s = sink_.Started(*trainer_); !s.ok()) {
+      FailOne(std::move(s));
+      return status_;
+    }
   }
   if (!LockRunDir() || !PrepareAsyncSave()) return status_;
   if (trainer_->step() >= o_.steps) return SaveWithoutSteps() ? Status::Ok() : status_;
