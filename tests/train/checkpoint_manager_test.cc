@@ -123,7 +123,7 @@ TEST(CheckpointManager, ResumeNoticesAPointerThatNamesNoCommittedCheckpoint) {
   for (const Case& c : {Case{"step-00000003\n", "'step-00000003'"},  // killed before its commit
                         Case{"step-00000009\n", "'step-00000009'"},  // removed
                         Case{"../outside\n", "'../outside'"},        // not a step name
-                        Case{"\x01\xff", "'\\x01\\xff'"},            // garbage, through SafeText
+                        Case{"\x01\xff", "'\\x01\\xFF'"},            // garbage, through SafeText
                         Case{"", "''"}}) {
     std::ofstream(run + "/latest", std::ios::trunc) << c.latest;
     const Result<ResumeTarget> r = ResolveResume(run);
