@@ -59,7 +59,7 @@ Result<ResumeTarget> ResolveResume(const std::string& path) {
       return out;
     }
     out.ignored_pointer = pointer;
-    out.pointer_held = text.ok() ? "'" + SafeText(name) + "'" : text.status().ToString();
+    out.pointer_held = text.ok() ? std::string("'") + SafeText(name) + "'" : text.status().ToString();
   }
   const std::vector<std::string> steps = CommittedSteps(path);
   if (steps.empty()) return NotFound("--resume: '" + path + "' is neither a checkpoint nor holds step-* checkpoints");
