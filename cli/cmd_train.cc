@@ -2,18 +2,13 @@
 // process or as `mpirun -np N reshard train --layout L` (one process per rank of L's mesh).
 // train/MODEL.md defines the model, the data and what eval computes. Under mpirun rank 0
 // prints and logs; a failure on any rank ends every rank (MPI_Abort) with a message naming it.
-#include <fcntl.h>
-#include <sys/file.h>
-#include <unistd.h>
-
+// The run itself (the trainer, the steps, the run directory's checkpoints) is train/run.h; this
+// file parses the flags, checks them and prints what the run reports.
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -28,10 +23,7 @@
 #include "cli/reshard_args.h"
 #include "cli/util.h"
 #include "comm/mpi.h"
-#include "core/file.h"
-#include "core/memory.h"
 #include "core/text.h"
-#include "formats/durable_file.h"
 #include "formats/tensorboard.h"
 #include "train/blas_kernels.h"
 #include "train/checkpoint.h"
@@ -39,12 +31,12 @@
 #include "train/eval.h"
 #include "train/gemm.h"
 #include "train/process_memory.h"
+#include "train/run.h"
 #include "train/trainer.h"
 
 namespace rs::cli {
 namespace {
 
-namespace fs = std::filesystem;
 using train::DispatchMode;
 
 struct TrainArgs {
@@ -141,103 +133,6 @@ Status WriteTensorBoardStep(EventFileWriter& tb, const train::StepReport& r,
   return tb.Flush();
 }
 
-std::string StepDir(const std::string& root, std::int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step-%08" PRId64, step);
-  return (fs::path(root) / buf).string();
-}
-
-// --resume accepts a checkpoint directory, or a --save directory (its latest step-* is used).
-// One run saves into a --save directory at a time: two would interleave their step-*
-// checkpoints (each sound, the directory a mix of two runs). The lead rank holds an exclusive
-// lock on DIR/.reshard-train.lock for the whole run; a second run fails before training.
-Result<int> LockSaveDir(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return IoError(dir + ": cannot create directory: " + ec.message());
-  const std::string path = dir + "/.reshard-train.lock";
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) return IoError(path + ": " + std::strerror(errno));
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    ::close(fd);
-    return FailedPrecondition(dir + " is being saved into by another `reshard train` run (it holds " + path +
-                              "); two runs would interleave their checkpoints: choose another --save directory");
-  }
-  return fd;  // held until the process ends
-}
-
-// DIR/latest names the newest committed step-* of a --save directory, so that a resume finds it
-// without listing the directory. It is replaced (atomically, durably) just before each save
-// commits, never after: saves commit in step order, so a pointer whose checkpoint exists names
-// the newest one, and a pointer to a save that failed or was killed before its commit names
-// nothing, which a resume notices (it then lists the directory and says so). Written after the
-// commit instead, a crash between the two would leave a valid-looking pointer to an older
-// checkpoint.
-constexpr const char* kLatestPointer = "latest";
-
-bool IsStepName(const std::string& name) {
-  if (name.size() != 13 || name.rfind("step-", 0) != 0) return false;
-  return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
-// Committed step-* checkpoints of `dir`, oldest first.
-std::vector<std::string> CommittedSteps(const std::string& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (IsStepName(name) && fs::exists(e.path() / "manifest.json", ec)) out.push_back(name);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-Result<std::string> ResolveResume(const std::string& dir) {
-  std::error_code ec;
-  if (fs::exists(fs::path(dir) / "manifest.json", ec)) return dir;
-  if (!fs::is_directory(dir, ec)) return NotFound("--resume: '" + dir + "' does not exist");
-  // The pointer, validated: a step-* name whose checkpoint is committed.
-  const std::string pointer = (fs::path(dir) / kLatestPointer).string();
-  if (fs::exists(pointer, ec)) {
-    Result<std::string> text = ReadSmallFile(pointer, 256);
-    std::string name = text.ok() ? *text : "";
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-    if (IsStepName(name) && fs::exists(fs::path(dir) / name / "manifest.json", ec)) {
-      return (fs::path(dir) / name).string();
-    }
-    PrintErr("note: %s does not name a committed checkpoint (%s); looking for the newest step-* instead\n",
-             pointer.c_str(), text.ok() ? ("'" + SafeText(name) + "'").c_str() : text.status().ToString().c_str());
-  }
-  const std::vector<std::string> steps = CommittedSteps(dir);
-  if (steps.empty()) return NotFound("--resume: '" + dir + "' is neither a checkpoint nor holds step-* checkpoints");
-  return (fs::path(dir) / steps.back()).string();
-}
-
-// With --keep-last N, after `committed` (a step-* of `root`) is published: only the newest N
-// committed checkpoints remain (never `keep`, the checkpoint this run resumed from, and never
-// one newer than `committed`).
-Status KeepLast(const std::string& root, const std::string& committed, std::int64_t keep_last,
-                const std::string& keep) {
-  const std::string name = fs::path(committed).filename().string();
-  if (keep_last <= 0) return Status::Ok();
-  std::vector<std::string> steps = CommittedSteps(root);
-  std::erase_if(steps, [&](const std::string& s) { return s > name; });
-  std::error_code ec;
-  const fs::path keep_path = keep.empty() ? fs::path() : fs::weakly_canonical(keep, ec);
-  for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < steps.size(); ++i) {
-    const fs::path old = fs::path(root) / steps[i];
-    if (!keep.empty() && fs::weakly_canonical(old, ec) == keep_path) continue;
-    // Renamed away first, so that no reader ever sees a half-removed checkpoint as one.
-    const fs::path doomed = fs::path(root) / (steps[i] + ".removing");
-    fs::remove_all(doomed, ec);  // left by a removal that was killed
-    fs::rename(old, doomed, ec);
-    if (ec) return IoError(old.string() + ": cannot remove (--keep-last): " + ec.message());
-    fs::remove_all(doomed, ec);
-    if (ec) return IoError(doomed.string() + ": cannot remove (--keep-last): " + ec.message());
-  }
-  return Status::Ok();
-}
-
 // The run's layout. Training keeps sharded data-parallel state as the bucket planner's flat
 // slices unless asked for boxes (fsdp_form=box), so fsdp_form defaults to flat here – except
 // under rules that cut non-expert dims over ep (ep as context parallelism, `ep-as-cp`), whose
@@ -260,292 +155,241 @@ Result<PhysicalLayout> TrainLayoutArg(const TrainArgs& a) {
   return layout;
 }
 
-void RunTrain(TrainArgs& a) {
-  comm::MpiWorld& world = comm::MpiWorld::Get();
-  const bool lead = world.rank() == 0;
-  // Errors every rank sees alike (arguments, files, layout vs. np) end each rank with the same
-  // message and exit code; errors of one rank in the middle of collective work abort the run.
-  auto fail_all = [&](const Status& s) { Fail("train", s); };
-  auto fail_one = [&](const Status& s) {
-    PrintErr("reshard train: rank %lld: %s\n", static_cast<long long>(world.rank()), s.ToString().c_str());
-    world.Abort(1);
-  };
-  if (a.threads > 0) train::SetBlasThreads(a.threads);
-  train::KeepFreedMemory();
-  if (a.steps < 0) fail_all(InvalidArgument("--steps must be >= 0"));
+// A failure of this rank alone, in the middle of collective work: ends every rank (MPI_Abort),
+// naming the rank.
+[[noreturn]] void FailThisRank(comm::MpiWorld& world, const Status& s) {
+  PrintErr("reshard train: rank %lld: %s\n", static_cast<long long>(world.rank()), s.ToString().c_str());
+  world.Abort(1);
+}
+
+// The flags' own checks, the same on every rank (each ends every rank with the same message).
+void CheckTrainArgs(const TrainArgs& a) {
+  if (a.steps < 0) Fail("train", InvalidArgument("--steps must be >= 0"));
   if (a.device == "cpu" && a.precision != "f32") {
-    fail_all(InvalidArgument("--precision " + a.precision + " needs --device cuda (the CPU trains in f32)"));
+    Fail("train", InvalidArgument("--precision " + a.precision + " needs --device cuda (the CPU trains in f32)"));
   }
   if (a.device == "cpu" && a.device_comm_option->count() > 0) {
-    fail_all(InvalidArgument("--device-comm needs --device cuda (the CPU's collectives are MPI's)"));
+    Fail("train", InvalidArgument("--device-comm needs --device cuda (the CPU's collectives are MPI's)"));
   }
-  if (a.save_every < 0) fail_all(InvalidArgument("--save-every must be >= 0"));
-  if (a.save_every > 0 && a.save.empty()) fail_all(InvalidArgument("--save-every needs --save DIR"));
-  if (a.keep_last < 0) fail_all(InvalidArgument("--keep-last must be >= 0"));
+  if (a.save_every < 0) Fail("train", InvalidArgument("--save-every must be >= 0"));
+  if (a.save_every > 0 && a.save.empty()) Fail("train", InvalidArgument("--save-every needs --save DIR"));
+  if (a.keep_last < 0) Fail("train", InvalidArgument("--keep-last must be >= 0"));
   if ((a.async_save || a.keep_last > 0) && a.save.empty()) {
-    fail_all(InvalidArgument(std::string(a.async_save ? "--async-save" : "--keep-last") + " needs --save DIR"));
+    Fail("train", InvalidArgument(std::string(a.async_save ? "--async-save" : "--keep-last") + " needs --save DIR"));
   }
-  const std::optional<std::string> data = a.data.empty() ? std::nullopt : std::optional<std::string>(a.data);
-  auto layout = TrainLayoutArg(a);
-  if (!layout.ok()) fail_all(layout.status());
-  if (layout->layout.num_ranks() != world.size()) {
-    fail_all(InvalidArgument("--layout " + layout->ToString() + " has " + std::to_string(layout->layout.num_ranks()) +
-                             " ranks but " + std::to_string(world.size()) + " process" +
-                             (world.size() == 1 ? " runs" : "es run") + "; start it with mpirun -np " +
-                             std::to_string(layout->layout.num_ranks())));
-  }
-  const train::TrainParallel parallel{*layout, &world.comm()};
+}
 
-  std::unique_ptr<train::Trainer> trainer;
-  std::string resumed_from;
+// What the flags ask the run for: the layout (which must match the number of processes), and
+// either the checkpoint to resume (no run-defining option with it) or a fresh run's model and
+// settings.
+train::TrainRunOptions RunOptions(const TrainArgs& a, comm::MpiWorld& world) {
+  train::TrainRunOptions o;
+  o.steps = a.steps;
+  o.data = a.data.empty() ? std::nullopt : std::optional<std::string>(a.data);
+  auto layout = TrainLayoutArg(a);
+  if (!layout.ok()) Fail("train", layout.status());
+  if (layout->layout.num_ranks() != world.size()) {
+    Fail("train", InvalidArgument("--layout " + layout->ToString() + " has " +
+                                  std::to_string(layout->layout.num_ranks()) + " ranks but " +
+                                  std::to_string(world.size()) + " process" + (world.size() == 1 ? " runs" : "es run") +
+                                  "; start it with mpirun -np " + std::to_string(layout->layout.num_ranks())));
+  }
+  o.parallel = train::TrainParallel{*layout, &world.comm()};
+  o.resume = a.resume;
   if (!a.resume.empty()) {
-    for (const CLI::Option* o : a.run_defining) {
-      if (o->count() > 0) {
-        fail_all(InvalidArgument(o->get_name() + " cannot be combined with --resume: a resumed run keeps the "
-                                                 "checkpoint's model, seed and training settings"));
+    for (const CLI::Option* opt : a.run_defining) {
+      if (opt->count() > 0) {
+        Fail("train", InvalidArgument(opt->get_name() + " cannot be combined with --resume: a resumed run keeps the "
+                                                        "checkpoint's model, seed and training settings"));
       }
-    }
-    auto dir = ResolveResume(a.resume);
-    if (!dir.ok()) fail_all(dir.status());
-    resumed_from = *dir;
-    train::ReadStats read;
-    const auto load_start = std::chrono::steady_clock::now();
-    auto t = train::ResumeFromCheckpoint(*dir, data, parallel, &read);
-    if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
-    trainer = std::move(*t);
-    // Read amplification: bytes read by all ranks against the checkpoint's stored bytes; the
-    // load's time is the slowest rank's (the AllOk above waited for all of them).
-    const double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
-    std::vector<std::int64_t> per_rank(static_cast<std::size_t>(world.size()), read.bytes_read);
-    if (world.active()) {
-      if (Status s = world.comm().AllGather(std::span<const std::int64_t>(&read.bytes_read, 1), per_rank); !s.ok())
-        fail_one(s);
-    }
-    if (lead) {
-      std::int64_t sum = 0, most = 0;
-      std::string each;
-      for (const std::int64_t b : per_rank) {
-        sum += b;
-        most = std::max(most, b);
-        each += (each.empty() ? "" : " ") + HumanBytes(b);
-      }
-      PrintErr("resumed %s at step %" PRId64
-               " in %.2f s (%.1f MiB/s of data files); read %s of its %s of data "
-               "files (%.2fx; at most %s by one rank)\n",
-               dir->c_str(), trainer->step(), load_seconds,
-               load_seconds > 0 ? static_cast<double>(read.stored_bytes) / 1048576.0 / load_seconds : 0.0,
-               HumanBytes(sum).c_str(), HumanBytes(read.stored_bytes).c_str(),
-               read.stored_bytes > 0 ? static_cast<double>(sum) / static_cast<double>(read.stored_bytes) : 0.0,
-               HumanBytes(most).c_str());
-      if (per_rank.size() > 1) PrintErr("read per rank: %s\n", each.c_str());
     }
   } else {
     auto model = LoadModelArg(a.model);
-    if (!model.ok()) fail_all(model.status());
-    a.config.seed = a.seed;
-    a.config.dispatch.mode = a.dispatch == "unfused" ? DispatchMode::kUnfused : DispatchMode::kFused;
-    auto corpus = train::LoadCorpus(data.value_or(train::kDefaultCorpus));
-    if (!corpus.ok()) fail_all(corpus.status());
-    auto t = train::Trainer::Create(*model, a.config, std::move(*corpus), parallel);
-    if (!world.AllOk(t.ok())) fail_all(t.ok() ? FailedPrecondition("another rank failed to start") : t.status());
-    trainer = std::move(*t);
+    if (!model.ok()) Fail("train", model.status());
+    o.model = std::move(*model);
+    o.config = a.config;
+    o.config.seed = a.seed;
+    o.config.dispatch.mode = a.dispatch == "unfused" ? DispatchMode::kUnfused : DispatchMode::kFused;
   }
+  o.save = a.save;
+  o.save_every = a.save_every;
+  o.async_save = a.async_save;
+  o.keep_last = a.keep_last;
+  o.with_replicas = a.with_replicas;
+  o.direct_io = !a.buffered_writes;
   if (a.device == "cuda") {
-    // The engine lives in libreshard_cuda.so (train/cuda/engine_plugin.h), opened only here.
+    // The engine lives in libreshard_cuda.so (train/cuda/engine_plugin.h), opened only then.
     cuda::EngineRequest request;
     request.precision = a.precision == "bf16" ? cuda::Precision::kBf16 : cuda::Precision::kF32;
     request.world = &world.comm();
     request.comm = a.device_comm == "host" ? cuda::DeviceComm::kHost : cuda::DeviceComm::kNccl;
-    auto engine = LoadCudaEngine(request);
-    // No usable device (or no plugin) is a usage error of this machine (exit 2), like an option
-    // it cannot honour. Every rank learns whether every rank has one before any waits in a
-    // collective.
-    if (!world.AllOk(engine.ok())) {
-      fail_all(InvalidArgument(engine.ok() ? "--device cuda: another rank has no usable CUDA device"
-                                           : engine.status().message()));
-    }
-    const Status attached = trainer->SetEngine(std::move(*engine));
-    if (!world.AllOk(attached.ok()))
-      fail_all(attached.ok() ? FailedPrecondition("another rank failed to attach its GPU") : attached);
+    o.make_engine = [request] { return LoadCudaEngine(request); };
   }
-  const ModelConfig& mc = trainer->model_config();
-  if (lead && trainer->engine() != nullptr) PrintErr("device: %s\n", trainer->engine()->Describe().c_str());
-  if (lead && trainer->engine() == nullptr) {
-    const train::BlasReport blas = train::DescribeBlasKernels();
-    PrintErr("%s\n", blas.line.c_str());
-    if (!blas.warning.empty()) PrintErr("%s\n", blas.warning.c_str());
-  }
-  if (lead) {
-    PrintErr("model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64
-             " tokens; data %s (%zu bytes); "
-             "layout %s (%" PRId64 " rank%s)\n",
-             mc.name.c_str(), trainer->num_parameters(), trainer->train_config().batch_size, trainer->seq_len(),
-             trainer->corpus().path.c_str(), trainer->corpus().bytes.size(), layout->ToString().c_str(), world.size(),
-             world.size() == 1 ? "" : "s");
+  return o;
+}
+
+// Prints what the run reports (rank 0, but for failures and the resume's note), and keeps the
+// --log and --tensorboard files.
+class TrainPrinter : public train::TrainRunSink {
+ public:
+  TrainPrinter(const TrainArgs& a, comm::MpiWorld& world, std::string layout)
+      : a_(a), world_(world), layout_(std::move(layout)) {}
+
+  void Failed(const Status& status, train::FailureScope scope) override {
+    if (scope == train::FailureScope::kThisRank) FailThisRank(world_, status);
+    // A failure of every rank: the command fails with it once the run has returned.
   }
 
-  std::ofstream log;
-  if (lead && !a.log.empty()) {
-    // A resumed run continues its log; a fresh run starts a new one.
-    log.open(a.log, a.resume.empty() ? std::ios::trunc : std::ios::app);
-    if (!log) fail_one(IoError("cannot open log file '" + a.log + "'"));
+  void IgnoredLatestPointer(const train::ResumeTarget& t) override {
+    PrintErr("note: %s does not name a committed checkpoint (%s); looking for the newest step-* instead\n",
+             t.ignored_pointer.c_str(), t.pointer_held.c_str());
   }
-  // A new event file per run (a resumed run adds one; TensorBoard reads them all in order).
-  std::unique_ptr<EventFileWriter> tb;
-  if (lead && !a.tensorboard.empty()) {
-    auto w = EventFileWriter::Create(a.tensorboard, WallTime());
-    if (!w.ok()) fail_one(w.status().WithContext("--tensorboard"));
-    tb = std::move(w).value();
-  }
-  // Locked once everything else is set up (a run refused for its options or its device
-  // creates nothing), before the first step.
-  if (!a.save.empty()) {
-    Status locked = Status::Ok();
-    if (lead) locked = LockSaveDir(a.save).status();
-    if (!world.AllOk(locked.ok())) {
-      fail_all(locked.ok() ? FailedPrecondition("the lead rank could not lock --save " + a.save) : locked);
-    }
-  }
-  std::unique_ptr<train::AsyncSaver> saver;
-  if (a.async_save) {
-    saver = std::make_unique<train::AsyncSaver>(*trainer, a.with_replicas, !a.buffered_writes);
-    const std::int64_t bytes = saver->snapshot_bytes();
-    // The snapshot is a copy of this rank's owned state, held while the background writer
-    // works: it must fit next to the run.
-    if (Status fits = CheckMemory(2 * bytes + saver->write_block_bytes(),
-                                  "--async-save (twice the snapshot of this rank's owned state: the "
-                                  "snapshot and headroom for the writer, and its O_DIRECT block)");
-        !world.AllOk(fits.ok())) {
-      fail_all(fits.ok() ? FailedPrecondition("--async-save does not fit in another rank's memory") : fits);
-    }
-    saver->Reserve();
-    if (lead) {
-      PrintErr(
-          "async save: %s of staging memory per rank (a snapshot of its owned state), reserved; the writer "
-          "adds %s (its O_DIRECT block)\n",
-          HumanBytes(bytes).c_str(), HumanBytes(saver->write_block_bytes()).c_str());
-    }
-  }
-  auto committed = [&](const std::string& dir) {
-    if (dir.empty()) return;
-    Status s = Status::Ok();
-    if (lead) {
-      PrintErr("saved %s\n", dir.c_str());
-      s = KeepLast(a.save, dir, a.keep_last, resumed_from);
-    }
-    if (!world.AllOk(s.ok())) fail_all(s.ok() ? FailedPrecondition("rank 0 failed after the commit") : s);
-  };
-  // The background save's commit: polled at every step boundary, awaited at the end.
-  auto poll = [&](bool wait) {
-    if (saver == nullptr) return;
-    Result<std::string> dir = wait ? saver->Finish() : saver->Poll();
-    if (!dir.ok()) fail_all(dir.status());
-    committed(*dir);
-  };
-  // Time the step loop spends in checkpointing (saves, polls, waits), whatever the mode.
-  double checkpoint_seconds = 0;
-  std::int64_t saves = 0;
-  const auto timed = [&](auto&& fn) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    checkpoint_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  auto save = [&] {
-    ++saves;
-    const std::string dir = StepDir(a.save, trainer->step());
-    if (saver != nullptr) poll(/*wait=*/true);  // at most one save in flight
-    Status pointed = Status::Ok();
-    if (lead) {
-      pointed =
-          ReplaceFileDurably((fs::path(a.save) / kLatestPointer).string(), fs::path(dir).filename().string() + "\n");
-    }
-    if (!world.AllOk(pointed.ok()))
-      fail_all(pointed.ok() ? FailedPrecondition("rank 0 failed to update " + std::string(kLatestPointer)) : pointed);
-    if (saver != nullptr) {
-      if (Status s = saver->Start(dir); !s.ok()) fail_all(s);
-      return;
-    }
-    if (Status s = train::SaveCheckpoint(dir, *trainer, a.with_replicas, !a.buffered_writes); !s.ok()) fail_all(s);
-    committed(dir);
-  };
 
-  if (trainer->step() >= a.steps) {
-    // A fresh run with --steps 0 still writes its initial state when asked to (a checkpoint of
-    // the initialisation); a resumed run already has its checkpoint.
-    if (a.resume.empty() && !a.save.empty()) save();
-    poll(/*wait=*/true);
-    if (lead) {
-      PrintErr("at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", trainer->step(), a.steps);
+  void Resumed(const train::ResumeReport& r) override {
+    std::int64_t sum = 0, most = 0;
+    std::string each;
+    for (const std::int64_t b : r.bytes_read_per_rank) {
+      sum += b;
+      most = std::max(most, b);
+      each += (each.empty() ? "" : " ") + HumanBytes(b);
     }
-    return;
+    PrintErr("resumed %s at step %" PRId64
+             " in %.2f s (%.1f MiB/s of data files); read %s of its %s of data "
+             "files (%.2fx; at most %s by one rank)\n",
+             r.dir.c_str(), r.step, r.load_seconds,
+             r.load_seconds > 0 ? static_cast<double>(r.stored_bytes) / 1048576.0 / r.load_seconds : 0.0,
+             HumanBytes(sum).c_str(), HumanBytes(r.stored_bytes).c_str(),
+             r.stored_bytes > 0 ? static_cast<double>(sum) / static_cast<double>(r.stored_bytes) : 0.0,
+             HumanBytes(most).c_str());
+    if (r.bytes_read_per_rank.size() > 1) PrintErr("read per rank: %s\n", each.c_str());
   }
-  const std::int64_t first = trainer->step();
-  double seconds = 0, comm_seconds = 0, collective_seconds = 0;
-  std::int64_t tokens = 0;
-  train::StepReport r;
-  while (trainer->step() < a.steps) {
-    timed([&] { poll(/*wait=*/false); });
-    auto step = trainer->Step();
-    if (!step.ok()) fail_one(step.status());
-    r = std::move(*step);
-    seconds += r.seconds;
-    comm_seconds += r.comm_seconds;
-    collective_seconds += r.comm.seconds;
-    tokens += r.tokens;
-    const double tps = static_cast<double>(r.tokens) / r.seconds;
-    if (lead) {
-      Print("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s", r.step,
-            r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
-      if (world.active()) Print(" | comm %s", HumanBytes(r.comm.total()).c_str());
-      if (r.pipeline.span > 0 && trainer->state().stages() > 1) {
-        Print(" | stage-0 idle %.0f%%", 100.0 * r.pipeline.idle_fraction());
-      }
-      Print("\n");
-      std::fflush(stdout);
-      const auto fields = StepFields(r);
-      if (log.is_open()) {
-        log << LogLine(fields).dump() << '\n';  // numbers only
-        log.flush();
-        if (!log) fail_one(IoError("cannot write log file '" + a.log + "'"));
-      }
-      if (tb != nullptr) {
-        if (Status st = WriteTensorBoardStep(*tb, r, fields); !st.ok()) fail_one(st);
-      }
+
+  Status Started(const train::Trainer& trainer) override {
+    PrintSetUp(trainer);
+    if (!a_.log.empty()) {
+      // A resumed run continues its log; a fresh run starts a new one.
+      log_.open(a_.log, a_.resume.empty() ? std::ios::trunc : std::ios::app);
+      if (!log_) return IoError("cannot open log file '" + a_.log + "'");
     }
-    const bool last = trainer->step() == a.steps;
-    if (!a.save.empty() && (last || (a.save_every > 0 && trainer->step() % a.save_every == 0))) timed(save);
-  }
-  const double in_loop = checkpoint_seconds;
-  timed([&] { poll(/*wait=*/true); });
-  if (saves > 0 && lead) {
-    // Updates that waited for a snapshot's background copy blocked the loop inside steps.
-    const double fence = saver != nullptr ? saver->stats().fence_seconds : 0.0;
-    PrintErr("checkpoints: %lld saves %s; the step loop was blocked %.3f s by them (%.1f ms per save)",
-             static_cast<long long>(saves), saver != nullptr ? "in the background" : "synchronous", in_loop + fence,
-             1000.0 * (in_loop + fence) / static_cast<double>(saves));
-    if (saver != nullptr) {
-      PrintErr(", of which %.3f s inside steps (updates waiting for the snapshot's copy)", fence);
-      PrintErr(", and %.3f s at the end for the last one", checkpoint_seconds - in_loop);
+    // A new event file per run (a resumed run adds one; TensorBoard reads them all in order).
+    if (!a_.tensorboard.empty()) {
+      auto w = EventFileWriter::Create(a_.tensorboard, WallTime());
+      if (!w.ok()) return w.status().WithContext("--tensorboard");
+      tb_ = std::move(w).value();
     }
-    PrintErr("\n");
+    return Status::Ok();
   }
-  if (saver != nullptr && lead) {
-    const auto& st = saver->stats();
+
+  void AsyncSaveReserved(std::int64_t snapshot_bytes, std::int64_t write_block_bytes) override {
     PrintErr(
-        "async save: %lld saves; the step loop was blocked %.3f s by snapshots and %.3f s waiting for an "
-        "earlier save; %.3f s of copying and writing in the background\n",
-        static_cast<long long>(st.saves), st.stall_seconds, st.waited_seconds, st.write_seconds);
+        "async save: %s of staging memory per rank (a snapshot of its owned state), reserved; the writer "
+        "adds %s (its O_DIRECT block)\n",
+        HumanBytes(snapshot_bytes).c_str(), HumanBytes(write_block_bytes).c_str());
   }
-  if (lead) {
+
+  void Saved(const std::string& dir) override { PrintErr("saved %s\n", dir.c_str()); }
+
+  Status Stepped(const train::StepReport& r, train::Trainer& trainer) override {
+    PrintStep(r, trainer);
+    const auto fields = StepFields(r);
+    if (log_.is_open()) {
+      log_ << LogLine(fields).dump() << '\n';  // numbers only
+      log_.flush();
+      if (!log_) return IoError("cannot write log file '" + a_.log + "'");
+    }
+    if (tb_ != nullptr) RS_RETURN_IF_ERROR(WriteTensorBoardStep(*tb_, r, fields));
+    return Status::Ok();
+  }
+
+  void NothingToRun(std::int64_t step, std::int64_t steps) override {
+    PrintErr("at step %" PRId64 " (--steps %" PRId64 "): no training step to run\n", step, steps);
+  }
+
+  void Finished(const train::TrainRunSummary& s, const train::Trainer& trainer) override {
+    PrintCheckpointing(s);
+    const train::StepReport& r = s.last;
     PrintErr("steps %" PRId64 "..%" PRId64
              " in %.2f s (%.0f tok/s, %.0f%% in collectives, %.0f%% in the "
              "gradient/parameter phases); final loss %.4f (ce %.4f)\n",
-             first + 1, trainer->step(), seconds, static_cast<double>(tokens) / seconds,
-             100.0 * collective_seconds / seconds, 100.0 * comm_seconds / seconds, r.losses.total, r.losses.ce);
-    if (trainer->engine() != nullptr) {
-      if (const std::string summary = trainer->engine()->Summary(); !summary.empty()) PrintErr("%s\n", summary.c_str());
+             s.start_step + 1, s.end_step, s.seconds, static_cast<double>(s.tokens) / s.seconds,
+             100.0 * s.collective_seconds / s.seconds, 100.0 * s.comm_seconds / s.seconds, r.losses.total, r.losses.ce);
+    if (trainer.engine() != nullptr) {
+      if (const std::string summary = trainer.engine()->Summary(); !summary.empty()) PrintErr("%s\n", summary.c_str());
     }
   }
+
+ private:
+  // The device (or the CPU's BLAS kernels), the model, the batch, the data and the layout.
+  void PrintSetUp(const train::Trainer& trainer) {
+    if (trainer.engine() != nullptr) PrintErr("device: %s\n", trainer.engine()->Describe().c_str());
+    if (trainer.engine() == nullptr) {
+      const train::BlasReport blas = train::DescribeBlasKernels();
+      PrintErr("%s\n", blas.line.c_str());
+      if (!blas.warning.empty()) PrintErr("%s\n", blas.warning.c_str());
+    }
+    const ModelConfig& mc = trainer.model_config();
+    PrintErr("model %s: %" PRId64 " parameters; batch %" PRId64 " x %" PRId64
+             " tokens; data %s (%zu bytes); "
+             "layout %s (%" PRId64 " rank%s)\n",
+             mc.name.c_str(), trainer.num_parameters(), trainer.train_config().batch_size, trainer.seq_len(),
+             trainer.corpus().path.c_str(), trainer.corpus().bytes.size(), layout_.c_str(), world_.size(),
+             world_.size() == 1 ? "" : "s");
+  }
+
+  void PrintStep(const train::StepReport& r, train::Trainer& trainer) {
+    const double tps = static_cast<double>(r.tokens) / r.seconds;
+    Print("step %6" PRId64 " | loss %.6f | ce %.4f | aux %.4f | z %.5f | lr %.3e | gnorm %.3f | %.0f tok/s", r.step,
+          r.losses.total, r.losses.ce, r.losses.aux, r.losses.z, r.update.lr, r.update.grad_norm, tps);
+    if (world_.active()) Print(" | comm %s", HumanBytes(r.comm.total()).c_str());
+    if (r.pipeline.span > 0 && trainer.state().stages() > 1) {
+      Print(" | stage-0 idle %.0f%%", 100.0 * r.pipeline.idle_fraction());
+    }
+    Print("\n");
+    std::fflush(stdout);
+  }
+
+  // What the saves cost the step loop, and the background saves' own account.
+  void PrintCheckpointing(const train::TrainRunSummary& s) {
+    const double in_loop = s.checkpoint_seconds_in_loop;
+    if (s.saves > 0) {
+      // Updates that waited for a snapshot's background copy blocked the loop inside steps.
+      const double fence = s.async ? s.async->fence_seconds : 0.0;
+      PrintErr("checkpoints: %lld saves %s; the step loop was blocked %.3f s by them (%.1f ms per save)",
+               static_cast<long long>(s.saves), s.async ? "in the background" : "synchronous", in_loop + fence,
+               1000.0 * (in_loop + fence) / static_cast<double>(s.saves));
+      if (s.async) {
+        PrintErr(", of which %.3f s inside steps (updates waiting for the snapshot's copy)", fence);
+        PrintErr(", and %.3f s at the end for the last one", s.checkpoint_seconds_at_end);
+      }
+      PrintErr("\n");
+    }
+    if (s.async) {
+      PrintErr(
+          "async save: %lld saves; the step loop was blocked %.3f s by snapshots and %.3f s waiting for an "
+          "earlier save; %.3f s of copying and writing in the background\n",
+          static_cast<long long>(s.async->saves), s.async->stall_seconds, s.async->waited_seconds,
+          s.async->write_seconds);
+    }
+  }
+
+  const TrainArgs& a_;
+  comm::MpiWorld& world_;
+  const std::string layout_;
+  std::ofstream log_;
+  std::unique_ptr<EventFileWriter> tb_;
+};
+
+// Under mpirun rank 0 prints and logs; errors every rank sees alike (arguments, files, layout
+// vs. np) end each rank with the same message and exit code; errors of one rank in the middle
+// of collective work abort the run.
+void RunTrain(const TrainArgs& a) {
+  comm::MpiWorld& world = comm::MpiWorld::Get();
+  if (a.threads > 0) train::SetBlasThreads(a.threads);
+  train::KeepFreedMemory();
+  CheckTrainArgs(a);
+  const train::TrainRunOptions options = RunOptions(a, world);
+  TrainPrinter printer(a, world, options.parallel.layout.ToString());
+  if (Status s = train::RunTraining(options, world, printer); !s.ok()) Fail("train", s);
 }
 
 struct EvalArgs {
