@@ -50,10 +50,9 @@ struct NameRow {
   std::int64_t (*groups)(const ModelConfig&) = nullptr;
 };
 
-// What the toolkit does with a family (the README's capability table is `reshard models`).
+// What the toolkit does with a family's checkpoints (the README's capability table is `reshard
+// models`; whether a backend trains the family is derived: ModelFamily::toy_config).
 struct FamilyCapabilities {
-  bool train_cpu = false;
-  bool train_cuda = false;
   bool hf_import = false;
   bool hf_export = false;
   bool megatron_import = false;
@@ -106,6 +105,10 @@ struct ModelFamily {
   std::vector<std::string_view> hf_variants;
   // Export a checkpoint of this family through another family's HF form ("moe" -> "mixtral").
   std::string hf_export_as;
+  // The family's architecture at toy size: a config that runs every module the family's models
+  // run (its attention, norms, router, shared expert). `reshard models` derives each training
+  // backend's column from it (train/backend.h); tests train it.
+  std::function<ModelConfig()> toy_config;
   FamilyCapabilities can;
 };
 
@@ -122,8 +125,11 @@ struct ModelFamilyRegistrar {
   explicit ModelFamilyRegistrar(ModelFamily family);
 };
 
-// The table of `reshard models` / the README: one row per family with its capabilities.
-std::string ModelFamilyTable();
+// The table of `reshard models` / the README: one row per family with its capabilities. The
+// training columns come from `training(family, backend)` for the backends "cpu" and "cuda"
+// ("yes", "–" ...: the training library decides, which models/ does not see).
+using TrainingMark = std::function<std::string(const ModelFamily&, std::string_view backend)>;
+std::string ModelFamilyTable(const TrainingMark& training);
 
 // Helpers the families' config binders share.
 std::string TorchDTypeName(DType t);                    // "bfloat16"; "" for none

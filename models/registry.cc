@@ -102,7 +102,7 @@ ModelFamilyRegistrar::ModelFamilyRegistrar(ModelFamily family) {
   RS_CHECK_MSG(s.ok(), s.ToString());
 }
 
-std::string ModelFamilyTable() {
+std::string ModelFamilyTable(const TrainingMark& training) {
   auto mark = [](bool b) { return std::string(b ? "yes" : "–"); };
   std::string out =
       "| family | what | HF model_type | train (CPU) | train (CUDA) | HF import | HF export | Megatron import | "
@@ -114,9 +114,9 @@ std::string ModelFamilyTable() {
     std::string exp = mark(f->can.hf_export);
     if (f->can.hf_export && !f->hf_export_as.empty()) exp = "as " + f->hf_export_as;
     out += "| `" + f->name + "` | " + f->description + " | " + (types.empty() ? "–" : types) + " | " +
-           mark(f->can.train_cpu) + " | " + mark(f->can.train_cuda) + " | " + mark(f->can.hf_import) + " | " + exp +
-           " | " + mark(f->can.megatron_import) + " | " + mark(f->can.megatron_export) + " | " +
-           mark(f->can.titan_dcp) + " |\n";
+           training(*f, "cpu") + " | " + training(*f, "cuda") + " | " + mark(f->can.hf_import) + " | " + exp + " | " +
+           mark(f->can.megatron_import) + " | " + mark(f->can.megatron_export) + " | " + mark(f->can.titan_dcp) +
+           " |\n";
   }
   return out;
 }

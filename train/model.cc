@@ -1,6 +1,7 @@
 #include "train/model.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -8,6 +9,7 @@
 #include "core/check.h"
 #include "core/memory.h"
 #include "core/model_index.h"
+#include "train/backend.h"
 #include "train/gemm.h"
 #include "train/init.h"
 #include "train/layers.h"
@@ -20,6 +22,19 @@ constexpr std::size_t kNone = kNoTensor;
 template <typename T>
 void AddInto(T* dst, const T* src, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// The bodies of residual blocks the CPU path builds (the modules of train/layer_program.h that
+// hold a block's computation; the others are options of these).
+enum class Body : std::uint8_t { kSoftmaxAttention, kLatentAttention, kGatedDeltaNet, kMoe, kDenseMlp };
+
+Body BodyOf(const std::string& module) {
+  if (module == "softmax_attention") return Body::kSoftmaxAttention;
+  if (module == "latent_attention") return Body::kLatentAttention;
+  if (module == "gated_delta_net") return Body::kGatedDeltaNet;
+  if (module == "moe") return Body::kMoe;
+  RS_CHECK_MSG(module == "dense_mlp", "the CPU path has no block body '" << module << "'");
+  return Body::kDenseMlp;
 }
 
 }  // namespace
@@ -42,13 +57,29 @@ struct Transformer<T>::Layer {
 };
 
 template <typename T>
+struct Transformer<T>::BlockRun {
+  Buffer<T> input, xn, rstd;  // the block's input h, norm(h) and the norm's 1/rms per row
+};
+
+template <typename T>
 struct Transformer<T>::LayerRun {
   std::unique_ptr<Attention<T>> attn;       // GQA, or
   std::unique_ptr<LatentAttention<T>> mla;  // MLA, or
   std::unique_ptr<GatedDeltaNet<T>> gdn;    // gated-delta-net
   std::unique_ptr<GroupedSwiGlu<T>> dense;
   std::unique_ptr<MoeLayer<T>> moe;
-  Buffer<T> h_in, xn1, rstd1, h_mid, xn2, rstd2;
+  std::array<BlockRun, 2> blocks;  // the mixer's and the MLP's (ResidualBlock::Part)
+};
+
+template <typename T>
+struct Transformer<T>::Clock {
+  std::chrono::steady_clock::time_point mark = std::chrono::steady_clock::now();
+  // Adds the time since the previous lap to one part.
+  void Lap(double& part) {
+    const auto now = std::chrono::steady_clock::now();
+    part += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  }
 };
 
 template <typename T>
@@ -146,9 +177,13 @@ template <typename T>
 Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& dispatch,
                             std::vector<TensorSpec> local_specs, ModelParallel* par)
     : c_(config),
+      program_(BuildLayerProgram(config)),
       dispatch_(dispatch),
       par_(par != nullptr ? par : &SingleProcess()),
       specs_(local_specs.empty() ? ModelParameters(config) : std::move(local_specs)) {
+  // This backend implements every module of train/ (what a test registers besides is refused).
+  const Status runs = CheckBackendRuns(CpuBackend(), program_);
+  RS_CHECK_MSG(runs.ok(), runs.ToString());
   // The declaration's typed index places every tensor; the local specs are the same list with
   // the rank's shapes.
   const ModelTensors declared = DeclareModel(config);
@@ -183,7 +218,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       layers_.push_back(std::move(l));
       continue;
     }
-    if (c_.IsGdnLayer(i)) {
+    const Body mixer = BodyOf(program_.layers[static_cast<std::size_t>(i)][0].body);
+    if (mixer == Body::kGatedDeltaNet) {
       // The rank's heads, read off its local dt_bias [nv_l] and conv1d [2·nk_l·dk + nv_l·dv, 1, K].
       const GdnTensors& g = t.gdn;
       const std::int64_t nv = dim(g.dt_bias, 0);
@@ -192,7 +228,7 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
                    "local gated-delta-net of " << nk << " / " << nv << " heads");
       l->gdn_t = g;
       l->gdn = GdnShape{c_.d_model, nk, nv, c_.gdn_key_dim, c_.gdn_value_dim, c_.gdn_conv_kernel, c_.norm_eps};
-    } else if (c_.IsMla()) {
+    } else if (mixer == Body::kLatentAttention) {
       // The rank's heads, read off its local out [d, nq_l·dv].
       const std::int64_t nq = dim(t.attn.out, 1) / c_.mla_v_dim;
       RS_CHECK_MSG(nq >= 1 && nq * c_.mla_v_dim == dim(t.attn.out, 1), "local MLA of " << nq << " heads");
@@ -216,7 +252,8 @@ Transformer<T>::Transformer(const ModelConfig& config, const DispatchOptions& di
       l->q_norm = t.attn.q_norm;
       l->k_norm = t.attn.k_norm;
     }
-    if (t.moe.router != kNoTensor) {
+    if (BodyOf(program_.layers[static_cast<std::size_t>(i)][1].body) == Body::kMoe) {
+      RS_CHECK_MSG(t.moe.router != kNoTensor, "layer " << i << " has no router");
       l->router = t.moe.router;
       l->bias = t.moe.expert_bias;
       l->efc1 = t.moe.experts_fc1;
@@ -339,13 +376,7 @@ Losses Transformer<T>::Forward(std::size_t si, LayerRange range, const std::int3
   slot.n = n;
   Losses losses;
   losses.loads.resize(layers_.size());
-  // Phase timing: lap(slot) adds the time since the previous lap to one part.
-  auto mark = std::chrono::steady_clock::now();
-  const auto lap = [&mark](double& part) {
-    const auto now = std::chrono::steady_clock::now();
-    part += std::chrono::duration<double>(now - mark).count();
-    mark = now;
-  };
+  Clock clock;
 
   Buffer<T> h(nd), tmp(nd);
   if (first) {
@@ -365,46 +396,12 @@ Losses Transformer<T>::Forward(std::size_t si, LayerRange range, const std::int3
   } else {
     std::copy_n(h_in, nd, h.data());
   }
-  lap(phases_.embedding);
+  clock.Lap(phases_.embedding);
   for (auto li = static_cast<std::size_t>(range.begin); li < static_cast<std::size_t>(range.end); ++li) {
-    Layer& l = *layers_[li];
     LayerRun& r = RunOf(slot, li);
-    r.h_in.assign(h.begin(), h.end());
-    r.xn1.resize(nd);
-    r.rstd1.resize(static_cast<std::size_t>(n));
-    RmsNormForward(h.data(), P(l.attn_norm), n, d, c_.norm_eps, r.xn1.data(), r.rstd1.data(), off);
-    lap(phases_.norms);
-    if (r.gdn) {
-      r.gdn->Forward(r.xn1.data(), batch, seq, GdnParams(l), tmp.data());
-    } else if (r.mla) {
-      r.mla->Forward(r.xn1.data(), batch, seq, MlaParams(l), tmp.data());
-    } else {
-      typename Attention<T>::QkNorm qk;
-      if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps, off};
-      r.attn->Forward(r.xn1.data(), batch, seq, P(l.qkv), P(l.out), tmp.data(), qk);
+    for (const ResidualBlock& block : program_.layers[li]) {
+      BlockForward(block, li, r, h.data(), tmp.data(), batch, seq, losses, clock);
     }
-    par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // attention out is row-parallel
-    lap(phases_.attention);
-    AddInto(h.data(), tmp.data(), nd);
-    r.h_mid.assign(h.begin(), h.end());
-    r.xn2.resize(nd);
-    r.rstd2.resize(static_cast<std::size_t>(n));
-    RmsNormForward(h.data(), P(l.mlp_norm), n, d, c_.norm_eps, r.xn2.data(), r.rstd2.data(), off);
-    lap(phases_.norms);
-    if (r.moe) {
-      const MoeWeights<T> w = MoeParams(l);
-      const Routing<T>& routing = r.moe->Forward(r.xn2.data(), n, w, tmp.data());
-      losses.aux += routing.aux_loss;
-      losses.z += routing.z_loss;
-      losses.loads[li] = routing.loads;
-    } else {
-      const std::int64_t rows[] = {n};
-      r.dense->Forward(r.xn2.data(), rows, P(l.fc1), P(l.fc2), tmp.data());
-      par_->AllReduceTp(std::span<T>(tmp.data(), nd));  // fc2 is row-parallel
-    }
-    lap(phases_.mlp);
-    AddInto(h.data(), tmp.data(), nd);
-    lap(phases_.norms);
   }
   if (!last) {
     std::copy_n(h.data(), nd, h_out);
@@ -429,7 +426,7 @@ Losses Transformer<T>::Forward(std::size_t si, LayerRange range, const std::int3
   par_->AllReduceData(std::span<double>(&ce, 1));
   losses.ce = ce * inv_rows;
   losses.total = losses.ce + losses.aux + losses.z;
-  lap(phases_.output);
+  clock.Lap(phases_.output);
   return losses;
 }
 
@@ -443,12 +440,7 @@ void Transformer<T>::Backward(std::size_t si, LayerRange range, const T* dh_out,
   const bool first = range.first, last = range.last;
   RS_CHECK_MSG(last || dh_out != nullptr, "a layer range before the last needs the gradient of its output");
   RS_CHECK_MSG(first || dh_in != nullptr, "a layer range after the first returns the gradient of its input");
-  auto mark = std::chrono::steady_clock::now();
-  const auto lap = [&mark](double& part) {
-    const auto now = std::chrono::steady_clock::now();
-    part += std::chrono::duration<double>(now - mark).count();
-    mark = now;
-  };
+  Clock clock;
   // Backward, in reverse. Inputs of column-parallel blocks get partial gradients on each tp
   // rank: they are all-reduced before they join the residual stream.
   Buffer<T> dx(nd), dh(nd), tmp(nd);
@@ -463,42 +455,13 @@ void Transformer<T>::Backward(std::size_t si, LayerRange range, const T* dh_out,
   } else {
     std::copy_n(dh_out, nd, dh.data());
   }
-  lap(phases_.output);
+  clock.Lap(phases_.output);
   for (auto li = static_cast<std::size_t>(range.end); li-- > static_cast<std::size_t>(range.begin);) {
-    Layer& l = *layers_[li];
     LayerRun& r = RunOf(slot, li);
-    if (r.moe) {
-      const MoeWeights<T> w = MoeParams(l);
-      const auto g_or_null = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
-      const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), g_or_null(l.sfc1), g_or_null(l.sfc2), g_or_null(l.sgate)};
-      r.moe->Backward(dh.data(), w, dx.data(), g);
-    } else {
-      r.dense->Backward(dh.data(), P(l.fc1), P(l.fc2), dx.data(), G(l.fc1), G(l.fc2));
-      par_->AllReduceTp(std::span<T>(dx.data(), nd));
+    const auto& blocks = program_.layers[li];
+    for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) {
+      BlockBackward(*b, li, r, n, dh.data(), dx.data(), tmp.data(), clock);
     }
-    lap(phases_.mlp);
-    RmsNormBackward(dx.data(), r.h_mid.data(), P(l.mlp_norm), r.rstd2.data(), n, d, tmp.data(), G(l.mlp_norm), off);
-    AddInto(dh.data(), tmp.data(), nd);
-    lap(phases_.norms);
-    if (r.gdn) {
-      const GdnTensors& t = l.gdn_t;
-      r.gdn->Backward(dh.data(), GdnParams(l), dx.data(),
-                      GdnGrads<T>{G(t.in_proj), G(t.conv1d), G(t.dt_bias), G(t.a_log), G(t.norm), G(t.out)});
-    } else if (r.mla) {
-      const AttentionTensors& a = l.mla_t;
-      const auto g = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
-      r.mla->Backward(
-          dh.data(), MlaParams(l), dx.data(),
-          MlaGrads<T>{g(a.q_a), g(a.q_a_norm), g(a.q_b), g(a.q), g(a.kv_a), g(a.kv_a_norm), g(a.kv_b), g(a.out)});
-    } else {
-      r.attn->Backward(dh.data(), P(l.qkv), P(l.out), dx.data(), G(l.qkv), G(l.out),
-                       l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr);
-    }
-    par_->AllReduceTp(std::span<T>(dx.data(), nd));
-    lap(phases_.attention);
-    RmsNormBackward(dx.data(), r.h_in.data(), P(l.attn_norm), r.rstd1.data(), n, d, tmp.data(), G(l.attn_norm), off);
-    AddInto(dh.data(), tmp.data(), nd);
-    lap(phases_.norms);
   }
   if (!first) {
     std::copy_n(dh.data(), nd, dh_in);
@@ -509,7 +472,96 @@ void Transformer<T>::Backward(std::size_t si, LayerRange range, const T* dh_out,
     const std::int64_t row = slot.inputs[static_cast<std::size_t>(t)] - voff;
     if (row >= 0 && row < vl) AddInto(demb + row * d, dh.data() + t * d, static_cast<std::size_t>(d));
   }
-  lap(phases_.embedding);
+  clock.Lap(phases_.embedding);
+}
+
+template <typename T>
+void Transformer<T>::BlockForward(const ResidualBlock& block, std::size_t li, LayerRun& r, T* h, T* tmp,
+                                  std::int64_t batch, std::int64_t seq, Losses& losses, Clock& clock) {
+  const Layer& l = *layers_[li];
+  const std::int64_t d = c_.d_model, n = batch * seq;
+  const auto nd = static_cast<std::size_t>(n * d);
+  const bool mixer = block.part == ResidualBlock::Part::kMixer;
+  BlockRun& a = r.blocks[static_cast<std::size_t>(block.part)];
+  a.input.assign(h, h + nd);
+  a.xn.resize(nd);
+  a.rstd.resize(static_cast<std::size_t>(n));
+  RmsNormForward(h, P(mixer ? l.attn_norm : l.mlp_norm), n, d, c_.norm_eps, a.xn.data(), a.rstd.data(),
+                 c_.norm_weight_offset());
+  clock.Lap(phases_.norms);
+  switch (BodyOf(block.body)) {
+    case Body::kGatedDeltaNet:
+      r.gdn->Forward(a.xn.data(), batch, seq, GdnParams(l), tmp);
+      break;
+    case Body::kLatentAttention:
+      r.mla->Forward(a.xn.data(), batch, seq, MlaParams(l), tmp);
+      break;
+    case Body::kSoftmaxAttention: {
+      typename Attention<T>::QkNorm qk;
+      if (l.q_norm != kNone) qk = {P(l.q_norm), P(l.k_norm), c_.norm_eps, c_.norm_weight_offset()};
+      r.attn->Forward(a.xn.data(), batch, seq, P(l.qkv), P(l.out), tmp, qk);
+      break;
+    }
+    case Body::kMoe: {
+      const Routing<T>& routing = r.moe->Forward(a.xn.data(), n, MoeParams(l), tmp);
+      losses.aux += routing.aux_loss;
+      losses.z += routing.z_loss;
+      losses.loads[li] = routing.loads;
+      break;
+    }
+    case Body::kDenseMlp: {
+      const std::int64_t rows[] = {n};
+      r.dense->Forward(a.xn.data(), rows, P(l.fc1), P(l.fc2), tmp);
+      break;
+    }
+  }
+  if (block.sum_over_tp) par_->AllReduceTp(std::span<T>(tmp, nd));
+  clock.Lap(mixer ? phases_.attention : phases_.mlp);
+  AddInto(h, tmp, nd);
+  clock.Lap(phases_.norms);
+}
+
+template <typename T>
+void Transformer<T>::BlockBackward(const ResidualBlock& block, std::size_t li, LayerRun& r, std::int64_t n, T* dh,
+                                   T* dx, T* tmp, Clock& clock) {
+  const Layer& l = *layers_[li];
+  const std::int64_t d = c_.d_model;
+  const auto nd = static_cast<std::size_t>(n * d);
+  const bool mixer = block.part == ResidualBlock::Part::kMixer;
+  const auto g_or_null = [&](std::size_t i) { return i != kNone ? G(i) : nullptr; };
+  switch (BodyOf(block.body)) {
+    case Body::kGatedDeltaNet: {
+      const GdnTensors& t = l.gdn_t;
+      r.gdn->Backward(dh, GdnParams(l), dx,
+                      GdnGrads<T>{G(t.in_proj), G(t.conv1d), G(t.dt_bias), G(t.a_log), G(t.norm), G(t.out)});
+      break;
+    }
+    case Body::kLatentAttention: {
+      const AttentionTensors& t = l.mla_t;
+      r.mla->Backward(dh, MlaParams(l), dx,
+                      MlaGrads<T>{g_or_null(t.q_a), g_or_null(t.q_a_norm), g_or_null(t.q_b), g_or_null(t.q),
+                                  g_or_null(t.kv_a), g_or_null(t.kv_a_norm), g_or_null(t.kv_b), g_or_null(t.out)});
+      break;
+    }
+    case Body::kSoftmaxAttention:
+      r.attn->Backward(dh, P(l.qkv), P(l.out), dx, G(l.qkv), G(l.out), g_or_null(l.q_norm), g_or_null(l.k_norm));
+      break;
+    case Body::kMoe: {
+      const MoeGrads<T> g{G(l.router), G(l.efc1), G(l.efc2), g_or_null(l.sfc1), g_or_null(l.sfc2), g_or_null(l.sgate)};
+      r.moe->Backward(dh, MoeParams(l), dx, g);
+      break;
+    }
+    case Body::kDenseMlp:
+      r.dense->Backward(dh, P(l.fc1), P(l.fc2), dx, G(l.fc1), G(l.fc2));
+      break;
+  }
+  if (block.sum_over_tp) par_->AllReduceTp(std::span<T>(dx, nd));
+  clock.Lap(mixer ? phases_.attention : phases_.mlp);
+  const BlockRun& a = r.blocks[static_cast<std::size_t>(block.part)];
+  const std::size_t norm = mixer ? l.attn_norm : l.mlp_norm;
+  RmsNormBackward(dx, a.input.data(), P(norm), a.rstd.data(), n, d, tmp, G(norm), c_.norm_weight_offset());
+  AddInto(dh, tmp, nd);
+  clock.Lap(phases_.norms);
 }
 
 template <typename T>

@@ -19,6 +19,7 @@
 #include "train/buffer.h"
 #include "train/experts.h"
 #include "train/gdn.h"
+#include "train/layer_program.h"
 #include "train/mla.h"
 #include "train/model_parallel.h"
 #include "train/moe.h"
@@ -79,6 +80,8 @@ class Transformer {
   Transformer& operator=(const Transformer&) = delete;
 
   const ModelConfig& config() const { return c_; }
+  // The program Forward and Backward run (train/layer_program.h).
+  const LayerProgram& program() const { return program_; }
   const std::vector<TensorSpec>& specs() const { return specs_; }
   std::span<T> params() { return params_; }
   std::span<const T> params() const { return params_; }
@@ -138,14 +141,24 @@ class Transformer {
   struct Layer;     // a layer's tensors and the shapes of its modules
   struct LayerRun;  // a layer's modules and activations for one micro-batch
   struct Slot;      // one micro-batch's activations
+  struct BlockRun;  // a residual block's saved input and normed input
+  struct Clock;     // laps of the phase times
   LayerRun& RunOf(Slot& slot, std::size_t layer);
   T* P(std::size_t i) { return params_.data() + offsets_[i]; }
   T* G(std::size_t i) { return grads_.data() + offsets_[i]; }
   MlaWeights<T> MlaParams(const Layer& l);
   GdnWeights<T> GdnParams(const Layer& l);
   MoeWeights<T> MoeParams(const Layer& l);
+  // One residual block of layer `li` (train/layer_program.h): Forward adds its output to h
+  // (saving what Backward needs in the block's run), Backward adds the gradient of its input to
+  // dh; dx and tmp are [n, d] scratch.
+  void BlockForward(const ResidualBlock& block, std::size_t li, LayerRun& r, T* h, T* tmp, std::int64_t batch,
+                    std::int64_t seq, Losses& losses, Clock& clock);
+  void BlockBackward(const ResidualBlock& block, std::size_t li, LayerRun& r, std::int64_t n, T* dh, T* dx, T* tmp,
+                     Clock& clock);
 
   ModelConfig c_;
+  LayerProgram program_;
   DispatchOptions dispatch_;
   ModelParallel* par_;
   std::int64_t vocab_rows_ = 0;  // this rank's rows of the (padded) vocabulary

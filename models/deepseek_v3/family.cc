@@ -195,6 +195,29 @@ std::vector<NameRow> TitanRows() {
   return rows;
 }
 
+// DeepSeek-V3's architecture at toy size: multi-latent attention with YaRN, a dense first layer,
+// the grouped sigmoid_bias router with renormalised weights, a shared expert.
+ModelConfig ToyConfig() {
+  ModelConfig c;
+  c.name = "deepseek-v3-toy";
+  c.family = "deepseek_v3";
+  c.n_kv_heads = c.n_heads;
+  c.mla_q_rank = 32;
+  c.mla_kv_rank = 32;
+  c.mla_rope_dim = 8;
+  c.mla_v_dim = 16;
+  c.rope_interleave = true;
+  c.yarn_factor = 4;
+  c.yarn_original_max_pos = 16;
+  c.first_dense_layers = 1;
+  c.router = RouterKind::kSigmoidBias;
+  c.router_grouped = true;
+  c.router_groups = 2;
+  c.router_groups_kept = 1;
+  c.shared_ffn = c.moe_ffn;
+  return c;
+}
+
 }  // namespace
 
 const ModelFamily& DeepSeekV3Family() {
@@ -211,13 +234,9 @@ const ModelFamily& DeepSeekV3Family() {
       .titan_names = TitanRows(),
       .hf_variants = {"per_expert", "fused"},
       .hf_export_as = "",
-      .can = {.train_cpu = true,
-              .train_cuda = false,
-              .hf_import = true,
-              .hf_export = true,
-              .megatron_import = true,
-              .megatron_export = true,
-              .titan_dcp = true},
+      .toy_config = ToyConfig,
+      .can =
+          {.hf_import = true, .hf_export = true, .megatron_import = true, .megatron_export = true, .titan_dcp = true},
   };
   return f;
 }

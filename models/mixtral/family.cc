@@ -121,6 +121,15 @@ std::vector<NameRow> Rows() {
   return rows;
 }
 
+// Mixtral's architecture at toy size: GQA, the topk router, no shared expert.
+ModelConfig ToyConfig() {
+  ModelConfig c;
+  c.name = "mixtral-toy";
+  c.family = "mixtral";
+  c.router = RouterKind::kTopKSoftmaxAfter;
+  return c;
+}
+
 }  // namespace
 
 const ModelFamily& MixtralFamily() {
@@ -135,12 +144,8 @@ const ModelFamily& MixtralFamily() {
       .titan_names = {},
       .hf_variants = {"block_sparse_moe", "per_expert", "fused"},
       .hf_export_as = "",
-      .can = {.train_cpu = true,
-              .train_cuda = true,
-              .hf_import = true,
-              .hf_export = true,
-              .megatron_import = false,
-              .megatron_export = true},
+      .toy_config = ToyConfig,
+      .can = {.hf_import = true, .hf_export = true, .megatron_import = false, .megatron_export = true},
   };
   return f;
 }

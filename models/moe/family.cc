@@ -17,12 +17,8 @@ const ModelFamily& MoeFamily() {
       .titan_names = {},
       .hf_variants = {},
       .hf_export_as = "mixtral",
-      .can = {.train_cpu = true,
-              .train_cuda = true,
-              .hf_import = false,
-              .hf_export = true,
-              .megatron_import = true,
-              .megatron_export = true},
+      .toy_config = [] { return ModelConfig{}; },  // the tiny-moe preset
+      .can = {.hf_import = false, .hf_export = true, .megatron_import = true, .megatron_export = true},
   };
   return f;
 }

@@ -114,6 +114,16 @@ std::vector<NameRow> TitanRows() {
   return rows;
 }
 
+// Qwen3-MoE's architecture at toy size: GQA with per-head q/k norms, the renormalised top-k router.
+ModelConfig ToyConfig() {
+  ModelConfig c;
+  c.name = "qwen3-moe-toy";
+  c.family = "qwen3_moe";
+  c.qk_norm = true;
+  c.router = RouterKind::kTopKSoftmaxAfter;
+  return c;
+}
+
 }  // namespace
 
 const ModelFamily& Qwen3MoeFamily() {
@@ -128,13 +138,9 @@ const ModelFamily& Qwen3MoeFamily() {
       .titan_names = TitanRows(),
       .hf_variants = {"per_expert", "fused"},
       .hf_export_as = "",
-      .can = {.train_cpu = true,
-              .train_cuda = false,
-              .hf_import = true,
-              .hf_export = true,
-              .megatron_import = true,
-              .megatron_export = true,
-              .titan_dcp = true},
+      .toy_config = ToyConfig,
+      .can =
+          {.hf_import = true, .hf_export = true, .megatron_import = true, .megatron_export = true, .titan_dcp = true},
   };
   return f;
 }

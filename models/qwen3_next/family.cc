@@ -215,6 +215,22 @@ std::vector<NameRow> Rows() {
   return rows;
 }
 
+// Qwen3-Next's architecture at toy size: gated-delta-net layers between full-attention ones (q/k
+// norms, an output gate, partial rotary), zero-centred norms, a gated shared expert.
+ModelConfig ToyConfig() {
+  ModelConfig c;
+  c.name = "qwen3-next-toy";
+  c.family = "qwen3_next";
+  c.full_attn_interval = 2;
+  c.qk_norm = true;
+  c.attn_output_gate = true;
+  c.rotary_dim = c.head_dim / 4;
+  c.norm_zero_centered = true;
+  c.shared_ffn = c.moe_ffn;
+  c.shared_gate = true;
+  return c;
+}
+
 }  // namespace
 
 const ModelFamily& Qwen3NextFamily() {
@@ -229,12 +245,8 @@ const ModelFamily& Qwen3NextFamily() {
       .titan_names = {},
       .hf_variants = {"per_expert", "fused"},
       .hf_export_as = "",
-      .can = {.train_cpu = true,
-              .train_cuda = false,
-              .hf_import = true,
-              .hf_export = true,
-              .megatron_import = false,
-              .titan_dcp = false},
+      .toy_config = ToyConfig,
+      .can = {.hf_import = true, .hf_export = true, .megatron_import = false, .titan_dcp = false},
   };
   return f;
 }

@@ -77,7 +77,8 @@ const ModelFamilyRegistrar kToy(ModelFamily{
     .titan_names = {},
     .hf_variants = {},
     .hf_export_as = "",
-    .can = {.train_cpu = true, .train_cuda = false, .hf_import = true, .hf_export = true, .megatron_import = false},
+    .toy_config = nullptr,
+    .can = {.hf_import = true, .hf_export = true, .megatron_import = false},
 });
 
 ModelConfig ToyConfig() {
@@ -96,7 +97,9 @@ TEST(ToyFamily, IsRegisteredAndFoundByModelType) {
   auto by_type = FindHfModelFamily(nlohmann::json{{"model_type", "toy_gpt"}}, "config.json");
   ASSERT_TRUE(by_type.ok());
   EXPECT_EQ(*by_type, *f);
-  EXPECT_NE(ModelFamilyTable().find("| `toy_gpt` | a test-only variant | `toy_gpt` |"), std::string::npos);
+  const auto marks = [](const ModelFamily&, std::string_view backend) { return std::string(backend) + "?"; };
+  EXPECT_NE(ModelFamilyTable(marks).find("| `toy_gpt` | a test-only variant | `toy_gpt` | cpu? | cuda? |"),
+            std::string::npos);
   // Registered twice: refused.
   EXPECT_EQ(RegisterModelFamily(**f).code(), ErrorCode::kAlreadyExists);
   auto unknown = FindHfModelFamily(nlohmann::json{{"model_type", "toy_gpt2"}}, "config.json");

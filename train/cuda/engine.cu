@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "train/backend.h"
 #include "train/cuda/communicator.h"
 #include "train/cuda/engine.h"
 #include "train/cuda/model.h"
@@ -25,32 +26,10 @@ class CudaEngine final : public train::StepEngine {
 
   Status Attach(train::Trainer& t) override {
     const ModelConfig& c = t.model_config();
-    if (c.yarn().on()) {
-      return Unimplemented("train --device cuda: model '" + c.name +
-                           "' scales its RoPE with YaRN (yarn_factor), which only the CPU path computes");
-    }
-    if (c.IsMla()) {
-      return Unimplemented("train --device cuda: model '" + c.name +
-                           "' has multi-latent attention (mla_kv_rank > 0), which only the CPU path trains");
-    }
-    if (c.norm_zero_centered || c.attn_output_gate || c.rotary_dim != 0) {
-      return Unimplemented("train --device cuda: model '" + c.name +
-                           "' uses Qwen3-Next's attention (norm_zero_centered, attn_output_gate or rotary_dim), "
-                           "which only the CPU path trains");
-    }
-    if (c.shared_gate) {
-      return Unimplemented("train --device cuda: model '" + c.name +
-                           "' gates its shared expert (shared_gate), which only the CPU path trains");
-    }
-    if (c.full_attn_interval > 0) {
-      return Unimplemented("train --device cuda: model '" + c.name +
-                           "' has gated-delta-net layers (full_attn_interval > 0), which only the CPU path trains");
-    }
-    if (c.router_grouped || (c.router == RouterKind::kSigmoidBias && !c.router_norm_topk)) {
-      return Unimplemented("train --device cuda: model '" + c.name +
-                           "': the sigmoid_bias router with router_grouped or without router_norm_topk " +
-                           "(DeepSeek-V3's) runs on the CPU path only");
-    }
+    // What the GPU model runs is what this backend registered (train/cuda/registered_modules.cc).
+    const Status runs = train::CheckBackendRuns(train::CudaBackend(), train::BuildLayerProgram(c),
+                                                train::AllowNeverRunFromEnvironment());
+    if (!runs.ok()) return runs.WithContext("train --device cuda");
     train::Transformer<float>& host = t.model();
     train::ShardedState& state = t.state();
     train::ProcessGroups& groups = t.groups();

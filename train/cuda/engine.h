@@ -6,10 +6,15 @@
 // when a checkpoint is written (SyncToHost), so checkpoints are the CPU path's format and
 // layout, and either path resumes the other's.
 //
+// The model must need only modules the CUDA backend registers (train/cuda/registered_modules.cc,
+// checked against the layer program of train/layer_program.h): Attach refuses any other with
+// Unimplemented naming the module; modules registered as never run on a GPU (the q/k norm) only
+// with RESHARD_ALLOW_UNPROVEN=1.
+//
 // Several ranks (mpirun, one process per GPU): layouts of dp, fsdp and ep – ep cutting the
 // experts (each rank holds its ep index's block and the MoE layers exchange rows over ep) or
-// being one more data axis. Tensor, expert-tensor and context parallel layouts are refused with
-// Unimplemented.
+// being one more data axis – and of tp, etp and cp (the tp and etp sums and the cp exchanges
+// have been compiled, not yet run on a GPU).
 // Each rank runs its rows of the batch; the router statistics and the loss are the whole
 // batch's (all-reduced over the ranks inside the forward pass). Without fsdp the gradients are
 // summed over the ranks that hold them (with experts cut over ep: everything over dp × fsdp,
