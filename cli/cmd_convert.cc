@@ -18,10 +18,10 @@
 #include "cli/util.h"
 #include "comm/mpi.h"
 #include "formats/checkpoint_commit.h"
-#include "formats/dcp_verify.h"
 #include "formats/dcp_writer.h"
 #include "formats/verify.h"
 #include "models/family.h"
+#include "reshard/checkpoint_kinds.h"
 #include "reshard/dcp_export.h"
 #include "reshard/execute.h"
 
@@ -205,9 +205,9 @@ void RunConvert(const ConvertArgs& a) {
   if (!world.AllOk(setup.ok())) {
     Fail("convert", setup.ok() ? Internal("another process failed to plan the conversion") : setup.status());
   }
-  const bool dcp = IsDcpSource(a.src);
+  const CheckpointKind& kind = ReadableCheckpointKind(a.src);
   const std::int64_t version = setup->source->manifest().version;
-  if (world.rank() == 0 && !dcp && version < 2 && !a.no_verify && !a.verify_source) {
+  if (world.rank() == 0 && &kind == &OursCheckpointKind() && version < 2 && !a.no_verify && !a.verify_source) {
     PrintErr(
         "note: %s is format version %lld: its checksums cover whole shards, so a shard read only in part is "
         "read once more in full to check it (format version 2 checks every block as it is read)\n",
@@ -219,7 +219,7 @@ void RunConvert(const ConvertArgs& a) {
     if (world.rank() == 0) {
       VerifyOptions vo;
       vo.threads = a.threads;
-      const VerifyReport report = dcp ? VerifyDcp(a.src, vo) : VerifyCheckpoint(a.src, vo);
+      const VerifyReport report = kind.verify(a.src, vo);
       if (!report.unable.ok()) {
         sound = report.unable;
       } else if (!report.sound()) {

@@ -12,8 +12,8 @@
 #include "cli/commands.h"
 #include "cli/source_args.h"
 #include "cli/util.h"
-#include "formats/dcp_verify.h"
 #include "formats/verify.h"
+#include "reshard/checkpoint_kinds.h"
 #include "reshard/diff.h"
 
 namespace rs::cli {
@@ -36,26 +36,23 @@ void RunDiff(const DiffArgs& args) {
   sa.threads = args.threads;
   sa.checksums = args.skip_checksums ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
   // --model applies to the side(s) that are PyTorch DCP directories.
-  auto open = [&](const std::string& dir) {
+  const CheckpointKind& kind_a = ReadableCheckpointKind(args.a);
+  const CheckpointKind& kind_b = ReadableCheckpointKind(args.b);
+  auto open = [&](const std::string& dir, const CheckpointKind& kind) {
     SourceArgs s = sa;
-    if (IsDcpSource(dir)) s.model = args.model;
-    return OpenSource(dir, s);
+    if (kind.reads_model) s.model = args.model;
+    return kind.open(dir, OpenOptions(s));
   };
-  auto a = open(args.a);
+  auto a = open(args.a, kind_a);
   if (!a.ok()) Fail("diff", a.status());
-  auto b = open(args.b);
+  auto b = open(args.b, kind_b);
   if (!b.ok()) Fail("diff", b.status());
   if (!args.skip_checksums) {
     // Everything verify checks except the main replicas' data, which the comparison reads
     // (checked) anyway; replicas are read here. A DCP side: structure and chunk coverage
     // (the comparison checks the CRC-32 of every record it reads).
-    for (ShardSource* source : {a->get(), b->get()}) {
-      VerifyOptions vo;
-      vo.threads = args.threads;
-      auto* ours = dynamic_cast<CheckpointSource*>(source);
-      vo.checksums = ours != nullptr ? ChecksumCheck::kReplicasOnly : ChecksumCheck::kSkip;
-      // Ours: the same reader, so files checked once are not checked again by the comparison.
-      const VerifyReport report = ours != nullptr ? VerifyCheckpoint(ours->reader(), vo) : VerifyDcp(source->dir(), vo);
+    for (const auto& [source, kind] : {std::pair{a->get(), &kind_a}, std::pair{b->get(), &kind_b}}) {
+      const VerifyReport report = VerifyOpenedSource(*kind, *source, args.threads);
       if (!report.unable.ok()) Fail("diff", report.unable);
       if (!report.sound()) {
         if (!args.json) PrintErr("%s", report.ToText().c_str());

@@ -104,17 +104,9 @@ void InspectTensor(const Manifest& m, const std::string& name, const InspectOpti
 }
 
 void RunInspect(const InspectOptions& o) {
-  Result<Manifest> manifest = Manifest();
-  if (IsDcpSource(o.dir)) {
-    SourceArgs sa;
-    sa.model = o.model;
-    auto source = OpenSource(o.dir, sa);
-    if (!source.ok()) Fail("inspect", source.status());
-    manifest = (*source)->manifest();
-  } else {
-    if (!o.model.empty()) Fail("inspect", InvalidArgument("--model is for PyTorch DCP directories"));
-    manifest = ReadManifest(o.dir);
-  }
+  SourceArgs sa;
+  sa.model = o.model;
+  const Result<Manifest> manifest = ReadCheckpointManifest(o.dir, OpenOptions(sa));
   if (!manifest.ok()) Fail("inspect", manifest.status());
   const Manifest& m = *manifest;
   if (!o.svg.empty() && o.tensor.empty())

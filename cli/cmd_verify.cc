@@ -2,11 +2,9 @@
 #include <cstdio>
 
 #include "cli/commands.h"
-#include "cli/source_args.h"
 #include "cli/util.h"
-#include "formats/dcp_verify.h"
 #include "formats/verify.h"
-#include "reshard/hf.h"
+#include "reshard/checkpoint_kinds.h"
 
 namespace rs::cli {
 namespace {
@@ -22,26 +20,15 @@ void RunVerify(const VerifyArgs& a) {
   VerifyOptions o;
   o.threads = a.threads;
   o.checksums = a.skip_checksums ? ChecksumCheck::kSkip : ChecksumCheck::kAll;
-  const bool dcp = IsDcpSource(a.dir);
-  const bool hf = !dcp && IsHfDirectory(a.dir);
-  const VerifyReport report = dcp ? VerifyDcp(a.dir, o) : hf ? VerifyHf(a.dir, o) : VerifyCheckpoint(a.dir, o);
+  // A directory of no kind is verified as ours, whose report says what is missing.
+  const CheckpointKind& kind = CheckpointKindOrOurs(a.dir);
+  const VerifyReport report = kind.verify(a.dir, o);
   if (a.json) {
     nlohmann::json j = report.ToJson();
-    if (dcp) j["format"] = "pytorch-dcp";
-    if (hf) j["format"] = "hugging-face";
+    if (!kind.report_format.empty()) j["format"] = kind.report_format;
     PrintJson(j);
   } else {
-    if (dcp) {
-      Print(
-          "note: PyTorch DCP keeps no checksums of its own; verify checked the CRC-32 that each torch.save archive "
-          "records for its storage bytes%s\n",
-          a.skip_checksums ? " (skipped: --skip-checksums)" : "");
-    }
-    if (hf) {
-      Print(
-          "note: a Hugging Face directory: config.json, the index and every safetensors header checked against the "
-          "model, every byte read once; safetensors files keep no checksums, so changed bytes cannot be detected\n");
-    }
+    if (kind.verify_note) Print("note: %s\n", kind.verify_note(o).c_str());
     Print("%s", report.ToText().c_str());
   }
   std::fflush(stdout);

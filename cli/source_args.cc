@@ -1,71 +1,24 @@
 #include "cli/source_args.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 
 #include "cli/util.h"
 #include "formats/dcp.h"
-#include "formats/dcp_source.h"
-#include "formats/torch_dist.h"
-#include "models/megatron_config.h"
-#include "reshard/framework_names.h"
 
 namespace rs::cli {
 
-bool IsDcpSource(const std::string& dir) {
-  struct stat st {};
-  const bool ours = ::lstat((dir + "/" + std::string(kManifestFileName)).c_str(), &st) == 0;
-  return !ours && IsDcpDirectory(dir);
+CheckpointOpenOptions OpenOptions(const SourceArgs& args) {
+  CheckpointOpenOptions o;
+  o.model = args.model;
+  o.load_model = LoadModelArg;
+  o.threads = args.threads;
+  o.checksums = args.checksums;
+  o.note = [](const std::string& note) { PrintErr("note: %s\n", note.c_str()); };
+  return o;
 }
 
 Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const SourceArgs& args) {
-  if (IsDcpSource(dir)) {
-    DcpSourceOptions o;
-    o.verify_crc = args.checksums == ChecksumPolicy::kVerify;
-    // A Megatron-Core checkpoint written by Megatron-LM's training loop records the run's
-    // arguments in common.pt: its model, unless --model overrides it (and then they must agree).
-    std::optional<ModelConfig> recorded;
-    if (IsMegatronTorchDist(dir)) {
-      const std::string common = dir + "/common.pt";
-      RS_ASSIGN_OR_RETURN(const std::optional<nlohmann::json> megatron_args, ReadMegatronArgs(dir));
-      if (megatron_args) {
-        Result<ModelConfig> m = ModelFromMegatronArgs(*megatron_args, common);
-        if (m.ok()) {
-          recorded = std::move(*m);
-        } else if (args.model.empty()) {
-          // Still readable without a model (tensors carried whole under Megatron's names).
-          PrintErr("note: %s\n", m.status().message().c_str());
-        }
-      }
-    }
-    if (!args.model.empty()) {
-      RS_ASSIGN_OR_RETURN(o.model, LoadModelArg(args.model));
-      if (recorded) {
-        if (const std::optional<std::string> d = FirstStructuralDifference(*o.model, *recorded)) {
-          return InvalidArgument("--model " + args.model + " disagrees with the arguments " + dir +
-                                 "/common.pt records for the run that wrote it, in " + *d +
-                                 " (--model vs common.pt); drop --model to use the recorded model");
-        }
-      }
-    } else if (recorded) {
-      o.model = std::move(recorded);
-    }
-    if (o.model) {
-      // Megatron-Core keys, or the model family's torchtitan names, map to ours.
-      RS_ASSIGN_OR_RETURN(o.key_mapper, DcpKeyMapperFor(dir, *o.model));
-    }
-    RS_ASSIGN_OR_RETURN(auto s, DcpSource::Open(dir, o));
-    return std::unique_ptr<ShardSource>(std::move(s));
-  }
-  if (!args.model.empty()) {
-    return InvalidArgument("--model is for PyTorch DCP sources; " + dir + " is read through its manifest");
-  }
-  ReaderOptions ro;
-  ro.threads = args.threads;
-  ro.checksums = args.checksums;
-  RS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir, ro));
-  return std::unique_ptr<ShardSource>(std::make_unique<CheckpointSource>(std::move(reader)));
+  return OpenCheckpointSource(dir, OpenOptions(args));
 }
 
 std::string SourceIndexPath(const ShardSource& source) {
@@ -99,7 +52,7 @@ Status CheckTargetWithoutModel(const std::string& dir, const SourceArgs& args, c
     ++n;
   }
   if (n > 3) names += " and " + std::to_string(n - 3) + " more";
-  if (IsDcpSource(dir)) {
+  if (ReadableCheckpointKind(dir).reads_model) {
     return InvalidArgument(
         dir + ": without --model the tensors of this PyTorch DCP checkpoint (" + names +
         ") have no logical axes, so a layout that cuts them (" + cutting +

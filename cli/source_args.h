@@ -1,5 +1,6 @@
-// Opening the source of `inspect`, `plan`, `convert` and `diff`: one of our checkpoints
-// (manifest.json) or a PyTorch Distributed Checkpoint directory (.metadata, formats/DCP.md).
+// The flags that open the source of `inspect`, `plan`, `convert` and `diff`: one of our
+// checkpoints (manifest.json) or a PyTorch Distributed Checkpoint directory (.metadata,
+// formats/DCP.md); which kind a directory is and how it opens is reshard/checkpoint_kinds.h.
 #pragma once
 
 #include <memory>
@@ -9,11 +10,9 @@
 #include "formats/checkpoint_reader.h"
 #include "formats/shard_source.h"
 #include "layout/physical_layout.h"
+#include "reshard/checkpoint_kinds.h"
 
 namespace rs::cli {
-
-// True when `dir` is read as a PyTorch DCP directory: it has `.metadata` and no manifest.json.
-bool IsDcpSource(const std::string& dir);
 
 struct SourceArgs {
   std::string model;  // --model PRESET|FILE.json: how a DCP source is placed in a layout
@@ -21,9 +20,13 @@ struct SourceArgs {
   ChecksumPolicy checksums = ChecksumPolicy::kSkip;  // ours: shard checksums; DCP: CRC-32 of each record
 };
 
-// Errors of CheckpointReader::Open or DcpSource::Open; InvalidArgument when --model is given
-// for one of our checkpoints (its manifest already places every tensor) or missing where
-// needed.
+// The flags as options of OpenCheckpointSource: --model loaded by LoadModelArg, notes printed
+// on stderr.
+CheckpointOpenOptions OpenOptions(const SourceArgs& args);
+
+// OpenCheckpointSource with these flags: errors of CheckpointReader::Open or DcpSource::Open;
+// InvalidArgument when --model is given for one of our checkpoints (its manifest already
+// places every tensor) or missing where needed.
 Result<std::unique_ptr<ShardSource>> OpenSource(const std::string& dir, const SourceArgs& args);
 
 // Without --model, a DCP source's tensors keep their DCP names and have no logical axes (nor
