@@ -32,7 +32,7 @@
 
 #include "bench/synthetic_checkpoint.h"
 #include "formats/manifest.h"
-#include "formats/shard_file.h"
+#include "formats/shard_reader.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // Running code that may crash on untrusted input in a child process, so that a crash, a hang or
 // a runaway allocation there becomes an error here. Used for what no check of ours can run
 // before: libhdf5 1.10 parsing the metadata of a damaged version-1 data file (formats/
-// shard_file.h ShardFileReader::IsolateHdf5), which can divide by zero, dereference a wild
+// shard_reader.h ShardFileReader::IsolateHdf5), which can divide by zero, dereference a wild
 // pointer or allocate until memory runs out.
 //
 // The child is fork()ed: it has only the calling thread, a copy of the parent's memory and its

@@ -19,7 +19,7 @@
 #include "core/status.h"
 #include "core/tensor_spec.h"
 #include "formats/manifest.h"
-#include "formats/shard_file.h"
+#include "formats/shard_reader.h"
 
 namespace rs {
 

@@ -18,7 +18,7 @@
 #include "core/thread_pool.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/durable_file.h"
-#include "formats/shard_file.h"
+#include "formats/shard_reader.h"
 
 namespace rs {
 namespace fs = std::filesystem;

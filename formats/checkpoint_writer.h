@@ -34,7 +34,7 @@
 #include "core/tensor_spec.h"
 #include "formats/codec.h"
 #include "formats/manifest.h"
-#include "formats/shard_file.h"
+#include "formats/shard_writer.h"
 
 namespace rs {
 

@@ -318,6 +318,181 @@ Status MapKeys(const DcpMetadata& md, const std::string& meta_path, bool megatro
   return CheckParts(meta_path, m);
 }
 
+// Our parameters' shapes, for the key mapper's keys (empty without a model or a mapper). Checks
+// the model, and that a Megatron checkpoint read into a model comes with a mapper.
+Result<std::map<std::string, Shape>> MapperModelShapes(const std::string& dir, const DcpSourceOptions& options,
+                                                       bool megatron, const DcpKeyMapper& mapper) {
+  std::map<std::string, Shape> model_shapes;
+  if (options.model) {
+    RS_RETURN_IF_ERROR(options.model->Validate());
+    if (megatron && !mapper) {
+      return InvalidArgument(dir + ": a Megatron-Core torch_dist checkpoint is read into a model through the " +
+                             "Megatron key mapper (reshard/framework_names.h), and none was given");
+    }
+    if (mapper) {
+      for (const TensorSpec& spec : ModelParameters(*options.model)) model_shapes.emplace(spec.name, spec.shape);
+    }
+  }
+  return model_shapes;
+}
+
+// The optimizer states that the mapped tensors hold.
+std::set<std::string> OptimizerStates(const Mapping& mapping) {
+  std::set<std::string> states;
+  for (const auto& [name, t] : mapping.tensors) {
+    if (t.name.role == TensorRole::kOptimizerState) states.insert(t.name.state);
+  }
+  return states;
+}
+
+// The manifest's account of where the checkpoint comes from: format, version, producer and
+// metadata["dcp"].
+void DescribeDcp(const DcpMetadata& md, bool megatron, Manifest& m) {
+  m.format = "pytorch-dcp";
+  m.version = md.version.empty() ? 0 : std::atoi(md.version.c_str());
+  m.producer = "PyTorch Distributed Checkpoint" +
+               (md.version.empty() ? std::string() : " (metadata version " + md.version + ")");
+  m.layout = nullptr;
+  m.metadata = nlohmann::json::object();
+  m.metadata["dcp"] = {{"version", md.version}, {"tensor_keys", md.tensors.size()}, {"bytes_keys", md.objects.size()}};
+  if (megatron) m.metadata["dcp"]["megatron_torch_dist"] = true;
+}
+
+// The optimizer states in AdamW's order when they are AdamW's, else sorted.
+std::vector<std::string> StateOrder(const std::set<std::string>& states) {
+  std::vector<std::string> state_list;
+  for (const std::string& st : AdamStateNames()) {
+    if (states.count(st) != 0) state_list.push_back(st);
+  }
+  for (const std::string& st : states) {
+    if (std::find(state_list.begin(), state_list.end(), st) == state_list.end()) state_list.push_back(st);
+  }
+  return state_list;
+}
+
+// With a model: the model's checkpoint tensors (with the optimizer `states`, and the step when
+// the checkpoint has one), each from the mapped tensor of its name, into `m`; per manifest
+// tensor, the mapped tensor it comes from (nullptr for the step). FailedPrecondition naming the
+// tensors when the checkpoint does not match the model.
+Result<std::vector<const MappedTensor*>> ModelTensors(const std::string& dir, const ModelConfig& cfg,
+                                                      const DcpMetadata& md, const Mapping& mapping,
+                                                      const std::set<std::string>& states, bool has_step, bool megatron,
+                                                      Manifest& m) {
+  std::vector<const MappedTensor*> tensor_of;
+  std::vector<std::string> missing, wrong;
+  std::set<std::string> seen;
+  for (TensorSpec spec : ModelCheckpointTensors(cfg, StateOrder(states))) {
+    if (spec.name == kStepName) {
+      if (!has_step) continue;
+      spec.dtype = DType::kI64;
+      m.tensors.push_back(spec);
+      tensor_of.push_back(nullptr);
+      continue;
+    }
+    const auto it = mapping.tensors.find(spec.name);
+    if (it == mapping.tensors.end()) {
+      // A state that this parameter lacks while others have it: the optimizer skipped the
+      // parameter (no gradient yet) or the checkpoint lost it. Refused either way.
+      missing.push_back(spec.name);
+      continue;
+    }
+    seen.insert(spec.name);
+    const MappedTensor& t = it->second;
+    if (t.shape != spec.shape) {
+      wrong.push_back(spec.name + " (" + t.fqn + " gives " + ShapeToString(t.shape) + ", the model's " +
+                      ShapeToString(spec.shape) + ")");
+      continue;
+    }
+    spec.dtype = t.dtype;
+    m.tensors.push_back(spec);
+    tensor_of.push_back(&t);
+  }
+  std::vector<std::string> unknown;
+  for (const std::string& name : mapping.order) {
+    if (seen.count(name) == 0) {
+      const std::string& fqn = mapping.tensors.at(name).fqn;
+      unknown.push_back(fqn == name ? name : name + " (from " + fqn + ")");
+    }
+  }
+  unknown.insert(unknown.end(), mapping.unmapped.begin(), mapping.unmapped.end());
+  std::string problems;
+  if (!wrong.empty()) problems += "; shapes differ: " + Listed(wrong);
+  if (!missing.empty()) problems += "; missing from the checkpoint: " + Listed(missing);
+  if (!unknown.empty()) problems += "; not tensors of the model: " + Listed(unknown);
+  if (!mapping.refused.empty()) problems += "; what our model cannot express: " + Listed(mapping.refused);
+  if (megatron) {
+    bool flat_optimizer = false;
+    for (const std::string& fqn : md.objects) flat_optimizer |= fqn.starts_with("optimizer.distributed.");
+    if (flat_optimizer && states.empty()) {
+      problems +=
+          "; the optimizer state is in the distributed optimizer's dp_reshardable format (flat buffers per "
+          "data-parallel rank, no per-parameter coordinates): save it in the fully_sharded_model_space or "
+          "fully_reshardable format to convert it";
+    }
+  }
+  if (!problems.empty()) {
+    return FailedPrecondition(dir + ": the " + (megatron ? "Megatron-Core torch_dist" : "DCP") +
+                              " checkpoint does not match the model '" + cfg.name + "'" + problems);
+  }
+  return tensor_of;
+}
+
+// Without a model: every mapped tensor as the checkpoint names it, in DCP order, then the step
+// (when the checkpoint has one), into `m`; per manifest tensor, the mapped tensor it comes from
+// (nullptr for the step).
+std::vector<const MappedTensor*> CheckpointTensors(const Mapping& mapping, bool has_step, Manifest& m) {
+  std::vector<const MappedTensor*> tensor_of;
+  for (const std::string& name : mapping.order) {
+    const MappedTensor& t = mapping.tensors.at(name);
+    TensorSpec spec;
+    spec.name = name;
+    spec.dtype = t.dtype;
+    spec.shape = t.shape;
+    spec.axes.assign(t.shape.size(), "");
+    spec.role = t.name.role;
+    spec.param = t.name.param;
+    spec.state = t.name.state;
+    m.tensors.push_back(spec);
+    tensor_of.push_back(&t);
+  }
+  if (has_step) {
+    TensorSpec spec;
+    spec.name = std::string(kStepName);
+    spec.dtype = DType::kI64;
+    spec.role = TensorRole::kScalar;
+    m.tensors.push_back(spec);
+    tensor_of.push_back(nullptr);
+  }
+  return tensor_of;
+}
+
+// The shard of the optimizer step (manifest tensor `spec`), computed from the step entries.
+ShardEntry StepShard(const TensorSpec& spec) {
+  ShardEntry e;
+  e.tensor = spec.name;
+  e.piece = Piece{Box::Full(spec.shape), std::nullopt};
+  e.file = std::string(kDcpMetadataFileName);
+  e.dataset = "optim.state.*.step";
+  e.nbytes = 8;
+  return e;
+}
+
+// The shard of piece `p` of the mapped tensor `t` (manifest tensor `spec`): named after its DCP
+// key, chunk and (for part of a chunk) byte offset, in the chunk's data file.
+ShardEntry PieceShard(const DcpMetadata& md, const TensorSpec& spec, const MappedTensor& t, const MappedPiece& p) {
+  const DcpChunk& ch = md.tensors[p.tensor].chunks[p.chunk];
+  ShardEntry e;
+  e.tensor = spec.name;
+  e.piece = Piece{p.box, std::nullopt};
+  const bool stored = ch.storage != static_cast<std::size_t>(-1);
+  e.file = stored ? md.storage[ch.storage].file : std::string(kDcpMetadataFileName);
+  e.dataset = md.tensors[p.tensor].fqn + "@" + ShapeToString(ch.offsets);
+  if (p.byte_offset != 0 || p.box.shape != ch.sizes) e.dataset += "+" + std::to_string(p.byte_offset);
+  e.nbytes = p.box.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
+  e.rank = stored ? RankOfFile(e.file) : 0;
+  return e;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const DcpSourceOptions& options) {
@@ -333,25 +508,12 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   // names (torchtitan's, Megatron's) need the model and its mapper; without a model they stay
   // the checkpoint's names.
   Mapping mapping;
-  std::map<std::string, Shape> model_shapes;  // our parameters, for the mapper's keys
   const DcpKeyMapper none;
   const DcpKeyMapper& mapper = options.model ? options.key_mapper : none;
-  if (options.model) {
-    RS_RETURN_IF_ERROR(options.model->Validate());
-    if (megatron && !mapper) {
-      return InvalidArgument(dir + ": a Megatron-Core torch_dist checkpoint is read into a model through the " +
-                             "Megatron key mapper (reshard/framework_names.h), and none was given");
-    }
-    if (mapper) {
-      for (const TensorSpec& spec : ModelParameters(*options.model)) model_shapes.emplace(spec.name, spec.shape);
-    }
-  }
+  RS_ASSIGN_OR_RETURN(const auto model_shapes, MapperModelShapes(dir, options, megatron, mapper));
   RS_RETURN_IF_ERROR(MapKeys(md, meta_path, megatron, mapper, model_shapes, mapping));
   s->step_tensors = mapping.step_tensors;
-  std::set<std::string> states;
-  for (const auto& [name, t] : mapping.tensors) {
-    if (t.name.role == TensorRole::kOptimizerState) states.insert(t.name.state);
-  }
+  const std::set<std::string> states = OptimizerStates(mapping);
   for (const std::string& fqn : md.objects) {
     if (MapDcpName(fqn).step) s->step_objects.push_back(fqn);
   }
@@ -363,104 +525,14 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   const bool has_step = !s->step_tensors.empty() || !s->step_objects.empty() || s->step_.has_value();
 
   Manifest& m = s->manifest_;
-  m.format = "pytorch-dcp";
-  m.version = md.version.empty() ? 0 : std::atoi(md.version.c_str());
-  m.producer = "PyTorch Distributed Checkpoint" +
-               (md.version.empty() ? std::string() : " (metadata version " + md.version + ")");
-  m.layout = nullptr;
-  m.metadata = nlohmann::json::object();
-  m.metadata["dcp"] = {{"version", md.version}, {"tensor_keys", md.tensors.size()}, {"bytes_keys", md.objects.size()}};
-  if (megatron) m.metadata["dcp"]["megatron_torch_dist"] = true;
+  DescribeDcp(md, megatron, m);
   std::vector<const MappedTensor*> tensor_of;  // per manifest tensor; nullptr for the step
-
   if (options.model) {
     const ModelConfig& cfg = *options.model;  // validated before the mapping
-    // States in AdamW's order when they are AdamW's, else sorted.
-    std::vector<std::string> state_list;
-    for (const std::string& st : AdamStateNames()) {
-      if (states.count(st) != 0) state_list.push_back(st);
-    }
-    for (const std::string& st : states) {
-      if (std::find(state_list.begin(), state_list.end(), st) == state_list.end()) state_list.push_back(st);
-    }
-    std::vector<std::string> missing, wrong;
-    std::set<std::string> seen;
-    for (TensorSpec spec : ModelCheckpointTensors(cfg, state_list)) {
-      if (spec.name == kStepName) {
-        if (!has_step) continue;
-        spec.dtype = DType::kI64;
-        m.tensors.push_back(spec);
-        tensor_of.push_back(nullptr);
-        continue;
-      }
-      const auto it = mapping.tensors.find(spec.name);
-      if (it == mapping.tensors.end()) {
-        // A state that this parameter lacks while others have it: the optimizer skipped the
-        // parameter (no gradient yet) or the checkpoint lost it. Refused either way.
-        missing.push_back(spec.name);
-        continue;
-      }
-      seen.insert(spec.name);
-      const MappedTensor& t = it->second;
-      if (t.shape != spec.shape) {
-        wrong.push_back(spec.name + " (" + t.fqn + " gives " + ShapeToString(t.shape) + ", the model's " +
-                        ShapeToString(spec.shape) + ")");
-        continue;
-      }
-      spec.dtype = t.dtype;
-      m.tensors.push_back(spec);
-      tensor_of.push_back(&t);
-    }
-    std::vector<std::string> unknown;
-    for (const std::string& name : mapping.order) {
-      if (seen.count(name) == 0) {
-        const std::string& fqn = mapping.tensors.at(name).fqn;
-        unknown.push_back(fqn == name ? name : name + " (from " + fqn + ")");
-      }
-    }
-    unknown.insert(unknown.end(), mapping.unmapped.begin(), mapping.unmapped.end());
-    std::string problems;
-    if (!wrong.empty()) problems += "; shapes differ: " + Listed(wrong);
-    if (!missing.empty()) problems += "; missing from the checkpoint: " + Listed(missing);
-    if (!unknown.empty()) problems += "; not tensors of the model: " + Listed(unknown);
-    if (!mapping.refused.empty()) problems += "; what our model cannot express: " + Listed(mapping.refused);
-    if (megatron) {
-      bool flat_optimizer = false;
-      for (const std::string& fqn : md.objects) flat_optimizer |= fqn.starts_with("optimizer.distributed.");
-      if (flat_optimizer && states.empty()) {
-        problems +=
-            "; the optimizer state is in the distributed optimizer's dp_reshardable format (flat buffers per "
-            "data-parallel rank, no per-parameter coordinates): save it in the fully_sharded_model_space or "
-            "fully_reshardable format to convert it";
-      }
-    }
-    if (!problems.empty()) {
-      return FailedPrecondition(dir + ": the " + (megatron ? "Megatron-Core torch_dist" : "DCP") +
-                                " checkpoint does not match the model '" + cfg.name + "'" + problems);
-    }
+    RS_ASSIGN_OR_RETURN(tensor_of, ModelTensors(dir, cfg, md, mapping, states, has_step, megatron, m));
     m.metadata["model"] = cfg;
   } else {
-    for (const std::string& name : mapping.order) {
-      const MappedTensor& t = mapping.tensors.at(name);
-      TensorSpec spec;
-      spec.name = name;
-      spec.dtype = t.dtype;
-      spec.shape = t.shape;
-      spec.axes.assign(t.shape.size(), "");
-      spec.role = t.name.role;
-      spec.param = t.name.param;
-      spec.state = t.name.state;
-      m.tensors.push_back(spec);
-      tensor_of.push_back(&t);
-    }
-    if (has_step) {
-      TensorSpec spec;
-      spec.name = std::string(kStepName);
-      spec.dtype = DType::kI64;
-      spec.role = TensorRole::kScalar;
-      m.tensors.push_back(spec);
-      tensor_of.push_back(nullptr);
-    }
+    tensor_of = CheckpointTensors(mapping, has_step, m);
   }
 
   for (std::size_t k = 0; k < m.tensors.size(); ++k) {
@@ -468,29 +540,13 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
     const MappedTensor* t = tensor_of[k];
     if (t == nullptr) {
       s->keys_.emplace_back();
-      ShardEntry e;
-      e.tensor = spec.name;
-      e.piece = Piece{Box::Full(spec.shape), std::nullopt};
-      e.file = std::string(kDcpMetadataFileName);
-      e.dataset = "optim.state.*.step";
-      e.nbytes = 8;
-      m.shards.push_back(e);
+      m.shards.push_back(StepShard(spec));
       s->origin_.push_back({0, 0, 0, true});
       continue;
     }
     s->keys_.push_back(t->fqn);
     for (const MappedPiece& p : t->pieces) {
-      const DcpChunk& ch = md.tensors[p.tensor].chunks[p.chunk];
-      ShardEntry e;
-      e.tensor = spec.name;
-      e.piece = Piece{p.box, std::nullopt};
-      const bool stored = ch.storage != static_cast<std::size_t>(-1);
-      e.file = stored ? md.storage[ch.storage].file : std::string(kDcpMetadataFileName);
-      e.dataset = md.tensors[p.tensor].fqn + "@" + ShapeToString(ch.offsets);
-      if (p.byte_offset != 0 || p.box.shape != ch.sizes) e.dataset += "+" + std::to_string(p.byte_offset);
-      e.nbytes = p.box.numel() * static_cast<std::int64_t>(DTypeSize(t->dtype));
-      e.rank = stored ? RankOfFile(e.file) : 0;
-      m.shards.push_back(e);
+      m.shards.push_back(PieceShard(md, spec, *t, p));
       s->origin_.push_back({p.tensor, p.chunk, p.byte_offset, false});
     }
   }

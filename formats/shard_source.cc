@@ -7,7 +7,7 @@
 
 #include "core/dtype.h"
 #include "formats/checkpoint_reader.h"
-#include "formats/shard_file.h"
+#include "formats/shard_block_table.h"
 
 namespace rs {
 

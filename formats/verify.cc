@@ -17,7 +17,8 @@
 #include "core/text.h"
 #include "core/thread_pool.h"
 #include "formats/checkpoint_reader.h"
-#include "formats/shard_file.h"
+#include "formats/shard_block_table.h"
+#include "formats/shard_reader.h"
 
 namespace rs {
 namespace {

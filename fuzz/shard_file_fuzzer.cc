@@ -1,4 +1,4 @@
-// libFuzzer target: the shard-file reader (formats/shard_file.h ShardFileReader), the code
+// libFuzzer target: the shard-file reader (formats/shard_reader.h ShardFileReader), the code
 // that `verify`, `convert`, `inspect` and `train --resume` read data files with. The input is
 // written to a temporary file, which is opened and read as a data file: each dataset of the
 // file (at most kMaxDatasets, each at most kMaxDatasetBytes: sizes a manifest would give) is
@@ -28,7 +28,7 @@
 #include "core/thread_pool.h"
 #include "formats/codec.h"
 #include "formats/hdf5_util.h"
-#include "formats/shard_file.h"
+#include "formats/shard_reader.h"
 #include "fuzz/fuzz_util.h"
 
 namespace {

@@ -21,7 +21,7 @@
 #include "core/dtype.h"
 #include "core/tensor_spec.h"
 #include "formats/manifest.h"
-#include "formats/shard_file.h"
+#include "formats/shard_writer.h"
 #include "layout/physical_layout.h"
 
 namespace rs {

@@ -16,7 +16,7 @@
 #include "formats/checkpoint_commit.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
-#include "formats/shard_file.h"
+#include "formats/shard_reader.h"
 
 namespace rs::train {
 namespace {

@@ -18,7 +18,7 @@
 
 #include "core/model.h"
 #include "core/status.h"
-#include "formats/shard_file.h"
+#include "formats/shard_writer.h"
 #include "train/model.h"
 #include "train/trainer.h"
 
@@ -111,7 +111,7 @@ class AsyncSaver {
 // VersionMismatch from reading; InvalidArgument if the metadata lacks the model or training
 // config.
 // What a load read (optional out-parameter of ResumeFromCheckpoint and LoadModel): this
-// process's data-file bytes (formats/shard_file.h ShardFileBytesRead) and the checkpoint's
+// process's data-file bytes (formats/shard_reader.h ShardFileBytesRead) and the checkpoint's
 // stored bytes, for a read-amplification report. At resume the ranks of a data-parallel group
 // read the checkpoint once (its first rank) and share it by broadcast
 // (ShardedState::LoadOncePerReplicaGroup).

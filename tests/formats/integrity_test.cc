@@ -14,7 +14,8 @@
 #include "core/check.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/checkpoint_writer.h"
-#include "formats/shard_file.h"
+#include "formats/shard_block_table.h"
+#include "formats/shard_reader.h"
 #include "formats/verify.h"
 #include "tests/formats/test_util.h"
 
