@@ -86,6 +86,40 @@ class Builder {
   std::vector<FsdpParam> params_;
 };
 
+// The preset as a model config: its shapes in the fields the model declares its tensors from.
+// Routers, norms and other settings that do not change a parameter's shape keep the defaults
+// (the sigmoid router's expert bias is a buffer, not planned).
+Result<ModelConfig> PresetConfig(const PresetShape& s) {
+  ModelConfig c;
+  c.name = std::string(s.name);
+  c.vocab_size = s.vocab;
+  c.d_model = s.d;
+  c.n_layers = s.layers;
+  c.first_dense_layers = s.first_dense;
+  c.dense_ffn = s.first_dense > 0 ? s.dense_ffn : 1;
+  c.n_experts = s.experts;
+  c.top_k = 1;
+  c.moe_ffn = s.moe_ffn;
+  c.shared_ffn = s.shared_ffn;
+  if (s.mla) {
+    // Multi-latent attention: q/k heads of nope + rope dims, every head its own key and value.
+    c.n_heads = s.m.heads;
+    c.n_kv_heads = s.m.heads;
+    c.head_dim = s.m.qk_nope + s.m.qk_rope;
+    c.mla_q_rank = s.m.q_lora;
+    c.mla_kv_rank = s.m.kv_lora;
+    c.mla_rope_dim = s.m.qk_rope;
+    c.mla_v_dim = s.m.v_dim;
+  } else {
+    c.n_heads = s.g.q_heads;
+    c.n_kv_heads = s.g.kv_heads;
+    c.head_dim = s.g.head_dim;
+    c.qk_norm = s.g.qk_norm;
+  }
+  RS_RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
 }  // namespace
 
 std::vector<std::string> FsdpPresetNames() {
@@ -109,89 +143,43 @@ Result<std::vector<FsdpParam>> FsdpPresetParams(std::string_view name, const Fsd
                            " experts of " + std::string(name));
   }
   if (o.layers_per_unit < 0) return InvalidArgument("layers per unit must not be negative");
-  const std::int64_t d = s->d, local_experts = s->experts / o.ep;
+  const std::int64_t local_experts = s->experts / o.ep;
   Builder b(o, s->layers);
-  if (!s->mla) {
-    // GQA models are ours: their tensors are the model's declaration (core/model.h), one ep
-    // rank's share of the experts, optionally one tensor per expert.
-    ModelConfig c;
-    c.name = std::string(s->name);
-    c.vocab_size = s->vocab;
-    c.d_model = d;
-    c.n_layers = s->layers;
-    c.n_heads = s->g.q_heads;
-    c.n_kv_heads = s->g.kv_heads;
-    c.head_dim = s->g.head_dim;
-    c.qk_norm = s->g.qk_norm;
-    c.first_dense_layers = s->first_dense;
-    c.dense_ffn = s->first_dense > 0 ? s->dense_ffn : 1;
-    c.n_experts = s->experts;
-    c.top_k = 1;
-    c.moe_ffn = s->moe_ffn;
-    c.shared_ffn = s->shared_ffn;
-    RS_RETURN_IF_ERROR(c.Validate());
-    for (const TensorSpec& t : ModelParameters(c)) {
-      if (t.role != TensorRole::kParameter) continue;
-      const std::int64_t layer = t.place.layer >= 0                     ? t.place.layer
-                                 : t.place.layer == PipelinePlace::kPre ? Builder::kPre
-                                                                        : Builder::kPost;
-      if (!t.expert) {
-        b.Add(layer, t.name, t.shape);
-        continue;
-      }
-      Shape local = t.shape;
-      local[0] = local_experts;
-      if (!o.per_expert_2d) {
-        b.Add(layer, t.name, local, /*expert=*/true);
-        continue;
-      }
-      // layers.{i}.moe.experts.fc1.weight -> layers.{i}.moe.experts.{e}.fc1.weight [2f, d]
-      const std::size_t cut = t.name.rfind("experts.") + 8;
-      for (std::int64_t e = 0; e < local_experts; ++e) {
-        b.Add(layer, t.name.substr(0, cut) + std::to_string(e) + "." + t.name.substr(cut),
-              Shape(t.shape.begin() + 1, t.shape.end()), /*expert=*/true);
-      }
-    }
-    return b.Take();
-  }
-  b.Add(Builder::kPre, "embedding.weight", {s->vocab, d});
-  for (std::int64_t i = 0; i < s->layers; ++i) {
-    const std::string l = "layers." + std::to_string(i) + ".";
-    b.Add(i, l + "attn_norm.weight", {d});
-    // Multi-latent attention, named as ModelParameters names it (core/model.h).
-    const Mla& m = s->m;
-    b.Add(i, l + "attn.q_a.weight", {m.q_lora, d});
-    b.Add(i, l + "attn.q_a_norm.weight", {m.q_lora});
-    b.Add(i, l + "attn.q_b.weight", {m.heads * (m.qk_nope + m.qk_rope), m.q_lora});
-    b.Add(i, l + "attn.kv_a.weight", {m.kv_lora + m.qk_rope, d});
-    b.Add(i, l + "attn.kv_a_norm.weight", {m.kv_lora});
-    b.Add(i, l + "attn.kv_b.weight", {m.heads * (m.qk_nope + m.v_dim), m.kv_lora});
-    b.Add(i, l + "attn.out.weight", {d, m.heads * m.v_dim});
-    b.Add(i, l + "mlp_norm.weight", {d});
-    if (i < s->first_dense) {
-      b.Add(i, l + "mlp.fc1.weight", {2 * s->dense_ffn, d});
-      b.Add(i, l + "mlp.fc2.weight", {d, s->dense_ffn});
+  // The tensors are the model's declaration (core/model.h): one ep rank's share of the
+  // experts, optionally one tensor per expert.
+  RS_ASSIGN_OR_RETURN(const ModelConfig c, PresetConfig(*s));
+  const std::vector<TensorSpec> specs = ModelParameters(c);
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const TensorSpec& t = specs[i];
+    if (t.role != TensorRole::kParameter) continue;
+    const std::int64_t layer = t.place.layer >= 0                     ? t.place.layer
+                               : t.place.layer == PipelinePlace::kPre ? Builder::kPre
+                                                                      : Builder::kPost;
+    if (!t.expert) {
+      b.Add(layer, t.name, t.shape);
       continue;
     }
-    b.Add(i, l + "moe.router.weight", {s->experts, d});
-    const std::int64_t f = s->moe_ffn;
-    if (o.per_expert_2d) {
-      for (std::int64_t e = 0; e < local_experts; ++e) {
-        const std::string x = l + "moe.experts." + std::to_string(e) + ".";
-        b.Add(i, x + "fc1.weight", {2 * f, d}, /*expert=*/true);
-        b.Add(i, x + "fc2.weight", {d, f}, /*expert=*/true);
+    if (!o.per_expert_2d) {
+      Shape local = t.shape;
+      local[0] = local_experts;
+      b.Add(layer, t.name, local, /*expert=*/true);
+      continue;
+    }
+    // The layer's grouped expert tensors (fc1, fc2) as one tensor per expert, expert by expert
+    // as Megatron's SequentialMLP registers them: layers.{i}.moe.experts.{e}.fc1.weight [2f, d],
+    // then .fc2.weight [d, f], then the next expert's.
+    std::size_t end = i;
+    while (end < specs.size() && specs[end].expert && specs[end].role == TensorRole::kParameter) ++end;
+    for (std::int64_t e = 0; e < local_experts; ++e) {
+      for (std::size_t k = i; k < end; ++k) {
+        const std::string& grouped = specs[k].name;
+        const std::size_t cut = grouped.rfind("experts.") + 8;
+        b.Add(layer, grouped.substr(0, cut) + std::to_string(e) + "." + grouped.substr(cut),
+              Shape(specs[k].shape.begin() + 1, specs[k].shape.end()), /*expert=*/true);
       }
-    } else {
-      b.Add(i, l + "moe.experts.fc1.weight", {local_experts, 2 * f, d}, /*expert=*/true);
-      b.Add(i, l + "moe.experts.fc2.weight", {local_experts, d, f}, /*expert=*/true);
     }
-    if (s->shared_ffn > 0) {
-      b.Add(i, l + "moe.shared.fc1.weight", {2 * s->shared_ffn, d});
-      b.Add(i, l + "moe.shared.fc2.weight", {d, s->shared_ffn});
-    }
+    i = end - 1;
   }
-  b.Add(Builder::kPost, "final_norm.weight", {d});
-  b.Add(Builder::kPost, "output.weight", {s->vocab, d});
   return b.Take();
 }
 

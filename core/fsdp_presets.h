@@ -1,8 +1,8 @@
 // Parameter lists for the bucket planner: shapes of real MoE models (no weights), and a small
-// JSON description for anything else. The GQA presets (Qwen3-MoE with its q/k norms, Mixtral) are
-// the training model's own declaration, ModelParameters (core/model.h); DeepSeek-V3's preset
-// is listed here by hand (its per-expert 2-D form and the release's exact shapes), with the MLA
-// names the model declares: layers.{i}.attn.{q_a,q_a_norm,q_b,kv_a,kv_a_norm,kv_b}.weight.
+// JSON description for anything else. Every preset is the training model's own declaration,
+// ModelParameters (core/model.h), of the published shapes: Qwen3-MoE with its q/k norms,
+// Mixtral, and DeepSeek-V3 with multi-latent attention (its per-expert 2-D form and the
+// release's exact shapes).
 #pragma once
 
 #include <cstdint>
