@@ -114,28 +114,10 @@ void CheckCoverage(const DcpCheckpoint& c, std::size_t ti, const VerifyOptions& 
   }
 }
 
-}  // namespace
-
-VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
-  VerifyReport report;
-  report.dir = dir;
-  const std::string meta = dir + "/" + std::string(kDcpMetadataFileName);
-  auto finish = [&]() -> VerifyReport {
-    SetAsideUnavailable(report);
-    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return std::move(report);
-  };
-  Result<std::unique_ptr<DcpCheckpoint>> opened = DcpCheckpoint::Open(dir);
-  if (!opened.ok()) {
-    report.findings.push_back({FindingKind::kManifest, opened.status().code(), "", meta, opened.status().message()});
-    return finish();
-  }
-  DcpCheckpoint& c = **opened;
+// Files: each one that a storage entry names exists and can be read. Returns the files whose
+// items are not checked further.
+std::set<std::string> CheckFiles(DcpCheckpoint& c, VerifyReport& report) {
   const DcpMetadata& md = c.metadata();
-  report.counts.tensors = static_cast<std::int64_t>(md.tensors.size());
-
-  // Files.
   std::map<std::string, std::set<std::string>> keys_in_file;
   for (const DcpStorage& s : md.storage) keys_in_file[s.file].insert(s.fqn);
   report.counts.files = static_cast<std::int64_t>(keys_in_file.size());
@@ -160,12 +142,18 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
     }
     report.counts.stored_bytes += *size;
   }
+  return bad_files;
+}
 
-  // Chunks: located (archive parsed and checked against .metadata), then CRC-checked.
-  struct Item {
-    std::size_t tensor, chunk;
-  };
-  std::vector<Item> items;
+struct ChunkItem {
+  std::size_t tensor, chunk;
+};
+
+// The chunks to check: those with a storage entry, in a file that can be read. A chunk without
+// one is a finding.
+std::vector<ChunkItem> ListChunks(const DcpMetadata& md, const std::string& meta,
+                                  const std::set<std::string>& bad_files, VerifyReport& report) {
+  std::vector<ChunkItem> items;
   for (std::size_t t = 0; t < md.tensors.size(); ++t) {
     for (std::size_t k = 0; k < md.tensors[t].chunks.size(); ++k) {
       const DcpChunk& ch = md.tensors[t].chunks[k];
@@ -179,19 +167,26 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
       items.push_back({t, k});
     }
   }
-  report.counts.shards = static_cast<std::int64_t>(items.size());
+  return items;
+}
+
+// The chunks, in parallel: located (archive parsed and checked against .metadata), then
+// CRC-checked. Findings in the order of `items`.
+void CheckChunks(DcpCheckpoint& c, const std::vector<ChunkItem>& items, const VerifyOptions& options,
+                 VerifyReport& report) {
+  const DcpMetadata& md = c.metadata();
   std::vector<std::optional<Finding>> found(items.size());
   std::vector<std::int64_t> checked(items.size(), 0);
   std::atomic<std::size_t> next{0};
   std::mutex progress_mu;
   std::int64_t done_bytes = 0, total_bytes = 0;
-  for (const Item& it : items) {
+  for (const ChunkItem& it : items) {
     total_bytes += Numel(md.tensors[it.tensor].chunks[it.chunk].sizes) *
                    static_cast<std::int64_t>(DTypeSize(md.tensors[it.tensor].dtype));
   }
   auto worker = [&] {
     for (std::size_t i = next++; i < items.size(); i = next++) {
-      const Item& it = items[i];
+      const ChunkItem& it = items[i];
       const std::string& file = md.storage[md.tensors[it.tensor].chunks[it.chunk].storage].file;
       Result<DcpChunkLocation> loc = c.LocateChunk(it.tensor, it.chunk);
       if (!loc.ok()) {
@@ -220,8 +215,12 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
     report.counts.checked_bytes += checked[i];
     if (found[i]) report.findings.push_back(std::move(*found[i]));
   }
+}
 
-  // Bytes items inside their files.
+// Bytes items inside their files.
+void CheckBytesItems(DcpCheckpoint& c, const std::string& dir, const std::string& meta,
+                     const std::set<std::string>& bad_files, VerifyReport& report) {
+  const DcpMetadata& md = c.metadata();
   for (const std::string& fqn : md.objects) {
     const auto it = md.object_storage.find(fqn);
     if (it == md.object_storage.end()) {
@@ -239,10 +238,11 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
                                      std::to_string(*size) + " bytes): truncated data file"});
     }
   }
+}
 
-  for (std::size_t t = 0; t < md.tensors.size(); ++t) CheckCoverage(c, t, options, report);
-
-  // Optimizer states against their parameters (by our name mapping), and the steps.
+// Optimizer states against their parameters (by our name mapping).
+void CheckOptimizerStates(const DcpMetadata& md, const std::string& dir, const std::string& meta,
+                          VerifyReport& report) {
   const bool megatron = IsMegatronTorchDist(dir);
   std::map<std::string, const DcpTensor*> by_name;
   for (const DcpTensor& t : md.tensors) by_name.emplace(MapDcpName(t.fqn, megatron).name, &t);
@@ -261,7 +261,10 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
                                      ShapeToString(it->second->size)});
     }
   }
-  opened->reset();
+}
+
+// DcpSource opens the checkpoint and, when it has an 'optimizer.step', reads the step.
+void CheckStep(const std::string& dir, const std::string& meta, VerifyReport& report) {
   Result<std::unique_ptr<DcpSource>> src = DcpSource::Open(dir);
   if (!src.ok()) {
     report.findings.push_back({FindingKind::kManifest, src.status().code(), "", meta, src.status().message()});
@@ -272,6 +275,37 @@ VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
           {FindingKind::kOptimizerState, step.status().code(), "optimizer.step", meta, step.status().message()});
     }
   }
+}
+
+}  // namespace
+
+VerifyReport VerifyDcp(const std::string& dir, const VerifyOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  VerifyReport report;
+  report.dir = dir;
+  const std::string meta = dir + "/" + std::string(kDcpMetadataFileName);
+  auto finish = [&]() -> VerifyReport {
+    SetAsideUnavailable(report);
+    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return std::move(report);
+  };
+  Result<std::unique_ptr<DcpCheckpoint>> opened = DcpCheckpoint::Open(dir);
+  if (!opened.ok()) {
+    report.findings.push_back({FindingKind::kManifest, opened.status().code(), "", meta, opened.status().message()});
+    return finish();
+  }
+  DcpCheckpoint& c = **opened;
+  const DcpMetadata& md = c.metadata();
+  report.counts.tensors = static_cast<std::int64_t>(md.tensors.size());
+  const std::set<std::string> bad_files = CheckFiles(c, report);
+  const std::vector<ChunkItem> items = ListChunks(md, meta, bad_files, report);
+  report.counts.shards = static_cast<std::int64_t>(items.size());
+  CheckChunks(c, items, options, report);
+  CheckBytesItems(c, dir, meta, bad_files, report);
+  for (std::size_t t = 0; t < md.tensors.size(); ++t) CheckCoverage(c, t, options, report);
+  CheckOptimizerStates(md, dir, meta, report);
+  opened->reset();
+  CheckStep(dir, meta, report);
   return finish();
 }
 

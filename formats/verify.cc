@@ -437,6 +437,265 @@ void SetAsideUnavailable(VerifyReport& report) {
   report.findings = std::move(kept);
 }
 
+namespace {
+
+using TensorsByFile = std::map<std::string, std::set<std::string>>;
+
+// What the per-shard steps find, one slot per shard (each written by one task only), merged
+// into the report in shard order once they are done.
+struct ShardResults {
+  explicit ShardResults(std::size_t n) : findings(n), checked(n, 0), located(n) {}
+  std::vector<std::vector<Finding>> findings;
+  std::vector<std::int64_t> checked;
+  std::vector<std::optional<ShardLocation>> located;
+};
+
+// Progress of the checksums, reported from worker threads one at a time.
+struct ChecksumProgress {
+  std::mutex mu;
+  std::int64_t done = 0;
+  std::int64_t total = 0;
+};
+
+// The counts the manifest alone gives, and the tensors each data file holds shards of.
+TensorsByFile CountManifest(const Manifest& m, VerifyCounts& counts) {
+  counts.tensors = static_cast<std::int64_t>(m.tensors.size());
+  counts.shards = static_cast<std::int64_t>(m.shards.size());
+  counts.format_version = m.version;
+  counts.manifest_checksum = m.has_checksum;
+  TensorsByFile tensors_in_file;
+  for (const ShardEntry& s : m.shards) {
+    tensors_in_file[s.file].insert(s.tensor);
+    if (s.replica == ReplicaKind::kReplica) ++counts.replicas;
+  }
+  counts.files = static_cast<std::int64_t>(tensors_in_file.size());
+  return tensors_in_file;
+}
+
+// Files: present, and of the size the manifest says (version 2), or openable by HDF5
+// (version 1). A missing or broken file is one finding that names the tensors it holds, not
+// one per shard. Returns the files whose shards are not checked further.
+std::set<std::string> CheckFiles(CheckpointReader& r, const TensorsByFile& tensors_in_file, VerifyCounts& counts,
+                                 Findings& out) {
+  const Manifest& m = r.manifest();
+  std::set<std::string> bad_files;
+  for (const auto& [file, tensors] : tensors_in_file) {
+    const std::string path = r.dir() + "/" + file;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      out.Add(FindingKind::kMissingFile, ErrorCode::kDataLoss, *tensors.begin(), file,
+              path + ": data file is missing; it holds shards of tensors " + Join(tensors, 8));
+      bad_files.insert(file);
+      continue;
+    }
+    Result<std::shared_ptr<const ShardFileReader>> f = r.OpenFile(file);
+    const Status opened = !f.ok() ? f.status() : m.version < 2 ? (*f)->CheckHdf5() : Status::Ok();
+    if (!opened.ok()) {
+      out.Add(FindingKind::kBadFile, opened.code(), *tensors.begin(), file,
+              opened.message() + "; it holds shards of tensors " + Join(tensors, 8));
+      bad_files.insert(file);
+      continue;
+    }
+    const std::int64_t size = (*f)->file_size();
+    counts.stored_bytes += size;
+    if (const DataFileEntry* entry = m.FindFile(file); entry != nullptr && entry->size != size) {
+      out.Add(FindingKind::kFileBytes, ErrorCode::kDataLoss, *tensors.begin(), file,
+              path + ": " + std::to_string(size) + " bytes, the manifest says " + std::to_string(entry->size) +
+                  (size < entry->size ? " (truncated)" : " (extended)") + "; it holds shards of tensors " +
+                  Join(tensors, 8));
+      bad_files.insert(file);
+    }
+  }
+  return bad_files;
+}
+
+// Shards, in parallel: where each one's data is (version 2: from its block table, checked
+// against the manifest; version 1: from HDF5).
+void LocateShards(CheckpointReader& r, const std::set<std::string>& bad_files, ThreadPool& pool, ShardResults& shards) {
+  const Manifest& m = r.manifest();
+  TaskGroup group(&pool);
+  for (std::size_t i = 0; i < m.shards.size(); ++i) {
+    if (bad_files.count(m.shards[i].file) != 0) continue;
+    group.Run([&, i] {
+      const ShardEntry& s = m.shards[i];
+      Result<ShardLocation> loc = r.LocateShard(i);
+      if (!loc.ok()) {
+        // A block table that does not match the manifest is wrong bytes, like bad data.
+        shards.findings[i].push_back({IsChecksumError(loc.status()) ? FindingKind::kChecksum : FindingKind::kBadFile,
+                                      loc.status().code(), s.tensor, s.file, loc.status().message()});
+        return;
+      }
+      shards.located[i] = *loc;
+    });
+  }
+  group.Wait();
+}
+
+// Version 2: each file's bytes outside the shards' data (FORMAT.md §4.5), checked before HDF5
+// parses any of them: a file whose metadata differs from what was written is not handed to
+// HDF5 at all (a damaged HDF5 file can crash the library), its shards' data is still checked
+// block by block. Returns the files not to hand to HDF5.
+std::set<std::string> CheckBytesOutsideData(CheckpointReader& r, const TensorsByFile& tensors_in_file,
+                                            const std::set<std::string>& bad_files, const ShardResults& shards,
+                                            const VerifyOptions& options, VerifyCounts& counts, Findings& out) {
+  const Manifest& m = r.manifest();
+  std::set<std::string> hdf5_unsafe;
+  if (m.version < 2) return hdf5_unsafe;
+  std::set<std::string> unlocated;
+  for (std::size_t i = 0; i < m.shards.size(); ++i) {
+    if (!shards.located[i]) unlocated.insert(m.shards[i].file);
+  }
+  for (const auto& [file, tensors] : tensors_in_file) {
+    if (bad_files.count(file) != 0 || unlocated.count(file) != 0) {
+      hdf5_unsafe.insert(file);
+      continue;
+    }
+    if (options.checksums == ChecksumCheck::kSkip) {
+      hdf5_unsafe.insert(file);  // unchecked bytes are not handed to HDF5
+      continue;
+    }
+    const Status st = r.CheckFile(file);
+    if (!st.ok()) {
+      out.Add(FindingKind::kFileBytes, st.code(), *tensors.begin(), file,
+              st.message() + "; it holds shards of tensors " + Join(tensors, 8));
+      hdf5_unsafe.insert(file);
+      continue;
+    }
+    std::int64_t outside = m.FindFile(file)->size;
+    for (const std::size_t i : r.ShardsInFile(file)) outside -= shards.located[i]->stored_bytes();
+    counts.outside_bytes += outside;
+  }
+  return hdf5_unsafe;
+}
+
+// Version 2: HDF5's view of shard `i`'s dataset against where the manifest says its data is,
+// and of its block table. Returns whether HDF5 could locate the dataset (its attribute can
+// then be read).
+bool CheckHdf5Locations(const CheckpointReader& r, std::size_t i, const std::string& what, const ShardFileReader& f,
+                        const ShardLocation& located, std::vector<Finding>& findings) {
+  const Manifest& m = r.manifest();
+  const ShardEntry& s = m.shards[i];
+  Result<ShardLocation> hdf5 = f.Locate(s.dataset, s.codec, s.nbytes, what);
+  const std::string diff = hdf5.ok() ? CompareLocations(*hdf5, located) : "";
+  bool dataset_ok = true;
+  if (!hdf5.ok() || !diff.empty()) {
+    findings.push_back(
+        {FindingKind::kBadFile, hdf5.ok() ? ErrorCode::kDataLoss : hdf5.status().code(), s.tensor, s.file,
+         hdf5.ok() ? what + ": the file's HDF5 metadata and the manifest disagree: " + diff : hdf5.status().message()});
+    dataset_ok = hdf5.ok();
+  }
+  // The block table is a dataset of the file too (FORMAT.md §4.4): named by the manifest,
+  // where the manifest says its bytes are. Readers find it by its offset alone; verify
+  // checks that HDF5 agrees.
+  const std::int64_t block = s.codec == Codec::kNone ? m.block_bytes : s.chunk_bytes;
+  if (dataset_ok && s.nbytes > 0 && block > 0) {
+    const std::int64_t table_bytes = BlockCount(s.nbytes, block) * BlockEntryBytes(s.codec);
+    const std::string table_what = what + ", block table '" + SafeText(s.block_table) + "'";
+    Result<ShardLocation> table = f.Locate(s.block_table, Codec::kNone, table_bytes, table_what);
+    if (!table.ok() || table->offset != s.block_table_offset) {
+      findings.push_back({FindingKind::kBadFile, table.ok() ? ErrorCode::kDataLoss : table.status().code(), s.tensor,
+                          s.file,
+                          table.ok() ? table_what + ": HDF5 has its bytes at offset " + std::to_string(table->offset) +
+                                           ", the manifest says " + std::to_string(s.block_table_offset)
+                                     : table.status().message()});
+    }
+  }
+  return dataset_ok;
+}
+
+// The dataset's informative attribute 'rs_shard', when it has one, against the manifest.
+void CheckShardAttribute(const CheckpointReader& r, std::size_t i, const std::string& what, const ShardFileReader& f,
+                         std::vector<Finding>& findings) {
+  const ShardEntry& s = r.manifest().shards[i];
+  Result<std::optional<std::string>> attr = f.ReadStringAttribute(s.dataset, "rs_shard", what);
+  const TensorSpec& t = **r.FindTensor(s.tensor);  // every shard's tensor exists (ReadManifest)
+  if (!attr.ok()) {
+    findings.push_back({FindingKind::kAttribute, attr.status().code(), s.tensor, s.file, attr.status().message()});
+  } else if (attr->has_value()) {
+    const nlohmann::json got = nlohmann::json::parse(**attr, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::json want = ExpectedAttribute(s, t);
+    // A discarded (non-JSON) value compares unequal to nothing: test it first.
+    if (got.is_discarded() || got != want) {
+      findings.push_back(
+          {FindingKind::kAttribute, ErrorCode::kDataLoss, s.tensor, s.file,
+           what + ": attribute 'rs_shard' is " + SafeText(**attr) + ", the manifest says " + want.dump()});
+    }
+  }
+}
+
+// Every block of shard `i` (or, version 1, the whole shard) against its checksum.
+void ChecksumShard(CheckpointReader& r, std::size_t i, const std::string& what, const VerifyOptions& options,
+                   ChecksumProgress& progress, ShardResults& shards) {
+  const Manifest& m = r.manifest();
+  const ShardEntry& s = m.shards[i];
+  Result<std::uint64_t> h = r.HashShard(i);
+  if (!h.ok()) {
+    // Undecodable data (a corrupt zstd frame) or a block that does not match its checksum
+    // is a checksum-class failure: the bytes are wrong; an unreadable extent is a file
+    // problem.
+    shards.findings[i].push_back({IsChecksumError(h.status()) ? FindingKind::kChecksum : FindingKind::kBadFile,
+                                  h.status().code(), s.tensor, s.file, h.status().message()});
+    return;
+  }
+  shards.checked[i] = s.nbytes;
+  r.RecordHash(i, *h);
+  if (options.progress) {
+    std::lock_guard<std::mutex> lock(progress.mu);
+    progress.done += s.nbytes;
+    options.progress(progress.done, progress.total);
+  }
+  if (m.version < 2 && *h != s.checksum) {  // version 2: each block checked by HashShard
+    shards.findings[i].push_back({FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
+                                  what + ": checksum " + ChecksumToString(*h) + " of the data at " +
+                                      DescribeExtent(*shards.located[i]) + ", expected " +
+                                      ChecksumToString(s.checksum)});
+  }
+}
+
+// One located shard: its dataset as HDF5 sees it, its attribute, its checksums.
+void CheckShard(CheckpointReader& r, std::size_t i, const std::set<std::string>& hdf5_unsafe,
+                const VerifyOptions& options, ChecksumProgress& progress, ShardResults& shards) {
+  const Manifest& m = r.manifest();
+  const ShardEntry& s = m.shards[i];
+  const std::string what = r.DescribeShard(i);
+  Result<std::shared_ptr<const ShardFileReader>> f = r.OpenFile(s.file);
+  bool dataset_ok = f.ok() && hdf5_unsafe.count(s.file) == 0;
+  if (dataset_ok && m.version >= 2) {
+    dataset_ok = CheckHdf5Locations(r, i, what, **f, *shards.located[i], shards.findings[i]);
+  }
+  if (dataset_ok) CheckShardAttribute(r, i, what, **f, shards.findings[i]);
+  if (options.checksums == ChecksumCheck::kSkip) return;
+  if (options.checksums == ChecksumCheck::kReplicasOnly && s.replica == ReplicaKind::kMain) return;
+  ChecksumShard(r, i, what, options, progress, shards);
+}
+
+// Then HDF5's view of each dataset (version 2: where the manifest says its data is), its
+// informative attribute, and every block (or, version 1, the whole shard's checksum), in
+// parallel.
+void CheckLocatedShards(CheckpointReader& r, const std::set<std::string>& hdf5_unsafe, const VerifyOptions& options,
+                        ThreadPool& pool, ShardResults& shards) {
+  const Manifest& m = r.manifest();
+  ChecksumProgress progress;
+  // Each nbytes fits in int64, their sum need not (two shards of a 2^62-byte tensor).
+  for (const ShardEntry& s : m.shards) progress.total = CheckedAdd(progress.total, s.nbytes).value_or(INT64_MAX);
+  TaskGroup group(&pool);
+  for (std::size_t i = 0; i < m.shards.size(); ++i) {
+    if (!shards.located[i]) continue;
+    group.Run([&, i] { CheckShard(r, i, hdf5_unsafe, options, progress, shards); });
+  }
+  group.Wait();
+}
+
+// The shards' findings, in shard order, after those about whole files.
+void AddShardResults(ShardResults& shards, VerifyReport& report) {
+  for (std::size_t i = 0; i < shards.findings.size(); ++i) {
+    report.counts.checked_bytes += shards.checked[i];
+    for (Finding& f : shards.findings[i]) report.findings.push_back(std::move(f));
+  }
+}
+
+}  // namespace
+
 VerifyReport VerifyCheckpoint(const std::string& dir, const VerifyOptions& options) {
   ReaderOptions ro;
   ro.threads = options.threads;
@@ -461,199 +720,15 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
   report.dir = r.dir();
   Findings out(&report, options.max_findings_per_tensor);
   const Manifest& m = r.manifest();
-  report.counts.tensors = static_cast<std::int64_t>(m.tensors.size());
-  report.counts.shards = static_cast<std::int64_t>(m.shards.size());
-  report.counts.format_version = m.version;
-  report.counts.manifest_checksum = m.has_checksum;
-
-  // Files: present, and of the size the manifest says (version 2), or openable by HDF5
-  // (version 1). A missing or broken file is one finding that names the tensors it holds, not
-  // one per shard.
-  std::map<std::string, std::set<std::string>> tensors_in_file;
-  for (const ShardEntry& s : m.shards) {
-    tensors_in_file[s.file].insert(s.tensor);
-    if (s.replica == ReplicaKind::kReplica) ++report.counts.replicas;
-  }
-  report.counts.files = static_cast<std::int64_t>(tensors_in_file.size());
-  std::set<std::string> bad_files;
-  for (const auto& [file, tensors] : tensors_in_file) {
-    const std::string path = r.dir() + "/" + file;
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) {
-      out.Add(FindingKind::kMissingFile, ErrorCode::kDataLoss, *tensors.begin(), file,
-              path + ": data file is missing; it holds shards of tensors " + Join(tensors, 8));
-      bad_files.insert(file);
-      continue;
-    }
-    Result<std::shared_ptr<const ShardFileReader>> f = r.OpenFile(file);
-    const Status opened = !f.ok() ? f.status() : m.version < 2 ? (*f)->CheckHdf5() : Status::Ok();
-    if (!opened.ok()) {
-      out.Add(FindingKind::kBadFile, opened.code(), *tensors.begin(), file,
-              opened.message() + "; it holds shards of tensors " + Join(tensors, 8));
-      bad_files.insert(file);
-      continue;
-    }
-    const std::int64_t size = (*f)->file_size();
-    report.counts.stored_bytes += size;
-    if (const DataFileEntry* entry = m.FindFile(file); entry != nullptr && entry->size != size) {
-      out.Add(FindingKind::kFileBytes, ErrorCode::kDataLoss, *tensors.begin(), file,
-              path + ": " + std::to_string(size) + " bytes, the manifest says " + std::to_string(entry->size) +
-                  (size < entry->size ? " (truncated)" : " (extended)") + "; it holds shards of tensors " +
-                  Join(tensors, 8));
-      bad_files.insert(file);
-    }
-  }
-
-  // Shards, in parallel: where each one's data is (version 2: from its block table, checked
-  // against the manifest; version 1: from HDF5).
-  const std::size_t n = m.shards.size();
-  std::vector<std::vector<Finding>> shard_findings(n);
-  std::vector<std::int64_t> checked(n, 0);
-  std::vector<std::optional<ShardLocation>> located(n);
+  const TensorsByFile tensors_in_file = CountManifest(m, report.counts);
+  const std::set<std::string> bad_files = CheckFiles(r, tensors_in_file, report.counts, out);
+  ShardResults shards(m.shards.size());
   ThreadPool pool(static_cast<std::size_t>(std::max(0, options.threads)));
-  {
-    TaskGroup group(&pool);
-    for (std::size_t i = 0; i < n; ++i) {
-      if (bad_files.count(m.shards[i].file) != 0) continue;
-      group.Run([&, i] {
-        const ShardEntry& s = m.shards[i];
-        Result<ShardLocation> loc = r.LocateShard(i);
-        if (!loc.ok()) {
-          // A block table that does not match the manifest is wrong bytes, like bad data.
-          shard_findings[i].push_back({IsChecksumError(loc.status()) ? FindingKind::kChecksum : FindingKind::kBadFile,
-                                       loc.status().code(), s.tensor, s.file, loc.status().message()});
-          return;
-        }
-        located[i] = *loc;
-      });
-    }
-    group.Wait();
-  }
-
-  // Version 2: each file's bytes outside the shards' data (FORMAT.md §4.5), checked before HDF5
-  // parses any of them: a file whose metadata differs from what was written is not handed to
-  // HDF5 at all (a damaged HDF5 file can crash the library), its shards' data is still checked
-  // block by block.
-  std::set<std::string> hdf5_unsafe;
-  if (m.version >= 2) {
-    std::set<std::string> unlocated;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!located[i]) unlocated.insert(m.shards[i].file);
-    }
-    for (const auto& [file, tensors] : tensors_in_file) {
-      if (bad_files.count(file) != 0 || unlocated.count(file) != 0) {
-        hdf5_unsafe.insert(file);
-        continue;
-      }
-      if (options.checksums == ChecksumCheck::kSkip) {
-        hdf5_unsafe.insert(file);  // unchecked bytes are not handed to HDF5
-        continue;
-      }
-      const Status st = r.CheckFile(file);
-      if (!st.ok()) {
-        out.Add(FindingKind::kFileBytes, st.code(), *tensors.begin(), file,
-                st.message() + "; it holds shards of tensors " + Join(tensors, 8));
-        hdf5_unsafe.insert(file);
-        continue;
-      }
-      std::int64_t outside = m.FindFile(file)->size;
-      for (const std::size_t i : r.ShardsInFile(file)) outside -= located[i]->stored_bytes();
-      report.counts.outside_bytes += outside;
-    }
-  }
-
-  // Then HDF5's view of each dataset (version 2: where the manifest says its data is), its
-  // informative attribute, and every block (or, version 1, the whole shard's checksum).
-  std::int64_t total_bytes = 0;
-  // Each nbytes fits in int64, their sum need not (two shards of a 2^62-byte tensor).
-  for (const ShardEntry& s : m.shards) total_bytes = CheckedAdd(total_bytes, s.nbytes).value_or(INT64_MAX);
-  std::mutex progress_mu;
-  std::int64_t progress_done = 0;
-  {
-    TaskGroup group(&pool);
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!located[i]) continue;
-      group.Run([&, i] {
-        const ShardEntry& s = m.shards[i];
-        const std::string what = r.DescribeShard(i);
-        Result<std::shared_ptr<const ShardFileReader>> f = r.OpenFile(s.file);
-        bool dataset_ok = f.ok() && hdf5_unsafe.count(s.file) == 0;
-        if (dataset_ok && m.version >= 2) {
-          Result<ShardLocation> hdf5 = (*f)->Locate(s.dataset, s.codec, s.nbytes, what);
-          const std::string diff = hdf5.ok() ? CompareLocations(*hdf5, *located[i]) : "";
-          if (!hdf5.ok() || !diff.empty()) {
-            shard_findings[i].push_back(
-                {FindingKind::kBadFile, hdf5.ok() ? ErrorCode::kDataLoss : hdf5.status().code(), s.tensor, s.file,
-                 hdf5.ok() ? what + ": the file's HDF5 metadata and the manifest disagree: " + diff
-                           : hdf5.status().message()});
-            dataset_ok = hdf5.ok();
-          }
-          // The block table is a dataset of the file too (FORMAT.md §4.4): named by the manifest,
-          // where the manifest says its bytes are. Readers find it by its offset alone; verify
-          // checks that HDF5 agrees.
-          const std::int64_t block = s.codec == Codec::kNone ? m.block_bytes : s.chunk_bytes;
-          if (dataset_ok && s.nbytes > 0 && block > 0) {
-            const std::int64_t table_bytes = BlockCount(s.nbytes, block) * BlockEntryBytes(s.codec);
-            const std::string table_what = what + ", block table '" + SafeText(s.block_table) + "'";
-            Result<ShardLocation> table = (*f)->Locate(s.block_table, Codec::kNone, table_bytes, table_what);
-            if (!table.ok() || table->offset != s.block_table_offset) {
-              shard_findings[i].push_back(
-                  {FindingKind::kBadFile, table.ok() ? ErrorCode::kDataLoss : table.status().code(), s.tensor, s.file,
-                   table.ok() ? table_what + ": HDF5 has its bytes at offset " + std::to_string(table->offset) +
-                                    ", the manifest says " + std::to_string(s.block_table_offset)
-                              : table.status().message()});
-            }
-          }
-        }
-        if (dataset_ok) {
-          Result<std::optional<std::string>> attr = (*f)->ReadStringAttribute(s.dataset, "rs_shard", what);
-          const TensorSpec& t = **r.FindTensor(s.tensor);  // every shard's tensor exists (ReadManifest)
-          if (!attr.ok()) {
-            shard_findings[i].push_back(
-                {FindingKind::kAttribute, attr.status().code(), s.tensor, s.file, attr.status().message()});
-          } else if (attr->has_value()) {
-            const nlohmann::json got = nlohmann::json::parse(**attr, nullptr, /*allow_exceptions=*/false);
-            const nlohmann::json want = ExpectedAttribute(s, t);
-            // A discarded (non-JSON) value compares unequal to nothing: test it first.
-            if (got.is_discarded() || got != want) {
-              shard_findings[i].push_back(
-                  {FindingKind::kAttribute, ErrorCode::kDataLoss, s.tensor, s.file,
-                   what + ": attribute 'rs_shard' is " + SafeText(**attr) + ", the manifest says " + want.dump()});
-            }
-          }
-        }
-        if (options.checksums == ChecksumCheck::kSkip) return;
-        if (options.checksums == ChecksumCheck::kReplicasOnly && s.replica == ReplicaKind::kMain) return;
-        Result<std::uint64_t> h = r.HashShard(i);
-        if (!h.ok()) {
-          // Undecodable data (a corrupt zstd frame) or a block that does not match its checksum
-          // is a checksum-class failure: the bytes are wrong; an unreadable extent is a file
-          // problem.
-          shard_findings[i].push_back({IsChecksumError(h.status()) ? FindingKind::kChecksum : FindingKind::kBadFile,
-                                       h.status().code(), s.tensor, s.file, h.status().message()});
-          return;
-        }
-        checked[i] = s.nbytes;
-        r.RecordHash(i, *h);
-        if (options.progress) {
-          std::lock_guard<std::mutex> lock(progress_mu);
-          progress_done += s.nbytes;
-          options.progress(progress_done, total_bytes);
-        }
-        if (m.version < 2 && *h != s.checksum) {  // version 2: each block checked by HashShard
-          shard_findings[i].push_back({FindingKind::kChecksum, ErrorCode::kDataLoss, s.tensor, s.file,
-                                       what + ": checksum " + ChecksumToString(*h) + " of the data at " +
-                                           DescribeExtent(*located[i]) + ", expected " + ChecksumToString(s.checksum)});
-        }
-      });
-    }
-    group.Wait();
-  }
-  for (std::size_t i = 0; i < n; ++i) {
-    report.counts.checked_bytes += checked[i];
-    for (Finding& f : shard_findings[i]) report.findings.push_back(std::move(f));
-  }
-
+  LocateShards(r, bad_files, pool, shards);
+  const std::set<std::string> hdf5_unsafe =
+      CheckBytesOutsideData(r, tensors_in_file, bad_files, shards, options, report.counts, out);
+  CheckLocatedShards(r, hdf5_unsafe, options, pool, shards);
+  AddShardResults(shards, report);
   for (const TensorSpec& t : m.tensors) {
     CheckCoverage(r, t, options, out);
     CheckReplicas(r, t, options, out);

@@ -28,6 +28,188 @@ T Sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));
 }
 
+// Softmax and logsumexp of every row of logits [n, e] into softmax [n, e] and lse [n]. Returns
+// Σ lse² over the rows: this rank's part of the z-loss.
+template <typename T>
+double SoftmaxRows(const T* logits, std::int64_t n, std::int64_t e, std::vector<T>& softmax, std::vector<T>& lse) {
+  softmax.resize(static_cast<std::size_t>(n * e));
+  lse.resize(static_cast<std::size_t>(n));
+  double z = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const T* l = logits + t * e;
+    T* s = softmax.data() + t * e;
+    const T mx = *std::max_element(l, l + e);
+    T sum = 0;
+    for (std::int64_t j = 0; j < e; ++j) {
+      s[j] = std::exp(l[j] - mx);
+      sum += s[j];
+    }
+    for (std::int64_t j = 0; j < e; ++j) s[j] /= sum;
+    const T row_lse = mx + std::log(sum);
+    lse[static_cast<std::size_t>(t)] = row_lse;
+    z += static_cast<double>(row_lse) * static_cast<double>(row_lse);
+  }
+  return z;
+}
+
+// Scratch space of the expert selection, allocated once per Forward.
+template <typename T>
+struct SelectScratch {
+  SelectScratch(std::int64_t e, std::int64_t groups)
+      : score(static_cast<std::size_t>(e)),
+        group_score(static_cast<std::size_t>(groups)),
+        kept(static_cast<std::size_t>(groups)),
+        keep(static_cast<std::size_t>(groups)) {}
+  std::vector<std::int32_t> idx;
+  std::vector<T> score;
+  std::vector<T> group_score;
+  std::vector<std::int32_t> kept;
+  std::vector<char> keep;
+};
+
+// One token's selection: its k experts into sel and their gate weights into p, from its row of
+// logits l, softmax s, sigmoids sg (each [E]), as each router kind does it.
+
+template <typename T>
+void SelectTopKSoftmaxAfter(const RouterOptions& o, const T* l, std::int32_t* sel, T* p, SelectScratch<T>& w) {
+  const std::int64_t e = o.num_experts, k = o.top_k;
+  TopK(l, e, k, sel, w.idx);
+  const T mx = l[sel[0]];  // the largest chosen logit
+  T sum = 0;
+  for (std::int64_t j = 0; j < k; ++j) sum += (p[j] = std::exp(l[sel[j]] - mx));
+  for (std::int64_t j = 0; j < k; ++j) p[j] /= sum;
+}
+
+template <typename T>
+void SelectSoftmaxBefore(const RouterOptions& o, const T* s, std::int32_t* sel, T* p, SelectScratch<T>& w) {
+  const std::int64_t e = o.num_experts, k = o.top_k;
+  TopK(s, e, k, sel, w.idx);
+  for (std::int64_t j = 0; j < k; ++j) p[j] = s[sel[j]];
+}
+
+template <typename T>
+void SelectSigmoidBias(const RouterOptions& o, const T* sg, const T* expert_bias, std::int64_t per_group,
+                       std::int32_t* sel, T* p, SelectScratch<T>& w) {
+  const std::int64_t e = o.num_experts, k = o.top_k;
+  std::vector<T>& score = w.score;
+  for (std::int64_t j = 0; j < e; ++j) score[static_cast<std::size_t>(j)] = sg[j] + expert_bias[j];
+  if (o.grouped) {
+    // DeepSeek-V3: a group scores the sum of its two best biased scores; the experts of
+    // the groups not kept cannot be chosen.
+    std::int32_t two[2];
+    for (std::int64_t gi = 0; gi < o.groups; ++gi) {
+      const T* gs = score.data() + gi * per_group;
+      TopK(gs, per_group, 2, two, w.idx);
+      w.group_score[static_cast<std::size_t>(gi)] = gs[two[0]] + gs[two[1]];
+    }
+    TopK(w.group_score.data(), o.groups, o.groups_kept, w.kept.data(), w.idx);
+    std::fill(w.keep.begin(), w.keep.end(), 0);
+    for (std::int64_t gi = 0; gi < o.groups_kept; ++gi)
+      w.keep[static_cast<std::size_t>(w.kept[static_cast<std::size_t>(gi)])] = 1;
+    for (std::int64_t j = 0; j < e; ++j) {
+      if (w.keep[static_cast<std::size_t>(j / per_group)] == 0)
+        score[static_cast<std::size_t>(j)] = -std::numeric_limits<T>::infinity();
+    }
+  }
+  TopK(score.data(), e, k, sel, w.idx);
+  T sum = 0;
+  for (std::int64_t j = 0; j < k; ++j) sum += sg[sel[j]];
+  const bool normalise = o.norm_topk && k > 1;
+  const T norm = normalise ? static_cast<T>(o.scale) / sum : static_cast<T>(o.scale);
+  for (std::int64_t j = 0; j < k; ++j) p[j] = sg[sel[j]] * norm;
+}
+
+template <typename T>
+void SelectGroupLimited(const RouterOptions& o, const T* s, std::int64_t per_group, std::int32_t* sel, T* p,
+                        SelectScratch<T>& w) {
+  const std::int64_t e = o.num_experts, k = o.top_k;
+  const std::int64_t g = o.groups;
+  const std::int64_t m = std::min(per_group, std::max<std::int64_t>(1, k / o.groups_kept));
+  std::vector<std::int32_t> top(static_cast<std::size_t>(m));
+  for (std::int64_t gi = 0; gi < g; ++gi) {
+    TopK(s + gi * per_group, per_group, m, top.data(), w.idx);
+    T sum = 0;
+    for (std::int64_t j = 0; j < m; ++j) sum += s[gi * per_group + top[static_cast<std::size_t>(j)]];
+    w.group_score[static_cast<std::size_t>(gi)] = sum;
+  }
+  TopK(w.group_score.data(), g, o.groups_kept, w.kept.data(), w.idx);
+  std::fill(w.score.begin(), w.score.end(), -std::numeric_limits<T>::infinity());
+  for (std::int64_t gi = 0; gi < o.groups_kept; ++gi) {
+    const std::int64_t first = w.kept[static_cast<std::size_t>(gi)] * per_group;
+    for (std::int64_t j = first; j < first + per_group; ++j) w.score[static_cast<std::size_t>(j)] = s[j];
+  }
+  TopK(w.score.data(), e, k, sel, w.idx);
+  for (std::int64_t j = 0; j < k; ++j) p[j] = s[sel[j]];
+}
+
+// balanced: the token's row of the Sinkhorn-balanced matrix; gate: its sigmoids (k = 1) or
+// softmax.
+template <typename T>
+void SelectSinkhorn(const RouterOptions& o, const double* balanced, const T* gate, std::int32_t* sel, T* p,
+                    SelectScratch<T>& w) {
+  const std::int64_t e = o.num_experts, k = o.top_k;
+  TopK(balanced, e, k, sel, w.idx);
+  for (std::int64_t j = 0; j < k; ++j) p[j] = gate[sel[j]];
+}
+
+// Every token's experts and gate weights into r.experts and r.probs, and this rank's loads
+// into r.loads. sigmoid: filled for sigmoid_bias and sinkhorn with k = 1; balanced: for
+// sinkhorn.
+template <typename T>
+void SelectExperts(const RouterOptions& o, const T* logits, std::int64_t n, const std::vector<T>& softmax,
+                   const std::vector<T>& sigmoid, const std::vector<double>& balanced, const T* expert_bias,
+                   Routing<T>& r) {
+  const std::int64_t e = o.num_experts, k = o.top_k;
+  SelectScratch<T> w(e, o.groups);
+  const bool grouped = o.kind == RouterKind::kGroupLimited || o.grouped;
+  const std::int64_t per_group = grouped ? e / o.groups : e;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const T* l = logits + t * e;
+    const T* s = softmax.data() + t * e;
+    std::int32_t* sel = r.experts.data() + t * k;
+    T* p = r.probs.data() + t * k;
+    switch (o.kind) {
+      case RouterKind::kTopKSoftmaxAfter:
+        SelectTopKSoftmaxAfter(o, l, sel, p, w);
+        break;
+      case RouterKind::kSoftmaxBefore:
+        SelectSoftmaxBefore(o, s, sel, p, w);
+        break;
+      case RouterKind::kSigmoidBias:
+        SelectSigmoidBias(o, sigmoid.data() + t * e, expert_bias, per_group, sel, p, w);
+        break;
+      case RouterKind::kGroupLimited:
+        SelectGroupLimited(o, s, per_group, sel, p, w);
+        break;
+      case RouterKind::kSinkhorn:
+        SelectSinkhorn(o, balanced.data() + t * e, k == 1 ? sigmoid.data() + t * e : s, sel, p, w);
+        break;
+    }
+    for (std::int64_t j = 0; j < k; ++j) ++r.loads[static_cast<std::size_t>(sel[j])];
+  }
+}
+
+// Σ over this rank's tokens of Σ_i f_i · P_ti, P the router probability of the aux loss: the
+// softmax, or for sigmoid_bias the sigmoids normalised per token.
+template <typename T>
+double AuxLossSum(const RouterOptions& o, std::int64_t n, const std::vector<double>& f, const std::vector<T>& softmax,
+                  const std::vector<T>& sigmoid) {
+  const std::int64_t e = o.num_experts;
+  double aux = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (o.kind == RouterKind::kSigmoidBias) {
+      const T* sg = sigmoid.data() + t * e;
+      double sum = 0;
+      for (std::int64_t j = 0; j < e; ++j) sum += static_cast<double>(sg[j]);
+      for (std::int64_t j = 0; j < e; ++j) aux += f[static_cast<std::size_t>(j)] * static_cast<double>(sg[j]) / sum;
+    } else {
+      const T* s = softmax.data() + t * e;
+      for (std::int64_t j = 0; j < e; ++j) aux += f[static_cast<std::size_t>(j)] * static_cast<double>(s[j]);
+    }
+  }
+  return aux;
+}
+
 }  // namespace
 
 RouterOptions RouterOptionsFromModel(const ModelConfig& c) {
@@ -123,23 +305,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
   r.loads.assign(static_cast<std::size_t>(e), 0);
 
   // Softmax and logsumexp of every row: needed by the aux loss and z-loss of every kind.
-  softmax_.resize(ne);
-  lse_.resize(static_cast<std::size_t>(n));
-  double z = 0;
-  for (std::int64_t t = 0; t < n; ++t) {
-    const T* l = logits + t * e;
-    T* s = softmax_.data() + t * e;
-    const T mx = *std::max_element(l, l + e);
-    T sum = 0;
-    for (std::int64_t j = 0; j < e; ++j) {
-      s[j] = std::exp(l[j] - mx);
-      sum += s[j];
-    }
-    for (std::int64_t j = 0; j < e; ++j) s[j] /= sum;
-    const T lse = mx + std::log(sum);
-    lse_[static_cast<std::size_t>(t)] = lse;
-    z += static_cast<double>(lse) * static_cast<double>(lse);
-  }
+  double z = SoftmaxRows(logits, n, e, softmax_, lse_);
   par_->AllReduceData(std::span<double>(&z, 1));
   r.z_loss = o_.z_loss_coef * z / static_cast<double>(global_n_) * loss_scale_;
 
@@ -153,91 +319,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
     balanced = SinkhornBalance(logits, n, e, o_.sinkhorn_tol, o_.sinkhorn_max_iters, nullptr, par_);
   }
   if (o_.kind == RouterKind::kSigmoidBias) RS_CHECK(expert_bias != nullptr);
-
-  std::vector<std::int32_t> idx;
-  std::vector<T> score(static_cast<std::size_t>(e));
-  const bool grouped = o_.kind == RouterKind::kGroupLimited || o_.grouped;
-  const std::int64_t per_group = grouped ? e / o_.groups : e;
-  std::vector<T> group_score(static_cast<std::size_t>(o_.groups));
-  std::vector<std::int32_t> kept(static_cast<std::size_t>(o_.groups));
-  std::vector<char> keep(static_cast<std::size_t>(o_.groups));
-  for (std::int64_t t = 0; t < n; ++t) {
-    const T* l = logits + t * e;
-    const T* s = softmax_.data() + t * e;
-    std::int32_t* sel = r.experts.data() + t * k;
-    T* p = r.probs.data() + t * k;
-    switch (o_.kind) {
-      case RouterKind::kTopKSoftmaxAfter: {
-        TopK(l, e, k, sel, idx);
-        const T mx = l[sel[0]];  // the largest chosen logit
-        T sum = 0;
-        for (std::int64_t j = 0; j < k; ++j) sum += (p[j] = std::exp(l[sel[j]] - mx));
-        for (std::int64_t j = 0; j < k; ++j) p[j] /= sum;
-        break;
-      }
-      case RouterKind::kSoftmaxBefore: {
-        TopK(s, e, k, sel, idx);
-        for (std::int64_t j = 0; j < k; ++j) p[j] = s[sel[j]];
-        break;
-      }
-      case RouterKind::kSigmoidBias: {
-        const T* sg = sigmoid_.data() + t * e;
-        for (std::int64_t j = 0; j < e; ++j) score[static_cast<std::size_t>(j)] = sg[j] + expert_bias[j];
-        if (o_.grouped) {
-          // DeepSeek-V3: a group scores the sum of its two best biased scores; the experts of
-          // the groups not kept cannot be chosen.
-          std::int32_t two[2];
-          for (std::int64_t gi = 0; gi < o_.groups; ++gi) {
-            const T* gs = score.data() + gi * per_group;
-            TopK(gs, per_group, 2, two, idx);
-            group_score[static_cast<std::size_t>(gi)] = gs[two[0]] + gs[two[1]];
-          }
-          TopK(group_score.data(), o_.groups, o_.groups_kept, kept.data(), idx);
-          std::fill(keep.begin(), keep.end(), 0);
-          for (std::int64_t gi = 0; gi < o_.groups_kept; ++gi)
-            keep[static_cast<std::size_t>(kept[static_cast<std::size_t>(gi)])] = 1;
-          for (std::int64_t j = 0; j < e; ++j) {
-            if (keep[static_cast<std::size_t>(j / per_group)] == 0)
-              score[static_cast<std::size_t>(j)] = -std::numeric_limits<T>::infinity();
-          }
-        }
-        TopK(score.data(), e, k, sel, idx);
-        T sum = 0;
-        for (std::int64_t j = 0; j < k; ++j) sum += sg[sel[j]];
-        const bool normalise = o_.norm_topk && k > 1;
-        const T norm = normalise ? static_cast<T>(o_.scale) / sum : static_cast<T>(o_.scale);
-        for (std::int64_t j = 0; j < k; ++j) p[j] = sg[sel[j]] * norm;
-        break;
-      }
-      case RouterKind::kGroupLimited: {
-        const std::int64_t g = o_.groups;
-        const std::int64_t m = std::min(per_group, std::max<std::int64_t>(1, k / o_.groups_kept));
-        std::vector<std::int32_t> top(static_cast<std::size_t>(m));
-        for (std::int64_t gi = 0; gi < g; ++gi) {
-          TopK(s + gi * per_group, per_group, m, top.data(), idx);
-          T sum = 0;
-          for (std::int64_t j = 0; j < m; ++j) sum += s[gi * per_group + top[static_cast<std::size_t>(j)]];
-          group_score[static_cast<std::size_t>(gi)] = sum;
-        }
-        TopK(group_score.data(), g, o_.groups_kept, kept.data(), idx);
-        std::fill(score.begin(), score.end(), -std::numeric_limits<T>::infinity());
-        for (std::int64_t gi = 0; gi < o_.groups_kept; ++gi) {
-          const std::int64_t first = kept[static_cast<std::size_t>(gi)] * per_group;
-          for (std::int64_t j = first; j < first + per_group; ++j) score[static_cast<std::size_t>(j)] = s[j];
-        }
-        TopK(score.data(), e, k, sel, idx);
-        for (std::int64_t j = 0; j < k; ++j) p[j] = s[sel[j]];
-        break;
-      }
-      case RouterKind::kSinkhorn: {
-        TopK(balanced.data() + t * e, e, k, sel, idx);
-        const T* gate = k == 1 ? sigmoid_.data() + t * e : s;
-        for (std::int64_t j = 0; j < k; ++j) p[j] = gate[sel[j]];
-        break;
-      }
-    }
-    for (std::int64_t j = 0; j < k; ++j) ++r.loads[static_cast<std::size_t>(sel[j])];
-  }
+  SelectExperts(o_, logits, n, softmax_, sigmoid_, balanced, expert_bias, r);
 
   // Load-balancing loss c · E · Σ_i f_i · P_i, with P_i the mean router probability: the
   // softmax for every kind except sigmoid_bias, whose probabilities are the sigmoids
@@ -248,18 +330,7 @@ Routing<T> Router<T>::Forward(const T* logits, std::int64_t n, const T* expert_b
     f_[static_cast<std::size_t>(i)] =
         static_cast<double>(r.loads[static_cast<std::size_t>(i)]) / static_cast<double>(global_n_ * k);
   }
-  double aux = 0;
-  for (std::int64_t t = 0; t < n; ++t) {
-    if (o_.kind == RouterKind::kSigmoidBias) {
-      const T* sg = sigmoid_.data() + t * e;
-      double sum = 0;
-      for (std::int64_t j = 0; j < e; ++j) sum += static_cast<double>(sg[j]);
-      for (std::int64_t j = 0; j < e; ++j) aux += f_[static_cast<std::size_t>(j)] * static_cast<double>(sg[j]) / sum;
-    } else {
-      const T* s = softmax_.data() + t * e;
-      for (std::int64_t j = 0; j < e; ++j) aux += f_[static_cast<std::size_t>(j)] * static_cast<double>(s[j]);
-    }
-  }
+  double aux = AuxLossSum(o_, n, f_, softmax_, sigmoid_);
   par_->AllReduceData(std::span<double>(&aux, 1));
   r.aux_loss = o_.aux_loss_coef * static_cast<double>(e) * aux / static_cast<double>(global_n_) * loss_scale_;
   last_.experts = r.experts;
