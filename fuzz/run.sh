@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets of fuzz/ with clang (AddressSanitizer + UndefinedBehaviorSanitizer)
-# in build-fuzz/, then runs each for SECONDS (default 60) on its seed corpus, one after another.
+# in build-fuzz/, then runs each for SECONDS (default 60) on its seed corpus, FUZZ_JOBS at a time
+# (default: one per core).
 # Exits 1 if any target crashed, failed a check, threw, leaked, hung (-timeout) or allocated too
 # much (-rss_limit_mb / -malloc_limit_mb), after printing the reproducer's path and the command
 # that replays it. New inputs go to build-fuzz/fuzz-out/<target>/corpus, never into the repo.
@@ -8,7 +9,8 @@
 # Usage: fuzz/run.sh [SECONDS] [TARGET...]      (targets: fuzz_manifest fuzz_checkpoint
 #        fuzz_shard_file fuzz_shard_file_inplace fuzz_layout fuzz_model fuzz_events fuzz_safetensors
 #        fuzz_dcp_metadata fuzz_dcp_data fuzz_torch_save; default all)
-# Environment: BUILD_DIR (build-fuzz), JOBS (2), FUZZ_ARGS (extra libFuzzer flags).
+# Environment: BUILD_DIR (build-fuzz), JOBS (2, compile jobs), FUZZ_JOBS (nproc, targets run at
+# once), FUZZ_ARGS (extra libFuzzer flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_EACH=${1:-60}
@@ -35,7 +37,10 @@ LAUNCHER=()
 command -v ccache >/dev/null 2>&1 && LAUNCHER=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 
 start=$(date +%s)
+# Line tables are all a sanitizer report needs (file:line of each frame); full debug info
+# made the build slower and its objects several times larger.
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER="$CC" -DCMAKE_CXX_COMPILER="$CXX" \
+  -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" \
   "${LAUNCHER[@]}" -DRS_FUZZ=ON -DRS_BUILD_TESTS=OFF -DRS_ENABLE_CUDA=OFF >/dev/null
 cmake --build "$BUILD" -j "$JOBS" --target fuzzers
 echo "fuzz: built in $(( $(date +%s) - start )) s" >&2
@@ -64,12 +69,11 @@ dict_of() {
   esac
 }
 
-failed=0
-summary=()
-for t in "${TARGETS[@]}"; do
-  bin="$BUILD/fuzz/$t"
-  [ -x "$bin" ] || { echo "fuzz: no target $t" >&2; exit 2; }
-  out="$BUILD/fuzz-out/$t"
+# One target for SECONDS_EACH: its summary line goes to $out/summary, FAILED in it when it failed.
+fuzz_one() {
+  local t=$1
+  local bin="$BUILD/fuzz/$t"
+  local out="$BUILD/fuzz-out/$t"
   rm -rf "$out/artifacts" "$out"/log*  # reproducers and logs of an earlier run
   mkdir -p "$out/corpus" "$out/artifacts"
   seeds="fuzz/corpus/$(corpus_of "$t")"
@@ -117,7 +121,6 @@ for t in "${TARGETS[@]}"; do
     artifacts=$(find "$out/artifacts" -type f | sort)
     [ "$rc" -eq 0 ] && [ -z "$artifacts" ] && break
     status="FAILED (exit $rc)"
-    failed=1
     echo "fuzz: $t FAILED (exit $rc); log: $log" >&2
     grep -E '^(==[0-9]+==.*ERROR|SUMMARY|CHECK failed|.*runtime error)' "$log" | head -5 >&2 || true
     for a in $artifacts; do
@@ -130,6 +133,36 @@ for t in "${TARGETS[@]}"; do
   line="$t: ${secs} s, $execs execs ($(( execs / (secs > 0 ? secs : 1) ))/s), coverage $cov edges"
   [ "$runs" -gt 1 ] && line="$line, $runs runs"
   [ -n "$status" ] && line="$line: $status"
+  echo "$line" > "$out/summary"
+}
+
+# The targets run FUZZ_JOBS at a time (default: one per core; libFuzzer runs one thread), each
+# for SECONDS_EACH, so the fuzzing per target is the same whatever the parallelism.
+for t in "${TARGETS[@]}"; do
+  [ -x "$BUILD/fuzz/$t" ] || { echo "fuzz: no target $t" >&2; exit 2; }
+  rm -f "$BUILD/fuzz-out/$t/summary"
+done
+PAR=${FUZZ_JOBS:-$(nproc)}
+running=0
+for t in "${TARGETS[@]}"; do
+  fuzz_one "$t" &
+  running=$(( running + 1 ))
+  if [ "$running" -ge "$PAR" ]; then
+    wait -n || true
+    running=$(( running - 1 ))
+  fi
+done
+wait
+failed=0
+summary=()
+for t in "${TARGETS[@]}"; do
+  f="$BUILD/fuzz-out/$t/summary"
+  if [ -f "$f" ]; then
+    line=$(cat "$f")
+  else
+    line="$t: no result (the run ended abnormally): FAILED"
+  fi
+  case "$line" in *FAILED*) failed=1 ;; esac
   summary+=("$line")
 done
 echo "fuzz: summary ($(( $(date +%s) - start )) s in all, build included)" >&2
