@@ -6,7 +6,7 @@
 #include "cli/util.h"
 #include "formats/dcp_verify.h"
 #include "formats/verify.h"
-#include "reshard/hf.h"
+#include "reshard/hf_directory.h"
 
 namespace rs::cli {
 namespace {
