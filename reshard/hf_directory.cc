@@ -28,6 +28,12 @@ Result<nlohmann::json> ReadJson(const std::string& path) {
   return j;
 }
 
+// Why the files' tensor `name`, which the model did not use, has no place in it, guessed from its
+// name. Two reasons' wording predates what import reads now: "a shared expert" is left over
+// only where the family or its config.json has none (deepseek_v3 and qwen3_next read theirs),
+// and "a quantization scale" is a scale no FP8 weight used (config.json without a
+// quantization_config, or a weight that is not FP8) or another method's "weight_scale": FP8
+// block-scaled weights with their "_scale_inv" are read (ReadQuantization, AttachFp8Scales).
 std::string LeftoverReason(const std::string& name) {
   if (name.find(".q_norm.") != std::string::npos || name.find(".k_norm.") != std::string::npos) {
     return "per-head query/key RMSNorm (Qwen3 style): this family's attention has none";
