@@ -10,7 +10,8 @@
 #include "cli/commands.h"
 #include "cli/reshard_args.h"
 #include "cli/util.h"
-#include "reshard/hf.h"
+#include "reshard/hf_export.h"
+#include "reshard/hf_import.h"
 #include "train/data.h"
 #include "train/trainer.h"
 

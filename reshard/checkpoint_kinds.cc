@@ -14,7 +14,7 @@
 #include "formats/torch_dist.h"
 #include "models/megatron_config.h"
 #include "reshard/framework_names.h"
-#include "reshard/hf.h"
+#include "reshard/hf_directory.h"
 
 namespace rs {
 namespace {

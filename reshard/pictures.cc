@@ -166,43 +166,65 @@ std::vector<GridRect> PieceRects(const Piece& piece, const Shape& global) {
   return out;
 }
 
-std::string ShardMapSvg(const TensorSpec& t, std::span<const ShardEntry* const> shards,
-                        const std::optional<Layout>& layout, std::string_view source) {
-  const Grid grid = GridOf(t.shape);
+namespace {
+
+// Where ShardMapSvg draws tensor `t`: panels of its grid (each standing for `group` consecutive
+// leading indices, at most 256 panels) in `columns`, each pw x ph user units, and where an
+// item's row and column fall inside a panel.
+struct ShardMapFrame {
+  Grid grid;
+  bool drawable = true;  // false: too many leading indices to draw
+  std::int64_t group = 1, panels = 0, columns = 1, panel_rows = 1;
+  double gap = 0, label_w = 0, pw = 0, ph = 0, rows_d = 1, cols_d = 1, panel_label = 0;
+  bool to_scale = true;
+  double grid_top = 0;  // set once the header's height is known
+
+  // Panel p's top-left corner.
+  double PanelX(std::int64_t p) const { return kMargin + label_w + static_cast<double>(p % columns) * (pw + gap); }
+  double PanelY(std::int64_t p) const {
+    return grid_top + static_cast<double>(p / columns) * (ph + panel_label + gap) + panel_label;
+  }
+  double XOf(std::int64_t p, std::int64_t col) const { return PanelX(p) + pw * static_cast<double>(col) / cols_d; }
+  double YOf(std::int64_t p, std::int64_t row) const { return PanelY(p) + ph * static_cast<double>(row) / rows_d; }
+};
+
+ShardMapFrame ShardMapFrameOf(const TensorSpec& t) {
+  ShardMapFrame f;
+  f.grid = GridOf(t.shape);
+  const Grid& grid = f.grid;
   // Leading indices per panel: at most kMaxPanels panels; beyond, each panel stands for a
   // run of consecutive leading indices (experts 0-3, ...).
   constexpr std::int64_t kMaxPanels = 256;
   // A 3-D tensor is a few rectangles per shard whatever its leading dim; with more leading dims
   // a shard may be one run per index of its outer leading dims, so those are bounded.
   constexpr std::int64_t kMaxLeading = std::int64_t{1} << 16;
-  const bool drawable = grid.lead.size() <= 1 || grid.panels <= kMaxLeading;
-  const std::int64_t group = drawable ? CeilDiv(grid.panels, kMaxPanels) : 1;
-  const std::int64_t panels = drawable ? CeilDiv(grid.panels, group) : 0;
-  const std::int64_t columns = panels <= 1 ? 1
-                                           : std::min<std::int64_t>(panels, panels <= 16   ? 4
-                                                                            : panels <= 64 ? 8
-                                                                                           : 16);
-  const double gap = columns > 1 ? 10 : 0;
-  const double label_w = t.components.empty() ? 0 : 70;  // component names left of the panels
-  const double pw = (kWidth - label_w - gap * static_cast<double>(columns - 1)) / static_cast<double>(columns);
-  const double rows_d = static_cast<double>(std::max<std::int64_t>(1, grid.rows));
-  const double cols_d = static_cast<double>(std::max<std::int64_t>(1, grid.cols));
-  const double natural = pw * rows_d / cols_d;
-  const double ph = std::clamp(natural, panels <= 1 ? 40.0 : 24.0, panels <= 1 ? 600.0 : pw * 2);
-  const bool to_scale = std::abs(ph - natural) < 0.5;
-  const double panel_label = panels > 1 ? 14 : 0;
-  const std::int64_t panel_rows = CeilDiv(std::max<std::int64_t>(1, panels), columns);
+  f.drawable = grid.lead.size() <= 1 || grid.panels <= kMaxLeading;
+  f.group = f.drawable ? CeilDiv(grid.panels, kMaxPanels) : 1;
+  const std::int64_t panels = f.panels = f.drawable ? CeilDiv(grid.panels, f.group) : 0;
+  const std::int64_t columns = f.columns = panels <= 1 ? 1
+                                                       : std::min<std::int64_t>(panels, panels <= 16   ? 4
+                                                                                        : panels <= 64 ? 8
+                                                                                                       : 16);
+  f.gap = columns > 1 ? 10 : 0;
+  f.label_w = t.components.empty() ? 0 : 70;  // component names left of the panels
+  const double pw = f.pw =
+      (kWidth - f.label_w - f.gap * static_cast<double>(columns - 1)) / static_cast<double>(columns);
+  f.rows_d = static_cast<double>(std::max<std::int64_t>(1, grid.rows));
+  f.cols_d = static_cast<double>(std::max<std::int64_t>(1, grid.cols));
+  const double natural = pw * f.rows_d / f.cols_d;
+  f.ph = std::clamp(natural, panels <= 1 ? 40.0 : 24.0, panels <= 1 ? 600.0 : pw * 2);
+  f.to_scale = std::abs(f.ph - natural) < 0.5;
+  f.panel_label = panels > 1 ? 14 : 0;
+  f.panel_rows = CeilDiv(std::max<std::int64_t>(1, panels), columns);
+  return f;
+}
 
-  std::set<std::int64_t> ranks;
-  std::map<std::int64_t, std::pair<int, int>> per_rank;  // rank -> (main shards, replicas)
-  for (const ShardEntry* s : shards) {
-    ranks.insert(s->rank);
-    auto& [main, replicas] = per_rank[s->rank];
-    (s->replica == ReplicaKind::kMain ? main : replicas) += 1;
-  }
-  constexpr std::size_t kMaxLegend = 64;
-  const std::size_t legend_lines = std::min(ranks.size(), kMaxLegend) + (ranks.size() > kMaxLegend ? 1 : 0);
-
+// The header's lines: the tensor, its axes and source, the layout, the fused components, the
+// shard counts and how the panels are drawn.
+std::vector<std::string> ShardMapHeader(const TensorSpec& t, std::span<const ShardEntry* const> shards,
+                                        const std::optional<Layout>& layout, std::string_view source,
+                                        const ShardMapFrame& f, std::size_t ranks) {
+  const Grid& grid = f.grid;
   std::vector<std::string> header;
   header.push_back(t.name + "   " + std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) + "   " +
                    std::string(TensorRoleName(t.role)));
@@ -211,172 +233,191 @@ std::string ShardMapSvg(const TensorSpec& t, std::span<const ShardEntry* const> 
   header.push_back(axes + "   source: " + std::string(source));
   if (layout) header.push_back("layout: " + layout->ToString());
   if (!t.components.empty()) {
-    std::string f = "fused dim " + std::to_string(t.components.dim) + ":";
-    for (const auto& c : t.components.components)
-      f += " " + c.name + "=" + std::to_string(c.size * t.components.unit_rows);
-    header.push_back(f + " (boundaries drawn in item coordinates, red)");
+    std::string c = "fused dim " + std::to_string(t.components.dim) + ":";
+    for (const auto& comp : t.components.components)
+      c += " " + comp.name + "=" + std::to_string(comp.size * t.components.unit_rows);
+    header.push_back(c + " (boundaries drawn in item coordinates, red)");
   }
   std::int64_t replicas = 0;
   for (const ShardEntry* s : shards) replicas += s->replica == ReplicaKind::kReplica ? 1 : 0;
   std::string counts = std::to_string(shards.size()) + " shards (" + std::to_string(replicas) +
-                       " replicas, dashed) on " + std::to_string(ranks.size()) + " ranks";
-  if (grid.panels > 1 && drawable) {
+                       " replicas, dashed) on " + std::to_string(ranks) + " ranks";
+  if (grid.panels > 1 && f.drawable) {
     const std::string what =
         grid.lead.size() == 1 && !t.axes.empty() && !t.axes[0].empty() ? t.axes[0] : "the leading index";
-    counts += "; one panel per " + (group > 1 ? std::to_string(group) + " values of " : std::string()) + what;
+    counts += "; one panel per " + (f.group > 1 ? std::to_string(f.group) + " values of " : std::string()) + what;
   }
-  if (!to_scale) counts += "; not to scale";
+  if (!f.to_scale) counts += "; not to scale";
   header.push_back(counts);
-  if (!drawable) header.push_back("too many leading indices to draw (" + std::to_string(grid.panels) + ")");
+  if (!f.drawable) header.push_back("too many leading indices to draw (" + std::to_string(grid.panels) + ")");
+  return header;
+}
 
-  const double header_h = kLineHeight * static_cast<double>(header.size()) + 8;
-  const double grid_top = kMargin + header_h;
-  const double grid_h = static_cast<double>(panel_rows) * (ph + panel_label + gap);
-  const double legend_top = grid_top + grid_h + 10;
-  const double height = legend_top + kLineHeight * static_cast<double>(legend_lines + 1) + kMargin;
-  svg::Document doc(kWidth + 2 * kMargin, height, "shard map of " + t.name);
-  for (std::size_t i = 0; i < header.size(); ++i) {
-    doc.Text(kMargin, kMargin + 11 + kLineHeight * static_cast<double>(i), header[i],
-             i == 0 ? Attrs{{"font-weight", "bold"}} : Attrs{});
-  }
-
-  // Panel p's top-left corner.
-  const auto panel_x = [&](std::int64_t p) {
-    return kMargin + label_w + static_cast<double>(p % columns) * (pw + gap);
-  };
-  const auto panel_y = [&](std::int64_t p) {
-    return grid_top + static_cast<double>(p / columns) * (ph + panel_label + gap) + panel_label;
-  };
-  const auto x_of = [&](std::int64_t p, std::int64_t col) {
-    return panel_x(p) + pw * static_cast<double>(col) / cols_d;
-  };
-  const auto y_of = [&](std::int64_t p, std::int64_t row) {
-    return panel_y(p) + ph * static_cast<double>(row) / rows_d;
-  };
-
+// The panels' backgrounds, each labelled with the leading indices it stands for.
+void DrawPanels(svg::Document& doc, const ShardMapFrame& f, const TensorSpec& t) {
+  const Grid& grid = f.grid;
   doc.Open("g", {{"class", "panels"}});
-  for (std::int64_t p = 0; p < panels; ++p) {
-    doc.Rect(panel_x(p), panel_y(p), pw, ph, {{"fill", "#f4f4f4"}, {"stroke", "#999999"}, {"stroke-width", "0.5"}});
-    if (panels > 1) {
-      const std::int64_t first = p * group, last = std::min(grid.panels, first + group) - 1;
+  for (std::int64_t p = 0; p < f.panels; ++p) {
+    doc.Rect(f.PanelX(p), f.PanelY(p), f.pw, f.ph,
+             {{"fill", "#f4f4f4"}, {"stroke", "#999999"}, {"stroke-width", "0.5"}});
+    if (f.panels > 1) {
+      const std::int64_t first = p * f.group, last = std::min(grid.panels, first + f.group) - 1;
       const std::string axis = grid.lead.size() == 1 && !t.axes.empty() ? t.axes[0] : "";
       std::string label = axis.empty() ? "" : axis + " ";
       label += grid.lead.size() == 1 ? std::to_string(first) : "[" + Join(Unravel(first, grid.lead)) + "]";
       if (last > first)
         label += "-" + (grid.lead.size() == 1 ? std::to_string(last) : "[" + Join(Unravel(last, grid.lead)) + "]");
-      doc.Text(panel_x(p), panel_y(p) - 3, label, {{"font-size", "9"}, {"fill", "#555555"}});
+      doc.Text(f.PanelX(p), f.PanelY(p) - 3, label, {{"font-size", "9"}, {"fill", "#555555"}});
     }
   }
   doc.Close();
+}
 
-  // Shards: main copies first (filled), then replicas (dashed outlines on top).
-  for (const ReplicaKind kind : {ReplicaKind::kMain, ReplicaKind::kReplica}) {
-    for (const ShardEntry* s : shards) {
-      if (s->replica != kind) continue;
-      const bool main = kind == ReplicaKind::kMain;
-      Attrs g = {{"class", "shard"},
-                 {"data-rank", std::to_string(s->rank)},
-                 {"data-offset", Join(s->piece.box.offset)},
-                 {"data-shape", Join(s->piece.box.shape)}};
-      if (s->piece.range)
-        g.push_back({"data-range", std::to_string(s->piece.range->begin) + "," + std::to_string(s->piece.range->end)});
-      g.push_back({"data-replica", main ? "false" : "true"});
-      g.push_back({"data-file", s->file});
-      g.push_back({"data-dataset", s->dataset});
-      const std::string color = svg::Color(s->rank);
-      if (main) {
-        g.insert(g.end(), {{"fill", color}, {"fill-opacity", "0.8"}, {"stroke", "#333333"}, {"stroke-width", "0.75"}});
-      } else {
-        g.insert(g.end(), {{"fill", "none"}, {"stroke", color}, {"stroke-width", "1.5"}, {"stroke-dasharray", "4 2"}});
+// One shard: a group with its data-* attributes and tooltip around its rectangles, filled in
+// its rank's colour (a main copy, labelled with the rank where it fits) or a dashed outline (a
+// replica).
+void DrawShard(svg::Document& doc, const ShardMapFrame& f, const TensorSpec& t, const ShardEntry& s) {
+  const bool main = s.replica == ReplicaKind::kMain;
+  Attrs g = {{"class", "shard"},
+             {"data-rank", std::to_string(s.rank)},
+             {"data-offset", Join(s.piece.box.offset)},
+             {"data-shape", Join(s.piece.box.shape)}};
+  if (s.piece.range)
+    g.push_back({"data-range", std::to_string(s.piece.range->begin) + "," + std::to_string(s.piece.range->end)});
+  g.push_back({"data-replica", main ? "false" : "true"});
+  g.push_back({"data-file", s.file});
+  g.push_back({"data-dataset", s.dataset});
+  const std::string color = svg::Color(s.rank);
+  if (main) {
+    g.insert(g.end(), {{"fill", color}, {"fill-opacity", "0.8"}, {"stroke", "#333333"}, {"stroke-width", "0.75"}});
+  } else {
+    g.insert(g.end(), {{"fill", "none"}, {"stroke", color}, {"stroke-width", "1.5"}, {"stroke-dasharray", "4 2"}});
+  }
+  doc.Open("g", g);
+  std::string tip = "rank " + std::to_string(s.rank) + (main ? " main " : " replica ") + BoxToString(s.piece.box);
+  if (s.piece.range) {
+    tip += " items [" + std::to_string(s.piece.range->begin) + ", " + std::to_string(s.piece.range->end) + ")";
+  }
+  doc.Tooltip(tip + " " + s.file + " " + HumanBytes(s.nbytes));
+  bool labelled = !main;
+  if (f.drawable) {
+    // Each rectangle once per panel (a panel may stand for several leading indices).
+    std::set<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>> drawn;
+    for (const GridRect& c : PieceRects(s.piece, t.shape)) {
+      if (c.lead < 0 || c.leads < 1 || c.lead + c.leads > f.grid.panels) continue;
+      for (std::int64_t p = c.lead / f.group; p <= (c.lead + c.leads - 1) / f.group; ++p) {
+        drawn.emplace(p, c.row0, c.rows, c.col0, c.cols);
       }
-      doc.Open("g", g);
-      std::string tip = "rank " + std::to_string(s->rank) + (main ? " main " : " replica ") + BoxToString(s->piece.box);
-      if (s->piece.range) {
-        tip += " items [" + std::to_string(s->piece.range->begin) + ", " + std::to_string(s->piece.range->end) + ")";
+    }
+    for (const auto& [p, row0, rows, col0, cols] : drawn) {
+      const double x = f.XOf(p, col0), y = f.YOf(p, row0);
+      const double w = f.XOf(p, col0 + cols) - x, h = f.YOf(p, row0 + rows) - y;
+      doc.Rect(x, y, std::max(w, 0.5), std::max(h, 0.5));
+      if (!labelled && w >= 16 && h >= 11) {
+        doc.Text(x + 3, y + 11, std::to_string(s.rank), {{"font-size", "10"}, {"fill", "#000000"}, {"stroke", "none"}});
+        labelled = true;
       }
-      doc.Tooltip(tip + " " + s->file + " " + HumanBytes(s->nbytes));
-      bool labelled = !main;
-      if (drawable) {
-        // Each rectangle once per panel (a panel may stand for several leading indices).
-        std::set<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>> drawn;
-        for (const GridRect& c : PieceRects(s->piece, t.shape)) {
-          if (c.lead < 0 || c.leads < 1 || c.lead + c.leads > grid.panels) continue;
-          for (std::int64_t p = c.lead / group; p <= (c.lead + c.leads - 1) / group; ++p) {
-            drawn.emplace(p, c.row0, c.rows, c.col0, c.cols);
-          }
-        }
-        for (const auto& [p, row0, rows, col0, cols] : drawn) {
-          const double x = x_of(p, col0), y = y_of(p, row0);
-          const double w = x_of(p, col0 + cols) - x, h = y_of(p, row0 + rows) - y;
-          doc.Rect(x, y, std::max(w, 0.5), std::max(h, 0.5));
-          if (!labelled && w >= 16 && h >= 11) {
-            doc.Text(x + 3, y + 11, std::to_string(s->rank),
-                     {{"font-size", "10"}, {"fill", "#000000"}, {"stroke", "none"}});
-            labelled = true;
-          }
-        }
-      }
-      doc.Close();
     }
   }
+  doc.Close();
+}
 
-  // The fused components' boundaries, in item coordinates of the fused dim.
-  if (!t.components.empty() && drawable) {
-    const int fd = t.components.dim;
-    const int r = static_cast<int>(t.shape.size());
-    const bool along_rows = r >= 2 && fd == r - 2;
-    const bool along_cols = fd == r - 1;
-    doc.Open("g", {{"class", "components"}, {"stroke", "#d62728"}, {"stroke-width", "2"}, {"stroke-dasharray", "6 3"}});
-    std::int64_t at = 0;
-    const auto& comps = t.components.components;
-    for (std::size_t i = 0; i < comps.size(); ++i) {
-      const std::int64_t begin = at;
-      at += comps[i].size * t.components.unit_rows;
-      const std::int64_t mid2 = begin + at;  // twice the middle, for the label
+// The fused components' boundaries, in item coordinates of the fused dim, and their names.
+void DrawComponentBoundaries(svg::Document& doc, const ShardMapFrame& f, const TensorSpec& t) {
+  const int fd = t.components.dim;
+  const int r = static_cast<int>(t.shape.size());
+  const bool along_rows = r >= 2 && fd == r - 2;
+  const bool along_cols = fd == r - 1;
+  doc.Open("g", {{"class", "components"}, {"stroke", "#d62728"}, {"stroke-width", "2"}, {"stroke-dasharray", "6 3"}});
+  std::int64_t at = 0;
+  const auto& comps = t.components.components;
+  for (std::size_t i = 0; i < comps.size(); ++i) {
+    const std::int64_t begin = at;
+    at += comps[i].size * t.components.unit_rows;
+    const std::int64_t mid2 = begin + at;  // twice the middle, for the label
+    if (along_rows) {
+      doc.Text(kMargin + f.label_w - 6, f.YOf(0, 0) + f.ph * static_cast<double>(mid2) / (2 * f.rows_d) + 4,
+               comps[i].name, {{"text-anchor", "end"}, {"fill", "#d62728"}, {"stroke", "none"}, {"font-size", "10"}});
+    } else if (along_cols) {
+      doc.Text(f.XOf(0, 0) + f.pw * static_cast<double>(mid2) / (2 * f.cols_d), f.grid_top - 2, comps[i].name,
+               {{"text-anchor", "middle"}, {"fill", "#d62728"}, {"stroke", "none"}, {"font-size", "10"}});
+    }
+    if (i + 1 == comps.size()) break;
+    for (std::int64_t p = 0; p < f.panels && (along_rows || along_cols); ++p) {
+      const Attrs a = {{"class", "component-boundary"},
+                       {"data-dim", std::to_string(fd)},
+                       {"data-at", std::to_string(at)},
+                       {"data-between", comps[i].name + "|" + comps[i + 1].name}};
       if (along_rows) {
-        doc.Text(kMargin + label_w - 6, y_of(0, 0) + ph * static_cast<double>(mid2) / (2 * rows_d) + 4, comps[i].name,
-                 {{"text-anchor", "end"}, {"fill", "#d62728"}, {"stroke", "none"}, {"font-size", "10"}});
-      } else if (along_cols) {
-        doc.Text(x_of(0, 0) + pw * static_cast<double>(mid2) / (2 * cols_d), grid_top - 2, comps[i].name,
-                 {{"text-anchor", "middle"}, {"fill", "#d62728"}, {"stroke", "none"}, {"font-size", "10"}});
-      }
-      if (i + 1 == comps.size()) break;
-      for (std::int64_t p = 0; p < panels && (along_rows || along_cols); ++p) {
-        const Attrs a = {{"class", "component-boundary"},
-                         {"data-dim", std::to_string(fd)},
-                         {"data-at", std::to_string(at)},
-                         {"data-between", comps[i].name + "|" + comps[i + 1].name}};
-        if (along_rows) {
-          doc.Line(panel_x(p), y_of(p, at), panel_x(p) + pw, y_of(p, at), a);
-        } else {
-          doc.Line(x_of(p, at), panel_y(p), x_of(p, at), panel_y(p) + ph, a);
-        }
+        doc.Line(f.PanelX(p), f.YOf(p, at), f.PanelX(p) + f.pw, f.YOf(p, at), a);
+      } else {
+        doc.Line(f.XOf(p, at), f.PanelY(p), f.XOf(p, at), f.PanelY(p) + f.ph, a);
       }
     }
-    doc.Close();
   }
+  doc.Close();
+}
 
-  // Legend: rank -> colour, mesh coordinates, shards.
+constexpr std::size_t kMaxLegend = 64;  // ranks listed in a shard map's legend
+
+// Legend: rank -> colour, mesh coordinates, shards (`per_rank`: rank -> main shards, replicas).
+void DrawLegend(svg::Document& doc, double legend_top, const std::map<std::int64_t, std::pair<int, int>>& per_rank,
+                const std::optional<Layout>& layout) {
   doc.Open("g", {{"class", "legend"}});
   doc.Text(kMargin, legend_top + 11, "rank: mesh coordinates (axes of size 1 omitted), shards",
            {{"font-weight", "bold"}});
   std::size_t line = 1;
-  for (const std::int64_t rank : ranks) {
+  for (const auto& [rank, counts] : per_rank) {
     if (line > kMaxLegend) {
       doc.Text(kMargin, legend_top + 11 + kLineHeight * static_cast<double>(line),
-               "... and " + std::to_string(ranks.size() - kMaxLegend) + " more ranks");
+               "... and " + std::to_string(per_rank.size() - kMaxLegend) + " more ranks");
       break;
     }
     const double y = legend_top + kLineHeight * static_cast<double>(line);
     doc.Rect(kMargin, y + 2, 12, 11, {{"fill", svg::Color(rank)}, {"stroke", "#333333"}, {"stroke-width", "0.5"}});
     std::string text = "rank " + std::to_string(rank);
     if (layout) text += ": " + MeshCoordsText(*layout, rank);
-    const auto& [main, reps] = per_rank[rank];
+    const auto& [main, reps] = counts;
     text += "  (" + std::to_string(main) + " main" + (reps > 0 ? ", " + std::to_string(reps) + " replica" : "") + ")";
     doc.Text(kMargin + 18, y + 11, text, {{"data-rank", std::to_string(rank)}});
     ++line;
   }
   doc.Close();
+}
+
+}  // namespace
+
+std::string ShardMapSvg(const TensorSpec& t, std::span<const ShardEntry* const> shards,
+                        const std::optional<Layout>& layout, std::string_view source) {
+  ShardMapFrame frame = ShardMapFrameOf(t);
+  std::map<std::int64_t, std::pair<int, int>> per_rank;  // rank -> (main shards, replicas)
+  for (const ShardEntry* s : shards) {
+    auto& [main, replicas] = per_rank[s->rank];
+    (s->replica == ReplicaKind::kMain ? main : replicas) += 1;
+  }
+  const std::size_t ranks = per_rank.size();
+  const std::size_t legend_lines = std::min(ranks, kMaxLegend) + (ranks > kMaxLegend ? 1 : 0);
+  const std::vector<std::string> header = ShardMapHeader(t, shards, layout, source, frame, ranks);
+
+  const double header_h = kLineHeight * static_cast<double>(header.size()) + 8;
+  frame.grid_top = kMargin + header_h;
+  const double grid_h = static_cast<double>(frame.panel_rows) * (frame.ph + frame.panel_label + frame.gap);
+  const double legend_top = frame.grid_top + grid_h + 10;
+  const double height = legend_top + kLineHeight * static_cast<double>(legend_lines + 1) + kMargin;
+  svg::Document doc(kWidth + 2 * kMargin, height, "shard map of " + t.name);
+  for (std::size_t i = 0; i < header.size(); ++i) {
+    doc.Text(kMargin, kMargin + 11 + kLineHeight * static_cast<double>(i), header[i],
+             i == 0 ? Attrs{{"font-weight", "bold"}} : Attrs{});
+  }
+  DrawPanels(doc, frame, t);
+  // Shards: main copies first (filled), then replicas (dashed outlines on top).
+  for (const ReplicaKind kind : {ReplicaKind::kMain, ReplicaKind::kReplica}) {
+    for (const ShardEntry* s : shards) {
+      if (s->replica == kind) DrawShard(doc, frame, t, *s);
+    }
+  }
+  if (!t.components.empty() && frame.drawable) DrawComponentBoundaries(doc, frame, t);
+  DrawLegend(doc, legend_top, per_rank, layout);
   return doc.Finish();
 }
 

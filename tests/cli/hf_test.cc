@@ -5,8 +5,6 @@
 // HF semantics) reproduces `reshard eval`; Qwen-style and fused expert names import too; what
 // Mixtral or our model cannot express is refused naming the difference; hostile safetensors
 // files are refused with a non-zero exit, never a crash.
-#include "reshard/hf.h"
-
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -27,6 +25,8 @@
 #include "core/model.h"
 #include "formats/checkpoint_reader.h"
 #include "formats/safetensors.h"
+#include "models/family.h"
+#include "models/names.h"
 #include "tests/cli/cli_test_util.h"
 #include "tests/formats/safetensors_corpus.h"
 

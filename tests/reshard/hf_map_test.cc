@@ -1,12 +1,15 @@
-// The Hugging Face name table and config.json mapping (reshard/hf.h), without files: where each
-// HF tensor sits in our tensors, that the table tiles every parameter, and config round trips.
+// The Hugging Face name table and config.json mapping (models/names.h, reshard/hf_directory.h,
+// reshard/hf_export.h), without files: where each HF tensor sits in our tensors, that the table
+// tiles every parameter, and config round trips.
 #include <gtest/gtest.h>
 
 #include <map>
 #include <tuple>
 
 #include "core/check.h"
-#include "reshard/hf.h"
+#include "models/names.h"
+#include "reshard/hf_directory.h"
+#include "reshard/hf_export.h"
 
 namespace rs {
 namespace {
