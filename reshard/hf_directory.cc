@@ -29,21 +29,24 @@ Result<nlohmann::json> ReadJson(const std::string& path) {
 }
 
 // Why the files' tensor `name`, which the model did not use, has no place in it, guessed from its
-// name. Two reasons' wording predates what import reads now: "a shared expert" is left over
-// only where the family or its config.json has none (deepseek_v3 and qwen3_next read theirs),
-// and "a quantization scale" is a scale no FP8 weight used (config.json without a
-// quantization_config, or a weight that is not FP8) or another method's "weight_scale": FP8
-// block-scaled weights with their "_scale_inv" are read (ReadQuantization, AttachFp8Scales).
+// name. A shared expert is left over only where the family or its config.json declares none
+// (deepseek_v3 and qwen3_next read theirs); a scale is left over when no FP8 weight used it (a
+// config.json without a quantization_config, a weight that is not FP8) or when it is another
+// quantization method's: FP8 block-scaled weights with their "_scale_inv" and a
+// quantization_config are read (ReadQuantization, AttachFp8Scales).
 std::string LeftoverReason(const std::string& name) {
   if (name.find(".q_norm.") != std::string::npos || name.find(".k_norm.") != std::string::npos) {
     return "per-head query/key RMSNorm (Qwen3 style): this family's attention has none";
   }
-  if (name.find("shared_expert") != std::string::npos) return "a shared expert: our Mixtral-style model has none";
+  if (name.find("shared_expert") != std::string::npos) {
+    return "a shared expert, which this family's config.json declares none of";
+  }
   if (name.find("e_score_correction_bias") != std::string::npos)
     return "a router score-correction bias (DeepSeek-V3 style)";
   if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) return "a bias: our projections have none";
   if (name.find("weight_scale") != std::string::npos || name.find("scale_inv") != std::string::npos) {
-    return "a quantization scale (quantized checkpoints are not read)";
+    return "a quantization scale that no weight uses (import reads FP8 block-scaled weights with their _scale_inv "
+           "when config.json has a quantization_config)";
   }
   return "no counterpart in our model";
 }
