@@ -9,9 +9,9 @@
 #include <cstdio>
 #include <vector>
 
+#include "base/thread_pool.h"
 #include "bench/train_bench_util.h"
-#include "core/thread_pool.h"
-#include "train/optimizer.h"
+#include "train/ops/optimizer.h"
 
 int main(int argc, char** argv) {
   const rs::bench::BenchArgs args(argc, argv,

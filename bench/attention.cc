@@ -1,4 +1,4 @@
-// Benchmark: causal GQA self-attention forward + backward on the CPU (train/attention.h: query
+// Benchmark: causal GQA self-attention forward + backward on the CPU (train/modules/attention.h: query
 // blocks of 64 against the keys the mask leaves, one block's scores in memory, log-sum-exp kept)
 // against the unblocked form measured in the same run (every head's full S×S scores
 // materialised, softmax, and the four backward products over all of them), which is what the
@@ -11,7 +11,7 @@
 // (blocked: one 64 × seq block at a time plus seq log-sum-exps per head; unblocked: S×S per
 // head, all kept for the backward pass). The blocked module also applies RoPE, which the
 // unblocked side leaves out (a few percent at most).
-#include "train/attention.h"
+#include "train/modules/attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "bench/train_bench_util.h"
-#include "train/gemm.h"
-#include "train/rng.h"
+#include "train/ops/gemm.h"
+#include "train/ops/rng.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 # What the GEMM kernel set costs the training core: bench_moe_layer (small-moe's MoE layer at
 # 4096 tokens, forward + backward) with OpenBLAS's SSE fallback kernels (OPENBLAS_CORETYPE=
 # Prescott, what Debian 12's OpenBLAS picks on CPUs newer than it) and with the kernels reshard
-# selects (train/blas_kernels.h), alternately ROUNDS times in one run; prints the best sgemm
+# selects (train/ops/blas_kernels.h), alternately ROUNDS times in one run; prints the best sgemm
 # peak and tokens/s of each and their ratios.
 #
 # Usage: bench/blas_kernels.sh [BUILD_DIR (build)] [ROUNDS (2)]

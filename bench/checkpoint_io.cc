@@ -42,9 +42,9 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/checkpoint_writer.h"
-#include "formats/verify.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/checkpoint_writer.h"
+#include "formats/ours/verify.h"
 
 namespace {
 

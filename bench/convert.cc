@@ -33,8 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include "convert/example.h"
 #include "core/model.h"
-#include "reshard/example.h"
 
 namespace {
 

@@ -15,8 +15,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "convert/plan.h"
 #include "core/model.h"
-#include "reshard/plan.h"
 
 namespace {
 

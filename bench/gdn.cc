@@ -1,4 +1,4 @@
-// Benchmark: the gated delta rule (train/gdn.h) forward + backward on the CPU, chunked (WY /
+// Benchmark: the gated delta rule (train/modules/gdn.h) forward + backward on the CPU, chunked (WY /
 // UT-transform, chunk 64) against the token-by-token recurrence in the same run, at sequence
 // lengths 256, 1024 and 4096 (or those given): tokens/s of each form, their ratio, and how each
 // one's time grows with the sequence (both are linear in it; the chunked form turns the work into
@@ -6,14 +6,14 @@
 // the compute threads (OPENBLAS_NUM_THREADS, else the cores), its heads as tasks.
 //
 //   bench_gdn [reps] [dk] [seq...]   defaults: 3 128 256 1024 4096
-#include "train/gdn.h"
+#include "train/modules/gdn.h"
 
 #include <cstdio>
 #include <vector>
 
 #include "bench/train_bench_util.h"
-#include "train/gemm.h"
-#include "train/rng.h"
+#include "train/ops/gemm.h"
+#include "train/ops/rng.h"
 
 namespace {
 

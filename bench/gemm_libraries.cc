@@ -1,8 +1,8 @@
 // Benchmark: single-precision GEMM of three libraries and the training core's own AVX2 + FMA
-// kernels (train/sgemm_avx2.h, where the CPU has them; split over threads by train::Gemm like
+// kernels (train/ops/sgemm_avx2.h, where the CPU has them; split over threads by train::Gemm like
 // OpenBLAS) side by side in one run, alternating, on the shapes the training core multiplies –
 // OpenBLAS (what `reshard` links, with the kernel set
-// train/blas_kernels.h selects; both as train::Gemm runs it, one OpenBLAS thread per block of C
+// train/ops/blas_kernels.h selects; both as train::Gemm runs it, one OpenBLAS thread per block of C
 // with the blocks on the shared pool, and with OpenBLAS splitting each product itself), BLIS (Debian's
 // libblis4-pthread, which picks its kernels from the CPU's features at run time) and oneDNN (Debian's libdnnl2,
 // dnnl_sgemm, OpenMP threads). BLIS and oneDNN are loaded with dlopen (RTLD_DEEPBIND, so that BLIS's CBLAS layer calls
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "bench/train_bench_util.h"
-#include "train/sgemm_avx2.h"
+#include "train/ops/sgemm_avx2.h"
 
 namespace {
 
@@ -79,7 +79,7 @@ std::vector<Library> Libraries() {
                     rs::train::Gemm<float>(s.ta, s.tb, s.m, s.n, s.k, 1.0f, a, Lda(s), b, Ldb(s), 0.0f, c, s.n);
                   },
                   [](int n) { rs::train::SetBlasThreads(n); }});
-  // The training core's own AVX2 + FMA kernels (train/sgemm_avx2.h), split the same way.
+  // The training core's own AVX2 + FMA kernels (train/ops/sgemm_avx2.h), split the same way.
   if (rs::train::Avx2SgemmAvailable()) {
     libs.push_back({"own AVX2, train::Gemm",
                     [](const Shape& s, const float* a, const float* b, float* c) {

@@ -31,8 +31,8 @@
 #include <vector>
 
 #include "bench/synthetic_checkpoint.h"
-#include "formats/manifest.h"
-#include "formats/shard_reader.h"
+#include "formats/ours/manifest.h"
+#include "formats/ours/shard_reader.h"
 
 namespace {
 

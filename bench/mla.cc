@@ -1,4 +1,4 @@
-// Benchmark: multi-latent attention (train/mla.h) forward + backward on the CPU at growing
+// Benchmark: multi-latent attention (train/modules/mla.h) forward + backward on the CPU at growing
 // sequence lengths, one sequence: time, tokens/s, the scores it holds and the process's peak
 // resident size after each length (the lengths run in increasing order, so each peak is that
 // length's). The shape is bench/models/deepseek-small.json's attention: d 512, 8 heads of 96
@@ -7,11 +7,11 @@
 //
 //   bench_mla [reps] [max_seq]   defaults: 3 4096
 //
-// The heads run by query blocks of 64 (train/attention.h, CausalHeadForward / Backward): a
+// The heads run by query blocks of 64 (train/modules/attention.h, CausalHeadForward / Backward): a
 // thread holds one block's scores, 64 × seq floats, and each query's log-sum-exp is kept – the
 // form before held every head's full probabilities, heads × seq × seq floats, from the forward
 // pass to the backward pass. To compare with another build, build this file there.
-#include "train/mla.h"
+#include "train/modules/mla.h"
 
 #include <sys/resource.h>
 
@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "bench/train_bench_util.h"
-#include "train/gemm.h"
-#include "train/rng.h"
+#include "train/ops/gemm.h"
+#include "train/ops/rng.h"
 
 int main(int argc, char** argv) {
   const rs::bench::BenchArgs args(argc, argv,

@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "bench/train_bench_util.h"
-#include "train/buffer.h"
-#include "train/dispatch.h"
-#include "train/rng.h"
+#include "train/modules/dispatch.h"
+#include "train/ops/buffer.h"
+#include "train/ops/rng.h"
 
 // --- Heap accounting: every allocation of this program goes through these. ---------------
 namespace {

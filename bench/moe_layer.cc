@@ -14,8 +14,8 @@
 
 #include "bench/train_bench_util.h"
 #include "core/model.h"
-#include "train/moe.h"
-#include "train/rng.h"
+#include "train/modules/moe.h"
+#include "train/ops/rng.h"
 
 int main(int argc, char** argv) {
   const rs::bench::BenchArgs args(

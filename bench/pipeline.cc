@@ -25,9 +25,9 @@
 #include "bench/train_bench_util.h"
 #include "comm/mpi.h"
 #include "core/model.h"
-#include "train/data.h"
-#include "train/pipeline_schedule.h"
-#include "train/trainer.h"
+#include "train/parallel/pipeline_schedule.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace {
 

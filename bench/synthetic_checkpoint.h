@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "core/layout.h"
-#include "core/status.h"
-#include "formats/checkpoint_writer.h"
+#include "formats/ours/checkpoint_writer.h"
 
 namespace rs::bench {
 

@@ -14,16 +14,16 @@
 #include <string>
 #include <vector>
 
-#include "train/blas_kernels.h"
-#include "train/gemm.h"
-#include "train/process_memory.h"
-#include "train/rng.h"
+#include "train/ops/blas_kernels.h"
+#include "train/ops/gemm.h"
+#include "train/ops/rng.h"
+#include "train/run/process_memory.h"
 
 namespace rs::bench {
 
 // The start of every training-core benchmark's main: positional arguments, the GEMM kernels
-// this CPU allows (train/blas_kernels.h: may execute the program again with OPENBLAS_CORETYPE
-// set), freed memory kept as `reshard train` keeps it (train/process_memory.h), and a line
+// this CPU allows (train/ops/blas_kernels.h: may execute the program again with OPENBLAS_CORETYPE
+// set), freed memory kept as `reshard train` keeps it (train/run/process_memory.h), and a line
 // saying which kernels the numbers are of. `-h` / `--help` prints `usage` and
 // exits 0; an argument that is not a positive integer where one is expected exits 2 naming it
 // (reading "--help" as the number 0 used to end in a failed CHECK).
@@ -82,7 +82,7 @@ double BestSeconds(int reps, F&& f) {
 
 // Row-major C = op(A) · op(B) (alpha 1, beta 0) by one cblas_sgemm with OpenBLAS splitting it
 // over `threads` of its own workers – how a program that leaves threading to OpenBLAS runs, and
-// what train::Gemm's split (train/gemm.h) replaced; OpenBLAS is back at one thread after.
+// what train::Gemm's split (train/ops/gemm.h) replaced; OpenBLAS is back at one thread after.
 inline void OpenBlasOwnThreadsSgemm(int threads, train::Trans ta, train::Trans tb, std::int64_t m, std::int64_t n,
                                     std::int64_t k, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
                                     float* c, std::int64_t ldc) {

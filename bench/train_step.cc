@@ -16,11 +16,11 @@
 #include <string>
 #include <utility>
 
+#include "base/check.h"
 #include "bench/train_bench_util.h"
-#include "core/check.h"
 #include "core/model.h"
-#include "train/data.h"
-#include "train/trainer.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 int main(int argc, char** argv) {
   const rs::bench::BenchArgs args(

@@ -1,6 +1,6 @@
 // `reshard buckets --model PRESET|FILE.json --dp N [--ep N] [--policy lcm|split|best]
 // [--granularity element|matrix] [--merge-units] [--compare] [--json] [--svg FILE]`: plans FSDP buckets
-// (core/fsdp_buckets.h) and reports their padding, all-gather traffic and largest bucket.
+// (layout/fsdp_buckets.h) and reports their padding, all-gather traffic and largest bucket.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -12,14 +12,14 @@
 #include <string>
 
 #include "cli/commands.h"
-#include "cli/util.h"
-#include "core/fsdp_buckets.h"
-#include "core/fsdp_presets.h"
+#include "cli/output.h"
 #include "core/model.h"
 #include "formats/durable_file.h"
-#include "formats/manifest.h"
+#include "formats/ours/manifest.h"
+#include "layout/fsdp_buckets.h"
+#include "layout/fsdp_presets.h"
 #include "layout/physical_layout.h"
-#include "reshard/pictures.h"
+#include "pictures/pictures.h"
 
 namespace rs::cli {
 namespace {

@@ -13,17 +13,17 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "cli/output.h"
 #include "cli/reshard_args.h"
 #include "cli/source_args.h"
-#include "cli/util.h"
 #include "comm/mpi.h"
-#include "formats/checkpoint_commit.h"
-#include "formats/dcp_writer.h"
-#include "formats/verify.h"
+#include "convert/checkpoint_kinds.h"
+#include "convert/dcp_export.h"
+#include "convert/execute.h"
+#include "formats/ours/checkpoint_commit.h"
+#include "formats/ours/verify.h"
+#include "formats/torch/dcp_writer.h"
 #include "models/family.h"
-#include "reshard/checkpoint_kinds.h"
-#include "reshard/dcp_export.h"
-#include "reshard/execute.h"
 
 namespace rs::cli {
 namespace {
@@ -132,7 +132,7 @@ void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, dou
 // --format dcp / torch_dist: the plan written as a PyTorch Distributed Checkpoint (Megatron-Core's
 // torch_dist is one with Megatron's keys and two files more). Under mpirun each process writes
 // the files of the target ranks AssignRanks gives it into a shared staging directory, and
-// rank 0 publishes it when every process's part succeeded (formats/dcp_writer.h).
+// rank 0 publishes it when every process's part succeeded (formats/torch/dcp_writer.h).
 void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& elapsed) {
   comm::MpiWorld& world = comm::MpiWorld::Get();
   ExecuteOptions eo;
@@ -281,8 +281,8 @@ void RegisterConvert(CLI::App& app) {
   AddFormatOptions(cmd, &a->format);
   cmd->add_option("--format", a->output_format,
                   "Output format: reshard (ours, the default), dcp (a PyTorch Distributed Checkpoint that "
-                  "torch.distributed.checkpoint.load reads; formats/DCP.md §8) or torch_dist (a Megatron-Core "
-                  "checkpoint that dist_checkpointing.load reads at any tp/ep/pp; formats/DCP.md §4.4)")
+                  "torch.distributed.checkpoint.load reads; formats/torch/DCP.md §8) or torch_dist (a Megatron-Core "
+                  "checkpoint that dist_checkpointing.load reads at any tp/ep/pp; formats/torch/DCP.md §4.4)")
       ->check(CLI::IsMember({"reshard", "dcp", "torch_dist"}))
       ->capture_default_str();
   cmd->add_option("--dcp-names", a->dcp_names,

@@ -10,11 +10,11 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/output.h"
 #include "cli/source_args.h"
-#include "cli/util.h"
-#include "formats/verify.h"
-#include "reshard/checkpoint_kinds.h"
-#include "reshard/diff.h"
+#include "convert/checkpoint_kinds.h"
+#include "convert/diff.h"
+#include "formats/ours/verify.h"
 
 namespace rs::cli {
 namespace {

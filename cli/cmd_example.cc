@@ -2,9 +2,9 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "cli/output.h"
 #include "cli/reshard_args.h"
-#include "cli/util.h"
-#include "reshard/example.h"
+#include "convert/example.h"
 
 namespace rs::cli {
 namespace {

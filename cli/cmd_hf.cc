@@ -1,6 +1,6 @@
 // `reshard export CKPT --format hf -o DIR` and `reshard import DIR --format hf --layout L -o CKPT`:
 // our checkpoints <-> Hugging Face directories (config.json + safetensors shards + index), with
-// the model families' name maps of models/ (train/MODEL.md §12, formats/SAFETENSORS.md).
+// the model families' name maps of models/ (train/MODEL.md §12, formats/safetensors/SAFETENSORS.md).
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -8,12 +8,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/output.h"
 #include "cli/reshard_args.h"
-#include "cli/util.h"
-#include "reshard/hf_export.h"
-#include "reshard/hf_import.h"
-#include "train/data.h"
-#include "train/trainer.h"
+#include "convert/hf_export.h"
+#include "convert/hf_import.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs::cli {
 namespace {

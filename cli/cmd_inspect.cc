@@ -6,12 +6,12 @@
 #include <set>
 
 #include "cli/commands.h"
+#include "cli/output.h"
 #include "cli/source_args.h"
-#include "cli/util.h"
 #include "core/layout.h"
 #include "formats/durable_file.h"
-#include "formats/manifest.h"
-#include "reshard/pictures.h"
+#include "formats/ours/manifest.h"
+#include "pictures/pictures.h"
 
 namespace rs::cli {
 namespace {
@@ -55,7 +55,7 @@ nlohmann::json ShardJson(const ShardEntry& s) {
   return j;
 }
 
-// The shard map of one tensor as a picture (reshard/pictures.h).
+// The shard map of one tensor as a picture (pictures/pictures.h).
 void WriteShardMap(const Manifest& m, const TensorSpec& t, const std::vector<const ShardEntry*>& shards,
                    const InspectOptions& o) {
   std::optional<Layout> layout;

@@ -5,7 +5,7 @@
 
 #include "cli/commands.h"
 #include "models/family.h"
-#include "train/backend.h"
+#include "train/modules/backend.h"
 
 namespace rs::cli {
 namespace {

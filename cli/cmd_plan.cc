@@ -4,12 +4,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/output.h"
 #include "cli/reshard_args.h"
 #include "cli/source_args.h"
-#include "cli/util.h"
+#include "convert/plan.h"
 #include "formats/durable_file.h"
-#include "reshard/pictures.h"
-#include "reshard/plan.h"
+#include "pictures/pictures.h"
 
 namespace rs::cli {
 namespace {

@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "base/file.h"
 #include "cli/commands.h"
-#include "cli/util.h"
-#include "core/file.h"
+#include "cli/output.h"
 #include "formats/durable_file.h"
-#include "formats/tensorboard.h"
-#include "reshard/pictures.h"
+#include "formats/tensorboard/tensorboard.h"
+#include "pictures/pictures.h"
 
 namespace rs::cli {
 namespace {

@@ -2,7 +2,7 @@
 // process or as `mpirun -np N reshard train --layout L` (one process per rank of L's mesh).
 // train/MODEL.md defines the model, the data and what eval computes. Under mpirun rank 0
 // prints and logs; a failure on any rank ends every rank (MPI_Abort) with a message naming it.
-// The run itself (the trainer, the steps, the run directory's checkpoints) is train/run.h; this
+// The run itself (the trainer, the steps, the run directory's checkpoints) is train/run/run.h; this
 // file parses the flags, checks them and prints what the run reports.
 #include <algorithm>
 #include <chrono>
@@ -18,21 +18,21 @@
 #include <utility>
 #include <vector>
 
+#include "base/text.h"
 #include "cli/commands.h"
 #include "cli/cuda_plugin.h"
+#include "cli/output.h"
 #include "cli/reshard_args.h"
-#include "cli/util.h"
 #include "comm/mpi.h"
-#include "core/text.h"
-#include "formats/tensorboard.h"
-#include "train/blas_kernels.h"
-#include "train/checkpoint.h"
-#include "train/data.h"
-#include "train/eval.h"
-#include "train/gemm.h"
-#include "train/process_memory.h"
-#include "train/run.h"
-#include "train/trainer.h"
+#include "formats/tensorboard/tensorboard.h"
+#include "train/ops/blas_kernels.h"
+#include "train/ops/gemm.h"
+#include "train/run/checkpoint.h"
+#include "train/run/data.h"
+#include "train/run/eval.h"
+#include "train/run/process_memory.h"
+#include "train/run/run.h"
+#include "train/run/trainer.h"
 
 namespace rs::cli {
 namespace {

@@ -2,9 +2,9 @@
 #include <cstdio>
 
 #include "cli/commands.h"
-#include "cli/util.h"
-#include "formats/verify.h"
-#include "reshard/checkpoint_kinds.h"
+#include "cli/output.h"
+#include "convert/checkpoint_kinds.h"
+#include "formats/ours/verify.h"
 
 namespace rs::cli {
 namespace {

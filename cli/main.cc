@@ -4,7 +4,7 @@
 
 #include "cli/commands.h"
 #include "cli/signals.h"
-#include "train/blas_kernels.h"
+#include "train/ops/blas_kernels.h"
 
 namespace {
 
@@ -39,7 +39,7 @@ int Run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  rs::train::SelectBlasKernels(argv);  // may execute this program again (train/blas_kernels.h)
+  rs::train::SelectBlasKernels(argv);  // may execute this program again (train/ops/blas_kernels.h)
   rs::cli::InstallSignalCleanup();
   const int rc = Run(argc, argv);
   rs::cli::WaitIfSignalled();

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "cli/util.h"
+#include "cli/output.h"
 
 namespace rs::cli {
 

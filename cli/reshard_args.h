@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
-#include "core/status.h"
-#include "formats/manifest.h"
+#include "base/status.h"
+#include "formats/ours/manifest.h"
 #include "layout/physical_layout.h"
 
 namespace rs::cli {

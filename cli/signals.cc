@@ -10,7 +10,7 @@
 #include <string>
 #include <thread>
 
-#include "core/cleanup.h"
+#include "base/signal_cleanup.h"
 
 namespace rs::cli {
 namespace {

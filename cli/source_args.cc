@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "cli/util.h"
-#include "formats/dcp.h"
+#include "cli/output.h"
+#include "formats/torch/dcp.h"
 
 namespace rs::cli {
 

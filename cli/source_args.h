@@ -1,16 +1,16 @@
 // The flags that open the source of `inspect`, `plan`, `convert` and `diff`: one of our
 // checkpoints (manifest.json) or a PyTorch Distributed Checkpoint directory (.metadata,
-// formats/DCP.md); which kind a directory is and how it opens is reshard/checkpoint_kinds.h.
+// formats/torch/DCP.md); which kind a directory is and how it opens is convert/checkpoint_kinds.h.
 #pragma once
 
 #include <memory>
 #include <string>
 
-#include "core/status.h"
-#include "formats/checkpoint_reader.h"
+#include "base/status.h"
+#include "convert/checkpoint_kinds.h"
+#include "formats/ours/checkpoint_reader.h"
 #include "formats/shard_source.h"
 #include "layout/physical_layout.h"
-#include "reshard/checkpoint_kinds.h"
 
 namespace rs::cli {
 

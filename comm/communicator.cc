@@ -6,7 +6,7 @@
 #include <functional>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
 
 namespace rs::comm {
 

@@ -21,7 +21,7 @@
 #include <span>
 #include <string>
 
-#include "core/status.h"
+#include "base/status.h"
 
 namespace rs::comm {
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "core/check.h"
+#include "base/check.h"
 
 namespace rs::comm {
 

@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
 
 #if RS_HAVE_MPI
 // The C API only: OpenMPI's and MPICH's C++ bindings would need their own library.

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <string>
 
-#include "core/check.h"
+#include "base/check.h"
 
 namespace rs {
 

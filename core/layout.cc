@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "core/check.h"
+#include "base/check.h"
 
 namespace rs {
 

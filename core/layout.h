@@ -19,9 +19,9 @@
 #include <utility>
 #include <vector>
 
+#include "base/status.h"
 #include "core/mesh.h"
 #include "core/shape.h"
-#include "core/status.h"
 #include "core/tensor_spec.h"
 
 namespace rs {

@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <variant>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/model_index.h"
 
 namespace rs {

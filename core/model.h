@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "core/dtype.h"
-#include "core/status.h"
 #include "core/tensor_spec.h"
 
 namespace rs {

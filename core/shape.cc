@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "core/check.h"
+#include "base/check.h"
 
 namespace rs {
 

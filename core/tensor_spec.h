@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "core/dtype.h"
 #include "core/shape.h"
-#include "core/status.h"
 
 namespace rs {
 

@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <random>
 
-#include "core/cleanup.h"
+#include "base/signal_cleanup.h"
 
 namespace rs {
 namespace fs = std::filesystem;

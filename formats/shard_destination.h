@@ -1,6 +1,6 @@
-// Where a conversion's target shards go (reshard/execute.h): our checkpoint writer
-// (formats/checkpoint_writer.h) or another format's, such as a PyTorch DCP directory
-// (formats/dcp_writer.h). A destination takes shards whose bytes arrive in order, window by
+// Where a conversion's target shards go (convert/execute.h): our checkpoint writer
+// (formats/ours/checkpoint_writer.h) or another format's, such as a PyTorch DCP directory
+// (formats/torch/dcp_writer.h). A destination takes shards whose bytes arrive in order, window by
 // window, so that no shard has to be in memory whole.
 #pragma once
 
@@ -9,8 +9,8 @@
 #include <span>
 #include <string>
 
+#include "base/status.h"
 #include "core/shape.h"
-#include "core/status.h"
 
 namespace rs {
 

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/shard_block_table.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/shard_block_table.h"
 
 namespace rs {
 

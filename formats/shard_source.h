@@ -1,8 +1,8 @@
-// A source of stored pieces for the planner, the executor and diff (reshard/plan.h,
+// A source of stored pieces for the planner, the executor and diff (convert/plan.h,
 // execute.h, diff.h): a manifest in our data model (logical tensors and the pieces that hold
 // them, FORMAT.md §2-3) plus a byte reader per piece. Our own checkpoints are one
 // (CheckpointReader, through CheckpointSource); PyTorch DCP directories are another
-// (formats/dcp_source.h), so that both are resharded by the same plan and executor without
+// (formats/torch/dcp_source.h), so that both are resharded by the same plan and executor without
 // converting one into the other first.
 #pragma once
 
@@ -15,9 +15,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/status.h"
 #include "core/shape.h"
-#include "core/status.h"
-#include "formats/manifest.h"
+#include "formats/ours/manifest.h"
 
 namespace rs {
 

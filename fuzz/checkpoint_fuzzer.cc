@@ -18,11 +18,11 @@
 #include <string>
 #include <string_view>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/shape.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/manifest.h"
-#include "formats/verify.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/manifest.h"
+#include "formats/ours/verify.h"
 #include "fuzz/fuzz_checkpoint.h"
 #include "fuzz/fuzz_util.h"
 
@@ -32,7 +32,7 @@ constexpr std::size_t kMaxInputBytes = std::size_t{256} << 10;
 constexpr std::int64_t kMaxReadBytes = std::int64_t{1} << 20;
 constexpr std::int64_t kMaxRuns = std::int64_t{1} << 20;
 
-// Upper bound of PieceToRuns(shape, piece).size() (as formats/verify.cc bounds it).
+// Upper bound of PieceToRuns(shape, piece).size() (as formats/ours/verify.cc bounds it).
 std::int64_t RunsUpperBound(const rs::Shape& shape, const rs::Piece& piece) {
   const rs::ItemRange range = piece.range.value_or(rs::ItemRange{0, piece.box.numel()});
   if (range.empty()) return 0;

@@ -1,4 +1,4 @@
-// libFuzzer target: the data files of a PyTorch DCP checkpoint (formats/dcp.h DcpCheckpoint):
+// libFuzzer target: the data files of a PyTorch DCP checkpoint (formats/torch/dcp.h DcpCheckpoint):
 // the input replaces `__0_0.distcp` of a copy of the `tests/fixtures/dcp/uneven` checkpoint
 // (its real `.metadata`, written by torch.distributed.checkpoint), and every chunk is located
 // (the item's torch.save archive: zip directory, local headers, data.pkl through the
@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/dtype.h"
-#include "formats/dcp.h"
+#include "formats/torch/dcp.h"
 #include "fuzz/fuzz_util.h"
 
 namespace {

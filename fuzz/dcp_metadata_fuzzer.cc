@@ -1,5 +1,5 @@
-// libFuzzer target: the PyTorch DCP `.metadata` reader (formats/dcp.h ParseDcpMetadata, on the
-// restricted unpickler of formats/pickle.h) on arbitrary bytes, as `verify`, `convert` and
+// libFuzzer target: the PyTorch DCP `.metadata` reader (formats/torch/dcp.h ParseDcpMetadata, on the
+// restricted unpickler of formats/torch/pickle.h) on arbitrary bytes, as `verify`, `convert` and
 // `plan` of a DCP or Megatron-Core torch_dist checkpoint meet them; the same bytes are also
 // unpickled with every global accepted as an inert record (how common.pt is searched) and
 // turned into JSON as reports do.
@@ -13,9 +13,9 @@
 #include <span>
 #include <string>
 
-#include "core/check.h"
-#include "formats/dcp.h"
-#include "formats/pickle.h"
+#include "base/check.h"
+#include "formats/torch/dcp.h"
+#include "formats/torch/pickle.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace rs;

@@ -1,4 +1,4 @@
-// libFuzzer target: the TensorBoard event-file reader (formats/tensorboard.h ParseEventFile) on
+// libFuzzer target: the TensorBoard event-file reader (formats/tensorboard/tensorboard.h ParseEventFile) on
 // arbitrary bytes, read two ways: as a whole file (framing, CRCs, truncation), and framed as the
 // data of one valid record followed by the rest of the input (so that the hand-written protobuf
 // decoder is reached past the CRC checks, with the rest tried as further records).
@@ -11,8 +11,8 @@
 #include <string>
 #include <string_view>
 
-#include "core/check.h"
-#include "formats/tensorboard.h"
+#include "base/check.h"
+#include "formats/tensorboard/tensorboard.h"
 
 namespace {
 

@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/layout.h"
 #include "core/tensor_spec.h"
-#include "formats/checkpoint_writer.h"
-#include "formats/manifest.h"
+#include "formats/ours/checkpoint_writer.h"
+#include "formats/ours/manifest.h"
 
 namespace rs::fuzz {
 

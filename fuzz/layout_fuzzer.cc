@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/layout.h"
 #include "core/model.h"
 #include "fuzz/placement.h"

@@ -11,12 +11,12 @@
 #include <string>
 #include <vector>
 
-#include "core/fsdp_presets.h"
 #include "core/layout.h"
 #include "core/model.h"
-#include "formats/manifest.h"
-#include "formats/tensorboard.h"
+#include "formats/ours/manifest.h"
+#include "formats/tensorboard/tensorboard.h"
 #include "fuzz/fuzz_checkpoint.h"
+#include "layout/fsdp_presets.h"
 #include "layout/physical_layout.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// libFuzzer target: the manifest parser (formats/manifest.h ParseManifest) on arbitrary bytes,
+// libFuzzer target: the manifest parser (formats/ours/manifest.h ParseManifest) on arbitrary bytes,
 // and what commands derive from a manifest without reading data files: the writer's form of a
 // parsed manifest (which must parse back to the same manifest), item coordinates of every
 // piece (messages about gaps and overlaps), the recorded layout (`inspect`, `convert`) and
@@ -11,11 +11,11 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "core/check.h"
+#include "base/check.h"
+#include "base/text.h"
 #include "core/layout.h"
 #include "core/model.h"
-#include "core/text.h"
-#include "formats/manifest.h"
+#include "formats/ours/manifest.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace rs;

@@ -16,11 +16,11 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "core/check.h"
-#include "core/fsdp_buckets.h"
-#include "core/fsdp_presets.h"
+#include "base/check.h"
 #include "core/model.h"
 #include "fuzz/placement.h"
+#include "layout/fsdp_buckets.h"
+#include "layout/fsdp_presets.h"
 #include "layout/physical_layout.h"
 #include "models/family.h"
 #include "models/megatron_config.h"

@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "core/check.h"
-#include "core/fsdp_buckets.h"
+#include "base/check.h"
 #include "core/tensor_spec.h"
+#include "layout/fsdp_buckets.h"
 #include "layout/physical_layout.h"
 
 namespace rs::fuzz {

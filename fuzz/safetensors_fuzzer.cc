@@ -1,4 +1,4 @@
-// libFuzzer target: the safetensors reader (formats/safetensors.h) on arbitrary files, as
+// libFuzzer target: the safetensors reader (formats/safetensors/safetensors.h) on arbitrary files, as
 // `import` and `convert` of a Hugging Face model meet them: SafetensorsFile::Open, then every
 // tensor's bytes read in two pieces; a file that opens is written again by SafetensorsWriter
 // (what `export` does with tensors it read) and must read back to the same names, dtypes,
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "core/check.h"
-#include "formats/safetensors.h"
+#include "base/check.h"
+#include "formats/safetensors/safetensors.h"
 #include "fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

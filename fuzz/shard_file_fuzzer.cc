@@ -1,4 +1,4 @@
-// libFuzzer target: the shard-file reader (formats/shard_reader.h ShardFileReader), the code
+// libFuzzer target: the shard-file reader (formats/ours/shard_reader.h ShardFileReader), the code
 // that `verify`, `convert`, `inspect` and `train --resume` read data files with. The input is
 // written to a temporary file, which is opened and read as a data file: each dataset of the
 // file (at most kMaxDatasets, each at most kMaxDatasetBytes: sizes a manifest would give) is
@@ -23,12 +23,12 @@
 #include <string>
 #include <vector>
 
-#include "core/check.h"
-#include "core/isolate.h"
-#include "core/thread_pool.h"
-#include "formats/codec.h"
-#include "formats/hdf5_util.h"
-#include "formats/shard_reader.h"
+#include "base/check.h"
+#include "base/isolate.h"
+#include "base/thread_pool.h"
+#include "formats/ours/codec.h"
+#include "formats/ours/hdf5_util.h"
+#include "formats/ours/shard_reader.h"
 #include "fuzz/fuzz_util.h"
 
 namespace {
@@ -43,7 +43,7 @@ struct Dataset {
 };
 
 // The 1-D datasets of the root group and their lengths, as a manifest would list them. HDF5
-// lists them in a child process (core/isolate.h): a damaged file can crash libhdf5 itself
+// lists them in a child process (base/isolate.h): a damaged file can crash libhdf5 itself
 // (fuzz/hdf5/), and every HDF5 call of this process must be one that a child made first, as
 // the reader's own are (ShardFileReader::IsolateHdf5). None if the child did not come through.
 std::vector<Dataset> ListDatasets(const std::string& path) {

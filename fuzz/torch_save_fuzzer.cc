@@ -1,6 +1,6 @@
-// libFuzzer target: Megatron-Core's `common.pt` (a torch.save archive: formats/stored_zip.h,
+// libFuzzer target: Megatron-Core's `common.pt` (a torch.save archive: formats/torch/stored_zip.h,
 // then its data.pkl through the restricted unpickler with inert globals) as ReadMegatronStep
-// (formats/torch_dist.h) reads it for `convert` and `import` of a torch_dist checkpoint: the
+// (formats/torch/torch_dist.h) reads it for `convert` and `import` of a torch_dist checkpoint: the
 // input is the file, next to a valid `metadata.json`.
 //
 // Then the run's `args` (ReadMegatronArgs) and the model they describe (ModelFromMegatronArgs,
@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <string>
 
-#include "core/check.h"
-#include "formats/torch_dist.h"
+#include "base/check.h"
+#include "formats/torch/torch_dist.h"
 #include "fuzz/fuzz_util.h"
 #include "models/megatron_config.h"
 

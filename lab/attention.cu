@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "lab/lab.cuh"
-#include "train/attention.h"
 #include "train/cuda/attention.h"
+#include "train/modules/attention.h"
 
 namespace rs::lab {
 namespace {

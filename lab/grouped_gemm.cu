@@ -46,7 +46,7 @@
 
 #include "lab/lab.cuh"
 #include "train/cuda/grouped_gemm.h"
-#include "train/experts.h"
+#include "train/modules/experts.h"
 
 namespace rs::lab {
 namespace {

@@ -8,7 +8,7 @@
 // the cross-entropy (logits [n, V]); params the length of the flat f32 parameter vector of the
 // optimizer (1e9: 16 GB of params, grads and moments, 1 GB of kinds, 2 GB of bf16 copy).
 //
-// First a correctness pass against the CPU (train/layers.h, train::AdamW, the model's
+// First a correctness pass against the CPU (train/ops/rowwise.h, train::AdamW, the model's
 // embedding loops) on random inputs at moderate sizes, f32 and bf16: the program exits 1 on a
 // mismatch before timing anything. Then timings (median of 20 after warm-ups, L2 flushed) in
 // the chosen dtype. Bytes are the logical traffic, each array read or written once:
@@ -49,8 +49,8 @@
 #include "train/cuda/grouped_gemm.h"
 #include "train/cuda/layers.h"
 #include "train/cuda/optimizer.h"
-#include "train/layers.h"
-#include "train/optimizer.h"
+#include "train/ops/optimizer.h"
+#include "train/ops/rowwise.h"
 
 namespace rs::lab {
 namespace {

@@ -27,7 +27,7 @@
 
 #include "lab/lab.cuh"
 #include "train/cuda/dispatch.h"
-#include "train/dispatch.h"
+#include "train/modules/dispatch.h"
 
 namespace rs::lab {
 namespace {

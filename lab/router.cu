@@ -42,7 +42,7 @@
 #include "core/model.h"
 #include "lab/lab.cuh"
 #include "train/cuda/router.h"
-#include "train/router.h"
+#include "train/modules/router.h"
 
 namespace {
 

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <numeric>
 
-#include "core/check.h"
+#include "base/check.h"
 
 namespace rs {
 

@@ -22,8 +22,8 @@
 #include <span>
 #include <vector>
 
+#include "base/status.h"
 #include "core/shape.h"
-#include "core/status.h"
 #include "core/tensor_spec.h"
 
 namespace rs {

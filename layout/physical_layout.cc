@@ -5,8 +5,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "core/arith.h"
-#include "core/check.h"
+#include "base/arith.h"
+#include "base/check.h"
 
 namespace rs {
 

@@ -30,9 +30,9 @@
 #include <string>
 #include <vector>
 
-#include "core/fsdp_buckets.h"
 #include "core/layout.h"
 #include "core/tensor_spec.h"
+#include "layout/fsdp_buckets.h"
 #include "layout/fused.h"
 #include "layout/shard_map.h"
 
@@ -43,7 +43,7 @@ std::string_view FsdpFormName(FsdpForm f);  // "box", "flat"
 
 struct PhysicalOptions {
   FsdpForm fsdp = FsdpForm::kBox;
-  // Flat form only: the bucket planner's options (core/fsdp_buckets.h PlanOptions). The defaults
+  // Flat form only: the bucket planner's options (layout/fsdp_buckets.h PlanOptions). The defaults
   // are the planner's: element granularity at 128-byte alignment, one bucket per FSDP unit.
   BucketPolicy bucket_policy = BucketPolicy::kBest;
   std::int64_t bucket_limit_bytes = 0;  // 0 = no limit

@@ -22,9 +22,9 @@
 #include <string_view>
 #include <vector>
 
+#include "base/status.h"
 #include "core/dtype.h"
 #include "core/model.h"
-#include "core/status.h"
 #include "core/tensor_spec.h"
 
 namespace rs {
@@ -107,7 +107,7 @@ struct ModelFamily {
   std::string hf_export_as;
   // The family's architecture at toy size: a config that runs every module the family's models
   // run (its attention, norms, router, shared expert). `reshard models` derives each training
-  // backend's column from it (train/backend.h); tests train it.
+  // backend's column from it (train/modules/backend.h); tests train it.
   std::function<ModelConfig()> toy_config;
   FamilyCapabilities can;
 };

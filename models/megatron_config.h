@@ -1,8 +1,8 @@
 // The model of a Megatron-Core checkpoint from Megatron-LM's own record of it: the argparse
-// namespace `args` its training loop saves in `common.pt` (formats/torch_dist.h,
+// namespace `args` its training loop saves in `common.pt` (formats/torch/torch_dist.h,
 // ReadMegatronArgs), read by Megatron-LM's argument names (`num_layers`, `hidden_size`,
 // `num_query_groups`, `num_experts`, `moe_layer_freq`, `multi_latent_attention`, ...), so that
-// `convert` and `plan` need no hand-written `--model` for such a checkpoint (formats/DCP.md
+// `convert` and `plan` need no hand-written `--model` for such a checkpoint (formats/torch/DCP.md
 // §4.3 lists the mapping).
 #pragma once
 
@@ -10,8 +10,8 @@
 #include <optional>
 #include <string>
 
+#include "base/status.h"
 #include "core/model.h"
-#include "core/status.h"
 
 namespace rs {
 

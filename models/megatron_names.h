@@ -1,6 +1,6 @@
-// Megatron-Core's names for our tensors (formats/DCP.md §4.2): the keys Megatron-Core's
+// Megatron-Core's names for our tensors (formats/torch/DCP.md §4.2): the keys Megatron-Core's
 // GPTModel gives its sharded tensors in a `torch_dist` checkpoint (the container:
-// formats/torch_dist.h), mapped to our logical tensors (core/model.h). The same for every
+// formats/torch/torch_dist.h), mapped to our logical tensors (core/model.h). The same for every
 // family: Megatron's decoder blocks are ours.
 //
 // The DCP keys of a torch_dist directory are Megatron's `ShardedTensor.key`s:
@@ -21,7 +21,7 @@
 //    query heads, then its key head, then its value head. Ours is all query heads, all key
 //    heads, all value heads, so its rows are regrouped (MegatronQkvRuns);
 //  - optimizer states are `optimizer.state.<state>.<model key>` (SplitMegatronStateKey in
-//    formats/torch_dist.h): MapMegatronKey maps the model key.
+//    formats/torch/torch_dist.h): MapMegatronKey maps the model key.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,7 @@
 #include <string>
 #include <vector>
 
-#include "core/status.h"
+#include "base/status.h"
 #include "core/tensor_spec.h"
 
 namespace rs {

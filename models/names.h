@@ -13,8 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include "base/status.h"
 #include "core/shape.h"
-#include "core/status.h"
 #include "core/tensor_spec.h"
 #include "models/family.h"
 

@@ -4,8 +4,8 @@
 #include <memory>
 #include <mutex>
 
-#include "core/check.h"
-#include "core/text.h"
+#include "base/check.h"
+#include "base/text.h"
 #include "models/family.h"
 
 namespace rs {

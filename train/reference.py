@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """An independent float64 NumPy implementation of train/MODEL.md: reads a checkpoint
-(formats/FORMAT.md; codec "none" shards, any box / flat-range layout) and computes the eval
+(formats/ours/FORMAT.md; codec "none" shards, any box / flat-range layout) and computes the eval
 number of MODEL.md section 9. It shares no code with the C++ trainer; agreement with
 `reshard eval` (to ~1e-5 relative: float32 vs float64) checks both the code and the document.
 

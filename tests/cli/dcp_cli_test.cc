@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "formats/dcp.h"
-#include "formats/pickle.h"
+#include "formats/torch/dcp.h"
+#include "formats/torch/pickle.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace rs::testing {

@@ -1,6 +1,6 @@
 // `reshard example`, `verify` and `inspect` end to end: example values do not depend on the
 // layout, every example passes verify, and the commands' exit codes and outputs.
-#include "reshard/example.h"
+#include "convert/example.h"
 
 #include <gtest/gtest.h>
 
@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_test_util.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/verify.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/verify.h"
 
 namespace rs {
 namespace {

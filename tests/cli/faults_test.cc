@@ -383,7 +383,7 @@ TEST(Faults, DirectWritesRefusedFallBackToTheSameBytes) {
 }
 
 // A checkpoint of many more data files than the process may hold open: readers keep at most a
-// quarter of the open-file limit open (core/open_files.h), so verify and convert of 200 files
+// quarter of the open-file limit open (base/open_files.h), so verify and convert of 200 files
 // work under `ulimit -n 32` (version 1 too, whose files HDF5 parses in a child first), and the
 // result holds the same values. Before, every data file stayed open (up to two descriptors
 // each): verify reported "Too many open files" for most files and convert failed.

@@ -14,7 +14,7 @@
 #include <optional>
 #include <string>
 
-#include "formats/safetensors.h"
+#include "formats/safetensors/safetensors.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace rs {

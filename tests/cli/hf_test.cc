@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "core/model.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/safetensors.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/safetensors/safetensors.h"
 #include "models/family.h"
 #include "models/names.h"
 #include "tests/cli/cli_test_util.h"

@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
-#include "core/text.h"
-#include "formats/codec.h"
-#include "formats/hdf5_util.h"
+#include "base/text.h"
+#include "formats/ours/codec.h"
+#include "formats/ours/hdf5_util.h"
 #include "tests/cli/cli_test_util.h"
 #include "tests/manifest_edit.h"
 

@@ -3,7 +3,7 @@
 // installs it): every scalar equals the JSON log's value of the same step (as float32), the
 // expert-load histograms count every (token, slot) assignment of the global batch, a resumed
 // run adds a file instead of touching the old one, and under mpirun only rank 0 writes.
-#include "formats/tensorboard.h"
+#include "formats/tensorboard/tensorboard.h"
 
 #include <gtest/gtest.h>
 

@@ -13,7 +13,7 @@
 #include <map>
 #include <string>
 
-#include "formats/dcp.h"
+#include "formats/torch/dcp.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace rs::testing {

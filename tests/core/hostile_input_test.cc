@@ -15,11 +15,11 @@
 #include <thread>
 #include <tuple>
 
-#include "core/file.h"
-#include "core/memory.h"
+#include "base/file.h"
+#include "base/memory.h"
+#include "base/text.h"
 #include "core/model.h"
 #include "core/tensor_spec.h"
-#include "core/text.h"
 
 namespace rs {
 namespace {

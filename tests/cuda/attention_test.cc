@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "tests/cuda/cuda_test_util.h"
-#include "train/attention.h"
+#include "train/modules/attention.h"
 
 namespace rs::cuda {
 namespace {

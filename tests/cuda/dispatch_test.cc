@@ -1,4 +1,4 @@
-// The device routing plan and dispatch kernels against the CPU dispatch of train/dispatch.h:
+// The device routing plan and dispatch kernels against the CPU dispatch of train/modules/dispatch.h:
 // random routings (uneven counts, empty experts, k = 1..8, every alignment), random data
 // (never zeros), f32 and bf16, vectorised and scalar row widths. Copies and weighted sums must
 // match bit for bit (the kernels sum in the CPU's order without fused multiply-adds); only the
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "tests/cuda/cuda_test_util.h"
-#include "train/dispatch.h"
+#include "train/modules/dispatch.h"
 
 namespace rs::cuda {
 namespace {

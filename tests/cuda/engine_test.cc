@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "train/cuda/device.h"
-#include "train/data.h"
-#include "train/trainer.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs::cuda {
 namespace {

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "train/experts.h"
+#include "train/modules/experts.h"
 
 namespace rs::cuda {
 namespace {

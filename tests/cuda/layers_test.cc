@@ -1,6 +1,6 @@
-// The row-wise layer kernels (train/cuda/layers.h) against the CPU: train/layers.h for RMSNorm,
+// The row-wise layer kernels (train/cuda/layers.h) against the CPU: train/ops/rowwise.h for RMSNorm,
 // SwiGLU and cross-entropy, and the embedding lookup / scatter-add and padded-vocabulary loss
-// of train/model.cc (re-stated here, since the model keeps them inside its step). Random inputs
+// of train/modules/model.cc (re-stated here, since the model keeps them inside its step). Random inputs
 // (never zeros), odd sizes (n = 1, 37, 300; d = 64, 96, 130, 4096; vocabularies 50..1000 with
 // and without padding columns), f32 and bf16 – bf16 against the CPU on bf16-rounded inputs.
 //
@@ -30,7 +30,7 @@
 
 #include "tests/cuda/cuda_test_util.h"
 #include "train/cuda/grouped_gemm.h"
-#include "train/layers.h"
+#include "train/ops/rowwise.h"
 
 namespace rs::cuda {
 namespace {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "train/model.h"
+#include "train/modules/model.h"
 
 namespace rs::cuda {
 namespace {

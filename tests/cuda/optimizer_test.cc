@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "train/optimizer.h"
+#include "train/ops/optimizer.h"
 
 namespace rs::cuda {
 namespace {

@@ -1,4 +1,4 @@
-// The CUDA routers against the CPU Router<float> (train/router.h), one process: for every kind
+// The CUDA routers against the CPU Router<float> (train/modules/router.h), one process: for every kind
 // and several (E, k, groups) shapes, on random logits (never zeros), random expert bias and
 // random gate gradients, the device must choose exactly the same experts, give the same loads,
 // and give gate weights, losses and logit gradients within these tolerances (f32 arithmetic
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "train/cuda/device.h"
-#include "train/router.h"
+#include "train/modules/router.h"
 
 namespace rs::cuda {
 namespace {

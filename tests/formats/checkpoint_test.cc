@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <thread>
 
-#include "formats/checkpoint_reader.h"
-#include "formats/checkpoint_writer.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/checkpoint_writer.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

@@ -14,11 +14,11 @@
 #include <random>
 #include <thread>
 
-#include "core/check.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/checkpoint_writer.h"
-#include "formats/hdf5_util.h"
-#include "formats/verify.h"
+#include "base/check.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/checkpoint_writer.h"
+#include "formats/ours/hdf5_util.h"
+#include "formats/ours/verify.h"
 #include "tests/formats/test_util.h"
 #include "tests/manifest_edit.h"
 

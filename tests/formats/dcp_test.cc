@@ -1,9 +1,9 @@
-// PyTorch Distributed Checkpoint reading (formats/DCP.md): the committed fixtures of
+// PyTorch Distributed Checkpoint reading (formats/torch/DCP.md): the committed fixtures of
 // tests/fixtures/dcp (written by torch.distributed.checkpoint.save, see make_fixtures.py) are
 // read value for value against the expected.safetensors the same script wrote; damaged
 // variants, truncated and missing data files, corrupt records and hostile pickles are refused
 // with messages naming the file and the key, without executing anything and without crashing.
-#include "formats/dcp.h"
+#include "formats/torch/dcp.h"
 
 #include <gtest/gtest.h>
 
@@ -16,11 +16,11 @@
 #include <vector>
 
 #include "core/model.h"
-#include "formats/dcp_source.h"
-#include "formats/dcp_verify.h"
-#include "formats/pickle.h"
-#include "formats/safetensors.h"
-#include "formats/stored_zip.h"
+#include "formats/safetensors/safetensors.h"
+#include "formats/torch/dcp_source.h"
+#include "formats/torch/dcp_verify.h"
+#include "formats/torch/pickle.h"
+#include "formats/torch/stored_zip.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

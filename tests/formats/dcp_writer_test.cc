@@ -1,8 +1,8 @@
-// The DCP writer (formats/dcp_writer.h) and its parts: the pickle writer read back by our
+// The DCP writer (formats/torch/dcp_writer.h) and its parts: the pickle writer read back by our
 // restricted reader, stored zips read back by our zip reader (and by Python's zipfile where
 // python3 is there), and whole directories read back chunk by chunk by our DCP reader at random
 // box decompositions (a randomised property test).
-#include "formats/dcp_writer.h"
+#include "formats/torch/dcp_writer.h"
 
 #include <gtest/gtest.h>
 
@@ -12,11 +12,11 @@
 #include <fstream>
 #include <random>
 
-#include "formats/dcp.h"
-#include "formats/pickle.h"
-#include "formats/pickle_writer.h"
-#include "formats/stored_zip.h"
-#include "formats/torch_save_writer.h"
+#include "formats/torch/dcp.h"
+#include "formats/torch/pickle.h"
+#include "formats/torch/pickle_writer.h"
+#include "formats/torch/stored_zip.h"
+#include "formats/torch/torch_save_writer.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

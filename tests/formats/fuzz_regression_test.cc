@@ -8,10 +8,10 @@
 #include <fstream>
 #include <string>
 
-#include "formats/checkpoint_reader.h"
-#include "formats/checkpoint_writer.h"
-#include "formats/manifest.h"
-#include "formats/verify.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/checkpoint_writer.h"
+#include "formats/ours/manifest.h"
+#include "formats/ours/verify.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

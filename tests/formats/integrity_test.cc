@@ -11,12 +11,12 @@
 #include <fstream>
 #include <map>
 
-#include "core/check.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/checkpoint_writer.h"
-#include "formats/shard_block_table.h"
-#include "formats/shard_reader.h"
-#include "formats/verify.h"
+#include "base/check.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/checkpoint_writer.h"
+#include "formats/ours/shard_block_table.h"
+#include "formats/ours/shard_reader.h"
+#include "formats/ours/verify.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

@@ -10,8 +10,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "formats/checkpoint_reader.h"
-#include "formats/checkpoint_writer.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/checkpoint_writer.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

@@ -1,5 +1,5 @@
 // Checkpoints with more data files than a reader keeps open (ReaderOptions::max_open_files,
-// core/open_files.h): every tensor reads back exactly, with at most the budget of files open
+// base/open_files.h): every tensor reads back exactly, with at most the budget of files open
 // (plus one per reading thread), files closed and opened again as needed - format versions 2
 // and 1 (whose files are also parsed by HDF5 in one child process first).
 #include <gtest/gtest.h>
@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "bench/synthetic_checkpoint.h"
-#include "formats/checkpoint_reader.h"
-#include "formats/verify.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/ours/verify.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

@@ -1,8 +1,8 @@
-// The safetensors reader and writer (formats/safetensors.h): round trips, the header's
+// The safetensors reader and writer (formats/safetensors/safetensors.h): round trips, the header's
 // alignment and order, atomic publication, and a corpus of hostile files (bounded header,
 // offsets that overlap / leave gaps / miss bytes, unknown dtypes, truncation, FIFOs) each
 // refused with a named error; random corruption never crashes the reader.
-#include "formats/safetensors.h"
+#include "formats/safetensors/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

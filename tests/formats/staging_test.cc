@@ -1,4 +1,4 @@
-// Staging directories of interrupted writes (formats/checkpoint_writer.h): a writer holds its
+// Staging directories of interrupted writes (formats/ours/checkpoint_writer.h): a writer holds its
 // staging lock while it writes; RemoveStaleStaging removes only unheld, idle staging
 // directories that carry our lock, and creating a writer does so in its parent directory.
 #include <fcntl.h>
@@ -10,7 +10,7 @@
 #include <fstream>
 #include <string>
 
-#include "formats/checkpoint_writer.h"
+#include "formats/ours/checkpoint_writer.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

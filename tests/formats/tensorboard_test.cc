@@ -1,9 +1,9 @@
-// TensorBoard event files (formats/tensorboard.h): CRC-32C against published vectors, writer →
+// TensorBoard event files (formats/tensorboard/tensorboard.h): CRC-32C against published vectors, writer →
 // reader round trips, every truncation and every flipped bit of a file refused with the record's
 // offset, malformed protobuf refused, unknown fields skipped, and the real `tensorboard` Python
 // package reading what we write (skipped when python3 lacks it; set RS_PYTHON to another
 // interpreter to run it).
-#include "formats/tensorboard.h"
+#include "formats/tensorboard/tensorboard.h"
 
 #include <gtest/gtest.h>
 
@@ -23,7 +23,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/crc32c.h"
+#include "base/crc32c.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

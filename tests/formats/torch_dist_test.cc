@@ -1,8 +1,8 @@
-// Megatron-Core torch_dist checkpoints as a container (formats/torch_dist.h): metadata.json's
+// Megatron-Core torch_dist checkpoints as a container (formats/torch/torch_dist.h): metadata.json's
 // backend, the step in common.pt (whole, missing, damaged), and the inert pickle reading that
 // common.pt's Megatron-LM globals need. Megatron's names for our tensors are tested in
-// tests/reshard/megatron_names_test.cc.
-#include "formats/torch_dist.h"
+// tests/convert/megatron_names_test.cc.
+#include "formats/torch/torch_dist.h"
 
 #include <gtest/gtest.h>
 
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "formats/dcp.h"
-#include "formats/pickle.h"
+#include "formats/torch/dcp.h"
+#include "formats/torch/pickle.h"
 #include "tests/formats/test_util.h"
 
 namespace rs {

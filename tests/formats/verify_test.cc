@@ -1,6 +1,6 @@
 // VerifyCheckpoint beyond the corruption corpus: replicas, optimizer states, coverage at scale,
 // and the report's JSON form.
-#include "formats/verify.h"
+#include "formats/ours/verify.h"
 
 #include <gtest/gtest.h>
 
@@ -9,8 +9,8 @@
 #include <fstream>
 #include <tuple>
 
-#include "formats/checkpoint_writer.h"
-#include "formats/hdf5_util.h"
+#include "formats/ours/checkpoint_writer.h"
+#include "formats/ours/hdf5_util.h"
 #include "tests/formats/test_util.h"
 #include "tests/manifest_edit.h"
 

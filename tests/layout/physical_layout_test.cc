@@ -11,7 +11,7 @@
 #include <set>
 #include <sstream>
 
-#include "core/arith.h"
+#include "base/arith.h"
 #include "tests/layout/test_models.h"
 
 namespace rs {

@@ -13,9 +13,9 @@
 #include <string>
 
 #include "tests/cli/cli_test_util.h"
-#include "train/checkpoint.h"
-#include "train/data.h"
-#include "train/trainer.h"
+#include "train/run/checkpoint.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs::train {
 namespace {

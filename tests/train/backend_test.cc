@@ -1,6 +1,6 @@
-// The layer program (train/layer_program.h) and the backends' registrations (train/backend.h):
+// The layer program (train/modules/layer_program.h) and the backends' registrations (train/modules/backend.h):
 // what a backend can run is computed from what it registers.
-#include "train/backend.h"
+#include "train/modules/backend.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "models/family.h"
-#include "train/layer_program.h"
+#include "train/modules/layer_program.h"
 
 namespace rs::train {
 namespace {

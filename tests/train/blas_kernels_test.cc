@@ -1,8 +1,8 @@
-// train/blas_kernels.h: the GEMM kernel set `reshard` asks OpenBLAS for, and what `train` says
+// train/ops/blas_kernels.h: the GEMM kernel set `reshard` asks OpenBLAS for, and what `train` says
 // about it. OpenBLAS falls back to its SSE "Prescott" kernels on CPUs it does not know; the
 // re-execution path is exercised here with RESHARD_TEST_OPENBLAS_CORE standing in for that
 // fallback, since this machine's OpenBLAS may well recognise its CPU.
-#include "train/blas_kernels.h"
+#include "train/ops/blas_kernels.h"
 
 #include <cblas.h>
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include <string>
 
 #include "tests/cli/cli_test_util.h"
-#include "train/sgemm_avx2.h"
+#include "train/ops/sgemm_avx2.h"
 
 namespace rs::train {
 namespace {
@@ -80,10 +80,11 @@ TEST(BlasKernels, TrainReportsAndFixesAFallback) {
       << r.output;
   // Which kernels the float products run, and why; RESHARD_SGEMM chooses.
   const bool own = Avx2SgemmAvailable() && CoreLevel(openblas_get_corename()) < IsaLevel::kAvx512;
-  EXPECT_NE(r.output.find(own ? "float products: own AVX2+FMA kernels (train/sgemm_avx2.h) for products with at most "
-                                "128 rows or terms per sum, OpenBLAS for the others, chosen because this CPU"
-                              : "float products: OpenBLAS, chosen because"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find(own ? "float products: own AVX2+FMA kernels (train/ops/sgemm_avx2.h) for products with at most "
+                          "128 rows or terms per sum, OpenBLAS for the others, chosen because this CPU"
+                        : "float products: OpenBLAS, chosen because"),
+      std::string::npos)
       << r.output;
   r = testing::RunShell("env -u OPENBLAS_CORETYPE -u RESHARD_TEST_OPENBLAS_CORE RESHARD_SGEMM=openblas " +
                         std::string(RS_CLI) + train);

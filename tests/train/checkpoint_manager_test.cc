@@ -1,7 +1,7 @@
-// The run directory's protocol (train/checkpoint_manager.h) on real directories: step names,
+// The run directory's protocol (train/run/checkpoint_manager.h) on real directories: step names,
 // which step-* count as committed, the `latest` pointer and how --resume resolves a path, the
 // lock, and --keep-last's retention. (The same through the binary: tests/train/async_save_test.cc.)
-#include "train/checkpoint_manager.h"
+#include "train/run/checkpoint_manager.h"
 
 #include <gtest/gtest.h>
 

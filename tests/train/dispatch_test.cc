@@ -4,7 +4,7 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/dispatch.h"
+#include "train/modules/dispatch.h"
 
 #include <gtest/gtest.h>
 
@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/gemm.h"
-#include "train/rng.h"
+#include "train/ops/gemm.h"
+#include "train/ops/rng.h"
 
 namespace rs::train {
 namespace {

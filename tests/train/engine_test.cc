@@ -1,4 +1,4 @@
-// The trainer's StepEngine plumbing (train/trainer.h), without a GPU: a recording engine stands
+// The trainer's StepEngine plumbing (train/run/trainer.h), without a GPU: a recording engine stands
 // in for the CUDA one. Steps go to the engine with the batch the CPU path would train on; a
 // checkpoint first brings the engine's state back to the host (once per change); an engine's
 // failure comes back from Step naming the step and the engine.
@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "train/checkpoint.h"
-#include "train/data.h"
-#include "train/trainer.h"
+#include "train/run/checkpoint.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs::train {
 namespace {

@@ -6,7 +6,7 @@
 // tensor-parallel cut (two ranks with half the heads sum to the whole).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/gdn.h"
+#include "train/modules/gdn.h"
 
 #include <gtest/gtest.h>
 
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/gemm.h"
+#include "train/ops/gemm.h"
 
 namespace rs::train {
 namespace {
@@ -386,7 +386,7 @@ TEST(GatedDeltaNetTest, GradientMatchesFiniteDifferences) {
   }
 }
 
-// Enough rows for the per-token passes to run in two chunks (train/gdn.cc: about 64K values of
+// Enough rows for the per-token passes to run in two chunks (train/modules/gdn.cc: about 64K values of
 // rows each, 1,260 rows at this width), the boundary inside the second sequence so that the
 // conv's input gradient gathers across it: the transcription of transformers' formulas, central
 // differences through both chunks, and the same bits on one and two compute threads.

@@ -1,7 +1,7 @@
-// train/gemm.h: every product against a float64 triple loop on random shapes (odd sizes, both
+// train/ops/gemm.h: every product against a float64 triple loop on random shapes (odd sizes, both
 // transposes, padded leading dimensions, alpha and beta), and the split over compute threads
 // giving the one-thread bits.
-#include "train/gemm.h"
+#include "train/ops/gemm.h"
 
 #include <cblas.h>
 #include <gtest/gtest.h>
@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "train/rng.h"
-#include "train/sgemm_avx2.h"
+#include "train/ops/rng.h"
+#include "train/ops/sgemm_avx2.h"
 
 namespace rs::train {
 namespace {

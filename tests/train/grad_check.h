@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "train/rng.h"
+#include "train/ops/rng.h"
 
 namespace rs::train::testing {
 

@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/hash.h"
+#include "base/hash.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace rs {

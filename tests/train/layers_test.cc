@@ -5,17 +5,16 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/layers.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/attention.h"
-#include "train/experts.h"
-#include "train/gemm.h"
+#include "train/modules/attention.h"
+#include "train/modules/experts.h"
+#include "train/ops/gemm.h"
+#include "train/ops/rowwise.h"
 
 namespace rs::train {
 namespace {
@@ -122,7 +121,7 @@ void CheckGroupedSwiGlu(const std::vector<std::int64_t>& rows, const char* name)
 
 TEST(SwiGluTest, DenseGradientMatchesFiniteDifferences) { CheckGroupedSwiGlu({7}, "dense"); }
 TEST(SwiGluTest, GroupedExpertsGradientMatchesFiniteDifferences) { CheckGroupedSwiGlu({3, 0, 4, 2}, "experts"); }
-// Enough experts with rows that they run as tasks on the BLAS threads (train/experts.cc).
+// Enough experts with rows that they run as tasks on the BLAS threads (train/modules/experts.cc).
 TEST(SwiGluTest, ExpertsAsTasksGradientMatchesFiniteDifferences) {
   CheckGroupedSwiGlu({3, 0, 4, 2, 5, 1, 2, 0, 3, 1}, "experts_as_tasks");
 }

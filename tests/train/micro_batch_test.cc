@@ -11,12 +11,12 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "train/data.h"
-#include "train/model.h"
-#include "train/pipeline.h"
-#include "train/pipeline_schedule.h"
-#include "train/rng.h"
-#include "train/trainer.h"
+#include "train/modules/model.h"
+#include "train/ops/rng.h"
+#include "train/parallel/pipeline.h"
+#include "train/parallel/pipeline_schedule.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs::train {
 namespace {

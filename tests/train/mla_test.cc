@@ -5,7 +5,7 @@
 // reduction and TpGrad::kReplicatedSum rely on.
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/mla.h"
+#include "train/modules/mla.h"
 
 #include <gtest/gtest.h>
 
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/gemm.h"
+#include "train/ops/gemm.h"
 
 namespace rs::train {
 namespace {
@@ -114,7 +114,7 @@ TEST(MlaTest, GradientMatchesFiniteDifferences) {
   }
 }
 
-// Heads run as tasks on the BLAS threads (train/gemm.h): the same bits as one after another.
+// Heads run as tasks on the BLAS threads (train/ops/gemm.h): the same bits as one after another.
 TEST(MlaTest, HeadsAsTasksEqualThemOneAfterAnother) {
   const MlaShape s = Shape(7, true);
   const std::int64_t batch = 3, seq = 9, n = batch * seq;

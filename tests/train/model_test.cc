@@ -4,7 +4,7 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/model.h"
+#include "train/modules/model.h"
 
 #include <gtest/gtest.h>
 
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/moe.h"
-#include "train/rng.h"
+#include "train/modules/moe.h"
+#include "train/ops/rng.h"
 
 namespace rs::train {
 namespace {

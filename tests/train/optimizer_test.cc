@@ -2,7 +2,7 @@
 // the sliced segments, treats every item as the whole vector's AdamW does (the device engine
 // shards its optimizer state this way over fsdp, train/cuda/engine.cu). Randomised: segments
 // that overlap, gaps, buffers, shards of every size including empty ones.
-#include "train/optimizer.h"
+#include "train/ops/optimizer.h"
 
 #include <gtest/gtest.h>
 

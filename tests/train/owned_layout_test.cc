@@ -11,9 +11,9 @@
 #include <memory>
 #include <vector>
 
-#include "train/data.h"
-#include "train/optimizer.h"
-#include "train/trainer.h"
+#include "train/ops/optimizer.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs::train {
 namespace {

@@ -5,7 +5,7 @@
 // bury the logic, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/pipeline_schedule.h"
+#include "train/parallel/pipeline_schedule.h"
 
 #include <gtest/gtest.h>
 

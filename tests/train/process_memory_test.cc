@@ -1,6 +1,6 @@
 // KeepFreedMemory: a large block comes from the heap, not a mapping of its own, and freeing it
 // leaves the heap as large as it was (glibc's statistics, mallinfo2).
-#include "train/process_memory.h"
+#include "train/run/process_memory.h"
 
 #include <gtest/gtest.h>
 

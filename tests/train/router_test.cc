@@ -4,7 +4,7 @@
 // bury the maths, so this one warning is off in tests (the library itself is clean).
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/router.h"
+#include "train/modules/router.h"
 
 #include <gtest/gtest.h>
 

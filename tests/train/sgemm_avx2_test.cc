@@ -1,10 +1,10 @@
-// train/sgemm_avx2.h, called directly: every blocking boundary of the packed form (k blocks of
+// train/ops/sgemm_avx2.h, called directly: every blocking boundary of the packed form (k blocks of
 // 256 and the short-k order, row blocks of 144, column blocks of 4096, 6 x 16 tiles and their
 // edges) and of the few-row form (C = A·Bᵀ with up to 128 rows, k from 256 to 8192), in all four
 // transposes, with padded leading dimensions, alpha and beta – against a float64 triple loop;
 // C not read when beta is 0, A and B not read when alpha is 0; the same bits on every call; and
 // within float rounding of OpenBLAS. Skipped on CPUs without AVX2 + FMA.
-#include "train/sgemm_avx2.h"
+#include "train/ops/sgemm_avx2.h"
 
 #include <cblas.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "train/rng.h"
+#include "train/ops/rng.h"
 
 namespace rs::train {
 namespace {

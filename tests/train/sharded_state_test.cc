@@ -3,7 +3,7 @@
 // an fsdp group owns each compute tensor once between its ranks, the ranks split the batch, the
 // experts and the vocabulary as the layout says, and layouts the training core does not support
 // are refused with the code and the name the header promises.
-#include "train/sharded_state.h"
+#include "train/parallel/sharded_state.h"
 
 #include <gtest/gtest.h>
 

@@ -11,15 +11,15 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "formats/checkpoint_reader.h"
-#include "formats/safetensors.h"
+#include "convert/hf_export.h"
+#include "convert/hf_import.h"
+#include "formats/ours/checkpoint_reader.h"
+#include "formats/safetensors/safetensors.h"
 #include "models/family.h"
 #include "models/names.h"
-#include "reshard/hf_export.h"
-#include "reshard/hf_import.h"
-#include "train/checkpoint.h"
-#include "train/data.h"
-#include "train/trainer.h"
+#include "train/run/checkpoint.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs {
 namespace {

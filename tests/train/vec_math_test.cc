@@ -1,10 +1,10 @@
-// The vectorised float kernels (train/vec_math.h) against float64 and against their scalar
+// The vectorised float kernels (train/ops/vec_math.h) against float64 and against their scalar
 // definitions bit for bit, and the task-parallel products (ParallelGemmTasks): every task once,
 // OpenBLAS's thread count given back, and attention and the grouped experts computing the same
 // bits on one thread as on two – and, in float, what the float64 layers compute.
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 
-#include "train/vec_math.h"
+#include "train/ops/vec_math.h"
 
 #include <gtest/gtest.h>
 
@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "tests/train/grad_check.h"
-#include "train/attention.h"
-#include "train/experts.h"
-#include "train/gemm.h"
+#include "train/modules/attention.h"
+#include "train/modules/experts.h"
+#include "train/ops/gemm.h"
 
 namespace rs::train {
 namespace {

@@ -5,7 +5,7 @@
 //    the rank's block of them) and tp layouts (the rank's heads, ffn share and vocab rows, kv
 //    heads shared by tp ranks included), and ScatterLocal gives every rank back exactly its
 //    own items;
-//  - the engine's plan (train/engine_state.h: which items count in the norm, which ranks sum
+//  - the engine's plan (train/parallel/engine_state.h: which items count in the norm, which ranks sum
 //    which gradients, whole and in fsdp blocks) run over MPI gives the one-process gradient and
 //    norm of the whole batch (layouts without tp, whose local items are the one-process items),
 //    and at every layout the gradients and norm of the CPU path's own reduction
@@ -27,9 +27,9 @@
 #include "comm/mpi.h"
 #include "core/layout.h"
 #include "tests/cli/cli_test_util.h"
-#include "train/data.h"
-#include "train/engine_state.h"
-#include "train/trainer.h"
+#include "train/parallel/engine_state.h"
+#include "train/run/data.h"
+#include "train/run/trainer.h"
 
 namespace rs::train {
 namespace {
@@ -270,7 +270,7 @@ double PlannedNorm(std::span<const float> g, const std::vector<ParamSegment>& se
   return sum;
 }
 
-// The GPU engine's host-side plan (train/engine_state.h) run over MPI: summing each rank's
+// The GPU engine's host-side plan (train/parallel/engine_state.h) run over MPI: summing each rank's
 // gradient of its rows over the planned groups gives, at every item of the local vector, whole
 // and in fsdp blocks, (1) without tp the one-process gradient of the whole batch, and the norm
 // shares add up to the one-process norm – every item counted once; (2) at every layout the

@@ -1,5 +1,5 @@
 // Causal grouped-query self-attention with rotary position embedding and a fused QKV projection
-// on the GPU, forward and backward (train/attention.h is the CPU twin and the reference;
+// on the GPU, forward and backward (train/modules/attention.h is the CPU twin and the reference;
 // train/MODEL.md §4 states the maths). Shapes, with N = batch·seq, W = (nq + 2·nkv)·dh and
 // C = nq·dh:
 //
@@ -61,12 +61,12 @@
 #include <cstdint>
 #include <functional>
 
-#include "train/attention.h"
 #include "train/cuda/device.h"
+#include "train/modules/attention.h"
 
 namespace rs::cuda {
 
-// The shape and the RoPE direction are the CPU attention's (train/attention.h).
+// The shape and the RoPE direction are the CPU attention's (train/modules/attention.h).
 using train::AttentionShape;
 using train::RopeDirection;
 

@@ -4,7 +4,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "train/cuda/communicator.h"
 #include "train/cuda/cuda_check.h"
 

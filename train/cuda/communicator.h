@@ -26,8 +26,8 @@
 #include <memory>
 #include <string>
 
+#include "base/status.h"
 #include "comm/communicator.h"
-#include "core/status.h"
 #include "train/cuda/engine_plugin.h"
 
 namespace rs::cuda {

@@ -6,7 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "core/check.h"
+#include "base/check.h"
 
 namespace rs::cuda::detail {
 

@@ -1,4 +1,4 @@
-// Dropless MoE dispatch on the GPU (train/dispatch.h is the CPU twin and the reference): the
+// Dropless MoE dispatch on the GPU (train/modules/dispatch.h is the CPU twin and the reference): the
 // routing plan computed on the device from the router's expert choices, then the moves between
 // token order and the expert-major buffer whose expert segments are padded to a multiple of
 // the alignment A (0 or 1: no padding; 16 FP8, 32 MXFP8, 128 NVFP4).

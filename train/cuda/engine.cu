@@ -5,12 +5,12 @@
 #include <string>
 #include <vector>
 
-#include "train/backend.h"
 #include "train/cuda/communicator.h"
 #include "train/cuda/engine.h"
 #include "train/cuda/model.h"
 #include "train/cuda/optimizer.h"
-#include "train/engine_state.h"
+#include "train/modules/backend.h"
+#include "train/parallel/engine_state.h"
 
 namespace rs::cuda {
 namespace {
@@ -181,7 +181,7 @@ class CudaEngine final : public train::StepEngine {
       RS_RETURN_IF_ERROR(ShardedUpdate(oc.clip_norm, scalars));
     } else {
       // Each rank's gradients are its rows' share of the batch's: summed over the ranks that hold
-      // each item (train/engine_state.h), every rank then runs the same update on the same
+      // each item (train/parallel/engine_state.h), every rank then runs the same update on the same
       // numbers (the optimizer state is replicated on the devices; checkpoints hold each
       // rank's owned part).
       const train::GradientGroups sum{plan_.experts_cut ? same_experts_comm_.get() : comm_.get(), ep_comm_.get(),
@@ -294,7 +294,7 @@ class CudaEngine final : public train::StepEngine {
   }
 
   // norm_->sum_of_squares (device) summed over `group`.
-  // The norm's share summed over the groups whose ranks count other items (train/engine_state.h):
+  // The norm's share summed over the groups whose ranks count other items (train/parallel/engine_state.h):
   // ep (with experts cut), tp and etp.
   Status ReduceNormOverModelGroups() {
     for (comm::Communicator* c : {ep_comm_.get(), tp_comm_.get(), etp_comm_.get()}) {
@@ -386,7 +386,7 @@ class CudaEngine final : public train::StepEngine {
   std::int64_t shards_ = 1, shard_index_ = 0, shard_ = 0;
   std::unique_ptr<comm::Communicator> replica_host_;  // host group under replica_comm_ (outlives it)
   // Experts cut over ep: the ep group and the same-experts group (dp × fsdp, without fsdp
-  // sharding) over device memory; which ranks sum which items (train/engine_state.h).
+  // sharding) over device memory; which ranks sum which items (train/parallel/engine_state.h).
   std::unique_ptr<comm::Communicator> ep_comm_, same_experts_comm_;
   // Tensor parallelism: the tp group, the kv-head group (tp ranks sharing kv heads) and the etp
   // group (the ranks sharing the experts' ffn).

@@ -1,4 +1,4 @@
-// `train --device cuda`: the StepEngine (train/trainer.h) that runs training steps on GPUs. Each
+// `train --device cuda`: the StepEngine (train/run/trainer.h) that runs training steps on GPUs. Each
 // rank's device holds the f32 master weights, the gradients and the AdamW moments in
 // the model's flat order (GpuTransformer), plans its activation memory once for the run's
 // batch × seq, and runs forward, backward, the global norm with clipping, AdamW and the
@@ -7,7 +7,7 @@
 // layout, and either path resumes the other's.
 //
 // The model must need only modules the CUDA backend registers (train/cuda/registered_modules.cc,
-// checked against the layer program of train/layer_program.h): Attach refuses any other with
+// checked against the layer program of train/modules/layer_program.h): Attach refuses any other with
 // Unimplemented naming the module; modules registered as never run on a GPU (the q/k norm) only
 // with RESHARD_ALLOW_UNPROVEN=1.
 //
@@ -30,11 +30,11 @@
 
 #include <memory>
 
+#include "base/status.h"
 #include "comm/communicator.h"
-#include "core/status.h"
 #include "train/cuda/communicator.h"
 #include "train/cuda/engine_plugin.h"
-#include "train/trainer.h"
+#include "train/run/trainer.h"
 
 namespace rs::cuda {
 

@@ -18,9 +18,9 @@
 #include <cstdint>
 #include <memory>
 
+#include "base/status.h"
 #include "comm/communicator.h"
-#include "core/status.h"
-#include "train/trainer.h"
+#include "train/run/trainer.h"
 
 namespace rs::cuda {
 

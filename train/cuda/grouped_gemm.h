@@ -1,4 +1,4 @@
-// The routed experts' SwiGLU feed-forward on the GPU as grouped GEMMs (train/experts.h,
+// The routed experts' SwiGLU feed-forward on the GPU as grouped GEMMs (train/modules/experts.h,
 // GroupedSwiGlu, is the CPU twin and the reference). Over the expert-major padded dispatch
 // buffer x [Σ rows, d], group g (rows[g] consecutive rows, possibly 0) uses fc1[g] [2f, d]
 // (rows: gate W, then up V) and fc2[g] [d, f]:

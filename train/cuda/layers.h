@@ -1,8 +1,8 @@
 // The decoder's row-wise pieces on the GPU, forward and backward: the token embedding, RMSNorm
 // and the vocabulary cross-entropy (the SwiGLU activation is grouped_gemm.h's, for dense layers
 // and experts alike). The CPU twins and references
-// are train/layers.h (RMSNorm, CrossEntropy) and the embedding and vocab-parallel
-// cross-entropy code of train/model.cc; the optimizer lives in train/cuda/optimizer.h.
+// are train/ops/rowwise.h (RMSNorm, CrossEntropy) and the embedding and vocab-parallel
+// cross-entropy code of train/modules/model.cc; the optimizer lives in train/cuda/optimizer.h.
 //
 // Element types: T = float or bf16 for activations and for the parameters the forward reads
 // (in bf16 mode those are the bf16 copies of the f32 master weights). All math is f32;
@@ -79,7 +79,7 @@ void CrossEntropy(const T* logits, const std::int32_t* targets, std::int64_t n, 
 
 // --- Vocab-parallel cross-entropy (tensor parallelism) ----------------------------------------
 // This rank's logits [n, columns] are vocabulary ids [offset, offset + columns); ids at or past
-// `vocab` are padding (never win, zero gradient). The loss of train/model.cc's
+// `vocab` are padding (never win, zero gradient). The loss of train/modules/model.cc's
 // VocabParallelCrossEntropy in three calls, the caller all-reducing over the tp group between
 // them: (1) VocabCeRowMax – the per-row maximum over this rank's real columns (−inf where it has
 // none) into stats.max; all-reduce max. (2) VocabCeRowSums – Σ exp(l − max) over them into

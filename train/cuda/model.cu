@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/model_index.h"
 #include "train/cuda/attention.h"
 #include "train/cuda/dispatch.h"
@@ -9,7 +9,7 @@
 #include "train/cuda/layers.h"
 #include "train/cuda/model.h"
 #include "train/cuda/router.h"
-#include "train/router.h"
+#include "train/modules/router.h"
 
 namespace rs::cuda {
 namespace {
@@ -76,10 +76,7 @@ void GemmRowMajor(cublasHandle_t h, bool ta, bool tb, std::int64_t m, std::int64
 
 template <typename T>
 struct GpuTransformer<T>::Layer {
-  std::size_t attn_norm = kNone, qkv = kNone, out = kNone, mlp_norm = kNone;
-  std::size_t q_norm = kNone, k_norm = kNone;  // qk_norm
-  std::size_t router = kNone, bias = kNone, efc1 = kNone, efc2 = kNone, sfc1 = kNone, sfc2 = kNone;
-  std::size_t fc1 = kNone, fc2 = kNone;
+  LayerTensors t;  // where the layer's tensors are in specs_ (DeclareModel's index, as on the CPU)
   bool moe = false;
   std::int64_t ffn = 0, shared_ffn = 0;
   // Activations kept from the forward to the backward pass.
@@ -221,30 +218,15 @@ GpuTransformer<T>::GpuTransformer(const ModelConfig& config, const train::Dispat
   }
   for (std::int64_t i = 0; i < c_.n_layers; ++i) {
     const LayerTensors& t = declared.layers[static_cast<std::size_t>(i)];
-    RS_CHECK(t.attn.qkv != kNoTensor);  // engine.cu refuses gated-delta-net layers
+    RS_CHECK(t.attn.qkv != kNoTensor);  // the CUDA backend registers no gated_delta_net
     auto l = std::make_unique<Layer>();
-    l->attn_norm = t.attn_norm;
-    l->qkv = t.attn.qkv;
-    l->out = t.attn.out;
-    l->q_norm = t.attn.q_norm;
-    l->k_norm = t.attn.k_norm;
-    l->mlp_norm = t.mlp_norm;
+    l->t = t;
     l->moe = t.moe.router != kNoTensor;
     if (l->moe) {
-      l->router = t.moe.router;
-      if (t.moe.expert_bias != kNoTensor) l->bias = t.moe.expert_bias;
-      l->efc1 = t.moe.experts_fc1;
-      l->efc2 = t.moe.experts_fc2;
-      l->ffn = specs_[l->efc2].shape[2];  // [E, d, f]
-      if (t.moe.shared_fc1 != kNoTensor) {
-        l->sfc1 = t.moe.shared_fc1;
-        l->sfc2 = t.moe.shared_fc2;
-        l->shared_ffn = specs_[l->sfc2].shape[1];  // [d, f]
-      }
+      l->ffn = specs_[t.moe.experts_fc2].shape[2];                                           // [E, d, f]
+      if (t.moe.shared_fc1 != kNoTensor) l->shared_ffn = specs_[t.moe.shared_fc2].shape[1];  // [d, f]
     } else {
-      l->fc1 = t.mlp.fc1;
-      l->fc2 = t.mlp.fc2;
-      l->ffn = specs_[l->fc2].shape[1];
+      l->ffn = specs_[t.mlp.fc2].shape[1];
     }
     RS_CHECK(l->ffn > 0);
     if constexpr (!std::is_same_v<T, float>) {
@@ -641,7 +623,7 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   const cudaDataType_t tt = DataType<T>();
   const std::int64_t one_group[] = {n};
   // Data parallelism: the router statistics, the cross-entropy mean and their gradients are
-  // those of the whole batch (train/model_parallel.h's rule; the all-reduces run on `st`).
+  // those of the whole batch (train/parallel/model_parallel.h's rule; the all-reduces run on `st`).
   const bool spread = data_ != nullptr && data_->size() > 1;
   const std::int64_t global_n = spread ? global_n_ : n;
   RouterBatch batch;
@@ -665,20 +647,21 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
   for (std::size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = *layers_[li];
     T* h_out = li + 1 < layers_.size() ? layers_[li + 1]->h_in : s.h;
-    RmsNormForward(l.h_in, P(l.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
-    const QkNormWeights<T> qk{l.q_norm != kNone ? P(l.q_norm) : nullptr, l.k_norm != kNone ? P(l.k_norm) : nullptr,
-                              c_.norm_eps};
-    AttentionForward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), s.tmp, l.attn, l.attn_bytes, s.ws,
-                     s.ws_bytes, st, cp, &qk);
+    RmsNormForward(l.h_in, P(l.t.attn_norm), n, d, c_.norm_eps, l.xn1, l.rstd1, st);
+    const QkNormWeights<T> qk{l.t.attn.q_norm != kNone ? P(l.t.attn.q_norm) : nullptr,
+                              l.t.attn.k_norm != kNone ? P(l.t.attn.k_norm) : nullptr, c_.norm_eps};
+    AttentionForward(handle_, ashape, dims, s.rope, l.xn1, P(l.t.attn.qkv), P(l.t.attn.out), s.tmp, l.attn,
+                     l.attn_bytes, s.ws, s.ws_bytes, st, cp, &qk);
     ReduceTp(s.tmp, nd);  // attention out is row-parallel
     Add(l.h_mid, l.h_in, s.tmp, nd, st);
-    RmsNormForward(l.h_mid, P(l.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
+    RmsNormForward(l.h_mid, P(l.t.mlp_norm), n, d, c_.norm_eps, l.xn2, l.rstd2, st);
     if (l.moe) {
       if constexpr (!std::is_same_v<T, float>) Convert(l.xn2, l.xr, nd, st);
-      GemmRowMajor(handle_, false, true, n, e, d, l.xr, CUDA_R_32F, d, M(l.router), CUDA_R_32F, d, 0.f, l.logits,
+      GemmRowMajor(handle_, false, true, n, e, d, l.xr, CUDA_R_32F, d, M(l.t.moe.router), CUDA_R_32F, d, 0.f, l.logits,
                    CUDA_R_32F, e, CUBLAS_COMPUTE_32F_PEDANTIC);
       const RouterOutputs outs{l.experts, l.probs, l.loads, l.aux, l.z, nullptr};
-      RouterForward(ropts, l.logits, n, l.bias != kNone ? M(l.bias) : nullptr, outs, s.ws, s.ws_bytes, st, batch);
+      RouterForward(ropts, l.logits, n, l.t.moe.expert_bias != kNone ? M(l.t.moe.expert_bias) : nullptr, outs, s.ws,
+                    s.ws_bytes, st, batch);
       Mark();
       l.plan = PlanRouting(l.experts, n, k, e, ep ? 0 : dispatch_.alignment, l.plan_ws, l.plan_bytes, st);
       // The grouped GEMMs take their sizes on the host: the step's one wait per MoE layer.
@@ -708,8 +691,8 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       Mark();
       const GroupedSwiGluShape shape = ep ? GroupedSwiGluShape{l.ex_padded_rows.data(), el, d, l.ffn}
                                           : GroupedSwiGluShape{l.padded_rows.data(), e, d, l.ffn};
-      GroupedSwiGluForward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, l.y_pad, s.ws,
-                           s.ws_bytes, st);
+      GroupedSwiGluForward(*s.gemm, handle_, shape, l.x_pad, P(l.t.moe.experts_fc1), P(l.t.moe.experts_fc2), l.he, l.ae,
+                           l.y_pad, s.ws, s.ws_bytes, st);
       Mark();
       if (ep) {                             // the outputs back to their rows' ranks, then the weighted combine
         ClearOtherBlocks(l.y_rows, n * k);  // experts over tp: the other blocks' rows add nothing here
@@ -730,15 +713,16 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       ReduceEtp(s.tmp, nd);
       if (l.shared_ffn > 0) {
         const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
-        GroupedSwiGluForward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.tmp2, s.ws,
-                             s.ws_bytes, st);
+        GroupedSwiGluForward(*s.gemm, handle_, shared, l.xn2, P(l.t.moe.shared_fc1), P(l.t.moe.shared_fc2), l.hs, l.as,
+                             s.tmp2, s.ws, s.ws_bytes, st);
         if (etp) ReduceTp(s.tmp2, nd);
         Add(s.tmp, s.tmp2, nd, st);
       }
       if (!etp) ReduceTp(s.tmp, nd);
     } else {
       const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
-      GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.tmp, s.ws, s.ws_bytes, st);
+      GroupedSwiGluForward(*s.gemm, handle_, dense, l.xn2, P(l.t.mlp.fc1), P(l.t.mlp.fc2), l.hd, l.ad, s.tmp, s.ws,
+                           s.ws_bytes, st);
       ReduceTp(s.tmp, nd);  // fc2 is row-parallel
     }
     Add(h_out, l.h_mid, s.tmp, nd, st);
@@ -823,8 +807,9 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       }
       const GroupedSwiGluShape shape = ep ? GroupedSwiGluShape{l.ex_padded_rows.data(), el, d, l.ffn}
                                           : GroupedSwiGluShape{l.padded_rows.data(), e, d, l.ffn};
-      GroupedSwiGluBackward(*s.gemm, handle_, shape, l.x_pad, P(l.efc1), P(l.efc2), l.he, l.ae, s.pad_a, s.pad_b,
-                            G(l.efc1), G(l.efc2), s.ws, s.ws_bytes, st);
+      GroupedSwiGluBackward(*s.gemm, handle_, shape, l.x_pad, P(l.t.moe.experts_fc1), P(l.t.moe.experts_fc2), l.he,
+                            l.ae, s.pad_a, s.pad_b, G(l.t.moe.experts_fc1), G(l.t.moe.experts_fc2), s.ws, s.ws_bytes,
+                            st);
       Mark();
       if (ep) {  // the input gradients back to their rows' ranks, summed over each token's k rows
         ClearOtherBlocks(s.ep_send, n * k);  // experts over tp: the other blocks' input gradients come from their ranks
@@ -844,33 +829,34 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
       ReduceEtp(s.dx, nd);
       if (l.shared_ffn > 0) {
         const GroupedSwiGluShape shared{one_group, 1, d, l.shared_ffn};
-        GroupedSwiGluBackward(*s.gemm, handle_, shared, l.xn2, P(l.sfc1), P(l.sfc2), l.hs, l.as, s.dh, s.tmp2,
-                              G(l.sfc1), G(l.sfc2), s.ws, s.ws_bytes, st);
+        GroupedSwiGluBackward(*s.gemm, handle_, shared, l.xn2, P(l.t.moe.shared_fc1), P(l.t.moe.shared_fc2), l.hs, l.as,
+                              s.dh, s.tmp2, G(l.t.moe.shared_fc1), G(l.t.moe.shared_fc2), s.ws, s.ws_bytes, st);
         if (etp) ReduceTp(s.tmp2, nd);
         Add(s.dx, s.tmp2, nd, st);
       }
       if (!etp) ReduceTp(s.dx, nd);
       RouterBackward(ropts, l.logits, n, l.experts, l.probs, l.loads, s.dprobs, s.dlogits_r, st, global_n);
-      GemmRowMajor(handle_, false, false, n, d, e, s.dlogits_r, CUDA_R_32F, e, M(l.router), CUDA_R_32F, d, 0.f, s.dxr,
-                   CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
+      GemmRowMajor(handle_, false, false, n, d, e, s.dlogits_r, CUDA_R_32F, e, M(l.t.moe.router), CUDA_R_32F, d, 0.f,
+                   s.dxr, CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
       Add(s.dx, s.dxr, nd, st);
-      GemmRowMajor(handle_, true, false, e, d, n, s.dlogits_r, CUDA_R_32F, e, l.xr, CUDA_R_32F, d, 1.f, G(l.router),
-                   CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
+      GemmRowMajor(handle_, true, false, e, d, n, s.dlogits_r, CUDA_R_32F, e, l.xr, CUDA_R_32F, d, 1.f,
+                   G(l.t.moe.router), CUDA_R_32F, d, CUBLAS_COMPUTE_32F_PEDANTIC);
     } else {
       const GroupedSwiGluShape dense{one_group, 1, d, l.ffn};
-      GroupedSwiGluBackward(*s.gemm, handle_, dense, l.xn2, P(l.fc1), P(l.fc2), l.hd, l.ad, s.dh, s.dx, G(l.fc1),
-                            G(l.fc2), s.ws, s.ws_bytes, st);
+      GroupedSwiGluBackward(*s.gemm, handle_, dense, l.xn2, P(l.t.mlp.fc1), P(l.t.mlp.fc2), l.hd, l.ad, s.dh, s.dx,
+                            G(l.t.mlp.fc1), G(l.t.mlp.fc2), s.ws, s.ws_bytes, st);
       ReduceTp(s.dx, nd);
     }
-    RmsNormBackward(s.dx, l.h_mid, P(l.mlp_norm), l.rstd2, n, d, s.tmp, G(l.mlp_norm), s.ws, s.ws_bytes, st);
+    RmsNormBackward(s.dx, l.h_mid, P(l.t.mlp_norm), l.rstd2, n, d, s.tmp, G(l.t.mlp_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);
-    const QkNormWeights<T> qk{l.q_norm != kNone ? P(l.q_norm) : nullptr, l.k_norm != kNone ? P(l.k_norm) : nullptr,
-                              c_.norm_eps};
-    const QkNormGrads dqk{l.q_norm != kNone ? G(l.q_norm) : nullptr, l.k_norm != kNone ? G(l.k_norm) : nullptr};
-    AttentionBackward(handle_, ashape, dims, s.rope, l.xn1, P(l.qkv), P(l.out), l.attn, l.attn_bytes, s.dh, s.dx,
-                      G(l.qkv), G(l.out), s.ws, s.ws_bytes, st, cp, &qk, &dqk);
+    const QkNormWeights<T> qk{l.t.attn.q_norm != kNone ? P(l.t.attn.q_norm) : nullptr,
+                              l.t.attn.k_norm != kNone ? P(l.t.attn.k_norm) : nullptr, c_.norm_eps};
+    const QkNormGrads dqk{l.t.attn.q_norm != kNone ? G(l.t.attn.q_norm) : nullptr,
+                          l.t.attn.k_norm != kNone ? G(l.t.attn.k_norm) : nullptr};
+    AttentionBackward(handle_, ashape, dims, s.rope, l.xn1, P(l.t.attn.qkv), P(l.t.attn.out), l.attn, l.attn_bytes,
+                      s.dh, s.dx, G(l.t.attn.qkv), G(l.t.attn.out), s.ws, s.ws_bytes, st, cp, &qk, &dqk);
     ReduceTp(s.dx, nd);
-    RmsNormBackward(s.dx, l.h_in, P(l.attn_norm), l.rstd1, n, d, s.tmp, G(l.attn_norm), s.ws, s.ws_bytes, st);
+    RmsNormBackward(s.dx, l.h_in, P(l.t.attn_norm), l.rstd1, n, d, s.tmp, G(l.t.attn_norm), s.ws, s.ws_bytes, st);
     Add(s.dh, s.tmp, nd, st);
   }
   EmbeddingBackward(s.tokens, n, s.dh, vl, d, voff, G(embedding_), s.ws, s.ws_bytes, st);
@@ -886,8 +872,8 @@ train::Losses GpuTransformer<T>::Run(const std::int32_t* inputs, const std::int3
 template <typename T>
 void GpuTransformer<T>::UpdateExpertBiases() {
   for (auto& lp : layers_) {
-    if (lp->bias == kNone) continue;
-    UpdateExpertBiasDevice(M(lp->bias), lp->loads, c_.n_experts, c_.bias_update_rate, stream_);
+    if (lp->t.moe.expert_bias == kNone) continue;
+    UpdateExpertBiasDevice(M(lp->t.moe.expert_bias), lp->loads, c_.n_experts, c_.bias_update_rate, stream_);
   }
   SyncComputeParams();
 }

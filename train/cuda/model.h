@@ -1,5 +1,5 @@
 // The MoE transformer of train/MODEL.md on one GPU: the forward and backward passes of
-// train::Transformer (train/model.h, the CPU twin and the reference) composed from the kernel
+// train::Transformer (train/modules/model.h, the CPU twin and the reference) composed from the kernel
 // families of this directory – embedding, RMSNorm, attention, router, routing plan, fused
 // permute+pad / unpermute+unpad, grouped SwiGLU experts, cross-entropy.
 //
@@ -15,7 +15,7 @@
 // every activation the backward pass needs and the largest scratch any call needs; a step
 // allocates nothing. Tensor parallelism (TensorShare, SetTensorParallel) holds one tp rank's
 // share in the CPU rank's local shapes – its query and kv heads, its share of every ffn width,
-// its vocab rows – and all-reduces over tp where train/model.cc does (embedding, attention out,
+// its vocab rows – and all-reduces over tp where train/modules/model.cc does (embedding, attention out,
 // fc2, the MoE block's output, the input gradients of the column-parallel blocks, the gate
 // weights' gradient, the vocab-parallel cross-entropy's row statistics); bf16 activations are
 // all-reduced as f32 and rounded once. Expert parallelism (ExpertBlock,
@@ -38,14 +38,14 @@
 #include <utility>
 #include <vector>
 
+#include "base/status.h"
 #include "comm/communicator.h"
 #include "core/model.h"
-#include "core/status.h"
 #include "core/tensor_spec.h"
 #include "train/cuda/attention.h"
 #include "train/cuda/device.h"
-#include "train/model.h"
-#include "train/moe.h"
+#include "train/modules/model.h"
+#include "train/modules/moe.h"
 
 namespace rs::cuda {
 

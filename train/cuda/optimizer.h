@@ -1,4 +1,4 @@
-// AdamW on the GPU, twin of train::AdamW (train/optimizer.h, the reference): f32 master
+// AdamW on the GPU, twin of train::AdamW (train/ops/optimizer.h, the reference): f32 master
 // weights and moments, the global gradient norm with clipping, decoupled weight decay, and the
 // optional bf16 copy of the updated weights that a bf16 forward reads. The clipping factor
 // stays on the device between the norm and the update: no host round trip within a step.
@@ -24,7 +24,7 @@
 #include <span>
 
 #include "train/cuda/device.h"
-#include "train/optimizer.h"
+#include "train/ops/optimizer.h"
 
 namespace rs::cuda {
 

@@ -1,10 +1,10 @@
-// The modules the CUDA engine implements (train/backend.h): its one registration, which the
+// The modules the CUDA engine implements (train/modules/backend.h): its one registration, which the
 // engine's Attach checks a model against and `reshard models` derives its CUDA column from.
 // Host code compiled into the training library (not the CUDA one), so every build knows it.
 // Register a module here when its kernels (train/cuda) and its place in the GPU model exist;
 // as Proof::kNeverRun until its tests have run on a GPU against the CPU.
-#include "core/check.h"
-#include "train/backend.h"
+#include "base/check.h"
+#include "train/modules/backend.h"
 
 namespace rs::train {
 

@@ -1,4 +1,4 @@
-// CUDA kernels for the MoE routers of train/router.h, forward and backward, with the same
+// CUDA kernels for the MoE routers of train/modules/router.h, forward and backward, with the same
 // semantics as the CPU Router<float> (the tests compare the two): top-k with softmax after
 // selection, softmax before selection, sigmoid with aux-loss-free expert bias, group-limited
 // and Sinkhorn; the load-balancing (aux) loss and the z-loss with their gradients; the
@@ -40,7 +40,7 @@
 #include <functional>
 
 #include "comm/communicator.h"
-#include "train/router.h"
+#include "train/modules/router.h"
 
 namespace rs::cuda {
 

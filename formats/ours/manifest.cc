@@ -1,0 +1,537 @@
+#include "formats/ours/manifest.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "base/check.h"
+#include "base/file.h"
+#include "base/text.h"
+#include "core/dtype.h"
+#include "core/model.h"
+#include "formats/ours/codec.h"
+
+namespace rs {
+namespace {
+
+using nlohmann::json;
+
+// Error context: "<manifest path>: shards[3] (tensor 'w', file 'rank-00001.h5')".
+struct Ctx {
+  std::string where;
+  Status Bad(const std::string& what) const { return DataLoss(where + ": " + what); }
+};
+
+std::string Quote(std::string_view s) {
+  std::string q;
+  q.reserve(s.size() + 2);
+  q.append(1, '\'').append(s).append(1, '\'');
+  return q;
+}
+
+Result<std::int64_t> GetInt(const json& obj, const char* key, const Ctx& ctx) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) return ctx.Bad("missing field '" + std::string(key) + "'");
+  if (it->is_number_unsigned()) {
+    // An unsigned value only arrives here when it does not fit in int64 or is non-negative;
+    // reject the former before converting.
+    if (it->get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      return ctx.Bad("field '" + std::string(key) + "' = " + it->dump() + " overflows int64");
+    }
+    return static_cast<std::int64_t>(it->get<std::uint64_t>());
+  }
+  if (!it->is_number_integer())
+    return ctx.Bad("field '" + std::string(key) + "' must be an integer, got " + it->dump());
+  return it->get<std::int64_t>();
+}
+
+Result<std::string> GetString(const json& obj, const char* key, const Ctx& ctx) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) return ctx.Bad("missing field '" + std::string(key) + "'");
+  if (!it->is_string()) return ctx.Bad("field '" + std::string(key) + "' must be a string, got " + it->dump());
+  return it->get<std::string>();
+}
+
+// A list of non-negative int64 values (dims, offsets).
+Result<Shape> GetDims(const json& obj, const char* key, const Ctx& ctx) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) return ctx.Bad("missing field '" + std::string(key) + "'");
+  if (!it->is_array()) return ctx.Bad("field '" + std::string(key) + "' must be an array of integers");
+  Shape dims;
+  dims.reserve(it->size());
+  for (std::size_t i = 0; i < it->size(); ++i) {
+    const json& v = (*it)[i];
+    const bool too_big = v.is_number_unsigned() &&
+                         v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+    if (!v.is_number_integer() || too_big) {
+      return ctx.Bad("field '" + std::string(key) + "'[" + std::to_string(i) + "] = " + v.dump() +
+                     " is not an int64 (overflowing or non-integer dimension)");
+    }
+    const std::int64_t d = v.get<std::int64_t>();
+    if (d < 0) {
+      return ctx.Bad("field '" + std::string(key) + "'[" + std::to_string(i) + "] = " + std::to_string(d) +
+                     " is negative");
+    }
+    dims.push_back(d);
+  }
+  return dims;
+}
+
+// Byte size of `numel` items of `dtype`, overflow-checked.
+Result<std::int64_t> BytesOf(std::int64_t numel, DType dtype, const Ctx& ctx, const std::string& field) {
+  const auto bytes = CheckedMul(numel, static_cast<std::int64_t>(DTypeSize(dtype)));
+  if (!bytes)
+    return ctx.Bad(field + ": " + std::to_string(numel) + " items of " + std::string(DTypeName(dtype)) +
+                   " overflow int64 bytes");
+  return *bytes;
+}
+
+// A data file name must stay inside the checkpoint directory.
+bool SafeRelativePath(const std::string& p) {
+  if (p.empty() || p.front() == '/' || p.back() == '/') return false;
+  std::size_t start = 0;
+  while (start <= p.size()) {
+    const std::size_t slash = std::min(p.find('/', start), p.size());
+    const std::string_view part(p.data() + start, slash - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    start = slash + 1;
+  }
+  for (const char c : p) {
+    if (c == '\0' || c == '\\') return false;
+  }
+  return true;
+}
+
+Result<TensorSpec> ParseTensor(const json& j, std::size_t index, std::string_view source) {
+  Ctx ctx{std::string(source) + ": tensors[" + std::to_string(index) + "]"};
+  if (!j.is_object()) return ctx.Bad("must be an object");
+  if (const auto it = j.find("name"); it != j.end() && it->is_string()) {
+    ctx.where += " (tensor " + Quote(it->get<std::string>()) + ")";
+  }
+  // Bound the shape before handing the entry to TensorSpecFromJson, which may compute numel.
+  RS_ASSIGN_OR_RETURN(const Shape shape, GetDims(j, "shape", ctx));
+  if (const auto n = CheckedNumel(shape); !n.ok()) {
+    return ctx.Bad("field 'shape' " + ShapeToString(shape) + ": element count overflows int64");
+  }
+  Result<TensorSpec> spec = TensorSpecFromJson(j);
+  if (!spec.ok()) return ctx.Bad(spec.status().message());
+  RS_ASSIGN_OR_RETURN(const std::int64_t numel, CheckedNumel(spec->shape));
+  RS_ASSIGN_OR_RETURN(const std::int64_t bytes, BytesOf(numel, spec->dtype, ctx, "field 'shape'"));
+  (void)bytes;
+  return spec;
+}
+
+Result<std::uint64_t> GetChecksum(const json& obj, const char* key, const Ctx& ctx) {
+  RS_ASSIGN_OR_RETURN(const std::string text, GetString(obj, key, ctx));
+  const auto h = ParseChecksum(text);
+  if (!h) return ctx.Bad("field '" + std::string(key) + "' = " + Quote(text) + " is not 'xxh3-64:<16 hex digits>'");
+  return *h;
+}
+
+Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view source, std::int64_t version,
+                              const std::vector<TensorSpec>& tensors,
+                              const std::unordered_map<std::string, std::size_t>& by_name) {
+  Ctx ctx{std::string(source) + ": shards[" + std::to_string(index) + "]"};
+  if (!j.is_object()) return ctx.Bad("must be an object");
+  ShardEntry s;
+  RS_ASSIGN_OR_RETURN(s.tensor, GetString(j, "tensor", ctx));
+  ctx.where += " (tensor " + Quote(s.tensor);
+  if (const auto it = j.find("file"); it != j.end() && it->is_string()) {
+    ctx.where += ", file " + Quote(it->get<std::string>());
+  }
+  ctx.where += ")";
+  const auto t = by_name.find(s.tensor);
+  if (t == by_name.end()) return ctx.Bad("refers to a tensor the manifest does not declare");
+  const TensorSpec& spec = tensors[t->second];
+
+  RS_ASSIGN_OR_RETURN(s.file, GetString(j, "file", ctx));
+  if (!SafeRelativePath(s.file)) return ctx.Bad("field 'file' must be a relative path inside the checkpoint");
+  RS_ASSIGN_OR_RETURN(s.dataset, GetString(j, "dataset", ctx));
+  if (s.dataset.empty()) return ctx.Bad("field 'dataset' is empty");
+
+  const auto box_it = j.find("box");
+  if (box_it == j.end() || !box_it->is_object()) return ctx.Bad("missing or non-object field 'box'");
+  RS_ASSIGN_OR_RETURN(s.piece.box.offset, GetDims(*box_it, "offset", ctx));
+  RS_ASSIGN_OR_RETURN(s.piece.box.shape, GetDims(*box_it, "shape", ctx));
+  if (s.piece.box.offset.size() != spec.shape.size() || s.piece.box.shape.size() != spec.shape.size()) {
+    return ctx.Bad("box has rank " + std::to_string(s.piece.box.shape.size()) + "/" +
+                   std::to_string(s.piece.box.offset.size()) + ", tensor shape " + ShapeToString(spec.shape) +
+                   " has rank " + std::to_string(spec.shape.size()));
+  }
+  for (std::size_t d = 0; d < spec.shape.size(); ++d) {
+    const auto end = CheckedAdd(s.piece.box.offset[d], s.piece.box.shape[d]);
+    if (!end || *end > spec.shape[d]) {
+      return ctx.Bad("box " + ShapeToString(s.piece.box.offset) + " + " + ShapeToString(s.piece.box.shape) +
+                     " lies outside the tensor's shape " + ShapeToString(spec.shape) + " in dim " + std::to_string(d));
+    }
+  }
+  // Within the tensor, so the box's numel cannot overflow.
+  const std::int64_t box_numel = Numel(s.piece.box.shape);
+  if (const auto it = j.find("range"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return ctx.Bad("field 'range' must be an object {begin, end}");
+    RS_ASSIGN_OR_RETURN(const std::int64_t b, GetInt(*it, "begin", ctx));
+    RS_ASSIGN_OR_RETURN(const std::int64_t e, GetInt(*it, "end", ctx));
+    if (b < 0 || b > e || e > box_numel) {
+      return ctx.Bad("range [" + std::to_string(b) + ", " + std::to_string(e) + ") lies outside the box's " +
+                     std::to_string(box_numel) + " items");
+    }
+    s.piece.range = ItemRange{b, e};
+  }
+  RS_ASSIGN_OR_RETURN(s.nbytes, GetInt(j, "nbytes", ctx));
+  RS_ASSIGN_OR_RETURN(const std::int64_t expect, BytesOf(s.piece.numel(), spec.dtype, ctx, "piece"));
+  if (s.nbytes != expect) {
+    return ctx.Bad("field 'nbytes' = " + std::to_string(s.nbytes) + ", expected " + std::to_string(expect) + " (" +
+                   std::to_string(s.piece.numel()) + " items of " + std::string(DTypeName(spec.dtype)) + ")");
+  }
+  RS_ASSIGN_OR_RETURN(const std::string codec, GetString(j, "codec", ctx));
+  const auto c = ParseCodecName(codec);
+  if (!c) return ctx.Bad("unknown codec " + Quote(codec) + " (expected 'none' or 'zstd')");
+  s.codec = *c;
+  RS_ASSIGN_OR_RETURN(s.checksum, GetChecksum(j, "checksum", ctx));
+  RS_ASSIGN_OR_RETURN(s.rank, GetInt(j, "rank", ctx));
+  if (s.rank < 0) return ctx.Bad("field 'rank' is negative");
+  const auto rep = j.find("replica");
+  if (rep == j.end() || !rep->is_boolean()) return ctx.Bad("missing or non-boolean field 'replica'");
+  s.replica = rep->get<bool>() ? ReplicaKind::kReplica : ReplicaKind::kMain;
+  if (version >= 2) {
+    // Every byte of a non-empty shard is covered by its block table (FORMAT.md §4.4), and the
+    // manifest says where the data and the table are.
+    if (s.nbytes == 0) {
+      for (const char* f : {"block_table", "offset", "chunk_bytes"}) {
+        if (j.contains(f))
+          return ctx.Bad("field '" + std::string(f) + "' on a shard of nbytes = 0 (no data, no blocks)");
+      }
+    } else {
+      const auto table = j.find("block_table");
+      if (table == j.end() || !table->is_object()) {
+        return ctx.Bad(
+            "missing or non-object field 'block_table' (format version 2: the block checksums of a shard of " +
+            std::to_string(s.nbytes) + " bytes)");
+      }
+      RS_ASSIGN_OR_RETURN(s.block_table, GetString(*table, "dataset", ctx));
+      if (s.block_table.empty() || s.block_table == s.dataset) {
+        return ctx.Bad("field 'block_table.dataset' = " + Quote(s.block_table) +
+                       " must name a dataset other than the shard's own");
+      }
+      RS_ASSIGN_OR_RETURN(s.block_table_offset, GetInt(*table, "offset", ctx));
+      if (s.block_table_offset < 0) return ctx.Bad("field 'block_table.offset' is negative");
+      if (s.codec == Codec::kNone) {
+        if (j.contains("chunk_bytes")) return ctx.Bad("field 'chunk_bytes' on a shard of codec none");
+        RS_ASSIGN_OR_RETURN(s.data_offset, GetInt(j, "offset", ctx));
+        if (s.data_offset < 0) return ctx.Bad("field 'offset' is negative");
+      } else {
+        if (j.contains("offset"))
+          return ctx.Bad("field 'offset' on a shard of codec zstd (its chunks are in the block table)");
+        RS_ASSIGN_OR_RETURN(s.chunk_bytes, GetInt(j, "chunk_bytes", ctx));
+        constexpr std::int64_t kMaxChunk = std::int64_t{1} << 30;
+        if (s.chunk_bytes < 1 || s.chunk_bytes > std::min(s.nbytes, kMaxChunk)) {
+          return ctx.Bad("field 'chunk_bytes' = " + std::to_string(s.chunk_bytes) + " outside [1, min(nbytes, " +
+                         std::to_string(kMaxChunk) + ")]");
+        }
+      }
+    }
+  }
+  return s;
+}
+
+Result<DataFileEntry> ParseFile(const json& j, std::size_t index, std::string_view source) {
+  Ctx ctx{std::string(source) + ": files[" + std::to_string(index) + "]"};
+  if (!j.is_object()) return ctx.Bad("must be an object");
+  DataFileEntry f;
+  RS_ASSIGN_OR_RETURN(f.name, GetString(j, "name", ctx));
+  ctx.where += " (file " + Quote(f.name) + ")";
+  if (!SafeRelativePath(f.name)) return ctx.Bad("field 'name' must be a relative path inside the checkpoint");
+  RS_ASSIGN_OR_RETURN(f.size, GetInt(j, "size", ctx));
+  if (f.size < 0) return ctx.Bad("field 'size' is negative");
+  RS_ASSIGN_OR_RETURN(f.outside_checksum, GetChecksum(j, "outside_checksum", ctx));
+  return f;
+}
+
+}  // namespace
+
+std::int64_t Manifest::TensorIndex(std::string_view name) const {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == name) return static_cast<std::int64_t>(i);
+  }
+  return -1;
+}
+
+const DataFileEntry* Manifest::FindFile(std::string_view name) const {
+  const auto it = std::lower_bound(files.begin(), files.end(), name,
+                                   [](const DataFileEntry& f, std::string_view n) { return f.name < n; });
+  return it != files.end() && it->name == name ? &*it : nullptr;
+}
+
+nlohmann::json ManifestToJson(const Manifest& m) {
+  json j;
+  j["format"] = m.format;
+  j["format_version"] = m.version;
+  j["producer"] = m.producer;
+  json tensors = json::array();
+  for (const TensorSpec& t : m.tensors) {
+    json tj;
+    to_json(tj, t);
+    tensors.push_back(std::move(tj));
+  }
+  j["tensors"] = std::move(tensors);
+  json shards = json::array();
+  for (const ShardEntry& s : m.shards) {
+    json sj;
+    sj["tensor"] = s.tensor;
+    sj["box"] = {{"offset", s.piece.box.offset}, {"shape", s.piece.box.shape}};
+    if (s.piece.range) sj["range"] = {{"begin", s.piece.range->begin}, {"end", s.piece.range->end}};
+    sj["file"] = s.file;
+    sj["dataset"] = s.dataset;
+    sj["nbytes"] = s.nbytes;
+    sj["codec"] = CodecName(s.codec);
+    sj["checksum"] = ChecksumToString(s.checksum);
+    sj["rank"] = s.rank;
+    sj["replica"] = s.replica == ReplicaKind::kReplica;
+    if (m.version >= 2 && s.nbytes > 0) {
+      if (s.codec == Codec::kNone) {
+        sj["offset"] = s.data_offset;
+      } else {
+        sj["chunk_bytes"] = s.chunk_bytes;
+      }
+      sj["block_table"] = {{"dataset", s.block_table}, {"offset", s.block_table_offset}};
+    }
+    shards.push_back(std::move(sj));
+  }
+  j["shards"] = std::move(shards);
+  if (m.version >= 2) {
+    j["block_bytes"] = m.block_bytes;
+    json files = json::array();
+    for (const DataFileEntry& f : m.files) {
+      files.push_back({{"name", f.name}, {"size", f.size}, {"outside_checksum", ChecksumToString(f.outside_checksum)}});
+    }
+    j["files"] = std::move(files);
+  }
+  j["layout"] = m.layout;
+  j["metadata"] = m.metadata;
+  return j;
+}
+
+Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view source) {
+  const Ctx ctx{std::string(source)};
+  if (!j.is_object()) return ctx.Bad("manifest must be a JSON object");
+  Manifest m;
+  RS_ASSIGN_OR_RETURN(m.format, GetString(j, "format", ctx));
+  if (m.format != kFormatName) {
+    return ctx.Bad("field 'format' is " + Quote(m.format) + ", expected " + Quote(kFormatName));
+  }
+  // The version decides how to read everything else, so it is checked before any other field.
+  RS_ASSIGN_OR_RETURN(m.version, GetInt(j, "format_version", ctx));
+  if (m.version < kMinReadableVersion || m.version > kMaxReadableVersion) {
+    return VersionMismatch(std::string(source) + ": checkpoint written with format version " +
+                           std::to_string(m.version) + "; this build reads format versions " +
+                           std::to_string(kMinReadableVersion) + " to " + std::to_string(kMaxReadableVersion));
+  }
+  RS_ASSIGN_OR_RETURN(m.producer, GetString(j, "producer", ctx));
+  if (m.version >= 2) {
+    RS_ASSIGN_OR_RETURN(m.block_bytes, GetInt(j, "block_bytes", ctx));
+    if (m.block_bytes < kMinBlockBytes || m.block_bytes > kMaxBlockBytes) {
+      return ctx.Bad("field 'block_bytes' = " + std::to_string(m.block_bytes) + " outside [" +
+                     std::to_string(kMinBlockBytes) + ", " + std::to_string(kMaxBlockBytes) + "]");
+    }
+  }
+
+  const auto tensors = j.find("tensors");
+  if (tensors == j.end() || !tensors->is_array()) return ctx.Bad("missing or non-array field 'tensors'");
+  std::unordered_map<std::string, std::size_t> by_name;
+  m.tensors.reserve(tensors->size());
+  for (std::size_t i = 0; i < tensors->size(); ++i) {
+    RS_ASSIGN_OR_RETURN(TensorSpec t, ParseTensor((*tensors)[i], i, source));
+    if (!by_name.emplace(t.name, i).second) {
+      return ctx.Bad("tensors[" + std::to_string(i) + "]: duplicate tensor " + Quote(t.name));
+    }
+    m.tensors.push_back(std::move(t));
+  }
+  const auto shards = j.find("shards");
+  if (shards == j.end() || !shards->is_array()) return ctx.Bad("missing or non-array field 'shards'");
+  m.shards.reserve(shards->size());
+  for (std::size_t i = 0; i < shards->size(); ++i) {
+    RS_ASSIGN_OR_RETURN(ShardEntry s, ParseShard((*shards)[i], i, source, m.version, m.tensors, by_name));
+    m.shards.push_back(std::move(s));
+  }
+  if (m.version >= 2) {
+    // No dataset is named twice in one file (a table is never another shard's data), and the
+    // file list names exactly the files the shards name, each once.
+    std::unordered_map<std::string, std::size_t> datasets;  // "file\0dataset" -> shard index
+    std::set<std::string> named;
+    for (std::size_t i = 0; i < m.shards.size(); ++i) {
+      const ShardEntry& s = m.shards[i];
+      named.insert(s.file);
+      for (const std::string* d : {&s.dataset, &s.block_table}) {
+        if (d->empty()) continue;
+        const auto [it, fresh] = datasets.emplace(s.file + '\0' + *d, i);
+        if (!fresh) {
+          return ctx.Bad("shards[" + std::to_string(i) + "] (tensor " + Quote(s.tensor) + ", file " + Quote(s.file) +
+                         "): dataset " + Quote(*d) + " is also named by shards[" + std::to_string(it->second) +
+                         "] (tensor " + Quote(m.shards[it->second].tensor) + ")");
+        }
+      }
+    }
+    const auto files = j.find("files");
+    if (files == j.end() || !files->is_array()) {
+      return ctx.Bad("missing or non-array field 'files' (format version 2: size and checksum of every data file)");
+    }
+    m.files.reserve(files->size());
+    for (std::size_t i = 0; i < files->size(); ++i) {
+      RS_ASSIGN_OR_RETURN(DataFileEntry f, ParseFile((*files)[i], i, source));
+      m.files.push_back(std::move(f));
+    }
+    std::sort(m.files.begin(), m.files.end(),
+              [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; });
+    for (std::size_t i = 0; i < m.files.size(); ++i) {
+      if (i > 0 && m.files[i].name == m.files[i - 1].name) {
+        return ctx.Bad("field 'files' lists " + Quote(m.files[i].name) + " twice");
+      }
+      if (named.count(m.files[i].name) == 0) {
+        return ctx.Bad("field 'files' lists " + Quote(m.files[i].name) + ", which no shard is stored in");
+      }
+    }
+    for (const std::string& f : named) {
+      if (m.FindFile(f) == nullptr)
+        return ctx.Bad("field 'files' lacks data file " + Quote(f) + " (its size and checksum)");
+    }
+  }
+  if (const auto it = j.find("layout"); it != j.end()) m.layout = *it;
+  if (const auto it = j.find("metadata"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return ctx.Bad("field 'metadata' must be an object");
+    m.metadata = *it;
+  }
+  // A tensor's pipeline place is one of the recorded model's layers (when the manifest records a
+  // model we can read): planning places it on a stage by that count.
+  if (const auto model = m.metadata.find("model"); model != m.metadata.end() && model->is_object()) {
+    if (const Result<ModelConfig> cfg = ModelConfigFromJson(*model); cfg.ok()) {
+      for (std::size_t i = 0; i < m.tensors.size(); ++i) {
+        const std::int64_t layer = m.tensors[i].place.layer;
+        if (layer >= cfg->n_layers) {
+          return ctx.Bad("tensors[" + std::to_string(i) + "] (tensor " + Quote(m.tensors[i].name) +
+                         "): field 'place' is layer " + std::to_string(layer) + ", but the model of field " +
+                         "'metadata.model' has " + std::to_string(cfg->n_layers) + " layers");
+        }
+      }
+    }
+  }
+  return m;
+}
+
+namespace {
+constexpr std::string_view kChecksumLinePrefix = "{\"manifest_checksum\": \"xxh3-64:";
+constexpr std::string_view kChecksumLineSuffix = "\",\n";
+constexpr std::size_t kChecksumHexDigits = 16;
+
+std::uint64_t TextChecksum(std::string_view text) {
+  return Xxh3(std::as_bytes(std::span<const char>(text.data(), text.size())));
+}
+}  // namespace
+
+std::string ManifestText(const Manifest& m) {
+  const std::string body = ManifestToJson(m).dump(1);  // "{\n \"block_bytes\": ..."
+  RS_CHECK(body.size() > 2 && body.compare(0, 2, "{\n") == 0);
+  const std::string_view rest = std::string_view(body).substr(2);
+  const std::string sum = ChecksumToString(TextChecksum(rest));  // "xxh3-64:<hex>"
+  return std::string(kChecksumLinePrefix) + sum.substr(sum.size() - kChecksumHexDigits) +
+         std::string(kChecksumLineSuffix) + std::string(rest);
+}
+
+Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
+  // One JSON document and nothing after it but whitespace. The parser would stop at a NUL byte
+  // as at the end of the text, and accept a manifest followed by anything after one; no JSON
+  // text holds a NUL byte (not even inside a string, where control characters are escaped).
+  if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    return DataLoss(std::string(source) + ": a NUL byte at offset " + std::to_string(nul) + " of " +
+                    std::to_string(text.size()) + " (a manifest is one JSON document and nothing after it)");
+  }
+  // The manifest's own checksum (FORMAT.md §3.4), checked before anything is parsed: a flipped
+  // digit that still parses (a step, a learning rate, a mesh size) is found here.
+  bool has_checksum = false;
+  if (text.substr(0, kChecksumLinePrefix.size()) == kChecksumLinePrefix) {
+    const std::size_t line_end = kChecksumLinePrefix.size() + kChecksumHexDigits + kChecksumLineSuffix.size();
+    const std::optional<std::uint64_t> want =
+        text.size() >= line_end && text.substr(kChecksumLinePrefix.size() + kChecksumHexDigits,
+                                               kChecksumLineSuffix.size()) == kChecksumLineSuffix
+            ? ParseChecksum(text.substr(kChecksumLinePrefix.size() - 8, 8 + kChecksumHexDigits))
+            : std::nullopt;
+    if (!want) {
+      return DataLoss(std::string(source) +
+                      ": the first line opens field 'manifest_checksum' but is not {\"manifest_checksum\": "
+                      "\"xxh3-64:<16 hex digits>\", (FORMAT.md §3.4)");
+    }
+    const std::uint64_t got = TextChecksum(text.substr(line_end));
+    if (got != *want) {
+      return DataLoss(std::string(source) + ": checksum " + ChecksumToString(got) + " of the " +
+                      std::to_string(text.size() - line_end) +
+                      " bytes after the first line, field 'manifest_checksum' says " + ChecksumToString(*want) +
+                      ": the manifest changed after it was written (one edited on purpose must drop the field "
+                      "'manifest_checksum' from its first line)");
+    }
+    has_checksum = true;
+  }
+  json j = json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    // Re-parse with exceptions only to get the position of the error for the message.
+    std::string detail = "malformed JSON";
+    try {
+      const json again = json::parse(text);
+      (void)again;
+    } catch (const json::exception& e) {
+      // Not only parse_error: a number too large for a double ("1e999") is out_of_range.
+      // The parser quotes the bytes it stopped at, which may be anything (invalid UTF-8,
+      // control characters): escape them so the message is safe in JSON and on a terminal.
+      detail += " (" + SafeText(e.what()) + ")";
+    }
+    return DataLoss(std::string(source) + ": " + detail);
+  }
+  if (!has_checksum && j.is_object() && j.contains("manifest_checksum")) {
+    return DataLoss(std::string(source) +
+                    ": field 'manifest_checksum' is not on the first line, where the writer puts it: the manifest was "
+                    "rewritten after it was written (one edited on purpose must lose the field)");
+  }
+  RS_ASSIGN_OR_RETURN(Manifest m, ManifestFromJson(j, source));
+  m.has_checksum = has_checksum;
+  return m;
+}
+
+Result<Manifest> ReadManifest(const std::string& dir) {
+  const std::string path = dir + "/" + std::string(kManifestFileName);
+  Result<std::string> text = ReadSmallFile(path, kMaxManifestBytes);
+  if (!text.ok()) {
+    if (text.status().code() == ErrorCode::kNotFound) {
+      return NotFound(path + ": no manifest, so no committed checkpoint at " + dir);
+    }
+    // Not a regular file: whatever is there is not a manifest (and reading it could block).
+    if (text.status().code() == ErrorCode::kFailedPrecondition) return DataLoss(text.status().message());
+    return text.status();
+  }
+  return ParseManifest(*text, path);
+}
+
+std::string FlatToCoords(const Shape& shape, std::int64_t flat) {
+  std::vector<std::int64_t> coords(shape.size(), 0);
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] > 0) {
+      coords[i] = flat % shape[i];
+      flat /= shape[i];
+    }
+  }
+  return ShapeToString(coords);
+}
+
+std::string DescribeItems(const Shape& shape, std::int64_t begin, std::int64_t end) {
+  std::ostringstream os;
+  os << "items [" << begin << ", " << end << ") = " << FlatToCoords(shape, begin) << " .. "
+     << FlatToCoords(shape, end - 1);
+  return os.str();
+}
+
+}  // namespace rs
