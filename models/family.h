@@ -11,7 +11,7 @@
 // building blocks (GQA attention with optional per-head q/k norms, dense SwiGLU, routed experts
 // with several routers, shared expert), and a family's config binder maps its config onto them.
 // Each tensor's gradient class under tensor parallelism (TpGrad) is declared with the tensor in
-// core/model.cc, so every layout's reduction follows from the declaration.
+// core/model_tensors.cc, so every layout's reduction follows from the declaration.
 #pragma once
 
 #include <cstdint>

@@ -11,7 +11,7 @@ namespace rs::train {
 template <typename T>
 void InitialPiece(const TensorSpec& spec, const Piece& piece, const InitOptions& options, std::span<T> out) {
   RS_CHECK(static_cast<std::int64_t>(out.size()) == piece.numel());
-  // What each tensor starts as is declared with it (TensorInit, core/model.cc).
+  // What each tensor starts as is declared with it (TensorInit, core/model_tensors.cc).
   if (spec.init == TensorInit::kOnes) {
     std::fill(out.begin(), out.end(), T(1));
     return;
