@@ -13,6 +13,7 @@
 #include "formats/torch/dcp.h"
 #include "formats/torch/dcp_source.h"
 #include "formats/torch/dcp_verify.h"
+#include "convert/megatron_dist_opt.h"
 #include "formats/torch/torch_dist.h"
 #include "models/megatron_config.h"
 
@@ -109,6 +110,12 @@ Result<std::unique_ptr<ShardSource>> OpenDcp(const std::string& dir, const Check
   if (d.model) {
     // Megatron-Core keys, or the model family's torchtitan names, map to ours.
     RS_ASSIGN_OR_RETURN(d.key_mapper, DcpKeyMapperFor(dir, *d.model));
+    if (megatron) {
+      // The distributed optimizer's dp_reshardable buckets, placed by reconstructing the run's
+      // buffers from the args common.pt records.
+      RS_ASSIGN_OR_RETURN(const std::optional<nlohmann::json> args, ReadMegatronArgs(dir));
+      if (args) d.flat_mapper = MegatronDistOptMapper(*d.model, *args);
+    }
   }
   RS_ASSIGN_OR_RETURN(auto s, DcpSource::Open(dir, d));
   return std::unique_ptr<ShardSource>(std::move(s));

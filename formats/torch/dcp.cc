@@ -16,10 +16,13 @@
 namespace rs {
 namespace {
 
-// Plain Python values (BytesStorageMetadata items): containers only.
+// Plain Python values (BytesStorageMetadata items): containers, and torch dtypes as names
+// (never called: Megatron's per_bucket_numel objects key their lists by (param, grad) dtype).
 std::span<const PickleGlobal> PlainGlobals() {
-  static const PickleGlobal kPlain[] = {
-      {"collections", "OrderedDict", true}, {"builtins", "set", true}, {"builtins", "frozenset", true}};
+  static const PickleGlobal kPlain[] = {{"collections", "OrderedDict", true}, {"builtins", "set", true},
+                                        {"builtins", "frozenset", true},      {"torch", "float32", false},
+                                        {"torch", "bfloat16", false},         {"torch", "float16", false},
+                                        {"torch", "float64", false}};
   return kPlain;
 }
 

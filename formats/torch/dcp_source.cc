@@ -74,6 +74,7 @@ struct MappedPiece {
   std::size_t chunk = 0;
   std::int64_t byte_offset = 0;
   Box box;
+  std::optional<ItemRange> range;  // a flat run of the box (a distributed-optimizer bucket's)
 };
 
 // One of our tensors as the DCP keys give it.
@@ -134,7 +135,7 @@ Status CheckParts(const std::string& meta_path, const Mapping& m) {
   for (const auto& [name, t] : m.tensors) {
     if (t.slots.count("") != 0) continue;
     std::int64_t held = 0;
-    for (const MappedPiece& p : t.pieces) held += p.box.numel();
+    for (const MappedPiece& p : t.pieces) held += p.range ? p.range->size() : p.box.numel();
     if (held < Numel(t.shape)) {
       // Name what is missing: the parts this tensor has (experts, sections) less those found.
       const bool per_expert = t.per_expert;
@@ -197,7 +198,7 @@ Status AddPartChunk(Mapping& m, const std::string& meta_path, const DcpTensor& t
     box.shape.insert(box.shape.begin(), 1);
   }
   for (std::size_t d = 0; d < box.offset.size(); ++d) box.offset[d] += part.box.offset[d];
-  RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, chunk, base, box}, slot));
+  RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, chunk, base, box, std::nullopt}, slot));
   MappedTensor& mapped = m.tensors.at(n.name);
   mapped.labels = part.labels;
   mapped.per_expert = part.per_expert;
@@ -246,7 +247,7 @@ Status AddKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std:
       }
       if (!part.row_runs || ours == model_shapes.end() || ours->second != shape || box.shape.empty() ||
           box.shape[0] == 0) {
-        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{index, c, base, box}));
+        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{index, c, base, box, std::nullopt}));
         continue;
       }
       std::int64_t row_bytes = element;
@@ -256,7 +257,7 @@ Status AddKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std:
         run.offset[0] = r.dst;
         run.shape[0] = r.rows;
         RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
-                                     MappedPiece{index, c, base + (r.src - box.offset[0]) * row_bytes, run}));
+                                     MappedPiece{index, c, base + (r.src - box.offset[0]) * row_bytes, run, std::nullopt}));
       }
     }
   }
@@ -269,14 +270,46 @@ Status AddKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std:
   return Status::Ok();
 }
 
+// The chunks of key `t` (index `index`) through the flat mapper: false when it does not know the
+// key. Each piece becomes a ranged piece of `<param>/<state>` at its byte offset in the chunk.
+Result<bool> AddFlatKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std::size_t index,
+                        const DcpFlatMapper& flat) {
+  const auto element = static_cast<std::int64_t>(DTypeSize(t.dtype));
+  for (std::size_t c = 0; c < t.chunks.size(); ++c) {
+    RS_ASSIGN_OR_RETURN(const std::optional<std::vector<DcpFlatPiece>> pieces,
+                        flat(t.fqn, Box{t.chunks[c].offsets, t.chunks[c].sizes}));
+    if (!pieces) return false;
+    for (const DcpFlatPiece& p : *pieces) {
+      DcpName n;
+      n.name = p.param + "/" + p.state;
+      n.role = TensorRole::kOptimizerState;
+      n.param = p.param;
+      n.state = p.state;
+      MappedPiece piece{index, c, p.item * element, p.piece.box, p.piece.range};
+      // Every bucket key a parameter's state comes from is its own slot ("" would make two
+      // keys holding parts of one tensor a conflict); the flat mapper guarantees the parts.
+      RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, p.shape, std::move(piece), "flat:" + t.fqn));
+    }
+  }
+  if (t.chunks.empty()) {
+    RS_ASSIGN_OR_RETURN(const std::optional<std::vector<DcpFlatPiece>> none, flat(t.fqn, Box{}));
+    return none.has_value();
+  }
+  return true;
+}
+
 // Every tensor key by name (MapDcpName): as it is, or through the `mapper` (with the model's
 // parameter shapes) when the mapper names it. For a Megatron checkpoint (`megatron`) with a
 // mapper, keys the mapper does not know are not tensors of the model, and optimizer states it
 // does not map are refused.
 Status MapKeys(const DcpMetadata& md, const std::string& meta_path, bool megatron, const DcpKeyMapper& mapper,
-               const std::map<std::string, Shape>& model_shapes, Mapping& m) {
+               const DcpFlatMapper& flat, const std::map<std::string, Shape>& model_shapes, Mapping& m) {
   for (std::size_t i = 0; i < md.tensors.size(); ++i) {
     const DcpTensor& t = md.tensors[i];
+    if (flat) {
+      RS_ASSIGN_OR_RETURN(const bool known, AddFlatKey(m, meta_path, t, i, flat));
+      if (known) continue;
+    }
     const DcpName n = MapDcpName(t.fqn, megatron);
     if (n.step) {
       if (!t.size.empty() || t.chunks.size() != 1) {
@@ -311,7 +344,7 @@ Status MapKeys(const DcpMetadata& md, const std::string& meta_path, bool megatro
     }
     if (t.chunks.empty()) RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::nullopt));
     for (std::size_t c = 0; c < t.chunks.size(); ++c) {
-      MappedPiece p{i, c, 0, Box{t.chunks[c].offsets, t.chunks[c].sizes}};
+      MappedPiece p{i, c, 0, Box{t.chunks[c].offsets, t.chunks[c].sizes}, std::nullopt};
       RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, t.size, std::move(p)));
     }
   }
@@ -483,12 +516,12 @@ ShardEntry PieceShard(const DcpMetadata& md, const TensorSpec& spec, const Mappe
   const DcpChunk& ch = md.tensors[p.tensor].chunks[p.chunk];
   ShardEntry e;
   e.tensor = spec.name;
-  e.piece = Piece{p.box, std::nullopt};
+  e.piece = Piece{p.box, p.range};
   const bool stored = ch.storage != static_cast<std::size_t>(-1);
   e.file = stored ? md.storage[ch.storage].file : std::string(kDcpMetadataFileName);
   e.dataset = md.tensors[p.tensor].fqn + "@" + ShapeToString(ch.offsets);
-  if (p.byte_offset != 0 || p.box.shape != ch.sizes) e.dataset += "+" + std::to_string(p.byte_offset);
-  e.nbytes = p.box.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
+  if (p.byte_offset != 0 || p.box.shape != ch.sizes || p.range) e.dataset += "+" + std::to_string(p.byte_offset);
+  e.nbytes = e.piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
   e.rank = stored ? RankOfFile(e.file) : 0;
   return e;
 }
@@ -511,7 +544,11 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   const DcpKeyMapper none;
   const DcpKeyMapper& mapper = options.model ? options.key_mapper : none;
   RS_ASSIGN_OR_RETURN(const auto model_shapes, MapperModelShapes(dir, options, megatron, mapper));
-  RS_RETURN_IF_ERROR(MapKeys(md, meta_path, megatron, mapper, model_shapes, mapping));
+  DcpFlatKeys flat;
+  if (options.model && options.flat_mapper) {
+    RS_ASSIGN_OR_RETURN(flat, options.flat_mapper(*s->dcp_));
+  }
+  RS_RETURN_IF_ERROR(MapKeys(md, meta_path, megatron, mapper, flat.map, model_shapes, mapping));
   s->step_tensors = mapping.step_tensors;
   const std::set<std::string> states = OptimizerStates(mapping);
   for (const std::string& fqn : md.objects) {
@@ -522,6 +559,7 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
     RS_ASSIGN_OR_RETURN(const std::optional<std::int64_t> step, ReadMegatronStep(dir));
     if (step && !states.empty()) s->step_ = *step;
   }
+  if (flat.step && !states.empty()) s->step_ = *flat.step;
   const bool has_step = !s->step_tensors.empty() || !s->step_objects.empty() || s->step_.has_value();
 
   Manifest& m = s->manifest_;

@@ -81,11 +81,39 @@ struct DcpKeyPart {
 // name that asks for a part the model's tensor lacks) end the mapping.
 using DcpKeyMapper = std::function<Result<std::optional<DcpKeyPart>>(const std::string& param)>;
 
+// Keys whose chunks hold several tensors' items one after the other (Megatron's distributed-
+// optimizer buckets, `dp_reshardable`: formats/torch/MEGATRON.md): a piece of our optimizer
+// state `<param>/<state>` (the parameter shaped `shape`) whose items start at item `item` of the
+// chunk's flat buffer.
+struct DcpFlatPiece {
+  std::string param;
+  std::string state;
+  Shape shape;
+  Piece piece;
+  std::int64_t item = 0;
+};
+// The pieces of chunk `chunk` (a box of the key's tensor) of the key `fqn`; nullopt when the
+// key is not one the mapper knows. Errors end the mapping.
+using DcpFlatMapper =
+    std::function<Result<std::optional<std::vector<DcpFlatPiece>>>(const std::string& fqn, const Box& chunk)>;
+
+// What a flat mapper's maker gives: the mapper, and the optimizer step when the keys it knows
+// record one (Megatron's distributed optimizer keeps it with its param groups).
+struct DcpFlatKeys {
+  DcpFlatMapper map;
+  std::optional<std::int64_t> step;
+};
+
+class DcpCheckpoint;
+
 struct DcpSourceOptions {
   std::optional<ModelConfig> model;
   // With a model: maps keys that are another framework's names (convert/framework_names.h:
   // torchtitan's for a DCP directory, Megatron-Core's for a torch_dist one, which needs it).
   DcpKeyMapper key_mapper;
+  // With a model: makes the flat mapper from the opened checkpoint (its keys and objects), for
+  // the keys it knows (consulted before key_mapper). Empty: none.
+  std::function<Result<DcpFlatKeys>(DcpCheckpoint& checkpoint)> flat_mapper;
   // Check each chunk's CRC-32 (from its torch.save archive) the first time it is read.
   bool verify_crc = false;
 };
