@@ -433,13 +433,20 @@ std::function<Result<DcpFlatKeys>(DcpCheckpoint&)> MegatronDistOptMapper(ModelCo
     bool any = false;
     for (const DcpTensor& t : dcp.metadata().tensors) any |= t.fqn.find("optimizer.distributed.") != std::string::npos;
     if (!any) return DcpFlatKeys{};
-    auto with_dir = [&](const Status& st) {
-      return Status(st.code(), dcp.dir() + ": the distributed optimizer's dp_reshardable buckets: " + st.message());
+    // What the reconstruction does not model leaves the buckets unplaced: the checkpoint is
+    // still read (its model, inspect, verify), and refused for its optimizer states with why.
+    auto unplaced = [&](const Status& st) -> Result<DcpFlatKeys> {
+      if (st.code() != ErrorCode::kUnimplemented) {
+        return Status(st.code(), dcp.dir() + ": the distributed optimizer's dp_reshardable buckets: " + st.message());
+      }
+      DcpFlatKeys none;
+      none.why = st.message();
+      return none;
     };
     Result<MegatronDistOptSettings> s = MegatronDistOptSettingsFromArgs(args);
-    if (!s.ok()) return with_dir(s.status());
+    if (!s.ok()) return unplaced(s.status());
     Result<std::vector<MegatronDomain>> domains = LayOutMegatronDistOpt(model, *s);
-    if (!domains.ok()) return with_dir(domains.status());
+    if (!domains.ok()) return unplaced(domains.status());
     auto mapper = std::make_shared<DistOptMapper>(model, *s, std::move(*domains));
     RS_ASSIGN_OR_RETURN(const std::optional<std::int64_t> step, mapper->Check(dcp));
     DcpFlatKeys keys;

@@ -410,7 +410,7 @@ std::vector<std::string> StateOrder(const std::set<std::string>& states) {
 Result<std::vector<const MappedTensor*>> ModelTensors(const std::string& dir, const ModelConfig& cfg,
                                                       const DcpMetadata& md, const Mapping& mapping,
                                                       const std::set<std::string>& states, bool has_step, bool megatron,
-                                                      Manifest& m) {
+                                                      const std::string& flat_why, Manifest& m) {
   std::vector<const MappedTensor*> tensor_of;
   std::vector<std::string> missing, wrong;
   std::set<std::string> seen;
@@ -455,12 +455,14 @@ Result<std::vector<const MappedTensor*>> ModelTensors(const std::string& dir, co
   if (!mapping.refused.empty()) problems += "; what our model cannot express: " + Listed(mapping.refused);
   if (megatron) {
     bool flat_optimizer = false;
-    for (const std::string& fqn : md.objects) flat_optimizer |= fqn.starts_with("optimizer.distributed.");
+    for (const std::string& fqn : md.objects) flat_optimizer |= fqn.find("optimizer.distributed.") != std::string::npos;
     if (flat_optimizer && states.empty()) {
       problems +=
           "; the optimizer state is in the distributed optimizer's dp_reshardable format (flat buffers per "
-          "data-parallel rank, no per-parameter coordinates): save it in the fully_sharded_model_space or "
-          "fully_reshardable format to convert it";
+          "data-parallel rank, no per-parameter coordinates), whose layout is rebuilt from the args that "
+          "Megatron-LM records in common.pt (formats/torch/MEGATRON.md)" +
+          (flat_why.empty() ? std::string("; this checkpoint records none") : "; " + flat_why) +
+          "; save it in the fully_sharded_model_space or fully_reshardable format to convert it otherwise";
     }
   }
   if (!problems.empty()) {
@@ -567,7 +569,7 @@ Result<std::unique_ptr<DcpSource>> DcpSource::Open(const std::string& dir, const
   std::vector<const MappedTensor*> tensor_of;  // per manifest tensor; nullptr for the step
   if (options.model) {
     const ModelConfig& cfg = *options.model;  // validated before the mapping
-    RS_ASSIGN_OR_RETURN(tensor_of, ModelTensors(dir, cfg, md, mapping, states, has_step, megatron, m));
+    RS_ASSIGN_OR_RETURN(tensor_of, ModelTensors(dir, cfg, md, mapping, states, has_step, megatron, flat.why, m));
     m.metadata["model"] = cfg;
   } else {
     tensor_of = CheckpointTensors(mapping, has_step, m);

@@ -102,6 +102,8 @@ using DcpFlatMapper =
 struct DcpFlatKeys {
   DcpFlatMapper map;
   std::optional<std::int64_t> step;
+  // No mapper: why the keys cannot be placed (named when the checkpoint is refused for them).
+  std::string why;
 };
 
 class DcpCheckpoint;
