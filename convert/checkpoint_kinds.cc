@@ -10,10 +10,10 @@
 #include "base/check.h"
 #include "convert/framework_names.h"
 #include "convert/hf_directory.h"
+#include "convert/megatron_dist_opt.h"
 #include "formats/torch/dcp.h"
 #include "formats/torch/dcp_source.h"
 #include "formats/torch/dcp_verify.h"
-#include "convert/megatron_dist_opt.h"
 #include "formats/torch/torch_dist.h"
 #include "models/megatron_config.h"
 

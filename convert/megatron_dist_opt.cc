@@ -265,8 +265,8 @@ class DistOptMapper {
       at += size;
     }
     if (at != t.size[0]) {
-      return FailedPrecondition(where + ": the chunks of the bucket '" + t.fqn + "' end at item " +
-                                std::to_string(at) + " of its " + std::to_string(t.size[0]));
+      return FailedPrecondition(where + ": the chunks of the bucket '" + t.fqn + "' end at item " + std::to_string(at) +
+                                " of its " + std::to_string(t.size[0]));
     }
     return Status::Ok();
   }
@@ -323,8 +323,9 @@ std::string MegatronDomain::ObjectKey(const std::string& what) const {
 Result<MegatronDistOptSettings> MegatronDistOptSettingsFromArgs(const nlohmann::json& args) {
   if (!args.is_object()) return InvalidArgument("Megatron args: not a namespace of named values");
   if (!BoolArg(args, "use_distributed_optimizer")) {
-    return Unimplemented("Megatron args: use_distributed_optimizer is not set, yet the checkpoint has "
-                         "distributed-optimizer buckets");
+    return Unimplemented(
+        "Megatron args: use_distributed_optimizer is not set, yet the checkpoint has "
+        "distributed-optimizer buckets");
   }
   for (const char* name :
        {"virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
@@ -354,10 +355,13 @@ Result<MegatronDistOptSettings> MegatronDistOptSettingsFromArgs(const nlohmann::
   RS_ASSIGN_OR_RETURN(s.ep, IntArg(args, "expert_model_parallel_size", 1));
   RS_ASSIGN_OR_RETURN(s.etp, IntArg(args, "expert_tensor_parallel_size", s.tp));
   RS_ASSIGN_OR_RETURN(s.cp, IntArg(args, "context_parallel_size", 1));
-  for (const auto& [name, v] : {std::pair{"tensor_model_parallel_size", s.tp}, {"pipeline_model_parallel_size", s.pp},
-                                {"expert_model_parallel_size", s.ep}, {"expert_tensor_parallel_size", s.etp},
+  for (const auto& [name, v] : {std::pair{"tensor_model_parallel_size", s.tp},
+                                {"pipeline_model_parallel_size", s.pp},
+                                {"expert_model_parallel_size", s.ep},
+                                {"expert_tensor_parallel_size", s.etp},
                                 {"context_parallel_size", s.cp}}) {
-    if (v < 1 || v > (1 << 20)) return InvalidArgument(std::string("Megatron args: ") + name + " is " + std::to_string(v));
+    if (v < 1 || v > (1 << 20))
+      return InvalidArgument(std::string("Megatron args: ") + name + " is " + std::to_string(v));
   }
   RS_ASSIGN_OR_RETURN(const std::int64_t dp_arg, IntArg(args, "data_parallel_size", 0));
   RS_ASSIGN_OR_RETURN(std::int64_t world, IntArg(args, "world_size", 0));
@@ -379,8 +383,8 @@ Result<MegatronDistOptSettings> MegatronDistOptSettingsFromArgs(const nlohmann::
   s.pad_buckets_for_high_nccl_busbw = BoolArg(args, "ddp_pad_buckets_for_high_nccl_busbw");
   s.param_dtype = BoolArg(args, "bf16") ? "torch.bfloat16" : BoolArg(args, "fp16") ? "torch.float16" : "torch.float32";
   const auto fp32_grads = args.find("accumulate_allreduce_grads_in_fp32");
-  const bool grads_fp32 = fp32_grads != args.end() && fp32_grads->is_boolean() ? fp32_grads->get<bool>()
-                                                                                : BoolArg(args, "bf16");
+  const bool grads_fp32 =
+      fp32_grads != args.end() && fp32_grads->is_boolean() ? fp32_grads->get<bool>() : BoolArg(args, "bf16");
   s.grad_dtype = grads_fp32 ? "torch.float32" : s.param_dtype;
   return s;
 }

@@ -45,7 +45,7 @@ Result<MegatronDistOptSettings> MegatronDistOptSettingsFromArgs(const nlohmann::
 // One data-parallel domain's buffer: the dense parameters of one (pipeline, tensor) rank pair, or
 // the expert parameters of one (pipeline, expert, expert-tensor) triple.
 struct MegatronDomain {
-  std::string prefix;  // "chained_0." (dense) / "chained_1." (experts) when the rank has both, else ""
+  std::string prefix;          // "chained_0." (dense) / "chained_1." (experts) when the rank has both, else ""
   std::int64_t group_idx = 0;  // dp_group_idx
   bool expert = false;
   MegatronRank rank;

@@ -95,8 +95,8 @@ class StageBuilder {
     }
     const std::int64_t n = s[0] / r_.tp;
     std::vector<MegatronBlock> blocks;
-    for (const RowRun& run : MegatronQkvRuns(r_.tp_rank * n, (r_.tp_rank + 1) * n, m_.n_heads, m_.n_kv_heads,
-                                             m_.head_dim)) {
+    for (const RowRun& run :
+         MegatronQkvRuns(r_.tp_rank * n, (r_.tp_rank + 1) * n, m_.n_heads, m_.n_kv_heads, m_.head_dim)) {
       Box box = Box::Full(s);
       box.offset[0] = run.dst;
       box.shape[0] = run.rows;
@@ -137,8 +137,8 @@ class StageBuilder {
     // those of its submodules.
     RS_RETURN_IF_ERROR(Cut(mod + "dt_bias", l + "gdn.dt_bias", 0, r_.tp, r_.tp_rank));
     RS_RETURN_IF_ERROR(Cut(mod + "A_log", l + "gdn.A_log", 0, r_.tp, r_.tp_rank));
-    RS_RETURN_IF_ERROR(Sections(mod + "in_proj.weight", l + "gdn.in_proj.weight", {qk, qk, v, v, nv, nv}, r_.tp,
-                                r_.tp_rank));
+    RS_RETURN_IF_ERROR(
+        Sections(mod + "in_proj.weight", l + "gdn.in_proj.weight", {qk, qk, v, v, nv, nv}, r_.tp, r_.tp_rank));
     RS_RETURN_IF_ERROR(Sections(mod + "conv1d.weight", l + "gdn.conv1d.weight", {qk, qk, v}, r_.tp, r_.tp_rank));
     RS_RETURN_IF_ERROR(Whole(mod + "out_norm.weight", l + "gdn.norm.weight"));
     return Cut(mod + "out_proj.weight", l + "gdn.out.weight", 1, r_.tp, r_.tp_rank);
@@ -161,7 +161,8 @@ class StageBuilder {
       const std::string expert = mod + "experts.local_experts." + std::to_string(j) + ".";
       RS_RETURN_IF_ERROR(Sections(expert + "linear_fc1.weight", l + "moe.experts.fc1.weight", {m_.moe_ffn, m_.moe_ffn},
                                   r_.etp, r_.etp_rank, true, e));
-      RS_RETURN_IF_ERROR(Cut(expert + "linear_fc2.weight", l + "moe.experts.fc2.weight", 2, r_.etp, r_.etp_rank, true, e));
+      RS_RETURN_IF_ERROR(
+          Cut(expert + "linear_fc2.weight", l + "moe.experts.fc2.weight", 2, r_.etp, r_.etp_rank, true, e));
     }
     if (m_.shared_ffn > 0) RS_RETURN_IF_ERROR(Mlp(mod + "shared_experts.", l + "moe.shared.", m_.shared_ffn));
     return Status::Ok();
@@ -214,8 +215,8 @@ Result<MegatronStageLayers> MegatronLayersOfStage(const ModelConfig& model, std:
 
 Result<std::vector<MegatronLocalParam>> MegatronStageParams(const ModelConfig& model, const MegatronRank& rank) {
   RS_RETURN_IF_ERROR(model.Validate());
-  if (rank.tp_rank < 0 || rank.tp_rank >= rank.tp || rank.ep_rank < 0 || rank.ep_rank >= rank.ep ||
-      rank.etp_rank < 0 || rank.etp_rank >= rank.etp) {
+  if (rank.tp_rank < 0 || rank.tp_rank >= rank.tp || rank.ep_rank < 0 || rank.ep_rank >= rank.ep || rank.etp_rank < 0 ||
+      rank.etp_rank >= rank.etp) {
     return InvalidArgument("Megatron stage: a rank outside its parallel sizes");
   }
   RS_ASSIGN_OR_RETURN(const MegatronStageLayers layers, MegatronLayersOfStage(model, rank.pp, rank.pp_rank));

@@ -48,10 +48,10 @@ struct MegatronBlock {
 };
 
 struct MegatronLocalParam {
-  std::string name;  // Megatron's module name on its stage (`decoder.layers.<local i>.…`)
-  Shape shape;       // local
-  bool expert = false;          // bucketed with the expert-parallel parameters (allreduce False)
-  bool tp_replicated = false;   // whole on every tensor-parallel rank (norms, router)
+  std::string name;            // Megatron's module name on its stage (`decoder.layers.<local i>.…`)
+  Shape shape;                 // local
+  bool expert = false;         // bucketed with the expert-parallel parameters (allreduce False)
+  bool tp_replicated = false;  // whole on every tensor-parallel rank (norms, router)
   std::vector<MegatronBlock> blocks;
   std::int64_t numel() const { return Numel(shape); }
 };

@@ -198,7 +198,8 @@ Status AddPartChunk(Mapping& m, const std::string& meta_path, const DcpTensor& t
     box.shape.insert(box.shape.begin(), 1);
   }
   for (std::size_t d = 0; d < box.offset.size(); ++d) box.offset[d] += part.box.offset[d];
-  RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, chunk, base, box, std::nullopt}, slot));
+  RS_RETURN_IF_ERROR(
+      AddMapped(m, meta_path, t.fqn, n, t.dtype, ours, MappedPiece{index, chunk, base, box, std::nullopt}, slot));
   MappedTensor& mapped = m.tensors.at(n.name);
   mapped.labels = part.labels;
   mapped.per_expert = part.per_expert;
@@ -247,7 +248,8 @@ Status AddKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std:
       }
       if (!part.row_runs || ours == model_shapes.end() || ours->second != shape || box.shape.empty() ||
           box.shape[0] == 0) {
-        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{index, c, base, box, std::nullopt}));
+        RS_RETURN_IF_ERROR(
+            AddMapped(m, meta_path, t.fqn, n, t.dtype, shape, MappedPiece{index, c, base, box, std::nullopt}));
         continue;
       }
       std::int64_t row_bytes = element;
@@ -256,8 +258,9 @@ Status AddKey(Mapping& m, const std::string& meta_path, const DcpTensor& t, std:
         Box run = box;
         run.offset[0] = r.dst;
         run.shape[0] = r.rows;
-        RS_RETURN_IF_ERROR(AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
-                                     MappedPiece{index, c, base + (r.src - box.offset[0]) * row_bytes, run, std::nullopt}));
+        RS_RETURN_IF_ERROR(
+            AddMapped(m, meta_path, t.fqn, n, t.dtype, shape,
+                      MappedPiece{index, c, base + (r.src - box.offset[0]) * row_bytes, run, std::nullopt}));
       }
     }
   }

@@ -19,7 +19,8 @@ TEST(MegatronDistOptCliTest, ConvertsToAnyLayoutEqualToTheFullyReshardableSave) 
   for (const char* fixture : {"gpt_moe_f32", "qwen3_qk_norm_bf16", "deepseek_mla_bf16", "qwen3_next_gdn_bf16"}) {
     for (const char* layout : {"tp=1", "tp=4,ep=4", "pp=4,ep=2"}) {
       SCOPED_TRACE(std::string(fixture) + " -> " + layout);
-      const std::string dp = tmp / (std::string(fixture) + layout + "_dp"), full = tmp / (std::string(fixture) + layout + "_full");
+      const std::string dp = tmp / (std::string(fixture) + layout + "_dp"),
+                        full = tmp / (std::string(fixture) + layout + "_full");
       CommandResult r = RunCli("convert " + kDistOpt + "/" + fixture + "/dp_reshardable --to " + layout + " -o " + dp);
       ASSERT_EQ(r.exit_code, 0) << r.output;
       r = RunCli("convert " + kDistOpt + "/" + fixture + "/fully_reshardable --to " + layout + " -o " + full);

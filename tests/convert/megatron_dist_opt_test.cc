@@ -62,8 +62,14 @@ TEST(MegatronDistOptTest, StageParametersAndBuffersAreMegatronsOnEveryRank) {
     ASSERT_EQ(layout.size(), 8u);
     for (const nlohmann::json& rank : layout) {
       SCOPED_TRACE("rank " + rank["rank"].dump());
-      const MegatronRank r{s->tp,         s->pp, s->ep, s->etp, rank["tp"].get<std::int64_t>(),
-                           rank["pp"].get<std::int64_t>(), rank["ep"].get<std::int64_t>(), 0};
+      const MegatronRank r{s->tp,
+                           s->pp,
+                           s->ep,
+                           s->etp,
+                           rank["tp"].get<std::int64_t>(),
+                           rank["pp"].get<std::int64_t>(),
+                           rank["ep"].get<std::int64_t>(),
+                           0};
       Result<std::vector<MegatronLocalParam>> params = MegatronStageParams(model, r);
       ASSERT_TRUE(params.ok()) << params.status().message();
       std::vector<std::string> names;
@@ -72,7 +78,8 @@ TEST(MegatronDistOptTest, StageParametersAndBuffersAreMegatronsOnEveryRank) {
       // Every buffer Megatron built is the one of our domain for this rank, range for range.
       for (const nlohmann::json& buffer : rank["buffers"]) {
         const bool expert = buffer["group"] == "expert";
-        const std::int64_t idx = expert ? r.pp_rank * s->ep * s->etp + r.ep_rank * s->etp : r.pp_rank * s->tp + r.tp_rank;
+        const std::int64_t idx =
+            expert ? r.pp_rank * s->ep * s->etp + r.ep_rank * s->etp : r.pp_rank * s->tp + r.tp_rank;
         const MegatronDomain* d = nullptr;
         for (const MegatronDomain& c : *domains) {
           if (c.expert == expert && c.group_idx == idx) d = &c;
@@ -106,8 +113,8 @@ std::unique_ptr<ShardSource> OpenSource(const std::string& dir) {
 
 std::vector<float> ReadF32(ShardSource& s, const TensorSpec& spec) {
   std::vector<float> v(static_cast<std::size_t>(spec.numel()));
-  const Status st = s.ReadPiece(spec.name, Piece{Box::Full(spec.shape), std::nullopt},
-                                std::as_writable_bytes(std::span(v)));
+  const Status st =
+      s.ReadPiece(spec.name, Piece{Box::Full(spec.shape), std::nullopt}, std::as_writable_bytes(std::span(v)));
   EXPECT_TRUE(st.ok()) << spec.name << ": " << st.message();
   return v;
 }
@@ -116,9 +123,8 @@ std::vector<float> ReadF32(ShardSource& s, const TensorSpec& spec) {
 std::vector<float> ReadWide(ShardSource& s, const TensorSpec& spec) {
   if (spec.dtype == DType::kF32) return ReadF32(s, spec);
   std::vector<std::uint16_t> h(static_cast<std::size_t>(spec.numel()));
-  EXPECT_TRUE(s.ReadPiece(spec.name, Piece{Box::Full(spec.shape), std::nullopt},
-                          std::as_writable_bytes(std::span(h)))
-                  .ok());
+  EXPECT_TRUE(
+      s.ReadPiece(spec.name, Piece{Box::Full(spec.shape), std::nullopt}, std::as_writable_bytes(std::span(h))).ok());
   std::vector<float> v(h.size());
   for (std::size_t i = 0; i < h.size(); ++i) {
     const std::uint32_t bits = std::uint32_t{h[i]} << 16;
