@@ -46,7 +46,7 @@ struct ConvertArgs {
   std::string model;
   std::string output_format = "reshard";  // --format: reshard (ours) or dcp
   std::string dcp_names = "auto";         // --dcp-names: auto, ours or torchtitan
-  std::string megatron_spec = "te";       // --megatron-spec: te or local
+  std::string megatron_spec = "auto";     // --megatron-spec: auto, te or local
 };
 
 // Everything both the single- and the multi-process path need.
@@ -166,7 +166,21 @@ void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& ela
     }
   }
   if (a.output_format == "torch_dist") names = DcpNames::kMegatron;
-  const Result<MegatronSpec> spec = ParseMegatronSpec(a.megatron_spec);
+  // auto: what a Megatron source was saved with, else Transformer Engine (Megatron-LM's default).
+  Result<MegatronSpec> spec = MegatronSpec::kTransformerEngine;
+  if (a.megatron_spec != "auto") {
+    spec = ParseMegatronSpec(a.megatron_spec);
+  } else if (a.output_format == "torch_dist") {
+    const nlohmann::json& meta = s.source->manifest().metadata;
+    const Result<ModelConfig> model = meta.is_object() && meta.contains("model")
+                                          ? ModelConfigFromJson(meta["model"])
+                                          : Result<ModelConfig>(NotFound("no model recorded"));
+    if (model.ok()) {
+      const Result<std::optional<MegatronSpec>> of_source = MegatronSpecOfSource(s.source->dir(), *model);
+      if (!of_source.ok()) Fail("convert", of_source.status());
+      if (*of_source) spec = **of_source;
+    }
+  }
   if (!spec.ok()) Fail("convert", spec.status());
   Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names, *spec, share);
   progress.reset();
@@ -292,8 +306,9 @@ void RegisterConvert(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--megatron-spec", a->megatron_spec,
                   "--format torch_dist: the layer spec of the Megatron-Core run that loads it, which names some norms: "
-                  "te (Transformer Engine, Megatron-LM's default) or local")
-      ->check(CLI::IsMember({"te", "local"}))
+                  "te (Transformer Engine, Megatron-LM's default), local, or auto (a Megatron source's own: its args' "
+                  "transformer_impl, else the spec whose keys it holds; te otherwise)")
+      ->check(CLI::IsMember({"auto", "te", "local"}))
       ->capture_default_str();
   cmd->add_option("--model", a->model,
                   "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/model.h"
+#include "formats/torch/dcp.h"
 #include "formats/torch/pickle_writer.h"
 #include "formats/torch/torch_dist.h"
 #include "formats/torch/torch_save_writer.h"
@@ -580,6 +581,31 @@ Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, con
   }
   RS_RETURN_IF_ERROR(Finish(*writer, share));
   return stats;
+}
+
+Result<std::optional<MegatronSpec>> MegatronSpecOfSource(const std::string& dir, const ModelConfig& model) {
+  if (!IsMegatronTorchDist(dir)) return std::optional<MegatronSpec>();
+  RS_ASSIGN_OR_RETURN(const std::optional<nlohmann::json> args, ReadMegatronArgs(dir));
+  if (args && args->is_object()) {
+    const auto impl = args->find("transformer_impl");
+    if (impl != args->end() && impl->is_string()) {
+      if (*impl == "local") return std::optional<MegatronSpec>(MegatronSpec::kLocal);
+      if (*impl == "transformer_engine") return std::optional<MegatronSpec>(MegatronSpec::kTransformerEngine);
+    }
+  }
+  RS_ASSIGN_OR_RETURN(const std::unique_ptr<DcpCheckpoint> dcp, DcpCheckpoint::Open(dir));
+  std::set<std::string> held;
+  for (const DcpTensor& t : dcp->metadata().tensors) held.insert(t.fqn);
+  for (const MegatronSpec spec : {MegatronSpec::kLocal, MegatronSpec::kTransformerEngine}) {
+    Result<MegatronKeys> keys = MegatronKeysOf(model, spec);
+    if (!keys.ok()) continue;
+    bool all = true;
+    for (const auto& [param, placements] : keys->placements) {
+      for (const MegatronPlacement& p : placements) all = all && held.count(p.key) != 0;
+    }
+    if (all) return std::optional<MegatronSpec>(spec);
+  }
+  return std::optional<MegatronSpec>();
 }
 
 }  // namespace rs

@@ -55,6 +55,13 @@ struct DcpShare {
   std::int64_t process = 0;
   bool extras = true;
 };
+// The layer spec a Megatron-Core torch_dist checkpoint `dir` of `model` was saved with, so that
+// `convert --format torch_dist` writes what the run it came from loads: `transformer_impl` of
+// the args common.pt records ("local" or "transformer_engine"), else the spec whose model keys
+// (MegatronKeysOf) the checkpoint holds, every one of them; nullopt when `dir` is not torch_dist
+// or neither spec's keys are all there.
+Result<std::optional<MegatronSpec>> MegatronSpecOfSource(const std::string& dir, const ModelConfig& model);
+
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
                                const ExecuteOptions& options, DcpNames names = DcpNames::kOurs,
                                MegatronSpec spec = MegatronSpec::kTransformerEngine, const DcpShare& share = {});

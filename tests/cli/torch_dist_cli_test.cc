@@ -86,6 +86,19 @@ TEST(TorchDistCliTest, KeysAreMegatronCoresOwn) {
   }
 }
 
+// A Megatron source converted straight to torch_dist keeps the spec it was saved with (here the
+// local one, told by its keys): the keys are the fixture's own without --megatron-spec.
+TEST(TorchDistCliTest, KeepsTheSourcesSpec) {
+  TempDir tmp;
+  for (const char* fixture : {"homogeneous_f32", "hetero_bf16", "mla_f32", "qk_norm_f32"}) {
+    SCOPED_TRACE(fixture);
+    const std::string out = tmp / fixture;
+    const CommandResult c = RunCli("convert " + kMegatron + "/" + fixture + " --to tp=1 --format torch_dist -o " + out);
+    ASSERT_EQ(c.exit_code, 0) << c.output;
+    EXPECT_EQ(Keys(out, false), Keys(kMegatron + "/" + fixture, false));
+  }
+}
+
 // Transformer Engine's names (the default spec) for the norms it fuses into the linear that
 // follows them; MoE layers keep a pre-MLP norm of their own. Read back as the same tensors.
 TEST(TorchDistCliTest, TransformerEngineSpecNamesFusedNorms) {
