@@ -44,9 +44,12 @@ struct ConvertArgs {
   bool no_verify = false;
   FormatArgs format;
   std::string model;
-  std::string output_format = "reshard";  // --format: reshard (ours) or dcp
-  std::string dcp_names = "auto";         // --dcp-names: auto, ours or torchtitan
-  std::string megatron_spec = "auto";     // --megatron-spec: auto, te or local
+  std::string output_format = "reshard";    // --format: reshard (ours) or dcp
+  std::string dcp_names = "auto";           // --dcp-names: auto, ours or torchtitan
+  std::string megatron_spec = "auto";       // --megatron-spec: auto, te or local
+  std::string megatron_optimizer = "auto";  // --megatron-optimizer: auto, dp_reshardable or fully_reshardable
+  std::int64_t ddp_bucket_size = 0;         // --ddp-bucket-size (0: none given)
+  bool ddp_pad_high_nccl = false;           // --ddp-pad-buckets-for-high-nccl-busbw
 };
 
 // Everything both the single- and the multi-process path need.
@@ -182,7 +185,20 @@ void WriteDcp(const ConvertArgs& a, Setup& s, const std::function<double()>& ela
     }
   }
   if (!spec.ok()) Fail("convert", spec.status());
-  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names, *spec, share);
+  // auto: what a Megatron source had (dp_reshardable with its DDP settings), else fully_reshardable.
+  MegatronOptimizerWrite optimizer;
+  if (a.output_format == "torch_dist") {
+    if (a.megatron_optimizer == "auto") {
+      const Result<std::optional<MegatronOptimizerWrite>> of_source = MegatronOptimizerOfSource(s.source->dir());
+      if (!of_source.ok()) Fail("convert", of_source.status());
+      if (*of_source) optimizer = **of_source;
+    } else {
+      optimizer.dp_reshardable = a.megatron_optimizer == "dp_reshardable";
+    }
+    if (a.ddp_bucket_size > 0) optimizer.ddp_bucket_size = a.ddp_bucket_size;
+    if (a.ddp_pad_high_nccl) optimizer.pad_buckets_for_high_nccl_busbw = true;
+  }
+  Result<ExecuteStats> stats = ExportDcp(s.plan, *s.source, a.out, eo, names, *spec, share, optimizer);
   progress.reset();
   if (world.size() > 1) {
     const Status st = CommitTogether(
@@ -310,6 +326,18 @@ void RegisterConvert(CLI::App& app) {
                   "transformer_impl, else the spec whose keys it holds; te otherwise)")
       ->check(CLI::IsMember({"auto", "te", "local"}))
       ->capture_default_str();
+  cmd->add_option("--megatron-optimizer", a->megatron_optimizer,
+                  "--format torch_dist: the distributed optimizer's form: fully_reshardable (loads at any layout), "
+                  "dp_reshardable (Megatron-LM's default: the target run's DDP buckets; local spec), or auto (what a "
+                  "Megatron source had, else fully_reshardable)")
+      ->check(CLI::IsMember({"auto", "dp_reshardable", "fully_reshardable"}))
+      ->capture_default_str();
+  cmd->add_option("--ddp-bucket-size", a->ddp_bucket_size,
+                  "--megatron-optimizer dp_reshardable: Megatron-LM's --ddp-bucket-size of the run that loads it "
+                  "(with it, --overlap-grad-reduce; default: the source's, else one bucket per buffer)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--ddp-pad-buckets-for-high-nccl-busbw", a->ddp_pad_high_nccl,
+                "--megatron-optimizer dp_reshardable: the run pads buckets to 2^16 (Megatron-LM's flag of that name)");
   cmd->add_option("--model", a->model,
                   "PyTorch DCP sources: the model (preset or JSON file) whose tensors the checkpoint holds");
   cmd->callback([a] { RunConvert(*a); });

@@ -7,11 +7,13 @@
 #include <mutex>
 #include <set>
 
+#include "convert/megatron_dist_opt.h"
 #include "core/model.h"
 #include "formats/torch/dcp.h"
 #include "formats/torch/pickle_writer.h"
 #include "formats/torch/torch_dist.h"
 #include "formats/torch/torch_save_writer.h"
+#include "layout/fused.h"
 #include "models/family.h"
 #include "models/megatron_config.h"
 #include "models/megatron_names.h"
@@ -143,13 +145,15 @@ class SplitStream final : public ShardStream {
 class StepCatcher final : public ShardDestination {
  public:
   // `parts`: our tensor -> one or more copies, each a partition of it into their tensors.
+  // `discard`: tensors written another way (dp_reshardable buckets), whose pieces are dropped.
   StepCatcher(DcpWriter& writer, const std::map<std::string, std::vector<std::vector<Part>>>& parts,
-              const std::map<std::string, std::size_t>& element)
-      : writer_(writer), parts_(parts), element_(element) {}
+              const std::map<std::string, std::size_t>& element, std::set<std::string> discard = {})
+      : writer_(writer), parts_(parts), element_(element), discard_(std::move(discard)) {}
 
   Result<std::unique_ptr<ShardStream>> BeginShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
                                                   ReplicaKind replica) override {
     if (tensor == kStepTensor) return std::unique_ptr<ShardStream>(std::make_unique<Catch>(this));
+    if (discard_.contains(tensor)) return std::unique_ptr<ShardStream>(std::make_unique<Drop>());
     const auto it = parts_.find(tensor);
     if (it == parts_.end()) return writer_.BeginShard(rank, tensor, piece, replica);
     if (piece.range) {
@@ -192,9 +196,15 @@ class StepCatcher final : public ShardDestination {
     StepCatcher* c_;
     std::vector<std::byte> bytes_;
   };
+  class Drop final : public ShardStream {
+   public:
+    Status Append(std::span<const std::byte>) override { return Status::Ok(); }
+    Status Finish() override { return Status::Ok(); }
+  };
   DcpWriter& writer_;
   const std::map<std::string, std::vector<std::vector<Part>>>& parts_;
   const std::map<std::string, std::size_t>& element_;
+  std::set<std::string> discard_;
   std::mutex mu_;
   std::vector<std::byte> bytes_;
   bool caught_ = false;
@@ -328,12 +338,121 @@ Status Finish(DcpWriter& writer, const DcpShare& share) {
   return share.txn.empty() ? writer.Commit() : writer.CommitFragment(share.process);
 }
 
+// The Megatron run the target layout is, for its distributed-optimizer buffers: tp, pp, ep,
+// etp, cp from the mesh, its ranks Megatron's world, the DDP settings given.
+Result<MegatronDistOptSettings> TargetRun(const ModelConfig& model, const Mesh& mesh, const MegatronOptimizerWrite& w) {
+  MegatronDistOptSettings s;
+  s.tp = mesh.AxisSize("tp");
+  s.pp = mesh.AxisSize("pp");
+  s.ep = mesh.AxisSize("ep");
+  s.etp = mesh.AxisSize("etp");
+  s.cp = mesh.AxisSize("cp");
+  // Megatron's world is the target's ranks; its data parallelism is what tp × pp × cp leave
+  // (expert parallelism is carved out of it, as Megatron does).
+  const std::int64_t world = mesh.size();
+  s.dp = world / (s.tp * s.pp * s.cp);
+  if (world % (s.etp * s.ep * s.pp) != 0) {
+    return InvalidArgument("--megatron-optimizer dp_reshardable: the target's " + std::to_string(world) +
+                           " ranks do not split into expert groups of etp × ep × pp = " +
+                           std::to_string(s.etp * s.ep * s.pp) + " (Megatron's expert data parallelism)");
+  }
+  s.expert_dp = world / (s.etp * s.ep * s.pp);
+  s.overlap_grad_reduce = w.ddp_bucket_size.has_value();
+  s.ddp_bucket_size = w.ddp_bucket_size;
+  s.pad_buckets_for_high_nccl_busbw = w.pad_buckets_for_high_nccl_busbw;
+  s.param_dtype = model.param_dtype == DType::kBF16  ? "torch.bfloat16"
+                  : model.param_dtype == DType::kF16 ? "torch.float16"
+                                                     : "torch.float32";
+  s.grad_dtype = "torch.float32";  // Megatron-LM accumulates bf16 / fp16 runs' gradients in fp32
+  return s;
+}
+
+// Writes every bucket tensor of `domains` (param = our master, or the f32 parameter itself
+// when it has none; exp_avg; exp_avg_sq), one chunk per data-parallel rank of each bucket, the
+// padding inside zero, reading the source's pieces in blocks of at most 1 Mi items.
+Status WriteBuckets(DcpWriter& writer, ShardSource& source, const MegatronDistOptSettings& s,
+                    const std::vector<MegatronDomain>& domains) {
+  std::map<std::string, const TensorSpec*> tensors;
+  for (const TensorSpec& t : source.manifest().tensors) tensors.emplace(t.name, &t);
+  const auto source_of = [&](const std::string& param, const std::string& state) -> Result<std::string> {
+    const std::string ours = state == "param" ? "master" : state;
+    std::string name = param + "/" + ours;
+    if (!tensors.contains(name) && state == "param") name = param;
+    const auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      return FailedPrecondition("tensor '" + param + "' has no '" + ours + "' state for Megatron's buckets");
+    }
+    if (it->second->dtype != DType::kF32) {
+      return FailedPrecondition("tensor '" + name + "' is " + std::string(DTypeName(it->second->dtype)) +
+                                ": Megatron's distributed optimizer keeps its states in float32");
+    }
+    return name;
+  };
+  constexpr std::int64_t kBlock = std::int64_t{1} << 20;
+  std::vector<std::byte> buffer(static_cast<std::size_t>(kBlock) * 4);
+  const std::vector<std::byte> zeros(buffer.size());
+  for (const MegatronDomain& d : domains) {
+    const std::int64_t dp = d.expert ? s.expert_dp : s.dp * s.cp;
+    for (std::size_t b = 0; b < d.buffer.buckets.size(); ++b) {
+      const MegatronBucket& bucket = d.buffer.buckets[b];
+      for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
+        const std::string key = d.BucketKey(b, s) + "." + state;
+        RS_RETURN_IF_ERROR(writer.AddTensor(key, DcpTensorSpec{key, {key}, DType::kF32, {bucket.numel_unpadded}}));
+        const std::int64_t shard = bucket.shard_numel(dp);
+        for (std::int64_t r = 0; r < dp; ++r) {
+          const std::int64_t lo = r * shard, hi = std::min(lo + shard, bucket.numel_unpadded);
+          if (lo >= hi) continue;
+          RS_ASSIGN_OR_RETURN(auto out,
+                              writer.BeginShard(r, key, Piece{Box{{lo}, {hi - lo}}, std::nullopt}, ReplicaKind::kMain));
+          std::int64_t at = lo;
+          const auto pad = [&](std::int64_t to) -> Status {
+            while (at < to) {
+              const std::int64_t n = std::min(to - at, kBlock);
+              RS_RETURN_IF_ERROR(out->Append(std::span(zeros).first(static_cast<std::size_t>(n) * 4)));
+              at += n;
+            }
+            return Status::Ok();
+          };
+          for (std::size_t pi : bucket.params) {
+            const MegatronLocalParam& p = d.params[pi];
+            const std::int64_t ps = d.buffer.params[pi].start - bucket.start;
+            const std::int64_t a = std::max(lo, ps), e = std::min(hi, ps + p.numel());
+            if (a >= e) continue;
+            RS_RETURN_IF_ERROR(pad(a));
+            std::int64_t block_at = 0;  // the block's first item in the local parameter
+            for (const MegatronBlock& block : p.blocks) {
+              const std::int64_t n = block.box.numel();
+              std::int64_t x = std::max(a - ps, block_at);
+              const std::int64_t y = std::min(e - ps, block_at + n);
+              RS_ASSIGN_OR_RETURN(const std::string name, source_of(block.tensor, state));
+              while (x < y) {
+                const std::int64_t m = std::min(y - x, kBlock);
+                const Piece piece = CanonicalPiece(Piece{block.box, ItemRange{x - block_at, x - block_at + m}});
+                const auto bytes = std::span(buffer).first(static_cast<std::size_t>(m) * 4);
+                RS_RETURN_IF_ERROR(source.ReadPiece(name, piece, bytes));
+                RS_RETURN_IF_ERROR(out->Append(bytes));
+                x += m;
+              }
+              block_at += n;
+            }
+            at = e;
+          }
+          RS_RETURN_IF_ERROR(pad(hi));
+          RS_RETURN_IF_ERROR(out->Finish());
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
-                                     const ExecuteOptions& options, MegatronSpec spec, const DcpShare& share) {
+                                     const ExecuteOptions& options, MegatronSpec spec, const DcpShare& share,
+                                     const MegatronOptimizerWrite& write) {
   RS_ASSIGN_OR_RETURN(const ModelConfig model, SourceModel(source, "Megatron-Core keys"));
   RS_ASSIGN_OR_RETURN(const MegatronKeys keys, MegatronKeysOf(model, spec));
   const Mesh& mesh = plan.target.layout.mesh();
-  RS_ASSIGN_OR_RETURN(const nlohmann::json args,
+  RS_ASSIGN_OR_RETURN(nlohmann::json args,
                       MegatronArgsFromModel(model, mesh.AxisSize("tp"), mesh.AxisSize("pp"), mesh.AxisSize("ep")));
   RS_RETURN_IF_ERROR(RefuseUnwritable(plan));
   std::set<std::string> with_master, with_states;
@@ -341,6 +460,32 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
     if (t.role != TensorRole::kOptimizerState) continue;
     with_states.insert(t.param);
     if (t.state == "master") with_master.insert(t.param);
+  }
+  args["transformer_impl"] = spec == MegatronSpec::kLocal ? "local" : "transformer_engine";
+  std::optional<MegatronDistOptSettings> run;  // dp_reshardable: the target run's buffers
+  std::vector<MegatronDomain> domains;
+  std::set<std::string> in_buckets;  // our optimizer states, written into the buckets
+  if (write.dp_reshardable && !with_states.empty()) {
+    if (spec != MegatronSpec::kLocal) {
+      return Unimplemented(
+          "--megatron-optimizer dp_reshardable with --megatron-spec te: the parameter order of "
+          "Transformer Engine's modules, which the buckets follow, is not reconstructed "
+          "(formats/torch/MEGATRON.md §5); write fully_reshardable, or the local spec");
+    }
+    RS_ASSIGN_OR_RETURN(run, TargetRun(model, mesh, write));
+    RS_ASSIGN_OR_RETURN(domains, LayOutMegatronDistOpt(model, *run));
+    args["expert_tensor_parallel_size"] = run->etp;
+    args["context_parallel_size"] = run->cp;
+    args["data_parallel_size"] = run->dp;
+    args["world_size"] = run->tp * run->pp * run->cp * run->dp;
+    args["overlap_grad_reduce"] = run->overlap_grad_reduce;
+    args["ddp_bucket_size"] = run->ddp_bucket_size ? nlohmann::json(*run->ddp_bucket_size) : nlohmann::json();
+    args["ddp_pad_buckets_for_high_nccl_busbw"] = run->pad_buckets_for_high_nccl_busbw;
+    args["accumulate_allreduce_grads_in_fp32"] = model.param_dtype != DType::kF32;
+    args["num_distributed_optimizer_instances"] = 1;
+    for (const TensorSpec& t : plan.tensors) {
+      if (t.role == TensorRole::kOptimizerState) in_buckets.insert(t.name);
+    }
   }
   RS_ASSIGN_OR_RETURN(auto writer, NewWriter(dir, share));
   std::map<std::string, DType> declared;  // a stacked key holds every layer's tensor of ours
@@ -354,6 +499,13 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
     }
     const bool state = t.role == TensorRole::kOptimizerState;
     const std::string param = state ? t.param : t.name;
+    if (in_buckets.contains(t.name)) {
+      if (t.state != "master" && t.state != "exp_avg" && t.state != "exp_avg_sq") {
+        return Unimplemented("tensor '" + t.name + "': optimizer state '" + t.state +
+                             "' (Megatron's distributed optimizer keeps param, exp_avg and exp_avg_sq)");
+      }
+      continue;
+    }
     const auto placed = keys.placements.find(param);
     if (placed == keys.placements.end()) {
       return FailedPrecondition("tensor '" + t.name + "' is not one of the model's (" + model.name +
@@ -387,7 +539,7 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
       return Status::Ok();
     };
     RS_RETURN_IF_ERROR(copy(prefix, t.dtype));
-    if (!state && with_states.contains(param) && !with_master.contains(param)) {
+    if (!state && !run && with_states.contains(param) && !with_master.contains(param)) {
       // The distributed optimizer keeps an fp32 copy of every parameter (`param`); without a
       // master copy of ours, that is the parameter itself.
       if (t.dtype != DType::kF32) {
@@ -398,12 +550,13 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
       RS_RETURN_IF_ERROR(copy("optimizer.state.param.", DType::kF32));
     }
   }
-  StepCatcher destination(*writer, parts, element);
+  StepCatcher destination(*writer, parts, element, in_buckets);
   RS_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(plan, source, destination, options));
   if (!share.extras) {
     RS_RETURN_IF_ERROR(Finish(*writer, share));
     return stats;
   }
+  if (run) RS_RETURN_IF_ERROR(WriteBuckets(*writer, source, *run, domains));
   const std::vector<std::byte> none = NoneListArchive();
   for (const std::string& k : keys.extra_states) RS_RETURN_IF_ERROR(writer->AddBytes(0, k, none));
 
@@ -429,6 +582,22 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
     o.weight_decay = train({"train", "optimizer", "weight_decay"}, 0.1);
     o.experts = model.n_experts > 0 && model.AnyMoeLayer();
     common.optimizer = o;
+    if (run) {
+      common.sharding = "dp_reshardable";
+      for (const MegatronDomain& d : domains) {
+        std::vector<std::int64_t> padded, unpadded;
+        for (const MegatronBucket& b : d.buffer.buckets) {
+          padded.push_back(b.numel());
+          unpadded.push_back(b.numel_unpadded);
+        }
+        RS_RETURN_IF_ERROR(writer->AddBytes(0, d.ObjectKey("per_bucket_numel") + "/shard_0_1",
+                                            MegatronBucketNumelObject(run->param_dtype, run->grad_dtype, padded)));
+        RS_RETURN_IF_ERROR(writer->AddBytes(0, d.ObjectKey("per_bucket_numel_unpadded") + "/shard_0_1",
+                                            MegatronBucketNumelObject(run->param_dtype, run->grad_dtype, unpadded)));
+        RS_RETURN_IF_ERROR(
+            writer->AddBytes(0, d.ObjectKey("optimizer") + "/shard_0_1", MegatronDistOptGroupsObject(o, d.expert)));
+      }
+    }
     if (meta.is_object() && meta.contains("train")) {
       // Megatron-LM's scheduler counts samples: iterations × the global batch.
       const auto batch = static_cast<std::int64_t>(train({"train", "batch_size"}, 1));
@@ -499,9 +668,9 @@ Status WriteTitanParamGroups(DcpWriter& writer, const ShardSource& source, const
 }  // namespace
 
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
-                               const ExecuteOptions& options, DcpNames names, MegatronSpec spec,
-                               const DcpShare& share) {
-  if (names == DcpNames::kMegatron) return ExportTorchDist(plan, source, dir, options, spec, share);
+                               const ExecuteOptions& options, DcpNames names, MegatronSpec spec, const DcpShare& share,
+                               const MegatronOptimizerWrite& optimizer) {
+  if (names == DcpNames::kMegatron) return ExportTorchDist(plan, source, dir, options, spec, share, optimizer);
   Naming naming;
   if (names == DcpNames::kTorchtitan) {
     RS_ASSIGN_OR_RETURN(naming, TitanNaming(source));
@@ -606,6 +775,32 @@ Result<std::optional<MegatronSpec>> MegatronSpecOfSource(const std::string& dir,
     if (all) return std::optional<MegatronSpec>(spec);
   }
   return std::optional<MegatronSpec>();
+}
+
+Result<std::optional<MegatronOptimizerWrite>> MegatronOptimizerOfSource(const std::string& dir) {
+  if (!IsMegatronTorchDist(dir)) return std::optional<MegatronOptimizerWrite>();
+  RS_ASSIGN_OR_RETURN(const std::unique_ptr<DcpCheckpoint> dcp, DcpCheckpoint::Open(dir));
+  bool buckets = false;
+  for (const DcpTensor& t : dcp->metadata().tensors) {
+    buckets |=
+        t.fqn.find("optimizer.distributed.") != std::string::npos && t.fqn.find(".bucket_idx_") != std::string::npos;
+  }
+  if (!buckets) return std::optional<MegatronOptimizerWrite>();
+  MegatronOptimizerWrite w;
+  w.dp_reshardable = true;
+  RS_ASSIGN_OR_RETURN(const std::optional<nlohmann::json> args, ReadMegatronArgs(dir));
+  if (args && args->is_object()) {
+    const auto overlap = args->find("overlap_grad_reduce");
+    const auto size = args->find("ddp_bucket_size");
+    if (overlap != args->end() && overlap->is_boolean() && overlap->get<bool>()) {
+      // Megatron's default when none is given: max(40M, 1M × dp), which the target's dp
+      // changes; a recorded size is kept.
+      w.ddp_bucket_size = size != args->end() && size->is_number_integer() ? size->get<std::int64_t>() : 40'000'000;
+    }
+    const auto pad = args->find("ddp_pad_buckets_for_high_nccl_busbw");
+    w.pad_buckets_for_high_nccl_busbw = pad != args->end() && pad->is_boolean() && pad->get<bool>();
+  }
+  return std::optional<MegatronOptimizerWrite>(w);
 }
 
 }  // namespace rs

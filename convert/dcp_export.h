@@ -62,8 +62,23 @@ struct DcpShare {
 // or neither spec's keys are all there.
 Result<std::optional<MegatronSpec>> MegatronSpecOfSource(const std::string& dir, const ModelConfig& model);
 
+// How `convert --format torch_dist` writes the distributed optimizer's states.
+struct MegatronOptimizerWrite {
+  // dp_reshardable (formats/torch/MEGATRON.md §7): the target run's DDP buckets, laid out from
+  // the target layout and the settings below; else fully_reshardable (DCP.md §4.4).
+  bool dp_reshardable = false;
+  std::optional<std::int64_t> ddp_bucket_size;  // with a size: overlap_grad_reduce on
+  bool pad_buckets_for_high_nccl_busbw = false;
+};
+
+// Whether the torch_dist directory `dir` holds dp_reshardable buckets, and the DDP settings its
+// args record (for `--megatron-optimizer auto`); nullopt when it is not a torch_dist directory
+// with such buckets.
+Result<std::optional<MegatronOptimizerWrite>> MegatronOptimizerOfSource(const std::string& dir);
+
 Result<ExecuteStats> ExportDcp(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
                                const ExecuteOptions& options, DcpNames names = DcpNames::kOurs,
-                               MegatronSpec spec = MegatronSpec::kTransformerEngine, const DcpShare& share = {});
+                               MegatronSpec spec = MegatronSpec::kTransformerEngine, const DcpShare& share = {},
+                               const MegatronOptimizerWrite& optimizer = {});
 
 }  // namespace rs

@@ -291,13 +291,8 @@ void PickleJson(PickleWriter& p, const nlohmann::json& v) {
 
 // One optimizer of the chain: its param groups (the decayed and the undecayed one) for
 // dense (`experts` false) or expert-parallel parameters.
-void PickleOptimizer(PickleWriter& p, const MegatronCommon::Optimizer& o, bool expert_parallel) {
-  p.EmptyDict();
-  p.Mark();
-  p.String("optimizer");
-  p.EmptyDict();
-  p.Mark();
-  p.String("param_groups");
+// Megatron's two param groups (weight decay on, off) of one optimizer, as a list.
+void PickleParamGroups(PickleWriter& p, const MegatronCommon::Optimizer& o, bool expert_parallel) {
   p.EmptyList();
   p.Mark();
   for (const double wd_mult : {1.0, 0.0}) {
@@ -339,10 +334,31 @@ void PickleOptimizer(PickleWriter& p, const MegatronCommon::Optimizer& o, bool e
     p.SetItems();
   }
   p.Appends();
-  p.SetItems();
+}
+
+// {"optimizer": {"param_groups": [...]}, "param_state_sharding_type": "fully_reshardable"}, or
+// only the sharding type for dp_reshardable (the groups are then in the domains' objects).
+void PickleOptimizer(PickleWriter& p, const MegatronCommon::Optimizer& o, bool expert_parallel,
+                     const std::string& sharding) {
+  p.EmptyDict();
+  p.Mark();
+  if (sharding == "fully_reshardable") {
+    p.String("optimizer");
+    p.EmptyDict();
+    p.Mark();
+    p.String("param_groups");
+    PickleParamGroups(p, o, expert_parallel);
+    p.SetItems();
+  }
   p.String("param_state_sharding_type");
-  p.String("fully_reshardable");
+  p.String(sharding);
   p.SetItems();
+}
+
+// A torch dtype global from its name ("torch.bfloat16").
+void PickleDtype(PickleWriter& p, const std::string& name) {
+  const std::size_t dot = name.find('.');
+  p.Global(name.substr(0, dot), name.substr(dot + 1));
 }
 
 }  // namespace
@@ -369,12 +385,12 @@ std::vector<std::byte> MegatronCommonPt(const MegatronCommon& c) {
       p.EmptyDict();
       p.Mark();
       p.Int(0);
-      PickleOptimizer(p, *c.optimizer, false);
+      PickleOptimizer(p, *c.optimizer, false, c.sharding);
       p.Int(1);
-      PickleOptimizer(p, *c.optimizer, true);
+      PickleOptimizer(p, *c.optimizer, true, c.sharding);
       p.SetItems();
     } else {
-      PickleOptimizer(p, *c.optimizer, false);
+      PickleOptimizer(p, *c.optimizer, false, c.sharding);
     }
   }
   if (c.scheduler) {
@@ -393,9 +409,46 @@ std::vector<std::byte> MegatronCommonPt(const MegatronCommon& c) {
   }
   p.String("content_metadata");
   PickleJson(p, nlohmann::json{{"singleton_local_shards", false},
-                               {"distrib_optim_sharding_type", "fully_reshardable"},
+                               {"distrib_optim_sharding_type", c.sharding},
                                {"chained_optim_avoid_prefix", true}});
   p.SetItems();
+  p.Stop();
+  return ValueArchive(p.bytes());
+}
+
+std::vector<std::byte> MegatronDistOptGroupsObject(const MegatronCommon::Optimizer& o, bool expert_parallel) {
+  PickleWriter p;
+  p.EmptyList();
+  p.Mark();
+  p.EmptyDict();
+  p.Mark();
+  p.String("param_groups");
+  PickleParamGroups(p, o, expert_parallel);
+  p.SetItems();
+  p.Appends();
+  p.Stop();
+  return ValueArchive(p.bytes());
+}
+
+std::vector<std::byte> MegatronBucketNumelObject(const std::string& param_dtype, const std::string& grad_dtype,
+                                                 const std::vector<std::int64_t>& sizes) {
+  PickleWriter p;
+  p.EmptyList();
+  p.Mark();
+  p.EmptyList();
+  p.Mark();
+  p.EmptyDict();
+  p.Mark();
+  PickleDtype(p, param_dtype);
+  PickleDtype(p, grad_dtype);
+  p.Tuple2();
+  p.EmptyList();
+  p.Mark();
+  for (std::int64_t n : sizes) p.Int(n);
+  p.Appends();
+  p.SetItems();
+  p.Appends();
+  p.Appends();
   p.Stop();
   return ValueArchive(p.bytes());
 }

@@ -78,6 +78,10 @@ struct MegatronCommon {
     double max_lr = 0, min_lr = 0, weight_decay = 0;
   };
   std::optional<Scheduler> scheduler;
+  // The distributed optimizer's sharding type: "fully_reshardable" (the param groups are in
+  // common.pt) or "dp_reshardable" (they are in each domain's `optimizer` object,
+  // MegatronDistOptGroupsObject; common.pt keeps only the type per optimizer).
+  std::string sharding = "fully_reshardable";
 };
 
 // The torch.save archive of `common` (protocol 2, written by formats/torch/pickle_writer.h): a dict
@@ -90,5 +94,14 @@ struct MegatronCommon {
 // torch.load(weights_only=True) accepts once megatron.core is imported (argparse.Namespace,
 // torch dtypes).
 std::vector<std::byte> MegatronCommonPt(const MegatronCommon& common);
+
+// The objects of one distributed-optimizer domain in a dp_reshardable checkpoint
+// (formats/torch/MEGATRON.md §1), as Megatron-Core saves them (each value wrapped in a list):
+// `…dp_group_idx_<i>.optimizer` = [{"param_groups": [decayed, undecayed]}] with the step, and
+// `…per_bucket_numel(_unpadded)` = [[{(param dtype, grad dtype): [items per bucket]}]] (dtypes
+// as "torch.bfloat16", ...).
+std::vector<std::byte> MegatronDistOptGroupsObject(const MegatronCommon::Optimizer& o, bool expert_parallel);
+std::vector<std::byte> MegatronBucketNumelObject(const std::string& param_dtype, const std::string& grad_dtype,
+                                                 const std::vector<std::int64_t>& sizes);
 
 }  // namespace rs
