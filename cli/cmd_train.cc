@@ -198,6 +198,11 @@ train::TrainRunOptions RunOptions(const TrainArgs& a, comm::MpiWorld& world) {
   o.resume = a.resume;
   if (!a.resume.empty()) {
     for (const CLI::Option* opt : a.run_defining) {
+      if (opt->get_name() == "--micro-batches" && opt->count() > 0) {
+        // A schedule, not the model: the resumed run takes it.
+        o.resume_micro_batches = a.config.micro_batches;
+        continue;
+      }
       if (opt->count() > 0) {
         Fail("train", InvalidArgument(opt->get_name() + " cannot be combined with --resume: a resumed run keeps the "
                                                         "checkpoint's model, seed and training settings"));
@@ -467,7 +472,8 @@ void RegisterTrain(CLI::App& app) {
           ->capture_default_str(),
       cmd->add_option("--micro-batches", c.micro_batches,
                       "Split each step's batch into M micro-batches (gradient accumulation; the pipeline's unit "
-                      "with pp > 1); losses are defined per micro-batch, each weighing 1/M")
+                      "with pp > 1); losses are defined per micro-batch, each weighing 1/M. Allowed with --resume "
+                      "(a schedule, not the model)")
           ->capture_default_str(),
   };
   cmd->add_option("--steps", a->steps, "Train until this many steps are done (counting resumed ones)")->required();

@@ -3,6 +3,7 @@
 // every tensor), eval is deterministic, and bad input gives the documented exit codes.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -92,6 +93,30 @@ TEST_F(CliTrainTest, ResumeIsBitExact) {
   EXPECT_EQ(ja["tokens"], 20 * 64);
   EXPECT_GT(ja["mean_ce"].get<double>(), 1.0);
   EXPECT_LT(ja["mean_ce"].get<double>(), 5.6);
+}
+
+// Micro-batching is a schedule, not the model: `--micro-batches` is taken on resume. The first
+// resumed step's cross-entropy is the forward pass of the same state on the same batch, so it
+// equals the one of a resume that keeps one micro-batch (the mean over two halves of the batch,
+// each weighing 1/2); the run goes on under the new schedule, and its checkpoints record it.
+TEST_F(CliTrainTest, ResumeTakesAnotherMicroBatchCount) {
+  ASSERT_EQ(Run(std::string(kTrain) + " --steps 3 --save " + P("run")), 0);
+  ASSERT_EQ(Run("train --threads 1 --resume " + P("run") + " --steps 5 --save " + P("m1") + " --log " + P("m1.jsonl")),
+            0);
+  ASSERT_EQ(Run("train --threads 1 --resume " + P("run") + " --steps 5 --micro-batches 2 --save " + P("m2") +
+                " --log " + P("m2.jsonl")),
+            0);
+  const auto m1 = Log("m1.jsonl"), m2 = Log("m2.jsonl");
+  ASSERT_EQ(m1.size(), 2u);
+  ASSERT_EQ(m2.size(), 2u);
+  EXPECT_EQ(m2[0]["step"], 4);
+  EXPECT_NEAR(m2[0]["ce"].get<double>(), m1[0]["ce"].get<double>(), 1e-9 * m1[0]["ce"].get<double>());
+  EXPECT_TRUE(std::isfinite(m2[1]["loss"].get<double>()));
+  // The schedule is the resumed run's from then on: its checkpoint resumes with M = 2.
+  const nlohmann::json manifest = nlohmann::json::parse(Slurp(dir_ / "m2/step-00000005/manifest.json"));
+  EXPECT_EQ(manifest["metadata"]["train"]["micro_batches"], 2) << manifest["metadata"].dump();
+  // A count the batch cannot take is refused as for a fresh run.
+  EXPECT_EQ(Run("train --threads 1 --resume " + P("run") + " --steps 5 --micro-batches 3"), 2);
 }
 
 TEST_F(CliTrainTest, ResharedCheckpointEvaluatesAndResumesIdentically) {

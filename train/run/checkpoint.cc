@@ -326,9 +326,11 @@ Result<ResumeInputs> ReadResumeInputs(const std::string& dir, const std::optiona
 
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                                                       const std::optional<std::string>& data_path,
-                                                      const TrainParallel& parallel, ReadStats* read) {
+                                                      const TrainParallel& parallel, ReadStats* read,
+                                                      std::optional<std::int64_t> micro_batches) {
   const std::int64_t read_before = ShardFileBytesRead();
   Result<ResumeInputs> in = ReadResumeInputs(dir, data_path);
+  if (in.ok() && micro_batches) in->train.micro_batches = *micro_batches;
   // Agreed before the collective work below (Trainer::Create splits the world): a rank that
   // failed alone (a file it could not open) must not leave the others waiting in a split.
   if (parallel.world != nullptr && parallel.world->size() > 1) {

@@ -119,9 +119,12 @@ struct ReadStats {
   std::int64_t bytes_read = 0;
   std::int64_t stored_bytes = 0;  // the sizes of the checkpoint's data files
 };
+// `micro_batches`: the schedule to continue with instead of the checkpoint's (validated as a
+// fresh run's: it must divide the batch, and the pipeline's schedule must accept it).
 Result<std::unique_ptr<Trainer>> ResumeFromCheckpoint(const std::string& dir,
                                                       const std::optional<std::string>& data_path,
-                                                      const TrainParallel& parallel = {}, ReadStats* read = nullptr);
+                                                      const TrainParallel& parallel = {}, ReadStats* read = nullptr,
+                                                      std::optional<std::int64_t> micro_batches = std::nullopt);
 
 // The model config stored in a checkpoint's metadata (InvalidArgument if absent or invalid).
 Result<ModelConfig> CheckpointModelConfig(const std::string& dir);

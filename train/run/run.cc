@@ -84,7 +84,7 @@ bool TrainRun::ResumeTrainer() {
   resumed_from_ = dir;
   ReadStats read;
   const auto load_start = std::chrono::steady_clock::now();
-  auto t = ResumeFromCheckpoint(dir, o_.data, o_.parallel, &read);
+  auto t = ResumeFromCheckpoint(dir, o_.data, o_.parallel, &read, o_.resume_micro_batches);
   if (!world_.AllOk(t.ok())) return FailAll(t.ok() ? FailedPrecondition("another rank failed to resume") : t.status());
   trainer_ = std::move(*t);
   // The load's time is the slowest rank's (the AllOk above waited for all of them).

@@ -30,6 +30,10 @@ struct TrainRunOptions {
   // Non-empty: continue from this checkpoint, or from the newest in this run directory
   // (ResolveResume); `model` and `config` are then the checkpoint's, and unused here.
   std::string resume;
+  // With `resume`: the schedule to continue with instead of the checkpoint's (micro-batches
+  // are how a step's batch is cut, not the model: a resumed run at another pipeline depth may
+  // need another count). nullopt: the checkpoint's.
+  std::optional<std::int64_t> resume_micro_batches;
   ModelConfig model;                // a fresh run's model
   TrainConfig config;               // a fresh run's settings (seed and dispatch included)
   std::optional<std::string> data;  // the corpus (none: the resumed run's, or kDefaultCorpus)
