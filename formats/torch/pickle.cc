@@ -317,6 +317,10 @@ class Machine {
   }
   Status PushString(PickleKind kind, std::uint64_t len) {
     RS_ASSIGN_OR_RETURN(std::string s, ReadBytes(len));
+    if (kind == PickleKind::kString && !IsValidUtf8(s)) {
+      // Python's unpickler decodes these opcodes as UTF-8 and refuses the same bytes.
+      return Err("a unicode string of " + std::to_string(s.size()) + " bytes is not valid UTF-8");
+    }
     std::size_t n = 0;
     RS_RETURN_IF_ERROR(Push(kind, &n));
     N(n).s = std::move(s);

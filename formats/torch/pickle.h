@@ -36,7 +36,7 @@ enum class PickleKind : std::uint8_t {
   kBool,
   kInt,  // fits int64 (LONG1 / LONG4 of up to 8 bytes)
   kFloat,
-  kString,  // unicode (UTF-8 bytes as given; not validated)
+  kString,  // unicode: valid UTF-8 (invalid bytes are refused, as Python's unpickler refuses them)
   kBytes,   // bytes, bytearray, and protocol-2 "binstring"
   kTuple,
   kList,

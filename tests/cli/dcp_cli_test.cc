@@ -561,3 +561,41 @@ TEST(MegatronCliTest, ModelFromCommonPtArgs) {
 
 }  // namespace
 }  // namespace rs::testing
+
+namespace rs::testing {
+namespace {
+
+// Issue 53's abort: a `.metadata` whose keys are not valid UTF-8 (`tok_embeddings` made
+// `tok\xc3embeddings`, same length, everywhere in a real torchtitan DCP checkpoint) once
+// passed `verify` and made `convert` abort (an exception of the JSON library, exit 134) and
+// leave its staging directory. The pickle reader now refuses such a string where it reads it,
+// as Python's unpickler does: verify names the file and the byte offset, convert fails cleanly
+// and leaves nothing.
+TEST(DcpCliTest, InvalidUtf8KeysAreRefusedWhereRead) {
+  TempDir tmp;
+  const std::string src = std::string(RS_SOURCE_DIR) + "/tests/fixtures/titan/qwen3_moe_tiny";
+  const std::string dir = tmp / "bad";
+  std::filesystem::copy(src, dir, std::filesystem::copy_options::recursive);
+  std::string meta = Slurp(dir + "/.metadata");
+  std::size_t hits = 0;
+  for (std::size_t at = meta.find("tok_embeddings"); at != std::string::npos; at = meta.find("tok_embeddings", at)) {
+    meta[at + 3] = '\xc3';
+    ++hits;
+  }
+  ASSERT_GT(hits, 0u);
+  std::ofstream(dir + "/.metadata", std::ios::binary | std::ios::trunc) << meta;
+  CommandResult r = RunCli("verify " + dir);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("not valid UTF-8"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(".metadata"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pickle byte offset"), std::string::npos) << r.output;
+  r = RunCli("convert " + dir + " --to tp=1 -o " + (tmp / "out"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("not valid UTF-8"), std::string::npos) << r.output;
+  for (const auto& e : std::filesystem::directory_iterator(tmp.path())) {
+    EXPECT_TRUE(e.path().filename() == "bad") << "left behind: " << e.path();
+  }
+}
+
+}  // namespace
+}  // namespace rs::testing

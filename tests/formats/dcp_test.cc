@@ -499,9 +499,9 @@ TEST(PickleTest, DeepNestingAndCyclesAreBounded) {
   EXPECT_FALSE(PickleToJson(*l, l->root(), 64, 100000).ok());
 }
 
-TEST(PickleTest, StringsThatAreNotUtf8BecomeJsonThatDumps) {
-  // {"k\xff": ("v\xfe", "mod\xfd.na")}: a pickler never writes such strings, a damaged or
-  // hostile file can; the JSON a report shows (and DcpMetadata::storage_meta) must still dump.
+TEST(PickleTest, UnicodeThatIsNotUtf8IsRefusedWhereRead) {
+  // {"k\xff": ("v\xfe", "mod\xfd.na")}: a pickler never writes such unicode strings, a damaged
+  // or hostile file can; Python's unpickler refuses them, and so does ours, naming the offset.
   const std::string p =
       "\x80\x04}\x94X\x02\x00\x00\x00k\xff"
       "X\x02\x00\x00\x00v\xfe"
@@ -509,12 +509,24 @@ TEST(PickleTest, StringsThatAreNotUtf8BecomeJsonThatDumps) {
   PickleOptions inert;
   inert.inert_unknown_globals = true;
   auto t = Unpickle(Bytes(p), inert, "bad-utf8");
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), ErrorCode::kDataLoss);
+  EXPECT_NE(t.status().message().find("bad-utf8: pickle byte offset 4: a unicode string of 2 bytes is not valid UTF-8"),
+            std::string::npos)
+      << t.status().message();
+}
+
+TEST(PickleTest, BytesThatAreNotUtf8BecomeJsonThatDumps) {
+  // {"k": b"v\xfe"}: bytes may hold anything; the JSON a report shows must still dump.
+  const std::string p = "\x80\x04}\x94\x8c\x01kC\x02v\xfes."s;
+  PickleOptions inert;
+  inert.inert_unknown_globals = true;
+  auto t = Unpickle(Bytes(p), inert, "bytes");
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   auto j = PickleToJson(*t, t->root());
   ASSERT_TRUE(j.ok()) << j.status().ToString();
   const std::string dumped = j->dump();
-  EXPECT_NE(dumped.find("k\\\\xFF"), std::string::npos) << dumped;
-  EXPECT_NE(dumped.find("v\\\\xFE"), std::string::npos) << dumped;
+  EXPECT_NE(dumped.find("\"k\""), std::string::npos) << dumped;
 }
 
 TEST(PickleTest, RandomCorruptionNeverCrashes) {
