@@ -437,8 +437,8 @@ std::function<Result<DcpFlatKeys>(DcpCheckpoint&)> MegatronDistOptMapper(ModelCo
     bool any = false;
     for (const DcpTensor& t : dcp.metadata().tensors) any |= t.fqn.find("optimizer.distributed.") != std::string::npos;
     if (!any) return DcpFlatKeys{};
-    // What the reconstruction does not model leaves the buckets unplaced: the checkpoint is
-    // still read (its model, inspect, verify), and refused for its optimizer states with why.
+    // What the reconstruction does not model leaves the buckets unplaced, and the reader
+    // refuses them naming why (the model's keys do not include them).
     auto unplaced = [&](const Status& st) -> Result<DcpFlatKeys> {
       if (st.code() != ErrorCode::kUnimplemented) {
         return Status(st.code(), dcp.dir() + ": the distributed optimizer's dp_reshardable buckets: " + st.message());

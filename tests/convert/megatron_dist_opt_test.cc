@@ -14,8 +14,10 @@
 #include "convert/megatron_dist_opt.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -261,6 +263,29 @@ TEST(MegatronDistOptTest, RefusesWhatContradictsTheReconstruction) {
   st = OpenWithArgs("gpt_moe_f32", a);
   EXPECT_EQ(st.code(), ErrorCode::kUnimplemented);
   EXPECT_NE(st.message().find("transformer_impl"), std::string::npos) << st.message();
+}
+
+// A run with Transformer Engine's layer spec (common.pt's args say so): its buckets cannot be
+// placed, and reading the checkpoint into its model is refused naming why; verify still checks it.
+TEST(MegatronDistOptTest, TransformerEngineRunsAreRefusedNamingWhy) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("rs-te-dp-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::copy(kDistOpt + "/gpt_moe_f32/dp_reshardable", dir, fs::copy_options::recursive);
+  MegatronCommon common;
+  common.args = Args("gpt_moe_f32");
+  common.args["transformer_impl"] = "transformer_engine";
+  const std::vector<std::byte> pt = MegatronCommonPt(common);
+  std::ofstream(dir / "common.pt", std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(pt.data()), static_cast<std::streamsize>(pt.size()));
+  CheckpointOpenOptions o;
+  Result<std::unique_ptr<ShardSource>> s = OpenCheckpointSource(dir.string(), o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), ErrorCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("transformer_impl is 'transformer_engine'"), std::string::npos)
+      << s.status().message();
+  EXPECT_NE(s.status().message().find("dp_reshardable"), std::string::npos) << s.status().message();
+  fs::remove_all(dir);
 }
 
 }  // namespace
