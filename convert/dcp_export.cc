@@ -15,6 +15,7 @@
 #include "formats/torch/torch_save_writer.h"
 #include "layout/fused.h"
 #include "models/family.h"
+#include "models/megatron_args.h"
 #include "models/megatron_config.h"
 #include "models/megatron_names.h"
 #include "models/names.h"
@@ -790,15 +791,15 @@ Result<std::optional<MegatronOptimizerWrite>> MegatronOptimizerOfSource(const st
   w.dp_reshardable = true;
   RS_ASSIGN_OR_RETURN(const std::optional<nlohmann::json> args, ReadMegatronArgs(dir));
   if (args && args->is_object()) {
-    const auto overlap = args->find("overlap_grad_reduce");
-    const auto size = args->find("ddp_bucket_size");
-    if (overlap != args->end() && overlap->is_boolean() && overlap->get<bool>()) {
-      // Megatron's default when none is given: max(40M, 1M × dp), which the target's dp
+    const MegatronArgs a(*args, dir + "/common.pt args");
+    RS_ASSIGN_OR_RETURN(const bool overlap, a.Bool("overlap_grad_reduce", false));
+    if (overlap) {
+      // Megatron's default when none is given is max(40M, 1M × dp), which the target's dp
       // changes; a recorded size is kept.
-      w.ddp_bucket_size = size != args->end() && size->is_number_integer() ? size->get<std::int64_t>() : 40'000'000;
+      RS_ASSIGN_OR_RETURN(const std::int64_t size, a.Int("ddp_bucket_size", 40'000'000));
+      w.ddp_bucket_size = size;
     }
-    const auto pad = args->find("ddp_pad_buckets_for_high_nccl_busbw");
-    w.pad_buckets_for_high_nccl_busbw = pad != args->end() && pad->is_boolean() && pad->get<bool>();
+    RS_ASSIGN_OR_RETURN(w.pad_buckets_for_high_nccl_busbw, a.Bool("ddp_pad_buckets_for_high_nccl_busbw", false));
   }
   return std::optional<MegatronOptimizerWrite>(w);
 }

@@ -6,29 +6,18 @@
 #include "formats/torch/dcp.h"
 #include "formats/torch/pickle.h"
 #include "layout/fused.h"
+#include "models/megatron_args.h"
 
 namespace rs {
 namespace {
 
-// An integer argument; `fallback` when absent or null.
-Result<std::int64_t> IntArg(const nlohmann::json& args, const char* name, std::int64_t fallback) {
-  const auto it = args.find(name);
-  if (it == args.end() || it->is_null()) return fallback;
-  if (!it->is_number_integer()) return InvalidArgument(std::string("Megatron args: ") + name + " is not an integer");
-  return it->get<std::int64_t>();
-}
-
-bool BoolArg(const nlohmann::json& args, const char* name) {
-  const auto it = args.find(name);
-  return it != args.end() && it->is_boolean() && it->get<bool>();
-}
-
-bool Present(const nlohmann::json& args, const char* name) {
-  const auto it = args.find(name);
-  if (it == args.end() || it->is_null()) return false;
-  if (it->is_boolean()) return it->get<bool>();
-  if (it->is_number()) return it->get<double>() != 0;
-  if (it->is_string()) return !it->get<std::string>().empty();
+// Whether a layout-changing argument is in use: set, and not false, 0 or "".
+bool InUse(const MegatronArgs& a, const char* name) {
+  if (!a.Has(name)) return false;
+  const nlohmann::json& v = a.at(name);
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number()) return v.get<double>() != 0;
+  if (v.is_string()) return !v.get<std::string>().empty();
   return true;
 }
 
@@ -322,7 +311,9 @@ std::string MegatronDomain::ObjectKey(const std::string& what) const {
 
 Result<MegatronDistOptSettings> MegatronDistOptSettingsFromArgs(const nlohmann::json& args) {
   if (!args.is_object()) return InvalidArgument("Megatron args: not a namespace of named values");
-  if (!BoolArg(args, "use_distributed_optimizer")) {
+  const MegatronArgs a(args, "Megatron args");
+  RS_ASSIGN_OR_RETURN(const bool distributed, a.Bool("use_distributed_optimizer", false));
+  if (!distributed) {
     return Unimplemented(
         "Megatron args: use_distributed_optimizer is not set, yet the checkpoint has "
         "distributed-optimizer buckets");
@@ -332,59 +323,58 @@ Result<MegatronDistOptSettings> MegatronDistOptSettingsFromArgs(const nlohmann::
         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm",
         "use_megatron_fsdp", "use_torch_fsdp2", "mtp_num_layers"}) {
-    if (Present(args, name)) {
+    if (InUse(a, name)) {
       return Unimplemented(std::string("Megatron args: ") + name +
                            " is set; the distributed-optimizer buffers of such a run are not reconstructed "
                            "(formats/torch/MEGATRON.md §5)");
     }
   }
-  RS_ASSIGN_OR_RETURN(const std::int64_t instances, IntArg(args, "num_distributed_optimizer_instances", 1));
+  RS_ASSIGN_OR_RETURN(const std::int64_t instances, a.Int("num_distributed_optimizer_instances", 1));
   if (instances != 1) {
     return Unimplemented("Megatron args: num_distributed_optimizer_instances is " + std::to_string(instances) +
                          "; only one instance is reconstructed");
   }
-  const auto impl = args.find("transformer_impl");
-  if (impl != args.end() && impl->is_string() && impl->get<std::string>() != "local") {
-    return Unimplemented("Megatron args: transformer_impl is '" + impl->get<std::string>() +
+  RS_ASSIGN_OR_RETURN(const std::string impl, a.Text("transformer_impl", "local"));
+  if (impl != "local") {
+    return Unimplemented("Megatron args: transformer_impl is '" + impl +
                          "'; the parameter order of Transformer Engine's modules is not reconstructed, only the local "
                          "spec's (formats/torch/MEGATRON.md §5)");
   }
   MegatronDistOptSettings s;
-  RS_ASSIGN_OR_RETURN(s.tp, IntArg(args, "tensor_model_parallel_size", 1));
-  RS_ASSIGN_OR_RETURN(s.pp, IntArg(args, "pipeline_model_parallel_size", 1));
-  RS_ASSIGN_OR_RETURN(s.ep, IntArg(args, "expert_model_parallel_size", 1));
-  RS_ASSIGN_OR_RETURN(s.etp, IntArg(args, "expert_tensor_parallel_size", s.tp));
-  RS_ASSIGN_OR_RETURN(s.cp, IntArg(args, "context_parallel_size", 1));
+  RS_ASSIGN_OR_RETURN(s.tp, a.Int("tensor_model_parallel_size", 1));
+  RS_ASSIGN_OR_RETURN(s.pp, a.Int("pipeline_model_parallel_size", 1));
+  RS_ASSIGN_OR_RETURN(s.ep, a.Int("expert_model_parallel_size", 1));
+  RS_ASSIGN_OR_RETURN(s.etp, a.Int("expert_tensor_parallel_size", s.tp));
+  RS_ASSIGN_OR_RETURN(s.cp, a.Int("context_parallel_size", 1));
   for (const auto& [name, v] : {std::pair{"tensor_model_parallel_size", s.tp},
                                 {"pipeline_model_parallel_size", s.pp},
                                 {"expert_model_parallel_size", s.ep},
                                 {"expert_tensor_parallel_size", s.etp},
                                 {"context_parallel_size", s.cp}}) {
-    if (v < 1 || v > (1 << 20))
-      return InvalidArgument(std::string("Megatron args: ") + name + " is " + std::to_string(v));
+    if (v < 1 || v > (1 << 20)) return a.Bad(name, "is " + std::to_string(v) + ", not in [1, 2^20]");
   }
-  RS_ASSIGN_OR_RETURN(const std::int64_t dp_arg, IntArg(args, "data_parallel_size", 0));
-  RS_ASSIGN_OR_RETURN(std::int64_t world, IntArg(args, "world_size", 0));
+  RS_ASSIGN_OR_RETURN(const std::int64_t dp_arg, a.Int("data_parallel_size", 0));
+  RS_ASSIGN_OR_RETURN(std::int64_t world, a.Int("world_size", 0));
   if (world == 0 && dp_arg > 0) world = dp_arg * s.tp * s.pp * s.cp;
   if (world < 1) return InvalidArgument("Megatron args: neither world_size nor data_parallel_size is recorded");
   if (world % (s.tp * s.pp * s.cp) != 0 || world % (s.etp * s.ep * s.pp) != 0) {
-    return InvalidArgument("Megatron args: world_size " + std::to_string(world) +
-                           " is not divisible by the model-parallel sizes");
+    return a.Bad("world_size", std::to_string(world) + " is not divisible by the model-parallel sizes");
   }
   s.dp = world / (s.tp * s.pp * s.cp);
   s.expert_dp = world / (s.etp * s.ep * s.pp);
   if (dp_arg > 0 && dp_arg != s.dp) {
-    return InvalidArgument("Megatron args: data_parallel_size " + std::to_string(dp_arg) + " but world_size " +
-                           std::to_string(world) + " gives " + std::to_string(s.dp));
+    return a.Bad("data_parallel_size", std::to_string(dp_arg) + " but world_size " + std::to_string(world) + " gives " +
+                                           std::to_string(s.dp));
   }
-  s.overlap_grad_reduce = BoolArg(args, "overlap_grad_reduce");
-  RS_ASSIGN_OR_RETURN(const std::int64_t bucket, IntArg(args, "ddp_bucket_size", 0));
+  RS_ASSIGN_OR_RETURN(s.overlap_grad_reduce, a.Bool("overlap_grad_reduce", false));
+  RS_ASSIGN_OR_RETURN(const std::int64_t bucket, a.Int("ddp_bucket_size", 0));
   if (bucket > 0) s.ddp_bucket_size = bucket;
-  s.pad_buckets_for_high_nccl_busbw = BoolArg(args, "ddp_pad_buckets_for_high_nccl_busbw");
-  s.param_dtype = BoolArg(args, "bf16") ? "torch.bfloat16" : BoolArg(args, "fp16") ? "torch.float16" : "torch.float32";
-  const auto fp32_grads = args.find("accumulate_allreduce_grads_in_fp32");
-  const bool grads_fp32 =
-      fp32_grads != args.end() && fp32_grads->is_boolean() ? fp32_grads->get<bool>() : BoolArg(args, "bf16");
+  RS_ASSIGN_OR_RETURN(s.pad_buckets_for_high_nccl_busbw, a.Bool("ddp_pad_buckets_for_high_nccl_busbw", false));
+  RS_ASSIGN_OR_RETURN(const bool bf16, a.Bool("bf16", false));
+  RS_ASSIGN_OR_RETURN(const bool fp16, a.Bool("fp16", false));
+  s.param_dtype = bf16 ? "torch.bfloat16" : fp16 ? "torch.float16" : "torch.float32";
+  // Megatron-LM accumulates bf16 runs' gradients in fp32 unless told otherwise.
+  RS_ASSIGN_OR_RETURN(const bool grads_fp32, a.Bool("accumulate_allreduce_grads_in_fp32", bf16));
   s.grad_dtype = grads_fp32 ? "torch.float32" : s.param_dtype;
   return s;
 }

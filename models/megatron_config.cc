@@ -2,52 +2,12 @@
 
 #include <cmath>
 
+#include "models/megatron_args.h"
+
 namespace rs {
 namespace {
 
-// Reads Megatron-LM argument values, naming the argument in every message.
-class Args {
- public:
-  Args(const nlohmann::json& j, std::string what) : j_(j), what_(std::move(what)) {}
-
-  bool Has(const char* k) const { return j_.contains(k) && !j_[k].is_null(); }
-  Status Bad(const char* k, const std::string& why) const {
-    return InvalidArgument(what_ + ": argument '" + k + "' " + why);
-  }
-  Status Cannot(const char* k, const std::string& why) const {
-    return Unimplemented(what_ + ": argument '" + k + "' " + why);
-  }
-  Result<std::int64_t> Int(const char* k) const {
-    if (!Has(k)) return Bad(k, "is missing");
-    const nlohmann::json& v = j_[k];
-    if (!v.is_number_integer()) return Bad(k, "is " + v.dump() + ", not an integer");
-    const auto i = v.get<std::int64_t>();
-    if (i < 0 || i > (std::int64_t{1} << 40)) return Bad(k, "is " + v.dump() + ", out of range");
-    return i;
-  }
-  Result<std::int64_t> Int(const char* k, std::int64_t fallback) const { return Has(k) ? Int(k) : fallback; }
-  Result<double> Real(const char* k, double fallback) const {
-    if (!Has(k)) return fallback;
-    const nlohmann::json& v = j_[k];
-    if (!v.is_number() || !std::isfinite(v.get<double>())) return Bad(k, "is " + v.dump() + ", not a number");
-    return v.get<double>();
-  }
-  Result<bool> Bool(const char* k, bool fallback) const {
-    if (!Has(k)) return fallback;
-    if (!j_[k].is_boolean()) return Bad(k, "is " + j_[k].dump() + ", not true or false");
-    return j_[k].get<bool>();
-  }
-  Result<std::string> Text(const char* k, const std::string& fallback) const {
-    if (!Has(k)) return fallback;
-    if (!j_[k].is_string()) return Bad(k, "is " + j_[k].dump() + ", not a string");
-    return j_[k].get<std::string>();
-  }
-  const nlohmann::json& at(const char* k) const { return j_[k]; }
-
- private:
-  const nlohmann::json& j_;
-  std::string what_;
-};
+using Args = MegatronArgs;
 
 // moe_layer_freq: an integer N (MoE at layers 0, N, 2N, ...) or a 0/1 list per layer.
 Status ReadMoeLayers(const Args& a, ModelConfig& c) {

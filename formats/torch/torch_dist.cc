@@ -355,12 +355,6 @@ void PickleOptimizer(PickleWriter& p, const MegatronCommon::Optimizer& o, bool e
   p.SetItems();
 }
 
-// A torch dtype global from its name ("torch.bfloat16").
-void PickleDtype(PickleWriter& p, const std::string& name) {
-  const std::size_t dot = name.find('.');
-  p.Global(name.substr(0, dot), name.substr(dot + 1));
-}
-
 }  // namespace
 
 std::vector<std::byte> MegatronCommonPt(const MegatronCommon& c) {
@@ -439,8 +433,8 @@ std::vector<std::byte> MegatronBucketNumelObject(const std::string& param_dtype,
   p.Mark();
   p.EmptyDict();
   p.Mark();
-  PickleDtype(p, param_dtype);
-  PickleDtype(p, grad_dtype);
+  PickleJson(p, param_dtype);  // "torch.bfloat16" -> the torch.bfloat16 global
+  PickleJson(p, grad_dtype);
   p.Tuple2();
   p.EmptyList();
   p.Mark();
