@@ -200,7 +200,14 @@ class DistOptMapper {
     std::vector<DcpFlatPiece> out;
     if (chunk.rank() != 1) return std::optional<std::vector<DcpFlatPiece>>(std::move(out));  // Check refused it
     const std::int64_t lo = chunk.offset[0], hi = lo + chunk.shape[0];
-    for (std::size_t pi : bucket.params) {
+    // The bucket's parameters are in increasing buffer order: start at the first that ends
+    // after the chunk begins, stop at the first that starts after it ends.
+    const auto first = std::partition_point(bucket.params.begin(), bucket.params.end(), [&](std::size_t pi) {
+      return d.buffer.params[pi].end - bucket.start <= lo;
+    });
+    for (auto pit = first; pit != bucket.params.end(); ++pit) {
+      const std::size_t pi = *pit;
+      if (d.buffer.params[pi].start - bucket.start >= hi) break;
       const MegatronLocalParam& p = d.params[pi];
       if (p.tp_replicated && d.rank.tp_rank != 0) continue;  // tensor-parallel replicas: rank 0's
       const std::int64_t ps = d.buffer.params[pi].start - bucket.start, pe = d.buffer.params[pi].end - bucket.start;
@@ -260,15 +267,17 @@ class DistOptMapper {
     return Status::Ok();
   }
 
-  // The object key `<key>/shard_...` that md holds for `key`, or "".
-  static std::string FindObject(const DcpMetadata& md, const std::string& key) {
-    for (const std::string& fqn : md.objects) {
-      if (fqn == key || fqn.starts_with(key + "/")) return fqn;
+  // The object key (`<key>` or `<key>/shard_...`) that md holds for `key`, or "": through an
+  // index of the objects built once (a large run has an extra-state object per linear layer).
+  std::string FindObject(const DcpMetadata& md, const std::string& key) {
+    if (objects_.empty()) {
+      for (const std::string& fqn : md.objects) objects_.emplace(fqn.substr(0, fqn.find('/')), fqn);
     }
-    return "";
+    const auto it = objects_.find(key);
+    return it == objects_.end() ? "" : it->second;
   }
 
-  Status CheckNumels(DcpCheckpoint& dcp, const MegatronDomain& d, const std::string& what) const {
+  Status CheckNumels(DcpCheckpoint& dcp, const MegatronDomain& d, const std::string& what) {
     const std::string key = FindObject(dcp.metadata(), d.ObjectKey(what));
     if (key.empty()) {
       return FailedPrecondition(dcp.metadata_path() + ": the object '" + d.ObjectKey(what) +
@@ -296,6 +305,7 @@ class DistOptMapper {
   std::vector<MegatronDomain> domains_;
   std::map<std::string, Shape> shapes_;
   std::unordered_map<std::string, BucketRef> buckets_;
+  std::unordered_map<std::string, std::string> objects_;  // object key without "/shard_..." -> its fqn
   bool found_ = false;
 };
 
