@@ -341,7 +341,7 @@ Status Finish(DcpWriter& writer, const DcpShare& share) {
 
 // The Megatron run the target layout is, for its distributed-optimizer buffers: tp, pp, ep,
 // etp, cp from the mesh, its ranks Megatron's world, the DDP settings given.
-Result<MegatronDistOptSettings> TargetRun(const ModelConfig& model, const Mesh& mesh, const MegatronOptimizerWrite& w) {
+MegatronDistOptSettings TargetRun(const ModelConfig& model, const Mesh& mesh, const MegatronOptimizerWrite& w) {
   MegatronDistOptSettings s;
   s.tp = mesh.AxisSize("tp");
   s.pp = mesh.AxisSize("pp");
@@ -349,14 +349,10 @@ Result<MegatronDistOptSettings> TargetRun(const ModelConfig& model, const Mesh& 
   s.etp = mesh.AxisSize("etp");
   s.cp = mesh.AxisSize("cp");
   // Megatron's world is the target's ranks; its data parallelism is what tp × pp × cp leave
-  // (expert parallelism is carved out of it, as Megatron does).
+  // (expert parallelism is carved out of it, as Megatron does). The mesh's ranks are a product
+  // of every axis, so both divisions are exact.
   const std::int64_t world = mesh.size();
   s.dp = world / (s.tp * s.pp * s.cp);
-  if (world % (s.etp * s.ep * s.pp) != 0) {
-    return InvalidArgument("--megatron-optimizer dp_reshardable: the target's " + std::to_string(world) +
-                           " ranks do not split into expert groups of etp × ep × pp = " +
-                           std::to_string(s.etp * s.ep * s.pp) + " (Megatron's expert data parallelism)");
-  }
   s.expert_dp = world / (s.etp * s.ep * s.pp);
   s.overlap_grad_reduce = w.ddp_bucket_size.has_value();
   s.ddp_bucket_size = w.ddp_bucket_size;
@@ -473,7 +469,7 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
           "Transformer Engine's modules, which the buckets follow, is not reconstructed "
           "(formats/torch/MEGATRON.md §5); write fully_reshardable, or the local spec");
     }
-    RS_ASSIGN_OR_RETURN(run, TargetRun(model, mesh, write));
+    run = TargetRun(model, mesh, write);
     RS_ASSIGN_OR_RETURN(domains, LayOutMegatronDistOpt(model, *run));
     args["expert_tensor_parallel_size"] = run->etp;
     args["context_parallel_size"] = run->cp;

@@ -265,6 +265,62 @@ TEST(MegatronDistOptTest, RefusesWhatContradictsTheReconstruction) {
   EXPECT_NE(st.message().find("transformer_impl"), std::string::npos) << st.message();
 }
 
+// The settings read from args: every refusal names its argument.
+TEST(MegatronDistOptTest, SettingsRefuseWhatArgsDoNotSay) {
+  const nlohmann::json args = Args("gpt_moe_f32");
+  Result<MegatronDistOptSettings> s = MegatronDistOptSettingsFromArgs(args);
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  EXPECT_EQ(s->dp, 2);
+  EXPECT_EQ(s->expert_dp, 2);
+  EXPECT_EQ(s->grad_dtype, "torch.float32");
+  struct Case {
+    const char* field;
+    nlohmann::json value;
+    ErrorCode code;
+  };
+  const Case cases[] = {
+      {"use_distributed_optimizer", false, ErrorCode::kUnimplemented},
+      {"use_distributed_optimizer", "yes", ErrorCode::kInvalidArgument},
+      {"overlap_grad_reduce", 1, ErrorCode::kInvalidArgument},
+      {"tensor_model_parallel_size", "2", ErrorCode::kInvalidArgument},
+      {"tensor_model_parallel_size", 0, ErrorCode::kInvalidArgument},
+      {"world_size", 7, ErrorCode::kInvalidArgument},
+      {"data_parallel_size", 3, ErrorCode::kInvalidArgument},
+      {"transformer_impl", 5, ErrorCode::kInvalidArgument},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json a = args;
+    a[c.field] = c.value;
+    const Result<MegatronDistOptSettings> r = MegatronDistOptSettingsFromArgs(a);
+    ASSERT_FALSE(r.ok()) << c.field;
+    EXPECT_EQ(r.status().code(), c.code) << c.field << ": " << r.status().message();
+    EXPECT_NE(r.status().message().find(c.field), std::string::npos) << r.status().message();
+  }
+  nlohmann::json none = args;
+  none.erase("world_size");
+  none.erase("data_parallel_size");
+  EXPECT_EQ(MegatronDistOptSettingsFromArgs(none).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(MegatronDistOptSettingsFromArgs(nlohmann::json::array()).status().code(), ErrorCode::kInvalidArgument);
+}
+
+// Megatron's even pipeline split; an uneven one is refused (not guessed).
+TEST(MegatronDistOptTest, StagesSplitLayersEvenly) {
+  const ModelConfig model = Model(Args("gpt_moe_f32"));  // 4 layers
+  Result<MegatronStageLayers> l = MegatronLayersOfStage(model, 2, 1);
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->first, 2);
+  EXPECT_EQ(l->count, 2);
+  EXPECT_EQ(MegatronLayersOfStage(model, 3, 0).status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(MegatronLayersOfStage(model, 2, 2).status().code(), ErrorCode::kInvalidArgument);
+  MegatronRank bad;
+  bad.tp = 2;
+  bad.tp_rank = 2;
+  EXPECT_EQ(MegatronStageParams(model, bad).status().code(), ErrorCode::kInvalidArgument);
+  MegatronRank odd;
+  odd.ep = 3;  // 4 experts over 3 ranks
+  EXPECT_EQ(MegatronStageParams(model, odd).status().code(), ErrorCode::kInvalidArgument);
+}
+
 // A run with Transformer Engine's layer spec (common.pt's args say so): its buckets cannot be
 // placed, and reading the checkpoint into its model is refused naming why; verify still checks it.
 TEST(MegatronDistOptTest, TransformerEngineRunsAreRefusedNamingWhy) {
