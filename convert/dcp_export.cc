@@ -13,7 +13,6 @@
 #include "formats/torch/pickle_writer.h"
 #include "formats/torch/torch_dist.h"
 #include "formats/torch/torch_save_writer.h"
-#include "layout/fused.h"
 #include "models/family.h"
 #include "models/megatron_args.h"
 #include "models/megatron_config.h"
@@ -339,110 +338,6 @@ Status Finish(DcpWriter& writer, const DcpShare& share) {
   return share.txn.empty() ? writer.Commit() : writer.CommitFragment(share.process);
 }
 
-// The Megatron run the target layout is, for its distributed-optimizer buffers: tp, pp, ep,
-// etp, cp from the mesh, its ranks Megatron's world, the DDP settings given.
-MegatronDistOptSettings TargetRun(const ModelConfig& model, const Mesh& mesh, const MegatronOptimizerWrite& w) {
-  MegatronDistOptSettings s;
-  s.tp = mesh.AxisSize("tp");
-  s.pp = mesh.AxisSize("pp");
-  s.ep = mesh.AxisSize("ep");
-  s.etp = mesh.AxisSize("etp");
-  s.cp = mesh.AxisSize("cp");
-  // Megatron's world is the target's ranks; its data parallelism is what tp × pp × cp leave
-  // (expert parallelism is carved out of it, as Megatron does). The mesh's ranks are a product
-  // of every axis, so both divisions are exact.
-  const std::int64_t world = mesh.size();
-  s.dp = world / (s.tp * s.pp * s.cp);
-  s.expert_dp = world / (s.etp * s.ep * s.pp);
-  s.overlap_grad_reduce = w.ddp_bucket_size.has_value();
-  s.ddp_bucket_size = w.ddp_bucket_size;
-  s.pad_buckets_for_high_nccl_busbw = w.pad_buckets_for_high_nccl_busbw;
-  s.param_dtype = model.param_dtype == DType::kBF16  ? "torch.bfloat16"
-                  : model.param_dtype == DType::kF16 ? "torch.float16"
-                                                     : "torch.float32";
-  s.grad_dtype = "torch.float32";  // Megatron-LM accumulates bf16 / fp16 runs' gradients in fp32
-  return s;
-}
-
-// Writes every bucket tensor of `domains` (param = our master, or the f32 parameter itself
-// when it has none; exp_avg; exp_avg_sq), one chunk per data-parallel rank of each bucket, the
-// padding inside zero, reading the source's pieces in blocks of at most 1 Mi items.
-Status WriteBuckets(DcpWriter& writer, ShardSource& source, const MegatronDistOptSettings& s,
-                    const std::vector<MegatronDomain>& domains) {
-  std::map<std::string, const TensorSpec*> tensors;
-  for (const TensorSpec& t : source.manifest().tensors) tensors.emplace(t.name, &t);
-  const auto source_of = [&](const std::string& param, const std::string& state) -> Result<std::string> {
-    const std::string ours = state == "param" ? "master" : state;
-    std::string name = param + "/" + ours;
-    if (!tensors.contains(name) && state == "param") name = param;
-    const auto it = tensors.find(name);
-    if (it == tensors.end()) {
-      return FailedPrecondition("tensor '" + param + "' has no '" + ours + "' state for Megatron's buckets");
-    }
-    if (it->second->dtype != DType::kF32) {
-      return FailedPrecondition("tensor '" + name + "' is " + std::string(DTypeName(it->second->dtype)) +
-                                ": Megatron's distributed optimizer keeps its states in float32");
-    }
-    return name;
-  };
-  constexpr std::int64_t kBlock = std::int64_t{1} << 20;
-  std::vector<std::byte> buffer(static_cast<std::size_t>(kBlock) * 4);
-  const std::vector<std::byte> zeros(buffer.size());
-  for (const MegatronDomain& d : domains) {
-    const std::int64_t dp = d.expert ? s.expert_dp : s.dp * s.cp;
-    for (std::size_t b = 0; b < d.buffer.buckets.size(); ++b) {
-      const MegatronBucket& bucket = d.buffer.buckets[b];
-      for (const char* state : {"param", "exp_avg", "exp_avg_sq"}) {
-        const std::string key = d.BucketKey(b, s) + "." + state;
-        RS_RETURN_IF_ERROR(writer.AddTensor(key, DcpTensorSpec{key, {key}, DType::kF32, {bucket.numel_unpadded}}));
-        const std::int64_t shard = bucket.shard_numel(dp);
-        for (std::int64_t r = 0; r < dp; ++r) {
-          const std::int64_t lo = r * shard, hi = std::min(lo + shard, bucket.numel_unpadded);
-          if (lo >= hi) continue;
-          RS_ASSIGN_OR_RETURN(auto out,
-                              writer.BeginShard(r, key, Piece{Box{{lo}, {hi - lo}}, std::nullopt}, ReplicaKind::kMain));
-          std::int64_t at = lo;
-          const auto pad = [&](std::int64_t to) -> Status {
-            while (at < to) {
-              const std::int64_t n = std::min(to - at, kBlock);
-              RS_RETURN_IF_ERROR(out->Append(std::span(zeros).first(static_cast<std::size_t>(n) * 4)));
-              at += n;
-            }
-            return Status::Ok();
-          };
-          for (std::size_t pi : bucket.params) {
-            const MegatronLocalParam& p = d.params[pi];
-            const std::int64_t ps = d.buffer.params[pi].start - bucket.start;
-            const std::int64_t a = std::max(lo, ps), e = std::min(hi, ps + p.numel());
-            if (a >= e) continue;
-            RS_RETURN_IF_ERROR(pad(a));
-            std::int64_t block_at = 0;  // the block's first item in the local parameter
-            for (const MegatronBlock& block : p.blocks) {
-              const std::int64_t n = block.box.numel();
-              std::int64_t x = std::max(a - ps, block_at);
-              const std::int64_t y = std::min(e - ps, block_at + n);
-              RS_ASSIGN_OR_RETURN(const std::string name, source_of(block.tensor, state));
-              while (x < y) {
-                const std::int64_t m = std::min(y - x, kBlock);
-                const Piece piece = CanonicalPiece(Piece{block.box, ItemRange{x - block_at, x - block_at + m}});
-                const auto bytes = std::span(buffer).first(static_cast<std::size_t>(m) * 4);
-                RS_RETURN_IF_ERROR(source.ReadPiece(name, piece, bytes));
-                RS_RETURN_IF_ERROR(out->Append(bytes));
-                x += m;
-              }
-              block_at += n;
-            }
-            at = e;
-          }
-          RS_RETURN_IF_ERROR(pad(hi));
-          RS_RETURN_IF_ERROR(out->Finish());
-        }
-      }
-    }
-  }
-  return Status::Ok();
-}
-
 Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& source, const std::string& dir,
                                      const ExecuteOptions& options, MegatronSpec spec, const DcpShare& share,
                                      const MegatronOptimizerWrite& write) {
@@ -469,17 +364,9 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
           "Transformer Engine's modules, which the buckets follow, is not reconstructed "
           "(formats/torch/MEGATRON.md §5); write fully_reshardable, or the local spec");
     }
-    run = TargetRun(model, mesh, write);
+    run = MegatronTargetRun(model, mesh, write.ddp_bucket_size, write.pad_buckets_for_high_nccl_busbw);
     RS_ASSIGN_OR_RETURN(domains, LayOutMegatronDistOpt(model, *run));
-    args["expert_tensor_parallel_size"] = run->etp;
-    args["context_parallel_size"] = run->cp;
-    args["data_parallel_size"] = run->dp;
-    args["world_size"] = run->tp * run->pp * run->cp * run->dp;
-    args["overlap_grad_reduce"] = run->overlap_grad_reduce;
-    args["ddp_bucket_size"] = run->ddp_bucket_size ? nlohmann::json(*run->ddp_bucket_size) : nlohmann::json();
-    args["ddp_pad_buckets_for_high_nccl_busbw"] = run->pad_buckets_for_high_nccl_busbw;
-    args["accumulate_allreduce_grads_in_fp32"] = model.param_dtype != DType::kF32;
-    args["num_distributed_optimizer_instances"] = 1;
+    RecordMegatronDdpArgs(*run, args);
     for (const TensorSpec& t : plan.tensors) {
       if (t.role == TensorRole::kOptimizerState) in_buckets.insert(t.name);
     }
@@ -553,7 +440,7 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
     RS_RETURN_IF_ERROR(Finish(*writer, share));
     return stats;
   }
-  if (run) RS_RETURN_IF_ERROR(WriteBuckets(*writer, source, *run, domains));
+  if (run) RS_RETURN_IF_ERROR(WriteMegatronBuckets(*writer, source, *run, domains));
   const std::vector<std::byte> none = NoneListArchive();
   for (const std::string& k : keys.extra_states) RS_RETURN_IF_ERROR(writer->AddBytes(0, k, none));
 
@@ -581,19 +468,7 @@ Result<ExecuteStats> ExportTorchDist(const ReshardPlan& plan, ShardSource& sourc
     common.optimizer = o;
     if (run) {
       common.sharding = "dp_reshardable";
-      for (const MegatronDomain& d : domains) {
-        std::vector<std::int64_t> padded, unpadded;
-        for (const MegatronBucket& b : d.buffer.buckets) {
-          padded.push_back(b.numel());
-          unpadded.push_back(b.numel_unpadded);
-        }
-        RS_RETURN_IF_ERROR(writer->AddBytes(0, d.ObjectKey("per_bucket_numel") + "/shard_0_1",
-                                            MegatronBucketNumelObject(run->param_dtype, run->grad_dtype, padded)));
-        RS_RETURN_IF_ERROR(writer->AddBytes(0, d.ObjectKey("per_bucket_numel_unpadded") + "/shard_0_1",
-                                            MegatronBucketNumelObject(run->param_dtype, run->grad_dtype, unpadded)));
-        RS_RETURN_IF_ERROR(
-            writer->AddBytes(0, d.ObjectKey("optimizer") + "/shard_0_1", MegatronDistOptGroupsObject(o, d.expert)));
-      }
+      RS_RETURN_IF_ERROR(WriteMegatronDistOptObjects(*writer, *run, domains, o));
     }
     if (meta.is_object() && meta.contains("train")) {
       // Megatron-LM's scheduler counts samples: iterations × the global batch.

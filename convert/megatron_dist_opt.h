@@ -19,8 +19,11 @@
 #include <vector>
 
 #include "base/status.h"
+#include "core/mesh.h"
 #include "core/model.h"
 #include "formats/torch/dcp_source.h"
+#include "formats/torch/dcp_writer.h"
+#include "formats/torch/torch_dist.h"
 #include "layout/megatron_buffers.h"
 #include "models/megatron_params.h"
 
@@ -66,5 +69,31 @@ Result<std::vector<MegatronDomain>> LayOutMegatronDistOpt(const ModelConfig& mod
 // contradicts the reconstruction (a bucket's size, per_bucket_numel(_unpadded), a missing or
 // unexpected bucket key, chunks that do not tile a bucket); errors of the settings.
 std::function<Result<DcpFlatKeys>(DcpCheckpoint&)> MegatronDistOptMapper(ModelConfig model, nlohmann::json args);
+
+// ---- Writing (formats/torch/MEGATRON.md §7) ----
+
+// The Megatron run a target layout is, for its buffers: tp, pp, ep, etp, cp from the mesh, its
+// ranks Megatron's world (dp = world / (tp × pp × cp), expert dp = world / (etp × ep × pp), exact
+// since the ranks are the product of the axes), the DDP settings given (a bucket size turns
+// overlap_grad_reduce on), the model's parameter dtype, fp32 gradients for bf16 / fp16.
+MegatronDistOptSettings MegatronTargetRun(const ModelConfig& model, const Mesh& mesh,
+                                          std::optional<std::int64_t> ddp_bucket_size,
+                                          bool pad_buckets_for_high_nccl_busbw);
+
+// Records the run's parallel and DDP settings in Megatron-LM's `args`, as its argument parser
+// names them, so that the reader (and Megatron-LM) lays out the same buffers.
+void RecordMegatronDdpArgs(const MegatronDistOptSettings& run, nlohmann::json& args);
+
+// Writes every bucket tensor of `domains` (param = our master, or the f32 parameter itself
+// when it has none; exp_avg; exp_avg_sq), one chunk per data-parallel rank of each bucket, the
+// padding inside zero, reading the source's pieces in blocks of at most 1 Mi items.
+// FailedPrecondition naming a state the source lacks or holds in another dtype than float32.
+Status WriteMegatronBuckets(DcpWriter& writer, ShardSource& source, const MegatronDistOptSettings& run,
+                            const std::vector<MegatronDomain>& domains);
+
+// Each domain's per_bucket_numel, per_bucket_numel_unpadded and optimizer (param groups with
+// the step) objects, as Megatron-Core saves them.
+Status WriteMegatronDistOptObjects(DcpWriter& writer, const MegatronDistOptSettings& run,
+                                   const std::vector<MegatronDomain>& domains, const MegatronCommon::Optimizer& o);
 
 }  // namespace rs
