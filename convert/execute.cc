@@ -128,6 +128,10 @@ void CopyItems(DType from, const std::byte* src, DType to, std::byte* dst, std::
 // source checks what it reads (RawExtent::check_block_bytes > 0: format version 2), a mapping
 // is widened to whole checksum blocks and each block is checked in the mapping before any copy
 // is taken from it; the source checked the file as a whole when it handed out the extent.
+// Extents smaller than this are read with pread into the staging block even where they could
+// be mapped: mapping, populating and unmapping a few pages costs more than copying them.
+constexpr std::int64_t kMapMinBytes = std::int64_t{1} << 20;
+
 class SourceMaps {
  public:
   explicit SourceMaps(ShardSource& source) : source_(source) {}
@@ -275,7 +279,7 @@ Status FillWindow(const ReshardPlan& plan, const TargetShard& ts, ShardSource& s
           w0 = c.src;
           w1 = t.dense ? std::min(t.src_end, w0 + staging_items) : w0 + std::min(c.length, staging_items);
           bytes_read += (w1 - w0) * ses;
-          if (mapped) {
+          if (mapped && (w1 - w0) * ses >= kMapMinBytes) {
             auto mapped_block = maps->Map(t.source, w0 * ses, (w1 - w0) * ses);
             if (!mapped_block.ok()) {
               st = mapped_block.status();
@@ -357,6 +361,7 @@ class CheckpointDestination final : public ShardDestination {
     return std::unique_ptr<ShardStream>(std::make_unique<CheckpointStream>(std::move(sink)));
   }
   std::int64_t StagingBytes(std::int64_t nbytes) const override { return writer_.StagingBytes(nbytes); }
+  Status RankDone(std::int64_t rank) override { return writer_.FinishRank(rank); }
 
  private:
   CheckpointWriter& writer_;
@@ -401,6 +406,15 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, S
     jobs.push_back(job);
   }
 
+  // Rank by rank (each rank's shards keep their order, so the files do not change): a rank's
+  // file is finished and closed as soon as its last job is done, and only the files of the jobs
+  // in flight are open, whatever the number of target ranks.
+  std::stable_sort(jobs.begin(), jobs.end(), [&](const Job& a, const Job& b) {
+    return plan.targets[a.target].rank < plan.targets[b.target].rank;
+  });
+  std::map<std::int64_t, std::atomic<std::size_t>> jobs_left;
+  for (const auto& [rank, count] : per_file) jobs_left[rank] = count;
+
   Scheduler sched(plan.options.memory_budget);
   std::unique_ptr<SourceMaps> maps = options.map_sources ? std::make_unique<SourceMaps>(source) : nullptr;
   std::atomic<std::size_t> next{0};
@@ -428,6 +442,12 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, S
         return;
       }
       if (sched.stopped()) return;
+      if (--jobs_left.at(ts.rank) == 0) {
+        if (const Status done = writer.RankDone(ts.rank); !done.ok()) {
+          sched.Fail(done);
+          return;
+        }
+      }
       const std::int64_t done = done_bytes += ts.nbytes;
       if (options.progress) {
         std::lock_guard lock(progress_mu);

@@ -287,6 +287,10 @@ std::int64_t CheckpointWriter::StagingBytes(std::int64_t nbytes) const {
 Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
   auto& slot = files_[rank];
   if (slot == nullptr) slot = std::make_unique<RankFile>();
+  if (slot->closed) {
+    return FailedPrecondition("rank " + std::to_string(rank) + " was finished (FinishRank); its file " +
+                              RankFileName(rank) + " takes no more shards");
+  }
   if (slot->writer == nullptr) {
     Result<std::unique_ptr<ShardFileWriter>> w =
         ShardFileWriter::Create(staging_ + "/" + RankFileName(rank), options_.direct_io, options_.direct_block_bytes);
@@ -302,8 +306,7 @@ Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
 Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t rank, const std::string& tensor,
                                                                 const Piece& piece, ReplicaKind replica) {
   if (rank < 0) return InvalidArgument("negative rank " + std::to_string(rank));
-  std::unique_ptr<ShardSink> sink(new ShardSink());
-  sink->writer_ = this;
+  std::unique_ptr<ShardSink> sink(new ShardSink());  // its writer_ is set once it counts as open
   ShardEntry& e = sink->entry_;
   std::string attribute;
   ShardFileWriter* file = nullptr;
@@ -332,6 +335,7 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
     if (piece.range) a["range"] = {piece.range->begin, piece.range->end};
     attribute = a.dump();
     ++open_sinks_;
+    ++files_[rank]->open_sinks;
   }
   DatasetSpec spec;
   spec.name = e.dataset;
@@ -348,11 +352,13 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
   if (!d.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     --open_sinks_;
+    --files_[rank]->open_sinks;
     return d.status().WithContext("tensor '" + tensor + "'");
   }
   sink->dataset_ = std::move(d).value();
   // Version 1's checksum is that of the bytes; version 2's that of the block table.
   if (options_.format_version < 2) sink->hash_ = std::make_unique<Xxh3Stream>();
+  sink->writer_ = this;
   return sink;
 }
 
@@ -374,6 +380,7 @@ ShardSink::~ShardSink() {
     dataset_.reset();
     std::lock_guard<std::mutex> lock(writer_->mu_);
     --writer_->open_sinks_;
+    --writer_->files_.at(entry_.rank)->open_sinks;
   }
 }
 
@@ -397,6 +404,9 @@ Status ShardSink::Finish() {
   dataset_.reset();
   std::lock_guard<std::mutex> lock(writer_->mu_);
   --writer_->open_sinks_;
+  CheckpointWriter::RankFile& file = *writer_->files_.at(entry_.rank);
+  --file.open_sinks;
+  file.shard_ids.push_back(writer_->shards_.size());
   writer_->shards_.push_back(entry_);
   writer_->stored_bytes_ += written->stored_bytes;
   writer_ = nullptr;
@@ -404,42 +414,61 @@ Status ShardSink::Finish() {
 }
 
 Status CheckpointWriter::CloseFiles() {
-  for (auto& [rank, f] : files_) {
-    if (f->writer == nullptr) continue;
-    RS_RETURN_IF_ERROR(f->writer->Close());
-    direct_bytes_ += f->writer->direct_bytes();
+  for (const auto& [rank, f] : files_) {
+    if (!f->closed) RS_RETURN_IF_ERROR(CloseFile(rank));
   }
-  file_entries_.clear();
-  if (options_.format_version < 2) return Status::Ok();
+  std::sort(file_entries_.begin(), file_entries_.end(),
+            [](const DataFileEntry& a, const DataFileEntry& b) { return a.name < b.name; });
+  return Status::Ok();
+}
+
+Status CheckpointWriter::CloseFile(std::int64_t rank) {
+  RankFile& f = *files_.at(rank);
+  f.closed = true;
+  if (f.writer == nullptr) return Status::Ok();
+  RS_RETURN_IF_ERROR(f.writer->Close());
+  direct_bytes_ += f.writer->direct_bytes();
+  f.writer.reset();  // the HDF5 file and its metadata cache go now
+  if (options_.format_version < 2 || f.shard_ids.empty()) return Status::Ok();
   // Whole-file accounting (FORMAT.md §3.3): read the closed file back the way readers will
   // (block tables where the entries say) and as HDF5 sees it (the two must agree), and hash
   // the bytes around the data (HDF5's metadata, attributes, block tables): little next to the
   // data, and from the page cache.
-  std::map<std::string, std::vector<const ShardEntry*>> by_file;
-  for (const ShardEntry& s : shards_) by_file[s.file].push_back(&s);
-  for (const auto& [name, shards] : by_file) {
-    const std::string path = staging_ + "/" + name;
-    RS_ASSIGN_OR_RETURN(auto reader, ShardFileReader::Open(path));
-    std::vector<Extent> extents;
-    for (const ShardEntry* s : shards) {
-      const std::string what = path + ", dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
-      Result<ShardLocation> loc = reader->LocateFromTable(TableRefOf(*s, options_.block_bytes), what);
-      if (!loc.ok()) return Internal("reading back what was written: " + loc.status().message());
-      Result<ShardLocation> hdf5 = reader->Locate(s->dataset, s->codec, s->nbytes, what);
-      if (!hdf5.ok()) return Internal("reading back what was written: " + hdf5.status().message());
-      if (const std::string diff = CompareLocations(*hdf5, *loc); !diff.empty()) {
-        return Internal(what + ": HDF5 and the block table disagree: " + diff);
-      }
-      for (Extent& e : DataExtents(*loc)) {
-        e.owner = "dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
-        extents.push_back(std::move(e));
-      }
+  const std::string name = RankFileName(rank);
+  const std::string path = staging_ + "/" + name;
+  RS_ASSIGN_OR_RETURN(auto reader, ShardFileReader::Open(path));
+  std::vector<Extent> extents;
+  for (const std::size_t id : f.shard_ids) {
+    const ShardEntry* s = &shards_[id];
+    const std::string what = path + ", dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
+    Result<ShardLocation> loc = reader->LocateFromTable(TableRefOf(*s, options_.block_bytes), what);
+    if (!loc.ok()) return Internal("reading back what was written: " + loc.status().message());
+    Result<ShardLocation> hdf5 = reader->Locate(s->dataset, s->codec, s->nbytes, what);
+    if (!hdf5.ok()) return Internal("reading back what was written: " + hdf5.status().message());
+    if (const std::string diff = CompareLocations(*hdf5, *loc); !diff.empty()) {
+      return Internal(what + ": HDF5 and the block table disagree: " + diff);
     }
-    Result<ShardFileReader::Outside> outside = reader->HashOutside(std::move(extents));
-    if (!outside.ok()) return Internal("reading back what was written: " + outside.status().message());
-    file_entries_.push_back({name, reader->file_size(), outside->checksum});
+    for (Extent& e : DataExtents(*loc)) {
+      e.owner = "dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
+      extents.push_back(std::move(e));
+    }
   }
+  Result<ShardFileReader::Outside> outside = reader->HashOutside(std::move(extents));
+  if (!outside.ok()) return Internal("reading back what was written: " + outside.status().message());
+  file_entries_.push_back({name, reader->file_size(), outside->checksum});
   return Status::Ok();
+}
+
+Status CheckpointWriter::FinishRank(std::int64_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
+  const auto it = files_.find(rank);
+  if (it == files_.end() || it->second->closed) return Status::Ok();
+  if (it->second->open_sinks > 0) {
+    return FailedPrecondition("FinishRank(" + std::to_string(rank) + "): " + std::to_string(it->second->open_sinks) +
+                              " of its shards are still being written");
+  }
+  return CloseFile(rank);
 }
 
 Manifest CheckpointWriter::BuildManifest() const {

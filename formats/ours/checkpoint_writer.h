@@ -132,6 +132,13 @@ class CheckpointWriter {
   void SetLayout(nlohmann::json layout);      // Layout::ToJson(); opaque to the format
   void SetMetadata(nlohmann::json metadata);  // a JSON object: step, model config, ...
 
+  // Declares that every shard of `rank` has been written: its data file is closed, fsynced and
+  // (version 2) accounted for now rather than at the commit, so that a writer of many rank
+  // files holds only those still being written (HDF5 keeps about half a MiB of metadata cache
+  // per open file). Later shards of `rank` are refused (FailedPrecondition), as is a rank
+  // with shards still open. A rank never begun has no file and nothing to close.
+  Status FinishRank(std::int64_t rank);
+
   // Single-process commit: closes and fsyncs the data files, writes and fsyncs manifest.json,
   // renames the staging directory to `dir` (refusing to replace anything: AlreadyExists) and
   // fsyncs the parent. FailedPrecondition for a staged writer, a second call, or while
@@ -165,6 +172,8 @@ class CheckpointWriter {
   // Closes (and fsyncs) the data files and, for version 2, records each one's size and the
   // checksum of its bytes outside the shards' data (FORMAT.md §3.3), read back from the file.
   Status CloseFiles();
+  // Closes one rank's file and records its DataFileEntry (version 2). Called with mu_ held.
+  Status CloseFile(std::int64_t rank);
   Manifest BuildManifest() const;
 
   // Opens (creating it) the staging lock and takes a shared flock on it, held until the writer
@@ -186,6 +195,9 @@ class CheckpointWriter {
   struct RankFile {
     std::unique_ptr<ShardFileWriter> writer;
     std::int64_t next_dataset = 0;
+    std::int64_t open_sinks = 0;
+    bool closed = false;                 // FinishRank or the commit closed it
+    std::vector<std::size_t> shard_ids;  // its finished shards, indices into shards_
   };
   std::map<std::int64_t, std::unique_ptr<RankFile>> files_;
   std::vector<ShardEntry> shards_;

@@ -143,11 +143,17 @@ Status ShardFileWriter::WriteAt(std::int64_t offset, std::span<const std::byte> 
   return Status::Ok();
 }
 
-void ShardFileWriter::StartWriteback() {
+void ShardFileWriter::StartWriteback(std::int64_t bytes) {
   // Start writing this file's dirty pages to disk now, without waiting: the commit's fsync then
   // finds most of the data already on disk, and the disk works while we produce the next
-  // shards instead of only after the last one (as with `cp` followed by `sync`).
-  if (sync_fd_ >= 0) ::sync_file_range(sync_fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
+  // shards instead of only after the last one (as with `cp` followed by `sync`). Once per
+  // kWritebackBytes written, not per dataset: the call walks the file's dirty pages, which for
+  // many small shards cost more than their bytes.
+  if (sync_fd_ < 0) return;
+  const std::int64_t pending = unflushed_ += bytes;
+  if (pending < kWritebackBytes) return;
+  unflushed_ -= pending;
+  ::sync_file_range(sync_fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
 }
 
 Status ShardFileWriter::CreateDataset(const DatasetSpec& spec, std::int64_t chunk, std::int64_t* dset_out,
@@ -528,7 +534,7 @@ Result<DatasetWriter::Written> DatasetWriter::Finish() {
     stored_ = spec_.nbytes;
   }
   finished_ = true;
-  file_->StartWriteback();
+  file_->StartWriteback(stored_);
   Written w;
   w.stored_bytes = stored_;
   if (!spec_.table.empty()) {

@@ -170,7 +170,11 @@ class ShardFileWriter {
  private:
   friend class DatasetWriter;
   ShardFileWriter() = default;
-  void StartWriteback();
+  // Starts the writeback of the file's dirty pages once kWritebackBytes have been written since
+  // the last one; `bytes`: what the caller just wrote.
+  void StartWriteback(std::int64_t bytes);
+  static constexpr std::int64_t kWritebackBytes = std::int64_t{8} << 20;
+  std::atomic<std::int64_t> unflushed_{0};
   Status WriteAt(std::int64_t offset, std::span<const std::byte> bytes, const std::string& what);
   // Creates a dataset (and its attribute and block table) in the file. Called in turn.
   Status CreateDataset(const DatasetSpec& spec, std::int64_t chunk, std::int64_t* dset_out, std::int64_t* data_offset,

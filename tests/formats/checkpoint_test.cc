@@ -404,6 +404,54 @@ TEST(CheckpointWriter, SmallDirectBlocksWriteTheSameFiles) {
   }
 }
 
+// Finishing ranks early closes their files at once and changes nothing in what is committed;
+// a finished rank takes no more shards, and a rank with a shard open cannot be finished.
+TEST(CheckpointWriter, FinishRankClosesItsFileEarlyAndWritesTheSameCheckpoint) {
+  ScratchDir tmp;
+  const TensorSpec t = Spec("w", DType::kF32, {8, 6});
+  const std::vector<std::byte> full = testing::TensorBytes(t, 7);
+  const std::vector<Piece> pieces = {BoxPiece({0, 0}, {4, 6}), BoxPiece({4, 0}, {4, 3}), BoxPiece({4, 3}, {4, 3})};
+  auto write = [&](const std::string& dir, bool finish) {
+    auto w = CheckpointWriter::Create(dir, Options("none"));
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    EXPECT_TRUE((*w)->AddTensor(t).ok());
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+      const std::int64_t rank = i == 0 ? 0 : 1;
+      EXPECT_TRUE((*w)->WriteShard(rank, t.name, pieces[i], Cut(t, full, pieces[i])).ok());
+      if (finish && i == 0) {
+        EXPECT_TRUE((*w)->FinishRank(0).ok());
+        EXPECT_TRUE((*w)->FinishRank(0).ok()) << "finishing twice is harmless";
+        EXPECT_TRUE((*w)->FinishRank(5).ok()) << "a rank never begun has nothing to close";
+        const Status late = (*w)->WriteShard(0, t.name, pieces[0], Cut(t, full, pieces[0]));
+        EXPECT_EQ(late.code(), ErrorCode::kFailedPrecondition) << late.ToString();
+        EXPECT_NE(late.message().find("rank-00000.h5"), std::string::npos) << late.ToString();
+      }
+    }
+    EXPECT_TRUE((*w)->Commit().ok());
+  };
+  write(tmp / "early", true);
+  write(tmp / "late", false);
+  for (const char* f : {"rank-00000.h5", "rank-00001.h5", "manifest.json"}) {
+    EXPECT_TRUE(testing::ReadAll(tmp / ("early/" + std::string(f))) ==
+                testing::ReadAll(tmp / ("late/" + std::string(f))))
+        << f;
+  }
+  auto r = CheckpointReader::Open(tmp / "early");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  for (std::size_t i = 0; i < (*r)->manifest().shards.size(); ++i) EXPECT_TRUE((*r)->VerifyShard(i).ok()) << i;
+  EXPECT_EQ(*(*r)->ReadTensor(t.name), full);
+
+  auto w = CheckpointWriter::Create(tmp / "open", Options("none"));
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->AddTensor(t).ok());
+  auto open = (*w)->BeginShard(1, t.name, pieces[1]);
+  ASSERT_TRUE(open.ok());
+  EXPECT_EQ((*w)->FinishRank(1).code(), ErrorCode::kFailedPrecondition) << "a shard of rank 1 is open";
+  open->reset();  // abandoned: not part of the checkpoint
+  EXPECT_TRUE((*w)->FinishRank(1).ok());
+  EXPECT_TRUE((*w)->Commit().ok());
+}
+
 TEST(CheckpointWriter, StagingBytesBoundWhatADatasetHolds) {
   ScratchDir tmp;
   WriterOptions o = Options("none");
