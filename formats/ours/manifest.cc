@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -319,10 +321,21 @@ nlohmann::json ManifestToJson(const Manifest& m) {
   return j;
 }
 
-Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view source) {
-  const Ctx ctx{std::string(source)};
-  if (!j.is_object()) return ctx.Bad("manifest must be a JSON object");
+namespace {
+
+// A manifest being read: its fields around the shards first (ReadHeader), then the shards one by
+// one (ReadShard), then what needs all of them (ReadRest). ManifestFromJson runs the three over a
+// document; ParseManifest over the text, without ever holding the shards as one document.
+struct ManifestParts {
   Manifest m;
+  std::unordered_map<std::string, std::size_t> by_name;  // tensor name -> index
+};
+
+Status ReadHeader(const json& j, const Ctx& ctx, ManifestParts& p) {
+  Manifest& m = p.m;
+  auto& by_name = p.by_name;
+  const std::string_view source = ctx.where;
+  if (!j.is_object()) return ctx.Bad("manifest must be a JSON object");
   RS_ASSIGN_OR_RETURN(m.format, GetString(j, "format", ctx));
   if (m.format != kFormatName) {
     return ctx.Bad("field 'format' is " + Quote(m.format) + ", expected " + Quote(kFormatName));
@@ -345,7 +358,6 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
 
   const auto tensors = j.find("tensors");
   if (tensors == j.end() || !tensors->is_array()) return ctx.Bad("missing or non-array field 'tensors'");
-  std::unordered_map<std::string, std::size_t> by_name;
   m.tensors.reserve(tensors->size());
   for (std::size_t i = 0; i < tensors->size(); ++i) {
     RS_ASSIGN_OR_RETURN(TensorSpec t, ParseTensor((*tensors)[i], i, source));
@@ -354,13 +366,18 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
     }
     m.tensors.push_back(std::move(t));
   }
-  const auto shards = j.find("shards");
-  if (shards == j.end() || !shards->is_array()) return ctx.Bad("missing or non-array field 'shards'");
-  m.shards.reserve(shards->size());
-  for (std::size_t i = 0; i < shards->size(); ++i) {
-    RS_ASSIGN_OR_RETURN(ShardEntry s, ParseShard((*shards)[i], i, source, m.version, m.tensors, by_name));
-    m.shards.push_back(std::move(s));
-  }
+  return Status::Ok();
+}
+
+Status ReadShard(const json& shard, std::size_t i, std::string_view source, ManifestParts& p) {
+  RS_ASSIGN_OR_RETURN(ShardEntry s, ParseShard(shard, i, source, p.m.version, p.m.tensors, p.by_name));
+  p.m.shards.push_back(std::move(s));
+  return Status::Ok();
+}
+
+Status ReadRest(const json& j, const Ctx& ctx, ManifestParts& p) {
+  Manifest& m = p.m;
+  const std::string_view source = ctx.where;
   if (m.version >= 2) {
     // No dataset is named twice in one file (a table is never another shard's data), and the
     // file list names exactly the files the shards name, each once.
@@ -422,7 +439,21 @@ Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view sour
       }
     }
   }
-  return m;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<Manifest> ManifestFromJson(const nlohmann::json& j, std::string_view source) {
+  const Ctx ctx{std::string(source)};
+  ManifestParts p;
+  RS_RETURN_IF_ERROR(ReadHeader(j, ctx, p));
+  const auto shards = j.find("shards");
+  if (shards == j.end() || !shards->is_array()) return ctx.Bad("missing or non-array field 'shards'");
+  p.m.shards.reserve(shards->size());
+  for (std::size_t i = 0; i < shards->size(); ++i) RS_RETURN_IF_ERROR(ReadShard((*shards)[i], i, source, p));
+  RS_RETURN_IF_ERROR(ReadRest(j, ctx, p));
+  return std::move(p.m);
 }
 
 namespace {
@@ -433,6 +464,146 @@ constexpr std::size_t kChecksumHexDigits = 16;
 std::uint64_t TextChecksum(std::string_view text) {
   return Xxh3(std::as_bytes(std::span<const char>(text.data(), text.size())));
 }
+// SAX events of a manifest's text, split between the document of everything around the shards
+// (`outline`: the top-level 'shards' array stands in it as an empty array, its elements counted)
+// and the elements of that array, each handed to `on_shard` as a document of its own.
+class ManifestSax {
+ public:
+  using OnShard = std::function<Status(const json&, std::size_t)>;
+  ManifestSax(json* outline, bool shards, OnShard on_shard = nullptr)
+      : outline_(outline), shards_(shards), on_shard_(std::move(on_shard)) {
+    if (outline_ != nullptr) dom_.emplace(*outline_, /*allow_exceptions=*/false);
+  }
+
+  bool null() {
+    return Value([](auto& d) { return d.null(); });
+  }
+  bool boolean(bool v) {
+    return Value([v](auto& d) { return d.boolean(v); });
+  }
+  bool number_integer(json::number_integer_t v) {
+    return Value([v](auto& d) { return d.number_integer(v); });
+  }
+  bool number_unsigned(json::number_unsigned_t v) {
+    return Value([v](auto& d) { return d.number_unsigned(v); });
+  }
+  bool number_float(json::number_float_t v, const json::string_t& s) {
+    return Value([&](auto& d) { return d.number_float(v, s); });
+  }
+  bool string(json::string_t& v) {
+    return Value([&](auto& d) { return d.string(v); });
+  }
+  bool binary(json::binary_t& v) {
+    return Value([&](auto& d) { return d.binary(v); });
+  }
+  bool start_object(std::size_t n) {
+    return Open([n](auto& d) { return d.start_object(n); });
+  }
+  bool start_array(std::size_t n) {
+    if (depth_ == 1 && next_is_shards_) {
+      next_is_shards_ = false;
+      in_shards_ = true;
+      ++shard_arrays_;
+      ++depth_;
+      return dom_ ? dom_->start_array(0) : true;
+    }
+    return Open([n](auto& d) { return d.start_array(n); });
+  }
+  bool key(json::string_t& k) {
+    if (depth_ == 1) next_is_shards_ = k == "shards";
+    return Forward([&](auto& d) { return d.key(k); });
+  }
+  bool end_object() {
+    return Close([](auto& d) { return d.end_object(); });
+  }
+  bool end_array() {
+    if (in_shards_ && depth_ == 2) {
+      in_shards_ = false;
+      --depth_;
+      return dom_ ? dom_->end_array() : true;
+    }
+    return Close([](auto& d) { return d.end_array(); });
+  }
+  bool parse_error(std::size_t /*pos*/, const std::string& /*token*/, const nlohmann::detail::exception& e) {
+    // Not only parse errors: a number too large for a double ("1e999") is out_of_range. The
+    // parser quotes the bytes it stopped at, which may be anything (invalid UTF-8, control
+    // characters): escaped, so that the message is safe in JSON and on a terminal.
+    error_ = "malformed JSON (" + SafeText(e.what()) + ")";
+    return false;
+  }
+
+  const std::string& error() const { return error_; }
+  const Status& status() const { return status_; }  // the first error of on_shard
+  std::size_t shard_arrays() const { return shard_arrays_; }
+  std::size_t shard_count() const { return count_; }
+
+ private:
+  using Dom = nlohmann::detail::json_sax_dom_parser<json>;
+  bool InShard() const { return in_shards_ && depth_ >= 3; }
+  // A value goes to the shard being built, or to the outline (nowhere else in the shard pass).
+  template <typename F>
+  bool Forward(F f) {
+    if (InShard()) return shards_ ? f(*shard_dom_) : true;
+    return dom_ ? f(*dom_) : true;
+  }
+  template <typename F>
+  bool Value(F f) {
+    if (in_shards_ && depth_ == 2) return Element([&] { return f(*shard_dom_); }, /*scalar=*/true);
+    return Forward(f);
+  }
+  template <typename F>
+  bool Open(F f) {
+    if (in_shards_ && depth_ == 2) {
+      const bool ok = Element([&] { return f(*shard_dom_); }, /*scalar=*/false);
+      ++depth_;
+      return ok;
+    }
+    const bool ok = Forward(f);
+    ++depth_;
+    return ok;
+  }
+  template <typename F>
+  bool Close(F f) {
+    const bool shard = InShard();  // before the depth drops: the closing event is the shard's
+    --depth_;
+    if (!shard) return dom_ ? f(*dom_) : true;
+    if (!shards_) return true;
+    const bool ok = f(*shard_dom_);
+    return depth_ == 2 ? ok && Done() : ok;
+  }
+  // An element of the shards array begins (a scalar one is also complete).
+  template <typename F>
+  bool Element(F first, bool scalar) {
+    ++count_;
+    if (!shards_) return true;
+    shard_ = json();
+    shard_dom_.emplace(shard_, /*allow_exceptions=*/false);
+    if (!first()) return false;
+    return scalar ? Done() : true;
+  }
+  bool Done() {
+    if (!shards_) return true;
+    status_ = on_shard_(shard_, count_ - 1);
+    shard_dom_.reset();
+    shard_ = json();
+    return status_.ok();
+  }
+
+  json* outline_;
+  bool shards_;
+  OnShard on_shard_;
+  std::optional<Dom> dom_;
+  std::optional<Dom> shard_dom_;
+  json shard_;
+  int depth_ = 0;
+  bool next_is_shards_ = false;
+  bool in_shards_ = false;
+  std::size_t shard_arrays_ = 0;
+  std::size_t count_ = 0;
+  Status status_;
+  std::string error_;
+};
+
 }  // namespace
 
 std::string ManifestText(const Manifest& m) {
@@ -477,29 +648,36 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
     }
     has_checksum = true;
   }
-  json j = json::parse(text, /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    // Re-parse with exceptions only to get the position of the error for the message.
-    std::string detail = "malformed JSON";
-    try {
-      const json again = json::parse(text);
-      (void)again;
-    } catch (const json::exception& e) {
-      // Not only parse_error: a number too large for a double ("1e999") is out_of_range.
-      // The parser quotes the bytes it stopped at, which may be anything (invalid UTF-8,
-      // control characters): escape them so the message is safe in JSON and on a terminal.
-      detail += " (" + SafeText(e.what()) + ")";
-    }
-    return DataLoss(std::string(source) + ": " + detail);
+  // Two passes over the text, so that no document of all the shards is ever built (it would
+  // take several KiB a shard): the first builds everything but the elements of the top-level
+  // 'shards' array and checks the header and the tensors, the second converts the shards one at
+  // a time, each from a document of its own.
+  const Ctx ctx{std::string(source)};
+  json j;
+  ManifestSax outline(&j, /*shards=*/false);
+  if (!json::sax_parse(text, &outline, json::input_format_t::json, /*strict=*/true)) {
+    return DataLoss(std::string(source) + ": " + outline.error());
   }
+  if (outline.shard_arrays() > 1) return ctx.Bad("field 'shards' appears more than once");
   if (!has_checksum && j.is_object() && j.contains("manifest_checksum")) {
     return DataLoss(std::string(source) +
                     ": field 'manifest_checksum' is not on the first line, where the writer puts it: the manifest was "
                     "rewritten after it was written (one edited on purpose must lose the field)");
   }
-  RS_ASSIGN_OR_RETURN(Manifest m, ManifestFromJson(j, source));
-  m.has_checksum = has_checksum;
-  return m;
+  ManifestParts p;
+  RS_RETURN_IF_ERROR(ReadHeader(j, ctx, p));
+  const auto shards = j.find("shards");
+  if (shards == j.end() || !shards->is_array()) return ctx.Bad("missing or non-array field 'shards'");
+  p.m.shards.reserve(outline.shard_count());
+  ManifestSax elements(nullptr, /*shards=*/true,
+                       [&](const json& shard, std::size_t i) { return ReadShard(shard, i, source, p); });
+  if (!json::sax_parse(text, &elements, json::input_format_t::json, /*strict=*/true)) {
+    RS_RETURN_IF_ERROR(elements.status());
+    return DataLoss(std::string(source) + ": " + elements.error());  // not reached: the text parsed once
+  }
+  RS_RETURN_IF_ERROR(ReadRest(j, ctx, p));
+  p.m.has_checksum = has_checksum;
+  return std::move(p.m);
 }
 
 Result<Manifest> ReadManifest(const std::string& dir) {
