@@ -68,8 +68,9 @@ Status UnlinkStagingLock(const std::string& staging) {
 
 // Writes manifest.json into the staging directory, makes it durable, and renames the staging
 // directory to `dir` without replacing anything.
-Status Publish(const std::string& staging, const std::string& dir, const Manifest& m) {
+Status Publish(const std::string& staging, const std::string& dir, Manifest m) {
   const std::string text = ManifestText(m);
+  m = Manifest();  // its index goes before the check below builds another
   // Re-parse what we are about to publish: the writer must never produce a manifest its own
   // reader rejects.
   const std::string path = staging + "/" + std::string(kManifestFileName);
@@ -471,13 +472,14 @@ Status CheckpointWriter::FinishRank(std::int64_t rank) {
   return CloseFile(rank);
 }
 
-Manifest CheckpointWriter::BuildManifest() const {
+Manifest CheckpointWriter::BuildManifest() {
   Manifest m;
   m.version = options_.format_version;
   m.block_bytes = options_.block_bytes;
   m.producer = options_.producer;
   m.tensors = tensors_;
-  m.shards = shards_;
+  m.shards = std::move(shards_);  // built once, at the commit
+  shards_.clear();
   m.files = file_entries_;
   std::sort(m.shards.begin(), m.shards.end(), [this](const ShardEntry& a, const ShardEntry& b) {
     return ShardBefore(a, tensor_index_.at(a.tensor), b, tensor_index_.at(b.tensor));
@@ -505,7 +507,7 @@ Status CheckpointWriter::CommitFragment() {
   if (open_sinks_ > 0) return FailedPrecondition(std::to_string(open_sinks_) + " shards are still being written");
   RS_RETURN_IF_ERROR(CloseFiles());
   const std::string path = staging_ + "/fragment-" + std::to_string(fragment_id_) + ".json";
-  RS_RETURN_IF_ERROR(WriteNewFileDurably(path, ManifestToJson(BuildManifest()).dump(1)));
+  RS_RETURN_IF_ERROR(WriteNewFileDurably(path, ManifestText(BuildManifest())));
   RS_RETURN_IF_ERROR(FsyncPath(staging_, /*directory=*/true));
   done_ = true;
   return Status::Ok();
@@ -596,7 +598,7 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
   for (const std::string& path : fragments) {
     if (::unlink(path.c_str()) != 0) return IoError(Errno(path + ": unlink"));
   }
-  return Publish(staging, dir, merged);
+  return Publish(staging, dir, std::move(merged));
 }
 
 Status CheckpointWriter::AbortStaged(const std::string& dir, const std::string& txn) {

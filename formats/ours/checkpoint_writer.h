@@ -174,7 +174,7 @@ class CheckpointWriter {
   Status CloseFiles();
   // Closes one rank's file and records its DataFileEntry (version 2). Called with mu_ held.
   Status CloseFile(std::int64_t rank);
-  Manifest BuildManifest() const;
+  Manifest BuildManifest();  // moves the shards out: once, at the commit
 
   // Opens (creating it) the staging lock and takes a shared flock on it, held until the writer
   // is destroyed.

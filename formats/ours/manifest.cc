@@ -272,6 +272,33 @@ const DataFileEntry* Manifest::FindFile(std::string_view name) const {
   return it != files.end() && it->name == name ? &*it : nullptr;
 }
 
+namespace {
+
+json ShardToJson(const ShardEntry& s, std::int64_t version) {
+  json sj;
+  sj["tensor"] = s.tensor;
+  sj["box"] = {{"offset", s.piece.box.offset}, {"shape", s.piece.box.shape}};
+  if (s.piece.range) sj["range"] = {{"begin", s.piece.range->begin}, {"end", s.piece.range->end}};
+  sj["file"] = s.file;
+  sj["dataset"] = s.dataset;
+  sj["nbytes"] = s.nbytes;
+  sj["codec"] = CodecName(s.codec);
+  sj["checksum"] = ChecksumToString(s.checksum);
+  sj["rank"] = s.rank;
+  sj["replica"] = s.replica == ReplicaKind::kReplica;
+  if (version >= 2 && s.nbytes > 0) {
+    if (s.codec == Codec::kNone) {
+      sj["offset"] = s.data_offset;
+    } else {
+      sj["chunk_bytes"] = s.chunk_bytes;
+    }
+    sj["block_table"] = {{"dataset", s.block_table}, {"offset", s.block_table_offset}};
+  }
+  return sj;
+}
+
+}  // namespace
+
 nlohmann::json ManifestToJson(const Manifest& m) {
   json j;
   j["format"] = m.format;
@@ -285,28 +312,7 @@ nlohmann::json ManifestToJson(const Manifest& m) {
   }
   j["tensors"] = std::move(tensors);
   json shards = json::array();
-  for (const ShardEntry& s : m.shards) {
-    json sj;
-    sj["tensor"] = s.tensor;
-    sj["box"] = {{"offset", s.piece.box.offset}, {"shape", s.piece.box.shape}};
-    if (s.piece.range) sj["range"] = {{"begin", s.piece.range->begin}, {"end", s.piece.range->end}};
-    sj["file"] = s.file;
-    sj["dataset"] = s.dataset;
-    sj["nbytes"] = s.nbytes;
-    sj["codec"] = CodecName(s.codec);
-    sj["checksum"] = ChecksumToString(s.checksum);
-    sj["rank"] = s.rank;
-    sj["replica"] = s.replica == ReplicaKind::kReplica;
-    if (m.version >= 2 && s.nbytes > 0) {
-      if (s.codec == Codec::kNone) {
-        sj["offset"] = s.data_offset;
-      } else {
-        sj["chunk_bytes"] = s.chunk_bytes;
-      }
-      sj["block_table"] = {{"dataset", s.block_table}, {"offset", s.block_table_offset}};
-    }
-    shards.push_back(std::move(sj));
-  }
+  for (const ShardEntry& s : m.shards) shards.push_back(ShardToJson(s, m.version));
   j["shards"] = std::move(shards);
   if (m.version >= 2) {
     j["block_bytes"] = m.block_bytes;
@@ -607,8 +613,36 @@ class ManifestSax {
 }  // namespace
 
 std::string ManifestText(const Manifest& m) {
-  const std::string body = ManifestToJson(m).dump(1);  // "{\n \"block_bytes\": ..."
-  RS_CHECK(body.size() > 2 && body.compare(0, 2, "{\n") == 0);
+  // The text of ManifestToJson(m).dump(1), built without a document of all the shards: the
+  // outline with an empty shard list, each shard's own dump spliced into it, indented as the
+  // whole document's dump indents it (strings hold no raw newline: JSON escapes it).
+  Manifest outline_only;
+  outline_only.format = m.format;
+  outline_only.version = m.version;
+  outline_only.producer = m.producer;
+  outline_only.tensors = m.tensors;
+  outline_only.block_bytes = m.block_bytes;
+  outline_only.files = m.files;
+  outline_only.layout = m.layout;
+  outline_only.metadata = m.metadata;
+  const std::string outline = ManifestToJson(outline_only).dump(1);  // "{\n \"block_bytes\": ..."
+  RS_CHECK(outline.size() > 2 && outline.compare(0, 2, "{\n") == 0);
+  constexpr std::string_view kEmpty = "\n \"shards\": []";
+  const std::size_t at = outline.find(kEmpty);
+  RS_CHECK(at != std::string::npos);
+  std::string body;
+  body.reserve(outline.size() + m.shards.size() * 512);
+  body.append(outline, 0, at + kEmpty.size() - 1);  // up to and with '['
+  for (std::size_t i = 0; i < m.shards.size(); ++i) {
+    body += i == 0 ? "\n  " : ",\n  ";
+    const std::string one = ShardToJson(m.shards[i], m.version).dump(1);
+    for (const char c : one) {
+      body += c;
+      if (c == '\n') body += "  ";
+    }
+  }
+  if (!m.shards.empty()) body += "\n ";
+  body.append(outline, at + kEmpty.size() - 1, std::string::npos);  // ']' and the rest
   const std::string_view rest = std::string_view(body).substr(2);
   const std::string sum = ChecksumToString(TextChecksum(rest));  // "xxh3-64:<hex>"
   return std::string(kChecksumLinePrefix) + sum.substr(sum.size() - kChecksumHexDigits) +

@@ -72,8 +72,9 @@ Manifest RandomManifest(std::mt19937_64& rng) {
 
 // A random change to one field of one shard, tensor or file, or to the top level.
 void Damage(json& j, std::mt19937_64& rng) {
-  static const std::vector<json> kValues = {nullptr, -1, 0, 7, "x", json::array(), json::object(), true, 1.5,
-                                            json::array({1, 2}), "xxh3-64:00000000000000zz", 1e300};
+  static const std::vector<json> kValues = {
+      nullptr, -1, 0, 7, "x", json::array(), json::object(), true, 1.5, json::array({1, 2}), "xxh3-64:00000000000000zz",
+      1e300};
   const json value = kValues[rng() % kValues.size()];
   const int where = static_cast<int>(rng() % 4);
   auto change = [&](json& obj) {
@@ -137,6 +138,23 @@ TEST(ManifestStream, AgreesWithTheWholeDocumentOnRandomManifests) {
   }
 }
 
+// ManifestText splices each shard's dump into the outline: the same text as the whole
+// document's dump (after the checksum line), with or without shards.
+TEST(ManifestStream, TextIsTheWholeDocumentsDump) {
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 200; ++i) {
+    Manifest m = RandomManifest(rng);
+    if (i % 50 == 0) {
+      m.shards.clear();
+      m.files.clear();
+    }
+    if (i % 7 == 0) m.metadata["shards"] = json::array();  // a nested key of that name
+    const std::string text = ManifestText(m);
+    const std::string whole = ManifestToJson(m).dump(1);
+    EXPECT_EQ(testing::WithoutManifestChecksum(text), whole) << i;
+  }
+}
+
 TEST(ManifestStream, AgreesWithTheWholeDocumentOnDamagedManifests) {
   std::mt19937_64 rng(7);
   int refused = 0;
@@ -157,8 +175,8 @@ TEST(ManifestStream, ReadsFieldsInAnyOrder) {
   const Manifest m = RandomManifest(rng);
   const json j = ManifestToJson(m);
   nlohmann::ordered_json reordered;
-  for (const char* k : {"shards", "files", "metadata", "layout", "tensors", "producer", "block_bytes",
-                        "format_version", "format"}) {
+  for (const char* k :
+       {"shards", "files", "metadata", "layout", "tensors", "producer", "block_bytes", "format_version", "format"}) {
     reordered[k] = j.at(k);
   }
   const Result<Manifest> back = ParseManifest(reordered.dump(), "m.json");
