@@ -49,4 +49,10 @@ Status CheckMemory(std::int64_t bytes, std::string_view what) {
                             " bytes: the smaller of physical memory and what ulimit -v / -d leaves it)");
 }
 
+std::int64_t PeakRssBytes() {
+  rusage ru{};
+  if (::getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+  return static_cast<std::int64_t>(ru.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
 }  // namespace rs

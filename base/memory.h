@@ -19,4 +19,9 @@ std::int64_t MemoryLimitBytes();
 // (<limit> bytes: ...)" when `bytes` (negative: overflowed) exceeds MemoryLimitBytes().
 Status CheckMemory(std::int64_t bytes, std::string_view what);
 
+// The largest resident set this process has had so far (getrusage's ru_maxrss), in bytes: what
+// a memory budget is judged by, since it counts everything the process held - buffers, indexes,
+// libraries' caches, mapped pages.
+std::int64_t PeakRssBytes();
+
 }  // namespace rs

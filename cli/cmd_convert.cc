@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 
+#include "base/memory.h"
 #include "cli/commands.h"
 #include "cli/output.h"
 #include "cli/reshard_args.h"
@@ -66,6 +67,7 @@ Result<Setup> Prepare(const ConvertArgs& a) {
   sa.threads = a.threads;
   sa.checksums = a.no_verify ? ChecksumPolicy::kSkip : ChecksumPolicy::kVerify;
   RS_ASSIGN_OR_RETURN(s.source, OpenSource(a.src, sa));
+  if (s.source->manifest().without_bytes) return WithoutBytesError(a.src);
   RS_ASSIGN_OR_RETURN(PhysicalLayout target, TargetLayoutArg(a.to, a.rules, s.source->manifest()));
   RS_ASSIGN_OR_RETURN(const Manifest planned, WithTensorAxesRules(s.source->manifest(), target));
   RS_RETURN_IF_ERROR(CheckTargetWithoutModel(a.src, sa, planned, target));
@@ -124,12 +126,13 @@ void Report(const ConvertArgs& a, const Setup& s, const ExecuteStats& stats, dou
   for (const std::string& c : s.plan.converted) PrintErr("dtype conversion: %s\n", c.c_str());
   PrintErr(
       "converted %s -> %s (%s): %lld shards, %s written in %.2f s (%.1f MiB/s), %s read "
-      "(amplification %.3f), peak buffer %s of budget %s, %lld process%s\n",
+      "(amplification %.3f), peak buffer %s of budget %s, peak RSS %s%s, %lld process%s\n",
       a.src.c_str(), a.out.c_str(), s.plan.target.ToString().c_str(), static_cast<long long>(total.shards),
       HumanBytes(total.bytes_written).c_str(), seconds,
       seconds > 0 ? static_cast<double>(total.bytes_written) / 1048576.0 / seconds : 0.0,
       HumanBytes(total.bytes_read).c_str(), s.plan.ReadAmplification(), HumanBytes(stats.peak_reserved).c_str(),
-      HumanBytes(s.plan.options.memory_budget).c_str(), static_cast<long long>(processes), processes == 1 ? "" : "es");
+      HumanBytes(s.plan.options.memory_budget).c_str(), HumanBytes(PeakRssBytes()).c_str(),
+      processes == 1 ? "" : " (this process)", static_cast<long long>(processes), processes == 1 ? "" : "es");
 }
 
 // --format dcp / torch_dist: the plan written as a PyTorch Distributed Checkpoint (Megatron-Core's

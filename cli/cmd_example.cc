@@ -16,6 +16,7 @@ struct ExampleArgs {
   std::uint64_t seed = 0;
   std::string codec = "none";
   bool with_replicas = false;
+  bool index_only = false;
   FormatArgs format;
   int threads = 0;
   std::string out;
@@ -37,14 +38,15 @@ void RunExample(const ExampleArgs& a) {
   o.codec = *codec;
   o.seed = a.seed;
   o.with_replicas = a.with_replicas;
+  o.index_only = a.index_only;
   o.format_version = a.format.version;
   auto block = BlockBytesArg(a.format);
   if (!block.ok()) Fail("example", block.status());
   o.block_bytes = *block;
   o.threads = a.threads;
   if (Status s = WriteExampleCheckpoint(o, a.out); !s.ok()) Fail("example", s);
-  PrintErr("wrote %s (%s, layout %s, %lld ranks)\n", a.out.c_str(), o.model.name.c_str(), layout->ToString().c_str(),
-           static_cast<long long>(o.layout.num_ranks()));
+  PrintErr("wrote %s%s (%s, layout %s, %lld ranks)\n", a.out.c_str(), a.index_only ? " without its bytes" : "",
+           o.model.name.c_str(), layout->ToString().c_str(), static_cast<long long>(o.layout.num_ranks()));
 }
 
 }  // namespace
@@ -61,6 +63,9 @@ void RegisterExample(CLI::App& app) {
   cmd->add_option("--seed", a->seed, "Values depend only on the model and this seed")->capture_default_str();
   cmd->add_option("--codec", a->codec, "none, zstd or zstd:LEVEL")->capture_default_str();
   cmd->add_flag("--with-replicas", a->with_replicas, "Also write the data-parallel replicas of each shard");
+  cmd->add_flag("--index-only", a->index_only,
+                "Write only the manifest, no data file: the index of a checkpoint of any size, for inspect and plan "
+                "(commands that read bytes refuse it)");
   AddFormatOptions(cmd, &a->format);
   cmd->add_option("--threads", a->threads, "Worker threads (0 = all cores)")->capture_default_str();
   cmd->add_option("-o,--output", a->out, "Output checkpoint directory (must not exist)")->required();

@@ -14,6 +14,25 @@
 
 namespace rs {
 
+namespace {
+
+// The layout and the metadata of an example checkpoint, and its commit.
+Status CommitExample(const ExampleOptions& options, const PhysicalLayout& physical,
+                     const std::vector<TensorSpec>& tensors, CheckpointWriter& writer) {
+  writer.SetLayout(options.layout.ToJson());
+  nlohmann::json model;
+  to_json(model, options.model);
+  const auto& step = tensors.back();  // "optimizer.step"
+  writer.SetMetadata({{"step", static_cast<std::int64_t>(ExampleValue(step, options.seed, 0))},
+                      {"model", model},
+                      {"seed", options.seed},
+                      {"generator", "example"},
+                      {"physical_layout", physical.ToJson()}});
+  return writer.Commit();
+}
+
+}  // namespace
+
 Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& dir) {
   RS_RETURN_IF_ERROR(options.model.Validate());
   const std::vector<TensorSpec> tensors = ModelCheckpointTensors(options.model, AdamStateNames());
@@ -21,8 +40,11 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   auto map = PhysicalMap::Create(physical, tensors);
   if (!map.ok())
     return map.status().WithContext("layout " + physical.ToString() + " for model '" + options.model.name + "'");
-  const std::vector<PlacedShard> shards =
-      map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
+  std::vector<PlacedShard> shards = map->PlacePieces(options.with_replicas ? Replicas::kAll : Replicas::kMainOnly);
+  // Rank by rank (each rank's shards in their order, so the files do not change): a rank's file
+  // is closed as soon as its last shard is written (CheckpointWriter::FinishRank).
+  std::stable_sort(shards.begin(), shards.end(),
+                   [](const PlacedShard& a, const PlacedShard& b) { return a.rank < b.rank; });
 
   WriterOptions wo;
   wo.codec = options.codec;
@@ -30,17 +52,25 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   wo.producer = options.producer;
   wo.format_version = options.format_version;
   wo.block_bytes = options.block_bytes;
+  wo.without_bytes = options.index_only;
   RS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(dir, wo));
   for (const auto& t : tensors) RS_RETURN_IF_ERROR(writer->AddTensor(t));
+  if (options.index_only) {
+    for (const PlacedShard& s : shards)
+      RS_RETURN_IF_ERROR(writer->RecordShard(s.rank, tensors[s.tensor].name, s.piece, s.replica));
+    return CommitExample(options, physical, tensors, *writer);
+  }
 
   // Generation is per item and independent, so ranks' shards are generated in parallel; the
   // writer serializes the HDF5 calls and compresses on its own pool. Each rank file begins its
   // shards in the order of `shards` (a worker waits for its turn after generating), so the
   // files are the same whatever the number of threads (CheckpointWriter: reproducible files).
   std::vector<std::size_t> file_seq(shards.size());
+  std::map<std::int64_t, std::atomic<std::size_t>> left;  // per rank file: shards not yet finished
   {
     std::map<std::int64_t, std::size_t> per_file;
     for (std::size_t i = 0; i < shards.size(); ++i) file_seq[i] = per_file[shards[i].rank]++;
+    for (const auto& [rank, n] : per_file) left[rank] = n;
   }
   std::atomic<std::size_t> next{0};
   std::mutex mu;
@@ -75,6 +105,7 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
       }
       Status st = sink.ok() ? (*sink)->Append(buf) : sink.status();
       if (st.ok()) st = (*sink)->Finish();
+      if (st.ok() && --left.at(s.rank) == 0) st = writer->FinishRank(s.rank);
       if (!st.ok()) {
         fail(st);
         return;
@@ -84,16 +115,7 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   RunWorkers(WorkerCount(options.threads, shards.size()), work);
   RS_RETURN_IF_ERROR(first_error);
 
-  writer->SetLayout(options.layout.ToJson());
-  nlohmann::json model;
-  to_json(model, options.model);
-  const auto& step = tensors.back();  // "optimizer.step"
-  writer->SetMetadata({{"step", static_cast<std::int64_t>(ExampleValue(step, options.seed, 0))},
-                       {"model", model},
-                       {"seed", options.seed},
-                       {"generator", "example"},
-                       {"physical_layout", physical.ToJson()}});
-  return writer->Commit();
+  return CommitExample(options, physical, tensors, *writer);
 }
 
 }  // namespace rs

@@ -38,6 +38,9 @@ struct ExampleOptions {
   std::string producer = "reshard example";
   std::int64_t format_version = kFormatVersion;   // 1: for readers that predate version 2
   std::int64_t block_bytes = kDefaultBlockBytes;  // version 2: checksum block size
+  // Only the manifest, without data files (Manifest::without_bytes): the index of a checkpoint
+  // of any size at any layout, in seconds, for inspect and plan.
+  bool index_only = false;
 };
 
 // Writes the example checkpoint of `options` to `dir` (atomically; AlreadyExists if `dir`

@@ -152,6 +152,7 @@ std::string CheckpointReader::DescribeShard(std::size_t index) const {
 
 Result<std::shared_ptr<const ShardFileReader>> CheckpointReader::File(const std::string& file) {
   // Called with mu_ held.
+  if (manifest_.without_bytes) return WithoutBytesError(dir_ + "/" + file);
   if (manifest_.version < 2 && !hdf5_probed_) {
     // Nothing covers a version-1 file's HDF5 metadata: HDF5 parses every data file of the
     // checkpoint in a child process first, once, the first time one is opened.

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <set>
 
+#include "base/arith.h"
 #include "base/check.h"
 #include "base/signal_cleanup.h"
 #include "base/thread_pool.h"
@@ -314,6 +315,8 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
+    if (options_.without_bytes)
+      return FailedPrecondition(dir_ + ": a writer without bytes records shards (RecordShard)");
     const auto it = tensor_index_.find(tensor);
     if (it == tensor_index_.end()) return InvalidArgument("WriteShard: tensor '" + tensor + "' was not added");
     const TensorSpec& t = tensors_[it->second];
@@ -361,6 +364,41 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
   if (options_.format_version < 2) sink->hash_ = std::make_unique<Xxh3Stream>();
   sink->writer_ = this;
   return sink;
+}
+
+Status CheckpointWriter::RecordShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                                     ReplicaKind replica) {
+  if (rank < 0) return InvalidArgument("negative rank " + std::to_string(rank));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!options_.without_bytes) return FailedPrecondition(dir_ + ": RecordShard is for writers without bytes");
+  if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
+  const auto it = tensor_index_.find(tensor);
+  if (it == tensor_index_.end()) return InvalidArgument("RecordShard: tensor '" + tensor + "' was not added");
+  const TensorSpec& t = tensors_[it->second];
+  RS_RETURN_IF_ERROR(ValidatePiece(t, piece, static_cast<std::size_t>(piece.numel()) * DTypeSize(t.dtype)));
+  auto& slot = files_[rank];
+  if (slot == nullptr) slot = std::make_unique<RankFile>();
+  if (slot->closed) return FailedPrecondition("rank " + std::to_string(rank) + " was finished (FinishRank)");
+  char name[32];
+  std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(slot->next_dataset++));
+  ShardEntry e;
+  e.tensor = tensor;
+  e.piece = piece;
+  e.file = RankFileName(rank);
+  e.dataset = name;
+  e.nbytes = piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
+  e.rank = rank;
+  e.replica = replica;
+  if (options_.format_version >= 2 && e.nbytes > 0) {
+    // Where a file of this layout would hold them: the data, then its table (8 bytes a block).
+    e.block_table = e.dataset + ".blocks";
+    e.data_offset = slot->recorded_bytes;
+    e.block_table_offset = e.data_offset + e.nbytes;
+    slot->recorded_bytes = e.block_table_offset + CeilDiv(e.nbytes, options_.block_bytes) * 8;
+  }
+  slot->shard_ids.push_back(shards_.size());
+  shards_.push_back(std::move(e));
+  return Status::Ok();
 }
 
 Status CheckpointWriter::WriteShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
@@ -426,6 +464,11 @@ Status CheckpointWriter::CloseFiles() {
 Status CheckpointWriter::CloseFile(std::int64_t rank) {
   RankFile& f = *files_.at(rank);
   f.closed = true;
+  if (options_.without_bytes) {
+    if (options_.format_version >= 2 && !f.shard_ids.empty())
+      file_entries_.push_back({RankFileName(rank), f.recorded_bytes, 0});
+    return Status::Ok();
+  }
   if (f.writer == nullptr) return Status::Ok();
   RS_RETURN_IF_ERROR(f.writer->Close());
   direct_bytes_ += f.writer->direct_bytes();
@@ -478,6 +521,7 @@ Manifest CheckpointWriter::BuildManifest() {
   m.block_bytes = options_.block_bytes;
   m.producer = options_.producer;
   m.tensors = tensors_;
+  m.without_bytes = options_.without_bytes;
   m.shards = std::move(shards_);  // built once, at the commit
   shards_.clear();
   m.files = file_entries_;
@@ -551,6 +595,7 @@ Status CheckpointWriter::CommitStaged(const std::string& dir_in, const std::stri
       merged.producer = part.producer;
       merged.layout = part.layout;
       merged.metadata = part.metadata;
+      merged.without_bytes = part.without_bytes;
       first = false;
     }
     if (part.version != merged.version || (part.version >= 2 && part.block_bytes != merged.block_bytes)) {

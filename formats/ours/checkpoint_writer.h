@@ -95,6 +95,10 @@ struct WriterOptions {
   // The O_DIRECT staging block each shard being written holds (a multiple of 4 KiB, at least
   // 4 KiB and at most 1 GiB; see StagingBytes).
   std::int64_t direct_block_bytes = kDefaultDirectBlockBytes;
+  // An index without its data (Manifest::without_bytes): shards are recorded with RecordShard,
+  // no data file is created, and the manifest says so. For planning layouts no disk here could
+  // hold (`reshard example --index-only`).
+  bool without_bytes = false;
 };
 
 class CheckpointWriter {
@@ -129,6 +133,11 @@ class CheckpointWriter {
   // through ShardSink::Append. Same errors as WriteShard.
   Result<std::unique_ptr<ShardSink>> BeginShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
                                                 ReplicaKind replica = ReplicaKind::kMain);
+  // Writers with WriterOptions::without_bytes only: records the shard `piece` of `tensor` as
+  // rank `rank` would store it (the next dataset of its file, its data after the previous
+  // shard's), without any byte. InvalidArgument / FailedPrecondition as for WriteShard.
+  Status RecordShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                     ReplicaKind replica = ReplicaKind::kMain);
   void SetLayout(nlohmann::json layout);      // Layout::ToJson(); opaque to the format
   void SetMetadata(nlohmann::json metadata);  // a JSON object: step, model config, ...
 
@@ -198,6 +207,7 @@ class CheckpointWriter {
     std::int64_t open_sinks = 0;
     bool closed = false;                 // FinishRank or the commit closed it
     std::vector<std::size_t> shard_ids;  // its finished shards, indices into shards_
+    std::int64_t recorded_bytes = 0;     // without_bytes: where the next shard's data would go
   };
   std::map<std::int64_t, std::unique_ptr<RankFile>> files_;
   std::vector<ShardEntry> shards_;

@@ -324,7 +324,14 @@ nlohmann::json ManifestToJson(const Manifest& m) {
   }
   j["layout"] = m.layout;
   j["metadata"] = m.metadata;
+  if (m.without_bytes) j["without_bytes"] = true;
   return j;
+}
+
+Status WithoutBytesError(std::string_view what) {
+  return FailedPrecondition(std::string(what) +
+                            ": this checkpoint was written without its bytes (reshard example --index-only): "
+                            "it can be inspected and planned, not read");
 }
 
 namespace {
@@ -425,6 +432,10 @@ Status ReadRest(const json& j, const Ctx& ctx, ManifestParts& p) {
       if (m.FindFile(f) == nullptr)
         return ctx.Bad("field 'files' lacks data file " + Quote(f) + " (its size and checksum)");
     }
+  }
+  if (const auto it = j.find("without_bytes"); it != j.end()) {
+    if (!it->is_boolean()) return ctx.Bad("field 'without_bytes' must be a boolean, got " + it->dump());
+    m.without_bytes = it->get<bool>();
   }
   if (const auto it = j.find("layout"); it != j.end()) m.layout = *it;
   if (const auto it = j.find("metadata"); it != j.end() && !it->is_null()) {
@@ -625,6 +636,7 @@ std::string ManifestText(const Manifest& m) {
   outline_only.files = m.files;
   outline_only.layout = m.layout;
   outline_only.metadata = m.metadata;
+  outline_only.without_bytes = m.without_bytes;
   const std::string outline = ManifestToJson(outline_only).dump(1);  // "{\n \"block_bytes\": ..."
   RS_CHECK(outline.size() > 2 && outline.compare(0, 2, "{\n") == 0);
   constexpr std::string_view kEmpty = "\n \"shards\": []";

@@ -76,6 +76,10 @@ struct Manifest {
   // Whether the text it was parsed from carried its own checksum (FORMAT.md §3.4), which
   // ParseManifest then checked. Not a field of ManifestToJson: ManifestText adds it.
   bool has_checksum = false;
+  // An index without its data (FORMAT.md §3.5, `reshard example --index-only`): every entry is
+  // what a checkpoint of that layout would hold, but no data file exists. It can be inspected
+  // and planned; every read of its bytes is refused (WithoutBytesError).
+  bool without_bytes = false;
 
   // Index of the tensor named `name` in `tensors`, or -1. Linear; callers that look up many
   // names build their own map.
@@ -83,6 +87,10 @@ struct Manifest {
   // The entry of data file `name` (version 2), or nullptr.
   const DataFileEntry* FindFile(std::string_view name) const;
 };
+
+// FailedPrecondition for a read of a manifest without bytes: "<what>: this checkpoint was written
+// without its bytes (reshard example --index-only); it can be inspected and planned, not read".
+Status WithoutBytesError(std::string_view what);
 
 nlohmann::json ManifestToJson(const Manifest& m);
 // The text of manifest.json as the writer publishes it (FORMAT.md §3.4): ManifestToJson, with

@@ -720,6 +720,11 @@ VerifyReport VerifyCheckpoint(CheckpointReader& r, const VerifyOptions& options)
   report.dir = r.dir();
   Findings out(&report, options.max_findings_per_tensor);
   const Manifest& m = r.manifest();
+  if (m.without_bytes) {
+    report.unable = WithoutBytesError(r.dir());  // nothing to verify: no byte was written
+    report.unable_count = 1;
+    return report;
+  }
   const TensorsByFile tensors_in_file = CountManifest(m, report.counts);
   const std::set<std::string> bad_files = CheckFiles(r, tensors_in_file, report.counts, out);
   ShardResults shards(m.shards.size());
