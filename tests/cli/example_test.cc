@@ -10,6 +10,7 @@
 #include "cli_test_util.h"
 #include "formats/ours/checkpoint_reader.h"
 #include "formats/ours/verify.h"
+#include "tests/manifest_edit.h"
 
 namespace rs {
 namespace {
@@ -251,6 +252,64 @@ TEST(CliTest, VerifyFailsOnCorruption) {
   EXPECT_EQ(r.exit_code, 1);
   auto j = nlohmann::json::parse(r.output, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.output;
+}
+
+// A checkpoint written without its bytes: the same manifest entries as the real one (but the
+// offsets and checksums), planned to the same figures, and refused by every command that
+// would read a byte, naming why; nothing is left at a destination.
+TEST(CliTest, IndexOnlyExamplesArePlannedAndNeverRead) {
+  TempDir tmp;
+  const std::string real = tmp / "real";
+  const std::string index = tmp / "index";
+  const std::string layout = " --model tiny-moe --layout tp=2,ep=2,dp=2 --with-replicas -o ";
+  ASSERT_EQ(RunCli("example" + layout + real).exit_code, 0);
+  auto r = RunCli("example --index-only" + layout + index);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("without its bytes"), std::string::npos) << r.output;
+  EXPECT_EQ(std::vector<std::string>{"manifest.json"}, [&] {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(index)) names.push_back(e.path().filename().string());
+    return names;
+  }());
+  auto a = ReadManifest(real);
+  auto b = ReadManifest(index);
+  ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+  EXPECT_FALSE(a->without_bytes);
+  EXPECT_TRUE(b->without_bytes);
+  ASSERT_EQ(a->shards.size(), b->shards.size());
+  for (std::size_t i = 0; i < a->shards.size(); ++i) {
+    const ShardEntry& x = a->shards[i];
+    const ShardEntry& y = b->shards[i];
+    EXPECT_TRUE(x.tensor == y.tensor && x.piece == y.piece && x.file == y.file && x.dataset == y.dataset &&
+                x.nbytes == y.nbytes && x.rank == y.rank && x.replica == y.replica)
+        << i;
+  }
+  EXPECT_EQ(a->tensors, b->tensors);
+  EXPECT_EQ(a->files.size(), b->files.size());
+  const std::string to = " --to tp=1,ep=4";
+  EXPECT_EQ(RunCli("plan " + real + to).output.substr(RunCli("plan " + real + to).output.find("target layout")),
+            RunCli("plan " + index + to).output.substr(RunCli("plan " + index + to).output.find("target layout")));
+  EXPECT_EQ(RunCli("inspect " + index).exit_code, 0);
+  for (const std::string& cmd :
+       {"verify " + index, "convert " + index + to + " -o " + (tmp / "out"), "diff " + index + " " + real,
+        "convert " + index + to + " --format dcp -o " + (tmp / "out")}) {
+    r = RunCli(cmd);
+    EXPECT_NE(r.exit_code, 0) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("written without its bytes (reshard example --index-only)"), std::string::npos)
+        << cmd << "\n"
+        << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(tmp / "out"));
+  // The field is a boolean or absent.
+  std::ifstream in(index + "/manifest.json");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::size_t at = text.find("\"without_bytes\": true");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 21, "\"without_bytes\": 1   ");
+  std::ofstream(index + "/manifest.json") << testing::WithoutManifestChecksum(text);
+  r = RunCli("inspect " + index);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("field 'without_bytes' must be a boolean"), std::string::npos) << r.output;
 }
 
 }  // namespace
