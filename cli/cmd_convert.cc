@@ -311,6 +311,9 @@ void RegisterConvert(CLI::App& app) {
                 "Do not check source bytes against their checksums while reading (for a source verified just before; "
                 "saves the extra pass a format-version-1 source needs; DCP: the CRC-32 of each record)");
   cmd->get_option("--no-verify")->excludes("--verify-source");
+  // Conversions write version 3 unless asked otherwise: at real-run shard counts a dataset per
+  // small shard costs more than its bytes (FORMAT.md §4.6).
+  a->format.version = kPackedVersion;
   AddFormatOptions(cmd, &a->format);
   cmd->add_option("--format", a->output_format,
                   "Output format: reshard (ours, the default), dcp (a PyTorch Distributed Checkpoint that "

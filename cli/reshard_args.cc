@@ -9,11 +9,13 @@
 namespace rs::cli {
 
 void AddFormatOptions(CLI::App* cmd, FormatArgs* args) {
-  cmd->add_option("--format-version", args->version, "Checkpoint format version to write: 2, or 1 for older readers")
-      ->check(CLI::Range(1, 2))
+  cmd->add_option("--format-version", args->version,
+                  "Checkpoint format version to write: 3 (small shards packed), 2 (a dataset per shard), or 1 for "
+                  "older readers")
+      ->check(CLI::Range(std::int64_t{1}, kMaxReadableVersion))
       ->capture_default_str();
   cmd->add_option("--block-size", args->block_size,
-                  "Checksum block of uncompressed shards (format version 2), default 256KiB");
+                  "Checksum block of uncompressed shards (format version 2 and 3), default 256KiB");
 }
 
 Result<std::int64_t> BlockBytesArg(const FormatArgs& args) {

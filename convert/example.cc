@@ -65,6 +65,13 @@ Status WriteExampleCheckpoint(const ExampleOptions& options, const std::string& 
   // writer serializes the HDF5 calls and compresses on its own pool. Each rank file begins its
   // shards in the order of `shards` (a worker waits for its turn after generating), so the
   // files are the same whatever the number of threads (CheckpointWriter: reproducible files).
+  {
+    std::map<std::int64_t, std::vector<std::int64_t>> sizes;
+    for (const PlacedShard& s : shards) {
+      sizes[s.rank].push_back(s.piece.numel() * static_cast<std::int64_t>(DTypeSize(tensors[s.tensor].dtype)));
+    }
+    for (const auto& [rank, nbytes] : sizes) writer->ExpectShards(rank, nbytes);
+  }
   std::vector<std::size_t> file_seq(shards.size());
   std::map<std::int64_t, std::atomic<std::size_t>> left;  // per rank file: shards not yet finished
   {

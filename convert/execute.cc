@@ -362,6 +362,9 @@ class CheckpointDestination final : public ShardDestination {
   }
   std::int64_t StagingBytes(std::int64_t nbytes) const override { return writer_.StagingBytes(nbytes); }
   Status RankDone(std::int64_t rank) override { return writer_.FinishRank(rank); }
+  void ExpectShards(std::int64_t rank, std::span<const std::int64_t> nbytes) override {
+    writer_.ExpectShards(rank, nbytes);
+  }
 
  private:
   CheckpointWriter& writer_;
@@ -414,6 +417,11 @@ Result<ExecuteStats> ExecutePlan(const ReshardPlan& plan, ShardSource& source, S
   });
   std::map<std::int64_t, std::atomic<std::size_t>> jobs_left;
   for (const auto& [rank, count] : per_file) jobs_left[rank] = count;
+  {
+    std::map<std::int64_t, std::vector<std::int64_t>> sizes;
+    for (const Job& job : jobs) sizes[plan.targets[job.target].rank].push_back(plan.targets[job.target].nbytes);
+    for (const auto& [rank, nbytes] : sizes) writer.ExpectShards(rank, nbytes);
+  }
 
   Scheduler sched(plan.options.memory_budget);
   std::unique_ptr<SourceMaps> maps = options.map_sources ? std::make_unique<SourceMaps>(source) : nullptr;

@@ -34,6 +34,9 @@ class ShardDestination {
   // Memory the destination itself holds while a shard of `nbytes` is being written (beyond the
   // windows handed to Append), which a memory budget must count.
   virtual std::int64_t StagingBytes(std::int64_t /*nbytes*/) const { return 0; }
+  // The sizes of all the shards `rank` will be given, before the first (a destination may size
+  // what it allocates per rank by them: our writer's pack of small shards).
+  virtual void ExpectShards(std::int64_t /*rank*/, std::span<const std::int64_t> /*nbytes*/) {}
   // Every shard of `rank` has been finished: a destination may close what it holds for that
   // rank (our writer closes the rank's data file) instead of holding it until the commit.
   virtual Status RankDone(std::int64_t /*rank*/) { return Status::Ok(); }

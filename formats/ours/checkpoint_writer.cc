@@ -92,8 +92,8 @@ Status Publish(const std::string& staging, const std::string& dir, Manifest m) {
 }
 
 Status CheckOptions(const WriterOptions& o) {
-  if (o.format_version != 1 && o.format_version != 2) {
-    return InvalidArgument("cannot write format version " + std::to_string(o.format_version) + " (1 or 2)");
+  if (o.format_version < 1 || o.format_version > kMaxReadableVersion) {
+    return InvalidArgument("cannot write format version " + std::to_string(o.format_version) + " (1, 2 or 3)");
   }
   if (o.format_version >= 2 && (o.block_bytes < kMinBlockBytes || o.block_bytes > kMaxBlockBytes)) {
     return InvalidArgument("block size " + std::to_string(o.block_bytes) + " outside [" +
@@ -286,6 +286,25 @@ std::int64_t CheckpointWriter::StagingBytes(std::int64_t nbytes) const {
   return DirectStagingBytes(nbytes, options_.direct_block_bytes);
 }
 
+bool CheckpointWriter::Packs(std::int64_t nbytes) const {
+  return options_.format_version >= kPackedVersion && options_.codec.codec == Codec::kNone && nbytes > 0 &&
+         nbytes <= kMaxPackedBytes;
+}
+
+void CheckpointWriter::ExpectShards(std::int64_t rank, std::span<const std::int64_t> nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = files_[rank];
+  if (slot == nullptr) slot = std::make_unique<RankFile>();
+  slot->expect_packed = 0;
+  slot->expect_table = 0;
+  for (const std::int64_t n : nbytes) {
+    if (!Packs(n)) continue;
+    slot->expect_packed += n;
+    slot->expect_table += BlockCount(n, options_.block_bytes) * BlockEntryBytes(Codec::kNone);
+  }
+  if (slot->writer != nullptr) slot->writer->ExpectPacked(slot->expect_packed, slot->expect_table);
+}
+
 Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
   auto& slot = files_[rank];
   if (slot == nullptr) slot = std::make_unique<RankFile>();
@@ -301,6 +320,7 @@ Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
       return w.status();
     }
     slot->writer = std::move(w).value();
+    slot->writer->ExpectPacked(slot->expect_packed, slot->expect_table);
   }
   return slot->writer.get();
 }
@@ -322,22 +342,27 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
     const TensorSpec& t = tensors_[it->second];
     RS_RETURN_IF_ERROR(ValidatePiece(t, piece, static_cast<std::size_t>(piece.numel()) * DTypeSize(t.dtype)));
     RS_ASSIGN_OR_RETURN(file, FileForRank(rank));
-    char name[32];
-    std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(files_[rank]->next_dataset++));
     e.tensor = tensor;
     e.piece = piece;
     e.file = RankFileName(rank);
-    e.dataset = name;
     e.nbytes = piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
     e.codec = e.nbytes == 0 ? Codec::kNone : options_.codec.codec;
     e.rank = rank;
     e.replica = replica;
-    nlohmann::json a = {{"tensor", tensor},
-                        {"dtype", DTypeName(t.dtype)},
-                        {"box_offset", piece.box.offset},
-                        {"box_shape", piece.box.shape}};
-    if (piece.range) a["range"] = {piece.range->begin, piece.range->end};
-    attribute = a.dump();
+    // Version 3: a small uncompressed shard goes into the file's pack (FORMAT.md §4.6), which
+    // saves HDF5 two datasets and an attribute per shard; the pack names its datasets.
+    e.packed = Packs(e.nbytes);
+    if (!e.packed) {
+      char name[32];
+      std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(files_[rank]->next_dataset++));
+      e.dataset = name;
+      nlohmann::json a = {{"tensor", tensor},
+                          {"dtype", DTypeName(t.dtype)},
+                          {"box_offset", piece.box.offset},
+                          {"box_shape", piece.box.shape}};
+      if (piece.range) a["range"] = {piece.range->begin, piece.range->end};
+      attribute = a.dump();
+    }
     ++open_sinks_;
     ++files_[rank]->open_sinks;
   }
@@ -347,10 +372,10 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
   spec.codec = e.codec == Codec::kNone ? CodecSpec{Codec::kNone, 0} : options_.codec;
   spec.chunk_bytes = options_.chunk_bytes;
   spec.attribute = attribute;
+  spec.packed = e.packed;
   if (options_.format_version >= 2 && e.nbytes > 0) {
-    spec.table = e.dataset + ".blocks";
+    if (!e.packed) spec.table = e.dataset + ".blocks";
     spec.block_bytes = options_.block_bytes;
-    e.block_table = spec.table;
   }
   Result<std::unique_ptr<DatasetWriter>> d = file->BeginDataset(spec, pool_.get());
   if (!d.ok()) {
@@ -360,6 +385,8 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
     return d.status().WithContext("tensor '" + tensor + "'");
   }
   sink->dataset_ = std::move(d).value();
+  e.dataset = sink->dataset_->dataset_name();  // a pack's, where it was packed
+  e.block_table = sink->dataset_->table_name();
   // Version 1's checksum is that of the bytes; version 2's that of the block table.
   if (options_.format_version < 2) sink->hash_ = std::make_unique<Xxh3Stream>();
   sink->writer_ = this;
@@ -482,15 +509,25 @@ Status CheckpointWriter::CloseFile(std::int64_t rank) {
   const std::string path = staging_ + "/" + name;
   RS_ASSIGN_OR_RETURN(auto reader, ShardFileReader::Open(path));
   std::vector<Extent> extents;
+  std::map<std::string, Result<std::pair<std::int64_t, std::int64_t>>> packs;
   for (const std::size_t id : f.shard_ids) {
     const ShardEntry* s = &shards_[id];
     const std::string what = path + ", dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";
     Result<ShardLocation> loc = reader->LocateFromTable(TableRefOf(*s, options_.block_bytes), what);
     if (!loc.ok()) return Internal("reading back what was written: " + loc.status().message());
-    Result<ShardLocation> hdf5 = reader->Locate(s->dataset, s->codec, s->nbytes, what);
-    if (!hdf5.ok()) return Internal("reading back what was written: " + hdf5.status().message());
-    if (const std::string diff = CompareLocations(*hdf5, *loc); !diff.empty()) {
-      return Internal(what + ": HDF5 and the block table disagree: " + diff);
+    if (s->packed) {
+      const std::int64_t table_bytes = BlockCount(s->nbytes, options_.block_bytes) * BlockEntryBytes(Codec::kNone);
+      if (const std::string diff = reader->CheckPacked(s->dataset, s->data_offset, s->nbytes, s->block_table,
+                                                       s->block_table_offset, table_bytes, what, packs);
+          !diff.empty()) {
+        return Internal("reading back what was written: " + diff);
+      }
+    } else {
+      Result<ShardLocation> hdf5 = reader->Locate(s->dataset, s->codec, s->nbytes, what);
+      if (!hdf5.ok()) return Internal("reading back what was written: " + hdf5.status().message());
+      if (const std::string diff = CompareLocations(*hdf5, *loc); !diff.empty()) {
+        return Internal(what + ": HDF5 and the block table disagree: " + diff);
+      }
     }
     for (Extent& e : DataExtents(*loc)) {
       e.owner = "dataset '" + s->dataset + "' (tensor '" + s->tensor + "')";

@@ -141,6 +141,11 @@ class CheckpointWriter {
   void SetLayout(nlohmann::json layout);      // Layout::ToJson(); opaque to the format
   void SetMetadata(nlohmann::json metadata);  // a JSON object: step, model config, ...
 
+  // The sizes of the shards `rank` will write (all of them, in any order), before its first:
+  // version 3 then sizes the file's pack for exactly its small shards (FORMAT.md §4.6) instead
+  // of growing packs and leaving the last one partly unused. Optional; no effect on other
+  // versions or codecs.
+  void ExpectShards(std::int64_t rank, std::span<const std::int64_t> nbytes);
   // Declares that every shard of `rank` has been written: its data file is closed, fsynced and
   // (version 2) accounted for now rather than at the commit, so that a writer of many rank
   // files holds only those still being written (HDF5 keeps about half a MiB of metadata cache
@@ -183,7 +188,8 @@ class CheckpointWriter {
   Status CloseFiles();
   // Closes one rank's file and records its DataFileEntry (version 2). Called with mu_ held.
   Status CloseFile(std::int64_t rank);
-  Manifest BuildManifest();  // moves the shards out: once, at the commit
+  bool Packs(std::int64_t nbytes) const;  // whether a shard of `nbytes` is packed
+  Manifest BuildManifest();               // moves the shards out: once, at the commit
 
   // Opens (creating it) the staging lock and takes a shared flock on it, held until the writer
   // is destroyed.
@@ -205,9 +211,10 @@ class CheckpointWriter {
     std::unique_ptr<ShardFileWriter> writer;
     std::int64_t next_dataset = 0;
     std::int64_t open_sinks = 0;
-    bool closed = false;                 // FinishRank or the commit closed it
-    std::vector<std::size_t> shard_ids;  // its finished shards, indices into shards_
-    std::int64_t recorded_bytes = 0;     // without_bytes: where the next shard's data would go
+    bool closed = false;                               // FinishRank or the commit closed it
+    std::vector<std::size_t> shard_ids;                // its finished shards, indices into shards_
+    std::int64_t recorded_bytes = 0;                   // without_bytes: where the next shard's data would go
+    std::int64_t expect_packed = 0, expect_table = 0;  // ExpectShards
   };
   std::map<std::int64_t, std::unique_ptr<RankFile>> files_;
   std::vector<ShardEntry> shards_;

@@ -207,7 +207,7 @@ Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view
     // Every byte of a non-empty shard is covered by its block table (FORMAT.md §4.4), and the
     // manifest says where the data and the table are.
     if (s.nbytes == 0) {
-      for (const char* f : {"block_table", "offset", "chunk_bytes"}) {
+      for (const char* f : {"block_table", "offset", "chunk_bytes", "packed"}) {
         if (j.contains(f))
           return ctx.Bad("field '" + std::string(f) + "' on a shard of nbytes = 0 (no data, no blocks)");
       }
@@ -225,6 +225,15 @@ Result<ShardEntry> ParseShard(const json& j, std::size_t index, std::string_view
       }
       RS_ASSIGN_OR_RETURN(s.block_table_offset, GetInt(*table, "offset", ctx));
       if (s.block_table_offset < 0) return ctx.Bad("field 'block_table.offset' is negative");
+      if (const auto packed = j.find("packed"); packed != j.end()) {
+        if (version < kPackedVersion) {
+          return ctx.Bad("field 'packed' in a manifest of format version " + std::to_string(version) +
+                         " (packed shards are version " + std::to_string(kPackedVersion) + ")");
+        }
+        if (!packed->is_boolean()) return ctx.Bad("field 'packed' must be a boolean, got " + packed->dump());
+        s.packed = packed->get<bool>();
+        if (s.packed && s.codec != Codec::kNone) return ctx.Bad("field 'packed' on a shard of codec zstd");
+      }
       if (s.codec == Codec::kNone) {
         if (j.contains("chunk_bytes")) return ctx.Bad("field 'chunk_bytes' on a shard of codec none");
         RS_ASSIGN_OR_RETURN(s.data_offset, GetInt(j, "offset", ctx));
@@ -293,6 +302,7 @@ json ShardToJson(const ShardEntry& s, std::int64_t version) {
       sj["chunk_bytes"] = s.chunk_bytes;
     }
     sj["block_table"] = {{"dataset", s.block_table}, {"offset", s.block_table_offset}};
+    if (s.packed) sj["packed"] = true;
   }
   return sj;
 }
@@ -392,20 +402,23 @@ Status ReadRest(const json& j, const Ctx& ctx, ManifestParts& p) {
   Manifest& m = p.m;
   const std::string_view source = ctx.where;
   if (m.version >= 2) {
-    // No dataset is named twice in one file (a table is never another shard's data), and the
+    // No dataset is named twice in one file (a table is never another shard's data) but the
+    // packs of version 3, which hold the data or the tables of packed shards only, and the
     // file list names exactly the files the shards name, each once.
-    std::unordered_map<std::string, std::size_t> datasets;  // "file\0dataset" -> shard index
+    std::unordered_map<std::string, std::pair<std::size_t, int>> datasets;  // "file\0dataset" -> shard, use
     std::set<std::string> named;
     for (std::size_t i = 0; i < m.shards.size(); ++i) {
       const ShardEntry& s = m.shards[i];
       named.insert(s.file);
       for (const std::string* d : {&s.dataset, &s.block_table}) {
         if (d->empty()) continue;
-        const auto [it, fresh] = datasets.emplace(s.file + '\0' + *d, i);
-        if (!fresh) {
+        // 0: one shard's own dataset or table; 1: a pack of data; 2: a pack of tables.
+        const int use = !s.packed ? 0 : d == &s.dataset ? 1 : 2;
+        const auto [it, fresh] = datasets.emplace(s.file + '\0' + *d, std::pair{i, use});
+        if (!fresh && (use == 0 || it->second.second != use)) {
           return ctx.Bad("shards[" + std::to_string(i) + "] (tensor " + Quote(s.tensor) + ", file " + Quote(s.file) +
-                         "): dataset " + Quote(*d) + " is also named by shards[" + std::to_string(it->second) +
-                         "] (tensor " + Quote(m.shards[it->second].tensor) + ")");
+                         "): dataset " + Quote(*d) + " is also named by shards[" + std::to_string(it->second.first) +
+                         "] (tensor " + Quote(m.shards[it->second.first].tensor) + ")");
         }
       }
     }

@@ -17,9 +17,12 @@
 namespace rs {
 
 inline constexpr std::string_view kFormatName = "moe-reshard-checkpoint";
-inline constexpr std::int64_t kFormatVersion = 2;       // what this build writes
+inline constexpr std::int64_t kFormatVersion = 2;       // what this build writes by default
 inline constexpr std::int64_t kMinReadableVersion = 1;  // what this build reads
-inline constexpr std::int64_t kMaxReadableVersion = 2;
+inline constexpr std::int64_t kMaxReadableVersion = 3;
+// Version 3 (FORMAT.md §4.6): small uncompressed shards may be packed, several to a dataset,
+// instead of each being a dataset (and a block table) of its own.
+inline constexpr std::int64_t kPackedVersion = 3;
 // Version 2 (FORMAT.md §4.4): every shard of nbytes > 0 has a block table, one XXH3-64 per
 // `block_bytes` of an uncompressed shard or per stored zstd chunk, so that partial reads can be
 // checked; the manifest records each data file's size and a checksum of its bytes outside the
@@ -50,6 +53,9 @@ struct ShardEntry {
   std::int64_t chunk_bytes = 0;          // codec zstd: uncompressed bytes per chunk
   std::string block_table;               // HDF5 path of the block table dataset
   std::int64_t block_table_offset = -1;  // file offset of the table's bytes
+  // Version 3 (FORMAT.md §4.6): `dataset` and `block_table` are packs that hold the data and the
+  // table of other packed shards of the file too; the shard's own bytes are at the offsets.
+  bool packed = false;
   friend bool operator==(const ShardEntry&, const ShardEntry&) = default;
 };
 

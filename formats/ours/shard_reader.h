@@ -8,10 +8,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/isolate.h"
@@ -77,6 +79,18 @@ class ShardFileReader {
   // cannot open the file (truncated or not an HDF5 file).
   Result<ShardLocation> Locate(const std::string& name, Codec codec, std::int64_t nbytes,
                                const std::string& what) const;
+
+  // Format version 3: the extent {offset, bytes} of the contiguous uint8 dataset `name` (a pack,
+  // FORMAT.md §4.6), as HDF5 sees it, within the file. DataLoss naming `what` otherwise.
+  Result<std::pair<std::int64_t, std::int64_t>> PackExtent(const std::string& name, const std::string& what) const;
+
+  // Version 3: "" when HDF5's packs of a packed shard hold its data and its block table where
+  // the manifest says (`table_bytes`: the table's size), else what differs. Pack extents are
+  // looked up once per pack in `cache`.
+  std::string CheckPacked(const std::string& dataset, std::int64_t data_offset, std::int64_t nbytes,
+                          const std::string& table, std::int64_t table_offset, std::int64_t table_bytes,
+                          const std::string& what,
+                          std::map<std::string, Result<std::pair<std::int64_t, std::int64_t>>>& cache) const;
 
   // Whether HDF5 can open the file at all (DataLoss naming the file if not).
   Status CheckHdf5() const;

@@ -40,6 +40,51 @@ Result<ShardLocation> ShardFileReader::Locate(const std::string& name, Codec cod
   return LocateLocked(name, codec, nbytes, what);
 }
 
+Result<std::pair<std::int64_t, std::int64_t>> ShardFileReader::PackExtent(const std::string& name,
+                                                                          const std::string& what) const {
+  auto lock = h5::Lock();
+  if (Status st = OpenHdf5(); !st.ok()) {
+    if (st.code() != ErrorCode::kDataLoss) return st.WithContext(what);
+    return DataLoss(what + ": the file " + hdf5_reason_);
+  }
+  std::int64_t bytes = 0;
+  {
+    h5::Handle dset(H5Dopen2(static_cast<hid_t>(file_id_), name.c_str(), h5::kDefault), H5Dclose);
+    if (!dset.valid()) return DataLoss(what + ": pack '" + name + "' is missing from the file");
+    h5::Handle space(H5Dget_space(dset.get()), H5Sclose);
+    hsize_t dims[1] = {0};
+    if (!space.valid() || H5Sget_simple_extent_ndims(space.get()) != 1 ||
+        H5Sget_simple_extent_dims(space.get(), dims, nullptr) != 1 ||
+        dims[0] > static_cast<hsize_t>(std::numeric_limits<std::int64_t>::max())) {
+      return DataLoss(what + ": pack '" + name + "' is not a one-dimensional dataset");
+    }
+    bytes = static_cast<std::int64_t>(dims[0]);
+  }
+  RS_ASSIGN_OR_RETURN(const ShardLocation loc, LocateLocked(name, Codec::kNone, bytes, what + ", pack '" + name + "'"));
+  return std::pair{loc.offset, bytes};
+}
+
+std::string ShardFileReader::CheckPacked(
+    const std::string& dataset, std::int64_t data_offset, std::int64_t nbytes, const std::string& table,
+    std::int64_t table_offset, std::int64_t table_bytes, const std::string& what,
+    std::map<std::string, Result<std::pair<std::int64_t, std::int64_t>>>& cache) const {
+  auto holds = [&](const std::string& pack, std::int64_t offset, std::int64_t bytes) -> std::string {
+    auto it = cache.find(pack);
+    if (it == cache.end()) it = cache.emplace(pack, PackExtent(pack, what)).first;
+    if (!it->second.ok()) return it->second.status().message();
+    const auto [at, size] = *it->second;
+    if (offset < at || offset - at > size - bytes) {
+      return what + ": HDF5 has pack '" + pack + "' at [" + std::to_string(at) + ", " + std::to_string(at + size) +
+             "), which does not hold the manifest's " + std::to_string(bytes) + " bytes at offset " +
+             std::to_string(offset);
+    }
+    return "";
+  };
+  std::string diff = holds(dataset, data_offset, nbytes);
+  if (diff.empty()) diff = holds(table, table_offset, table_bytes);
+  return diff;
+}
+
 Result<ShardLocation> ShardFileReader::LocateLocked(const std::string& name, Codec codec, std::int64_t nbytes,
                                                     const std::string& what) const {
   if (Status st = OpenHdf5(); !st.ok()) {

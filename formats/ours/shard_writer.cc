@@ -222,6 +222,61 @@ Status ShardFileWriter::CreateDataset(const DatasetSpec& spec, std::int64_t chun
   return Status::Ok();
 }
 
+Result<std::int64_t> ShardFileWriter::CreateContiguous(const std::string& name, std::int64_t bytes,
+                                                       const std::string& what) {
+  auto lock = h5::Lock();
+  const hsize_t dims[1] = {static_cast<hsize_t>(bytes)};
+  h5::Handle space(H5Screate_simple(1, dims, nullptr), H5Sclose);
+  h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  if (!space.valid() || !dcpl.valid()) return IoError(what + ": cannot create the dataspace of '" + name + "'");
+  H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
+  H5Pset_obj_track_times(dcpl.get(), 0);
+  H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS);
+  H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
+  h5::Handle dset(H5Dcreate2(file_id_, name.c_str(), H5T_STD_U8LE, space.get(), h5::kDefault, dcpl.get(), h5::kDefault),
+                  H5Dclose);
+  if (!dset.valid()) return IoError(what + ": cannot create dataset '" + name + "'");
+  const haddr_t addr = H5Dget_offset(dset.get());
+  if (addr == HADDR_UNDEF) return IoError(what + ": HDF5 did not allocate the storage of '" + name + "'");
+  return static_cast<std::int64_t>(addr);
+}
+
+Status ShardFileWriter::PlacePacked(std::int64_t nbytes, std::int64_t table_bytes, DatasetSpec& spec,
+                                    std::int64_t* data_offset, std::int64_t* table_offset, const std::string& what) {
+  Pack& p = pack_;
+  if (p.name.empty() || p.data_used + nbytes > p.data_capacity || p.table_used + table_bytes > p.table_capacity) {
+    // A new pack, twice the last one's size (up to the largest), both of its datasets allocated
+    // now, in turn: where they lie depends only on the order the shards were begun.
+    const bool expected = p.count == 0 && p.expect_data > 0;
+    const std::int64_t capacity = std::max(nbytes, expected       ? p.expect_data
+                                                   : p.count == 0 ? kFirstPackBytes
+                                                                  : std::min(kMaxPackBytes, 2 * p.data_capacity));
+    char name[32];
+    std::snprintf(name, sizeof(name), "pack-%08lld", static_cast<long long>(p.count));
+    RS_ASSIGN_OR_RETURN(const std::int64_t at, CreateContiguous(name, capacity, what));
+    const std::int64_t table_capacity =
+        expected ? std::max(table_bytes, p.expect_table) : std::max({kMinPackTableBytes, capacity / 16, table_bytes});
+    RS_ASSIGN_OR_RETURN(const std::int64_t table_at,
+                        CreateContiguous(std::string(name) + ".blocks", table_capacity, what));
+    p.count += 1;
+    p.name = name;
+    p.table = p.name + ".blocks";
+    p.data_offset = at;
+    p.data_capacity = capacity;
+    p.data_used = 0;
+    p.table_offset = table_at;
+    p.table_capacity = table_capacity;
+    p.table_used = 0;
+  }
+  *data_offset = p.data_offset + p.data_used;
+  *table_offset = p.table_offset + p.table_used;
+  p.data_used += nbytes;
+  p.table_used += table_bytes;
+  spec.name = p.name;
+  spec.table = p.table;
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const DatasetSpec& spec, ThreadPool* pool) {
   RS_CHECK(file_id_ >= 0);
   RS_CHECK(spec.chunk_bytes > 0 && spec.nbytes >= 0);
@@ -233,7 +288,7 @@ Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const Datas
   d->pool_ = pool;
   d->chunk_ = std::min(spec.chunk_bytes, std::max<std::int64_t>(spec.nbytes, 1));
   if (spec.nbytes == 0) d->spec_.table.clear();  // an empty shard has no blocks
-  if (!d->spec_.table.empty()) {
+  if (!d->spec_.table.empty() || spec.packed) {  // a packed shard's table goes into the pack's
     RS_CHECK(d->zstd_ || spec.block_bytes > 0);
     d->table_.reserve(static_cast<std::size_t>(BlockCount(spec.nbytes, d->zstd_ ? d->chunk_ : spec.block_bytes)));
     if (!d->zstd_) d->block_hash_ = std::make_unique<Xxh3Stream>();
@@ -245,7 +300,15 @@ Result<std::unique_ptr<DatasetWriter>> ShardFileWriter::BeginDataset(const Datas
     return d;
   }
   AwaitTurn(d->seq_);
-  const Status created = CreateDataset(d->spec_, 0, nullptr, &d->offset_, &d->table_offset_, d->what_);
+  Status created;
+  if (spec.packed) {
+    RS_CHECK(spec.codec.codec == Codec::kNone && spec.nbytes > 0 && spec.nbytes <= kMaxPackedBytes);
+    const std::int64_t table_bytes = BlockCount(spec.nbytes, spec.block_bytes) * BlockEntryBytes(Codec::kNone);
+    created = PlacePacked(spec.nbytes, table_bytes, d->spec_, &d->offset_, &d->table_offset_, d->what_);
+    d->what_ = path_ + ", pack '" + d->spec_.name + "'";
+  } else {
+    created = CreateDataset(d->spec_, 0, nullptr, &d->offset_, &d->table_offset_, d->what_);
+  }
   ReleaseTurn(d->seq_);  // the rest is pwrite, outside HDF5
   d->turn_released_ = true;
   RS_RETURN_IF_ERROR(created);

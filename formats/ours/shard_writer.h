@@ -36,7 +36,22 @@ struct DatasetSpec {
   // the block size. Empty: no table (version 1, or an empty dataset).
   std::string table;
   std::int64_t block_bytes = 0;
+  // Format version 3 (FORMAT.md §4.6), codec none, 0 < nbytes <= kMaxPackedBytes: the bytes go
+  // into the file's current pack (a dataset holding several shards) and its table into the
+  // pack's table, instead of datasets of their own; `name`, `table` and `attribute` are unused
+  // and the writer says which packs it used (DatasetWriter::dataset_name / table_name).
+  bool packed = false;
 };
+
+// Shards up to this size may be packed (one block of the default block size).
+inline constexpr std::int64_t kMaxPackedBytes = std::int64_t{256} << 10;
+// A file's packs grow from the first to the largest size, doubling, so that small checkpoints
+// do not carry megabytes of unused pack; a pack's table takes 1/16 of its size (a table entry
+// of 8 bytes for every 128 bytes of data), at least kMinPackTableBytes: a pack is full when
+// either is.
+inline constexpr std::int64_t kFirstPackBytes = std::int64_t{64} << 10;
+inline constexpr std::int64_t kMaxPackBytes = std::int64_t{8} << 20;
+inline constexpr std::int64_t kMinPackTableBytes = std::int64_t{4} << 10;
 
 class ShardFileWriter;
 
@@ -64,6 +79,9 @@ class DatasetWriter {
   // InvalidArgument if fewer bytes than the dataset's size were appended.
   Result<Written> Finish();
   std::int64_t written() const { return written_; }
+  // The datasets holding its bytes and its block table: the spec's, or the packs it went into.
+  const std::string& dataset_name() const { return spec_.name; }
+  const std::string& table_name() const { return spec_.table; }
 
  private:
   friend class ShardFileWriter;
@@ -161,6 +179,13 @@ class ShardFileWriter {
   // whatever the threads and timing. A thread that still has an earlier dataset of the file
   // open does not wait for it (it could not finish it meanwhile); its program order decides.
   Result<std::unique_ptr<DatasetWriter>> BeginDataset(const DatasetSpec& spec, ThreadPool* pool);
+  // Sizes the file's first pack for what is expected to be packed into it (version 3), so that
+  // a writer that knows its shards leaves no unused pack behind; more than that still goes
+  // into further packs. Before the first packed shard.
+  void ExpectPacked(std::int64_t data_bytes, std::int64_t table_bytes) {
+    pack_.expect_data = data_bytes;
+    pack_.expect_table = table_bytes;
+  }
   // Closes the HDF5 file and fsyncs it. IoError on failure.
   Status Close();
   const std::string& path() const { return path_; }
@@ -179,6 +204,12 @@ class ShardFileWriter {
   // Creates a dataset (and its attribute and block table) in the file. Called in turn.
   Status CreateDataset(const DatasetSpec& spec, std::int64_t chunk, std::int64_t* dset_out, std::int64_t* data_offset,
                        std::int64_t* table_offset, const std::string& what);
+  // Places a packed shard of `nbytes` with a table of `table_bytes` in the current pack, first
+  // creating a new pack (data and table datasets) where it does not fit. Called in turn.
+  Status PlacePacked(std::int64_t nbytes, std::int64_t table_bytes, DatasetSpec& spec, std::int64_t* data_offset,
+                     std::int64_t* table_offset, const std::string& what);
+  // Creates a contiguous uint8 dataset of `bytes`, allocated now; returns its file offset.
+  Result<std::int64_t> CreateContiguous(const std::string& name, std::int64_t bytes, const std::string& what);
   // The turn of dataset `seq` (see BeginDataset).
   std::int64_t TakeSeq();
   void AwaitTurn(std::int64_t seq);
@@ -194,6 +225,14 @@ class ShardFileWriter {
   // that wants a larger alignment): the rest of the file is written buffered.
   std::atomic<bool> direct_refused_{false};
   std::atomic<std::int64_t> direct_bytes_{0};  // written with O_DIRECT
+
+  struct Pack {
+    std::int64_t count = 0;  // packs made so far
+    std::string name, table;
+    std::int64_t data_offset = 0, data_capacity = 0, data_used = 0;
+    std::int64_t table_offset = 0, table_capacity = 0, table_used = 0;
+    std::int64_t expect_data = 0, expect_table = 0;  // ExpectPacked: the first pack's size
+  } pack_;                                           // used in turn only
 
   std::mutex turn_mu_;
   std::condition_variable turn_cv_;

@@ -575,6 +575,15 @@ bool CheckHdf5Locations(const CheckpointReader& r, std::size_t i, const std::str
                         const ShardLocation& located, std::vector<Finding>& findings) {
   const Manifest& m = r.manifest();
   const ShardEntry& s = m.shards[i];
+  if (s.packed) {
+    // Version 3: the shard's data and table lie inside the packs the manifest names.
+    std::map<std::string, Result<std::pair<std::int64_t, std::int64_t>>> packs;
+    const std::int64_t table_bytes = BlockCount(s.nbytes, m.block_bytes) * BlockEntryBytes(Codec::kNone);
+    const std::string diff = f.CheckPacked(s.dataset, s.data_offset, s.nbytes, s.block_table, s.block_table_offset,
+                                           table_bytes, what, packs);
+    if (!diff.empty()) findings.push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, s.tensor, s.file, diff});
+    return false;  // a pack has no attribute of the shard's
+  }
   Result<ShardLocation> hdf5 = f.Locate(s.dataset, s.codec, s.nbytes, what);
   const std::string diff = hdf5.ok() ? CompareLocations(*hdf5, located) : "";
   bool dataset_ok = true;

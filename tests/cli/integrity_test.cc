@@ -182,8 +182,8 @@ TEST(Version1Fixture, StillVerifiedConvertedDiffedEvaluatedAndResumed) {
   const std::string v2 = tmp / "v2";
   const CommandResult c = RunCli("convert " + v1 + " --to tp=1 -o " + v2);
   ASSERT_EQ(c.exit_code, 0) << c.output;
-  ExpectNames(c, {"format version 1"});  // the note about whole-shard checks
-  EXPECT_EQ(ReadJson(v2 + "/manifest.json")["format_version"], 2);
+  ExpectNames(c, {"format version 1"});                             // the note about whole-shard checks
+  EXPECT_EQ(ReadJson(v2 + "/manifest.json")["format_version"], 3);  // convert writes version 3
   EXPECT_EQ(RunCli("verify " + v2).exit_code, 0);
   const CommandResult d = RunCli("diff " + v1 + " " + v2);
   EXPECT_EQ(d.exit_code, 0) << d.output;

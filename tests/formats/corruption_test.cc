@@ -304,7 +304,7 @@ TEST(ManifestCorruption, Corpus) {
       {"unknown version",
        [](json& m) { m["format_version"] = 99; },
        ErrorCode::kVersionMismatch,
-       {"manifest.json", "format version 99", "1 to 2"}},
+       {"manifest.json", "format version 99", "1 to 3"}},
       {"negative dim",
        [](json& m) { m["tensors"][1]["shape"][0] = -32; },
        ErrorCode::kDataLoss,
