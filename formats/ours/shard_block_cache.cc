@@ -4,15 +4,14 @@ namespace rs {
 
 BlockCache::Block BlockCache::Get(const Key& key) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = lru_.begin(); it != lru_.end(); ++it) {
-    if (it->key == key) {
-      lru_.splice(lru_.begin(), lru_, it);
-      ++hits_;
-      return lru_.front().block;
-    }
+  const auto it = index_.find(key);
+  if (it == index_.end()) {
+    ++misses_;
+    return nullptr;
   }
-  ++misses_;
-  return nullptr;
+  lru_.splice(lru_.begin(), lru_, it->second);
+  ++hits_;
+  return lru_.front().block;
 }
 
 std::shared_ptr<BlockCache::Data> BlockCache::Acquire(std::size_t size) {
@@ -37,16 +36,16 @@ void BlockCache::Put(const Key& key, Block block) {
   const auto size = static_cast<std::int64_t>(block->size);
   if (size > capacity_) return;
   std::lock_guard<std::mutex> lock(mu_);
-  for (const Entry& e : lru_) {
-    if (e.key == key) return;  // another thread read it too
-  }
+  if (index_.count(key) != 0) return;  // another thread read it too
   lru_.push_front({key, std::move(block)});
+  index_.emplace(key, lru_.begin());
   held_ += size;
   while (held_ > capacity_) {
     Entry& old = lru_.back();
     held_ -= static_cast<std::int64_t>(old.block->size);
     // Nobody else holds it (all copies are made under this lock): its buffer can be reused.
     if (old.block.use_count() == 1 && free_.size() < 8) free_.push_back(std::const_pointer_cast<Data>(old.block));
+    index_.erase(old.key);
     lru_.pop_back();
   }
 }

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "formats/ours/codec.h"
@@ -43,6 +44,16 @@ class BlockCache {
     Codec codec = Codec::kNone;
     friend bool operator==(const Key&, const Key&) = default;
   };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const {
+      std::uint64_t h = k.file * 0x9E3779B97F4A7C15ULL;
+      for (const std::uint64_t v : {static_cast<std::uint64_t>(k.offset), static_cast<std::uint64_t>(k.length),
+                                    k.checksum, static_cast<std::uint64_t>(k.codec)}) {
+        h = (h ^ v) * 0x100000001B3ULL;
+      }
+      return static_cast<std::size_t>(h ^ (h >> 29));
+    }
+  };
   Block Get(const Key& key);
   void Put(const Key& key, Block block);
   std::int64_t hits() const;
@@ -59,6 +70,8 @@ class BlockCache {
   std::int64_t hits_ = 0;
   std::int64_t misses_ = 0;
   std::list<Entry> lru_;  // most recent first
+  // Where each key is in lru_: many small shards make many small blocks, too many to scan.
+  std::unordered_map<Key, std::list<Entry>::iterator, KeyHash> index_;
   std::vector<std::shared_ptr<Data>> free_;
 };
 

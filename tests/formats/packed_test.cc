@@ -3,9 +3,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <functional>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -165,7 +165,8 @@ TEST(PackedShards, ManifestRules) {
   const std::string dir = tmp / "ck";
   WriteMixed(dir, 3, 2, true, "none");
   const std::vector<char> text = testing::ReadAll(dir + "/manifest.json");
-  const nlohmann::json good = nlohmann::json::parse(testing::WithoutManifestChecksum(std::string(text.begin(), text.end())));
+  const nlohmann::json good =
+      nlohmann::json::parse(testing::WithoutManifestChecksum(std::string(text.begin(), text.end())));
   auto first_packed = [](nlohmann::json& j) -> nlohmann::json& {
     for (auto& s : j["shards"]) {
       if (s.value("packed", false)) return s;
@@ -178,10 +179,11 @@ TEST(PackedShards, ManifestRules) {
     const char* expect;
   };
   const std::vector<Case> cases = {
-      {"packed at version 2", [](nlohmann::json& j) { j["format_version"] = 2; }, "field 'packed' in a manifest of format version 2"},
+      {"packed at version 2", [](nlohmann::json& j) { j["format_version"] = 2; },
+       "field 'packed' in a manifest of format version 2"},
       {"not a boolean", [&](nlohmann::json& j) { first_packed(j)["packed"] = 1; }, "field 'packed' must be a boolean"},
-      {"a pack taken for one shard's dataset",
-       [&](nlohmann::json& j) { first_packed(j)["packed"] = false; }, "is also named by"},
+      {"a pack taken for one shard's dataset", [&](nlohmann::json& j) { first_packed(j)["packed"] = false; },
+       "is also named by"},
       {"a pack of data used as a table",
        [&](nlohmann::json& j) {
          nlohmann::json& s = first_packed(j);
