@@ -93,7 +93,7 @@ with_bytes() {  # label layout extra-example-flags
   rm -rf "$src" "$dst"
 }
 with_bytes small pp=4,ep=64 ""
-[[ $LARGE == --large ]] && with_bytes large pp=16,ep=64,dp=2 --with-replicas
+[[ $LARGE == --large ]] && with_bytes large pp=16,ep=64,dp=2 "--with-replicas --format-version 3"
 
 # --- without bytes: the full model ------------------------------------------------------------
 for dp in 2 8; do

@@ -57,7 +57,11 @@ TEST_P(Interop, H5pyReadsOurShards) {
   ScratchDir tmp;
   const std::string dir = tmp / "c";
   WriterOptions o;
-  o.codec = *ParseCodecSpec(GetParam());
+  // "none@3": format version 3, whose small shards are packed (FORMAT.md §4.6).
+  const std::string param = GetParam();
+  const bool v3 = param.ends_with("@3");
+  o.codec = *ParseCodecSpec(v3 ? param.substr(0, param.size() - 2) : param);
+  o.format_version = v3 ? 3 : 2;
   o.chunk_bytes = 4096;
   const TensorSpec t = Spec("w", DType::kBF16, {64, 100});
   const auto full = testing::CompressibleBytes(t, 3);
@@ -79,7 +83,8 @@ TEST_P(Interop, H5pyReadsOurShards) {
   WriteText(script, R"(import sys, json, ctypes, h5py, hdf5plugin
 d = sys.argv[1]
 m = json.load(open(d + "/manifest.json"))
-assert m["format"] == "moe-reshard-checkpoint" and m["format_version"] == 2
+assert m["format"] == "moe-reshard-checkpoint" and m["format_version"] in (2, 3)
+packed = 0
 try:
     lib = ctypes.CDLL("libxxhash.so.0")
     lib.XXH3_64bits.restype = ctypes.c_uint64
@@ -92,9 +97,27 @@ extents = {}
 for s in m["shards"]:
     with h5py.File(d + "/" + s["file"], "r") as f:
         ds = f[s["dataset"]]
+        t = f[s["block_table"]["dataset"]]
+        if s.get("packed", False):
+            # A pack: the shard's data and table lie at their offsets inside the two datasets.
+            packed += 1
+            at, tat = s["offset"] - ds.id.get_offset(), s["block_table"]["offset"] - t.id.get_offset()
+            n_table = 8 * -(-s["nbytes"] // m["block_bytes"])
+            assert ds.dtype == "uint8" and 0 <= at and at + s["nbytes"] <= ds.shape[0], (at, ds.shape)
+            assert 0 <= tat and tat + n_table <= t.shape[0], (tat, t.shape)
+            data = ds[at:at + s["nbytes"]].tobytes()
+            table = t[tat:tat + n_table].tobytes()
+            ext = extents.setdefault(s["file"], [])
+            blocks = [int.from_bytes(table[i:i + 8], "little") for i in range(0, len(table), 8)]
+            B = m["block_bytes"]
+            ext.append((s["offset"], s["nbytes"]))
+            for i in range(len(blocks)):
+                if xxh3: assert xxh3(data[i * B:(i + 1) * B]) == "xxh3-64:%016x" % blocks[i], i
+            if xxh3: assert xxh3(table) == s["checksum"]
+            out.write(data)
+            continue
         assert ds.dtype == "uint8" and ds.shape == (s["nbytes"],), (ds.dtype, ds.shape)
         data = ds[()].tobytes()
-        t = f[s["block_table"]["dataset"]]
         assert t.id.get_offset() == s["block_table"]["offset"]
         table = t[()].tobytes()
         ext = extents.setdefault(s["file"], [])
@@ -132,6 +155,7 @@ for fe in m["files"]:
         pos = off + size
     outside += raw[pos:]
     if xxh3: assert xxh3(outside) == fe["outside_checksum"], fe["name"]
+assert packed > 0 or m["format_version"] == 2, "version 3 packs small shards"
 )");
   ASSERT_EQ(RunPython(script, dir + " " + (tmp / "out.bin")), 0);
   EXPECT_EQ(ReadBinary(tmp / "out.bin"), expected);
@@ -173,7 +197,7 @@ with h5py.File(sys.argv[1], "w") as f:
   EXPECT_EQ(*got, expected);
 }
 
-INSTANTIATE_TEST_SUITE_P(Codecs, Interop, ::testing::Values("none", "zstd:3"));
+INSTANTIATE_TEST_SUITE_P(Codecs, Interop, ::testing::Values("none", "zstd:3", "none@3"));
 
 }  // namespace
 }  // namespace rs
