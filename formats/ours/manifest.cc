@@ -504,6 +504,13 @@ class ManifestSax {
       : outline_(outline), shards_(shards), on_shard_(std::move(on_shard)) {
     if (outline_ != nullptr) dom_.emplace(*outline_, /*allow_exceptions=*/false);
   }
+  // The text is the shard list alone (an array of shards), not a whole manifest.
+  static ManifestSax ForShardList(OnShard on_shard) {
+    ManifestSax sax(nullptr, /*shards=*/true, std::move(on_shard));
+    sax.depth_ = 1;
+    sax.next_is_shards_ = true;
+    return sax;
+  }
 
   bool null() {
     return Value([](auto& d) { return d.null(); });
@@ -674,6 +681,80 @@ std::string ManifestText(const Manifest& m) {
          std::string(kChecksumLineSuffix) + std::string(rest);
 }
 
+namespace {
+
+// Stands in the outline for the shard list ParseSplit cut out: a string no manifest of ours holds
+// (a JSON text may spell a NUL character, but never as the first of a value's characters here).
+constexpr std::string_view kShardListMark = "\\u0000rs-shard-list";
+
+// The byte positions of the '[' and the matching ']' of the shard list where the writer puts it:
+// the only "\n \"shards\": [" of the text (a key at the top level's indentation; no JSON string
+// holds a raw newline). Nothing when it is not there once or its brackets do not close.
+std::optional<std::pair<std::size_t, std::size_t>> ShardListSpan(std::string_view text) {
+  constexpr std::string_view kKey = "\n \"shards\": [";
+  const std::size_t at = text.find(kKey);
+  if (at == std::string_view::npos || text.find(kKey, at + 1) != std::string_view::npos) return std::nullopt;
+  if (text.find("rs-shard-list") != std::string_view::npos) return std::nullopt;  // our mark, already there
+  const std::size_t open = at + kKey.size() - 1;
+  int depth = 0;
+  bool in_string = false;
+  for (std::size_t k = open; k < text.size(); ++k) {
+    const char c = text[k];
+    if (in_string) {
+      if (c == '\\') {
+        ++k;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      ++depth;
+    } else if ((c == ']' || c == '}') && --depth == 0) {
+      return std::pair{open, k};
+    }
+  }
+  return std::nullopt;
+}
+
+// ParseManifest's two passes on the two parts of the text: the outline with the shard list cut
+// out, then the shard list alone. Unavailable when the text is not laid out for it or either
+// part does not parse on its own: ParseManifest then reads the whole text twice, which gives
+// the same manifest and, for malformed text, the message with the position in the whole text.
+Result<Manifest> ParseSplit(std::string_view text, std::string_view source, bool has_checksum) {
+  const std::optional<std::pair<std::size_t, std::size_t>> span = ShardListSpan(text);
+  if (!span) return Unavailable("no shard list where the writer puts it");
+  std::string outline_text;
+  outline_text.reserve(text.size() - (span->second - span->first) + kShardListMark.size() + 2);
+  outline_text.append(text.substr(0, span->first)).append("\"").append(kShardListMark).append("\"");
+  outline_text.append(text.substr(span->second + 1));
+  json j;
+  ManifestSax outline(&j, /*shards=*/false);
+  if (!json::sax_parse(outline_text, &outline, json::input_format_t::json, /*strict=*/true) ||
+      outline.shard_arrays() != 0 || !j.is_object() || j.find("shards") == j.end() ||
+      *j.find("shards") != json(std::string("\0rs-shard-list", 14))) {
+    return Unavailable("the outline does not parse apart");
+  }
+  j["shards"] = json::array();
+  // Every refusal before both parts have parsed whole is left to the two passes over the whole
+  // text: a malformed byte later in the shard list must be what is reported, as it is there.
+  const Ctx ctx{std::string(source)};
+  if (!has_checksum && j.contains("manifest_checksum")) return Unavailable("refused: the whole text decides why");
+  ManifestParts p;
+  if (!ReadHeader(j, ctx, p).ok()) return Unavailable("refused: the whole text decides why");
+  ManifestSax elements =
+      ManifestSax::ForShardList([&](const json& shard, std::size_t i) { return ReadShard(shard, i, source, p); });
+  const std::string_view list = text.substr(span->first, span->second - span->first + 1);
+  if (!json::sax_parse(list, &elements, json::input_format_t::json, /*strict=*/true)) {
+    return Unavailable("the shard list does not parse apart, or a shard is refused");
+  }
+  RS_RETURN_IF_ERROR(ReadRest(j, ctx, p));
+  p.m.has_checksum = has_checksum;
+  return std::move(p.m);
+}
+
+}  // namespace
+
 Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
   // One JSON document and nothing after it but whitespace. The parser would stop at a NUL byte
   // as at the end of the text, and accept a manifest followed by anything after one; no JSON
@@ -710,7 +791,12 @@ Result<Manifest> ParseManifest(std::string_view text, std::string_view source) {
   // Two passes over the text, so that no document of all the shards is ever built (it would
   // take several KiB a shard): the first builds everything but the elements of the top-level
   // 'shards' array and checks the header and the tensors, the second converts the shards one at
-  // a time, each from a document of its own.
+  // a time, each from a document of its own. Where the shard list sits where the writer puts
+  // it, each pass reads only its part of the text (ParseSplit).
+  if (Result<Manifest> split = ParseSplit(text, source, has_checksum);
+      split.ok() || split.status().code() != ErrorCode::kUnavailable) {
+    return split;
+  }
   const Ctx ctx{std::string(source)};
   json j;
   ManifestSax outline(&j, /*shards=*/false);
