@@ -306,12 +306,7 @@ void CheckpointWriter::ExpectShards(std::int64_t rank, std::span<const std::int6
 }
 
 Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
-  auto& slot = files_[rank];
-  if (slot == nullptr) slot = std::make_unique<RankFile>();
-  if (slot->closed) {
-    return FailedPrecondition("rank " + std::to_string(rank) + " was finished (FinishRank); its file " +
-                              RankFileName(rank) + " takes no more shards");
-  }
+  RS_ASSIGN_OR_RETURN(RankFile * slot, Slot(rank));
   if (slot->writer == nullptr) {
     Result<std::unique_ptr<ShardFileWriter>> w =
         ShardFileWriter::Create(staging_ + "/" + RankFileName(rank), options_.direct_io, options_.direct_block_bytes);
@@ -325,39 +320,60 @@ Result<ShardFileWriter*> CheckpointWriter::FileForRank(std::int64_t rank) {
   return slot->writer.get();
 }
 
+Result<CheckpointWriter::RankFile*> CheckpointWriter::Slot(std::int64_t rank) {
+  auto& slot = files_[rank];
+  if (slot == nullptr) slot = std::make_unique<RankFile>();
+  if (slot->closed) {
+    return FailedPrecondition("rank " + std::to_string(rank) + " was finished (FinishRank); its file " +
+                              RankFileName(rank) + " takes no more shards");
+  }
+  return slot.get();
+}
+
+Result<ShardEntry> CheckpointWriter::NewEntry(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                                              ReplicaKind replica) const {
+  if (rank < 0) return InvalidArgument("negative rank " + std::to_string(rank));
+  if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
+  const auto it = tensor_index_.find(tensor);
+  if (it == tensor_index_.end()) return InvalidArgument("WriteShard: tensor '" + tensor + "' was not added");
+  const TensorSpec& t = tensors_[it->second];
+  RS_RETURN_IF_ERROR(ValidatePiece(t, piece, static_cast<std::size_t>(piece.numel()) * DTypeSize(t.dtype)));
+  ShardEntry e;
+  e.tensor = tensor;
+  e.piece = piece;
+  e.file = RankFileName(rank);
+  e.nbytes = piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
+  e.codec = e.nbytes == 0 || options_.without_bytes ? Codec::kNone : options_.codec.codec;
+  e.rank = rank;
+  e.replica = replica;
+  return e;
+}
+
+std::string CheckpointWriter::NextDatasetName(RankFile& file) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(file.next_dataset++));
+  return name;
+}
+
 Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t rank, const std::string& tensor,
                                                                 const Piece& piece, ReplicaKind replica) {
-  if (rank < 0) return InvalidArgument("negative rank " + std::to_string(rank));
   std::unique_ptr<ShardSink> sink(new ShardSink());  // its writer_ is set once it counts as open
   ShardEntry& e = sink->entry_;
   std::string attribute;
   ShardFileWriter* file = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
     if (options_.without_bytes)
       return FailedPrecondition(dir_ + ": a writer without bytes records shards (RecordShard)");
-    const auto it = tensor_index_.find(tensor);
-    if (it == tensor_index_.end()) return InvalidArgument("WriteShard: tensor '" + tensor + "' was not added");
-    const TensorSpec& t = tensors_[it->second];
-    RS_RETURN_IF_ERROR(ValidatePiece(t, piece, static_cast<std::size_t>(piece.numel()) * DTypeSize(t.dtype)));
+    RS_ASSIGN_OR_RETURN(e, NewEntry(rank, tensor, piece, replica));
     RS_ASSIGN_OR_RETURN(file, FileForRank(rank));
-    e.tensor = tensor;
-    e.piece = piece;
-    e.file = RankFileName(rank);
-    e.nbytes = piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
-    e.codec = e.nbytes == 0 ? Codec::kNone : options_.codec.codec;
-    e.rank = rank;
-    e.replica = replica;
     // Version 3: a small uncompressed shard goes into the file's pack (FORMAT.md §4.6), which
     // saves HDF5 two datasets and an attribute per shard; the pack names its datasets.
     e.packed = Packs(e.nbytes);
     if (!e.packed) {
-      char name[32];
-      std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(files_[rank]->next_dataset++));
-      e.dataset = name;
+      e.dataset = NextDatasetName(*files_[rank]);
       nlohmann::json a = {{"tensor", tensor},
-                          {"dtype", DTypeName(t.dtype)},
+                          {"dtype", DTypeName(tensors_[tensor_index_.at(tensor)].dtype)},
                           {"box_offset", piece.box.offset},
                           {"box_shape", piece.box.shape}};
       if (piece.range) a["range"] = {piece.range->begin, piece.range->end};
@@ -395,33 +411,18 @@ Result<std::unique_ptr<ShardSink>> CheckpointWriter::BeginShard(std::int64_t ran
 
 Status CheckpointWriter::RecordShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
                                      ReplicaKind replica) {
-  if (rank < 0) return InvalidArgument("negative rank " + std::to_string(rank));
   std::lock_guard<std::mutex> lock(mu_);
   if (!options_.without_bytes) return FailedPrecondition(dir_ + ": RecordShard is for writers without bytes");
-  if (done_) return FailedPrecondition("checkpoint writer for " + dir_ + " already committed");
-  const auto it = tensor_index_.find(tensor);
-  if (it == tensor_index_.end()) return InvalidArgument("RecordShard: tensor '" + tensor + "' was not added");
-  const TensorSpec& t = tensors_[it->second];
-  RS_RETURN_IF_ERROR(ValidatePiece(t, piece, static_cast<std::size_t>(piece.numel()) * DTypeSize(t.dtype)));
-  auto& slot = files_[rank];
-  if (slot == nullptr) slot = std::make_unique<RankFile>();
-  if (slot->closed) return FailedPrecondition("rank " + std::to_string(rank) + " was finished (FinishRank)");
-  char name[32];
-  std::snprintf(name, sizeof(name), "shard-%08lld", static_cast<long long>(slot->next_dataset++));
-  ShardEntry e;
-  e.tensor = tensor;
-  e.piece = piece;
-  e.file = RankFileName(rank);
-  e.dataset = name;
-  e.nbytes = piece.numel() * static_cast<std::int64_t>(DTypeSize(t.dtype));
-  e.rank = rank;
-  e.replica = replica;
+  RS_ASSIGN_OR_RETURN(ShardEntry e, NewEntry(rank, tensor, piece, replica));
+  RS_ASSIGN_OR_RETURN(RankFile * slot, Slot(rank));
+  e.dataset = NextDatasetName(*slot);
   if (options_.format_version >= 2 && e.nbytes > 0) {
-    // Where a file of this layout would hold them: the data, then its table (8 bytes a block).
+    // Where a file of this layout would hold them: the data, then its block table.
     e.block_table = e.dataset + ".blocks";
     e.data_offset = slot->recorded_bytes;
     e.block_table_offset = e.data_offset + e.nbytes;
-    slot->recorded_bytes = e.block_table_offset + CeilDiv(e.nbytes, options_.block_bytes) * 8;
+    slot->recorded_bytes =
+        e.block_table_offset + BlockCount(e.nbytes, options_.block_bytes) * BlockEntryBytes(Codec::kNone);
   }
   slot->shard_ids.push_back(shards_.size());
   shards_.push_back(std::move(e));
@@ -516,10 +517,7 @@ Status CheckpointWriter::CloseFile(std::int64_t rank) {
     Result<ShardLocation> loc = reader->LocateFromTable(TableRefOf(*s, options_.block_bytes), what);
     if (!loc.ok()) return Internal("reading back what was written: " + loc.status().message());
     if (s->packed) {
-      const std::int64_t table_bytes = BlockCount(s->nbytes, options_.block_bytes) * BlockEntryBytes(Codec::kNone);
-      if (const std::string diff = reader->CheckPacked(s->dataset, s->data_offset, s->nbytes, s->block_table,
-                                                       s->block_table_offset, table_bytes, what, packs);
-          !diff.empty()) {
+      if (const std::string diff = reader->CheckPacked(*s, options_.block_bytes, what, packs); !diff.empty()) {
         return Internal("reading back what was written: " + diff);
       }
     } else {

@@ -134,8 +134,8 @@ class CheckpointWriter {
   Result<std::unique_ptr<ShardSink>> BeginShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
                                                 ReplicaKind replica = ReplicaKind::kMain);
   // Writers with WriterOptions::without_bytes only: records the shard `piece` of `tensor` as
-  // rank `rank` would store it (the next dataset of its file, its data after the previous
-  // shard's), without any byte. InvalidArgument / FailedPrecondition as for WriteShard.
+  // rank `rank` would store it uncompressed (the next dataset of its file, its data after the
+  // previous shard's), without any byte. InvalidArgument / FailedPrecondition as for WriteShard.
   Status RecordShard(std::int64_t rank, const std::string& tensor, const Piece& piece,
                      ReplicaKind replica = ReplicaKind::kMain);
   void SetLayout(nlohmann::json layout);      // Layout::ToJson(); opaque to the format
@@ -182,6 +182,13 @@ class CheckpointWriter {
  private:
   friend class ShardSink;
   CheckpointWriter() = default;
+  struct RankFile;
+  // Called with mu_ held: the slot of `rank` (created; FailedPrecondition once finished), the
+  // entry of a new shard as far as it does not depend on how it is stored, the next dataset name.
+  Result<RankFile*> Slot(std::int64_t rank);
+  Result<ShardEntry> NewEntry(std::int64_t rank, const std::string& tensor, const Piece& piece,
+                              ReplicaKind replica) const;
+  static std::string NextDatasetName(RankFile& file);
   Result<ShardFileWriter*> FileForRank(std::int64_t rank);
   // Closes (and fsyncs) the data files and, for version 2, records each one's size and the
   // checksum of its bytes outside the shards' data (FORMAT.md §3.3), read back from the file.

@@ -25,6 +25,8 @@
 
 namespace rs {
 
+struct ShardEntry;  // formats/ours/manifest.h
+
 // One HDF5 question a reader will ask about a dataset of a file (see ProbeHdf5).
 struct Hdf5Query {
   std::string dataset;
@@ -84,12 +86,10 @@ class ShardFileReader {
   // FORMAT.md §4.6), as HDF5 sees it, within the file. DataLoss naming `what` otherwise.
   Result<std::pair<std::int64_t, std::int64_t>> PackExtent(const std::string& name, const std::string& what) const;
 
-  // Version 3: "" when HDF5's packs of a packed shard hold its data and its block table where
-  // the manifest says (`table_bytes`: the table's size), else what differs. Pack extents are
-  // looked up once per pack in `cache`.
-  std::string CheckPacked(const std::string& dataset, std::int64_t data_offset, std::int64_t nbytes,
-                          const std::string& table, std::int64_t table_offset, std::int64_t table_bytes,
-                          const std::string& what,
+  // Version 3: "" when HDF5's packs of packed shard `s` hold its data and its block table where
+  // the manifest says (`block_bytes`: the manifest's block size), else what differs. Pack
+  // extents are looked up once per pack in `cache`.
+  std::string CheckPacked(const ShardEntry& s, std::int64_t block_bytes, const std::string& what,
                           std::map<std::string, Result<std::pair<std::int64_t, std::int64_t>>>& cache) const;
 
   // Whether HDF5 can open the file at all (DataLoss naming the file if not).

@@ -9,6 +9,7 @@
 #include "base/check.h"
 #include "core/shape.h"
 #include "formats/ours/hdf5_util.h"
+#include "formats/ours/manifest.h"
 #include "formats/ours/shard_reader.h"
 
 namespace rs {
@@ -65,8 +66,7 @@ Result<std::pair<std::int64_t, std::int64_t>> ShardFileReader::PackExtent(const 
 }
 
 std::string ShardFileReader::CheckPacked(
-    const std::string& dataset, std::int64_t data_offset, std::int64_t nbytes, const std::string& table,
-    std::int64_t table_offset, std::int64_t table_bytes, const std::string& what,
+    const ShardEntry& s, std::int64_t block_bytes, const std::string& what,
     std::map<std::string, Result<std::pair<std::int64_t, std::int64_t>>>& cache) const {
   auto holds = [&](const std::string& pack, std::int64_t offset, std::int64_t bytes) -> std::string {
     auto it = cache.find(pack);
@@ -80,8 +80,9 @@ std::string ShardFileReader::CheckPacked(
     }
     return "";
   };
-  std::string diff = holds(dataset, data_offset, nbytes);
-  if (diff.empty()) diff = holds(table, table_offset, table_bytes);
+  std::string diff = holds(s.dataset, s.data_offset, s.nbytes);
+  const std::int64_t table_bytes = BlockCount(s.nbytes, block_bytes) * BlockEntryBytes(Codec::kNone);
+  if (diff.empty()) diff = holds(s.block_table, s.block_table_offset, table_bytes);
   return diff;
 }
 

@@ -569,8 +569,8 @@ std::set<std::string> CheckBytesOutsideData(CheckpointReader& r, const TensorsBy
 }
 
 // Version 2: HDF5's view of shard `i`'s dataset against where the manifest says its data is,
-// and of its block table. Returns whether HDF5 could locate the dataset (its attribute can
-// then be read).
+// and of its block table (version 3, a packed shard: that its packs hold them). Returns whether
+// the shard has a dataset of its own that HDF5 could locate (its attribute can then be read).
 bool CheckHdf5Locations(const CheckpointReader& r, std::size_t i, const std::string& what, const ShardFileReader& f,
                         const ShardLocation& located, std::vector<Finding>& findings) {
   const Manifest& m = r.manifest();
@@ -578,11 +578,9 @@ bool CheckHdf5Locations(const CheckpointReader& r, std::size_t i, const std::str
   if (s.packed) {
     // Version 3: the shard's data and table lie inside the packs the manifest names.
     std::map<std::string, Result<std::pair<std::int64_t, std::int64_t>>> packs;
-    const std::int64_t table_bytes = BlockCount(s.nbytes, m.block_bytes) * BlockEntryBytes(Codec::kNone);
-    const std::string diff = f.CheckPacked(s.dataset, s.data_offset, s.nbytes, s.block_table, s.block_table_offset,
-                                           table_bytes, what, packs);
+    const std::string diff = f.CheckPacked(s, m.block_bytes, what, packs);
     if (!diff.empty()) findings.push_back({FindingKind::kBadFile, ErrorCode::kDataLoss, s.tensor, s.file, diff});
-    return false;  // a pack has no attribute of the shard's
+    return false;  // no attribute to read: a pack is no one shard's
   }
   Result<ShardLocation> hdf5 = f.Locate(s.dataset, s.codec, s.nbytes, what);
   const std::string diff = hdf5.ok() ? CompareLocations(*hdf5, located) : "";

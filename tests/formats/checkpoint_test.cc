@@ -452,6 +452,37 @@ TEST(CheckpointWriter, FinishRankClosesItsFileEarlyAndWritesTheSameCheckpoint) {
   EXPECT_TRUE((*w)->Commit().ok());
 }
 
+// A writer without bytes records shards and only that; one with bytes never records them.
+TEST(CheckpointWriter, WithoutBytesRecordsShardsUncompressed) {
+  ScratchDir tmp;
+  const TensorSpec t = Spec("w", DType::kF32, {8, 6});
+  const Piece p = BoxPiece({0, 0}, {8, 6});
+  WriterOptions o = Options("zstd:1");
+  o.without_bytes = true;
+  auto w = CheckpointWriter::Create(tmp / "index", o);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->AddTensor(t).ok());
+  EXPECT_EQ((*w)->BeginShard(0, "w", p).status().code(), ErrorCode::kFailedPrecondition);
+  EXPECT_EQ((*w)->RecordShard(0, "nope", p).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ((*w)->RecordShard(-1, "w", p).code(), ErrorCode::kInvalidArgument);
+  ASSERT_TRUE((*w)->RecordShard(0, "w", p).ok());
+  ASSERT_TRUE((*w)->FinishRank(0).ok());
+  EXPECT_EQ((*w)->RecordShard(0, "w", p).code(), ErrorCode::kFailedPrecondition) << "rank 0 was finished";
+  ASSERT_TRUE((*w)->RecordShard(1, "w", p, ReplicaKind::kReplica).ok());
+  ASSERT_TRUE((*w)->Commit().ok());
+  auto m = ReadManifest(tmp / "index");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_TRUE(m->without_bytes);
+  ASSERT_EQ(m->shards.size(), 2u);
+  for (const ShardEntry& s : m->shards) EXPECT_EQ(s.codec, Codec::kNone) << "no bytes, nothing compressed";
+  EXPECT_EQ(fs::directory_iterator(tmp / "index")->path().filename(), "manifest.json");
+
+  auto b = CheckpointWriter::Create(tmp / "bytes", Options("none"));
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE((*b)->AddTensor(t).ok());
+  EXPECT_EQ((*b)->RecordShard(0, "w", p).code(), ErrorCode::kFailedPrecondition);
+}
+
 TEST(CheckpointWriter, StagingBytesBoundWhatADatasetHolds) {
   ScratchDir tmp;
   WriterOptions o = Options("none");

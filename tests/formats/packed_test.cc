@@ -198,6 +198,16 @@ TEST(PackedShards, ManifestRules) {
     ASSERT_FALSE(m.ok()) << c.name;
     EXPECT_NE(m.status().message().find(c.expect), std::string::npos) << c.name << ": " << m.status().ToString();
   }
+  // A pack the file does not have is found by verify, naming it.
+  {
+    nlohmann::json j = good;
+    first_packed(j)["dataset"] = "pack-nowhere";
+    std::ofstream(dir + "/manifest.json") << testing::EditedManifestText(j);
+    const VerifyReport report = VerifyCheckpoint(dir);
+    EXPECT_FALSE(report.sound());
+    EXPECT_NE(report.ToText().find("pack 'pack-nowhere' is missing from the file"), std::string::npos)
+        << report.ToText();
+  }
   // A shard moved to another place of its pack is found by verify (HDF5's view, the checksums).
   nlohmann::json j = good;
   nlohmann::json& s = first_packed(j);
